@@ -1,0 +1,39 @@
+# The two commands: `make serve` and `make test`. Each sets itself up from a clean clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: install serve test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# torch first, pinned: the CPU build; an unpinned torch could pull a multi-GB CUDA build
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/adaptlm serve
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+
+# How checkpoints/default was made (about 2 hours on 2 CPU cores; needs ../shared/data).
+SHARED_DATA ?= ../shared/data
+DEFAULT_TRAIN := $(filter-out %/austen-persuasion.txt %/chesterton-brown.txt,$(wildcard $(SHARED_DATA)/gutenberg/*.txt)) \
+	$(SHARED_DATA)/tinyshakespeare/input.txt
+default-checkpoint: install
+	$(VENV)/bin/adaptlm train --preset default --data $(DEFAULT_TRAIN) \
+		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out checkpoints/default

@@ -1,0 +1,3 @@
+from adaptlm.cli import main
+
+raise SystemExit(main())

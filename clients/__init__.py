@@ -1,0 +1,1 @@
+"""Python SDK for the adaptlm HTTP API (HTTP only: never imports torch)."""

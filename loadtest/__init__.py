@@ -1,0 +1,1 @@
+"""Locust load tests against a running server (HTTP only)."""

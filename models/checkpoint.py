@@ -1,0 +1,159 @@
+"""Checkpoint directories (ARCHITECTURE.md, "Checkpoints"): never unpickled, validated on load.
+
+    config.json         {"format": 1, "model": {arch, ...}, "training": {...}, "metrics": {...}}
+    model.safetensors   weights
+    stats.safetensors   MS_g per weight ("param.<name>") and per adapter site ("adapter.<site>")
+    dyneval.json        dynamic-evaluation settings (eta, lambda, eps, segment, ...)
+    MODEL_CARD.md       human-readable card
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from models.base import LanguageModel, ModelConfig
+from models.registry import build_model, config_from_dict
+
+__all__ = ["CHECKPOINT_FILES", "Checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint"]
+
+FORMAT_VERSION = 1
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "stats.safetensors", "dyneval.json", "MODEL_CARD.md")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete, corrupt or of another architecture."""
+
+
+@dataclass
+class Checkpoint:
+    model: LanguageModel
+    config: ModelConfig
+    meta: dict[str, Any]  # config.json minus the model config
+    stats: dict[str, torch.Tensor]
+    dyneval: dict[str, Any]
+    model_hash: str  # sha256 of model.safetensors: ties sessions and exports to these weights
+    path: Path | None = None
+    card: str = field(default="", repr=False)
+
+    @property
+    def name(self) -> str:
+        return str(self.meta.get("name") or (self.path.name if self.path else "model"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[str, torch.Tensor] | None = None,
+                    dyneval: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
+                    card: str = "", weights_dtype: torch.dtype = torch.float32,
+                    stats_dtype: torch.dtype = torch.float32) -> Path:
+    """Write every checkpoint file; files are written to temporary names and renamed into place."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"format": FORMAT_VERSION, "model": model.config.to_dict(), **(meta or {})}
+    weights = {k: v.detach().to("cpu", weights_dtype).contiguous() for k, v in model.state_dict().items()}
+    stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()}
+    staged = {
+        "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": str(FORMAT_VERSION)}),
+        "stats.safetensors": lambda p: save_file(stats_t, str(p), metadata={"format": str(FORMAT_VERSION)}),
+        "config.json": lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+        "dyneval.json": lambda p: p.write_text(json.dumps(dyneval or {}, indent=2, sort_keys=True) + "\n"),
+        "MODEL_CARD.md": lambda p: p.write_text(card or "# Model card\n\n(no card written)\n"),
+    }
+    for name, write in staged.items():
+        tmp = out / f".{name}.tmp"
+        write(tmp)
+        tmp.replace(out / name)
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+    for k, v in tensors.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise CheckpointError(f"{path}: tensor {k!r} holds non-finite values")
+    return tensors
+
+
+def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
+                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load and validate a checkpoint directory; every problem raises CheckpointError naming the file."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: not a checkpoint directory")
+    cfg_path = d / "config.json"
+    meta = _read_json(cfg_path)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: unsupported format {meta.get('format')!r} (expected {FORMAT_VERSION})")
+    if not isinstance(meta.get("model"), dict):
+        raise CheckpointError(f"{cfg_path}: no 'model' object")
+    try:
+        config = config_from_dict(meta.pop("model"))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from None
+    if expect_arch is not None and config.arch != expect_arch:
+        raise CheckpointError(f"{cfg_path}: architecture {config.arch!r}, expected {expect_arch!r}")
+
+    weights_path = d / "model.safetensors"
+    weights = _read_tensors(weights_path)
+    with torch.device("meta"):
+        model = build_model(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{weights_path}: does not match the {config.arch} config "
+                              f"(missing {missing[:5]}, unexpected {extra[:5]})")
+    for k, shape in expected.items():
+        if weights[k].shape != shape:
+            raise CheckpointError(f"{weights_path}: {k!r} has shape {tuple(weights[k].shape)}, "
+                                  f"config says {tuple(shape)}")
+    model.load_state_dict({k: v.to(device, dtype) for k, v in weights.items()}, assign=True)
+    model.eval()
+
+    stats_path = d / "stats.safetensors"
+    stats = {k: v.to(device, dtype) for k, v in _read_tensors(stats_path).items()}
+    params = dict(model.named_parameters())
+    for k, v in stats.items():
+        if k.startswith("param.") and (k[6:] not in params or params[k[6:]].shape != v.shape):
+            raise CheckpointError(f"{stats_path}: statistics {k!r} match no parameter of the model")
+    dyneval = _read_json(d / "dyneval.json")
+    for key, value in dyneval.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CheckpointError(f"{d / 'dyneval.json'}: {key!r} is not finite")
+    card_path = d / "MODEL_CARD.md"
+    if not card_path.is_file():
+        raise CheckpointError(f"{card_path}: missing")
+    return Checkpoint(model=model, config=config, meta=meta, stats=stats, dyneval=dyneval,
+                      model_hash=_sha256(weights_path), path=d, card=card_path.read_text(encoding="utf-8"))

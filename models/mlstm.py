@@ -1,0 +1,148 @@
+"""Multiplicative LSTM over bytes (thesis ch. 3, eq. 3.5-3.9; ALGORITHMS.md §1).
+
+    m_t = (W_mx x_t) * (W_mh h_{t-1})
+    z_t = W_x x_t + W_m m_t + b            blocks i, f, o, u
+    c_t = sig(f) * c_{t-1} + sig(i) * tanh(u)
+    h_t = sig(o) * tanh(c_t)
+    h'_t = h_t + M h_t                      adaptation site on the first k units (thesis sec. 4.6)
+
+The input projections W_mx x and W_x x do not depend on the recurrence, so they are computed for the
+whole sequence in two matmuls before the time loop; the loop does two matmuls per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.adapter import apply_adapter
+from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
+
+__all__ = ["MLSTM", "MLSTMConfig", "mlstm_cell"]
+
+
+@dataclass(frozen=True)
+class MLSTMConfig(ModelConfig):
+    arch = "mlstm"
+    vocab_size: int = 256
+    embed_dim: int = 64
+    hidden: int = 256
+    dropout_embed: float = 0.0  # locked dropout on the embedding
+    dropout_hidden: float = 0.1  # locked dropout on h (recurrence and output)
+    forget_bias: float = 3.0  # ALGORITHMS.md §1: forget-gate bias initialised to 3
+    recurrent_scale: float = 0.7  # scaled-orthogonal recurrent init
+    weight_norm: bool = True
+
+
+class _WNLinear(nn.Module):
+    """Linear map with optional weight normalisation (W = g * V / ||V||, per output row)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, weight_norm: bool) -> None:
+        super().__init__()
+        self.weight_norm = weight_norm
+        self.v = nn.Parameter(torch.empty(n_out, n_in))
+        self.g = nn.Parameter(torch.ones(n_out)) if weight_norm else None
+        self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+
+    def reset(self, init: str, scale: float = 1.0) -> None:
+        with torch.no_grad():
+            if init == "orthogonal":
+                nn.init.orthogonal_(self.v, gain=scale)
+            else:
+                bound = 1.0 / math.sqrt(self.v.shape[1])
+                self.v.uniform_(-bound, bound)
+            if self.g is not None:
+                self.g.copy_(self.v.norm(dim=1))
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def weight(self) -> torch.Tensor:
+        if self.g is None:
+            return self.v
+        return self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1)  # (out, in)
+
+
+def mlstm_cell(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
+               w_mh: torch.Tensor, w_m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One mLSTM step. mx: (B, H), zx: (B, 4H) (bias included), h, c: (B, H), w_mh: (H, H), w_m: (4H, H)."""
+    m = mx * (h @ w_mh.t())  # (B, H) eq. 3.5
+    # under bf16 autocast the matmuls come back in bf16; gates and the cell state stay in c's dtype
+    z = zx.to(c.dtype) + (m @ w_m.t()).to(c.dtype)  # (B, 4H) eq. 3.6
+    i, f, o, u = z.chunk(4, dim=1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(u)  # eq. 3.8
+    h = torch.sigmoid(o) * torch.tanh(c)  # eq. 3.9
+    return h, c
+
+
+def _locked_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """One dropout mask per sequence, shared over time (variational dropout). x: (B, T, D) -> (B, 1, D)."""
+    return x.new_empty(x.shape[0], 1, x.shape[2]).bernoulli_(1 - p) / (1 - p)
+
+
+class MLSTM(LanguageModel):
+    def __init__(self, config: MLSTMConfig) -> None:
+        super().__init__()
+        self.config = config
+        E, H, V = config.embed_dim, config.hidden, config.vocab_size
+        wn = config.weight_norm
+        self.embed = nn.Embedding(V, E)
+        self.w_mx = _WNLinear(E, H, bias=False, weight_norm=wn)
+        self.w_x = _WNLinear(E, 4 * H, bias=True, weight_norm=wn)
+        self.w_mh = _WNLinear(H, H, bias=False, weight_norm=wn)
+        self.w_m = _WNLinear(H, 4 * H, bias=False, weight_norm=wn)
+        self.head = _WNLinear(H, V, bias=True, weight_norm=wn)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        cfg = self.config
+        nn.init.normal_(self.embed.weight, std=0.1)
+        self.w_mx.reset("uniform")
+        self.w_x.reset("uniform")
+        self.w_mh.reset("orthogonal", cfg.recurrent_scale)
+        self.w_m.reset("orthogonal", cfg.recurrent_scale)
+        self.head.reset("uniform")
+        assert self.w_x.bias is not None
+        with torch.no_grad():
+            H = cfg.hidden
+            self.w_x.bias[H:2 * H].fill_(cfg.forget_bias)  # gate order i, f, o, u
+
+    def init_state(self, batch: int) -> State:
+        p = self.embed.weight
+        z = torch.zeros(batch, self.config.hidden, dtype=p.dtype, device=p.device)
+        return State({"h": z, "c": z.clone()})
+
+    def adaptation_sites(self) -> list[Site]:
+        return [Site("h", self.config.hidden)]
+
+    def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
+        """tokens: (B, T) int64; state: h, c (B, H); adapter: mats["h"] (B, k, k) or None."""
+        cfg = self.config
+        x = self.embed(tokens)  # (B, T, E)
+        if self.training and cfg.dropout_embed > 0:
+            x = x * _locked_mask(x, cfg.dropout_embed)
+        mx = F.linear(x, self.w_mx.weight())  # (B, T, H)
+        zx = F.linear(x, self.w_x.weight(), self.w_x.bias)  # (B, T, 4H)
+        w_mh, w_m = self.w_mh.weight(), self.w_m.weight()
+        h, c = state.tensors["h"], state.tensors["c"]
+        m_site = adapter.mats["h"] if adapter is not None else None
+        h_mask = None
+        if self.training and cfg.dropout_hidden > 0:
+            h_mask = _locked_mask(h.unsqueeze(1), cfg.dropout_hidden)[:, 0]  # (B, H)
+        outs = []
+        # unbind (whose backward is one stack) rather than indexing mx[:, t] (whose backward
+        # materialises a full-size zero tensor per step)
+        for mx_t, zx_t in zip(mx.transpose(0, 1).unbind(0), zx.transpose(0, 1).unbind(0), strict=True):
+            h_in = h if h_mask is None else h * h_mask
+            h, c = mlstm_cell(mx_t, zx_t, h_in, c, w_mh, w_m)
+            if m_site is not None:
+                h = apply_adapter(h, m_site)  # h' = h + M h, used by recurrence and output
+            outs.append(h)
+        hs = torch.stack(outs, dim=1)  # (B, T, H)
+        if h_mask is not None:
+            hs = hs * h_mask.unsqueeze(1)
+        logits = F.linear(hs, self.head.weight(), self.head.bias)  # (B, T, V)
+        return Output(logits=logits, state=State({"h": h, "c": c}), hidden=hs)

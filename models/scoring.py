@@ -1,0 +1,66 @@
+"""Scoring: log-probabilities and bits per byte of a byte string under a model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from models.base import Adapter, LanguageModel, State
+
+__all__ = ["BOS", "ScoreResult", "score_bytes", "token_logprobs"]
+
+LN2 = math.log(2.0)
+# Every text is scored after this context byte, so its first byte is predicted too (a newline is the
+# most common document start in the training text).
+BOS = 0x0A
+
+
+@dataclass
+class ScoreResult:
+    bits: float
+    bytes: int
+    logprobs: list[float] | None = field(default=None)  # natural-log probability of each byte
+    state: State | None = field(default=None, repr=False)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.bits / self.bytes if self.bytes else float("nan")
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits: (B, T, V), targets: (B, T) -> log p(target) (B, T) in float32."""
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def score_bytes(model: LanguageModel, data: bytes, *, logprobs: bool = False, state: State | None = None,
+                last_byte: int = BOS, adapter: Adapter | None = None, chunk: int = 1024) -> ScoreResult:
+    """Score `data` as one stream (batch 1), continuing from `state` whose last input byte is
+    `last_byte`; with no state, from the model's initial state after the BOS byte."""
+    if not data:
+        raise ValueError("empty text: nothing to score")
+    device = next(model.parameters()).device
+    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device).long()  # (T,)
+    inputs = torch.cat([ids.new_tensor([last_byte]), ids[:-1]])  # (T,) predicts ids
+    return _score(model, inputs, ids, state or model.init_state(1), adapter, logprobs, chunk)
+
+
+def _score(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, state: State,
+           adapter: Adapter | None, logprobs: bool, chunk: int) -> ScoreResult:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    lps: list[torch.Tensor] = []
+    for start in range(0, inputs.numel(), chunk):
+        out = model(inputs[start : start + chunk].unsqueeze(0), state, adapter)
+        state = out.state
+        lp = token_logprobs(out.logits, targets[start : start + chunk].unsqueeze(0))[0]  # (t,)
+        total -= float(lp.double().sum())
+        if logprobs:
+            lps.append(lp)
+    model.train(was_training)
+    return ScoreResult(bits=total / LN2, bytes=int(targets.numel()),
+                       logprobs=torch.cat(lps).tolist() if logprobs else None, state=state)

@@ -1,0 +1,109 @@
+"""The FastAPI app: `create_app(settings)`; its lifespan loads the model into the engine and stops it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.engine import Engine
+from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
+from server.metrics import Metrics, MetricsMiddleware
+from server.routes import ROUTERS
+from server.settings import Settings
+
+__all__ = ["create_app"]
+
+
+
+def _version() -> str:
+    try:
+        return version("adaptlm")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The app for `settings`. Nothing is loaded until its lifespan starts (uvicorn, or TestClient as a
+    context manager); a bad checkpoint then fails the start-up with CheckpointError."""
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = Engine(settings.checkpoint)
+        # start() and stop() block (loading, joining the worker): keep them off the event loop.
+        await asyncio.to_thread(engine.start)
+        metrics.model = engine.info.name
+        app.state.engine = engine
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="adaptlm", version=_version(), lifespan=lifespan,
+                  description="Scoring with adaptive byte-level language models.")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    install_error_handler(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    # The last added middleware is the outermost: metrics also see refused bodies and 500s.
+    app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, before the app parses it.
+
+    A declared Content-Length is checked up front (the server enforces it); a body without one
+    (chunked) is read here up to the limit and handed on in one piece.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit():
+            if int(length) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = PayloadTooLargeError(f"the request body is over this server's limit of {self.max_bytes} bytes",
+                                     code="body_too_large")
+        await error_response(error)(scope, receive, send)

@@ -1,0 +1,189 @@
+"""The one error hierarchy of the API and its one handler.
+
+Every error response, whatever raised it (our code, request validation, routing, a bug), has the shape
+`{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}` (protocol.ErrorResponse).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from http import HTTPStatus
+from typing import Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.engine import EngineUnavailable
+from server.protocol import ErrorBody, ErrorResponse, ErrorType
+
+__all__ = [
+    "APIError", "AuthenticationError", "BadRequestError", "InternalServerError", "MethodNotAllowedError",
+    "NotFoundError", "PayloadTooLargeError", "ServiceUnavailableError", "UnprocessableEntityError",
+    "UnexpectedErrorMiddleware", "error_response", "install_error_handler", "openapi_responses", "to_api_error",
+]
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """Base of every error the API reports; each subclass fixes the HTTP status and `error.type`."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[ErrorType] = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+class BadRequestError(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationError(APIError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFoundError(APIError):
+    status = 404
+    type = "not_found_error"
+
+
+class MethodNotAllowedError(APIError):
+    status = 405
+    type = "method_not_allowed_error"
+
+
+class PayloadTooLargeError(APIError):
+    status = 413
+    type = "payload_too_large_error"
+
+
+class UnprocessableEntityError(APIError):
+    status = 422
+    type = "validation_error"
+
+
+class InternalServerError(APIError):
+    status = 500
+    type = "server_error"
+
+
+class ServiceUnavailableError(APIError):
+    status = 503
+    type = "service_unavailable_error"
+
+
+_BY_STATUS: dict[int, type[APIError]] = {
+    cls.status: cls for cls in (BadRequestError, AuthenticationError, NotFoundError, MethodNotAllowedError,
+                                PayloadTooLargeError, UnprocessableEntityError, ServiceUnavailableError)
+}
+_LOCATIONS = {"body", "query", "path", "header", "cookie"}
+
+
+def openapi_responses(*errors: type[APIError]) -> dict[int | str, dict[str, Any]]:
+    """`responses=` for a route or router, so /openapi.json shows the real error shape (not FastAPI's 422)."""
+    return {cls.status: {"model": ErrorResponse, "description": HTTPStatus(cls.status).phrase} for cls in errors}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body().model_dump(), status_code=error.status, headers=error.headers)
+
+
+def _param(loc: Sequence[Any]) -> str | None:
+    parts = list(loc[1:] if loc and loc[0] in _LOCATIONS else loc)
+    return ".".join(str(p) for p in parts) or None
+
+
+def _from_validation(exc: RequestValidationError) -> APIError:
+    errors = list(exc.errors())
+    if not errors:
+        return UnprocessableEntityError("the request is not valid")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error") or "decode error"
+        return BadRequestError(f"the request body is not valid JSON ({reason})", code="invalid_json")
+    if first.get("type") == "model_attributes_type" and tuple(first.get("loc", ())) == ("body",):
+        # Also what a body without `Content-Type: application/json` gets (e.g. `curl -d` sends a form).
+        return UnprocessableEntityError("the request body must be a JSON object, sent with "
+                                        "`Content-Type: application/json`", code="model_attributes_type")
+    # `msg` never quotes the input, so user text is not echoed back.
+    message = "; ".join(f"{_param(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}" for e in errors)
+    return UnprocessableEntityError(message, param=_param(first.get("loc", ())), code=first.get("type"))
+
+
+def to_api_error(exc: Exception, request: Request) -> APIError:
+    """Translate anything a request can raise into the hierarchy; unknown exceptions become a bare 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return _from_validation(exc)
+    if isinstance(exc, StarletteHTTPException):
+        headers = dict(exc.headers or {})
+        if exc.status_code == 404:
+            return NotFoundError(f"no route for {request.method} {request.url.path}", headers=headers)
+        if exc.status_code == 405:
+            return MethodNotAllowedError(f"{request.method} is not allowed on {request.url.path}", headers=headers)
+        cls = _BY_STATUS.get(exc.status_code, BadRequestError if exc.status_code < 500 else InternalServerError)
+        return cls(str(exc.detail), headers=headers)
+    if isinstance(exc, EngineUnavailable):
+        return ServiceUnavailableError(str(exc), code="engine_unavailable")
+    return InternalServerError("internal server error")
+
+
+async def handle_error(request: Request, exc: Exception) -> JSONResponse:
+    """The one handler: every exception a request raises becomes an error response in the one shape."""
+    if isinstance(exc, EngineUnavailable):
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+    return error_response(to_api_error(exc, request))
+
+
+def install_error_handler(app: FastAPI) -> None:
+    for exc_class in (APIError, RequestValidationError, StarletteHTTPException, EngineUnavailable, Exception):
+        app.add_exception_handler(exc_class, handle_error)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an unexpected exception with a 500 in the one shape and logs its traceback here.
+
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then drops the
+    connection, so a client that reuses it (keep-alive) would fail its next request. An exception
+    after the response has started is re-raised: the connection must be closed mid-response.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unexpected error in %s %s", scope["method"], scope["path"])
+            response = await handle_error(Request(scope, receive), exc)
+            await response(scope, receive, send)

@@ -1,0 +1,58 @@
+"""Dependencies shared by the routers: typed access to what the app's lifespan built, and the API-key check."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from server.engine import Engine
+from server.errors import AuthenticationError, ServiceUnavailableError
+from server.metrics import Metrics
+from server.settings import Settings
+
+__all__ = ["EngineDep", "MetricsDep", "SettingsDep", "get_engine", "get_metrics", "get_settings", "require_api_key"]
+
+
+def get_settings(request: Request) -> Settings:
+    settings = request.app.state.settings
+    assert isinstance(settings, Settings)
+    return settings
+
+
+def get_metrics(request: Request) -> Metrics:
+    metrics = request.app.state.metrics
+    assert isinstance(metrics, Metrics)
+    return metrics
+
+
+def get_engine(request: Request) -> Engine:
+    """The running engine, or 503 (not loaded yet, stopped, or its thread died)."""
+    engine = getattr(request.app.state, "engine", None)
+    if not isinstance(engine, Engine) or not engine.alive:
+        raise ServiceUnavailableError("the model is not loaded", code="engine_unavailable")
+    return engine
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+EngineDep = Annotated[Engine, Depends(get_engine)]
+
+_bearer = HTTPBearer(auto_error=False, description="One of the server's API keys (ADAPTLM_API_KEYS).")
+
+
+def require_api_key(settings: SettingsDep,
+                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    """No-op unless keys are configured; then `Authorization: Bearer <key>` must carry one of them."""
+    if not settings.api_keys:
+        return
+    if credentials is None:
+        raise AuthenticationError("missing API key: send `Authorization: Bearer <key>`", code="missing_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+    given = credentials.credentials.encode()
+    # Compare with every key (no early exit) in constant time per key.
+    matches = [hmac.compare_digest(given, key.get_secret_value().encode()) for key in settings.api_keys]
+    if not any(matches):
+        raise AuthenticationError("invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

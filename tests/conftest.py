@@ -1,0 +1,30 @@
+"""Fixtures shared by every test package. Keep it small: package-specific fixtures live beside their tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint directory of the `tiny` preset trained for 40 steps on tests/data (about a second)."""
+    import torch
+
+    from trainer.config import make_config
+    from trainer.train import train
+
+    out = tmp_path_factory.mktemp("tiny_checkpoint")
+    # One thread: with a model this small, several threads contend with each other (and with anything else
+    # running on the machine) and training takes 10-100x longer. `threads` sets torch's global count,
+    # so it is put back for the tests that follow.
+    threads = torch.get_num_threads()
+    try:
+        train(make_config("tiny", {"max_steps": 40, "threads": 1}), [DATA / "train.txt"], out=out,
+              valid_path=DATA / "valid.txt", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return out

@@ -1,0 +1,115 @@
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from models.mlstm import MLSTM, MLSTMConfig
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[MLSTM, Path]:
+    torch.manual_seed(0)
+    model = MLSTM(MLSTMConfig(hidden=16, embed_dim=8))
+    stats = {f"param.{n}": torch.rand_like(p) for n, p in model.named_parameters()}
+    stats["adapter.h"] = torch.rand(16, 16)
+    out = save_checkpoint(tmp_path / "ck", model, stats=stats, dyneval={"lr": 1e-4}, meta={"name": "t"}, card="# t\n")
+    return model, out
+
+
+def test_round_trip_is_bit_exact(saved: tuple[MLSTM, Path]) -> None:
+    model, path = saved
+    ck = load_checkpoint(path)
+    assert ck.config == model.config
+    for (k, a), (k2, b) in zip(model.state_dict().items(), ck.model.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(a, b)
+    x = torch.randint(0, 256, (2, 11))
+    model.eval()
+    assert torch.equal(model(x, model.init_state(2)).logits, ck.model(x, ck.model.init_state(2)).logits)
+    assert ck.dyneval == {"lr": 1e-4}
+    assert ck.name == "t"
+    assert len(ck.model_hash) == 64
+    assert set(ck.stats) == {f"param.{n}" for n, _ in model.named_parameters()} | {"adapter.h"}
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "stats.safetensors", "dyneval.json",
+                                  "MODEL_CARD.md"])
+def test_missing_file_is_named(saved: tuple[MLSTM, Path], name: str) -> None:
+    _, path = saved
+    (path / name).unlink()
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        load_checkpoint(path)
+
+
+def test_tampered_weights_refused(saved: tuple[MLSTM, Path]) -> None:
+    _, path = saved
+    raw = bytearray((path / "model.safetensors").read_bytes())
+    raw[10:40] = b"\xff" * 30  # corrupt the header
+    (path / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_checkpoint(path)
+
+
+def test_truncated_weights_refused(saved: tuple[MLSTM, Path]) -> None:
+    _, path = saved
+    raw = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_checkpoint(path)
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("unpickled!",))
+
+
+def test_pickle_is_never_loaded(saved: tuple[MLSTM, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    model, path = saved
+    torch.save({"state": model.state_dict(), "boom": _Boom()}, path / "model.safetensors")
+    (path / "stats.safetensors").write_bytes(pickle.dumps(_Boom()))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_checkpoint(path)
+    shutil.copy(path / "stats.safetensors", path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_checkpoint(path)
+    assert "unpickled" not in capsys.readouterr().out
+
+
+def test_nan_weights_refused(saved: tuple[MLSTM, Path]) -> None:
+    model, path = saved
+    with torch.no_grad():
+        model.head.bias.fill_(float("nan"))  # type: ignore[union-attr]
+    save_checkpoint(path, model)
+    with pytest.raises(CheckpointError, match="non-finite"):
+        load_checkpoint(path)
+
+
+def test_other_architecture_and_bad_config(saved: tuple[MLSTM, Path]) -> None:
+    _, path = saved
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    with pytest.raises(CheckpointError, match="expected 'transformer'"):
+        load_checkpoint(path, expect_arch="transformer")
+    cfg["model"]["arch"] = "awd_lstm_v9"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unknown architecture"):
+        load_checkpoint(path)
+    cfg["model"] = {"arch": "mlstm", "hidden": 32, "embed_dim": 8}
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="shape"):
+        load_checkpoint(path)
+    cfg["model"] = {"arch": "mlstm", "hidden": 16, "embed_dim": 8, "layers": 3}
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unknown mlstm config fields: layers"):
+        load_checkpoint(path)
+    cfg_path.write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
+        load_checkpoint(path)
+
+
+def test_not_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        load_checkpoint(tmp_path / "nope")

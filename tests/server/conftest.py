@@ -1,0 +1,109 @@
+"""A real uvicorn server on a free loopback port, in a background thread of the test process.
+
+Helpers are handed out as fixtures (`serve`, `assert_error`) rather than imported, so that the tests
+do not depend on how pytest puts test directories on sys.path.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from server.app import create_app
+from server.settings import Settings
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: FastAPI
+
+
+@contextmanager
+def serve(settings: Settings, start_timeout: float = 60.0) -> Iterator[LiveServer]:
+    """Run `create_app(settings)` under uvicorn until the block ends. The socket is bound here (port 0),
+    so no other process can take the port between choosing it and listening on it."""
+    app = create_app(settings)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    exit_codes: list[object] = []
+
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except SystemExit as e:  # uvicorn exits when the lifespan start-up fails
+            exit_codes.append(e.code)
+
+    thread = threading.Thread(target=run, name="uvicorn-test", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"the server failed to start (exit status {exit_codes}; see the captured log)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start in {start_timeout} s")
+            time.sleep(0.02)
+        yield LiveServer(f"http://127.0.0.1:{port}", app)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def _assert_error(response: httpx.Response, status: int, type_: str, param: str | None = None) -> dict[str, Any]:
+    """The response is an error in the one shape, with this status, type and param; returns `error`."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == ERROR_KEYS
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == type_
+    assert error["param"] == param
+    assert error["code"] is None or isinstance(error["code"], str)
+    return dict(error)
+
+
+ServeFn = Callable[[Settings], AbstractContextManager[LiveServer]]
+AssertErrorFn = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="session")
+def serve_app() -> ServeFn:
+    """`with serve_app(settings) as live:` runs a server for the block."""
+    return serve
+
+
+@pytest.fixture(scope="session")
+def assert_error() -> AssertErrorFn:
+    """`assert_error(response, status, type, param=None)`: checks the one error shape; returns `error`."""
+    return _assert_error
+
+
+@pytest.fixture(scope="module")
+def live(tiny_checkpoint: Path) -> Iterator[LiveServer]:
+    with serve(Settings(checkpoint=tiny_checkpoint)) as server:
+        yield server
+
+
+@pytest.fixture
+def client(live: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.url, timeout=30) as c:
+        yield c

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from server.settings import DEFAULT_CHECKPOINT, Settings
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("ADAPTLM_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults() -> None:
+    s = Settings()
+    assert s.checkpoint == DEFAULT_CHECKPOINT
+    assert DEFAULT_CHECKPOINT == Path(__file__).resolve().parents[2] / "checkpoints" / "default"
+    assert (s.host, s.port, s.max_text_bytes, s.log_level, s.api_keys) == ("127.0.0.1", 8000, 1_000_000, "info", ())
+    assert s.max_body_bytes >= s.max_text_bytes
+
+
+def test_reads_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ADAPTLM_CHECKPOINT", str(tmp_path))
+    monkeypatch.setenv("ADAPTLM_PORT", "9001")
+    monkeypatch.setenv("ADAPTLM_LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("ADAPTLM_API_KEYS", " k1, k2 ,,")
+    s = Settings()
+    assert (s.checkpoint, s.port, s.log_level) == (tmp_path, 9001, "debug")
+    assert [k.get_secret_value() for k in s.api_keys] == ["k1", "k2"]
+    assert "k1" not in repr(s)
+
+
+def test_init_overrides_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTLM_PORT", "9001")
+    assert Settings(port=9002).port == 9002
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1", "http", ""])
+def test_rejects_an_invalid_port_from_the_environment(monkeypatch: pytest.MonkeyPatch, port: str) -> None:
+    monkeypatch.setenv("ADAPTLM_PORT", port)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    assert info.value.errors()[0]["loc"] == ("port",)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"log_level": "loud"},
+    {"max_text_bytes": 0},
+    {"max_text_bytes": 100, "max_body_bytes": 99},
+    {"unknown_setting": 1},
+])
+def test_rejects_invalid_settings(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**overrides)  # type: ignore[arg-type]
+
+
+def test_is_frozen() -> None:
+    with pytest.raises(ValidationError):
+        Settings().port = 1

@@ -1,0 +1,118 @@
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from models.checkpoint import load_checkpoint
+from models.mlstm import MLSTM
+from trainer.config import PRESETS, make_config
+from trainer.data import ByteStreams
+from trainer.stats import gradient_stats
+from trainer.train import evaluate_bpb, train
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+TRAIN, VALID = DATA / "train.txt", DATA / "valid.txt"
+
+
+def test_byte_streams_are_contiguous_rows() -> None:
+    data = bytes(range(256)) * 4
+    s = ByteStreams(data, batch=4, bptt=10)
+    a, first = s.chunk(0)
+    b, _ = s.chunk(1)
+    assert first and a.shape == (4, 11)
+    assert torch.equal(a[:, -1], b[:, 0])  # chunk i+1 starts where chunk i's targets end
+    assert bytes(a[1].tolist()) == data[256 : 256 + 11]  # row 1 starts a quarter into the corpus
+    assert s.chunk(s.chunks_per_epoch)[1]
+
+
+def test_tiny_preset_learns(tmp_path: Path) -> None:
+    cfg = make_config("tiny")
+    torch.manual_seed(cfg.seed)
+    from models.registry import build_model, config_from_dict
+
+    untrained = build_model(config_from_dict({"arch": "mlstm", **cfg.model}))
+    before = evaluate_bpb(untrained, VALID.read_bytes(), streams=4)
+    result = train(cfg, [TRAIN], tmp_path / "ck", valid_path=VALID, progress=False)
+    assert before > 7.5  # close to uniform: log2(256) = 8
+    assert result.best_valid_bpb < before - 3.0  # the tiny preset must learn English byte statistics
+    ck = load_checkpoint(tmp_path / "ck")
+    assert ck.meta["metrics"]["valid_bpb"] == pytest.approx(result.best_valid_bpb)
+    assert ck.meta["training_config"]["max_steps"] == cfg.max_steps
+    assert "valid_bpb" in (tmp_path / "ck" / "train.jsonl").read_text()
+    assert "Validation bits per byte" in ck.card
+    assert ck.stats["adapter.h"].shape == (64, 64)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path).model.state_dict()
+
+
+SMALL: dict[str, Any] = {"max_steps": 12, "valid_every": 4, "valid_bytes": 2000, "stats_batches": 2,
+                         "model": {"hidden": 16, "embed_dim": 8, "dropout_hidden": 0.2, "dropout_embed": 0.1}}
+
+
+def test_same_seed_same_run(tmp_path: Path) -> None:
+    cfg = make_config("tiny", SMALL)
+    train(cfg, [TRAIN], tmp_path / "a", valid_path=VALID, progress=False)
+    train(cfg, [TRAIN], tmp_path / "b", valid_path=VALID, progress=False)
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = make_config("tiny", SMALL, {"seed": 99})
+    train(c, [TRAIN], tmp_path / "c", valid_path=VALID, progress=False)
+    assert not torch.equal(_weights(tmp_path / "c")["head.v"], a["head.v"])
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path: Path) -> None:
+    cfg = make_config("tiny", SMALL, {"valid_bytes": 0, "max_steps": 12})  # validation keeps improving
+
+    def stop_at_8(record: dict[str, Any]) -> None:
+        if record.get("step") == 8 and "valid_bpb" in record:
+            raise _Interrupt
+
+    train(cfg, [TRAIN], tmp_path / "whole", valid_path=VALID, progress=False)
+    with pytest.raises(_Interrupt):
+        train(cfg, [TRAIN], tmp_path / "resumed", valid_path=VALID, progress=False, on_log=stop_at_8)
+    train(cfg, [TRAIN], tmp_path / "resumed", valid_path=VALID, progress=False, resume=True)
+    whole, resumed = _weights(tmp_path / "whole"), _weights(tmp_path / "resumed")
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=0)
+
+
+def test_gradient_stats_cover_every_weight_and_the_adapter() -> None:
+    torch.manual_seed(0)
+    from models.mlstm import MLSTMConfig
+
+    model = MLSTM(MLSTMConfig(hidden=12, embed_dim=4))
+    stats = gradient_stats(model, TRAIN.read_bytes()[:5000], batches=3, batch_size=4, segment=10)
+    for n, p in model.named_parameters():
+        assert stats[f"param.{n}"].shape == p.shape
+        assert bool((stats[f"param.{n}"] >= 0).all())
+    assert stats["adapter.h"].shape == (12, 12) and float(stats["adapter.h"].sum()) > 0
+    # eq. 4.4 by hand for one batch: MS_g of the head bias is the squared batch-mean gradient
+    one = gradient_stats(model, TRAIN.read_bytes()[:5000], batches=1, batch_size=4, segment=10)
+    x = torch.frombuffer(bytearray(TRAIN.read_bytes()[:5000]), dtype=torch.uint8).long()
+    rows = x[: (len(x) // 4) * 4].view(4, -1)[:, :11]
+    model.zero_grad()
+    out = model(rows[:, :-1], model.init_state(4))
+    torch.nn.functional.cross_entropy(out.logits.reshape(-1, 256), rows[:, 1:].reshape(-1)).backward()
+    assert model.head.bias is not None and model.head.bias.grad is not None
+    torch.testing.assert_close(one["param.head.bias"], model.head.bias.grad ** 2)
+
+
+def test_presets_and_bad_settings() -> None:
+    assert set(PRESETS) == {"tiny", "default"}
+    with pytest.raises(ValueError, match="unknown preset"):
+        make_config("huge")
+    with pytest.raises(ValueError, match="unknown training setting"):
+        make_config("tiny", {"learning_rate": 1.0})
+    with pytest.raises(ValueError, match="precision"):
+        make_config("tiny", {"precision": "int4"})
+    with pytest.raises(ValueError, match="batch_size"):
+        make_config("tiny", {"batch_size": 0})
+    assert math.isclose(make_config("tiny", {"lr": 0.5}).lr, 0.5)

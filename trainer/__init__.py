@@ -1,0 +1,1 @@
+"""Offline trainer: data, training loop, MS_g statistics."""

@@ -1,0 +1,110 @@
+"""Training configuration: presets, config files (JSON or TOML) and flags, merged in that order."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DTYPES", "PRESETS", "TrainConfig", "load_config_file", "make_config"]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    arch: str = "mlstm"
+    model: dict[str, Any] = field(default_factory=dict)  # architecture config fields
+    batch_size: int = 32  # independent contiguous streams, one per batch row
+    bptt: int = 100  # truncated back-propagation length; state is carried across chunks
+    lr: float = 1e-3  # Adam, decayed linearly to lr_final (ALGORITHMS.md §1)
+    lr_final: float = 1e-4
+    warmup_steps: int = 0
+    max_steps: int = 1000
+    max_minutes: float = 0.0  # wall-clock stop (0: none); the schedule still follows max_steps
+    clip: float = 1.0  # global gradient-norm clip
+    precision: str = "fp32"  # "fp32" or "bf16" (matmuls under CPU/GPU autocast; cell state in fp32)
+    valid_every: int = 200
+    valid_bytes: int = 0  # validate on the first N bytes of the validation text (0: all)
+    valid_streams: int = 16
+    seed: int = 1234
+    log_every: int = 10
+    stats_batches: int = 100  # MS_g: number of training batches (eq. 4.4)
+    stats_batch_size: int = 32
+    stats_segment: int = 20  # the dynamic-evaluation segment length for byte models (ALGORITHMS.md §2)
+    adapter_units: int = 0  # units at the adaptation site whose M gets MS_g (0: all hidden units)
+    threads: int = 0  # torch threads (0: torch's default)
+    weights_dtype: str = "float32"  # dtype of the shipped model.safetensors (loaded back as float32)
+    stats_dtype: str = "float32"  # dtype of stats.safetensors (bfloat16 keeps fp32's range)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # seconds on a CPU: for tests and smoke runs
+    "tiny": {
+        "model": {"hidden": 64, "embed_dim": 16, "dropout_hidden": 0.0},
+        "batch_size": 16, "bptt": 32, "lr": 3e-3, "lr_final": 1e-3, "max_steps": 120, "valid_every": 40,
+        "valid_streams": 4, "stats_batches": 4, "stats_batch_size": 8, "log_every": 20,
+    },
+    # the shipped model: sized by bits-per-byte per training minute on a 2-core CPU (docs/benchmarks.md)
+    # one thread: on 2 cores a second thread bought little and left no core for anything else
+    "default": {
+        "model": {"hidden": 768, "embed_dim": 128, "dropout_hidden": 0.05, "dropout_embed": 0.0},
+        "batch_size": 64, "bptt": 100, "lr": 2e-3, "lr_final": 1e-4, "warmup_steps": 100,
+        "max_steps": 4000, "max_minutes": 110, "precision": "bf16", "threads": 1,
+        "valid_every": 250, "valid_bytes": 100_000, "valid_streams": 32,
+        "stats_batches": 100, "stats_batch_size": 32, "log_every": 10,
+        "weights_dtype": "float16", "stats_dtype": "bfloat16",
+    },
+}
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read config file ({e.strerror})") from None
+    try:
+        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'} ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: expected a table/object of settings")
+    return data
+
+
+def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConfig:
+    """Preset, then each layer (config file, flags) on top; `model` dicts merge key by key."""
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    merged: dict[str, Any] = {"model": {}}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    for layer in ([PRESETS[preset]] if preset else []) + list(layers):
+        unknown = sorted(set(layer) - names)
+        if unknown:
+            raise ValueError(f"unknown training setting(s): {', '.join(unknown)}")
+        for k, v in layer.items():
+            if k == "model":
+                if not isinstance(v, dict):
+                    raise ValueError("'model' must be a table of architecture settings")
+                merged["model"] = {**merged["model"], **v}
+            else:
+                merged[k] = v
+    cfg = TrainConfig(**merged)
+    for name in ("weights_dtype", "stats_dtype"):
+        if getattr(cfg, name) not in DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}")
+    if cfg.precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'bf16', not {cfg.precision!r}")
+    for name in ("batch_size", "bptt", "max_steps", "valid_every", "valid_streams", "stats_segment"):
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{name} must be positive")
+    return cfg

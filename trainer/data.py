@@ -1,0 +1,52 @@
+"""Byte streams for truncated BPTT: each batch row is one contiguous stream through the corpus."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = ["ByteStreams", "read_bytes", "read_corpus"]
+
+DOC_SEPARATOR = b"\n\n"
+
+
+def read_bytes(path: str | Path, limit: int = 0) -> bytes:
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read ({e.strerror})") from None
+    if limit:
+        data = data[:limit]
+    if not data:
+        raise ValueError(f"{p}: empty file")
+    return data
+
+
+def read_corpus(paths: Sequence[str | Path]) -> bytes:
+    """Files joined by a blank line, in the order given."""
+    return DOC_SEPARATOR.join(read_bytes(p) for p in paths)
+
+
+class ByteStreams:
+    """Split a corpus into `batch` equal contiguous rows and walk them in chunks of `bptt`.
+
+    Chunk i of an epoch is rows[:, i*bptt : i*bptt + bptt + 1] (inputs and shifted targets); the
+    caller carries the recurrent state from one chunk to the next and resets it at epoch starts.
+    """
+
+    def __init__(self, data: bytes, batch: int, bptt: int) -> None:
+        row = len(data) // batch
+        if row < bptt + 1:
+            raise ValueError(f"corpus of {len(data)} bytes is too small for {batch} streams of {bptt + 1} bytes")
+        flat = torch.frombuffer(bytearray(data[: row * batch]), dtype=torch.uint8)
+        self.rows = flat.view(batch, row).long()  # (B, L)
+        self.bptt = bptt
+        self.chunks_per_epoch = (row - 1) // bptt
+
+    def chunk(self, step: int) -> tuple[torch.Tensor, bool]:
+        """The chunk for global step `step` and whether it starts an epoch. -> (B, bptt + 1)."""
+        i = step % self.chunks_per_epoch
+        return self.rows[:, i * self.bptt : i * self.bptt + self.bptt + 1], i == 0

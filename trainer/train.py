@@ -1,0 +1,258 @@
+"""The training loop: truncated BPTT over byte streams, Adam with linear decay, best-checkpoint keeping,
+resumable, JSON-lines log, and MS_g statistics at the end (ALGORITHMS.md §1-3)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from models.base import LanguageModel
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.registry import build_model, config_from_dict
+from trainer.config import DTYPES, TrainConfig
+from trainer.data import ByteStreams, read_bytes, read_corpus
+from trainer.stats import gradient_stats
+
+__all__ = ["TrainResult", "evaluate_bpb", "train"]
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    best_valid_bpb: float
+    steps: int
+    seconds: float
+
+
+def _autocast(precision: str) -> contextlib.AbstractContextManager[Any]:
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: int = 1000,
+                 precision: str = "fp32") -> float:
+    """Bits per byte of `data` split into `streams` contiguous rows (state carried along each row)."""
+    was_training = model.training
+    model.eval()
+    streams = max(1, min(streams, (len(data) - 1) // 2))
+    rows = ByteStreams(data, streams, 1).rows  # (S, L)
+    state = model.init_state(streams)
+    total, count = 0.0, 0
+    for start in range(0, rows.shape[1] - 1, chunk):
+        piece = rows[:, start : start + chunk + 1]
+        with _autocast(precision):
+            out = model(piece[:, :-1], state)
+        state = out.state
+        nll = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), piece[:, 1:].reshape(-1),
+                              reduction="sum")
+        total += float(nll)
+        count += piece[:, 1:].numel()
+    model.train(was_training)
+    return total / count / LN2
+
+
+def _lr_at(cfg: TrainConfig, step: int) -> float:
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, step / max(1, cfg.max_steps))
+    return cfg.lr + (cfg.lr_final - cfg.lr) * frac  # linear decay (thesis ch. 3 training setup)
+
+
+def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam, state: dict[str, torch.Tensor],
+                        info: dict[str, Any]) -> None:
+    """Resumable state without pickle: tensors in safetensors, scalars in JSON."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        n = names[id(p)]
+        tensors[f"opt.{n}.exp_avg"] = st["exp_avg"]
+        tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"]
+        info.setdefault("opt_steps", {})[n] = float(st["step"])
+    tensors.update({f"hidden.{k}": v.detach() for k, v in state.items()})
+    tensors["rng.torch"] = torch.get_rng_state()
+    tmp = path / ".trainer_state.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    tmp.replace(path / "trainer_state.safetensors")
+    (path / "trainer_state.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam) -> tuple[dict[str, torch.Tensor],
+                                                                                     dict[str, Any]]:
+    state_file, info_file = path / "trainer_state.safetensors", path / "trainer_state.json"
+    if not state_file.is_file() or not info_file.is_file():
+        raise ValueError(f"{path}: nothing to resume (no trainer_state.safetensors/json)")
+    tensors = load_file(str(state_file))
+    info = json.loads(info_file.read_text())
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    for n, p in model.named_parameters():
+        if f"opt.{n}.exp_avg" in tensors:
+            opt.state[p] = {"step": torch.tensor(info["opt_steps"][n]),
+                            "exp_avg": tensors[f"opt.{n}.exp_avg"], "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"]}
+    torch.set_rng_state(tensors["rng.torch"])
+    hidden = {k[7:]: v for k, v in tensors.items() if k.startswith("hidden.")}
+    return hidden, info
+
+
+def _model_card(cfg: TrainConfig, meta: dict[str, Any], n_params: int) -> str:
+    m = meta["metrics"]
+    t = meta["training"]
+    lines = [
+        f"# {meta['name']}: byte-level {cfg.arch}", "",
+        f"- Architecture: {cfg.arch} {json.dumps(meta['model_config'], sort_keys=True)}",
+        f"- Parameters: {n_params:,}",
+        f"- Training data: {', '.join(t['data'])} ({t['train_bytes']:,} bytes)",
+        f"- Validation: {t['valid'] or '(none)'} ({t['valid_bytes']:,} bytes)",
+        f"- Steps: {t['steps']} x {cfg.batch_size} streams x {cfg.bptt} bytes; Adam {cfg.lr} -> {cfg.lr_final}"
+        f" (linear), clip {cfg.clip}, {cfg.precision}",
+        f"- Training time: {t['seconds'] / 60:.1f} min on {t['machine']}",
+        f"- Stored as: weights {cfg.weights_dtype}, statistics {cfg.stats_dtype} (loaded as float32)",
+        f"- Validation bits per byte (best checkpoint, whole validation file): {m.get('valid_bpb', float('nan')):.4f}",
+        f"- MS_g statistics: {cfg.stats_batches} training batches of {cfg.stats_batch_size} x {cfg.stats_segment}"
+        " bytes, for every weight and the adapter matrix at M = 0", "",
+        "Trained by `adaptlm train`; the full training configuration is in `config.json`.", "",
+    ]
+    return "\n".join(lines)
+
+
+def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *, valid_path: str | Path | None = None,
+          resume: bool = False, name: str | None = None, progress: bool = True,
+          on_log: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+    out = Path(out)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model})
+    model = build_model(model_cfg)
+    model.train()
+    train_bytes = read_corpus(data_paths)
+    valid_bytes = read_bytes(valid_path) if valid_path else b""
+    valid_slice = valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else valid_bytes
+    streams = ByteStreams(train_bytes, cfg.batch_size, cfg.bptt)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    log_path = out / "train.jsonl"
+    last = out / "last"
+    step, best, elapsed = 0, math.inf, 0.0
+    hidden: dict[str, torch.Tensor] | None = None
+    if resume:
+        hidden, info = _load_trainer_state(last, model, opt)
+        step, best, elapsed = info["step"], info["best_valid_bpb"], info["seconds"]
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = log_path.open("a", encoding="utf-8")
+
+    def log(record: dict[str, Any]) -> None:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+        if on_log:
+            on_log(record)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    meta_base = {
+        "name": name or out.name,
+        "tokenizer": "bytes",
+        "training_config": cfg.to_dict(),
+    }
+
+    def save_best(valid_bpb: float) -> None:
+        meta = {**meta_base, "metrics": {"valid_bpb_slice": valid_bpb, "step": step}}
+        save_checkpoint(out, model, meta=meta, card="# (training in progress)\n")
+
+    state = model.init_state(cfg.batch_size) if hidden is None else type(model.init_state(1))(hidden)
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+    t0 = time.monotonic() - elapsed
+    window_t, window_tokens = time.monotonic(), 0
+    stop_reason = "max_steps"
+    while step < cfg.max_steps:
+        chunk, new_epoch = streams.chunk(step)
+        if new_epoch:
+            state = model.init_state(cfg.batch_size)
+        lr = _lr_at(cfg, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with _autocast(cfg.precision):
+            output = model(chunk[:, :-1], state)
+        loss = F.cross_entropy(output.logits.float().reshape(-1, output.logits.shape[-1]), chunk[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+        opt.step()
+        state = output.state.detach()  # carried across chunks, gradients truncated (TBPTT)
+        step += 1
+        window_tokens += chunk[:, 1:].numel()
+        bar.update(1)
+        if step % cfg.log_every == 0:
+            now = time.monotonic()
+            tps = window_tokens / max(1e-9, now - window_t)
+            window_t, window_tokens = now, 0
+            bar.set_postfix(loss_bpb=f"{loss.item() / LN2:.3f}", tok_s=f"{tps:,.0f}")
+            log({"step": step, "train_bpb": loss.item() / LN2, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
+                 "seconds": now - t0})
+        time_up = bool(cfg.max_minutes) and (time.monotonic() - t0) > cfg.max_minutes * 60
+        if valid_slice and (step % cfg.valid_every == 0 or step == cfg.max_steps or time_up):
+            vbpb = evaluate_bpb(model, valid_slice, cfg.valid_streams, precision=cfg.precision)
+            improved = vbpb < best
+            if improved:
+                best = vbpb
+                save_best(vbpb)
+            log({"step": step, "valid_bpb": vbpb, "best_valid_bpb": best, "seconds": time.monotonic() - t0})
+            _save_trainer_state(last, model, opt, state.tensors,
+                                {"step": step, "best_valid_bpb": best, "seconds": time.monotonic() - t0,
+                                 "config": cfg.to_dict()})
+        if time_up:
+            stop_reason = "max_minutes"
+            break
+    bar.close()
+    seconds = time.monotonic() - t0
+    if not valid_slice:
+        save_best(math.nan)
+    # final: best weights, MS_g statistics on training data, full validation, card
+    ckpt = load_checkpoint(out)
+    best_model = ckpt.model
+    weights_dtype = DTYPES[cfg.weights_dtype]
+    with torch.no_grad():  # everything below is measured on the weights as shipped
+        for p in best_model.parameters():
+            p.copy_(p.to(weights_dtype).to(p.dtype))
+    stats = gradient_stats(best_model, train_bytes, batches=cfg.stats_batches, batch_size=cfg.stats_batch_size,
+                           segment=cfg.stats_segment, adapter_units=cfg.adapter_units)
+    metrics: dict[str, Any] = {"best_step": ckpt.meta["metrics"]["step"], "stop_reason": stop_reason}
+    if valid_bytes:
+        metrics["valid_bpb"] = evaluate_bpb(best_model, valid_bytes, cfg.valid_streams)
+        metrics["valid_streams"] = cfg.valid_streams
+    meta = {
+        **meta_base,
+        "metrics": metrics,
+        "training": {
+            "data": [Path(p).name for p in data_paths], "train_bytes": len(train_bytes),
+            "valid": Path(valid_path).name if valid_path else None, "valid_bytes": len(valid_bytes),
+            "steps": step, "seconds": seconds, "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+            "torch": torch.__version__,
+        },
+    }
+    card = _model_card(cfg, {**meta, "model_config": cfg.model}, n_params)
+    save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=ckpt.dyneval or _default_dyneval(cfg),
+                    weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype])
+    log({"done": True, "steps": step, "seconds": seconds, **metrics})
+    log_file.close()
+    return TrainResult(out=out, best_valid_bpb=float(metrics.get("valid_bpb", best)), steps=step, seconds=seconds)
+
+
+def _default_dyneval(cfg: TrainConfig) -> dict[str, Any]:
+    """Untuned starting values; `adaptlm tune` replaces them with validation-tuned ones."""
+    return {"tuned": False, "rule": "rms_decay", "segment": cfg.stats_segment, "lr": 1e-4, "decay": 0.002,
+            "eps": 1e-8, "adapter_units": cfg.adapter_units or cfg.model.get("hidden", 0)}
