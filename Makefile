@@ -26,6 +26,7 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy server clients
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

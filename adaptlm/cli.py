@@ -1,4 +1,4 @@
-"""`adaptlm` command line: train, score, generate, serve.
+"""`adaptlm` command line: train, score, generate, eval, tune, serve.
 
 User mistakes (bad flags, unreadable files, bad checkpoints, empty text) print one line to stderr and
 exit with status 2; no tracebacks.
@@ -139,6 +139,83 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"lr": args.lr, "decay": args.decay, "eps": args.eps, "segment": args.segment,
+                           "adapter_units": args.adapter_size}
+    if args.sites:
+        out["params"] = tuple(s for s in args.sites.split(",") if s)
+    return out
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from trainer.evaluation import EVAL_MODES, loss_curve, plot_curves, run_eval, write_curves_csv
+
+    modes = [m for m in args.mode.split(",") if m]
+    for m in modes:
+        if m not in EVAL_MODES:
+            raise UsageError(f"unknown mode {m!r}; choose from {', '.join(EVAL_MODES)}")
+    data = _read_text_arg(args.file)
+    if args.limit:
+        data = data[: args.limit]
+    ckpt = _load(args.checkpoint)
+    records, curves = [], {}
+    for m in modes:
+        try:
+            record, result = run_eval(ckpt, data, m, **_overrides(args))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        records.append(record)
+        curves[m] = loss_curve(result.logprobs, args.window)
+        if not args.json:
+            print(f"{m}: {record['bits_per_byte']:.4f} bits per byte ({record['bytes']} bytes, "
+                  f"{record['params_adapted']:,} parameters adapted, {record['state_bytes']:,} state bytes, "
+                  f"{record['seconds']:.1f} s)")
+    if args.json:
+        print(json.dumps(records[0] if len(records) == 1 else records))
+    if args.csv:
+        write_curves_csv(Path(args.csv), curves)
+    if args.plot:
+        plot_curves(Path(args.plot), curves, f"{Path(args.file).name}: loss against position")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from trainer.evaluation import config_for
+    from trainer.tune import tune_mode
+
+    data = _read_text_arg(args.valid)[: args.bytes]
+    ckpt = _load(args.checkpoint)
+    if ckpt.path is None:
+        raise UsageError("checkpoint has no directory to write dyneval.json into")
+    dyneval = dict(ckpt.dyneval)
+    sections = {"both": ["full", "sparse"], "full": ["full"], "sparse": ["sparse"]}[args.mode]
+    results: dict[str, Any] = {}
+    from models.adaptation import evaluate
+
+    static = evaluate(ckpt.model, data, config_for("static", dyneval), stats=ckpt.stats).bits_per_byte
+    for section in sections:
+        base = config_for("dynamic" if section == "full" else "sparse", dyneval, segment=args.segment)
+        best, trials = tune_mode(ckpt.model, ckpt.stats, data, base, lr_start=args.lr_start,
+                                 max_trials=args.max_trials,
+                                 on_trial=lambda t, s=section: print(f"{s}: lr={t['lr']:.3g} decay={t['decay']:.3g}"
+                                                                     f" -> {t['bits_per_byte']:.4f}", file=sys.stderr))
+        best_bpb = min(t["bits_per_byte"] for t in trials)
+        entry = {k: v for k, v in asdict(best).items() if k in ("rule", "lr", "decay", "eps", "segment",
+                                                                 "adapter_units")}
+        if section == "full":
+            entry.pop("adapter_units", None)
+        entry.update({"valid_bpb": best_bpb, "valid_static_bpb": static, "trials": len(trials)})
+        dyneval[section] = entry
+        results[section] = entry
+    dyneval["tuned"] = True
+    dyneval["tuned_on"] = {"file": Path(args.valid).name, "bytes": len(data)}
+    (ckpt.path / "dyneval.json").write_text(json.dumps(dyneval, indent=2, sort_keys=True) + "\n")
+    print(json.dumps({"static_bpb": static, **results}))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         _fail(message)
@@ -181,6 +258,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="bits per byte under static, dynamic, sparse or cache evaluation")
+    e.add_argument("--checkpoint")
+    e.add_argument("file", help="text file, or - for standard input")
+    e.add_argument("--mode", default="static",
+                   help="one or several (comma-separated) of static, dynamic, sparse, cache, dynamic+cache, "
+                        "sparse+cache")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--plot", help="PNG of the loss against position for the modes asked")
+    e.add_argument("--csv", help="CSV of the loss against position")
+    e.add_argument("--window", type=int, default=2000, help="bytes per point of the loss curve")
+    e.add_argument("--limit", type=int, default=0, help="evaluate the first N bytes only")
+    for parser in (e,):
+        parser.add_argument("--lr", type=float, help="eta (default: the checkpoint's tuned value)")
+        parser.add_argument("--decay", type=float, help="lambda")
+        parser.add_argument("--eps", type=float, help="epsilon of the RMS rules")
+        parser.add_argument("--segment", type=int, help="bytes per adaptation segment")
+        parser.add_argument("--sites", help="full mode: comma-separated parameter-name prefixes to adapt")
+        parser.add_argument("--adapter-size", type=int, help="sparse mode: units of the adaptation site")
+    e.set_defaults(func=cmd_eval)
+
+    u = sub.add_parser("tune", help="tune dynamic evaluation on validation text; writes dyneval.json")
+    u.add_argument("--checkpoint")
+    u.add_argument("--valid", required=True)
+    u.add_argument("--mode", choices=["both", "full", "sparse"], default="both")
+    u.add_argument("--bytes", type=int, default=20_000, help="tune on the first N bytes of the validation text")
+    u.add_argument("--segment", type=int)
+    u.add_argument("--lr-start", type=float, default=1e-5)
+    u.add_argument("--max-trials", type=int, default=30)
+    u.set_defaults(func=cmd_tune)
 
     v = sub.add_parser("serve", help="run the HTTP server")
     v.add_argument("--checkpoint")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
     config = {"format": FORMAT_VERSION, "model": model.config.to_dict(), **(meta or {})}
     weights = {k: v.detach().to("cpu", weights_dtype).contiguous() for k, v in model.state_dict().items()}
     stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()}
-    staged = {
+    staged: dict[str, Callable[[Path], object]] = {
         "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": str(FORMAT_VERSION)}),
         "stats.safetensors": lambda p: save_file(stats_t, str(p), metadata={"format": str(FORMAT_VERSION)}),
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),

@@ -63,7 +63,8 @@ class _WNLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         if self.g is None:
             return self.v
-        return self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1)  # (out, in)
+        w: torch.Tensor = self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1)  # (out, in)
+        return w
 
 
 def mlstm_cell(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
@@ -84,6 +85,8 @@ def _locked_mask(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 class MLSTM(LanguageModel):
+    config: MLSTMConfig
+
     def __init__(self, config: MLSTMConfig) -> None:
         super().__init__()
         self.config = config

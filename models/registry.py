@@ -30,4 +30,4 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
 
 
 def build_model(config: ModelConfig) -> LanguageModel:
-    return REGISTRY[config.arch][1](config)  # type: ignore[call-arg]
+    return REGISTRY[config.arch][1](config)

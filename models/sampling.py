@@ -1,18 +1,30 @@
-"""Sampling: temperature, top-k and nucleus (top-p) sampling of bytes, decoded incrementally to text."""
+"""Sampling: temperature, top-k and nucleus (top-p) sampling of bytes, decoded incrementally to text.
+
+`Stepper` generates one sequence a token at a time: `prefill(prompt)` once, then `step()` per byte.
+A step is two halves, `sample()` (no model call) and `feed(token)` (one model step), so that a server
+can check for cancellation between tokens, interleave sequences, or run the model steps of many
+sequences as one batched forward. `generate` is the plain loop over a `Stepper`.
+"""
 
 from __future__ import annotations
 
 import codecs
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from models.base import Adapter, LanguageModel, State
 from models.scoring import BOS
 
-__all__ = ["SamplingParams", "filter_logits", "generate", "sample_next"]
+__all__ = [
+    "FinishReason", "SamplingParams", "Step", "Stepper", "TextDecoder", "TopLogprobs", "filter_logits",
+    "generate", "sample_next", "top_logprobs",
+]
+
+FinishReason = Literal["length", "stop"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if not (0 < self.top_p <= 1):
             raise ValueError("top_p must be in (0, 1]")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -57,7 +71,159 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return int(torch.multinomial(weights, 1, generator=generator))
 
 
-@torch.no_grad()
+@dataclass
+class TopLogprobs:
+    """Per token: its natural-log probability, and the k most likely tokens `(id, logprob)` at its position,
+    most likely first."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    def extend(self, other: TopLogprobs) -> None:
+        self.logprobs += other.logprobs
+        self.top += other.top
+
+
+def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> TopLogprobs:
+    """logits: (T, V), targets: (T,) -> each target's natural-log probability under the raw (unfiltered,
+    temperature 1) distribution, and the k most likely tokens with theirs, most likely first."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (T, V), as scoring computes it
+    chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (T,)
+    top = torch.topk(logp, k, dim=-1) if k else None  # (T, k)
+    ids: list[list[int]] = top.indices.tolist() if top is not None else [[] for _ in range(targets.numel())]
+    lps: list[list[float]] = top.values.tolist() if top is not None else [[] for _ in range(targets.numel())]
+    return TopLogprobs(chosen.tolist(), [list(zip(i, v, strict=True)) for i, v in zip(ids, lps, strict=True)])
+
+
+class TextDecoder:
+    """Bytes in, text out, for one generated sequence.
+
+    UTF-8 is decoded incrementally: a multibyte character comes out whole once its last byte is in, and
+    invalid bytes become U+FFFD. Text that may still begin a stop string is held back; once a stop string
+    is complete, the text before it comes out and the decoder is `stopped` (the stop string never comes out).
+    """
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = tuple(stop)
+        # An occurrence completed by a new character starts at most len(stop) - 1 characters before it.
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._pending = ""  # decoded, not yet given out
+        self.chars = 0  # characters decoded so far, given out or pending
+        self.stopped = False
+
+    def push(self, data: bytes, *, final: bool = False) -> str:
+        """Decode `data`; returns the text that is now safe to give out (often empty)."""
+        if self.stopped:
+            return ""
+        new = self._decoder.decode(data, final)
+        self.chars += len(new)
+        self._pending += new
+        hits = [i for s in self._stop if (i := self._pending.find(s)) >= 0]
+        if hits:
+            self.stopped = True
+            out, self._pending = self._pending[: min(hits)], ""
+            return out
+        n = len(self._pending) - (0 if final else self._hold)
+        if n <= 0:
+            return ""
+        out, self._pending = self._pending[:n], self._pending[n:]
+        return out
+
+
+@dataclass(frozen=True)
+class Step:
+    token: int
+    text: str  # text that became safe to give out with this byte (may be empty)
+    offset: int  # index in the generated text of the character this byte starts or continues
+    logits: torch.Tensor  # (V,) the raw logits the byte was sampled from
+
+
+class Stepper:
+    """Generates one sequence token by token: `prefill(prompt)` once, then `step()` until `finish_reason`.
+
+    The model must be in eval mode. Nothing here touches the shared module's state; the recurrent state,
+    the random generator and the decoder belong to this object.
+    """
+
+    def __init__(self, model: LanguageModel, params: SamplingParams, *, state: State | None = None,
+                 last_byte: int = BOS, adapter: Adapter | None = None) -> None:
+        self.model = model
+        self.params = params
+        self.adapter = adapter
+        self.device = next(model.parameters()).device
+        self._generator = torch.Generator(device=self.device)
+        if params.seed is not None:
+            self._generator.manual_seed(params.seed)
+        else:
+            self._generator.seed()
+        self._state = state if state is not None else model.init_state(1)
+        self._last_byte = last_byte
+        self._logits: torch.Tensor | None = None  # (V,) logits of the next byte, once prefilled
+        self.decoder = TextDecoder(params.stop)
+        self.tokens = 0  # bytes sampled so far
+        self.finish_reason: FinishReason | None = None
+
+    @torch.no_grad()
+    def prefill(self, prompt: bytes, *, logprobs: int | None = None, chunk: int = 1024) -> TopLogprobs | None:
+        """Run the prompt (after the last byte of the state); with `logprobs` = k, also return every prompt
+        byte's log-probability and the top k at its position (the first byte's is conditioned on the BOS byte)."""
+        if self._logits is not None:
+            raise RuntimeError("prefill runs once")
+        context = torch.tensor([self._last_byte, *prompt], dtype=torch.long, device=self.device)  # (T+1,)
+        scored = TopLogprobs() if logprobs is not None else None
+        state = self._state
+        for start in range(0, context.numel(), chunk):
+            out = self.model(context[start : start + chunk].unsqueeze(0), state, self.adapter)  # logits (1, t, V)
+            state = out.state
+            targets = context[start + 1 : start + chunk + 1]  # (t,) or (t-1,) in the last chunk
+            if scored is not None and targets.numel():
+                scored.extend(top_logprobs(out.logits[0, : targets.numel()], targets, logprobs or 0))
+        self._state, self._logits = state, out.logits[0, -1]
+        return scored
+
+    def fork(self, params: SamplingParams) -> Stepper:
+        """A second sequence from the same prefilled prompt, with its own parameters (seed, stops)."""
+        if self._logits is None or self.tokens:
+            raise RuntimeError("fork after prefill and before the first step")
+        other = Stepper(self.model, params, state=State({k: v.clone() for k, v in self._state.tensors.items()}),
+                        adapter=self.adapter)
+        other._logits = self._logits
+        return other
+
+    @torch.no_grad()
+    def sample(self) -> Step:
+        """Sample the next byte from the held logits and decode it; no model call."""
+        if self._logits is None:
+            raise RuntimeError("prefill before sampling")
+        if self.finish_reason is not None:
+            raise RuntimeError("the sequence is finished")
+        logits = self._logits
+        token = sample_next(logits, self.params, self._generator)
+        offset = self.decoder.chars
+        self.tokens += 1
+        last = self.tokens == self.params.max_tokens
+        text = self.decoder.push(bytes([token]), final=last)
+        if self.decoder.stopped:
+            self.finish_reason = "stop"
+        elif last:
+            self.finish_reason = "length"
+        return Step(token, text, offset, logits)
+
+    @torch.no_grad()
+    def feed(self, token: int) -> None:
+        """One model step on `token`: the logits of the byte after it."""
+        out = self.model(torch.tensor([[token]], device=self.device), self._state, self.adapter)  # (1, 1, V)
+        self._state, self._logits = out.state, out.logits[0, -1]
+
+    def step(self) -> Step:
+        """Sample a byte and, unless the sequence is finished, feed it to the model."""
+        step = self.sample()
+        if self.finish_reason is None:
+            self.feed(step.token)
+        return step
+
+
 def generate(model: LanguageModel, prompt: bytes, params: SamplingParams, *, state: State | None = None,
              last_byte: int = BOS, adapter: Adapter | None = None) -> Iterator[str]:
     """Yield decoded text pieces of the continuation of `prompt` (invalid UTF-8 becomes U+FFFD).
@@ -66,37 +232,11 @@ def generate(model: LanguageModel, prompt: bytes, params: SamplingParams, *, sta
     """
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device)
-    if params.seed is not None:
-        gen.manual_seed(params.seed)
-    else:
-        gen.seed()
-    state = state or model.init_state(1)
-    context = bytes([last_byte]) + prompt
-    inputs = torch.tensor(list(context), dtype=torch.long, device=device).unsqueeze(0)  # (1, T)
-    out = model(inputs, state, adapter)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    text, emitted = "", 0
-    hold = max((len(s) for s in params.stop), default=0)
     try:
-        for i in range(params.max_tokens):
-            token = sample_next(out.logits[0, -1], params, gen)
-            text += decoder.decode(bytes([token]), final=i == params.max_tokens - 1)
-            if hold:
-                cut = min((idx for s in params.stop if (idx := text.find(s, max(0, emitted - hold))) >= 0),
-                          default=-1)
-                if cut >= 0:
-                    if cut > emitted:
-                        yield text[emitted:cut]
-                    return
-            safe = len(text) - hold if hold else len(text)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-            if i + 1 < params.max_tokens:
-                out = model(torch.tensor([[token]], device=device), out.state, adapter)
-        if len(text) > emitted:
-            yield text[emitted:]
+        stepper = Stepper(model, params, state=state, last_byte=last_byte, adapter=adapter)
+        stepper.prefill(prompt)
+        while stepper.finish_reason is None:
+            if text := stepper.step().text:
+                yield text
     finally:
         model.train(was_training)

@@ -20,7 +20,6 @@ from server.settings import Settings
 __all__ = ["create_app"]
 
 
-
 def _version() -> str:
     try:
         return version("adaptlm")
@@ -39,6 +38,7 @@ def create_app(settings: Settings) -> FastAPI:
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         await asyncio.to_thread(engine.start)
         metrics.model = engine.info.name
+        metrics.engine_stats = lambda: engine.stats
         app.state.engine = engine
         try:
             yield
@@ -46,7 +46,7 @@ def create_app(settings: Settings) -> FastAPI:
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="adaptlm", version=_version(), lifespan=lifespan,
-                  description="Scoring with adaptive byte-level language models.")
+                  description="Scoring and generation with adaptive byte-level language models.")
     app.state.settings = settings
     app.state.metrics = metrics
     install_error_handler(app)

@@ -2,7 +2,9 @@
 
     ADAPTLM_CHECKPOINT       checkpoint directory (default: <repo>/checkpoints/default)
     ADAPTLM_HOST, _PORT      where to listen (127.0.0.1:8000)
-    ADAPTLM_MAX_TEXT_BYTES   longest text, in UTF-8 bytes, one request may score
+    ADAPTLM_MAX_TEXT_BYTES   longest text or prompt, in UTF-8 bytes, one request may send
+    ADAPTLM_MAX_TOKENS       most bytes one request may generate (per choice)
+    ADAPTLM_MAX_N            most choices (`n`) one completion request may ask for
     ADAPTLM_MAX_BODY_BYTES   largest request body; larger bodies are refused with 413 before parsing
     ADAPTLM_LOG_LEVEL        critical | error | warning | info | debug | trace
     ADAPTLM_API_KEYS         comma-separated keys; when set, /v1 routes need `Authorization: Bearer <key>`
@@ -30,6 +32,8 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8000, ge=1, le=65535)
     max_text_bytes: int = Field(default=1_000_000, ge=1)
+    max_tokens: int = Field(default=4096, ge=1)
+    max_n: int = Field(default=8, ge=1)
     # JSON escapes can make a text's body several times its UTF-8 size (`\u00e9` is 6 bytes for 2).
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     log_level: LogLevel = "info"

@@ -25,7 +25,7 @@ from trainer.config import DTYPES, TrainConfig
 from trainer.data import ByteStreams, read_bytes, read_corpus
 from trainer.stats import gradient_stats
 
-__all__ = ["TrainResult", "evaluate_bpb", "train"]
+__all__ = ["TrainResult", "default_dyneval", "evaluate_bpb", "train"]
 
 LN2 = math.log(2.0)
 
@@ -245,14 +245,30 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         },
     }
     card = _model_card(cfg, {**meta, "model_config": cfg.model}, n_params)
-    save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=ckpt.dyneval or _default_dyneval(cfg),
+    save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=default_dyneval(cfg, stats),
                     weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype])
     log({"done": True, "steps": step, "seconds": seconds, **metrics})
     log_file.close()
     return TrainResult(out=out, best_valid_bpb=float(metrics.get("valid_bpb", best)), steps=step, seconds=seconds)
 
 
-def _default_dyneval(cfg: TrainConfig) -> dict[str, Any]:
-    """Untuned starting values; `adaptlm tune` replaces them with validation-tuned ones."""
-    return {"tuned": False, "rule": "rms_decay", "segment": cfg.stats_segment, "lr": 1e-4, "decay": 0.002,
-            "eps": 1e-8, "adapter_units": cfg.adapter_units or cfg.model.get("hidden", 0)}
+def default_dyneval(cfg: TrainConfig, stats: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Untuned starting values; `adaptlm tune` replaces them with validation-tuned ones.
+
+    Decision: eps is 1% of the mean RMS gradient (sqrt MS_g) of what adapts, so that entries whose
+    MS_g is ~0 (e.g. embedding rows of bytes absent from the statistics batches) cannot take steps
+    10^4 times larger than the rest.
+    """
+    def eps_for(prefix: str) -> float:
+        rms = [v.float().sqrt().mean() for k, v in stats.items() if k.startswith(prefix)]
+        return float(torch.stack(rms).mean()) * 0.01 if rms else 1e-8
+
+    units = cfg.adapter_units or int(cfg.model.get("hidden", 0))
+    return {
+        "tuned": False,
+        "full": {"rule": "rms_decay", "lr": 1e-4, "decay": 2e-3, "eps": eps_for("param."),
+                 "segment": cfg.stats_segment},
+        "sparse": {"rule": "rms_decay", "lr": 1e-3, "decay": 2e-3, "eps": eps_for("adapter."),
+                   "segment": cfg.stats_segment, "adapter_units": units},
+        "cache": {"window": 2000, "theta": 1.0, "lam": 0.1},
+    }

@@ -11,9 +11,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from server.engine import Engine
 from server.errors import AuthenticationError, ServiceUnavailableError
 from server.metrics import Metrics
+from server.serving import Context
 from server.settings import Settings
 
-__all__ = ["EngineDep", "MetricsDep", "SettingsDep", "get_engine", "get_metrics", "get_settings", "require_api_key"]
+__all__ = [
+    "ContextDep", "EngineDep", "MetricsDep", "SettingsDep", "get_context", "get_engine", "get_metrics", "get_settings",
+    "require_api_key",
+]
 
 
 def get_settings(request: Request) -> Settings:
@@ -39,6 +43,15 @@ def get_engine(request: Request) -> Engine:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
+
+
+def get_context(request: Request, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep) -> Context:
+    """What the serving layer needs; `route` (a metric label) is the route's path template."""
+    route = getattr(request.scope.get("route"), "path", request.url.path)
+    return Context(engine=engine, settings=settings, metrics=metrics, request=request, route=str(route))
+
+
+ContextDep = Annotated[Context, Depends(get_context)]
 
 _bearer = HTTPBearer(auto_error=False, description="One of the server's API keys (ADAPTLM_API_KEYS).")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models.mlstm import MLSTM, MLSTMConfig
-from models.sampling import SamplingParams, filter_logits, generate
+from models.sampling import SamplingParams, Stepper, TextDecoder, filter_logits, generate
 from models.scoring import BOS, score_bytes
 
 
@@ -84,3 +84,71 @@ def test_filters() -> None:
 def test_bad_sampling_params(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def decode_all(decoder: TextDecoder, data: bytes) -> list[str]:
+    return [decoder.push(bytes([b]), final=i == len(data) - 1) for i, b in enumerate(data)]
+
+
+def test_decoder_never_splits_a_character() -> None:
+    data = "a✓🙂b".encode()
+    pieces = decode_all(TextDecoder(), data)
+    assert "".join(pieces) == "a✓🙂b"
+    assert pieces == ["a", "", "", "✓", "", "", "", "🙂", "b"]
+
+
+def test_decoder_replaces_invalid_bytes() -> None:
+    assert "".join(decode_all(TextDecoder(), b"a\xff\xe2\x28b\xe2\x9c")) == "a\ufffd\ufffd(b\ufffd"
+
+
+def test_decoder_holds_text_that_may_start_a_stop_string() -> None:
+    decoder = TextDecoder(["xyz", "é!"])  # holds back len("xyz") - 1 = 2 characters
+    assert decoder.push(b"ab") == ""
+    assert decoder.push(b"x") == "a"
+    assert decoder.push(b"y") == "b"
+    assert decoder.push(b"q") == "x"  # "xyq": not "xyz" after all
+    assert decoder.push("é".encode()[:1]) == ""  # half a character
+    assert decoder.push("é".encode()[1:]) == "y"
+    assert decoder.push(b"!tail") == "q"  # "é!" completed: the text before it, then nothing more
+    assert decoder.stopped and decoder.push(b"more", final=True) == ""
+
+
+def test_decoder_offsets_point_at_characters() -> None:
+    decoder = TextDecoder()
+    offsets = []
+    for b in "aé✓b".encode():
+        offsets.append(decoder.chars)
+        decoder.push(bytes([b]))
+    assert offsets == [0, 1, 1, 2, 2, 2, 3]
+
+
+def test_stepper_prefill_logprobs_equal_scoring(model: MLSTM) -> None:
+    data = "Hello, wörld".encode()
+    stepper = Stepper(model, SamplingParams(max_tokens=3))
+    scored = stepper.prefill(data, logprobs=3, chunk=5)
+    assert scored is not None
+    assert scored.logprobs == pytest.approx(score_bytes(model, data, logprobs=True).logprobs, abs=1e-6)
+    for lp, top in zip(scored.logprobs, scored.top, strict=True):
+        assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and lp <= top[0][1]
+
+
+def test_stepper_steps_and_finishes(model: MLSTM) -> None:
+    params = SamplingParams(max_tokens=10, seed=3)
+    stepper = Stepper(model, params)
+    stepper.prefill(b"ab")
+    steps = []
+    while stepper.finish_reason is None:
+        steps.append(stepper.step())
+    assert len(steps) == stepper.tokens == 10 and stepper.finish_reason == "length"
+    assert "".join(s.text for s in steps) == "".join(generate(model, b"ab", params))
+    assert bytes(s.token for s in steps).decode("utf-8", errors="replace") == "".join(s.text for s in steps)
+
+
+def test_a_fork_is_a_fresh_sequence_from_the_same_prompt(model: MLSTM) -> None:
+    first = Stepper(model, SamplingParams(max_tokens=15, seed=1))
+    first.prefill(b"The ")
+    forked = first.fork(SamplingParams(max_tokens=15, seed=2))
+    text = "".join(first.step().text for _ in range(15))
+    assert text == "".join(generate(model, b"The ", SamplingParams(max_tokens=15, seed=1)))
+    other = "".join(forked.step().text for _ in range(15))
+    assert other == "".join(generate(model, b"The ", SamplingParams(max_tokens=15, seed=2)))

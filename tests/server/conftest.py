@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +81,25 @@ def _assert_error(response: httpx.Response, status: int, type_: str, param: str 
     return dict(error)
 
 
+def _parse_sse(lines: Iterable[str]) -> list[str]:
+    """The data of each server-sent event in `lines` (httpx's iter_lines); comments and other fields are skipped."""
+    events: list[str] = []
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data:
+                events.append("\n".join(data))
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    if data:
+        events.append("\n".join(data))
+    return events
+
+
 ServeFn = Callable[[Settings], AbstractContextManager[LiveServer]]
 AssertErrorFn = Callable[..., dict[str, Any]]
+ParseSSEFn = Callable[[Iterable[str]], list[str]]
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +112,12 @@ def serve_app() -> ServeFn:
 def assert_error() -> AssertErrorFn:
     """`assert_error(response, status, type, param=None)`: checks the one error shape; returns `error`."""
     return _assert_error
+
+
+@pytest.fixture(scope="session")
+def parse_sse() -> ParseSSEFn:
+    """`parse_sse(lines)`: the data strings of the server-sent events in `lines`."""
+    return _parse_sse
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ def test_body_without_json_content_type_is_422(client: httpx.Client, assert_erro
 
 def test_unknown_route_is_404(client: httpx.Client, assert_error: Any) -> None:
     assert_error(client.get("/v1/nothing-here"), 404, "not_found_error")
-    assert_error(client.post("/v1/completions", json={}), 404, "not_found_error")
+    assert_error(client.post("/v1/chat/completions", json={}), 404, "not_found_error")
 
 
 def test_wrong_method_is_405(client: httpx.Client, assert_error: Any) -> None:

@@ -27,7 +27,9 @@ def test_probes_and_metrics_need_no_key(keyed: httpx.Client) -> None:
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": "Basic key-one"},
                                      {"authorization": "Bearer key-one-and-more"}])
 def test_missing_or_wrong_key_is_401(keyed: httpx.Client, assert_error: Any, headers: dict[str, str]) -> None:
-    for r in (keyed.get("/v1/models", headers=headers), keyed.post("/v1/score", json={"text": "a"}, headers=headers)):
+    for r in (keyed.get("/v1/models", headers=headers), keyed.post("/v1/score", json={"text": "a"}, headers=headers),
+              keyed.post("/v1/generate", json={"prompt": "a", "max_tokens": 1}, headers=headers),
+              keyed.post("/v1/completions", json={"model": "m", "prompt": "a"}, headers=headers)):
         assert_error(r, 401, "authentication_error")
         assert r.headers["www-authenticate"] == "Bearer"
 
@@ -37,3 +39,4 @@ def test_any_configured_key_is_accepted(keyed: httpx.Client, key: str) -> None:
     headers = {"authorization": f"Bearer {key}"}
     assert keyed.get("/v1/models", headers=headers).status_code == 200
     assert keyed.post("/v1/score", json={"text": "a"}, headers=headers).status_code == 200
+    assert keyed.post("/v1/generate", json={"prompt": "a", "max_tokens": 2}, headers=headers).status_code == 200

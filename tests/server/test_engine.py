@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from models.checkpoint import CheckpointError
+from models.checkpoint import CheckpointError, load_checkpoint
+from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
-from server.engine import Engine, EngineUnavailable
+from server.engine import Engine, EngineUnavailable, Event, Finished, GenerationStream, PromptScored, Token
 from server.settings import Settings
 
 
@@ -55,6 +57,86 @@ def test_model_errors_reach_the_caller(engine: Engine) -> None:
     assert asyncio.run(engine.score(b"ok")).bytes == 2
 
 
+async def collect(stream: GenerationStream) -> list[Event]:
+    async with stream:
+        return [event async for event in stream]
+
+
+async def collect_from(engine: Engine, prompt: bytes, params: SamplingParams | None, **kw: Any) -> list[Event]:
+    return await collect(engine.generate(prompt, params, **kw))
+
+
+def test_generation_events(engine: Engine, tiny_checkpoint: Path) -> None:
+    params = SamplingParams(max_tokens=12, seed=5, temperature=0.8)
+    events = asyncio.run(collect_from(engine, b"The ", params, n=2, logprobs=2))
+    tokens = [e for e in events if isinstance(e, Token)]
+    finished = [e for e in events if isinstance(e, Finished)]
+    assert sorted(f.index for f in finished) == [0, 1] and all(f.completion_tokens == 12 for f in finished)
+    assert all(f.first_token_seconds is not None and 0 < f.first_token_seconds <= f.seconds for f in finished)
+    reference = load_checkpoint(tiny_checkpoint).model
+    for i in (0, 1):
+        mine = [t for t in tokens if t.index == i]
+        assert len(mine) == 12 and all(t.logprob is not None and len(t.logprob.top) == 2 for t in mine)
+        expected = "".join(generate(reference, b"The ", SamplingParams(max_tokens=12, seed=5 + i, temperature=0.8)))
+        assert "".join(t.text for t in mine) == expected
+        # A sequence's Finished comes after its last token.
+        assert events.index(next(f for f in finished if f.index == i)) > events.index(mine[-1])
+
+
+def test_prompt_only(engine: Engine, tiny_checkpoint: Path) -> None:
+    data = "prompt scöring".encode()
+    events = asyncio.run(collect_from(engine, data, None, logprobs=1, prompt_logprobs=True))
+    scored, done = events
+    assert isinstance(scored, PromptScored) and isinstance(done, Finished)
+    expected = score_bytes(load_checkpoint(tiny_checkpoint).model, data, logprobs=True).logprobs
+    assert [lp.logprob for lp in scored.logprobs] == pytest.approx(expected, abs=1e-6)
+    assert (done.completion_tokens, done.finish_reason, done.first_token_seconds) == (0, "length", None)
+    assert engine.stats.prompt_tokens >= len(data)
+
+
+def test_cancelling_stops_the_worker_between_tokens(engine: Engine) -> None:
+    async def main() -> int:
+        stream = engine.generate(b"a", SamplingParams(max_tokens=10_000_000))
+        seen = 0
+        async with stream:
+            async for event in stream:
+                seen += isinstance(event, Token)
+                if seen == 5:
+                    break
+        return seen
+
+    assert asyncio.run(main()) == 5
+    deadline = time.monotonic() + 10
+    while engine.stats.active or engine.stats.cancelled != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert engine.stats.generated_tokens < 10_000_000
+    assert asyncio.run(engine.score(b"still working")).bytes == 13
+
+
+def test_a_failing_generation_raises_from_its_stream(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("broken prefill")
+
+    monkeypatch.setattr("models.sampling.Stepper.prefill", broken)
+    with pytest.raises(ValueError, match="broken prefill"):
+        asyncio.run(collect_from(engine, b"a", SamplingParams(max_tokens=3)))
+    monkeypatch.undo()
+    assert len(asyncio.run(collect_from(engine, b"a", SamplingParams(max_tokens=3)))) == 4
+
+
+def test_stop_finishes_running_generations(engine: Engine) -> None:
+    async def main() -> list[Event]:
+        stream = engine.generate(b"a", SamplingParams(max_tokens=300))
+        await asyncio.to_thread(engine.stop)
+        with pytest.raises(EngineUnavailable):
+            engine.generate(b"a", SamplingParams(max_tokens=3))
+        return await collect(stream)
+
+    events = asyncio.run(main())
+    assert isinstance(events[-1], Finished) and events[-1].completion_tokens == 300
+
+
 def test_stop(engine: Engine) -> None:
     engine.stop()
     engine.stop()  # idempotent
@@ -85,3 +167,6 @@ def test_not_ready_once_the_engine_stops(tiny_checkpoint: Path, serve_app: Any, 
         assert client.get("/healthz").status_code == 200
         assert_error(client.get("/readyz"), 503, "service_unavailable_error")
         assert_error(client.post("/v1/score", json={"text": "a"}), 503, "service_unavailable_error")
+        assert_error(client.post("/v1/generate", json={"prompt": "a"}), 503, "service_unavailable_error")
+        r = client.post("/v1/completions", json={"model": tiny_checkpoint.name, "prompt": "a"})
+        assert_error(r, 503, "service_unavailable_error")

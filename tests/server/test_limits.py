@@ -36,6 +36,16 @@ def test_text_over_the_limit_in_bytes_is_413(small: httpx.Client, assert_error: 
     assert error["code"] == "text_too_long"
 
 
+@pytest.mark.parametrize("path", ["/v1/generate", "/v1/completions"])
+def test_prompt_over_the_limit_in_bytes_is_413(small: httpx.Client, assert_error: Any, path: str) -> None:
+    fields: dict[str, Any] = {"max_tokens": 1}
+    if path == "/v1/completions":
+        fields["model"] = small.get("/v1/models").json()["data"][0]["id"]
+    assert small.post(path, json={"prompt": "é" * (MAX_TEXT // 2), **fields}).status_code == 200
+    r = small.post(path, json={"prompt": "é" * (MAX_TEXT // 2 + 1), **fields})
+    assert assert_error(r, 413, "payload_too_large_error", "prompt")["code"] == "text_too_long"
+
+
 def test_body_over_the_limit_is_413(small: httpx.Client, assert_error: Any) -> None:
     body = json.dumps({"text": "x" * MAX_BODY}).encode()
     r = small.post("/v1/score", content=body, headers={"content-type": "application/json"})

@@ -1,0 +1,113 @@
+"""Hyper-parameters of dynamic evaluation (ALGORITHMS.md §2-3) and of the neural cache (§4)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MODES", "RULES", "CacheConfig", "DynEvalConfig"]
+
+MODES = ("static", "full", "sparse")
+RULES = ("sgd", "sgd_decay", "rms", "rms_decay")
+# names other tools write into dyneval.json for the same settings
+_ALIASES = {"eta": "lr", "lambda": "decay", "epsilon": "eps", "n": "segment"}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Neural cache (Grave et al.; ALGORITHMS.md §4): p = (1 - lam) p_model + lam p_cache over `window` pairs."""
+
+    window: int = 2000
+    theta: float = 1.0  # inverse temperature of the cache's softmax over h_t . h_i
+    lam: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"cache window must be >= 1, not {self.window}")
+        if not math.isfinite(self.theta):
+            raise ValueError("cache theta must be finite")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"cache lam must be in [0, 1], not {self.lam}")
+
+
+@dataclass(frozen=True)
+class DynEvalConfig:
+    """How a text is scored: "static" (fixed weights), "full" (dynamic evaluation of the weights) or
+    "sparse" (dynamic evaluation of the adapter matrices M only, thesis sec. 4.6)."""
+
+    mode: str = "full"
+    rule: str = "rms_decay"  # sgd | sgd_decay | rms | rms_decay (thesis eq. 4.3, 4.5, 4.7)
+    lr: float = 1e-4  # eta
+    decay: float = 0.002  # lambda
+    eps: float = 1e-8  # epsilon in g / (sqrt(MS_g) + eps)
+    segment: int = 20  # n: tokens scored per update
+    adapter_units: int = 0  # sparse: k units of each site get an M (0: the whole site)
+    params: tuple[str, ...] = ()  # full: parameter-name prefixes that adapt (empty: all)
+    frozen: tuple[str, ...] = ()  # full: prefixes left out of `params` (e.g. ("embed",))
+    reset: bytes | None = None  # a separator: each document after it starts afresh (state and adaptation)
+    cache: CacheConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}, not {self.rule!r}")
+        for name in ("lr", "decay", "eps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, not {value!r}")
+        if self.decay > 1:
+            raise ValueError(f"decay must be <= 1, not {self.decay}")
+        if self.segment < 1:
+            raise ValueError(f"segment must be >= 1, not {self.segment}")
+        if self.adapter_units < 0:
+            raise ValueError(f"adapter_units must be >= 0, not {self.adapter_units}")
+        if self.reset is not None and not self.reset:
+            raise ValueError("reset separator must not be empty")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], **overrides: Any) -> DynEvalConfig:
+        """Build from a checkpoint's dyneval.json, then apply `overrides` (field names only).
+
+        Keys of `data` that name no field (e.g. "tuned", tuning scores) are ignored; "eta" and "lambda"
+        are read as `lr` and `decay`. `reset` may be a str (UTF-8) or a list of byte values; `cache` a dict.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown dynamic-evaluation setting(s): {', '.join(unknown)}")
+        merged: dict[str, Any] = {}
+        for key, value in data.items():
+            key = _ALIASES.get(key, key)
+            if key in names:
+                merged[key] = value
+        merged.update(overrides)
+        if isinstance(merged.get("reset"), str):
+            merged["reset"] = merged["reset"].encode("utf-8")
+        elif isinstance(merged.get("reset"), list):
+            merged["reset"] = bytes(merged["reset"])
+        if isinstance(merged.get("cache"), Mapping):
+            merged["cache"] = CacheConfig(**merged["cache"])
+        for key in ("params", "frozen"):
+            if isinstance(merged.get(key), str):
+                merged[key] = (merged[key],)
+            elif key in merged:
+                merged[key] = tuple(merged[key])
+        for key in ("lr", "decay", "eps"):
+            if key in merged:
+                merged[key] = float(merged[key])
+        return cls(**merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; `from_dict(to_dict())` gives an equal config."""
+        out = dataclasses.asdict(self)
+        out["params"], out["frozen"] = list(self.params), list(self.frozen)
+        if self.reset is not None:
+            try:
+                out["reset"] = self.reset.decode("utf-8")
+            except UnicodeDecodeError:
+                out["reset"] = list(self.reset)
+        return out

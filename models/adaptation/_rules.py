@@ -1,0 +1,65 @@
+"""The dynamic-evaluation update rules (thesis eq. 4.3-4.7; ALGORITHMS.md §2).
+
+Every rule has the form  theta <- theta - s * g + d * (theta_g - theta)  with s and d fixed for a whole
+evaluation, so they are computed once from the config and MS_g and each step is two fused passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from models.adaptation._config import DynEvalConfig
+
+__all__ = ["UpdateRule"]
+
+Coef = float | torch.Tensor
+
+
+class UpdateRule:
+    """One configured rule over a fixed set of named tensors.
+
+    `ms_g` maps each name to its MS_g (same shape as the tensor, or broadcastable to it: an adapter's
+    (k, k) statistic serves a (B, k, k) batch). Only the RMS rules need it.
+    """
+
+    def __init__(self, config: DynEvalConfig, names: list[str], ms_g: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.names = list(names)
+        self.scale: dict[str, Coef] = {}
+        self.decay: dict[str, Coef] = {}
+        lr, lam, eps = config.lr, config.decay, config.eps
+        if config.rule in ("sgd", "sgd_decay"):
+            for n in self.names:
+                self.scale[n] = lr  # eq. 4.3 (plain SGD is eq. 4.3 with lambda = 0)
+                self.decay[n] = lam if config.rule == "sgd_decay" else 0.0
+            return
+        missing = [n for n in self.names if ms_g is None or n not in ms_g]
+        if missing:
+            raise ValueError(f"rule {config.rule!r} needs MS_g statistics for {', '.join(missing[:5])}"
+                             " (pass the checkpoint's stats)")
+        assert ms_g is not None
+        rms = {n: ms_g[n].sqrt() for n in self.names}
+        for n in self.names:
+            self.scale[n] = lr / (rms[n] + eps)  # eq. 4.5: eta / (sqrt(MS_g) + eps)
+            self.decay[n] = lam
+        if config.rule == "rms_decay" and lam > 0:
+            # eq. 4.6: RMSnorm = sqrt(MS_g) / mean(sqrt(MS_g)) over every adapted element, clipped to <= 1/lambda
+            total = sum(float(r.double().sum()) for r in rms.values())
+            count = sum(r.numel() for r in rms.values())
+            mean = total / count if total > 0 else 1.0
+            for n in self.names:
+                self.decay[n] = lam * (rms[n] / mean).clamp(max=1.0 / lam)  # eq. 4.7: lambda * RMSnorm
+
+    def step(self, theta: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
+             start: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """-> theta - s * g + d * (theta_g - theta) for every name; `start` is theta_g (None: theta_g = 0)."""
+        out = {}
+        with torch.no_grad():
+            for n in self.names:
+                p, s, d = theta[n], self.scale[n], self.decay[n]
+                new = p - s * grads[n]
+                if isinstance(d, torch.Tensor) or d != 0.0:
+                    new = new + d * ((start[n] - p) if start is not None else -p)
+                out[n] = new
+        return out

@@ -1,0 +1,240 @@
+"""POST /v1/completions against OpenAI's official Python client and raw HTTP: completing, streaming, scoring
+with echo + logprobs, and the errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from models.checkpoint import load_checkpoint
+from models.sampling import Stepper
+from models.scoring import score_bytes
+
+PROMPT = "It is a truth universally acknowledged, that "
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> Any:
+    return load_checkpoint(tiny_checkpoint).model
+
+
+@pytest.fixture(scope="module")
+def oai(live: Any) -> Any:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint: Path) -> str:
+    return tiny_checkpoint.name
+
+
+def pick_stop(text: str) -> str:
+    """A 3-character piece of `text` that first appears well inside it (the tiny model's greedy text is all
+    spaces, so the tests sample with a seed instead)."""
+    for i in range(5, len(text) - 3):
+        piece = text[i : i + 3]
+        if text.find(piece) == i and "\ufffd" not in piece:
+            return piece
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def completion(client: httpx.Client, model: str, **fields: Any) -> dict[str, Any]:
+    r = client.post("/v1/completions", json={"model": model, "prompt": PROMPT, **fields})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def stream_chunks(client: httpx.Client, parse_sse: Any, model: str, **fields: Any) -> list[Any]:
+    with client.stream("POST", "/v1/completions",
+                       json={"model": model, "prompt": PROMPT, "stream": True, **fields}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = parse_sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_the_official_client_lists_and_completes(oai: Any, model: str) -> None:
+    assert [m.id for m in oai.models.list()] == [model]
+    c = oai.completions.create(model=model, prompt=PROMPT, max_tokens=20, seed=1)
+    assert c.object == "text_completion"
+    assert c.id.startswith("cmpl-") and c.created > 0 and c.model == model
+    [choice] = c.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.logprobs is None
+    assert 0 < len(choice.text) <= 20
+    n = len(PROMPT.encode())
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (n, 20, n + 20)
+
+
+def test_the_official_client_streams_the_same_text(oai: Any, model: str) -> None:
+    whole = oai.completions.create(model=model, prompt=PROMPT, max_tokens=30, seed=7).choices[0].text
+    chunks = list(oai.completions.create(model=model, prompt=PROMPT, max_tokens=30, seed=7, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+
+
+def test_the_official_client_scores_a_prompt(oai: Any, model: str, reference: Any) -> None:
+    text = "Scoring: héllo ✓"
+    c = oai.completions.create(model=model, prompt=text, max_tokens=0, echo=True, logprobs=0)
+    [choice] = c.choices
+    assert choice.text == text
+    lp = choice.logprobs
+    data = text.encode()
+    expected = score_bytes(reference, data, logprobs=True).logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(data)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+    assert lp.tokens == [bytes([b]).decode("utf-8", errors="replace") for b in data]
+    # Each byte points at the character it starts or continues.
+    assert lp.text_offset == [len(data[:i].decode("utf-8", errors="ignore")) for i in range(len(data))]
+    assert all(top == {lp.tokens[i]: lp.token_logprobs[i]} for i, top in enumerate(lp.top_logprobs) if i)
+    assert c.usage.prompt_tokens == len(data) and c.usage.completion_tokens == 0
+
+
+def test_logprobs_of_generated_tokens(client: httpx.Client, parse_sse: Any, model: str) -> None:
+    fields = {"max_tokens": 25, "seed": 3, "logprobs": 3, "echo": True}
+    [choice] = completion(client, model, **fields)["choices"]
+    lp = choice["logprobs"]
+    n = len(PROMPT.encode())
+    assert len(lp["tokens"]) == n + 25
+    assert choice["text"].startswith(PROMPT)
+    assert lp["token_logprobs"][0] is None and all(x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(1 <= len(top) <= 4 for top in lp["top_logprobs"][1:])
+    assert all(max(top.values()) >= lp["token_logprobs"][i] for i, top in enumerate(lp["top_logprobs"]) if i)
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][n] == len(PROMPT)
+    # Streamed, the same entries arrive spread over the chunks.
+    chunks = stream_chunks(client, parse_sse, model, **fields)
+    streamed: dict[str, list[Any]] = {k: [] for k in lp}
+    for c in chunks:
+        for k in streamed:
+            streamed[k] += (c["choices"][0]["logprobs"] or {}).get(k, [])
+    assert streamed == lp
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+
+
+def test_logprobs_leave_out_the_stop_string(client: httpx.Client, model: str) -> None:
+    full = completion(client, model, max_tokens=40, seed=4)["choices"][0]["text"]
+    stop = pick_stop(full)
+    [choice] = completion(client, model, max_tokens=40, seed=4, stop=stop, logprobs=1)["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == full[: full.find(stop)]
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets and max(offsets) < len(choice["text"])  # no entry for the stop string's bytes
+    if "\ufffd" not in full:  # then the text's UTF-8 is the generated bytes, one entry each
+        assert len(offsets) == len(choice["text"].encode())
+
+
+def test_stop_as_a_list(client: httpx.Client, model: str) -> None:
+    full = completion(client, model, max_tokens=40, seed=4)["choices"][0]["text"]
+    stop = pick_stop(full)
+    [choice] = completion(client, model, max_tokens=40, seed=4, stop=["\x01", stop])["choices"]
+    assert choice["text"] == full[: full.find(stop)] and choice["finish_reason"] == "stop"
+
+
+def test_n_choices(client: httpx.Client, parse_sse: Any, model: str) -> None:
+    body = completion(client, model, max_tokens=30, seed=11, n=3)
+    texts = [c["text"] for c in body["choices"]]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert len(set(texts)) > 1
+    assert texts[0] == completion(client, model, max_tokens=30, seed=11)["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == 90
+    chunks = stream_chunks(client, parse_sse, model, max_tokens=30, seed=11, n=3)
+    for i in range(3):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == texts[i]
+        assert mine[-1]["finish_reason"] == "length"
+
+
+def test_echo_without_logprobs(client: httpx.Client, parse_sse: Any, model: str) -> None:
+    [choice] = completion(client, model, max_tokens=5, echo=True)["choices"]
+    assert choice["text"].startswith(PROMPT) and choice["logprobs"] is None
+    chunks = stream_chunks(client, parse_sse, model, max_tokens=0, echo=True)
+    assert [c["choices"][0]["text"] for c in chunks] == [PROMPT, ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_prompt_as_a_list_of_one_and_ignored_fields(client: httpx.Client, model: str) -> None:
+    body = completion(client, model, prompt=[PROMPT], max_tokens=3, presence_penalty=0.5, frequency_penalty=0.1,
+                      best_of=1, logit_bias={"50": 1}, suffix=None, user="someone", stop=None, n=None,
+                      temperature=None, top_p=None, logprobs=None, echo=None, stream=None)
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_stream_without_usage_ends_with_finish_and_done(client: httpx.Client, parse_sse: Any, model: str) -> None:
+    chunks = stream_chunks(client, parse_sse, model, max_tokens=10)
+    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
+    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+
+
+@pytest.mark.parametrize(("fields", "param", "code"), [
+    ({"max_tokens": -1}, "max_tokens", "greater_than_equal"),
+    ({"max_tokens": 4097}, "max_tokens", "less_than_equal"),
+    ({"temperature": 2.5}, "temperature", "less_than_equal"),
+    ({"top_p": 0}, "top_p", "greater_than"),
+    ({"top_p": 1.5}, "top_p", "less_than_equal"),
+    ({"n": 0}, "n", "greater_than_equal"),
+    ({"n": 9}, "n", "less_than_equal"),
+    ({"logprobs": 6}, "logprobs", "less_than_equal"),
+    ({"prompt": ["a", "b"]}, "prompt", "too_long"),
+    ({"prompt": []}, "prompt", "too_short"),
+    ({"prompt": [1, 2]}, "prompt.0", "string_type"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "too_long"),
+    ({"stop": ""}, "stop.0", "string_too_short"),
+    ({"suffix": "x"}, "suffix", "none_required"),
+    ({"top_k": 5}, "top_k", "extra_forbidden"),
+    ({"stream_options": {"other": 1}}, "stream_options.other", "extra_forbidden"),
+])
+def test_invalid_requests_are_422(client: httpx.Client, assert_error: Any, model: str, fields: dict[str, Any],
+                                  param: str, code: str) -> None:
+    r = client.post("/v1/completions", json={"model": model, "prompt": "a", **fields})
+    assert assert_error(r, 422, "validation_error", param)["code"] == code
+
+
+def test_nan_temperature_is_422(client: httpx.Client, assert_error: Any, model: str) -> None:
+    body = b'{"model": "' + model.encode() + b'", "prompt": "a", "temperature": NaN}'
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert assert_error(r, 422, "validation_error", "temperature")["code"] == "finite_number"
+
+
+def test_unknown_model_is_404(client: httpx.Client, assert_error: Any) -> None:
+    r = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "a"})
+    assert assert_error(r, 404, "not_found_error", "model")["code"] == "model_not_found"
+
+
+def test_the_official_client_raises_typed_errors(oai: Any, model: str) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        oai.completions.create(model=model, prompt="a", max_tokens=-1)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="a")
+
+
+def test_an_error_after_the_stream_started(oai: Any, client: httpx.Client, parse_sse: Any, model: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    feed = Stepper.feed
+    calls = itertools.count()
+
+    def failing(self: Stepper, token: int) -> None:
+        if next(calls) % 20 == 19:
+            raise RuntimeError("secret-internal-detail")
+        feed(self, token)
+
+    monkeypatch.setattr(Stepper, "feed", failing)
+    with client.stream("POST", "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 100,
+                                                        "stream": True}) as r:
+        events = parse_sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2]) == {"error": {"message": "internal server error", "type": "server_error",
+                                                "param": None, "code": None}}
+    with pytest.raises(openai.APIError, match="internal server error"):
+        for _ in oai.completions.create(model=model, prompt=PROMPT, max_tokens=100, stream=True):
+            pass

@@ -1,0 +1,64 @@
+"""`adaptlm eval` and `adaptlm tune` as a user runs them."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "adaptlm", *args], capture_output=True, text=True, timeout=600,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_eval_json_modes_csv_and_plot(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    r = run("eval", "--checkpoint", str(tiny_checkpoint), str(DATA / "valid.txt"), "--limit", "2000",
+            "--mode", "static,sparse,cache", "--json", "--csv", str(tmp_path / "c.csv"),
+            "--plot", str(tmp_path / "p.png"), "--window", "500")
+    assert r.returncode == 0, r.stderr
+    records = json.loads(r.stdout)
+    assert [rec["mode"] for rec in records] == ["static", "sparse", "cache"]
+    static, sparse, cache = records
+    assert static["bytes"] == 2000 and static["params_adapted"] == 0 and static["state_bytes"] == 0
+    assert sparse["params_adapted"] == 64 * 64 and sparse["state_bytes"] == 64 * 64 * 4
+    assert {"lr", "decay", "eps", "segment", "adapter_units", "seconds"} <= set(sparse)
+    assert {"cache_window", "cache_theta", "cache_lambda"} <= set(cache)
+    rows = (tmp_path / "c.csv").read_text().splitlines()
+    assert rows[0] == "position,static_bits_per_byte,sparse_bits_per_byte,cache_bits_per_byte"
+    assert len(rows) == 1 + 4
+    mean_static = sum(float(r.split(",")[1]) for r in rows[1:]) / 4
+    assert mean_static == pytest.approx(static["bits_per_byte"], rel=1e-4)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_overrides_and_errors(tiny_checkpoint: Path) -> None:
+    base = ("eval", "--checkpoint", str(tiny_checkpoint), str(DATA / "valid.txt"), "--limit", "1000", "--json")
+    zero = json.loads(run(*base, "--mode", "sparse", "--lr", "0").stdout)
+    static = json.loads(run(*base, "--mode", "static").stdout)
+    assert zero["lr"] == 0 and zero["bits"] == pytest.approx(static["bits"], rel=1e-9)  # eta = 0 is static
+    r = run(*base, "--mode", "magic")
+    assert r.returncode == 2 and "unknown mode 'magic'" in r.stderr
+    r = run(*base, "--mode", "dynamic", "--segment", "0")
+    assert r.returncode == 2 and "segment" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tune_writes_tuned_settings(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, ck)
+    r = run("tune", "--checkpoint", str(ck), "--valid", str(DATA / "valid.txt"), "--bytes", "1500",
+            "--mode", "sparse", "--max-trials", "8")
+    assert r.returncode == 0, r.stderr
+    dyneval = json.loads((ck / "dyneval.json").read_text())
+    assert dyneval["tuned"] is True and dyneval["tuned_on"] == {"file": "valid.txt", "bytes": 1500}
+    sparse = dyneval["sparse"]
+    assert sparse["trials"] <= 8
+    assert sparse["valid_bpb"] <= sparse["valid_static_bpb"]
+    # eval now defaults to the tuned values
+    rec = json.loads(run("eval", "--checkpoint", str(ck), str(DATA / "valid.txt"), "--limit", "1500",
+                         "--mode", "sparse", "--json").stdout)
+    assert rec["lr"] == pytest.approx(sparse["lr"]) and rec["bits_per_byte"] == pytest.approx(sparse["valid_bpb"])
