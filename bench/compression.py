@@ -2,7 +2,7 @@
 
 Each text is scored as one stream from the model's initial state (batch 1, like `adaptlm score`).
 
-    python bench/compression.py [--checkpoint DIR] [--limit 100000]
+    python -m bench.compression [--checkpoint DIR] [--limit 100000]
 """
 
 from __future__ import annotations

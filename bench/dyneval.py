@@ -1,7 +1,7 @@
 """Dynamic-evaluation tables: bits per byte of static, neural cache, full and sparse dynamic evaluation
 on several texts, next to xz -9e and 7-Zip PPMd; adapted state per stream; speed; batched sparse throughput.
 
-    python bench/dyneval.py [--checkpoint DIR] [--limit 100000] [--texts book,spanish,...]
+    python -m bench.dyneval [--checkpoint DIR] [--limit 100000] [--texts book,spanish,...]
                             [--sizes 64,128,256,512] [--streams 1,8,32,128] [--plot docs/img/dyneval.png]
 
 Every mode uses the checkpoint's tuned settings (dyneval.json); run `adaptlm tune` first.

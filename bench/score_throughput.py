@@ -1,6 +1,6 @@
 """Scoring throughput (tokens/s) of a checkpoint at batch 1 and batch 32 (fp32, no gradients).
 
-    python bench/score_throughput.py [--checkpoint DIR] [--bytes 20000]
+    python -m bench.score_throughput [--checkpoint DIR] [--bytes 20000]
 """
 
 from __future__ import annotations

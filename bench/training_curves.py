@@ -1,6 +1,6 @@
 """Validation bits per byte against training minutes, from the JSON-lines logs of `adaptlm train`.
 
-    python bench/training_curves.py checkpoints/default/train.jsonl runs/h512/train.jsonl [--every 10]
+    python -m bench.training_curves checkpoints/default/train.jsonl runs/h512/train.jsonl [--every 10]
 """
 
 from __future__ import annotations
