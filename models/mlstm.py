@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.adapter import apply_adapter
+from kernels.adapter import AdapterSteps
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
 __all__ = ["MLSTM", "MLSTMConfig", "mlstm_cell"]
@@ -131,7 +131,7 @@ class MLSTM(LanguageModel):
         zx = F.linear(x, self.w_x.weight(), self.w_x.bias)  # (B, T, 4H)
         w_mh, w_m = self.w_mh.weight(), self.w_m.weight()
         h, c = state.tensors["h"], state.tensors["c"]
-        m_site = adapter.mats["h"] if adapter is not None else None
+        m_site = AdapterSteps(adapter.mats["h"]) if adapter is not None else None
         h_mask = None
         if self.training and cfg.dropout_hidden > 0:
             h_mask = _locked_mask(h.unsqueeze(1), cfg.dropout_hidden)[:, 0]  # (B, H)
@@ -142,7 +142,7 @@ class MLSTM(LanguageModel):
             h_in = h if h_mask is None else h * h_mask
             h, c = mlstm_cell(mx_t, zx_t, h_in, c, w_mh, w_m)
             if m_site is not None:
-                h = apply_adapter(h, m_site)  # h' = h + M h, used by recurrence and output
+                h = m_site(h)  # h' = h + M h, used by recurrence and output
             outs.append(h)
         hs = torch.stack(outs, dim=1)  # (B, T, H)
         if h_mask is not None:
