@@ -263,7 +263,11 @@ def default_dyneval(cfg: TrainConfig, stats: dict[str, torch.Tensor]) -> dict[st
         rms = [v.float().sqrt().mean() for k, v in stats.items() if k.startswith(prefix)]
         return float(torch.stack(rms).mean()) * 0.01 if rms else 1e-8
 
-    units = cfg.adapter_units or int(cfg.model.get("hidden", 0))
+    # Decision: the default sparse adapter is the largest multiple of 64 units whose k x k matrix stays
+    # within 2% of the model's parameters (thesis sec. 4.6 adapted 0.5%), capped by the site's size.
+    n_params = sum(v.numel() for k, v in stats.items() if k.startswith("param."))
+    site = max((v.shape[0] for k, v in stats.items() if k.startswith("adapter.")), default=0)
+    units = cfg.adapter_units or min(site, max(64, int((0.02 * n_params) ** 0.5) // 64 * 64))
     return {
         "tuned": False,
         "full": {"rule": "rms_decay", "lr": 1e-4, "decay": 2e-3, "eps": eps_for("param."),
