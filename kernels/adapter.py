@@ -103,12 +103,12 @@ class AdapterSteps:
         self._track = m.requires_grad and torch.is_grad_enabled()
         if self._track:
             self._tape = _Tape()
-            self._token = _Gather.apply(m, self._tape)
+            self._token = _Gather.apply(m, self._tape)  # type: ignore[no-untyped-call]
             self._m_data = m.detach()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         _check(h, self.m)
         if not self._track:
             return apply_adapter_ref(h, self.m)
-        out: torch.Tensor = _Step.apply(h, self._token, self._m_data, self._tape)
+        out: torch.Tensor = _Step.apply(h, self._token, self._m_data, self._tape)  # type: ignore[no-untyped-call]
         return out

@@ -7,6 +7,7 @@ sliced per session, stacked into a batch and serialised; they never live inside 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -86,6 +87,30 @@ class Adapter:
     def stack(adapters: list[Adapter]) -> Adapter:
         keys = adapters[0].mats.keys()
         return Adapter({k: torch.cat([a.mats[k] for a in adapters], dim=0) for k in keys})
+
+    @staticmethod
+    def stack_padded(adapters: Sequence[Adapter | None]) -> Adapter | None:
+        """Stack adapters of different sizes: each (b, k, k) fills the corner of a zero (b, K, K), K the largest
+        k of the site; a None entry is one row of M = 0. Padding changes nothing: the padded rows and columns
+        of M are 0, so h' = h + M h is the same on every unit. -> None if every entry is None."""
+        given = [a for a in adapters if a is not None]
+        if not given:
+            return None
+        out = {}
+        for site, ref in given[0].mats.items():
+            K = max(a.mats[site].shape[-1] for a in given)
+            rows = sum(a.batch if a is not None else 1 for a in adapters)
+            padded = ref.new_zeros(rows, K, K)  # (B, K, K)
+            b = 0
+            for a in adapters:
+                if a is None:
+                    b += 1
+                    continue
+                m = a.mats[site]  # (b_i, k, k)
+                padded[b : b + m.shape[0], : m.shape[1], : m.shape[2]] = m
+                b += m.shape[0]
+            out[site] = padded
+        return Adapter(out)
 
 
 @dataclass

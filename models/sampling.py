@@ -216,6 +216,28 @@ class Stepper:
         out = self.model(torch.tensor([[token]], device=self.device), self._state, self.adapter)  # (1, 1, V)
         self._state, self._logits = out.state, out.logits[0, -1]
 
+    @staticmethod
+    @torch.no_grad()
+    def feed_many(steppers: Sequence[Stepper], tokens: Sequence[int]) -> None:
+        """`feed` for several sequences of one model, in one batched forward: their states are stacked and their
+        adapters zero-padded to the largest (`Adapter.stack_padded`); each gets its own state and logits back."""
+        if len(steppers) != len(tokens):
+            raise ValueError("one token per stepper")
+        if len(steppers) == 1:
+            steppers[0].feed(tokens[0])
+            return
+        if not steppers:
+            return
+        model = steppers[0].model
+        if any(s.model is not model for s in steppers):
+            raise ValueError("feed_many needs steppers of one model")
+        state = State.stack([s._state for s in steppers])
+        adapter = Adapter.stack_padded([s.adapter for s in steppers])
+        x = torch.tensor(list(tokens), device=steppers[0].device).unsqueeze(1)  # (B, 1)
+        out = model(x, state, adapter)  # logits (B, 1, V)
+        for b, s in enumerate(steppers):
+            s._state, s._logits = out.state.select(b), out.logits[b, -1]
+
     def step(self) -> Step:
         """Sample a byte and, unless the sequence is finished, feed it to the model."""
         step = self.sample()

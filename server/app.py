@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.engine import Engine
+from server.engine import Engine, EngineConfig, MemorySessionStore
 from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
 from server.metrics import Metrics, MetricsMiddleware
 from server.routes import ROUTERS
@@ -34,10 +34,15 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = Engine(settings.checkpoint)
+        config = EngineConfig(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
+                              max_queue=settings.max_queue, retry_after_s=settings.retry_after_s,
+                              session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s)
+        store = MemorySessionStore(max_sessions=settings.max_sessions, max_bytes=settings.session_memory_bytes)
+        engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         await asyncio.to_thread(engine.start)
         metrics.model = engine.info.name
+        metrics.kernel = engine.info.kernel
         metrics.engine_stats = lambda: engine.stats
         app.state.engine = engine
         try:

@@ -17,14 +17,26 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.engine import EngineUnavailable
+from server.engine import (
+    EngineOverloaded,
+    EngineUnavailable,
+    SessionImportError,
+    SessionNotFound,
+    SessionStoreFull,
+    SessionsUnavailable,
+)
 from server.protocol import ErrorBody, ErrorResponse, ErrorType
 
 __all__ = [
-    "APIError", "AuthenticationError", "BadRequestError", "InternalServerError", "MethodNotAllowedError",
-    "NotFoundError", "PayloadTooLargeError", "ServiceUnavailableError", "UnprocessableEntityError",
-    "UnexpectedErrorMiddleware", "error_response", "install_error_handler", "openapi_responses", "to_api_error",
+    "APIError", "AuthenticationError", "BadRequestError", "ConflictError", "InternalServerError",
+    "MethodNotAllowedError", "NotFoundError", "PayloadTooLargeError", "RateLimitError", "ServiceUnavailableError",
+    "UnprocessableEntityError", "UnexpectedErrorMiddleware", "error_response", "install_error_handler",
+    "openapi_responses", "to_api_error",
 ]
+
+# What the engine raises; each is translated by `to_api_error`.
+_ENGINE_ERRORS = (EngineOverloaded, EngineUnavailable, SessionImportError, SessionNotFound, SessionStoreFull,
+                  SessionsUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +79,11 @@ class MethodNotAllowedError(APIError):
     type = "method_not_allowed_error"
 
 
+class ConflictError(APIError):
+    status = 409
+    type = "conflict_error"
+
+
 class PayloadTooLargeError(APIError):
     status = 413
     type = "payload_too_large_error"
@@ -75,6 +92,11 @@ class PayloadTooLargeError(APIError):
 class UnprocessableEntityError(APIError):
     status = 422
     type = "validation_error"
+
+
+class RateLimitError(APIError):
+    status = 429
+    type = "rate_limit_error"
 
 
 class InternalServerError(APIError):
@@ -89,7 +111,8 @@ class ServiceUnavailableError(APIError):
 
 _BY_STATUS: dict[int, type[APIError]] = {
     cls.status: cls for cls in (BadRequestError, AuthenticationError, NotFoundError, MethodNotAllowedError,
-                                PayloadTooLargeError, UnprocessableEntityError, ServiceUnavailableError)
+                                ConflictError, PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
+                                ServiceUnavailableError)
 }
 _LOCATIONS = {"body", "query", "path", "header", "cookie"}
 
@@ -139,9 +162,26 @@ def to_api_error(exc: Exception, request: Request) -> APIError:
             return MethodNotAllowedError(f"{request.method} is not allowed on {request.url.path}", headers=headers)
         cls = _BY_STATUS.get(exc.status_code, BadRequestError if exc.status_code < 500 else InternalServerError)
         return cls(str(exc.detail), headers=headers)
-    if isinstance(exc, EngineUnavailable):
-        return ServiceUnavailableError(str(exc), code="engine_unavailable")
+    if isinstance(exc, _ENGINE_ERRORS):
+        return _from_engine(exc)
     return InternalServerError("internal server error")
+
+
+def _from_engine(exc: Exception) -> APIError:
+    if isinstance(exc, EngineOverloaded):
+        return RateLimitError(str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, SessionNotFound):
+        return NotFoundError(str(exc), param="session_id", code="session_not_found")
+    if isinstance(exc, SessionStoreFull):
+        return ServiceUnavailableError(str(exc), code="session_store_full",
+                                       headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, SessionImportError):
+        if exc.conflict:
+            return ConflictError(str(exc), code="checkpoint_mismatch")
+        return UnprocessableEntityError(str(exc), param=exc.param, code="invalid_session_export")
+    if isinstance(exc, SessionsUnavailable):
+        return ServiceUnavailableError(f"sessions are unavailable: {exc}", code="sessions_unavailable")
+    return ServiceUnavailableError(str(exc), code="engine_unavailable")
 
 
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
@@ -152,7 +192,7 @@ async def handle_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handler(app: FastAPI) -> None:
-    for exc_class in (APIError, RequestValidationError, StarletteHTTPException, EngineUnavailable, Exception):
+    for exc_class in (APIError, RequestValidationError, StarletteHTTPException, *_ENGINE_ERRORS, Exception):
         app.add_exception_handler(exc_class, handle_error)
 
 

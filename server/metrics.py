@@ -6,13 +6,13 @@ import time
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.engine import EngineStats
 
-__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "TOKEN_LATENCY_BUCKETS", "Metrics", "MetricsMiddleware"]
+__all__ = ["BATCH_BUCKETS", "CONTENT_TYPE", "LATENCY_BUCKETS", "TOKEN_LATENCY_BUCKETS", "Metrics", "MetricsMiddleware"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds, as Prometheus expects, at millisecond resolution: a tiny model answers in a few ms,
@@ -20,6 +20,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Between two bytes of one stream: a tiny model steps in well under a millisecond, the default one in a few.
 TOKEN_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# Rows in one batched model call (text work, or one step of the running generations).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNMATCHED = "<unmatched>"  # route label of requests that matched no route (404s, refused bodies)
 
 
@@ -27,6 +29,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.model = ""  # label value; set once the engine has loaded the checkpoint
+        self.kernel = ""  # label value: the adapter kernel's implementation ("reference" until Triton)
         self.requests = Counter("adaptlm_http_requests", "HTTP requests by route and status.",
                                 ["model", "method", "route", "status"], registry=self.registry)
         self.latency = Histogram("adaptlm_http_request_duration_seconds",
@@ -77,6 +80,42 @@ class _EngineCollector(Collector):
         gauge = GaugeMetricFamily("adaptlm_active_generations", "Generations in progress.", labels=["model"])
         gauge.add_metric(model, stats.active)
         yield gauge
+        labels, values = ["model", "kernel"], [self._metrics.model, self._metrics.kernel]
+        batches = HistogramMetricFamily("adaptlm_batch_rows", "Rows (streams) per batched model call: text work "
+                                        "(scores, observes) and generation steps.", labels=[*labels, "work"])
+        for work, counts in (("text", stats.batch_rows), ("generate", stats.decode_rows)):
+            batches.add_metric([*values, work], *_buckets(counts))
+        yield batches
+        for name, doc, value in (
+            ("adaptlm_adaptation_updates", "Session adapter updates applied (one per segment).", stats.updates),
+            ("adaptlm_nonfinite_resets", "Adapter updates refused, or adapters reset, by the non-finite guard.",
+             stats.nonfinite_resets),
+            ("adaptlm_cancelled_work", "Scores and session operations dropped because their client went away.",
+             stats.cancelled_work),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(values, value)
+            yield counter
+        evictions = CounterMetricFamily("adaptlm_session_evictions", "Sessions evicted, by reason (ttl, lru).",
+                                        labels=[*labels, "reason"])
+        for reason, count in sorted(stats.evictions.items()):
+            evictions.add_metric([*values, reason], count)
+        yield evictions
+        for name, doc, value in (
+            ("adaptlm_queue_depth", "Work items waiting to start.", stats.queued),
+            ("adaptlm_active_sessions", "Sessions in the store.", stats.sessions),
+            ("adaptlm_session_store_bytes", "Tensor bytes the sessions hold.", stats.session_bytes),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+
+
+def _buckets(counts: dict[int, int]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative histogram buckets and the sum, from exact observation counts (value -> how many times)."""
+    buckets = [(str(float(b)), float(sum(c for v, c in counts.items() if v <= b))) for b in BATCH_BUCKETS]
+    buckets.append(("+Inf", float(sum(counts.values()))))
+    return buckets, float(sum(v * c for v, c in counts.items()))
 
 
 class MetricsMiddleware:

@@ -10,6 +10,9 @@ Streams are server-sent events (`text/event-stream`), one JSON object per `data:
 - `POST /v1/completions`: `CompletionResponse` chunks in OpenAI's `text_completion` shape (a choice's last
   chunk has its `finish_reason`; with `stream_options.include_usage`, a final chunk with no choices has the
   usage), then `data: [DONE]`; a failure after the start is an `ErrorResponse` before `[DONE]`.
+
+`GET /v1/sessions/{id}/state` answers, and `PUT` takes, `application/octet-stream`: a session export
+(safetensors bytes with JSON metadata), not JSON.
 """
 
 from __future__ import annotations
@@ -19,23 +22,30 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 __all__ = [
-    "ERROR_TYPES", "CompletionChoice", "CompletionLogprobs", "CompletionRequest", "CompletionResponse", "ErrorBody",
-    "ErrorResponse", "ErrorType", "FinishReason", "GenerateChunk", "GenerateDone", "GenerateRequest",
-    "GenerateResponse", "HealthResponse", "ModelCard", "ModelList", "ReadyResponse", "ScoreRequest", "ScoreResponse",
-    "StreamOptions", "Timings", "Usage",
+    "ERROR_TYPES", "SESSION_ID_PATTERN", "AdaptationParams", "AdaptationSettings", "CompletionChoice",
+    "CompletionLogprobs", "CompletionRequest", "CompletionResponse", "ErrorBody", "ErrorResponse", "ErrorType",
+    "FinishReason", "GenerateChunk", "GenerateDone", "GenerateRequest", "GenerateResponse", "HealthResponse",
+    "ModelCard", "ModelList", "ObserveRequest", "ObserveResponse", "ReadyResponse", "ScoreRequest", "ScoreResponse",
+    "SessionCreateRequest", "SessionResponse", "SessionStatsBody", "StreamOptions", "Timings", "Usage",
 ]
 
 # Every `error.type` the server sends; a client maps each to one exception class.
 ErrorType = Literal[
     "invalid_request_error",  # 400: the body is not JSON, or otherwise unusable
     "authentication_error",  # 401: missing or wrong API key
-    "not_found_error",  # 404: no such route or resource
+    "not_found_error",  # 404: no such route or resource (a session of another API key included)
     "method_not_allowed_error",  # 405
+    "conflict_error",  # 409: a session export from another checkpoint
     "payload_too_large_error",  # 413: the body or the text is over the server's limit
     "validation_error",  # 422: the JSON does not match the schema; `param` names the field
+    "rate_limit_error",  # 429: the work queue is full; retry after the Retry-After header's seconds
     "server_error",  # 500: a bug; the message says nothing more
-    "service_unavailable_error",  # 503: the model is not loaded or the engine has stopped
+    "service_unavailable_error",  # 503: the model is not loaded, the engine has stopped, or the session store is full
 ]
+# What session ids look like (the server makes 32 characters; an import may name its own).
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{16,128}$"
+SessionId = Annotated[str, Field(min_length=1, max_length=128, strict=True,
+                                 description="A session (POST /v1/sessions) of the same API key.")]
 ERROR_TYPES: tuple[ErrorType, ...] = get_args(ErrorType)
 
 
@@ -45,6 +55,11 @@ class ScoreRequest(BaseModel):
     # pydantic refuses a lone surrogate (`"\ud800"`) here, so the text always has UTF-8 bytes.
     text: str = Field(min_length=1, strict=True, description="Text to score, as its UTF-8 bytes.")
     logprobs: bool = Field(default=False, strict=True, description="Also return each byte's natural-log probability.")
+    session_id: SessionId | None = Field(default=None, description="Score the text as the continuation of this "
+                                                                   "session's stream, under its adapter.")
+    adapt: bool = Field(default=False, strict=True,
+                        description="With a session: score each segment, then adapt on it (the session keeps "
+                                    "the adaptation). Without: the session is not changed.")
 
 
 class ScoreResponse(BaseModel):
@@ -53,6 +68,10 @@ class ScoreResponse(BaseModel):
     bytes: int = Field(description="Length of the text in UTF-8 bytes.")
     bits_per_byte: float = Field(description="bits / bytes.")
     logprobs: list[float] | None = Field(default=None, description="Natural-log probability of each byte, if asked.")
+    session_id: str | None = Field(default=None, description="The session it was scored under, if any.")
+    nonfinite_reset: bool = Field(default=False, description="The non-finite guard refused an adapter update (or "
+                                                             "reset the adapter): the session kept its last good "
+                                                             "values.")
 
 
 FinishReason = Literal["length", "stop"]  # length: max_tokens bytes were generated; stop: a stop string appeared
@@ -77,6 +96,12 @@ class GenerateRequest(BaseModel):
     stop: list[StopString] = Field(default_factory=list, max_length=4,
                                    description="Up to 4 stop strings; the text ends before the first one that appears.")
     stream: bool = Field(default=False, strict=True, description="Send server-sent events as the text is generated.")
+    session_id: SessionId | None = Field(default=None, description="Continue this session's stream, with its "
+                                                                   "adapter; the session is not changed unless "
+                                                                   "`adapt_while_generating`.")
+    adapt_while_generating: bool = Field(default=False, strict=True,
+                                         description="With a session: once generated, the session observes the "
+                                                     "prompt and the generated bytes (thesis sec. 4.3).")
 
 
 class Usage(BaseModel):
@@ -182,6 +207,83 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class AdaptationParams(BaseModel):
+    """A session's sparse dynamic evaluation (thesis sec. 4.6); what is left out comes from the checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float | None = Field(default=None, ge=0, allow_inf_nan=False, description="Learning rate eta.")
+    decay: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False,
+                                description="Decay lambda towards the unadapted model (M = 0).")
+    adapter_size: int | None = Field(default=None, ge=1, strict=True,
+                                     description="k: M is k x k on the first k units of the adaptation site "
+                                                 "(at most the site's units).")
+
+
+class AdaptationSettings(BaseModel):
+    lr: float
+    decay: float
+    adapter_size: int
+    rule: str = Field(description="The checkpoint's update rule (sgd, sgd_decay, rms, rms_decay).")
+    eps: float
+    segment: int = Field(description="Bytes scored per update.")
+
+
+class SessionCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    initial_text: str | None = Field(default=None, min_length=1, strict=True,
+                                     description="Text for the new session to observe first.")
+    ttl_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                description="Seconds the session lives after its last use (server default and "
+                                            "maximum apply).")
+    adaptation: AdaptationParams | None = None
+
+
+class ObserveRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(min_length=1, strict=True, description="Text the session reads next, as its UTF-8 bytes.")
+
+
+class ObserveResponse(BaseModel):
+    """A text's cost under the session, each segment scored before the session adapted on it."""
+
+    bits: float
+    bytes: int
+    bits_per_byte: float
+    static_bits: float = Field(description="The same text's bits under the unadapted model (same context).")
+    static_bits_per_byte: float
+    updates: int = Field(description="Adapter updates applied (one per segment).")
+    nonfinite_reset: bool = Field(description="The non-finite guard refused an update (or reset the adapter); the "
+                                              "session kept its last good values.")
+
+
+class SessionStatsBody(BaseModel):
+    bytes_observed: int
+    updates: int
+    nonfinite_resets: int
+    bits: float = Field(description="Bits of everything observed, each segment scored before adapting on it.")
+    bits_per_byte: float | None = Field(description="bits / bytes_observed; null before any text.")
+    static_bits: float = Field(description="Bits of the same text under the unadapted model.")
+    static_bits_per_byte: float | None
+    gain_over_static: float | None = Field(description="1 - bits / static_bits: the running gain of adaptation.")
+
+
+class SessionResponse(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    model: str
+    created: float = Field(description="Unix time.")
+    last_used: float = Field(description="Unix time.")
+    expires_at: float = Field(description="Unix time, unless it is used again before.")
+    ttl_s: float
+    adaptation: AdaptationSettings
+    state_bytes: int = Field(description="Bytes of tensors the session holds (states and adapter).")
+    stats: SessionStatsBody
+    observed: ObserveResponse | None = Field(default=None, description="Creation: what `initial_text` cost.")
 
 
 class ModelCard(BaseModel):

@@ -8,6 +8,14 @@
     ADAPTLM_MAX_BODY_BYTES   largest request body; larger bodies are refused with 413 before parsing
     ADAPTLM_LOG_LEVEL        critical | error | warning | info | debug | trace
     ADAPTLM_API_KEYS         comma-separated keys; when set, /v1 routes need `Authorization: Bearer <key>`
+    ADAPTLM_MAX_BATCH        rows per batched model call (a session observe takes two: adapted and static)
+    ADAPTLM_MAX_WAIT_MS      coming from idle, how long the engine waits for more work to fill a batch
+    ADAPTLM_MAX_QUEUE        work items waiting to start; beyond it, 429 with Retry-After
+    ADAPTLM_RETRY_AFTER_S    the Retry-After of a 429 (and of a 503 for a full session store)
+    ADAPTLM_MAX_SESSIONS     sessions kept in memory; the least recently used idle one makes room
+    ADAPTLM_SESSION_MEMORY_BYTES   tensor bytes all sessions may hold (state, static state, adapter)
+    ADAPTLM_SESSION_TTL_S    a session's default time to live after its last use
+    ADAPTLM_MAX_SESSION_TTL_S      the longest `ttl_s` a client may ask for
 """
 
 from __future__ import annotations
@@ -39,6 +47,14 @@ class Settings(BaseSettings):
     log_level: LogLevel = "info"
     # NoDecode: the environment holds a comma list, not JSON.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
+    max_batch: int = Field(default=32, ge=1)
+    max_wait_ms: float = Field(default=2.0, ge=0, le=1000, allow_inf_nan=False)
+    max_queue: int = Field(default=256, ge=1)
+    retry_after_s: int = Field(default=1, ge=1)
+    max_sessions: int = Field(default=10_000, ge=1)
+    session_memory_bytes: int = Field(default=1 << 30, ge=1)
+    session_ttl_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+    max_session_ttl_s: float = Field(default=7 * 86400.0, gt=0, allow_inf_nan=False)
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -57,4 +73,7 @@ class Settings(BaseSettings):
         if self.max_body_bytes < self.max_text_bytes:
             raise ValueError(f"max_body_bytes ({self.max_body_bytes}) must be at least max_text_bytes "
                              f"({self.max_text_bytes}), or the text limit could never be reached")
+        if self.session_ttl_s > self.max_session_ttl_s:
+            raise ValueError(f"session_ttl_s ({self.session_ttl_s}) must be at most max_session_ttl_s "
+                             f"({self.max_session_ttl_s})")
         return self

@@ -6,7 +6,7 @@ evaluation, so they are computed once from the config and MS_g and each step is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -15,6 +15,8 @@ from models.adaptation._config import DynEvalConfig
 __all__ = ["UpdateRule"]
 
 Coef = float | torch.Tensor
+# a batch row of `UpdateRule.stack`: its rule and the shape of each of its tensors; None for a row that stays fixed
+RowRule = tuple["UpdateRule", Mapping[str, tuple[int, ...]]] | None
 
 
 class UpdateRule:
@@ -50,6 +52,33 @@ class UpdateRule:
             mean = total / count if total > 0 else 1.0
             for n in self.names:
                 self.decay[n] = lam * (rms[n] / mean).clamp(max=1.0 / lam)  # eq. 4.7: lambda * RMSnorm
+
+    @classmethod
+    def stack(cls, rows: Sequence[RowRule], shapes: Mapping[str, tuple[int, ...]], *,
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> UpdateRule:
+        """One rule over a batch of tensors `(B, *shapes[name])` whose row b steps exactly like its own rule.
+
+        A row's coefficients fill the leading corner of its padded slot (e.g. a (k, k) adapter in the batch's
+        (K, K)); the rest of the slot, and every coefficient of a None row, is 0, so padding and fixed rows
+        keep their values through `step`. This lets streams with different sizes, learning rates and decays
+        share one batched update. -> scale[name], decay[name]: (B, *shapes[name]).
+        """
+        scale: dict[str, Coef] = {}
+        decay: dict[str, Coef] = {}
+        for name, shape in shapes.items():
+            s = torch.zeros(len(rows), *shape, dtype=dtype, device=device)  # (B, *shape)
+            d = torch.zeros_like(s)
+            for b, row in enumerate(rows):
+                if row is None:
+                    continue
+                rule, own = row
+                corner = tuple(slice(0, n) for n in own[name])
+                s[b][corner] = rule.scale[name]
+                d[b][corner] = rule.decay[name]
+            scale[name], decay[name] = s, d
+        stacked = cls.__new__(cls)
+        stacked.names, stacked.scale, stacked.decay = list(shapes), scale, decay
+        return stacked
 
     def step(self, theta: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
              start: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

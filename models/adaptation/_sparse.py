@@ -18,7 +18,7 @@ from models.adaptation._config import DynEvalConfig
 from models.adaptation._rules import UpdateRule
 from models.base import Adapter, LanguageModel, Output, State
 
-__all__ = ["SparseStep", "adapter_ms_g", "sparse_step"]
+__all__ = ["ScoreStep", "SparseStep", "adapter_ms_g", "score_step", "sparse_step"]
 
 ForwardFn = Callable[[torch.Tensor, State, Adapter | None], Output]
 
@@ -30,6 +30,11 @@ class SparseStep(NamedTuple):
     failed: torch.Tensor  # (B,) bool: rows whose new M or state was non-finite (update dropped)
     log_dist: torch.Tensor  # (B, n, V) the model's log-distribution at every position (detached)
     hidden: torch.Tensor | None  # (B, n, H) h' fed to the output layer (detached), for the neural cache
+
+
+class ScoreStep(NamedTuple):
+    logprobs: torch.Tensor  # (B, n) natural-log p(target); 0 on padding
+    state: State  # each row's state after its own last real token
 
 
 @contextlib.contextmanager
@@ -118,6 +123,18 @@ def sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tenso
         return _sparse_step(model, _plain(inputs), _plain(targets), _plain(mask),
                             State({k: _plain(v) for k, v in state.tensors.items()}),
                             {n: _plain(m) for n, m in adapter.mats.items()}, ms_g, config, rule)
+
+
+@torch.no_grad()
+def score_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+               state: State, adapter: Adapter | None = None) -> ScoreStep:
+    """`sparse_step` without the update: score one segment of B right-padded streams, each with its own M
+    (or none). Same layout as `sparse_step`; its log-probs equal sparse_step's for the same inputs."""
+    lengths = mask.long().sum(1)  # (B,)
+    with eval_mode(model):
+        logits, _, new_state = forward_rows(model, inputs, lengths, state, adapter)
+        lp = log_softmax(logits).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
+    return ScoreStep(logprobs=torch.where(mask, lp, 0.0), state=new_state)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,31 @@
-"""The engine: owns the model and runs it on a worker thread; no FastAPI here."""
+"""The engine: owns the model and runs it on a worker thread, batching work across requests and sessions;
+no FastAPI here."""
 
-from server.engine._engine import Engine, EngineUnavailable, ModelInfo
-from server.engine._generation import EngineStats, Event, Finished, GenerationStream, PromptScored, Token, TokenLogprob
+from server.engine._engine import Engine, EngineConfig, ModelInfo, SessionLimits, TextScore, new_session_id
+from server.engine._errors import (
+    EngineOverloaded,
+    EngineUnavailable,
+    SessionImportError,
+    SessionNotFound,
+    SessionStoreFull,
+    SessionsUnavailable,
+)
+from server.engine._generation import Event, Finished, GenerationStream, PromptScored, Token, TokenLogprob
+from server.engine._sessions import (
+    AdaptationConfig,
+    MemorySessionStore,
+    Session,
+    SessionStats,
+    SessionStore,
+    StoreStats,
+    export_session,
+    import_session,
+)
+from server.engine._stats import EngineStats
 
 __all__ = [
-    "Engine", "EngineStats", "EngineUnavailable", "Event", "Finished", "GenerationStream", "ModelInfo", "PromptScored",
-    "Token", "TokenLogprob",
+    "AdaptationConfig", "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event",
+    "Finished", "GenerationStream", "MemorySessionStore", "ModelInfo", "PromptScored", "Session", "SessionImportError",
+    "SessionLimits", "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull", "SessionsUnavailable",
+    "StoreStats", "TextScore", "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
 ]

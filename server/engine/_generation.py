@@ -17,22 +17,13 @@ from types import TracebackType
 
 import torch
 
+from models.base import Adapter, State
 from models.checkpoint import Checkpoint
 from models.sampling import FinishReason, SamplingParams, Stepper, top_logprobs
+from models.scoring import BOS
+from server.engine._stats import EngineStats
 
-__all__ = [
-    "EngineStats", "Event", "Finished", "GenerationJob", "GenerationStream", "PromptScored", "Token", "TokenLogprob",
-]
-
-
-@dataclass
-class EngineStats:
-    """Counters of the work done; written by the worker thread only, read as a copy."""
-
-    prompt_tokens: int = 0  # bytes prefilled
-    generated_tokens: int = 0  # bytes sampled
-    cancelled: int = 0  # generations stopped early because their caller went away
-    active: int = 0  # generations in progress
+__all__ = ["Event", "Finished", "GenerationJob", "GenerationStream", "PromptScored", "Token", "TokenLogprob"]
 
 
 @dataclass(frozen=True)
@@ -128,16 +119,25 @@ class GenerationStream:
 
 class GenerationJob:
     """`n` sequences from one prompt, advanced by the worker thread: `start` prefills the prompt once (the
-    sequences fork its state), then each `advance` samples one byte of every unfinished sequence.
+    sequences fork its state), then each `sample` samples one byte of every unfinished sequence, which the
+    engine then feeds to the model together with every other job's.
 
-    `params` None: no generation, only the prompt (its log-probabilities, if asked for).
+    `params` None: no generation, only the prompt (its log-probabilities, if asked for). With `session_id`,
+    the engine starts it from that session's state and adapter; with `adapt`, it then has the session
+    observe the prompt and sequence 0's bytes (`generated`).
     """
 
     def __init__(self, stream: GenerationStream, loop: asyncio.AbstractEventLoop, prompt: bytes,
-                 params: SamplingParams | None, n: int, logprobs: int | None, prompt_logprobs: bool) -> None:
+                 params: SamplingParams | None, n: int, logprobs: int | None, prompt_logprobs: bool, *,
+                 session_id: str | None = None, owner: str | None = None, adapt: bool = False) -> None:
         self._stream = stream
         self._loop = loop
-        self._prompt = prompt
+        self.prompt = prompt
+        self.session_id = session_id
+        self.owner = owner
+        self.adapt = adapt
+        self.generated = bytearray()  # with `adapt`: sequence 0's sampled bytes
+        self.failed = False
         self._params = params
         self._n = n
         self._logprobs = logprobs
@@ -156,17 +156,21 @@ class GenerationJob:
             self._stream.cancel()
 
     def fail(self, error: BaseException) -> None:
+        self.failed = True
         self._send(_Failed(error))
 
-    def start(self, ckpt: Checkpoint, stats: EngineStats) -> bool:
-        """Prefill; returns True when there is nothing left to do."""
+    def start(self, ckpt: Checkpoint, stats: EngineStats, *, state: State | None = None, last_byte: int = BOS,
+              adapter: Adapter | None = None) -> bool:
+        """Prefill, continuing from `state` (whose next input is `last_byte`) with `adapter`, or from the
+        initial state after the BOS byte; returns True when there is nothing left to do."""
         if self._params is None and not self._prompt_logprobs:
             self._finish_all_unstarted()
             return True
-        first = Stepper(ckpt.model, self._params or SamplingParams())
+        first = Stepper(ckpt.model, self._params or SamplingParams(), state=state, last_byte=last_byte,
+                        adapter=adapter)
         k = self._logprobs or 0
-        scored = first.prefill(self._prompt, logprobs=k if self._prompt_logprobs else None)
-        stats.prompt_tokens += len(self._prompt)
+        scored = first.prefill(self.prompt, logprobs=k if self._prompt_logprobs else None)
+        stats.prompt_tokens += len(self.prompt)
         if scored is not None:
             self._send(PromptScored(tuple(TokenLogprob(lp, tuple(top))
                                           for lp, top in zip(scored.logprobs, scored.top, strict=True))))
@@ -185,13 +189,22 @@ class GenerationJob:
         for i in range(self._n):
             self._send(Finished(i, "length", 0, None, seconds))
 
-    def advance(self, stats: EngineStats) -> bool:
-        """One byte of every unfinished sequence; returns True when all are finished."""
+    @property
+    def finished(self) -> bool:
+        """Every sequence is finished (after `start`)."""
+        return not self._steppers
+
+    def sample(self, stats: EngineStats) -> list[tuple[Stepper, int]]:
+        """Sample one byte of every unfinished sequence (no model call) and send its events; -> the sequences
+        that go on, with their byte, for the engine to feed (`Stepper.feed_many`, all jobs in one forward)."""
+        feeds = []
         for i, stepper in list(self._steppers.items()):
-            step = stepper.step()
+            step = stepper.sample()
             now = time.perf_counter()
             self._first_token.setdefault(i, now)
             stats.generated_tokens += 1
+            if i == 0 and self.adapt:
+                self.generated.append(step.token)
             logprob = None
             if self._logprobs is not None:
                 target = torch.tensor([step.token], device=step.logits.device)  # (1,)
@@ -203,4 +216,6 @@ class GenerationJob:
                 submitted = self._stream.submitted
                 self._send(Finished(i, stepper.finish_reason, stepper.tokens, self._first_token[i] - submitted,
                                     now - submitted))
-        return not self._steppers
+            else:
+                feeds.append((stepper, step.token))
+        return feeds

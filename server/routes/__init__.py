@@ -2,9 +2,9 @@
 
 from fastapi import APIRouter
 
-from server.routes import completions, generate, health, metrics, models, score
+from server.routes import completions, generate, health, metrics, models, score, sessions
 
 __all__ = ["ROUTERS"]
 
-ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, score.router, generate.router, completions.router,
-                                  metrics.router)
+ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, score.router, sessions.router, generate.router,
+                                  completions.router, metrics.router)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Annotated
 
@@ -15,8 +16,8 @@ from server.serving import Context
 from server.settings import Settings
 
 __all__ = [
-    "ContextDep", "EngineDep", "MetricsDep", "SettingsDep", "get_context", "get_engine", "get_metrics", "get_settings",
-    "require_api_key",
+    "ContextDep", "EngineDep", "MetricsDep", "OwnerDep", "SettingsDep", "api_key_owner", "get_context", "get_engine",
+    "get_metrics", "get_settings", "require_api_key",
 ]
 
 
@@ -44,23 +45,15 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
 
-
-def get_context(request: Request, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep) -> Context:
-    """What the serving layer needs; `route` (a metric label) is the route's path template."""
-    route = getattr(request.scope.get("route"), "path", request.url.path)
-    return Context(engine=engine, settings=settings, metrics=metrics, request=request, route=str(route))
-
-
-ContextDep = Annotated[Context, Depends(get_context)]
-
 _bearer = HTTPBearer(auto_error=False, description="One of the server's API keys (ADAPTLM_API_KEYS).")
 
 
-def require_api_key(settings: SettingsDep,
-                    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    """No-op unless keys are configured; then `Authorization: Bearer <key>` must carry one of them."""
+def api_key_owner(settings: SettingsDep,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str | None:
+    """No-op unless keys are configured; then `Authorization: Bearer <key>` must carry one of them.
+    -> who owns the sessions this request creates and may see: the key's SHA-256 (None without keys)."""
     if not settings.api_keys:
-        return
+        return None
     if credentials is None:
         raise AuthenticationError("missing API key: send `Authorization: Bearer <key>`", code="missing_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
@@ -69,3 +62,21 @@ def require_api_key(settings: SettingsDep,
     matches = [hmac.compare_digest(given, key.get_secret_value().encode()) for key in settings.api_keys]
     if not any(matches):
         raise AuthenticationError("invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return hashlib.sha256(given).hexdigest()
+
+
+OwnerDep = Annotated[str | None, Depends(api_key_owner)]
+
+
+def get_context(request: Request, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep,
+                owner: OwnerDep) -> Context:
+    """What the serving layer needs; `route` (a metric label) is the route's path template."""
+    route = getattr(request.scope.get("route"), "path", request.url.path)
+    return Context(engine=engine, settings=settings, metrics=metrics, request=request, route=str(route), owner=owner)
+
+
+ContextDep = Annotated[Context, Depends(get_context)]
+
+
+def require_api_key(owner: OwnerDep) -> None:
+    """A router dependency: the request carries a valid key (when keys are configured)."""

@@ -11,6 +11,7 @@ from server.errors import (
     BadRequestError,
     NotFoundError,
     PayloadTooLargeError,
+    RateLimitError,
     ServiceUnavailableError,
     UnprocessableEntityError,
     openapi_responses,
@@ -23,7 +24,7 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)],
                    responses=openapi_responses(BadRequestError, AuthenticationError, NotFoundError,
-                                               PayloadTooLargeError, UnprocessableEntityError,
+                                               PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
                                                ServiceUnavailableError))
 
 # FastAPI adds the JSON body of `response_model` beside this.

@@ -1,4 +1,5 @@
-"""POST /v1/generate: a continuation of a prompt, whole or streamed as server-sent events."""
+"""POST /v1/generate: a continuation of a prompt (or of a session's stream), whole or streamed as server-sent
+events."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from fastapi import APIRouter, Depends, Response
 from server.errors import (
     AuthenticationError,
     BadRequestError,
+    NotFoundError,
     PayloadTooLargeError,
+    RateLimitError,
     ServiceUnavailableError,
     UnprocessableEntityError,
     openapi_responses,
@@ -21,8 +24,9 @@ from server.serving import create_generation
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Depends(require_api_key)],
-                   responses=openapi_responses(BadRequestError, AuthenticationError, PayloadTooLargeError,
-                                               UnprocessableEntityError, ServiceUnavailableError))
+                   responses=openapi_responses(BadRequestError, AuthenticationError, NotFoundError,
+                                               PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
+                                               ServiceUnavailableError))
 
 # FastAPI adds the JSON body of `response_model` beside this.
 _STREAM: dict[int | str, dict[str, Any]] = {200: {

@@ -19,8 +19,8 @@ from server.metrics import Metrics
 from server.protocol import ErrorResponse
 from server.settings import Settings
 
-__all__ = ["Context", "StreamTimer", "check_limit", "check_prompt", "error_event", "run_unless_disconnected",
-           "sse", "sse_response"]
+__all__ = ["Context", "StreamTimer", "check_limit", "check_prompt", "check_text", "error_event",
+           "run_unless_disconnected", "sse", "sse_response"]
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,17 @@ class Context:
     metrics: Metrics
     request: Request
     route: str  # metric label
+    owner: str | None = None  # the API key's hash: whose sessions this request may use
+
+
+def check_text(data: bytes, settings: Settings, param: str) -> None:
+    if len(data) > settings.max_text_bytes:
+        raise PayloadTooLargeError(f"{param} is {len(data)} bytes; this server takes at most "
+                                   f"{settings.max_text_bytes}", param=param, code="text_too_long")
 
 
 def check_prompt(prompt: bytes, settings: Settings) -> None:
-    if len(prompt) > settings.max_text_bytes:
-        raise PayloadTooLargeError(f"prompt is {len(prompt)} bytes; this server takes at most "
-                                   f"{settings.max_text_bytes}", param="prompt", code="text_too_long")
+    check_text(prompt, settings, "prompt")
 
 
 def check_limit(value: int, limit: int, param: str) -> None:

@@ -8,6 +8,7 @@ from fastapi import Response
 
 from models.sampling import SamplingParams
 from server.engine import Finished, GenerationStream, Token
+from server.errors import UnprocessableEntityError
 from server.protocol import GenerateChunk, GenerateDone, GenerateRequest, GenerateResponse, Timings, Usage
 from server.serving._common import (
     Context,
@@ -33,7 +34,13 @@ async def create_generation(body: GenerateRequest, ctx: Context) -> GenerateResp
     check_limit(max_tokens, limit, "max_tokens")
     params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                             seed=body.seed, stop=tuple(body.stop))
-    stream = ctx.engine.generate(prompt, params)
+    if body.adapt_while_generating and body.session_id is None:
+        raise UnprocessableEntityError("adapt_while_generating: adapting needs a session_id",
+                                       param="adapt_while_generating", code="session_required")
+    if body.session_id is not None:
+        ctx.engine.get_session(body.session_id, ctx.owner, touch=False)  # a 404 now, rather than in the stream
+    stream = ctx.engine.generate(prompt, params, session_id=body.session_id, owner=ctx.owner,
+                                 adapt=body.adapt_while_generating)
     if body.stream:
         return sse_response(_events(stream, len(prompt), ctx))
     response = await run_unless_disconnected(ctx.request, _collect(stream, len(prompt)))

@@ -23,6 +23,7 @@ from models.adaptation import (
     adapted_parameter_names,
     evaluate,
     evaluate_many,
+    score_step,
     sparse_step,
     split_documents,
 )
@@ -396,6 +397,50 @@ def test_sparse_step_row_without_tokens_is_untouched_and_padding_ends_its_state(
         assert torch.equal(value[1], state.tensors[key][1])
     with pytest.raises(ValueError, match="prefix"):
         sparse_step(model, inputs, inputs, mask.flip(1), state, Adapter({"h": mats}), None, cfg)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_stacked_rule_steps_each_row_like_its_own_rule(rule: str) -> None:
+    """Rows of different adapter sizes, learning rates and decays in one padded batch (the server's case)."""
+    model = _model()
+    stats = _stats(model)
+    g = torch.Generator().manual_seed(5)
+    sizes, lrs, decays = [4, 16, 9], [0.1, 0.02, 0.5], [0.01, 0.2, 0.0]
+    rules = [UpdateRule(DynEvalConfig(mode="sparse", rule=rule, lr=lr, decay=lam), ["h"],
+                        {"h": stats["adapter.h"][:k, :k]}) for k, lr, lam in zip(sizes, lrs, decays, strict=True)]
+    K = max(sizes)
+    theta = torch.zeros(4, K, K, dtype=torch.float64)
+    grads = torch.randn(4, K, K, generator=g, dtype=torch.float64)
+    for b, k in enumerate(sizes):
+        theta[b, :k, :k] = torch.randn(k, k, generator=g, dtype=torch.float64)
+    theta[3] = torch.randn(K, K, generator=g, dtype=torch.float64)  # a fixed row
+    rows = [(r, {"h": (k, k)}) for r, k in zip(rules, sizes, strict=True)] + [None]
+    stacked = UpdateRule.stack(rows, {"h": (K, K)}, dtype=torch.float64)
+    out = stacked.step({"h": theta}, {"h": grads})["h"]
+    for b, (r, k) in enumerate(zip(rules, sizes, strict=True)):
+        own = r.step({"h": theta[b : b + 1, :k, :k]}, {"h": grads[b : b + 1, :k, :k]})["h"][0]
+        torch.testing.assert_close(out[b, :k, :k], own, rtol=1e-12, atol=1e-15)
+        assert not out[b, k:].any() and not out[b, :, k:].any()  # padding stays zero
+    assert torch.equal(out[3], theta[3])
+
+
+def test_score_step_equals_sparse_step_scores() -> None:
+    model = _model(embed_std=1.0)
+    g = torch.Generator().manual_seed(2)
+    inputs = torch.randint(0, 256, (3, 9), generator=g)
+    targets = torch.randint(0, 256, (3, 9), generator=g)
+    mask = torch.arange(9).unsqueeze(0) < torch.tensor([[9], [4], [7]])
+    state = model(inputs, model.init_state(3)).state
+    mats = 0.05 * torch.randn(3, H, H, generator=g, dtype=torch.float64)
+    cfg = DynEvalConfig(mode="sparse", rule="sgd", lr=0.5)
+    ref = sparse_step(model, inputs, targets, mask, state, Adapter({"h": mats}), None, cfg)
+    got = score_step(model, inputs, targets, mask, state, Adapter({"h": mats}))
+    torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0, atol=1e-12)
+    for key, value in got.state.tensors.items():
+        torch.testing.assert_close(value, ref.state.tensors[key], rtol=0, atol=1e-12)
+    plain = score_step(model, inputs, targets, mask, state)
+    zero = score_step(model, inputs, targets, mask, state, Adapter({"h": torch.zeros_like(mats)}))
+    assert torch.equal(plain.logprobs, zero.logprobs)
 
 
 def test_full_guard_drops_non_finite_updates() -> None:

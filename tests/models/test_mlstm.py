@@ -157,3 +157,21 @@ def test_adapter_gradient_matches_plain_autograd() -> None:
     st = State({"h": h0, "c": torch.zeros(3, 12).double()})
     (gh,) = torch.autograd.grad(model(x, st, Adapter({"h": m.detach()})).logits.sum(), [h0])
     assert torch.isfinite(gh).all() and gh.abs().sum() > 0
+
+
+def test_stack_padded_adapters_change_nothing() -> None:
+    """Zero-padding an adapter to a larger k (and M = 0 for rows without one) leaves every output as it was."""
+    from models.base import Adapter
+
+    torch.manual_seed(0)
+    model = MLSTM(MLSTMConfig(hidden=16, embed_dim=8, dropout_hidden=0.0)).double().eval()
+    x = torch.randint(0, 256, (3, 7))
+    small = Adapter({"h": 0.1 * torch.randn(1, 5, 5, dtype=torch.float64)})
+    large = Adapter({"h": 0.1 * torch.randn(1, 12, 12, dtype=torch.float64)})
+    stacked = Adapter.stack_padded([small, None, large])
+    assert stacked is not None and stacked.mats["h"].shape == (3, 12, 12)
+    assert Adapter.stack_padded([None, None]) is None
+    out = model(x, model.init_state(3), stacked)
+    for b, adapter in enumerate([small, None, large]):
+        alone = model(x[b : b + 1], model.init_state(1), adapter)
+        torch.testing.assert_close(out.logits[b], alone.logits[0], rtol=0, atol=1e-12)

@@ -152,3 +152,33 @@ def test_a_fork_is_a_fresh_sequence_from_the_same_prompt(model: MLSTM) -> None:
     assert text == "".join(generate(model, b"The ", SamplingParams(max_tokens=15, seed=1)))
     other = "".join(forked.step().text for _ in range(15))
     assert other == "".join(generate(model, b"The ", SamplingParams(max_tokens=15, seed=2)))
+
+
+def test_feed_many_equals_feeding_each(model: MLSTM) -> None:
+    """Several sequences, with adapters of different sizes or none, in one batched step."""
+    from models.base import Adapter
+
+    g = torch.Generator().manual_seed(3)
+    adapters = [None, Adapter({"h": 0.1 * torch.randn(1, 4, 4, generator=g)}),
+                Adapter({"h": 0.1 * torch.randn(1, 16, 16, generator=g)})]
+    prompts = [b"one", b"the second", b"3"]
+
+    def steppers() -> list[Stepper]:
+        out = []
+        for prompt, adapter in zip(prompts, adapters, strict=True):
+            s = Stepper(model, SamplingParams(max_tokens=50, seed=1), adapter=adapter)
+            s.prefill(prompt)
+            out.append(s)
+        return out
+
+    batched, single = steppers(), steppers()
+    for _ in range(6):
+        tokens = [s.sample().token for s in batched]
+        assert [s.sample().token for s in single] == tokens
+        Stepper.feed_many(batched, tokens)
+        for s, t in zip(single, tokens, strict=True):
+            s.feed(t)
+        for a, b in zip(batched, single, strict=True):
+            torch.testing.assert_close(a._logits, b._logits, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one token per stepper"):
+        Stepper.feed_many(batched, [1])

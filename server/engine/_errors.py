@@ -1,0 +1,50 @@
+"""What the engine raises to its callers; server/errors.py translates each into the API's one error shape."""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineOverloaded", "EngineUnavailable", "SessionImportError", "SessionNotFound", "SessionStoreFull",
+    "SessionsUnavailable",
+]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not running (not started, stopped, or its worker thread died)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The work queue is full; the caller should retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class SessionNotFound(LookupError):
+    """No such session for this owner (never created, deleted, expired, evicted, or another key's)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"no session {session_id!r} (it may have expired or been evicted)")
+        self.session_id = session_id
+
+
+class SessionStoreFull(RuntimeError):
+    """The session store is at its limits and nothing can be evicted (every session has work in flight)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class SessionImportError(ValueError):
+    """An exported session that cannot be imported: `conflict` when it belongs to other weights, otherwise
+    because it is not a valid export for this model."""
+
+    def __init__(self, message: str, *, conflict: bool = False, param: str | None = None) -> None:
+        super().__init__(message)
+        self.conflict = conflict
+        self.param = param
+
+
+class SessionsUnavailable(RuntimeError):
+    """The checkpoint cannot adapt sessions (e.g. it has no adapter statistics for its update rule)."""

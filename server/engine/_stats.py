@@ -1,0 +1,28 @@
+"""The engine's counters, read by the metrics collector at each scrape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["EngineStats"]
+
+
+@dataclass
+class EngineStats:
+    """Counters of the work done; written by the worker thread only (the session-store fields are filled in
+    when a copy is taken), read as a copy."""
+
+    prompt_tokens: int = 0  # bytes prefilled
+    generated_tokens: int = 0  # bytes sampled
+    cancelled: int = 0  # generations stopped early because their caller went away
+    active: int = 0  # generations in progress
+    cancelled_work: int = 0  # text work and session operations dropped because their caller went away
+    queued: int = 0  # work items waiting to start
+    batches: int = 0  # batched model calls of text work
+    batch_rows: dict[int, int] = field(default_factory=dict)  # rows in a batched call -> how many calls
+    decode_rows: dict[int, int] = field(default_factory=dict)  # the same for generation's one-byte steps
+    updates: int = 0  # session adapter updates applied
+    nonfinite_resets: int = 0  # updates refused (or adapters reset) by the non-finite guard
+    sessions: int = 0
+    session_bytes: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)  # by reason: ttl, lru

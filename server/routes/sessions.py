@@ -1,0 +1,78 @@
+"""/v1/sessions: per-session dynamic evaluation (create, read, delete, reset, observe, export, import)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Response
+
+from server.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RateLimitError,
+    ServiceUnavailableError,
+    UnprocessableEntityError,
+    openapi_responses,
+)
+from server.protocol import SESSION_ID_PATTERN, ObserveRequest, ObserveResponse, SessionCreateRequest, SessionResponse
+from server.routes._deps import ContextDep, require_api_key
+from server.serving import sessions
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require_api_key)],
+                   responses=openapi_responses(BadRequestError, AuthenticationError, NotFoundError,
+                                               PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
+                                               ServiceUnavailableError))
+
+SessionPath = Annotated[str, Path(description="The session's id.")]
+_BLOB: dict[str, Any] = {"content": {sessions.STATE_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+                         "description": "The session's export: safetensors bytes with versioned JSON metadata, "
+                                        "tagged with the checkpoint's weights hash."}
+
+
+@router.post("", response_model=SessionResponse, status_code=201)
+async def create_session(body: SessionCreateRequest, ctx: ContextDep) -> SessionResponse | Response:
+    """A new session (optionally having observed `initial_text`)."""
+    return await sessions.create_session(body, ctx)
+
+
+@router.get("/{session_id}", response_model=SessionResponse)
+async def get_session(session_id: SessionPath, ctx: ContextDep) -> SessionResponse:
+    """The session's settings and running statistics (bits per byte observed, static, gain)."""
+    return sessions.get_session(session_id, ctx)
+
+
+@router.delete("/{session_id}", status_code=204, response_class=Response)
+async def delete_session(session_id: SessionPath, ctx: ContextDep) -> Response:
+    return sessions.delete_session(session_id, ctx)
+
+
+@router.post("/{session_id}/reset", response_model=SessionResponse)
+async def reset_session(session_id: SessionPath, ctx: ContextDep) -> SessionResponse | Response:
+    """Back to the start: initial state, adapter zero, statistics cleared; id, settings and TTL kept."""
+    return await sessions.reset_session(session_id, ctx)
+
+
+@router.post("/{session_id}/observe", response_model=ObserveResponse)
+async def observe(session_id: SessionPath, body: ObserveRequest, ctx: ContextDep) -> ObserveResponse | Response:
+    """The text's bits under the session, each segment scored before the session adapts on it."""
+    return await sessions.observe(session_id, body, ctx)
+
+
+@router.get("/{session_id}/state", response_class=Response, responses={200: _BLOB})
+async def export_state(session_id: SessionPath, ctx: ContextDep) -> Response:
+    """The session's state, adapter, settings and statistics as one binary blob (no pickle)."""
+    return await sessions.export_state(session_id, ctx)
+
+
+@router.put("/{session_id}/state", response_model=SessionResponse,
+            responses=openapi_responses(ConflictError) | {200: {"description": "The imported session."}},
+            openapi_extra={"requestBody": {"required": True, **_BLOB}})
+async def import_state(session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN)],
+                       ctx: ContextDep) -> SessionResponse | Response:
+    """Create or replace the session from an export of this checkpoint (409 for another checkpoint's)."""
+    return await sessions.import_state(session_id, ctx)

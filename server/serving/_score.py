@@ -1,0 +1,27 @@
+"""POST /v1/score: a text's bits, statically or under a session (with or without adapting it)."""
+
+from __future__ import annotations
+
+from fastapi import Response
+
+from server.errors import UnprocessableEntityError
+from server.protocol import ScoreRequest, ScoreResponse
+from server.serving._common import Context, check_text, run_unless_disconnected
+
+__all__ = ["create_score"]
+
+
+async def create_score(body: ScoreRequest, ctx: Context) -> ScoreResponse | Response:
+    data = body.text.encode("utf-8")
+    check_text(data, ctx.settings, "text")
+    if body.adapt and body.session_id is None:
+        raise UnprocessableEntityError("adapt: adapting needs a session_id", param="adapt", code="session_required")
+    work = ctx.engine.score(data, logprobs=body.logprobs, session_id=body.session_id, owner=ctx.owner,
+                            adapt=body.adapt)
+    result = await run_unless_disconnected(ctx.request, work)
+    if result is None:
+        return Response(status_code=499)  # nginx's "client closed request"
+    ctx.metrics.scored_bytes.labels(ctx.metrics.model).inc(result.bytes)
+    return ScoreResponse(model=ctx.engine.info.name, bits=result.bits, bytes=result.bytes,
+                         bits_per_byte=result.bits_per_byte, logprobs=result.logprobs, session_id=body.session_id,
+                         nonfinite_reset=result.nonfinite_reset)

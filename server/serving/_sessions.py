@@ -1,0 +1,116 @@
+"""The /v1/sessions resource: per-session dynamic evaluation with sparse adapters (thesis sec. 4.6).
+
+A session is one text stream: each observe scores the text under the session (before adapting on each
+segment), then keeps the adaptation. Sessions belong to the API key that created them; another key gets
+404 for them, as for a session that does not exist.
+"""
+
+from __future__ import annotations
+
+from fastapi import Response
+
+from server.engine import AdaptationConfig, Session, TextScore
+from server.errors import UnprocessableEntityError
+from server.protocol import (
+    AdaptationParams,
+    AdaptationSettings,
+    ObserveRequest,
+    ObserveResponse,
+    SessionCreateRequest,
+    SessionResponse,
+    SessionStatsBody,
+)
+from server.serving._common import Context, check_limit, check_text, run_unless_disconnected
+
+__all__ = ["create_session", "delete_session", "export_state", "get_session", "import_state", "observe",
+           "reset_session"]
+
+STATE_MEDIA_TYPE = "application/octet-stream"
+
+
+def observed(result: TextScore) -> ObserveResponse:
+    static = result.static_bits if result.static_bits is not None else float("nan")
+    return ObserveResponse(bits=result.bits, bytes=result.bytes, bits_per_byte=result.bits_per_byte,
+                           static_bits=static, static_bits_per_byte=static / result.bytes, updates=result.updates,
+                           nonfinite_reset=result.nonfinite_reset)
+
+
+def session_response(session: Session, ctx: Context, result: TextScore | None = None) -> SessionResponse:
+    limits = ctx.engine.session_limits()
+    st = session.stats
+    return SessionResponse(
+        id=session.id, model=ctx.engine.info.name, created=session.created, last_used=session.last_used,
+        expires_at=session.expires_at(), ttl_s=session.ttl_s,
+        adaptation=AdaptationSettings(lr=session.config.lr, decay=session.config.decay,
+                                      adapter_size=session.config.adapter_size, rule=limits.rule, eps=limits.eps,
+                                      segment=limits.segment),
+        state_bytes=session.nbytes,
+        stats=SessionStatsBody(bytes_observed=st.bytes_observed, updates=st.updates,
+                               nonfinite_resets=st.nonfinite_resets, bits=st.bits, bits_per_byte=st.bits_per_byte,
+                               static_bits=st.static_bits, static_bits_per_byte=st.static_bits_per_byte,
+                               gain_over_static=st.gain_over_static),
+        observed=observed(result) if result is not None else None)
+
+
+def _config(params: AdaptationParams | None, ctx: Context) -> AdaptationConfig:
+    """The checkpoint's defaults, overridden by the request; the adapter must fit the model's site."""
+    limits = ctx.engine.session_limits()
+    p = params or AdaptationParams()
+    size = limits.adapter_size if p.adapter_size is None else p.adapter_size
+    check_limit(size, limits.max_adapter_size, "adaptation.adapter_size")
+    return AdaptationConfig(lr=limits.lr if p.lr is None else p.lr, decay=limits.decay if p.decay is None else p.decay,
+                            adapter_size=size)
+
+
+async def create_session(body: SessionCreateRequest, ctx: Context) -> SessionResponse | Response:
+    config = _config(body.adaptation, ctx)
+    if body.ttl_s is not None and body.ttl_s > ctx.settings.max_session_ttl_s:
+        raise UnprocessableEntityError(f"ttl_s: Input should be less than or equal to "
+                                       f"{ctx.settings.max_session_ttl_s} (this server's limit)",
+                                       param="ttl_s", code="less_than_equal")
+    initial = body.initial_text.encode("utf-8") if body.initial_text is not None else None
+    if initial is not None:
+        check_text(initial, ctx.settings, "initial_text")
+    work = ctx.engine.create_session(owner=ctx.owner, config=config, ttl_s=body.ttl_s, initial_text=initial)
+    created = await run_unless_disconnected(ctx.request, work)
+    if created is None:
+        return Response(status_code=499)
+    session, result = created
+    return session_response(session, ctx, result)
+
+
+def get_session(session_id: str, ctx: Context) -> SessionResponse:
+    return session_response(ctx.engine.get_session(session_id, ctx.owner), ctx)
+
+
+def delete_session(session_id: str, ctx: Context) -> Response:
+    ctx.engine.delete_session(session_id, ctx.owner)
+    return Response(status_code=204)
+
+
+async def reset_session(session_id: str, ctx: Context) -> SessionResponse | Response:
+    session = await run_unless_disconnected(ctx.request, ctx.engine.reset_session(session_id, ctx.owner))
+    return session_response(session, ctx) if session is not None else Response(status_code=499)
+
+
+async def observe(session_id: str, body: ObserveRequest, ctx: Context) -> ObserveResponse | Response:
+    data = body.text.encode("utf-8")
+    check_text(data, ctx.settings, "text")
+    work = ctx.engine.score(data, session_id=session_id, owner=ctx.owner, adapt=True)
+    result = await run_unless_disconnected(ctx.request, work)
+    return observed(result) if result is not None else Response(status_code=499)
+
+
+async def export_state(session_id: str, ctx: Context) -> Response:
+    blob = await ctx.engine.export_session(session_id, ctx.owner)
+    return Response(blob, media_type=STATE_MEDIA_TYPE,
+                    headers={"Content-Disposition": f'attachment; filename="session-{session_id}.safetensors"'})
+
+
+async def import_state(session_id: str, ctx: Context) -> SessionResponse | Response:
+    blob = await ctx.request.body()
+    if not blob:
+        raise UnprocessableEntityError("body: send the bytes of GET /v1/sessions/{id}/state", param="body",
+                                       code="missing")
+    session = await run_unless_disconnected(ctx.request, ctx.engine.import_session(session_id, ctx.owner, blob))
+    return session_response(session, ctx) if session is not None else Response(status_code=499)

@@ -1,0 +1,214 @@
+"""The in-process session store (LRU, TTL, memory budget, pins, owners) and the session export format."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from models.base import Adapter, State
+from server.engine import (
+    AdaptationConfig,
+    MemorySessionStore,
+    Session,
+    SessionImportError,
+    SessionStats,
+    SessionStoreFull,
+    export_session,
+    import_session,
+)
+
+HASH = "a" * 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(session_id: str, owner: str | None = None, *, k: int = 4, ttl: float = 60.0, seed: int = 0) -> Session:
+    g = torch.Generator().manual_seed(seed)
+    state = {"h": torch.randn(1, 8, generator=g), "c": torch.randn(1, 8, generator=g)}
+    return Session(id=session_id, owner=owner, created=1000.0, last_used=1000.0, ttl_s=ttl,
+                   config=AdaptationConfig(lr=1e-3, decay=2e-3, adapter_size=k),
+                   state=State(state), static_state=State({n: t + 1 for n, t in state.items()}),
+                   last_byte=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
+                   stats=SessionStats(bytes_observed=40, updates=2, bits=100.0, static_bits=110.0))
+
+
+SIZE = make("x").nbytes  # 2 states of 2 x 8 floats, a 4 x 4 adapter
+
+
+def test_sizes_and_stats() -> None:
+    assert SIZE == (4 * 8 + 16) * 4
+    s = make("x")
+    assert s.stats.bits_per_byte == 2.5 and s.stats.static_bits_per_byte == 2.75
+    assert s.stats.gain_over_static == pytest.approx(1 - 100 / 110)
+    assert SessionStats().bits_per_byte is None and SessionStats().gain_over_static is None
+
+
+def test_lru_eviction_by_count_keeps_the_recently_used() -> None:
+    store = MemorySessionStore(max_sessions=2, max_bytes=10**9, clock=Clock())
+    store.insert(make("a"))
+    store.insert(make("b"))
+    assert store.get("a", None) is not None  # a is now the most recently used
+    store.insert(make("c"))
+    assert store.get("b", None) is None
+    assert store.get("a", None) is not None and store.get("c", None) is not None
+    stats = store.stats()
+    assert (stats.sessions, stats.bytes, stats.evictions["lru"], stats.evictions["ttl"]) == (2, 2 * SIZE, 1, 0)
+
+
+def test_memory_budget_evicts_by_bytes() -> None:
+    store = MemorySessionStore(max_sessions=100, max_bytes=2 * SIZE + 10, clock=Clock())
+    for name in "abc":
+        store.insert(make(name))
+    assert [store.contains(n) for n in "abc"] == [False, True, True]
+    assert store.stats().bytes == 2 * SIZE
+    with pytest.raises(SessionStoreFull):  # larger than the whole budget: refused, nothing evicted
+        store.insert(make("big", k=64))
+    assert store.stats().sessions == 2 and store.stats().evictions["lru"] == 1
+
+
+def test_pinned_sessions_are_never_evicted() -> None:
+    store = MemorySessionStore(max_sessions=2, max_bytes=10**9, clock=Clock())
+    store.insert(make("a"))
+    store.insert(make("b"))
+    store.pin("a")
+    store.pin("b")
+    with pytest.raises(SessionStoreFull):
+        store.insert(make("c"))
+    assert store.contains("a") and store.contains("b") and store.stats().evictions["lru"] == 0
+    store.unpin("b")
+    store.insert(make("c"))
+    assert store.contains("a") and not store.contains("b") and store.contains("c")
+
+
+def test_ttl_expiry_is_counted_and_extended_by_use() -> None:
+    clock = Clock()
+    store = MemorySessionStore(max_sessions=10, max_bytes=10**9, clock=clock)
+    store.insert(make("a", ttl=10))
+    store.insert(make("b", ttl=10))
+    clock.now += 8
+    assert store.get("a", None) is not None  # touched: a lives until 1018
+    clock.now += 5
+    assert store.get("b", None) is None
+    assert store.get("a", None) is not None
+    assert store.stats().evictions["ttl"] == 1
+    clock.now += 11
+    store.pin("a")
+    assert store.sweep() == 0 and store.get("a", None, touch=False) is not None  # in use: not expired
+    store.unpin("a")
+    assert store.sweep() == 1 and store.stats().sessions == 0 and store.stats().evictions["ttl"] == 2
+
+
+def test_owners_see_only_their_sessions() -> None:
+    store = MemorySessionStore(max_sessions=10, max_bytes=10**9, clock=Clock())
+    store.insert(make("a", owner="alice"))
+    assert store.get("a", "bob") is None and store.get("a", None) is None
+    assert not store.delete("a", "bob")
+    assert store.contains("a") and store.get("a", "alice") is not None
+    assert store.delete("a", "alice") and not store.contains("a")
+
+
+def test_update_only_replaces_a_present_session() -> None:
+    store = MemorySessionStore(max_sessions=10, max_bytes=10**9, clock=Clock())
+    store.insert(make("a"))
+    newer = dataclasses.replace(make("a", seed=1), last_byte=33)
+    assert store.update(newer)
+    got = store.get("a", None)
+    assert got is not None and got.last_byte == 33
+    store.delete("a", None)
+    assert not store.update(newer) and not store.contains("a")
+
+
+def test_concurrent_use_keeps_the_books() -> None:
+    store = MemorySessionStore(max_sessions=50, max_bytes=10**9)
+
+    def work(t: int) -> None:
+        for i in range(200):
+            name = f"s{(t * 7 + i) % 80}"
+            store.insert(make(name))
+            store.get(name, None)
+            if i % 3 == 0:
+                store.delete(f"s{(t + i) % 80}", None)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = store.stats()
+    assert stats.sessions <= 50 and stats.bytes == stats.sessions * SIZE
+
+
+# -- export and import -----------------------------------------------------------------------------------
+
+
+def test_export_import_round_trip() -> None:
+    original = make("a", owner="alice", seed=3)
+    blob = export_session(original, HASH)
+    template = dataclasses.replace(make("b", owner="bob", seed=9), stats=SessionStats())
+    session, config = import_session(blob, model_hash=HASH, template=template)
+    assert (session.id, session.owner, session.created) == ("b", "bob", template.created)
+    assert config == original.config == session.config
+    assert session.stats == original.stats and session.last_byte == original.last_byte
+    for a, b in ((session.state, original.state), (session.static_state, original.static_state)):
+        assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)
+    assert torch.equal(session.adapter.mats["h"], original.adapter.mats["h"])
+    again = export_session(session, HASH)  # the blob carries no id or owner: the same content
+    assert _meta(again) == _meta(blob)
+    assert all(torch.equal(t, load(blob)[k]) for k, t in load(again).items())
+
+
+def _meta(blob: bytes) -> dict[str, str]:
+    meta: dict[str, str] = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    return meta
+
+
+def test_import_from_other_weights_is_a_conflict() -> None:
+    blob = export_session(make("a"), HASH)
+    with pytest.raises(SessionImportError, match="other weights") as info:
+        import_session(blob, model_hash="b" * 64, template=make("b"))
+    assert info.value.conflict
+
+
+def _with_meta(blob: bytes, **changes: str) -> bytes:
+    """The blob with its safetensors header metadata changed (same tensors)."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + n])
+    header["__metadata__"].update(changes)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + blob[8 + n :]
+
+
+@pytest.mark.parametrize("mangle", ["empty", "garbage", "plain-safetensors", "version", "truncated", "session-json",
+                                    "bad-byte", "shape"])
+def test_invalid_exports_are_refused(mangle: str) -> None:
+    from safetensors.torch import save
+
+    good = export_session(make("a"), HASH)
+    meta = json.loads(_meta(good)["session"])
+    blob = {
+        "empty": b"",
+        "garbage": b"\x00" * 64,
+        "plain-safetensors": save({"x": torch.zeros(2)}),
+        "version": _with_meta(good, version="99"),
+        "truncated": good[:-10],
+        "session-json": _with_meta(good, session="{not json"),
+        "bad-byte": _with_meta(good, session=json.dumps({**meta, "last_byte": 300})),
+        "shape": export_session(make("a", k=5), HASH),
+    }[mangle]
+    template = make("b") if mangle != "shape" else dataclasses.replace(
+        make("b"), state=State({"h": torch.zeros(1, 9), "c": torch.zeros(1, 9)}))
+    with pytest.raises(SessionImportError) as info:
+        import_session(blob, model_hash=HASH, template=template)
+    assert not info.value.conflict
