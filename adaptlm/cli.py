@@ -1,7 +1,8 @@
-"""`adaptlm` command line: train, score, generate, eval, tune, serve.
+"""`adaptlm` command line: train, score, generate, eval, tune, serve, and `client ...` (the SDK, against a server).
 
 User mistakes (bad flags, unreadable files, bad checkpoints, empty text) print one line to stderr and
-exit with status 2; no tracebacks.
+exit with status 2; no tracebacks. `adaptlm client` commands print the server's error in one line and exit
+with 2 when the request was at fault (a 4xx answer), 1 when the server failed or could not be reached.
 """
 
 from __future__ import annotations
@@ -9,10 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from clients import Client
 
 __all__ = ["main"]
 
@@ -216,13 +221,223 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- adaptlm client ...: the Python SDK (clients/) against a running server ------------------------------------
+
+
+def _client(args: argparse.Namespace) -> Client:
+    from clients import DEFAULT_BASE_URL, Client, RetryPolicy
+
+    if args.max_retries < 0:
+        raise UsageError("--max-retries must not be negative")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError("--timeout must be positive")
+    options: dict[str, Any] = {"api_key": args.api_key or None, "retry": RetryPolicy(max_retries=args.max_retries)}
+    if args.timeout is not None:
+        options["timeout"] = args.timeout
+    url = args.url or DEFAULT_BASE_URL
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url {url!r}: give the server's http:// or https:// address")
+    return Client(url, **options)
+
+
+def _text_or_file(text: str | None, path: str | None, what: str) -> str:
+    """The text given on the command line, or a file's (`-`: standard input), which must be UTF-8."""
+    if (text is None) == (path is None):
+        raise UsageError(f"give the {what} either as an argument or with --file, not both")
+    if text is not None:
+        return text
+    assert path is not None
+    data = _read_text_arg(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def _print_model(model: Any) -> None:
+    print(model.model_dump_json())
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    """Runs one `adaptlm client` command; an SDK error is one line: exit 2 for a 4xx answer, else 1."""
+    from clients import AdaptlmError
+
+    try:
+        with _client(args) as client:
+            return int(args.client_func(client, args))
+    except AdaptlmError as e:
+        details = ", ".join(str(part) for part in (e.status, e.type) if part is not None)
+        if e.param:
+            details += f", param {e.param}"
+        print(f"adaptlm: error: {e.message}" + (f" ({details})" if details else ""), file=sys.stderr)
+        return 2 if e.status is not None and 400 <= e.status < 500 else 1
+
+
+def client_health(client: Client, args: argparse.Namespace) -> int:
+    _print_model(client.ready())
+    return 0
+
+
+def client_score(client: Client, args: argparse.Namespace) -> int:
+    text = _text_or_file(args.text, args.file, "text")
+    if args.adapt and not args.session:
+        raise UsageError("--adapt needs --session")
+    result = client.score(text, logprobs=args.logprobs, session_id=args.session, adapt=args.adapt)
+    if args.json:
+        _print_model(result)
+    else:
+        print(f"{result.bits_per_byte:.4f} bits per byte ({result.bytes} bytes, {result.bits:.1f} bits)")
+    return 0
+
+
+def client_generate(client: Client, args: argparse.Namespace) -> int:
+    if args.adapt and not args.session:
+        raise UsageError("--adapt needs --session")
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+               "top_p": args.top_p, "seed": args.seed, "stop": args.stop, "session_id": args.session,
+               "adapt_while_generating": args.adapt}
+    if not args.stream:
+        result = client.generate(args.prompt, **options)
+        if args.json:
+            _print_model(result)
+        else:
+            print(result.text)
+        return 0
+    out = sys.stdout
+    with client.generate_stream(args.prompt, **options) as stream:
+        for chunk in stream:
+            if not args.json:
+                out.write(chunk)
+                out.flush()
+    if args.json:
+        print(json.dumps({"text": stream.text, **stream.result.model_dump(mode="json")}))
+    else:
+        out.write("\n")
+    return 0
+
+
+def client_session_create(client: Client, args: argparse.Namespace) -> int:
+    session = client.create_session(args.initial_text, ttl_s=args.ttl, lr=args.lr, decay=args.decay,
+                                    adapter_size=args.adapter_size)
+    _print_model(session.info)
+    return 0
+
+
+def client_session_get(client: Client, args: argparse.Namespace) -> int:
+    _print_model(client.get_session(args.id))
+    return 0
+
+
+def client_session_delete(client: Client, args: argparse.Namespace) -> int:
+    client.delete_session(args.id)
+    return 0
+
+
+def client_session_reset(client: Client, args: argparse.Namespace) -> int:
+    _print_model(client.reset_session(args.id))
+    return 0
+
+
+def client_session_observe(client: Client, args: argparse.Namespace) -> int:
+    _print_model(client.observe(args.id, _text_or_file(args.text, args.file, "text")))
+    return 0
+
+
+def client_session_export(client: Client, args: argparse.Namespace) -> int:
+    blob = client.export_state(args.id)
+    if args.out == "-":
+        sys.stdout.buffer.write(blob)
+        sys.stdout.buffer.flush()
+    else:
+        try:
+            Path(args.out).write_bytes(blob)
+        except OSError as e:
+            raise UsageError(f"{args.out}: cannot write ({e.strerror})") from None
+    return 0
+
+
+def client_session_import(client: Client, args: argparse.Namespace) -> int:
+    try:
+        blob = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    except OSError as e:
+        raise UsageError(f"{args.file}: cannot read ({e.strerror})") from None
+    if not blob:
+        raise UsageError(f"{args.file}: empty: not a session export")
+    _print_model(client.import_state(args.id, blob).info)
+    return 0
+
+
+def _add_client_parsers(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help="the server (default: http://127.0.0.1:8000)")
+    common.add_argument("--api-key", default=os.environ.get("ADAPTLM_API_KEY"),
+                        help="sent as `Authorization: Bearer KEY` (default: $ADAPTLM_API_KEY)")
+    common.add_argument("--timeout", type=float, help="seconds to wait for an answer (default: 120)")
+    common.add_argument("--max-retries", type=int, default=2, help="retries of a 429 or 503 answer (default: 2)")
+
+    c = sub.add_parser("client", help="talk to a running server (the Python SDK)")
+    csub = c.add_subparsers(dest="client_command", required=True, parser_class=_Parser)
+
+    def leaf(parent: Any, name: str, func: Any, summary: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = parent.add_parser(name, help=summary, parents=[common])
+        p.set_defaults(func=cmd_client, client_func=func)
+        return p
+
+    leaf(csub, "health", client_health, "is the server ready (GET /readyz)")
+
+    s = leaf(csub, "score", client_score, "bits per byte of a text (POST /v1/score)")
+    s.add_argument("text", nargs="?", help="the text (or --file)")
+    s.add_argument("--file", help="read the text from a file, - for standard input")
+    s.add_argument("--session", help="score under this session")
+    s.add_argument("--adapt", action="store_true", help="with --session: the session adapts on the text")
+    s.add_argument("--logprobs", action="store_true", help="with --json: each byte's log-probability")
+    s.add_argument("--json", action="store_true")
+
+    g = leaf(csub, "generate", client_generate, "continue a prompt (POST /v1/generate)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, help="bytes to generate (default: the server's, 200)")
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--session", help="continue this session's stream")
+    g.add_argument("--adapt", action="store_true", help="with --session: the session then observes the text")
+    g.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    g.add_argument("--json", action="store_true", help="print the answer as JSON")
+
+    se = csub.add_parser("session", help="adaptive sessions (/v1/sessions)")
+    ssub = se.add_subparsers(dest="session_command", required=True, parser_class=_Parser)
+    cr = leaf(ssub, "create", client_session_create, "a new session; prints it as JSON")
+    cr.add_argument("--initial-text", help="text for the session to observe first")
+    cr.add_argument("--ttl", type=float, help="seconds the session lives after its last use")
+    cr.add_argument("--lr", type=float, help="adaptation learning rate (default: the checkpoint's)")
+    cr.add_argument("--decay", type=float, help="decay towards the unadapted model")
+    cr.add_argument("--adapter-size", type=int, help="units of the adaptation site")
+    for name, func, what in (("get", client_session_get, "the session's settings and statistics, as JSON"),
+                             ("delete", client_session_delete, "delete the session"),
+                             ("reset", client_session_reset, "back to the start; prints the session")):
+        leaf(ssub, name, func, what).add_argument("id")
+    ob = leaf(ssub, "observe", client_session_observe, "the session reads a text and adapts; prints the cost")
+    ob.add_argument("id")
+    ob.add_argument("text", nargs="?", help="the text (or --file)")
+    ob.add_argument("--file", help="read the text from a file, - for standard input")
+    ex = leaf(ssub, "export", client_session_export, "write the session's state (bytes)")
+    ex.add_argument("id")
+    ex.add_argument("--out", default="-", help="file to write (default: standard output)")
+    im = leaf(ssub, "import", client_session_import, "create or replace session ID from an export")
+    im.add_argument("id")
+    im.add_argument("--file", default="-", help="the export (default: standard input)")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         _fail(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="adaptlm", description="Adaptive language models: train, score, generate, serve.")
+    p = _Parser(prog="adaptlm", description="Adaptive language models: train, score, generate, serve, and a "
+                                            "client of the server.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a checkpoint")
@@ -294,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host")
     v.add_argument("--port", type=int)
     v.set_defaults(func=cmd_serve)
+
+    _add_client_parsers(sub)
     return p
 
 

@@ -1,0 +1,233 @@
+"""What the two clients share, without I/O: each endpoint's request and how its answer is read, the headers,
+and the server-sent-event decoder. `Client` and `AsyncClient` only send these and sleep between retries.
+
+Request bodies are plain dicts of the arguments given (None is left out, so the server's defaults apply);
+they are not validated here: the server is the one judge, and its 422 names the field (`param`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from clients._errors import AdaptlmError, error_from_body
+from server.protocol import (
+    GenerateChunk,
+    GenerateDone,
+    GenerateResponse,
+    HealthResponse,
+    ModelList,
+    ObserveResponse,
+    ReadyResponse,
+    ScoreResponse,
+    SessionResponse,
+)
+
+__all__ = [
+    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "STATE_MEDIA_TYPE", "Call", "SSEDecoder", "create_session",
+    "delete_session", "export_state", "generate", "generate_stream", "get_session", "headers", "health",
+    "import_state", "models", "observe", "parse_generate_event", "ready", "reset_session", "score",
+]
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+# Generation of a few thousand bytes on a CPU can take a while; connecting should not.
+DEFAULT_TIMEOUT = httpx.Timeout(120.0, connect=10.0)
+STATE_MEDIA_TYPE = "application/octet-stream"
+
+
+@lru_cache(maxsize=1)
+def user_agent() -> str:
+    try:
+        ours = version("adaptlm")
+    except PackageNotFoundError:
+        ours = "0.0.0"
+    return f"adaptlm-python/{ours} httpx/{httpx.__version__}"
+
+
+def headers(api_key: str | None, extra: Mapping[str, str] | None) -> dict[str, str]:
+    out = {"User-Agent": user_agent()}
+    if api_key is not None:
+        out["Authorization"] = f"Bearer {api_key}"
+    out.update(extra or {})
+    return out
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and how to read its (successful) answer. `retry`: False where a refusal is the answer
+    (a readiness probe's 503 means "not ready", not "ask again")."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], T]
+    json: Mapping[str, Any] | None = None
+    content: bytes | None = None
+    content_type: str | None = None
+    retry: bool = True
+
+    def request(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
+        extra = {"Content-Type": self.content_type} if self.content_type else None
+        return http.build_request(self.method, self.path, json=self.json, content=self.content, headers=extra)
+
+
+def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
+    def parse(response: httpx.Response) -> M:
+        try:
+            return cls.model_validate_json(response.content)
+        except ValidationError as e:
+            raise AdaptlmError(f"unexpected answer from {response.request.method} {response.request.url.path} "
+                               f"(HTTP {response.status_code}): not a {cls.__name__} ({e.error_count()} "
+                               f"errors)", status=response.status_code) from None
+    return parse
+
+
+def _nothing(response: httpx.Response) -> None:
+    return None
+
+
+def _bytes(response: httpx.Response) -> bytes:
+    return response.content
+
+
+def _body(**fields: Any) -> dict[str, Any]:
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _session_path(session_id: str, suffix: str = "") -> str:
+    if not session_id:
+        raise ValueError("session_id must not be empty")
+    return f"/v1/sessions/{quote(session_id, safe='')}{suffix}"
+
+
+# -- the endpoints -------------------------------------------------------------------------------------------
+
+
+def health() -> Call[HealthResponse]:
+    return Call("GET", "/healthz", _model(HealthResponse), retry=False)
+
+
+def ready() -> Call[ReadyResponse]:
+    return Call("GET", "/readyz", _model(ReadyResponse), retry=False)
+
+
+def models() -> Call[ModelList]:
+    return Call("GET", "/v1/models", _model(ModelList))
+
+
+def score(text: str, *, logprobs: bool, session_id: str | None, adapt: bool) -> Call[ScoreResponse]:
+    body = _body(text=text, logprobs=logprobs or None, session_id=session_id, adapt=adapt or None)
+    return Call("POST", "/v1/score", _model(ScoreResponse), json=body)
+
+
+def _generate_body(prompt: str, *, max_tokens: int | None, temperature: float | None, top_k: int | None,
+                   top_p: float | None, seed: int | None, stop: Sequence[str] | None, session_id: str | None,
+                   adapt_while_generating: bool, stream: bool) -> dict[str, Any]:
+    if isinstance(stop, str):
+        raise TypeError("stop must be a list of strings, not a string")
+    return _body(prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                 seed=seed, stop=list(stop) if stop is not None else None, session_id=session_id,
+                 adapt_while_generating=adapt_while_generating or None, stream=stream or None)
+
+
+def generate(prompt: str, **options: Any) -> Call[GenerateResponse]:
+    return Call("POST", "/v1/generate", _model(GenerateResponse),
+                json=_generate_body(prompt, **options, stream=False))
+
+
+def generate_stream(prompt: str, **options: Any) -> Call[None]:
+    """The request only: its answer is read event by event (`SSEDecoder`, `parse_generate_event`)."""
+    return Call("POST", "/v1/generate", _nothing, json=_generate_body(prompt, **options, stream=True))
+
+
+def create_session(initial_text: str | None, *, ttl_s: float | None, lr: float | None, decay: float | None,
+                   adapter_size: int | None) -> Call[SessionResponse]:
+    adaptation = _body(lr=lr, decay=decay, adapter_size=adapter_size)
+    body = _body(initial_text=initial_text, ttl_s=ttl_s, adaptation=adaptation or None)
+    return Call("POST", "/v1/sessions", _model(SessionResponse), json=body)
+
+
+def get_session(session_id: str) -> Call[SessionResponse]:
+    return Call("GET", _session_path(session_id), _model(SessionResponse))
+
+
+def delete_session(session_id: str) -> Call[None]:
+    return Call("DELETE", _session_path(session_id), _nothing)
+
+
+def reset_session(session_id: str) -> Call[SessionResponse]:
+    return Call("POST", _session_path(session_id, "/reset"), _model(SessionResponse))
+
+
+def observe(session_id: str, text: str) -> Call[ObserveResponse]:
+    return Call("POST", _session_path(session_id, "/observe"), _model(ObserveResponse), json={"text": text})
+
+
+def export_state(session_id: str) -> Call[bytes]:
+    return Call("GET", _session_path(session_id, "/state"), _bytes)
+
+
+def import_state(session_id: str, data: bytes) -> Call[SessionResponse]:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"data must be bytes (a session export), not {type(data).__name__}")
+    return Call("PUT", _session_path(session_id, "/state"), _model(SessionResponse), content=bytes(data),
+                content_type=STATE_MEDIA_TYPE)
+
+
+# Next: suggest(session_id, ...) -> Call[SuggestResponse] for POST /v1/sessions/{id}/suggest (the keyboard).
+
+
+# -- server-sent events --------------------------------------------------------------------------------------
+
+
+class SSEDecoder:
+    """Turns the lines of a `text/event-stream` into the data of each event (the WHATWG rules we need: `data:`
+    lines joined by newlines, an event ends at a blank line, comments and other fields ignored)."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        """The data of the event this line completes, if it does."""
+        if line == "":
+            return self.flush()
+        if line.startswith("data:"):
+            self._data.append(line[5:].removeprefix(" "))
+        elif line == "data":
+            self._data.append("")
+        return None
+
+    def flush(self) -> str | None:
+        """What is pending when the stream ends (a last event without its blank line)."""
+        if not self._data:
+            return None
+        data, self._data = "\n".join(self._data), []
+        return data
+
+
+def parse_generate_event(data: str) -> GenerateChunk | GenerateDone:
+    """One event of `POST /v1/generate` with `stream: true`; an error event is raised as its exception."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        raise AdaptlmError("unexpected stream event: not JSON") from None
+    if not isinstance(event, dict):
+        raise AdaptlmError("unexpected stream event: not a JSON object")
+    if "error" in event:
+        raise error_from_body(event)
+    try:
+        if "finish_reason" in event:
+            return GenerateDone.model_validate(event)
+        return GenerateChunk.model_validate(event)
+    except ValidationError as e:
+        raise AdaptlmError(f"unexpected stream event ({e.error_count()} errors)") from None

@@ -1,0 +1,73 @@
+"""When a refused request is sent again, and after how long."""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["DEFAULT_RETRY", "RetryPolicy", "parse_retry_after"]
+
+
+def parse_retry_after(value: str | None, now: Callable[[], float] = time.time) -> float | None:
+    """Seconds to wait from a `Retry-After` header: delta-seconds (decimals accepted) or an HTTP date (RFC 9110
+    sec. 10.2.3); None when absent or unreadable. A date in the past is 0."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - now()
+    if not math.isfinite(seconds):
+        return None
+    return max(seconds, 0.0)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How `Client` and `AsyncClient` retry a request the server refused with 429 or 503 (`statuses`).
+
+    Every request is retried, POSTs included: the server answers 429 (its work queue is full) and 503 (the
+    model is not loaded, the engine has stopped, the session store is full of busy sessions) when it admits
+    the request, before any work starts, so sending it again cannot do anything twice. Nothing else is
+    retried: not other errors, and not connection failures or timeouts (a request may have been done, e.g.
+    an observe that adapted the session); those are raised at once.
+
+    The wait is the response's `Retry-After` when it has one: never shorter (that would ignore the server),
+    and when it is over `max_delay_s` the error is raised instead (its `retry_after` says how long the
+    server asked for). Without the header: `backoff_s * 2**n` with jitter (a uniform factor in [0.5, 1]),
+    capped at `max_delay_s`. At most `max_retries` retries per call.
+
+        Client(retry=RetryPolicy(max_retries=5, max_delay_s=30))
+        Client(retry=RetryPolicy(max_retries=0))  # never retry
+    """
+
+    max_retries: int = 2
+    backoff_s: float = 0.5
+    max_delay_s: float = 10.0
+    statuses: frozenset[int] = field(default=frozenset({429, 503}))
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0 or self.backoff_s < 0 or self.max_delay_s < 0:
+            raise ValueError("max_retries, backoff_s and max_delay_s must not be negative")
+
+    def delay(self, retries_done: int, status: int, retry_after: float | None) -> float | None:
+        """Seconds to wait before retry number `retries_done + 1` of a request answered with `status`, or None:
+        do not retry, raise the error."""
+        if status not in self.statuses or retries_done >= self.max_retries:
+            return None
+        if retry_after is not None:
+            return retry_after if retry_after <= self.max_delay_s else None
+        backoff: float = self.backoff_s * 2.0**retries_done * random.uniform(0.5, 1.0)
+        return min(backoff, self.max_delay_s)
+
+
+DEFAULT_RETRY = RetryPolicy()
