@@ -6,9 +6,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install serve test lint clean
+.PHONY: install system-deps serve test lint clean
 
-install: $(STAMP)
+install: system-deps $(STAMP)
+
+# System packages: redis-server, which the Redis session store's tests start on their own (nothing else
+# needs to run). apt-get as root, through sudo otherwise.
+system-deps:
+	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || { \
+		if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends redis-server; }
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

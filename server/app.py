@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.engine import Engine, EngineConfig, MemorySessionStore
+from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
 from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
 from server.metrics import Metrics, MetricsMiddleware
 from server.routes import ROUTERS
@@ -37,7 +37,7 @@ def create_app(settings: Settings) -> FastAPI:
         config = EngineConfig(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                               max_queue=settings.max_queue, retry_after_s=settings.retry_after_s,
                               session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s)
-        store = MemorySessionStore(max_sessions=settings.max_sessions, max_bytes=settings.session_memory_bytes)
+        store = _session_store(settings)
         engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         await asyncio.to_thread(engine.start)
@@ -48,7 +48,11 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
+            # The engine finishes its queued and running work, writing every session back to the store. With
+            # Redis that is all there is to keep (each change was written when it was made); the memory store's
+            # sessions end with the process.
             await asyncio.to_thread(engine.stop)
+            store.close()
 
     app = FastAPI(title="adaptlm", version=_version(), lifespan=lifespan,
                   description="Scoring and generation with adaptive byte-level language models.")
@@ -62,6 +66,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
+
+
+def _session_store(settings: Settings) -> SessionStore:
+    if settings.session_store == "memory":
+        return MemorySessionStore(max_sessions=settings.max_sessions, max_bytes=settings.session_memory_bytes)
+    return RedisSessionStore(str(settings.session_store), max_sessions=settings.max_sessions,
+                             max_bytes=settings.session_memory_bytes)
 
 
 class BodyLimitMiddleware:

@@ -23,6 +23,7 @@ from server.engine import (
     SessionImportError,
     SessionNotFound,
     SessionStoreFull,
+    SessionStoreUnavailable,
     SessionsUnavailable,
 )
 from server.protocol import ErrorBody, ErrorResponse, ErrorType
@@ -36,7 +37,7 @@ __all__ = [
 
 # What the engine raises; each is translated by `to_api_error`.
 _ENGINE_ERRORS = (EngineOverloaded, EngineUnavailable, SessionImportError, SessionNotFound, SessionStoreFull,
-                  SessionsUnavailable)
+                  SessionStoreUnavailable, SessionsUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,9 @@ def _from_engine(exc: Exception) -> APIError:
     if isinstance(exc, SessionStoreFull):
         return ServiceUnavailableError(str(exc), code="session_store_full",
                                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, SessionStoreUnavailable):
+        return ServiceUnavailableError(str(exc), code="session_store_unavailable",
+                                       headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, SessionImportError):
         if exc.conflict:
             return ConflictError(str(exc), code="checkpoint_mismatch")
@@ -186,7 +190,7 @@ def _from_engine(exc: Exception) -> APIError:
 
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     """The one handler: every exception a request raises becomes an error response in the one shape."""
-    if isinstance(exc, EngineUnavailable):
+    if isinstance(exc, EngineUnavailable | SessionStoreUnavailable):
         log.warning("%s %s: %s", request.method, request.url.path, exc)
     return error_response(to_api_error(exc, request))
 

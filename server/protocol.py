@@ -26,7 +26,8 @@ __all__ = [
     "CompletionLogprobs", "CompletionRequest", "CompletionResponse", "ErrorBody", "ErrorResponse", "ErrorType",
     "FinishReason", "GenerateChunk", "GenerateDone", "GenerateRequest", "GenerateResponse", "HealthResponse",
     "ModelCard", "ModelList", "ObserveRequest", "ObserveResponse", "ReadyResponse", "ScoreRequest", "ScoreResponse",
-    "SessionCreateRequest", "SessionResponse", "SessionStatsBody", "StreamOptions", "Timings", "Usage",
+    "SUGGEST_MAX_CONTEXT", "SessionCreateRequest", "SessionResponse", "SessionStatsBody", "StreamOptions",
+    "SuggestRequest", "SuggestResponse", "SuggestedChar", "SuggestedWord", "Timings", "Usage",
 ]
 
 # Every `error.type` the server sends; a client maps each to one exception class.
@@ -284,6 +285,44 @@ class SessionResponse(BaseModel):
     state_bytes: int = Field(description="Bytes of tensors the session holds (states and adapter).")
     stats: SessionStatsBody
     observed: ObserveResponse | None = Field(default=None, description="Creation: what `initial_text` cost.")
+
+
+# Characters of `context` a suggestion takes: the message being typed, not a document (the session holds the
+# history); the first keystroke of a context feeds all of it, later ones only what they add.
+SUGGEST_MAX_CONTEXT = 2048
+
+
+class SuggestRequest(BaseModel):
+    """Keyboard suggestions for a session: what the user has typed so far in the current message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context: str = Field(default="", max_length=SUGGEST_MAX_CONTEXT, strict=True,
+                         description="The text typed so far in the current message (may be empty); it continues the "
+                                     "session's text and does not change the session. The word being completed is "
+                                     "its end after the last space or punctuation (empty after one: the next word).")
+    k: int = Field(default=3, ge=1, le=10, strict=True, description="Word completions to return.")
+    max_chars: int = Field(default=24, ge=1, le=64, strict=True,
+                           description="The most characters a completion may add to the typed part of the word.")
+    n_chars: int = Field(default=5, ge=0, le=32, strict=True, description="Most likely next characters to return.")
+
+
+class SuggestedWord(BaseModel):
+    text: str = Field(description="The whole word: the typed part and its completion (no space or punctuation).")
+    prob: float = Field(description="Probability that the word continues so and then ends (a space or ASCII "
+                                    "punctuation follows), given the session and the context.")
+
+
+class SuggestedChar(BaseModel):
+    char: str = Field(description="A whole character (a UTF-8 lead byte's most likely character, for non-ASCII).")
+    prob: float = Field(description="Its probability as the next character.")
+
+
+class SuggestResponse(BaseModel):
+    prefix: str = Field(description="The typed part of the word the completions continue (may be empty).")
+    completions: list[SuggestedWord] = Field(description="The k most probable completions, most probable first; "
+                                                         "fewer when fewer have probability >= 0.001.")
+    next_chars: list[SuggestedChar] = Field(description="The most likely next characters, most likely first.")
 
 
 class ModelCard(BaseModel):

@@ -16,6 +16,9 @@
     ADAPTLM_SESSION_MEMORY_BYTES   tensor bytes all sessions may hold (state, static state, adapter)
     ADAPTLM_SESSION_TTL_S    a session's default time to live after its last use
     ADAPTLM_MAX_SESSION_TTL_S      the longest `ttl_s` a client may ask for
+    ADAPTLM_SESSION_STORE    where sessions live: `memory` (this process; lost when it ends) or a Redis URL
+                             `redis://[:password@]host:port/db` (`rediss://` for TLS): shared by every server
+                             using it, kept across restarts; the session limits above are then the shared store's
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, RedisDsn, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["DEFAULT_CHECKPOINT", "LogLevel", "Settings"]
@@ -55,6 +58,8 @@ class Settings(BaseSettings):
     session_memory_bytes: int = Field(default=1 << 30, ge=1)
     session_ttl_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     max_session_ttl_s: float = Field(default=7 * 86400.0, gt=0, allow_inf_nan=False)
+    # repr=False: a Redis URL may carry a password
+    session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -66,6 +71,13 @@ class Settings(BaseSettings):
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("session_store")
+    @classmethod
+    def _redis_database(cls, value: Literal["memory"] | RedisDsn) -> Literal["memory"] | RedisDsn:
+        if isinstance(value, RedisDsn) and not (value.path or "/0").removeprefix("/").isdigit():
+            raise ValueError("the Redis URL's path must be a database number, e.g. redis://localhost:6379/0")
         return value
 
     @model_validator(mode="after")

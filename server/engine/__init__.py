@@ -8,9 +8,11 @@ from server.engine._errors import (
     SessionImportError,
     SessionNotFound,
     SessionStoreFull,
+    SessionStoreUnavailable,
     SessionsUnavailable,
 )
 from server.engine._generation import Event, Finished, GenerationStream, PromptScored, Token, TokenLogprob
+from server.engine._redis import RedisSessionStore
 from server.engine._sessions import (
     AdaptationConfig,
     MemorySessionStore,
@@ -22,10 +24,12 @@ from server.engine._sessions import (
     import_session,
 )
 from server.engine._stats import EngineStats
+from server.engine._suggest import Suggestions
 
 __all__ = [
     "AdaptationConfig", "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event",
-    "Finished", "GenerationStream", "MemorySessionStore", "ModelInfo", "PromptScored", "Session", "SessionImportError",
-    "SessionLimits", "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull", "SessionsUnavailable",
-    "StoreStats", "TextScore", "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
+    "Finished", "GenerationStream", "MemorySessionStore", "ModelInfo", "PromptScored", "RedisSessionStore", "Session",
+    "SessionImportError", "SessionLimits", "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull",
+    "SessionStoreUnavailable", "SessionsUnavailable", "StoreStats", "Suggestions", "TextScore", "Token",
+    "TokenLogprob", "export_session", "import_session", "new_session_id",
 ]

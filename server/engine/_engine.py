@@ -9,7 +9,9 @@ Each round of the worker:
    to fill a batch (while work runs, newcomers join at the next segment: continuous batching);
 2. start waiting items in arrival order: an item of a session waits while earlier work of the same session
    runs (work on one session is applied one at a time, in order); text work starts while its rows fit in
-   `max_batch`; session operations without model work (create, reset, import) run at once;
+   `max_batch`; session operations without batched model work (create, reset, import) run at once, and so do
+   keyboard suggestions (their own small batched steps), which read a session's last committed record without
+   waiting for its turn;
 3. one batched step of all running text work (`batch_step`: one segment of every text, one forward, and for
    adapting rows one backward and one update), then finish the texts that are done: write each session back
    to the store and resolve the futures;
@@ -45,6 +47,7 @@ from models.base import Adapter, State
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.sampling import SamplingParams, Stepper
 from models.scoring import BOS
+from models.suggest import Suggestions, suggest
 from server.engine._batch import Row, RuleCache, TextJob, batch_step, text_tensors
 from server.engine._errors import (
     EngineOverloaded,
@@ -65,6 +68,7 @@ from server.engine._sessions import (
     import_session,
 )
 from server.engine._stats import EngineStats
+from server.engine._suggest import CursorCache
 
 __all__ = ["Engine", "EngineConfig", "ModelInfo", "SessionLimits", "TextScore", "new_session_id"]
 
@@ -74,6 +78,9 @@ T = TypeVar("T")
 LN2 = math.log(2.0)
 _SWEEP_S = 1.0  # how often the worker drops expired sessions
 _RULE_CACHE = 256  # update rules kept, by (lr, decay, adapter size)
+SUGGEST_MIN_PROB = 1e-3  # word completions: branches below this cumulative probability are dropped (§6)
+SUGGEST_BATCH = 32  # branches expanded per batched model step
+SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
 
 
 def new_session_id() -> str:
@@ -206,6 +213,7 @@ class Engine:
         self._base: DynEvalConfig | None = None
         self._rules: dict[tuple[float, float, int], UpdateRule] = {}
         self._stacked = RuleCache()
+        self._cursors = CursorCache()
 
     # -- lifecycle (blocking; call from a thread, not the event loop) ------------------------------
 
@@ -317,7 +325,8 @@ class Engine:
         if initial_text:
             item = _Text(Future(), session_id, owner, data=initial_text, mode="observe", create=create)
             scored: TextScore = await self._submit(item)
-            return self.get_session(session_id, owner, touch=False), scored
+            # the store may do I/O (Redis): off the event loop
+            return await asyncio.to_thread(self.get_session, session_id, owner, touch=False), scored
         session: Session = await self._submit(_Call(Future(), session_id, owner, run=create))
         return session, None
 
@@ -327,6 +336,26 @@ class Engine:
         if session is None:
             raise SessionNotFound(session_id)
         return session
+
+    async def suggest(self, session_id: str, owner: str | None, context: str, *, k: int = 3, max_chars: int = 24,
+                      n_chars: int = 5) -> Suggestions:
+        """Keyboard suggestions (`models.suggest`): the k most likely completions of the word being typed at the
+        end of `context` and the n_chars most likely next characters, under the session's state and adapter
+        continued by `context`. The session is not changed (only touched). The model after the session and
+        the context is cached (`CursorCache`): the next keystroke feeds only the bytes it added."""
+        self.session_limits()
+        data = context.encode("utf-8")
+
+        def run(ckpt: Checkpoint) -> Suggestions:
+            session = self.get_session(session_id, owner)
+            cursor = self._cursors.cursor(ckpt.model, session, data)
+            return suggest(ckpt.model, cursor, context, session.adapter, k=k, max_chars=max_chars, n_chars=n_chars,
+                           min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS)
+
+        # No session id on the item: a suggestion reads the session's last committed record at once instead of
+        # waiting for the session's turn behind a long observe (a keystroke cannot wait for that).
+        result: Suggestions = await self._submit(_Call(Future(), None, owner, run=run))
+        return result
 
     def delete_session(self, session_id: str, owner: str | None) -> None:
         """Remove it now; work already running for it finishes but is not written back."""
@@ -350,8 +379,8 @@ class Engine:
 
     async def export_session(self, session_id: str, owner: str | None) -> bytes:
         """The session as a blob (`_sessions.export_session`), tagged with these weights' hash."""
-        session = self.get_session(session_id, owner)
-        return await asyncio.to_thread(export_session, session, self.info.model_hash)
+        model_hash = self.info.model_hash
+        return await asyncio.to_thread(lambda: export_session(self.get_session(session_id, owner), model_hash))
 
     async def import_session(self, session_id: str, owner: str | None, blob: bytes) -> Session:
         """Create or replace `session_id` from an exported blob; raises SessionImportError (`conflict` when it
@@ -446,6 +475,7 @@ class Engine:
             info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime),
                              path=self._path, kernel=adapter_implementation(), sessions=limits,
                              sessions_unavailable=why)
+            self.store.bind(ckpt.model_hash, self._template(ckpt))
         except BaseException as e:
             loaded.set_exception(e)
             return
@@ -478,6 +508,15 @@ class Engine:
         default = min(base.adapter_units or units, units)
         return SessionLimits(lr=base.lr, decay=base.decay, adapter_size=default, max_adapter_size=units,
                              rule=base.rule, eps=base.eps, segment=base.segment), ""
+
+    def _template(self, ckpt: Checkpoint) -> Session:
+        """A fresh session of this model, for a store to read sessions back into (tensor layouts, device)."""
+        ref = next(ckpt.model.parameters())
+        sites = {s.name: 1 for s in ckpt.model.adaptation_sites()}
+        return Session(id="", owner=None, created=0.0, last_used=0.0, ttl_s=self.config.session_ttl_s,
+                       config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=1), state=ckpt.model.init_state(1),
+                       static_state=ckpt.model.init_state(1), last_byte=BOS,
+                       adapter=Adapter.zeros(sites, 1, dtype=ref.dtype, device=ref.device))
 
     def _rule(self, ckpt: Checkpoint, config: AdaptationConfig) -> UpdateRule:
         """The update rule of a session's settings: the checkpoint's rule and eps, MS_g of its (k, k) block."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "EngineOverloaded", "EngineUnavailable", "SessionImportError", "SessionNotFound", "SessionStoreFull",
-    "SessionsUnavailable",
+    "SessionStoreUnavailable", "SessionsUnavailable",
 ]
 
 
@@ -30,6 +30,14 @@ class SessionNotFound(LookupError):
 
 class SessionStoreFull(RuntimeError):
     """The session store is at its limits and nothing can be evicted (every session has work in flight)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class SessionStoreUnavailable(RuntimeError):
+    """The session store cannot be reached (e.g. the Redis server is down); the caller may retry."""
 
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)

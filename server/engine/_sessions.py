@@ -8,8 +8,8 @@ it back, so a reader always sees a consistent snapshot.
 
 Only the engine's worker thread writes sessions (create, adapt, reset, import); HTTP handlers read them
 (stats, export) and delete them. `SessionStore` is the interface the engine needs; `MemorySessionStore`
-keeps them in this process (LRU order, TTL, a memory budget, a count limit). A Redis store implements the
-same methods, storing `export_session` blobs.
+keeps them in this process (LRU order, TTL, a memory budget, a count limit): they are lost when the process
+ends. `RedisSessionStore` (`_redis.py`) implements the same methods over `export_session` blobs in Redis.
 """
 
 from __future__ import annotations
@@ -148,6 +148,16 @@ class SessionStore(ABC):
     @abstractmethod
     def stats(self) -> StoreStats: ...
 
+    @abstractmethod
+    def bind(self, model_hash: str, template: Session) -> None:
+        """Called by the engine once its checkpoint is loaded, before any other call: the weights' hash and a
+        fresh session of the model (its tensor layouts, dtype and device). A store that serialises sessions
+        needs both to read them back; it may also check here that it is reachable (SessionStoreUnavailable)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections; called once the engine has stopped (its last writes are done)."""
+
 
 class MemorySessionStore(SessionStore):
     """In-process store: an LRU map with per-session TTL, a byte budget and a count limit."""
@@ -232,6 +242,12 @@ class MemorySessionStore(SessionStore):
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(sessions=len(self._sessions), bytes=self._bytes, evictions=dict(self._evictions))
+
+    def bind(self, model_hash: str, template: Session) -> None:
+        pass  # sessions stay Python objects
+
+    def close(self) -> None:
+        pass  # nothing to release; the sessions are lost with the process
 
     def _fits(self, session: Session, without: list[str]) -> bool:
         """Would `session` fit within the limits once the sessions `without` are gone?"""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Response
 
 from server.metrics import CONTENT_TYPE
@@ -14,4 +16,5 @@ router = APIRouter(tags=["monitoring"])
 
 @router.get("/metrics", response_class=Response)
 async def metrics(registry: MetricsDep) -> Response:
-    return Response(registry.render(), media_type=CONTENT_TYPE)
+    # off the event loop: the engine's statistics include the session store's, which may be a Redis round trip
+    return Response(await asyncio.to_thread(registry.render), media_type=CONTENT_TYPE)

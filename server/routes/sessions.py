@@ -1,4 +1,5 @@
-"""/v1/sessions: per-session dynamic evaluation (create, read, delete, reset, observe, export, import)."""
+"""/v1/sessions: per-session dynamic evaluation (create, read, delete, reset, observe, export, import) and
+keyboard suggestions."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ from server.errors import (
     UnprocessableEntityError,
     openapi_responses,
 )
-from server.protocol import SESSION_ID_PATTERN, ObserveRequest, ObserveResponse, SessionCreateRequest, SessionResponse
+from server.protocol import (
+    SESSION_ID_PATTERN,
+    ObserveRequest,
+    ObserveResponse,
+    SessionCreateRequest,
+    SessionResponse,
+    SuggestRequest,
+    SuggestResponse,
+)
 from server.routes._deps import ContextDep, require_api_key
 from server.serving import sessions
 
@@ -43,12 +52,12 @@ async def create_session(body: SessionCreateRequest, ctx: ContextDep) -> Session
 @router.get("/{session_id}", response_model=SessionResponse)
 async def get_session(session_id: SessionPath, ctx: ContextDep) -> SessionResponse:
     """The session's settings and running statistics (bits per byte observed, static, gain)."""
-    return sessions.get_session(session_id, ctx)
+    return await sessions.get_session(session_id, ctx)
 
 
 @router.delete("/{session_id}", status_code=204, response_class=Response)
 async def delete_session(session_id: SessionPath, ctx: ContextDep) -> Response:
-    return sessions.delete_session(session_id, ctx)
+    return await sessions.delete_session(session_id, ctx)
 
 
 @router.post("/{session_id}/reset", response_model=SessionResponse)
@@ -61,6 +70,13 @@ async def reset_session(session_id: SessionPath, ctx: ContextDep) -> SessionResp
 async def observe(session_id: SessionPath, body: ObserveRequest, ctx: ContextDep) -> ObserveResponse | Response:
     """The text's bits under the session, each segment scored before the session adapts on it."""
     return await sessions.observe(session_id, body, ctx)
+
+
+@router.post("/{session_id}/suggest", response_model=SuggestResponse)
+async def suggest(session_id: SessionPath, body: SuggestRequest, ctx: ContextDep) -> SuggestResponse | Response:
+    """Keyboard suggestions: the k most likely completions of the word being typed at the end of `context`, and
+    the most likely next characters, under the session's adaptation; the session is not changed."""
+    return await sessions.suggest(session_id, body, ctx)
 
 
 @router.get("/{session_id}/state", response_class=Response, responses={200: _BLOB})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import Response
@@ -38,7 +39,8 @@ async def create_generation(body: GenerateRequest, ctx: Context) -> GenerateResp
         raise UnprocessableEntityError("adapt_while_generating: adapting needs a session_id",
                                        param="adapt_while_generating", code="session_required")
     if body.session_id is not None:
-        ctx.engine.get_session(body.session_id, ctx.owner, touch=False)  # a 404 now, rather than in the stream
+        # a 404 now, rather than in the stream (off the event loop: the store may do I/O)
+        await asyncio.to_thread(ctx.engine.get_session, body.session_id, ctx.owner, touch=False)
     stream = ctx.engine.generate(prompt, params, session_id=body.session_id, owner=ctx.owner,
                                  adapt=body.adapt_while_generating)
     if body.stream:

@@ -7,6 +7,9 @@ segment), then keeps the adaptation. Sessions belong to the API key that created
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from fastapi import Response
 
 from server.engine import AdaptationConfig, Session, TextScore
@@ -19,11 +22,15 @@ from server.protocol import (
     SessionCreateRequest,
     SessionResponse,
     SessionStatsBody,
+    SuggestedChar,
+    SuggestedWord,
+    SuggestRequest,
+    SuggestResponse,
 )
 from server.serving._common import Context, check_limit, check_text, run_unless_disconnected
 
 __all__ = ["create_session", "delete_session", "export_state", "get_session", "import_state", "observe",
-           "reset_session"]
+           "reset_session", "suggest"]
 
 STATE_MEDIA_TYPE = "application/octet-stream"
 
@@ -79,12 +86,15 @@ async def create_session(body: SessionCreateRequest, ctx: Context) -> SessionRes
     return session_response(session, ctx, result)
 
 
-def get_session(session_id: str, ctx: Context) -> SessionResponse:
-    return session_response(ctx.engine.get_session(session_id, ctx.owner), ctx)
+# Reads and deletes go to the store directly, off the event loop: the store may do I/O (Redis).
 
 
-def delete_session(session_id: str, ctx: Context) -> Response:
-    ctx.engine.delete_session(session_id, ctx.owner)
+async def get_session(session_id: str, ctx: Context) -> SessionResponse:
+    return session_response(await asyncio.to_thread(ctx.engine.get_session, session_id, ctx.owner), ctx)
+
+
+async def delete_session(session_id: str, ctx: Context) -> Response:
+    await asyncio.to_thread(ctx.engine.delete_session, session_id, ctx.owner)
     return Response(status_code=204)
 
 
@@ -114,3 +124,18 @@ async def import_state(session_id: str, ctx: Context) -> SessionResponse | Respo
                                        code="missing")
     session = await run_unless_disconnected(ctx.request, ctx.engine.import_session(session_id, ctx.owner, blob))
     return session_response(session, ctx) if session is not None else Response(status_code=499)
+
+
+async def suggest(session_id: str, body: SuggestRequest, ctx: Context) -> SuggestResponse | Response:
+    check_text(body.context.encode("utf-8"), ctx.settings, "context")
+    start = time.perf_counter()
+    work = ctx.engine.suggest(session_id, ctx.owner, body.context, k=body.k, max_chars=body.max_chars,
+                              n_chars=body.n_chars)
+    result = await run_unless_disconnected(ctx.request, work)
+    if result is None:
+        return Response(status_code=499)
+    ctx.metrics.suggest_latency.labels(ctx.metrics.model).observe(time.perf_counter() - start)
+    ctx.metrics.suggest_expansions.labels(ctx.metrics.model).observe(result.expansions)
+    return SuggestResponse(prefix=result.prefix,
+                           completions=[SuggestedWord(text=c.text, prob=c.prob) for c in result.completions],
+                           next_chars=[SuggestedChar(char=c.char, prob=c.prob) for c in result.next_chars])

@@ -1,4 +1,5 @@
-"""A real uvicorn server on a free loopback port, in a background thread of the test process.
+"""A real uvicorn server on a free loopback port, in a background thread of the test process; a real
+redis-server on another, for the Redis session store.
 
 Helpers are handed out as fixtures (`serve`, `assert_error`) rather than imported, so that the tests
 do not depend on how pytest puts test directories on sys.path.
@@ -6,7 +7,10 @@ do not depend on how pytest puts test directories on sys.path.
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -17,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import uvicorn
 from fastapi import FastAPI
 
@@ -38,6 +43,9 @@ def serve(settings: Settings, start_timeout: float = 60.0) -> Iterator[LiveServe
     so no other process can take the port between choosing it and listening on it."""
     app = create_app(settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # Accepted connections inherit it: without it, a keep-alive client waits ~40 ms for each response (Nagle
+    # holds the body back until the client's delayed ACK of the headers), which hides real latencies.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
@@ -130,3 +138,79 @@ def live(tiny_checkpoint: Path) -> Iterator[LiveServer]:
 def client(live: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=live.url, timeout=30) as c:
         yield c
+
+
+# -- Redis ---------------------------------------------------------------------------------------------
+
+
+def _redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None and os.access("/usr/bin/redis-server", os.X_OK):
+        found = "/usr/bin/redis-server"
+    if found is None:
+        pytest.fail("redis-server is not installed, and the Redis session store is tested against a real one: "
+                    "run `make test` (it installs the system package), or `apt-get install redis-server`",
+                    pytrace=False)
+    return found
+
+
+@contextmanager
+def run_redis(directory: Path) -> Iterator[str]:
+    """A redis-server of our own on a free loopback port (no persistence), until the block ends -> its URL."""
+    binary = _redis_server_binary()
+    for _ in range(5):  # the port is chosen, then bound by redis-server: another process may take it between
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        process = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(directory), "--logfile", str(directory / f"redis-{port}.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 15
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+        if process.poll() is None and time.monotonic() < deadline:
+            try:
+                yield f"redis://127.0.0.1:{port}/0"
+            finally:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            return
+        process.kill()
+        process.wait()
+    raise RuntimeError(f"redis-server did not start (see the logs in {directory})")
+
+
+RunRedisFn = Callable[[], AbstractContextManager[str]]
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One redis-server for the test session -> its URL (database 0)."""
+    with run_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """The session's Redis, emptied for this test."""
+    with redis.Redis.from_url(redis_server) as client:
+        client.flushdb()
+    return redis_server
+
+
+@pytest.fixture(scope="session")
+def start_redis(tmp_path_factory: pytest.TempPathFactory) -> RunRedisFn:
+    """`with start_redis() as url:` a redis-server of its own (for tests that stop it)."""
+    return lambda: run_redis(tmp_path_factory.mktemp("redis-own"))

@@ -63,3 +63,20 @@ def test_rejects_invalid_settings(overrides: dict[str, object]) -> None:
 def test_is_frozen() -> None:
     with pytest.raises(ValidationError):
         Settings().port = 1
+
+
+def test_session_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().session_store == "memory"
+    monkeypatch.setenv("ADAPTLM_SESSION_STORE", "redis://:secret@127.0.0.1:6390/3")
+    s = Settings()
+    assert str(s.session_store) == "redis://:secret@127.0.0.1:6390/3" and "secret" not in repr(s)
+    assert str(Settings(session_store="redis://cache").session_store) == "redis://cache:6379/0"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("store", ["", "redis", "Memory", "http://host:6379/0", "redis://host:99999/0",
+                                   "redis://host:6379/cache", "unix:///tmp/redis.sock"])
+def test_rejects_an_invalid_session_store(monkeypatch: pytest.MonkeyPatch, store: str) -> None:
+    monkeypatch.setenv("ADAPTLM_SESSION_STORE", store)
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    assert info.value.errors()[0]["loc"][0] == "session_store"

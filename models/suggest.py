@@ -1,0 +1,308 @@
+"""Keyboard suggestions: completions of the word being typed and the most likely next characters.
+
+Word completions follow Al-Rfou et al.'s figure 5 (ALGORITHMS.md §6): expand byte continuations best-first
+on their cumulative log-probability, stop a branch where the word ends, drop branches whose cumulative
+probability falls below `min_prob` (0.001). Each round pops up to `batch` of the best branches and expands
+them in one batched model step (B, 1), so a word of n characters costs about n model calls, not one per
+branch.
+
+Definitions (byte-level model, UTF-8 text):
+- a *word character* is a Unicode letter, mark or number, or an apostrophe (' or ’); the word being typed
+  is the longest run of word characters at the end of the context (an apostrophe that opens it is left out);
+- a word *ends* at an ASCII byte that is not a word character (space, punctuation, newline, control). A
+  completed non-ASCII character that is not a word character (— “ ” « …) stops the branch without a
+  completion: `prob` counts only ASCII word ends, so it is exact for that definition;
+- a completion adds at least one character (the typed word itself is not suggested: whether it ends here is
+  the probability of the space and punctuation in `next_chars`) and at most `max_chars`; every character of
+  it is complete, valid UTF-8 (a branch that produces an invalid sequence is dropped);
+- `prob` = P(continuation, then a word end | context) = P(continuation bytes) x the summed probability of
+  every ASCII word-ending byte after them; the completions are the k most probable, most probable first.
+
+Search exactness: a completion is emitted only when it is at the top of the priority queue and no popped
+branch is still waiting for expansion, so (probabilities only shrink along a branch) the k completions are
+the k most probable ones above `min_prob`. `max_expansions` bounds the work; a search cut by it returns the
+best completions it has found (`Suggestions.exact` is then False).
+
+Next characters: the top n bytes of the next-byte distribution that can start a character (ASCII or a
+UTF-8 lead byte). A lead byte stands for every character it starts; it is decoded best effort to its most
+likely character (greedy over the continuation bytes, batched: at most 3 more model calls), and `prob` is
+that character's own probability.
+
+The model must be in eval mode; nothing here changes the state or adapter it is given.
+"""
+
+from __future__ import annotations
+
+import codecs
+import heapq
+import itertools
+import math
+import unicodedata
+from dataclasses import dataclass, field
+
+import torch
+
+from models.base import Adapter, LanguageModel, State
+
+__all__ = [
+    "APOSTROPHES", "Completion", "Cursor", "NextChar", "Suggestions", "advance", "complete_word", "is_word_char",
+    "next_chars", "split_word", "suggest",
+]
+
+APOSTROPHES = frozenset("'\u2019")
+_WORD_BYTES = torch.zeros(256, dtype=torch.bool)  # ASCII bytes that are word characters
+_WORD_BYTES[[b for b in range(128) if chr(b).isalnum() or chr(b) in APOSTROPHES]] = True
+_ENDS = torch.zeros(256, dtype=torch.bool)  # ASCII bytes that end a word
+_ENDS[:128] = ~_WORD_BYTES[:128]
+_LEADS = torch.zeros(256, dtype=torch.bool)  # bytes that start a multibyte character (C0, C1 are never valid)
+_LEADS[0xC2:0xF5] = True
+_TAILS = torch.zeros(256, dtype=torch.bool)  # continuation bytes
+_TAILS[0x80:0xC0] = True
+_STARTS = _WORD_BYTES | _LEADS  # what may follow a complete character inside a word
+
+
+def _more_bytes(lead: int) -> int:
+    """How many continuation bytes follow a lead byte."""
+    return 1 if lead < 0xE0 else 2 if lead < 0xF0 else 3
+
+
+def is_word_char(ch: str) -> bool:
+    return ch in APOSTROPHES or unicodedata.category(ch)[0] in "LMN"
+
+
+def split_word(context: str) -> tuple[str, str]:
+    """-> (everything before the word being typed, the word's typed prefix); the prefix may be empty."""
+    i = len(context)
+    while i > 0 and is_word_char(context[i - 1]):
+        i -= 1
+    while i < len(context) and context[i] in APOSTROPHES:  # an opening quote is not part of the word
+        i += 1
+    return context[:i], context[i:]
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str  # the whole word: the typed prefix and the continuation, without the word end
+    prob: float  # P(continuation, then a word end | context)
+
+
+@dataclass(frozen=True)
+class NextChar:
+    char: str
+    prob: float
+
+
+@dataclass(frozen=True)
+class Suggestions:
+    prefix: str  # the typed part of the word the completions continue
+    completions: list[Completion]
+    next_chars: list[NextChar]
+    expansions: int = 0  # branches expanded (model rows)
+    model_calls: int = 0  # batched model steps
+    exact: bool = True  # False if max_expansions cut the search
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The model after a context: the state after its last byte was fed, and the next byte's log-probs."""
+
+    state: State  # batch 1
+    logprobs: torch.Tensor  # (V,) float32, natural log
+
+
+def _rows(adapter: Adapter | None, batch: int) -> Adapter | None:
+    """A batch-1 adapter repeated for `batch` rows (a view: the same M for every branch)."""
+    if adapter is None or adapter.batch == batch:
+        return adapter
+    return Adapter({k: m.expand(batch, -1, -1) for k, m in adapter.mats.items()})  # (B, k, k)
+
+
+@torch.no_grad()
+def advance(model: LanguageModel, state: State, inputs: bytes, adapter: Adapter | None = None) -> Cursor:
+    """Feed `inputs` (batch 1) from `state`; the first input is the byte that follows the state (a session's
+    `last_byte`, or the last byte of the context a cursor was made from)."""
+    if not inputs:
+        raise ValueError("nothing to feed")
+    device = next(model.parameters()).device
+    x = torch.frombuffer(bytearray(inputs), dtype=torch.uint8).to(device).long().unsqueeze(0)  # (1, T)
+    out = model(x, state, adapter)  # logits (1, T, V)
+    return Cursor(out.state, torch.log_softmax(out.logits[0, -1].float(), dim=-1))
+
+
+@dataclass(eq=False, slots=True)
+class _Branch:
+    data: bytes  # the continuation so far
+    chars: int  # complete characters in it
+    pending: int  # continuation bytes its last character still needs
+    states: State  # row `row` of it is the state before data[-1] is fed (a batch shared with its siblings)
+    row: int
+    logprob: float
+
+
+def _gather(branches: list[_Branch]) -> tuple[list[_Branch], State]:
+    """The branches' states stacked into one batch (B, ...), one index_select per parent batch; -> the branches
+    in the order of the rows, and the batch."""
+    groups: dict[int, tuple[State, list[_Branch]]] = {}
+    for b in branches:
+        groups.setdefault(id(b.states), (b.states, []))[1].append(b)
+    ordered = [b for _, members in groups.values() for b in members]
+    parts = []
+    for states, members in groups.values():
+        index = torch.tensor([b.row for b in members], device=next(iter(states.tensors.values())).device)
+        parts.append(State({k: v.index_select(0, index) for k, v in states.tensors.items()}))  # (b, ...) each
+    return ordered, parts[0] if len(parts) == 1 else State.stack(parts)
+
+
+@torch.no_grad()
+def _step(model: LanguageModel, state: State, tokens: list[int],
+          adapter: Adapter | None) -> tuple[State, torch.Tensor]:
+    """One batched step: row i feeds tokens[i] from row i of `state`. -> new states (B, ...), log-probs (B, V)
+    float64 on the CPU."""
+    device = next(model.parameters()).device
+    x = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)  # (B, 1)
+    out = model(x, state, _rows(adapter, len(tokens)))  # logits (B, 1, V)
+    return out.state, torch.log_softmax(out.logits[:, -1].float(), dim=-1).double().cpu()  # (B, V)
+
+
+def _valid_prefix(data: bytes) -> bool:
+    """Can `data` (whole characters, then possibly part of one) still be valid UTF-8?"""
+    try:
+        codecs.getincrementaldecoder("utf-8")("strict").decode(data, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@dataclass
+class _Search:
+    """The priority queue of a word completion: branches and completions by cumulative log-probability."""
+
+    prefix: str
+    max_chars: int
+    log_min: float
+    queue: list[tuple[float, int, _Branch | Completion]] = field(default_factory=list)
+    order: itertools.count[int] = field(default_factory=itertools.count)
+    expansions: int = 0
+    model_calls: int = 0
+
+    def push(self, logprob: float, item: _Branch | Completion) -> None:
+        heapq.heappush(self.queue, (-logprob, next(self.order), item))
+
+    def expand(self, branches: list[_Branch], state: State, logprobs: torch.Tensor) -> None:
+        """Push the children and completions of `branches`, whose next-byte log-probs are `logprobs` (B, V)
+        and whose states after their last byte are the rows of `state`."""
+        self.expansions += len(branches)
+        cum = torch.tensor([b.logprob for b in branches], dtype=torch.float64)  # (B,)
+        total = logprobs + cum.unsqueeze(1)  # (B, V)
+        ends = torch.logsumexp(logprobs[:, _ENDS], dim=1) + cum  # (B,) the word ends after each branch
+        at_boundary = torch.tensor([b.pending == 0 for b in branches])  # (B,)
+        room = torch.tensor([b.chars < self.max_chars for b in branches])  # (B,)
+        allowed = torch.where(at_boundary.unsqueeze(1), _STARTS & room.unsqueeze(1), _TAILS)  # (B, V)
+        rows, tokens = torch.nonzero(allowed & (total >= self.log_min), as_tuple=True)
+        for branch, end in zip(branches, ends.tolist(), strict=True):
+            if branch.pending == 0 and branch.chars > 0 and end >= self.log_min:
+                self.push(end, Completion(self.prefix + branch.data.decode("utf-8"), math.exp(end)))
+        for i, b, logprob in zip(rows.tolist(), tokens.tolist(), total[rows, tokens].tolist(), strict=True):
+            parent = branches[i]
+            data = parent.data + bytes([b])
+            if parent.pending == 0:
+                chars, pending = (parent.chars + 1, 0) if b < 0x80 else (parent.chars, _more_bytes(b))
+            else:
+                chars, pending = parent.chars, parent.pending - 1
+                if not _valid_prefix(data):
+                    continue
+                if pending == 0:
+                    char = data[len(data) - _char_len(data):].decode("utf-8")
+                    if not is_word_char(char):
+                        continue  # non-ASCII punctuation: not a word end we count (module docstring)
+                    chars += 1
+            self.push(logprob, _Branch(data, chars, pending, state, i, logprob))
+
+
+def _char_len(data: bytes) -> int:
+    """Bytes of the last (complete) UTF-8 character of `data`."""
+    n = 1
+    while data[-n] & 0xC0 == 0x80:
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def complete_word(model: LanguageModel, cursor: Cursor, prefix: str, adapter: Adapter | None = None, *, k: int = 3,
+                  max_chars: int = 24, min_prob: float = 1e-3, batch: int = 32,
+                  max_expansions: int = 2048) -> Suggestions:
+    """The k most probable completions of the word whose typed part `prefix` ends the context that `cursor`
+    is at (see the module docstring). -> Suggestions without next characters."""
+    if k < 1 or max_chars < 1 or batch < 1 or not 0 < min_prob <= 1:
+        raise ValueError("k, max_chars and batch must be >= 1 and min_prob in (0, 1]")
+    search = _Search(prefix, max_chars, math.log(min_prob))
+    root = _Branch(b"", 0, 0, cursor.state, 0, 0.0)
+    search.expand([root], cursor.state, cursor.logprobs.double().cpu().unsqueeze(0))
+    found: list[Completion] = []
+    while len(found) < k and search.queue and search.expansions < max_expansions:
+        popped: list[_Branch] = []
+        while search.queue and len(popped) < batch:
+            item = search.queue[0][2]
+            if isinstance(item, Completion):
+                if popped:
+                    break  # a popped branch may still beat it
+                heapq.heappop(search.queue)
+                found.append(item)
+                if len(found) == k:
+                    break
+                continue
+            heapq.heappop(search.queue)
+            popped.append(item)
+        if popped:
+            popped, before = _gather(popped)
+            state, logprobs = _step(model, before, [b.data[-1] for b in popped], adapter)
+            search.model_calls += 1
+            search.expand(popped, state, logprobs)
+    exact = len(found) == k or not search.queue
+    if not exact:  # cut by the budget: the best completions seen so far
+        rest = sorted((e for e in search.queue if isinstance(e[2], Completion)), key=lambda e: e[:2])
+        found += [e[2] for e in rest if isinstance(e[2], Completion)][: k - len(found)]
+    return Suggestions(prefix, found, [], search.expansions, search.model_calls, exact)
+
+
+@torch.no_grad()
+def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | None = None) -> list[NextChar]:
+    """The n most likely next characters (module docstring), most likely first."""
+    if n < 1:
+        return []
+    lp = cursor.logprobs.double().cpu()  # (V,)
+    starts = torch.zeros(256, dtype=torch.bool)
+    starts[:128] = True
+    starts |= _LEADS
+    top = torch.topk(lp.masked_fill(~starts, -math.inf), min(n, int(starts.sum()))).indices.tolist()
+    out = [NextChar(chr(b), math.exp(float(lp[b]))) for b in top if b < 0x80]
+    # multibyte: extend every lead byte greedily with its most likely valid continuation, all in one step each
+    grow = [(bytes([b]), float(lp[b]), cursor.state) for b in top if b >= 0x80]
+    while grow:
+        state, lps = _step(model, State.stack([s for _, _, s in grow]), [d[-1] for d, _, _ in grow], adapter)
+        later = []
+        for i, (data, logprob, _) in enumerate(grow):
+            for b in torch.argsort(lps[i].masked_fill(~_TAILS, -math.inf), descending=True)[:64].tolist():
+                if _valid_prefix(data + bytes([b])):
+                    break
+            else:
+                continue  # no valid continuation: nothing to show
+            data, logprob = data + bytes([b]), logprob + float(lps[i, b])
+            if len(data) == 1 + _more_bytes(data[0]):
+                out.append(NextChar(data.decode("utf-8"), math.exp(logprob)))
+            else:
+                later.append((data, logprob, state.select(i)))
+        grow = later
+    return sorted(out, key=lambda c: -c.prob)
+
+
+def suggest(model: LanguageModel, cursor: Cursor, context: str, adapter: Adapter | None = None, *, k: int = 3,
+            max_chars: int = 24, n_chars: int = 5, min_prob: float = 1e-3, batch: int = 32,
+            max_expansions: int = 2048) -> Suggestions:
+    """Completions of the word being typed at the end of `context` and the next characters; `cursor` is the
+    model after `context` (from `advance`)."""
+    _, prefix = split_word(context)
+    found = complete_word(model, cursor, prefix, adapter, k=k, max_chars=max_chars, min_prob=min_prob, batch=batch,
+                          max_expansions=max_expansions)
+    return Suggestions(prefix, found.completions, next_chars(model, cursor, n_chars, adapter), found.expansions,
+                       found.model_calls, found.exact)

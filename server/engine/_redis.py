@@ -1,0 +1,372 @@
+"""Sessions in Redis: the `SessionStore` interface over `export_session` blobs (safetensors bytes with JSON
+metadata, never pickle), shared by every server that uses the same Redis database and the same weights.
+
+A session survives a restart of the server, and two servers see the same sessions: every change is written
+to Redis when the worker commits it (after each observe, reset, import), so there is nothing to flush at
+shutdown. Keys, in one namespace per checkpoint, `adaptlm:{<first 16 hex digits of the weights hash>}` (the
+braces are a Redis Cluster hash tag: all of a namespace's keys live in one slot, so the scripts may touch
+them together):
+
+    <ns>:s:<id>   hash: blob (the export), owner (the API key's hash, "" for none), created, last_used, ttl;
+                  Redis expires the key ttl seconds after its last use (PEXPIRE, renewed by every use)
+    <ns>:lru      sorted set id -> last use (unix time): the LRU order, and the session count
+    <ns>:exp      sorted set id -> when it expires: what the sweep looks at
+    <ns>:size     hash id -> bytes of its blob; <ns>:bytes, their sum: the memory accounting is the size of
+                  the stored values (the tensors plus a few hundred bytes of header)
+    <ns>:pins     sorted set "<instance>|<id>" -> lease end: sessions with work in flight on some server
+
+Every change touching several keys is one Lua script, atomic across servers. The limits (`max_sessions`,
+`max_bytes`) are the shared store's: a server that inserts evicts the least recently used unpinned sessions,
+whichever server made them.
+
+Pins: a server that starts work on a session (the engine's `pin`) leases it for `lease_s` seconds, renewed at
+every sweep (each second): while leased, Redis does not expire it and no server evicts it. A server that dies
+leaves leases that lapse by themselves. At `unpin`, the session's expiry goes back to last use + ttl.
+
+What is observed: a key that Redis expired is found by a sweep (an index entry without its key), which drops
+the entry and counts a "ttl" eviction on the server that found it (each expiry is counted once, by one
+server). Redis's own maxmemory evictions cannot be told apart from expiry without keyspace notifications:
+they count as "ttl" too (run Redis with `maxmemory-policy noeviction` and let `max_bytes` bound the store).
+"lru" counts the sessions this server evicted to stay in the limits. Eviction counts are this server's
+(a sum over servers is the total); the session count and bytes are the shared store's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+from server.engine._errors import SessionImportError, SessionStoreFull, SessionStoreUnavailable
+from server.engine._sessions import Session, SessionStore, StoreStats, export_session, import_session
+
+__all__ = ["RedisSessionStore"]
+
+log = logging.getLogger(__name__)
+
+# KEYS: lru, exp, size, bytes, pins. ARGV[1]: the namespace.
+_PRELUDE = """
+local ns = ARGV[1]
+local function skey(id) return ns .. ':s:' .. id end
+local function unindex(id)
+  local size = redis.call('HGET', KEYS[3], id)
+  if size then redis.call('DECRBY', KEYS[4], size) end
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('HDEL', KEYS[3], id)
+end
+local function pinned(now)
+  local ids = {}
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '(' .. now, '+inf')) do
+    ids[string.match(member, '^[^|]*|(.*)$')] = true
+  end
+  return ids
+end
+local function extend(key, ms)  -- PEXPIRE ... GT, also on Redis 6
+  local left = redis.call('PTTL', key)
+  if left >= 0 and left < ms then redis.call('PEXPIRE', key, ms) end
+end
+local function write(id, blob, owner, created, last_used, ttl, expires_at, size)
+  local k = skey(id)
+  redis.call('HSET', k, 'blob', blob, 'owner', owner, 'created', created, 'last_used', last_used, 'ttl', ttl)
+  redis.call('ZADD', KEYS[1], last_used, id)
+  redis.call('ZADD', KEYS[2], expires_at, id)
+  local old = tonumber(redis.call('HGET', KEYS[3], id) or '0')
+  redis.call('HSET', KEYS[3], id, size)
+  redis.call('INCRBY', KEYS[4], tonumber(size) - old)
+end
+"""
+
+# ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes
+# -> {evicted (lru), expired (ttl)}, evicted = -1: does not fit (nothing evicted, nothing stored)
+_INSERT = _PRELUDE + """
+local now, id, size = ARGV[2], ARGV[3], tonumber(ARGV[10])
+local max_n, max_b = tonumber(ARGV[12]), tonumber(ARGV[13])
+local count = redis.call('ZCARD', KEYS[1])
+local bytes = tonumber(redis.call('GET', KEYS[4]) or '0')
+local old = redis.call('HGET', KEYS[3], id)
+if old then count = count - 1; bytes = bytes - tonumber(old) end
+local function fits() return count + 1 <= max_n and bytes + size <= max_b end
+local expired, victims = {}, {}
+if not fits() then
+  local pins = pinned(now)
+  local start = 0
+  while not fits() do
+    local batch = redis.call('ZRANGE', KEYS[1], start, start + 99)  -- least recently used first
+    if #batch == 0 then break end
+    for _, v in ipairs(batch) do
+      if fits() then break end
+      if v ~= id then
+        local s = tonumber(redis.call('HGET', KEYS[3], v) or '0')
+        if redis.call('EXISTS', skey(v)) == 0 then
+          table.insert(expired, v); count = count - 1; bytes = bytes - s
+        elseif not pins[v] then
+          table.insert(victims, v); count = count - 1; bytes = bytes - s
+        end
+      end
+    end
+    start = start + 100
+  end
+end
+for _, v in ipairs(expired) do unindex(v) end
+if not fits() then return {-1, #expired} end
+for _, v in ipairs(victims) do redis.call('DEL', skey(v)); unindex(v) end
+redis.call('DEL', skey(id))
+write(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+redis.call('PEXPIRE', skey(id), ARGV[11])
+return {#victims, #expired}
+"""
+
+# ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms -> 1, or 0 if it is gone
+_UPDATE = _PRELUDE + """
+local id = ARGV[2]
+if redis.call('EXISTS', skey(id)) == 0 then return 0 end
+write(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
+extend(skey(id), tonumber(ARGV[10]))
+return 1
+"""
+
+# ARGV: ns, id, owner, touch ("1" or "0"), now -> {blob, owner, created, last_used, ttl}, or nil
+_GET = _PRELUDE + """
+local id = ARGV[2]
+local k = skey(id)
+local f = redis.call('HMGET', k, 'blob', 'owner', 'created', 'last_used', 'ttl')
+if not f[1] or f[2] ~= ARGV[3] then return false end
+if ARGV[4] == '1' then
+  local ttl = tonumber(f[5])
+  redis.call('HSET', k, 'last_used', ARGV[5])
+  extend(k, math.max(1, math.ceil(ttl * 1000)))
+  redis.call('ZADD', KEYS[1], ARGV[5], id)
+  redis.call('ZADD', KEYS[2], tostring(tonumber(ARGV[5]) + ttl), id)
+  f[4] = ARGV[5]
+end
+return f
+"""
+
+# ARGV: ns, id, owner -> 1 if deleted
+_DELETE = _PRELUDE + """
+local id = ARGV[2]
+if redis.call('HGET', skey(id), 'owner') ~= ARGV[3] then return 0 end
+redis.call('DEL', skey(id))
+unindex(id)
+return 1
+"""
+
+# ARGV: ns, member, id, lease end (unix time), lease ms
+_PIN = _PRELUDE + """
+redis.call('ZADD', KEYS[5], ARGV[4], ARGV[2])
+extend(skey(ARGV[3]), tonumber(ARGV[5]))
+return 1
+"""
+
+# ARGV: ns, member, id, now: drop this server's lease; unless another server holds one, the session expires
+# again ttl after its last use (at once if that has passed)
+_UNPIN = _PRELUDE + """
+redis.call('ZREM', KEYS[5], ARGV[2])
+if pinned(ARGV[4])[ARGV[3]] then return 0 end
+local k = skey(ARGV[3])
+local f = redis.call('HMGET', k, 'last_used', 'ttl')
+if not f[1] then return 0 end
+local left = math.floor((tonumber(f[1]) + tonumber(f[2]) - tonumber(ARGV[4])) * 1000)
+redis.call('PEXPIRE', k, math.max(left, 1))
+return 1
+"""
+
+# ARGV: ns, now, limit -> index entries dropped because Redis expired their key
+_SWEEP = _PRELUDE + """
+local n = 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))) do
+  if redis.call('EXISTS', skey(id)) == 0 then unindex(id); n = n + 1 end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', ARGV[2])
+return n
+"""
+
+_SWEEP_LIMIT = 1000  # index entries a sweep looks at
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    model_hash: str
+    template: Session
+    keys: tuple[str, str, str, str, str]  # lru, exp, size, bytes, pins
+    ns: str
+
+
+class RedisSessionStore(SessionStore):
+    """`SessionStore` in a Redis database (module docstring). Thread-safe (redis-py's connection pool)."""
+
+    def __init__(self, url: str, *, max_sessions: int, max_bytes: int, lease_s: float = 60.0,
+                 clock: Callable[[], float] = time.time, timeout_s: float = 5.0) -> None:
+        if max_sessions < 1 or max_bytes < 1 or lease_s <= 0:
+            raise ValueError("max_sessions and max_bytes must be >= 1 and lease_s > 0")
+        self.url = url
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self.lease_s = lease_s
+        self._clock = clock
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           health_check_interval=30)
+        self._scripts: dict[str, Script] = {
+            name: self._redis.register_script(source) for name, source in (
+                ("insert", _INSERT), ("update", _UPDATE), ("get", _GET), ("delete", _DELETE), ("pin", _PIN),
+                ("unpin", _UNPIN), ("sweep", _SWEEP))}
+        self._bound: _Bound | None = None
+        self._instance = secrets.token_hex(8)  # names this server's leases
+        self._lock = threading.Lock()
+        self._pins: Counter[str] = Counter()
+        self._evictions: Counter[str] = Counter({"ttl": 0, "lru": 0})
+        self._last_stats = StoreStats(sessions=0, bytes=0, evictions={"ttl": 0, "lru": 0})
+
+    # -- the interface -----------------------------------------------------------------------------
+
+    def bind(self, model_hash: str, template: Session) -> None:
+        ns = f"adaptlm:{{{model_hash[:16]}}}"
+        keys = (f"{ns}:lru", f"{ns}:exp", f"{ns}:size", f"{ns}:bytes", f"{ns}:pins")
+        self._bound = _Bound(model_hash, template, keys, ns)
+        with self._errors("connect to"):
+            self._redis.ping()
+
+    def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session | None:
+        fields = self._run("get", session_id, owner or "", "1" if touch else "0", repr(self._clock()))
+        if fields is None:
+            return None
+        blob, stored_owner, created, last_used, ttl = fields
+        bound = self._binding()
+        try:
+            session, _ = import_session(blob, model_hash=bound.model_hash, template=bound.template)
+        except SessionImportError as e:
+            log.error("session %s in Redis cannot be read (%s); treating it as absent", session_id[:8], e)
+            return None
+        return dataclasses.replace(session, id=session_id, owner=stored_owner.decode() or None,
+                                   created=float(created), last_used=float(last_used), ttl_s=float(ttl))
+
+    def contains(self, session_id: str) -> bool:
+        bound = self._binding()
+        with self._errors("read from"):
+            return bool(self._redis.exists(f"{bound.ns}:s:{session_id}"))
+
+    def insert(self, session: Session) -> None:
+        now = self._clock()
+        evicted, expired = self._run("insert", repr(now), *self._record(session),
+                                     str(self._ttl_ms(session, now)), str(self.max_sessions), str(self.max_bytes))
+        with self._lock:
+            self._evictions["ttl"] += int(expired)
+            if evicted > 0:
+                self._evictions["lru"] += int(evicted)
+        if evicted < 0:
+            raise SessionStoreFull(f"the session store is full (at most {self.max_sessions} sessions and "
+                                   f"{self.max_bytes} bytes) and no session can be evicted now")
+
+    def update(self, session: Session) -> bool:
+        return bool(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock()))))
+
+    def delete(self, session_id: str, owner: str | None) -> bool:
+        return bool(self._run("delete", session_id, owner or ""))
+
+    def pin(self, session_id: str) -> None:
+        with self._lock:
+            self._pins[session_id] += 1
+            first = self._pins[session_id] == 1
+        if first:
+            self._lease([session_id])
+
+    def unpin(self, session_id: str) -> None:
+        with self._lock:
+            self._pins[session_id] -= 1
+            last = self._pins[session_id] <= 0
+            if last:
+                del self._pins[session_id]
+        if last:
+            try:
+                self._run("unpin", f"{self._instance}|{session_id}", session_id, repr(self._clock()))
+            except SessionStoreUnavailable as e:  # the lease lapses by itself
+                log.warning("could not release the lease of a session: %s", e)
+
+    def sweep(self) -> int:
+        with self._lock:
+            pinned = list(self._pins)
+        self._lease(pinned)
+        try:
+            expired = int(self._run("sweep", repr(self._clock()), str(_SWEEP_LIMIT)))
+        except SessionStoreUnavailable as e:
+            log.warning("session sweep failed: %s", e)
+            return 0
+        with self._lock:
+            self._evictions["ttl"] += expired
+        return expired
+
+    def stats(self) -> StoreStats:
+        bound = self._binding()
+        try:
+            with self._errors("read from"):
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.zcard(bound.keys[0])
+                pipe.get(bound.keys[3])
+                count, total = pipe.execute()
+        except SessionStoreUnavailable as e:  # a scrape keeps working: the last values seen
+            log.warning("session store statistics unavailable: %s", e)
+            with self._lock:
+                return dataclasses.replace(self._last_stats, evictions=dict(self._evictions))
+        with self._lock:
+            self._last_stats = StoreStats(sessions=int(count), bytes=int(total or 0), evictions=dict(self._evictions))
+            return self._last_stats
+
+    def close(self) -> None:
+        self._redis.close()
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _binding(self) -> _Bound:
+        if self._bound is None:
+            raise RuntimeError("the store is not bound to a model yet (the engine binds it when it starts)")
+        return self._bound
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except redis.RedisError as e:
+            raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__}: {e})") from e
+
+    def _run(self, script: str, *args: str | bytes) -> Any:
+        bound = self._binding()
+        with self._errors("use"):
+            return self._scripts[script](keys=list(bound.keys), args=[bound.ns, *args])
+
+    def _record(self, session: Session) -> list[str | bytes]:
+        """A stored session as script arguments: id, blob, owner, created, last_used, ttl, expires_at, size."""
+        blob = export_session(session, self._binding().model_hash)
+        return [session.id, blob, session.owner or "", repr(session.created), repr(session.last_used),
+                repr(session.ttl_s), repr(session.expires_at()), str(len(blob))]
+
+    @staticmethod
+    def _ttl_ms(session: Session, now: float) -> int:
+        return max(1, math.ceil((session.expires_at() - now) * 1000))
+
+    def _lease(self, session_ids: Sequence[str]) -> None:
+        """Lease (or renew the lease of) sessions this server has work for."""
+        if not session_ids:
+            return
+        bound = self._binding()
+        until, ms = repr(self._clock() + self.lease_s), str(math.ceil(self.lease_s * 1000))
+        try:
+            with self._errors("lease sessions in"):
+                pipe = self._redis.pipeline(transaction=False)
+                for session_id in session_ids:
+                    self._scripts["pin"](keys=list(bound.keys),
+                                         args=[bound.ns, f"{self._instance}|{session_id}", session_id, until, ms],
+                                         client=pipe)
+                pipe.execute()
+        except SessionStoreUnavailable as e:  # best effort: a session without a lease may expire under its work
+            log.warning("could not lease sessions: %s", e)

@@ -1,0 +1,400 @@
+"""The Redis session store against a real redis-server: the store's interface (as the memory store's tests, with
+real time for the TTL), sessions that survive a restart, servers that share them, owners, expiry, a Redis that
+goes away, and a shutdown that finishes the work in flight."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import torch
+from safetensors.torch import load
+
+from models.adaptation import evaluate
+from models.base import Adapter, State
+from models.checkpoint import load_checkpoint
+from server.engine import (
+    AdaptationConfig,
+    RedisSessionStore,
+    Session,
+    SessionStats,
+    SessionStoreFull,
+    SessionStoreUnavailable,
+    export_session,
+)
+from server.settings import Settings
+from trainer.evaluation import config_for
+
+HASH = "c" * 64
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
+MORE = "However little known the feelings or views of such a man may be on his first entering a neighbourhood, this"
+
+
+def make(session_id: str, owner: str | None = None, *, k: int = 4, ttl: float = 60.0, seed: int = 0) -> Session:
+    g = torch.Generator().manual_seed(seed)
+    state = {"h": torch.randn(1, 8, generator=g), "c": torch.randn(1, 8, generator=g)}
+    now = time.time()
+    return Session(id=session_id, owner=owner, created=now - 5, last_used=now, ttl_s=ttl,
+                   config=AdaptationConfig(lr=1e-3, decay=2e-3, adapter_size=k),
+                   state=State(state), static_state=State({n: t + 1 for n, t in state.items()}),
+                   last_byte=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
+                   stats=SessionStats(bytes_observed=40, updates=2, bits=100.0, static_bits=110.0))
+
+
+TEMPLATE = dataclasses.replace(make(""), stats=SessionStats(), adapter=Adapter({"h": torch.zeros(1, 1, 1)}))
+SIZE = len(export_session(make("x"), HASH))  # what a session takes in Redis: its export
+
+
+def store_at(url: str, **limits: Any) -> RedisSessionStore:
+    store = RedisSessionStore(url, max_sessions=limits.pop("max_sessions", 100),
+                              max_bytes=limits.pop("max_bytes", 10**9), **limits)
+    store.bind(HASH, TEMPLATE)
+    return store
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[RedisSessionStore]:
+    s = store_at(redis_url)
+    yield s
+    s.close()
+
+
+def same(a: Session, b: Session) -> bool:
+    tensors = [(a.state, b.state), (a.static_state, b.static_state)]
+    return (a.id, a.owner, a.config, a.stats, a.last_byte, a.ttl_s, a.created) == (
+        b.id, b.owner, b.config, b.stats, b.last_byte, b.ttl_s, b.created) and all(
+        torch.equal(x.tensors[k], y.tensors[k]) for x, y in tensors for k in y.tensors) and all(
+        torch.equal(a.adapter.mats[k], b.adapter.mats[k]) for k in b.adapter.mats)
+
+
+# -- the store's interface ---------------------------------------------------------------------------------
+
+
+def test_round_trip_and_accounting(store: RedisSessionStore) -> None:
+    original = make("a", owner="alice", seed=3)
+    store.insert(original)
+    got = store.get("a", "alice", touch=False)
+    assert got is not None and same(got, original) and got.last_used == original.last_used
+    touched = store.get("a", "alice")
+    assert touched is not None and touched.last_used > original.last_used and same(touched, original)
+    assert store.contains("a") and not store.contains("b")
+    stats = store.stats()
+    assert (stats.sessions, stats.bytes, dict(stats.evictions)) == (1, SIZE, {"ttl": 0, "lru": 0})
+
+
+def test_nothing_is_pickled(store: RedisSessionStore, redis_url: str) -> None:
+    store.insert(make("a", owner="alice"))
+    with redis.Redis.from_url(redis_url) as r:
+        keys = r.keys("adaptlm:*:s:a")
+        assert len(keys) == 1
+        blob = r.hget(keys[0], "blob")
+        assert isinstance(blob, bytes) and blob[:1] != b"\x80"  # not a pickle
+        meta = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+        assert meta["format"] == "adaptlm-session" and meta["model_hash"] == HASH
+        assert set(load(blob)) == {"state.h", "state.c", "static.h", "static.c", "adapter.h"}
+        assert r.hget(keys[0], "owner") == b"alice"
+        assert 0 < r.pttl(keys[0]) <= 60_000
+
+
+def test_lru_eviction_by_count_keeps_the_recently_used(redis_url: str) -> None:
+    store = store_at(redis_url, max_sessions=2)
+    store.insert(make("a"))
+    store.insert(make("b"))
+    assert store.get("a", None) is not None  # a is now the most recently used
+    store.insert(make("c"))
+    assert store.get("b", None) is None
+    assert store.get("a", None) is not None and store.get("c", None) is not None
+    stats = store.stats()
+    assert (stats.sessions, stats.bytes, stats.evictions["lru"], stats.evictions["ttl"]) == (2, 2 * SIZE, 1, 0)
+
+
+def test_memory_budget_evicts_by_bytes(redis_url: str) -> None:
+    store = store_at(redis_url, max_bytes=2 * SIZE + 10)
+    for name in "abc":
+        store.insert(make(name))
+    assert [store.contains(n) for n in "abc"] == [False, True, True]
+    assert store.stats().bytes == 2 * SIZE
+    with pytest.raises(SessionStoreFull):  # larger than the whole budget: refused, nothing evicted
+        store.insert(make("big", k=64))
+    assert store.stats().sessions == 2 and store.stats().evictions["lru"] == 1 and not store.contains("big")
+
+
+def test_pinned_sessions_are_never_evicted(redis_url: str) -> None:
+    store = store_at(redis_url, max_sessions=2)
+    store.insert(make("a"))
+    store.insert(make("b"))
+    store.pin("a")
+    store.pin("b")
+    with pytest.raises(SessionStoreFull):
+        store.insert(make("c"))
+    assert store.contains("a") and store.contains("b") and store.stats().evictions["lru"] == 0
+    store.unpin("b")
+    store.insert(make("c"))
+    assert store.contains("a") and not store.contains("b") and store.contains("c")
+
+
+def test_ttl_expiry_is_counted_and_extended_by_use(store: RedisSessionStore) -> None:
+    store.insert(make("a", ttl=1.0))
+    store.insert(make("b", ttl=1.0))
+    time.sleep(0.6)
+    assert store.get("a", None) is not None  # touched: a lives 1 s from now
+    time.sleep(0.6)
+    assert store.get("b", None) is None
+    assert store.get("a", None) is not None
+    assert store.sweep() == 1 and store.stats().evictions["ttl"] == 1 and store.stats().sessions == 1
+    store.pin("a")
+    time.sleep(1.2)
+    assert store.sweep() == 0 and store.get("a", None, touch=False) is not None  # in use: not expired
+    store.unpin("a")  # its time is up: it goes now
+    time.sleep(0.05)
+    assert store.get("a", None) is None
+    assert store.sweep() == 1 and store.stats().sessions == 0 and store.stats().evictions["ttl"] == 2
+    assert store.stats().bytes == 0
+
+
+def test_owners_see_only_their_sessions(store: RedisSessionStore) -> None:
+    store.insert(make("a", owner="alice"))
+    assert store.get("a", "bob") is None and store.get("a", None) is None
+    assert not store.delete("a", "bob")
+    assert store.contains("a") and store.get("a", "alice") is not None
+    assert store.delete("a", "alice") and not store.contains("a")
+    assert store.stats().sessions == 0 and store.stats().bytes == 0
+
+
+def test_update_only_replaces_a_present_session(store: RedisSessionStore) -> None:
+    store.insert(make("a"))
+    newer = dataclasses.replace(make("a", seed=1), last_byte=33)
+    assert store.update(newer)
+    got = store.get("a", None)
+    assert got is not None and got.last_byte == 33 and same(dataclasses.replace(got, last_used=0),
+                                                             dataclasses.replace(newer, last_used=0))
+    store.delete("a", None)
+    assert not store.update(newer) and not store.contains("a")
+
+
+def test_two_stores_share_sessions_and_leases(redis_url: str) -> None:
+    one, two = store_at(redis_url, max_sessions=2), store_at(redis_url, max_sessions=2)
+    original = make("a", owner="alice")
+    one.insert(original)
+    got = two.get("a", "alice")
+    assert got is not None and same(got, original)
+    one.insert(make("b"))
+    one.pin("a")  # work in flight on the first server
+    two.pin("b")
+    with pytest.raises(SessionStoreFull):  # neither may be evicted by either server
+        two.insert(make("c"))
+    one.unpin("a")
+    two.insert(make("c"))
+    assert not one.contains("a") and one.contains("b") and one.contains("c")
+    assert two.stats().evictions["lru"] == 1 and one.stats().evictions["lru"] == 0
+    assert one.stats().sessions == two.stats().sessions == 2
+
+
+def test_a_lapsed_lease_no_longer_protects(redis_url: str) -> None:
+    crashed = store_at(redis_url, lease_s=0.3)
+    crashed.insert(make("a"))
+    crashed.pin("a")  # and never unpins: its server died
+    other = store_at(redis_url, max_sessions=1)
+    with pytest.raises(SessionStoreFull):
+        other.insert(make("b"))
+    time.sleep(0.5)
+    other.insert(make("b"))
+    assert not other.contains("a") and other.contains("b")
+
+
+def test_concurrent_use_keeps_the_books(redis_url: str) -> None:
+    stores = [store_at(redis_url, max_sessions=30) for _ in range(2)]
+
+    def work(t: int) -> None:
+        store = stores[t % 2]
+        for i in range(60):
+            name = f"s{(t * 7 + i) % 50}"
+            store.insert(make(name))
+            store.get(name, None)
+            if i % 3 == 0:
+                store.delete(f"s{(t + i) % 50}", None)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = stores[0].stats()
+    assert stats.sessions <= 30 and stats.bytes == stats.sessions * SIZE
+    assert sum(stores[0].contains(f"s{i}") for i in range(50)) == stats.sessions
+
+
+def test_an_unreachable_redis_is_reported(start_redis: Any) -> None:
+    with start_redis() as url:
+        store = store_at(url)
+        store.insert(make("a"))
+        assert store.stats().sessions == 1
+    with pytest.raises(SessionStoreUnavailable):
+        store.get("a", None)
+    with pytest.raises(SessionStoreUnavailable):
+        store.insert(make("b"))
+    store.pin("a")  # best effort: logged, never raised (the engine's worker calls these)
+    store.unpin("a")
+    assert store.sweep() == 0 and store.stats().sessions == 1  # the last statistics seen
+    with pytest.raises(SessionStoreUnavailable):
+        store_at(url)
+
+
+# -- servers on Redis ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint: Path) -> Any:
+    return load_checkpoint(tiny_checkpoint)
+
+
+def create(client: httpx.Client, **body: Any) -> dict[str, Any]:
+    r = client.post("/v1/sessions", json=body)
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+def observe(client: httpx.Client, sid: str, text: str) -> dict[str, Any]:
+    r = client.post(f"/v1/sessions/{sid}/observe", json={"text": text})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def probe(client: httpx.Client, sid: str) -> dict[str, Any]:
+    r = client.post("/v1/score", json={"text": "truth is a fortune", "session_id": sid, "logprobs": True})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def export(client: httpx.Client, sid: str) -> dict[str, Any]:
+    """The session's export, as comparable values (its creation time left out)."""
+    blob = client.get(f"/v1/sessions/{sid}/state").content
+    meta = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    meta["session"] = json.loads(meta["session"])
+    return {"meta": meta, "tensors": {k: v.tolist() for k, v in load(blob).items()}}
+
+
+def metric(client: httpx.Client, name: str, **labels: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {name} {labels}")
+
+
+def test_a_session_survives_a_restart(tiny_checkpoint: Path, redis_url: str, serve_app: Any, ckpt: Any) -> None:
+    settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url)  # type: ignore[arg-type]
+    first = TEXT[:60]  # whole segments: the observe after the restart continues the same evaluation
+    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+        created = create(c, initial_text=first)
+        sid = created["id"]
+        before, exported = probe(c, sid), export(c, sid)
+        suggested = c.post(f"/v1/sessions/{sid}/suggest", json={"context": "the tru"}).json()
+    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+        assert probe(c, sid) == before  # bit-identical scores from the restored state and adapter
+        assert export(c, sid) == exported
+        assert c.post(f"/v1/sessions/{sid}/suggest", json={"context": "the tru"}).json() == suggested
+        after = observe(c, sid, MORE)
+        assert c.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(first) + len(MORE)
+    reference = evaluate(ckpt.model, (first + MORE).encode(), config_for("sparse", ckpt.dyneval), stats=ckpt.stats)
+    assert created["observed"]["bits"] + after["bits"] == pytest.approx(reference.bits, rel=1e-5)
+
+
+def test_two_servers_share_sessions(tiny_checkpoint: Path, redis_url: str, serve_app: Any,
+                                    assert_error: Any) -> None:
+    settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url)  # type: ignore[arg-type]
+    with serve_app(settings) as one, serve_app(settings) as two, httpx.Client(base_url=one.url) as a, \
+            httpx.Client(base_url=two.url) as b:
+        sid = create(a, initial_text=TEXT)["id"]
+        assert b.get(f"/v1/sessions/{sid}").json()["stats"] == a.get(f"/v1/sessions/{sid}").json()["stats"]
+        observe(b, sid, MORE)
+        assert a.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT) + len(MORE)
+        assert probe(a, sid) == probe(b, sid) and export(a, sid) == export(b, sid)
+        assert metric(a, "adaptlm_active_sessions") == metric(b, "adaptlm_active_sessions") == 1
+        assert b.delete(f"/v1/sessions/{sid}").status_code == 204
+        assert_error(a.get(f"/v1/sessions/{sid}"), 404, "not_found_error", "session_id")
+
+
+def test_owners_are_kept_in_redis(tiny_checkpoint: Path, redis_url: str, serve_app: Any, assert_error: Any) -> None:
+    settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url, api_keys="key-a,key-b")  # type: ignore[arg-type]
+    with serve_app(settings) as one, serve_app(settings) as two, \
+            httpx.Client(base_url=one.url, headers={"authorization": "Bearer key-a"}) as a, \
+            httpx.Client(base_url=two.url, headers={"authorization": "Bearer key-b"}) as b, \
+            httpx.Client(base_url=two.url, headers={"authorization": "Bearer key-a"}) as a_on_two:
+        sid = create(a, initial_text=TEXT)["id"]
+        blob = a.get(f"/v1/sessions/{sid}/state").content
+        for r in (b.get(f"/v1/sessions/{sid}"), b.delete(f"/v1/sessions/{sid}"),
+                  b.post(f"/v1/sessions/{sid}/observe", json={"text": "a"}),
+                  b.post(f"/v1/sessions/{sid}/suggest", json={"context": "a"}),
+                  b.put(f"/v1/sessions/{sid}/state", content=blob)):
+            assert_error(r, 404, "not_found_error", "session_id")
+        assert a_on_two.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT)
+
+
+def test_ttl_expiry_and_lru_eviction_over_http(tiny_checkpoint: Path, redis_url: str, serve_app: Any,
+                                               assert_error: Any) -> None:
+    settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url, max_sessions=2)  # type: ignore[arg-type]
+    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+        short = create(c, ttl_s=0.5)["id"]
+        time.sleep(0.8)
+        assert_error(c.get(f"/v1/sessions/{short}"), 404, "not_found_error", "session_id")
+        deadline = time.monotonic() + 5  # the engine sweeps every second
+        while metric(c, "adaptlm_session_evictions_total", reason="ttl") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(c, "adaptlm_session_evictions_total", reason="ttl") == 1
+        a, b = create(c)["id"], create(c)["id"]
+        assert c.get(f"/v1/sessions/{a}").status_code == 200  # a is now more recently used than b
+        d = create(c)["id"]
+        assert_error(c.get(f"/v1/sessions/{b}"), 404, "not_found_error", "session_id")
+        assert c.get(f"/v1/sessions/{a}").status_code == 200 and c.get(f"/v1/sessions/{d}").status_code == 200
+        assert metric(c, "adaptlm_session_evictions_total", reason="lru") == 1
+        assert metric(c, "adaptlm_active_sessions") == 2
+        size = len(c.get(f"/v1/sessions/{a}/state").content)
+        assert metric(c, "adaptlm_session_store_bytes") == 2 * size
+
+
+def test_shutdown_finishes_work_in_flight(tiny_checkpoint: Path, redis_url: str, serve_app: Any) -> None:
+    settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url)  # type: ignore[arg-type]
+    long = "busy " * 1500
+    answers: list[httpx.Response] = []
+    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+        sid = create(c)["id"]
+        thread = threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{live.url}/v1/sessions/{sid}/observe", json={"text": long}, timeout=120)))
+        thread.start()
+        time.sleep(0.3)
+    thread.join()  # the server stopped (lifespan end) while the observe ran: it was finished, then written
+    assert answers and answers[0].status_code == 200, answers
+    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+        stats = c.get(f"/v1/sessions/{sid}").json()["stats"]
+        assert stats["bytes_observed"] == len(long) and stats["updates"] == math.ceil(len(long) / 20)
+
+
+def test_a_redis_that_goes_away_answers_503(tiny_checkpoint: Path, serve_app: Any, start_redis: Any,
+                                             assert_error: Any) -> None:
+    with start_redis() as url:
+        settings = Settings(checkpoint=tiny_checkpoint, session_store=url)  # type: ignore[arg-type]
+        live_server = serve_app(settings)
+        live = live_server.__enter__()
+        c = httpx.Client(base_url=live.url)
+        sid = create(c)["id"]
+    try:  # redis-server has stopped
+        for r in (c.get(f"/v1/sessions/{sid}"), c.post(f"/v1/sessions/{sid}/observe", json={"text": "a"}),
+                  c.post(f"/v1/sessions/{sid}/suggest", json={"context": "a"}), c.post("/v1/sessions", json={})):
+            error = assert_error(r, 503, "service_unavailable_error")
+            assert error["code"] == "session_store_unavailable" and r.headers["retry-after"] == "1"
+        assert c.post("/v1/score", json={"text": "static scoring still works"}).status_code == 200
+        assert c.get("/metrics").status_code == 200
+    finally:
+        c.close()
+        live_server.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="failed to start"), serve_app(settings):
+        pass

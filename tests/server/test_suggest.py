@@ -1,0 +1,212 @@
+"""POST /v1/sessions/{id}/suggest against a real server: the answer's shape and order, its agreement with the
+model (a brute-force product of byte probabilities), that it leaves the session alone, adaptation showing in it,
+its error paths, its latency metric, and the engine's cursor cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load
+
+from models.base import Adapter, State
+from models.checkpoint import load_checkpoint
+from models.scoring import BOS, score_bytes
+from models.suggest import advance
+from server.engine import AdaptationConfig, Session
+from server.engine._suggest import CursorCache
+from server.settings import Settings
+
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
+WORD_ENDS = [b for b in range(128) if not (chr(b).isalnum() or chr(b) == "'")]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint: Path) -> Any:
+    return load_checkpoint(tiny_checkpoint)
+
+
+def create(client: httpx.Client, **body: Any) -> str:
+    r = client.post("/v1/sessions", json=body)
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def suggest(client: httpx.Client, sid: str, **body: Any) -> dict[str, Any]:
+    r = client.post(f"/v1/sessions/{sid}/suggest", json=body)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def session_parts(client: httpx.Client, sid: str) -> tuple[State, int, Adapter, bytes]:
+    """The session's state, next byte and adapter, from its export (and the export itself)."""
+    blob = client.get(f"/v1/sessions/{sid}/state").content
+    t = load(blob)
+    meta = json.loads(json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]["session"])
+    return State({"h": t["state.h"], "c": t["state.c"]}), meta["last_byte"], Adapter({"h": t["adapter.h"]}), blob
+
+
+def test_suggestions(client: httpx.Client) -> None:
+    sid = create(client, initial_text=TEXT)
+    body = suggest(client, sid, context="She said that the man was univ", k=5, n_chars=4)
+    assert set(body) == {"prefix", "completions", "next_chars"} and body["prefix"] == "univ"
+    words, chars = body["completions"], body["next_chars"]
+    assert 1 <= len(words) <= 5 and len(chars) == 4
+    for items in (words, chars):
+        probs = [w["prob"] for w in items]
+        assert probs == sorted(probs, reverse=True) and all(0 < p <= 1 for p in probs)
+    assert all(w["text"].startswith("univ") and len(w["text"]) > 4 and " " not in w["text"] for w in words)
+    assert all(len(c["char"]) == 1 for c in chars) and sum(c["prob"] for c in chars) <= 1 + 1e-9
+    defaults = suggest(client, sid, context="the ")
+    assert defaults["prefix"] == "" and len(defaults["completions"]) <= 3 and len(defaults["next_chars"]) == 5
+    assert suggest(client, sid)["prefix"] == "" and suggest(client, sid, n_chars=0)["next_chars"] == []
+
+
+def test_probabilities_agree_with_the_model(client: httpx.Client, ckpt: Any) -> None:
+    sid = create(client, initial_text=TEXT)
+    context = "and he was acknow"
+    words = suggest(client, sid, context=context, k=3)["completions"]
+    state, last_byte, adapter, _ = session_parts(client, sid)
+    for word in words:
+        text = (context[: -len("acknow")] + word["text"]).encode()
+        scored = score_bytes(ckpt.model, text, state=state, last_byte=last_byte, adapter=adapter, logprobs=True)
+        assert scored.logprobs is not None and scored.state is not None
+        added = len(word["text"].encode()) - len(b"acknow")
+        continuation = sum(scored.logprobs[-added:])
+        ends = sum(math.exp(score_bytes(ckpt.model, bytes([t]), state=scored.state, last_byte=text[-1],
+                                        adapter=adapter, logprobs=True).logprobs[0]) for t in WORD_ENDS)  # type: ignore[index]
+        assert word["prob"] == pytest.approx(math.exp(continuation) * ends, rel=1e-4)
+    # the next characters are the next byte's probabilities (ASCII here)
+    scored = score_bytes(ckpt.model, context.encode(), state=state, last_byte=last_byte, adapter=adapter)
+    assert scored.state is not None
+    for char in suggest(client, sid, context=context, n_chars=3)["next_chars"]:
+        one = score_bytes(ckpt.model, char["char"].encode(), state=scored.state, last_byte=context.encode()[-1],
+                          adapter=adapter)
+        assert char["prob"] == pytest.approx(2.0 ** -one.bits, rel=1e-4)
+
+
+def test_the_session_is_not_changed(client: httpx.Client) -> None:
+    sid = create(client, initial_text=TEXT)
+    before = client.get(f"/v1/sessions/{sid}").json()
+    *_, blob = session_parts(client, sid)
+    for context in ("a", "ab", "abc", "the quick brown f"):
+        suggest(client, sid, context=context)
+    after = client.get(f"/v1/sessions/{sid}").json()
+    assert after["stats"] == before["stats"] and after["last_used"] >= before["last_used"]  # touched, not changed
+    assert load(session_parts(client, sid)[3]).keys() == load(blob).keys()
+    assert all(torch.equal(load(blob)[k], v) for k, v in load(session_parts(client, sid)[3]).items())
+
+
+def test_adaptation_changes_suggestions(client: httpx.Client) -> None:
+    """A made-up word, observed many times, becomes a suggestion for its prefix (the tiny model needs a high lr)."""
+    adapted, static = create(client, adaptation={"lr": 0.03}), create(client, adaptation={"lr": 0.0})
+    before = [w["text"] for w in suggest(client, adapted, context="zorb", k=10)["completions"]]
+    assert "zorblax" not in before
+    for sid in (adapted, static):
+        r = client.post(f"/v1/sessions/{sid}/observe", json={"text": "zorblax " * 400})
+        assert r.status_code == 200, r.text
+    after = suggest(client, adapted, context="zorb", k=5)
+    assert "zorblax" in [w["text"] for w in after["completions"]]
+    assert after["next_chars"][0]["char"] == "l"
+    # the recurrent state alone (a session that reads the text without adapting) does not learn the word
+    assert "zorblax" not in [w["text"] for w in suggest(client, static, context="zorb", k=10)["completions"]]
+
+
+def test_a_suggestion_does_not_wait_for_the_session_s_observe(client: httpx.Client, live: Any) -> None:
+    sid = create(client, initial_text=TEXT)
+    done = threading.Event()
+
+    def long_observe() -> None:
+        httpx.post(f"{live.url}/v1/sessions/{sid}/observe", json={"text": "busy " * 1500}, timeout=120)
+        done.set()
+
+    thread = threading.Thread(target=long_observe)
+    thread.start()
+    time.sleep(0.3)
+    start = time.perf_counter()
+    suggest(client, sid, context="the tr")
+    assert not done.is_set() and time.perf_counter() - start < 1.0  # answered from the last committed record
+    thread.join()
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"k": 0}, "k"), ({"k": 11}, "k"), ({"k": "3"}, "k"), ({"k": 2.5}, "k"),
+    ({"max_chars": 0}, "max_chars"), ({"max_chars": 65}, "max_chars"),
+    ({"n_chars": -1}, "n_chars"), ({"n_chars": 33}, "n_chars"),
+    ({"context": 5}, "context"), ({"context": "x" * 2049}, "context"),
+    ({"prefix": "ab"}, "prefix"), ({"min_prob": 0.1}, "min_prob"),
+])
+def test_invalid_requests_are_422(client: httpx.Client, assert_error: Any, body: dict[str, Any], param: str) -> None:
+    sid = create(client)
+    assert_error(client.post(f"/v1/sessions/{sid}/suggest", json=body), 422, "validation_error", param)
+
+
+def test_unknown_session_is_404(client: httpx.Client, assert_error: Any) -> None:
+    r = client.post("/v1/sessions/no-such-session-0123456789abcdef/suggest", json={"context": "a"})
+    assert assert_error(r, 404, "not_found_error", "session_id")["code"] == "session_not_found"
+
+
+def test_latency(client: httpx.Client) -> None:
+    """A sanity bound only (the machine may be busy): one suggestion per keystroke of a sentence."""
+    sid = create(client, initial_text=TEXT)
+    sentence = "and so she went to the market to buy some bread"
+    times = []
+    for i in range(1, len(sentence) + 1):
+        start = time.perf_counter()
+        suggest(client, sid, context=sentence[:i])
+        times.append(time.perf_counter() - start)
+    times.sort()
+    p50, p99 = times[len(times) // 2], times[min(len(times) - 1, int(0.99 * len(times)))]
+    assert p99 < 1.0
+    metrics = client.get("/metrics").text
+    sample = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith(("adaptlm_suggest_duration_seconds_count", "adaptlm_suggest_duration_seconds_sum"))}
+    count, total = sample["adaptlm_suggest_duration_seconds_count"], sample["adaptlm_suggest_duration_seconds_sum"]
+    assert count >= len(sentence)
+    print(f"suggest on the tiny checkpoint: over HTTP p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms; "
+          f"in the server {total / count * 1e3:.1f} ms on average")
+    for le in ("0.001", "0.002", "0.005"):  # both histograms resolve under 5 ms
+        assert f'adaptlm_suggest_duration_seconds_bucket{{le="{le}"' in metrics
+    assert 'adaptlm_http_request_duration_seconds_bucket{le="0.0025",method="POST"' in metrics
+
+
+def test_the_cursor_cache_feeds_only_new_bytes(ckpt: Any) -> None:
+    model = ckpt.model
+    sites = {s.name: 8 for s in model.adaptation_sites()}
+    g = torch.Generator().manual_seed(0)
+    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
+                      config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=8),
+                      state=State({k: torch.randn(v.shape, generator=g) * 0.1
+                                   for k, v in model.init_state(1).tensors.items()}),
+                      static_state=model.init_state(1), last_byte=ord("."),
+                      adapter=Adapter({k: torch.randn(1, n, n, generator=g) * 0.1 for k, n in sites.items()}))
+    cache = CursorCache()
+    typed = "hello wor"
+    for i in range(1, len(typed) + 1):
+        got = cache.cursor(model, session, typed[:i].encode())
+        fresh = advance(model, session.state, b"." + typed[:i].encode(), session.adapter)
+        assert torch.allclose(got.logprobs, fresh.logprobs, atol=1e-5)
+    assert cache.fed == 1 + len(typed)  # the next byte once, then one byte per keystroke
+    cache.cursor(model, session, b"hello wo")  # a backspace: cached
+    cache.cursor(model, session, b"hello wa")  # from the cursor of "hello w"
+    assert cache.fed == 2 + len(typed)
+    changed = dataclasses.replace(session, last_byte=BOS)  # another record (e.g. after an observe)
+    cache.cursor(model, changed, b"hello wa")
+    assert cache.fed == 2 + len(typed) + len(b"\nhello wa")
+
+
+def test_the_text_limit_applies_to_the_context(tiny_checkpoint: Path, serve_app: Any, assert_error: Any) -> None:
+    with serve_app(Settings(checkpoint=tiny_checkpoint, max_text_bytes=16, max_body_bytes=1 << 20)) as live, \
+            httpx.Client(base_url=live.url) as c:
+        sid = create(c)
+        assert suggest(c, sid, context="x" * 16)["prefix"] == "x" * 16
+        assert_error(c.post(f"/v1/sessions/{sid}/suggest", json={"context": "é" * 9}), 413, "payload_too_large_error",
+                     "context")
