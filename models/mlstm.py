@@ -47,6 +47,7 @@ class _WNLinear(nn.Module):
         self.v = nn.Parameter(torch.empty(n_out, n_in))
         self.g = nn.Parameter(torch.ones(n_out)) if weight_norm else None
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+        self._cache: tuple[tuple[object, ...], torch.Tensor] | None = None
 
     def reset(self, init: str, scale: float = 1.0) -> None:
         with torch.no_grad():
@@ -63,8 +64,16 @@ class _WNLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         if self.g is None:
             return self.v
-        w: torch.Tensor = self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1)  # (out, in)
-        return w
+        if torch.is_grad_enabled():
+            w: torch.Tensor = self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1)  # (out, in)
+            return w
+        # Without autograd (scoring, generation, suggestions) the normalised weight is cached: it costs
+        # a pass over the matrix, which dominates a one-byte step. The key changes whenever v or g does
+        # (in-place updates bump _version; swapped or moved tensors change identity or storage).
+        key = tuple((id(t), t._version, t.data_ptr(), t.dtype) for t in (self.v, self.g))
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1))
+        return self._cache[1]
 
 
 def mlstm_cell(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Tensor,

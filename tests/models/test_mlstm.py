@@ -175,3 +175,16 @@ def test_stack_padded_adapters_change_nothing() -> None:
     for b, adapter in enumerate([small, None, large]):
         alone = model(x[b : b + 1], model.init_state(1), adapter)
         torch.testing.assert_close(out.logits[b], alone.logits[0], rtol=0, atol=1e-12)
+
+
+def test_inference_weight_cache_follows_updates() -> None:
+    model = _model()
+    x = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        a = model(x, model.init_state(1)).logits
+        assert torch.equal(model(x, model.init_state(1)).logits, a)  # cached path, same result
+        model.w_m.g.mul_(1.5)  # an in-place update must invalidate the cache
+        b = model(x, model.init_state(1)).logits
+    fresh = model(x, model.init_state(1)).logits  # grad enabled: computed directly
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(b, fresh.detach(), rtol=0, atol=0)
