@@ -1,0 +1,286 @@
+"""Server measurements against a real `adaptlm serve` (a subprocess on a free 127.0.0.1 port):
+
+1. suggest: keyboard-suggestion latency (p50, p99, mean) and requests/s with 1, 10 and 50 typists. Each typist
+   has its own session and types e-mails of the message file a character at a time, asking
+   POST /v1/sessions/{id}/suggest {context: the message so far, k: 3} after every keystroke, one request
+   outstanding per typist (the next keystroke comes as soon as the answer does).
+2. observe: bytes adapted per second by 32 sessions observing distinct 2 KB slices at once, on a server with
+   `max_batch=1` and then on one with the default `max_batch` (32). `max_batch` counts rows and an observe takes
+   two (the session's, adapted, and its unadapted shadow for the static bits): 32 runs up to 16 observes per
+   model call. A text item too big for `max_batch` still starts alone on an empty batch, so `max_batch=1` runs
+   one observe (2 rows) per call: no cross-session batching. The rows per call are read back from /metrics.
+3. emails: one session observes the first e-mails of the file one by one (each with its blank-line
+   separator): bits per byte under the session before it adapts vs the unadapted model on the same stream
+   (observe's static figure), the running gain 1 - session bits / static bits, and a plot of it.
+
+    python -m bench.server [--checkpoint DIR] [--only suggest|observe|emails] [--typists 1,10,50]
+                           [--keystrokes 200] [--sessions 32] [--observe-bytes 2048] [--rounds 1]
+                           [--max-batch 1,32] [--max-seconds 1800] [--emails 60] [--plot docs/img/session_gain.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
+from clients import AsyncClient, Client
+from server.protocol import SUGGEST_MAX_CONTEXT, SuggestResponse
+from server.settings import Settings
+
+MESSAGES = SHARED / "messages" / "enron-farmer-d.first2672.txt"
+SEPARATOR = "\n\n"  # e-mails are separated by a blank line
+
+
+@contextmanager
+def serve(checkpoint: str, log: Path, start_timeout: float = 300.0, **settings: object) -> Iterator[str]:
+    """`adaptlm serve` on a free loopback port until the block ends -> its URL. The port is chosen, then bound by
+    the child: if another process takes it in between, the child exits and we try another."""
+    env = os.environ | {"ADAPTLM_LOG_LEVEL": "warning"} | {f"ADAPTLM_{k.upper()}": str(v) for k, v in settings.items()}
+    for _ in range(3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        with log.open("ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", checkpoint,
+                                     "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + start_timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            if proc.poll() is None and time.monotonic() < deadline:
+                yield url
+                return
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    raise RuntimeError(f"the server did not start; its log: {log}\n{log.read_text()[-2000:]}")
+
+
+def emails(path: Path) -> list[str]:
+    return [mail for mail in path.read_text(encoding="utf-8").split(SEPARATOR) if mail.strip()]
+
+
+async def text_rows(url: str) -> tuple[float, float]:
+    """(rows, batched calls) of text work so far, from the `adaptlm_batch_rows` histogram."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        metrics = (await http.get(f"{url}/metrics")).text
+    found = dict(re.findall(r'^adaptlm_batch_rows_(sum|count)\{[^}]*work="text"[^}]*\} (\S+)$', metrics, re.M))
+    return float(found.get("sum", 0)), float(found.get("count", 0))
+
+
+# -- 1. suggestion latency -------------------------------------------------------------------------------------
+
+
+async def typist(sdk: AsyncClient, http: httpx.AsyncClient, messages: list[str], keystrokes: int,
+                 start: asyncio.Barrier, deadline: float, latencies: list[float]) -> None:
+    session = await sdk.create_session()
+    path = f"/v1/sessions/{session.id}/suggest"
+    (await http.post(path, json={"context": "", "k": 3})).raise_for_status()  # warm-up: connection, first step
+    await start.wait()
+    keys = ((message, end) for message in messages for end in range(1, len(message) + 1))
+    for _, (message, end) in zip(range(keystrokes), keys, strict=False):
+        if time.monotonic() > deadline:
+            break
+        t0 = time.perf_counter()
+        response = await http.post(path, json={"context": message[:end], "k": 3})
+        latencies.append(time.perf_counter() - t0)
+        response.raise_for_status()
+        SuggestResponse.model_validate_json(response.content)
+    await session.delete()
+
+
+async def suggest_level(url: str, typists: int, messages: list[str], keystrokes: int,
+                        max_seconds: float) -> tuple[list[float], float]:
+    """-> (latency of every timed request in seconds, wall seconds of the timed typing)."""
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=typists, max_keepalive_connections=typists)
+    # The SDK has no suggest() yet (clients/_calls.py marks where it goes): sessions through it, keystrokes raw.
+    async with (AsyncClient(url, timeout=120) as sdk,
+                httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http):
+        start = asyncio.Barrier(typists + 1)
+        deadline = time.monotonic() + max_seconds
+        tasks = [asyncio.create_task(typist(sdk, http, messages[i::typists], keystrokes, start, deadline, latencies))
+                 for i in range(typists)]
+        async with asyncio.timeout(max_seconds + 300):  # a typist that failed before the barrier leaves it short
+            await start.wait()  # every typist has its session and a warm connection
+            t0 = time.perf_counter()
+            await asyncio.gather(*tasks)
+        return latencies, time.perf_counter() - t0
+
+
+def bench_suggest(args: argparse.Namespace, log: Path) -> None:
+    # A message is an e-mail, cut to what one suggestion takes as context.
+    messages = [mail[i:i + SUGGEST_MAX_CONTEXT] for mail in emails(args.messages)
+                for i in range(0, len(mail), SUGGEST_MAX_CONTEXT)]
+    print(f"\n## suggest latency: k=3, up to {args.keystrokes} keystrokes per typist, one request outstanding each")
+    print("| typists | requests | p50 ms | p99 ms | mean ms | requests/s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    with serve(args.checkpoint, log) as url:
+        for n in args.typists:
+            latencies, seconds = asyncio.run(suggest_level(url, n, messages, args.keystrokes, args.max_seconds))
+            ms = 1000 * np.asarray(latencies)
+            p50, p99 = np.percentile(ms, [50, 99])
+            print(f"| {n} | {len(ms):,} | {p50:.1f} | {p99:.1f} | {ms.mean():.1f} | {len(ms) / seconds:,.1f} |",
+                  flush=True)
+
+
+# -- 2. observe throughput, batched or not ---------------------------------------------------------------------
+
+
+async def observe_rounds(url: str, texts: list[list[str]], max_seconds: float) -> tuple[int, float, int, float]:
+    """Each round, session j observes texts[round][j], all at once -> (bytes, seconds, rounds done, mean rows per
+    batched model call)."""
+    n = len(texts[0])
+    transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+    async with AsyncClient(url, timeout=3600, transport=transport) as sdk:
+        sessions = [await sdk.create_session() for _ in range(n)]
+        await asyncio.gather(*(s.observe("Warm-up: a first short text.") for s in sessions))
+        rows0, calls0 = await text_rows(url)
+        deadline = time.monotonic() + max_seconds
+        total, seconds, done = 0, 0.0, 0
+        for batch in texts:
+            if time.monotonic() > deadline:
+                break
+            t0 = time.perf_counter()
+            answers = await asyncio.gather(*(s.observe(text) for s, text in zip(sessions, batch, strict=True)))
+            seconds += time.perf_counter() - t0
+            total += sum(a.bytes for a in answers)
+            done += 1
+        rows1, calls1 = await text_rows(url)
+        await asyncio.gather(*(s.delete() for s in sessions))
+        return total, seconds, done, (rows1 - rows0) / max(calls1 - calls0, 1)
+
+
+def bench_observe(args: argparse.Namespace, log: Path) -> None:
+    corpus = args.messages.read_text(encoding="utf-8")
+    size, n = args.observe_bytes, args.sessions
+    if args.rounds * n * size > len(corpus):
+        raise SystemExit(f"{args.messages} has {len(corpus):,} characters, fewer than rounds x sessions x size")
+    texts = [[corpus[(r * n + j) * size:(r * n + j + 1) * size] for j in range(n)] for r in range(args.rounds)]
+    print(f"\n## observe throughput: {n} sessions at once, {size:,}-character slices, {args.rounds} round(s)")
+    print("| max_batch (rows) | observes per call, at most | mean rows per call | rounds | bytes | seconds "
+          "| bytes/s | vs first |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    first: float | None = None
+    for max_batch in args.max_batch:
+        with serve(args.checkpoint, log, max_batch=max_batch) as url:
+            total, seconds, done, rows = asyncio.run(observe_rounds(url, texts, args.max_seconds))
+        rate = total / seconds
+        first = first or rate
+        print(f"| {max_batch} | {max(1, max_batch // 2)} | {rows:.1f} "
+              f"| {done} | {total:,} | {seconds:.1f} | {rate:,.0f} | {rate / first:.2f}x |", flush=True)
+
+
+# -- 3. gain of a session over the e-mails ---------------------------------------------------------------------
+
+
+def bench_emails(args: argparse.Namespace, log: Path) -> None:
+    mails = emails(args.messages)[:args.emails]
+    print(f"\n## session vs static, e-mail by e-mail ({len(mails)} e-mails of {args.messages.name}; "
+          "session bpb scored before adapting, static: the unadapted model on the same stream)")
+    print("| e-mail | bytes | static bpb | session bpb | running gain |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    gains: list[float] = []
+    bits = static = seconds = 0.0
+    with serve(args.checkpoint, log) as url, Client(url, timeout=3600) as client:
+        session = client.create_session()
+        deadline = time.monotonic() + args.max_seconds
+        for i, mail in enumerate(mails, 1):
+            if time.monotonic() > deadline:
+                break
+            t0 = time.perf_counter()
+            r = session.observe(mail + SEPARATOR)
+            seconds += time.perf_counter() - t0
+            bits, static = bits + r.bits, static + r.static_bits
+            gains.append(1 - bits / static)
+            print(f"| {i} | {r.bytes:,} | {r.static_bits_per_byte:.3f} | {r.bits_per_byte:.3f} | {gains[-1]:+.4f} |",
+                  flush=True)
+        server_gain = session.get().stats.gain_over_static
+    if not gains:
+        raise SystemExit("no e-mail was observed within --max-seconds")
+    print(f"\nrunning gain after the first {min(20, len(gains))} e-mails: {gains[min(20, len(gains)) - 1]:+.4f}")
+    print(f"running gain after {len(gains)} e-mails: {gains[-1]:+.4f} (the session's gain_over_static: "
+          f"{server_gain:+.4f}); {seconds:.1f} s of observes")
+    if args.plot:
+        plot_gain(args.plot, gains, f"{Path(args.checkpoint).name}: running gain of a session over static")
+        print(f"plot: {args.plot}")
+
+
+def plot_gain(path: Path, gains: list[float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(range(1, len(gains) + 1), gains, marker=".")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("e-mails observed")
+    ax.set_ylabel("1 - session bits / static bits")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    ap.add_argument("--only", choices=["suggest", "observe", "emails"])
+    ap.add_argument("--messages", type=Path, default=MESSAGES, help="e-mails separated by blank lines")
+    ap.add_argument("--typists", type=ints, default=[1, 10, 50], help="concurrency levels of the suggest part")
+    ap.add_argument("--keystrokes", type=int, default=200, help="timed keystrokes per typist")
+    ap.add_argument("--sessions", type=int, default=32, help="sessions observing at once")
+    ap.add_argument("--observe-bytes", type=int, default=2048, help="characters per observe")
+    ap.add_argument("--rounds", type=int, default=1, help="observes per session, each on a new slice")
+    ap.add_argument("--max-batch", type=ints, default=[1, Settings.model_fields["max_batch"].default],
+                    help="one server per value, one after the other; the ratio is against the first")
+    ap.add_argument("--emails", type=int, default=60)
+    ap.add_argument("--plot", type=lambda s: Path(s) if s else None, default=Path("docs/img/session_gain.png"),
+                    help="PNG of the running gain ('' for none)")
+    ap.add_argument("--max-seconds", type=float, default=1800, help="time bound of each level / server / e-mail run")
+    args = ap.parse_args()
+    print(f"# server, {Path(args.checkpoint).name} over loopback HTTP: {machine_line()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
+        log = Path(tmp) / "server.log"
+        for part, run in (("suggest", bench_suggest), ("observe", bench_observe), ("emails", bench_emails)):
+            if args.only in (None, part):
+                run(args, log)
+
+
+if __name__ == "__main__":
+    main()
