@@ -106,7 +106,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """The checkpoint's sparse dynamic-evaluation settings (dyneval.json "sparse") that sessions start from."""
+    """The checkpoint's sparse dynamic-evaluation settings that sessions start from (dyneval.json "session",
+    else "sparse")."""
 
     lr: float
     decay: float
@@ -489,7 +490,9 @@ class Engine:
 
     def _session_settings(self, ckpt: Checkpoint) -> tuple[SessionLimits | None, str]:
         """The checkpoint's sparse settings and what limits them, or why sessions cannot work with it."""
-        section = ckpt.dyneval.get("sparse", {})
+        # "session": serving defaults for users' own text, when the checkpoint has them; else "sparse",
+        # the settings tuned on the validation book (in-domain text wants far smaller steps)
+        section = ckpt.dyneval.get("session") or ckpt.dyneval.get("sparse", {})
         try:
             base = DynEvalConfig.from_dict(section if isinstance(section, dict) else {}, mode="sparse", cache=None)
         except (TypeError, ValueError) as e:

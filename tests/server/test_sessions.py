@@ -445,3 +445,17 @@ def test_an_exploding_session_keeps_its_last_good_values(client: httpx.Client) -
     assert metric(client, "adaptlm_nonfinite_resets_total") >= before + stats["nonfinite_resets"]
     healthy = observe(client, create(client)["id"], TEXT)
     assert healthy["nonfinite_reset"] is False and healthy["updates"] == math.ceil(len(TEXT) / 20)
+
+
+def test_session_section_of_dyneval_sets_session_defaults(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from server.settings import Settings
+    from tests.server.conftest import serve
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, ck)
+    dyneval = json.loads((ck / "dyneval.json").read_text())
+    dyneval["session"] = {**dyneval["sparse"], "lr": 0.0123}
+    (ck / "dyneval.json").write_text(json.dumps(dyneval))
+    with serve(Settings(checkpoint=ck)) as live:
+        created = httpx.post(f"{live.url}/v1/sessions", json={}, timeout=30).json()
+    assert created["adaptation"]["lr"] == 0.0123
