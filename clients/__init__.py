@@ -56,6 +56,9 @@ from server.protocol import (
     ScoreResponse,
     SessionResponse,
     SessionStatsBody,
+    SuggestedChar,
+    SuggestedWord,
+    SuggestResponse,
     Timings,
     Usage,
 )
@@ -66,6 +69,6 @@ __all__ = [
     "BadRequestError", "Client", "ConflictError", "GenerateDone", "GenerateResponse", "GenerateStream",
     "HealthResponse", "InternalServerError", "MethodNotAllowedError", "ModelCard", "ModelList", "NotFoundError",
     "ObserveResponse", "PayloadTooLargeError", "RateLimitError", "ReadyResponse", "RetryPolicy", "ScoreResponse",
-    "ServiceUnavailableError", "Session", "SessionResponse", "SessionStatsBody", "Timings", "UnprocessableEntityError",
-    "Usage",
+    "ServiceUnavailableError", "Session", "SessionResponse", "SessionStatsBody", "SuggestResponse",
+    "SuggestedChar", "SuggestedWord", "Timings", "UnprocessableEntityError", "Usage",
 ]

@@ -29,12 +29,14 @@ from server.protocol import (
     ReadyResponse,
     ScoreResponse,
     SessionResponse,
+    SuggestResponse,
 )
 
 __all__ = [
     "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "STATE_MEDIA_TYPE", "Call", "SSEDecoder", "create_session",
     "delete_session", "export_state", "generate", "generate_stream", "get_session", "headers", "health",
     "import_state", "models", "observe", "parse_generate_event", "ready", "reset_session", "score",
+    "suggest",
 ]
 
 T = TypeVar("T")
@@ -184,7 +186,10 @@ def import_state(session_id: str, data: bytes) -> Call[SessionResponse]:
                 content_type=STATE_MEDIA_TYPE)
 
 
-# Next: suggest(session_id, ...) -> Call[SuggestResponse] for POST /v1/sessions/{id}/suggest (the keyboard).
+def suggest(session_id: str, context: str, k: int | None, max_chars: int | None,
+            n_chars: int | None) -> Call[SuggestResponse]:
+    body = _body(context=context, k=k, max_chars=max_chars, n_chars=n_chars)
+    return Call("POST", _session_path(session_id, "/suggest"), _model(SuggestResponse), json=body)
 
 
 # -- server-sent events --------------------------------------------------------------------------------------

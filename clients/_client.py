@@ -22,6 +22,7 @@ from server.protocol import (
     ReadyResponse,
     ScoreResponse,
     SessionResponse,
+    SuggestResponse,
 )
 
 __all__ = ["Client", "Session"]
@@ -202,7 +203,16 @@ class Client:
         info = self._request(_calls.import_state(session_id, data))
         return Session(self, info.id, info)
 
-    # suggest(session_id, ...): POST /v1/sessions/{id}/suggest, the predictive keyboard, goes here.
+    def suggest(self, session_id: str, context: str = "", *, k: int | None = None, max_chars: int | None = None,
+                n_chars: int | None = None) -> SuggestResponse:
+        """`POST /v1/sessions/{id}/suggest`: keyboard suggestions under the session's adaptation, without
+        changing it: the k most probable completions of the word being typed at the end of `context` (the
+        message so far), and the most likely next characters.
+
+            s = client.suggest(session.id, "I will see you tomor")
+            [w.text for w in s.completions]   # e.g. ['tomorrow', ...]
+        """
+        return self._request(_calls.suggest(session_id, context, k, max_chars, n_chars))
 
 
 class Session:
@@ -266,4 +276,7 @@ class Session:
     def delete(self) -> None:
         self.client.delete_session(self.id)
 
-    # suggest(...): the predictive keyboard (POST /v1/sessions/{id}/suggest) goes here.
+    def suggest(self, context: str = "", *, k: int | None = None, max_chars: int | None = None,
+                n_chars: int | None = None) -> SuggestResponse:
+        """Keyboard suggestions for `context` under this session (`Client.suggest`)."""
+        return self.client.suggest(self.id, context, k=k, max_chars=max_chars, n_chars=n_chars)

@@ -115,3 +115,13 @@ def test_sync_and_async_sessions_are_the_same_resource(live: LiveServer) -> None
         return (await client.get_session(sid)).stats.bytes_observed
 
     assert run(live, body) == len(TEXT.encode())
+
+
+def test_async_suggest(live: LiveServer) -> None:
+    async def body(client: AsyncClient) -> None:
+        session = await client.create_session(TEXT)
+        s = await session.suggest("It is a tr", k=2)
+        assert s.prefix == "tr" and 1 <= len(s.completions) <= 2
+        assert s == await client.suggest(session.id, "It is a tr", k=2)
+
+    run(live, body)

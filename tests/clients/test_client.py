@@ -174,3 +174,18 @@ def test_request_bodies_leave_out_what_was_not_given() -> None:
     assert bodies == [b'{"prompt":"a"}', b'{"prompt":"a","max_tokens":5,"temperature":0,"stop":["x"]}']
     with pytest.raises(TypeError, match="list of strings"):
         Client().generate("a", stop="x")
+
+
+def test_suggest(client: Client) -> None:
+    session = client.create_session(TEXT)
+    s = session.suggest("It is a tr", k=3, n_chars=4)
+    assert s.prefix == "tr"
+    assert 1 <= len(s.completions) <= 3 and len(s.next_chars) <= 4
+    assert all(w.text.startswith("tr") for w in s.completions)
+    probs = [w.prob for w in s.completions]
+    assert probs == sorted(probs, reverse=True) and all(0 < p <= 1 for p in probs)
+    # the same call through the client, and the session is left unchanged
+    assert client.suggest(session.id, "It is a tr", k=3, n_chars=4) == s
+    assert session.get().stats.bytes_observed == len(TEXT.encode())
+    with pytest.raises(NotFoundError):
+        client.suggest("no-such-session-0000", "x")
