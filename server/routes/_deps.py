@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from server.engine import Engine
-from server.errors import AuthenticationError, ServiceUnavailableError
+from server.errors import (
+    AuthenticationError,
+    BadRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RateLimitError,
+    ServiceUnavailableError,
+    UnprocessableEntityError,
+    openapi_responses,
+)
 from server.metrics import Metrics
 from server.serving import Context
 from server.settings import Settings
 
 __all__ = [
+    "event_stream_responses", "work_router",
     "ContextDep", "EngineDep", "MetricsDep", "OwnerDep", "SettingsDep", "api_key_owner", "get_context", "get_engine",
     "get_metrics", "get_settings", "require_api_key",
 ]
@@ -80,3 +90,17 @@ ContextDep = Annotated[Context, Depends(get_context)]
 
 def require_api_key(owner: OwnerDep) -> None:
     """A router dependency: the request carries a valid key (when keys are configured)."""
+
+
+def work_router(prefix: str, tag: str) -> APIRouter:
+    """A router of /v1 routes that do model work: API key required, their common error answers documented."""
+    return APIRouter(prefix=prefix, tags=[tag], dependencies=[Depends(require_api_key)],
+                     responses=openapi_responses(BadRequestError, AuthenticationError, NotFoundError,
+                                                 PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
+                                                 ServiceUnavailableError))
+
+
+def event_stream_responses(description: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entry of a route that answers JSON or, with `stream: true`, server-sent events (FastAPI adds the
+    JSON body of `response_model` beside it)."""
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}

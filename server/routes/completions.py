@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from fastapi import Response
 
-from fastapi import APIRouter, Depends, Response
-
-from server.errors import (
-    AuthenticationError,
-    BadRequestError,
-    NotFoundError,
-    PayloadTooLargeError,
-    RateLimitError,
-    ServiceUnavailableError,
-    UnprocessableEntityError,
-    openapi_responses,
-)
 from server.protocol import CompletionRequest, CompletionResponse
-from server.routes._deps import ContextDep, require_api_key
+from server.routes._deps import ContextDep, event_stream_responses, work_router
 from server.serving import create_completion
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_api_key)],
-                   responses=openapi_responses(BadRequestError, AuthenticationError, NotFoundError,
-                                               PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
-                                               ServiceUnavailableError))
+router = work_router("/v1", "openai")
 
-# FastAPI adds the JSON body of `response_model` beside this.
-_STREAM: dict[int | str, dict[str, Any]] = {200: {
-    "description": "The completion; with `stream: true`, server-sent events: `CompletionResponse` chunks, then "
-                   "`data: [DONE]` (see server/protocol.py).",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
-}}
+_STREAM = event_stream_responses("The completion; with `stream: true`, server-sent events: `CompletionResponse` "
+                                 "chunks, then `data: [DONE]` (see server/protocol.py).")
 
 
 @router.post("/completions", response_model=CompletionResponse, responses=_STREAM)

@@ -3,37 +3,19 @@ events."""
 
 from __future__ import annotations
 
-from typing import Any
+from fastapi import Response
 
-from fastapi import APIRouter, Depends, Response
-
-from server.errors import (
-    AuthenticationError,
-    BadRequestError,
-    NotFoundError,
-    PayloadTooLargeError,
-    RateLimitError,
-    ServiceUnavailableError,
-    UnprocessableEntityError,
-    openapi_responses,
-)
 from server.protocol import GenerateRequest, GenerateResponse
-from server.routes._deps import ContextDep, require_api_key
+from server.routes._deps import ContextDep, event_stream_responses, work_router
 from server.serving import create_generation
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Depends(require_api_key)],
-                   responses=openapi_responses(BadRequestError, AuthenticationError, NotFoundError,
-                                               PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
-                                               ServiceUnavailableError))
+router = work_router("/v1", "generation")
 
-# FastAPI adds the JSON body of `response_model` beside this.
-_STREAM: dict[int | str, dict[str, Any]] = {200: {
-    "description": "The whole answer; with `stream: true`, server-sent events: `GenerateChunk`s, then a "
-                   "`GenerateDone`, or an `ErrorResponse` if it fails after starting (see server/protocol.py).",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
-}}
+_STREAM = event_stream_responses("The whole answer; with `stream: true`, server-sent events: `GenerateChunk`s, "
+                                 "then a `GenerateDone`, or an `ErrorResponse` if it fails after starting "
+                                 "(see server/protocol.py).")
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=_STREAM)

@@ -5,17 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Response
+from fastapi import Path, Response
 
 from server.errors import (
-    AuthenticationError,
-    BadRequestError,
     ConflictError,
-    NotFoundError,
-    PayloadTooLargeError,
-    RateLimitError,
-    ServiceUnavailableError,
-    UnprocessableEntityError,
     openapi_responses,
 )
 from server.protocol import (
@@ -27,15 +20,12 @@ from server.protocol import (
     SuggestRequest,
     SuggestResponse,
 )
-from server.routes._deps import ContextDep, require_api_key
+from server.routes._deps import ContextDep, work_router
 from server.serving import sessions
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require_api_key)],
-                   responses=openapi_responses(BadRequestError, AuthenticationError, NotFoundError,
-                                               PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
-                                               ServiceUnavailableError))
+router = work_router("/v1/sessions", "sessions")
 
 SessionPath = Annotated[str, Path(description="The session's id.")]
 _BLOB: dict[str, Any] = {"content": {sessions.STATE_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
