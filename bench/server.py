@@ -3,7 +3,9 @@
 1. suggest: keyboard-suggestion latency (p50, p99, mean) and requests/s with 1, 10 and 50 typists. Each typist
    has its own session and types e-mails of the message file a character at a time, asking
    POST /v1/sessions/{id}/suggest {context: the message so far, k: 3} after every keystroke, one request
-   outstanding per typist (the next keystroke comes as soon as the answer does).
+   outstanding per typist. Typists keep a human pace: a key every `--key-interval-ms` (200 ms: 60 words a
+   minute), their phases spread at random; a key whose previous answer is late is sent when the answer
+   arrives. `--key-interval-ms 0` is the saturated server (the next key as soon as the answer comes).
 2. observe: bytes adapted per second by 32 sessions observing distinct 2 KB slices at once, on a server with
    `max_batch=1` and then on one with the default `max_batch` (32). `max_batch` counts rows and an observe takes
    two (the session's, adapted, and its unadapted shadow for the static bits): 32 runs up to 16 observes per
@@ -14,7 +16,8 @@
    (observe's static figure), the running gain 1 - session bits / static bits, and a plot of it.
 
     python -m bench.server [--checkpoint DIR] [--only suggest|observe|emails] [--typists 1,10,50]
-                           [--keystrokes 200] [--sessions 32] [--observe-bytes 2048] [--rounds 1]
+                           [--keystrokes 200] [--key-interval-ms 200] [--suggest-budget-ms 50] [--sessions 32]
+                           [--observe-bytes 2048] [--rounds 1]
                            [--max-batch 1,32] [--max-seconds 1800] [--emails 60] [--plot docs/img/session_gain.png]
 """
 
@@ -96,16 +99,20 @@ async def text_rows(url: str) -> tuple[float, float]:
 # -- 1. suggestion latency -------------------------------------------------------------------------------------
 
 
-async def typist(sdk: AsyncClient, http: httpx.AsyncClient, messages: list[str], keystrokes: int,
-                 start: asyncio.Barrier, deadline: float, latencies: list[float]) -> None:
+async def typist(sdk: AsyncClient, http: httpx.AsyncClient, messages: list[str], keystrokes: int, interval: float,
+                 start: asyncio.Barrier, deadline: float, latencies: list[float], seed: int) -> None:
     session = await sdk.create_session()
     path = f"/v1/sessions/{session.id}/suggest"
     (await http.post(path, json={"context": "", "k": 3})).raise_for_status()  # warm-up: connection, first step
     await start.wait()
     keys = ((message, end) for message in messages for end in range(1, len(message) + 1))
+    due = time.monotonic() + interval * np.random.default_rng(seed).random()  # this typist's phase
     for _, (message, end) in zip(range(keystrokes), keys, strict=False):
         if time.monotonic() > deadline:
             break
+        if (wait := due - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
+        due = max(due + interval, time.monotonic())
         t0 = time.perf_counter()
         response = await http.post(path, json={"context": message[:end], "k": 3})
         latencies.append(time.perf_counter() - t0)
@@ -114,7 +121,7 @@ async def typist(sdk: AsyncClient, http: httpx.AsyncClient, messages: list[str],
     await session.delete()
 
 
-async def suggest_level(url: str, typists: int, messages: list[str], keystrokes: int,
+async def suggest_level(url: str, typists: int, messages: list[str], keystrokes: int, interval: float,
                         max_seconds: float) -> tuple[list[float], float]:
     """-> (latency of every timed request in seconds, wall seconds of the timed typing)."""
     latencies: list[float] = []
@@ -124,8 +131,8 @@ async def suggest_level(url: str, typists: int, messages: list[str], keystrokes:
                 httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http):
         start = asyncio.Barrier(typists + 1)
         deadline = time.monotonic() + max_seconds
-        tasks = [asyncio.create_task(typist(sdk, http, messages[i::typists], keystrokes, start, deadline, latencies))
-                 for i in range(typists)]
+        tasks = [asyncio.create_task(typist(sdk, http, messages[i::typists], keystrokes, interval, start, deadline,
+                                            latencies, seed=i)) for i in range(typists)]
         async with asyncio.timeout(max_seconds + 300):  # a typist that failed before the barrier leaves it short
             await start.wait()  # every typist has its session and a warm connection
             t0 = time.perf_counter()
@@ -137,16 +144,27 @@ def bench_suggest(args: argparse.Namespace, log: Path) -> None:
     # A message is an e-mail, cut to what one suggestion takes as context.
     messages = [mail[i:i + SUGGEST_MAX_CONTEXT] for mail in emails(args.messages)
                 for i in range(0, len(mail), SUGGEST_MAX_CONTEXT)]
-    print(f"\n## suggest latency: k=3, up to {args.keystrokes} keystrokes per typist, one request outstanding each")
-    print("| typists | requests | p50 ms | p99 ms | mean ms | requests/s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    with serve(args.checkpoint, log) as url:
+    pace = f"a key every {args.key_interval_ms:g} ms" if args.key_interval_ms > 0 else "saturated (no pause)"
+    print(f"\n## suggest latency: k=3, up to {args.keystrokes} keystrokes per typist, {pace}, one request "
+          f"outstanding each; server time budget {args.suggest_budget_ms:g} ms")
+    print("| typists | requests | p50 ms | p99 ms | mean ms | requests/s | inexact (budget cut) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    with serve(args.checkpoint, log, suggest_budget_ms=args.suggest_budget_ms) as url:
         for n in args.typists:
-            latencies, seconds = asyncio.run(suggest_level(url, n, messages, args.keystrokes, args.max_seconds))
+            cut0 = suggest_cut(url)
+            latencies, seconds = asyncio.run(suggest_level(url, n, messages, args.keystrokes,
+                                                           args.key_interval_ms / 1000, args.max_seconds))
             ms = 1000 * np.asarray(latencies)
             p50, p99 = np.percentile(ms, [50, 99])
-            print(f"| {n} | {len(ms):,} | {p50:.1f} | {p99:.1f} | {ms.mean():.1f} | {len(ms) / seconds:,.1f} |",
-                  flush=True)
+            cut = (suggest_cut(url) - cut0) / len(ms)
+            print(f"| {n} | {len(ms):,} | {p50:.1f} | {p99:.1f} | {ms.mean():.1f} | {len(ms) / seconds:,.1f} | "
+                  f"{100 * cut:.1f}% |", flush=True)
+
+
+def suggest_cut(url: str) -> float:
+    """Suggestions the server's time budget cut so far (`adaptlm_suggest_cut_total`)."""
+    found = re.search(r'^adaptlm_suggest_cut_total\{[^}]*\} (\S+)$', httpx.get(f"{url}/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 # -- 2. observe throughput, batched or not ---------------------------------------------------------------------
@@ -263,6 +281,9 @@ def main() -> None:
     ap.add_argument("--messages", type=Path, default=MESSAGES, help="e-mails separated by blank lines")
     ap.add_argument("--typists", type=ints, default=[1, 10, 50], help="concurrency levels of the suggest part")
     ap.add_argument("--keystrokes", type=int, default=200, help="timed keystrokes per typist")
+    ap.add_argument("--key-interval-ms", type=float, default=200.0, help="a typist's pace (0: saturate the server)")
+    ap.add_argument("--suggest-budget-ms", type=float, default=Settings.model_fields["suggest_budget_ms"].default,
+                    help="the server's ADAPTLM_SUGGEST_BUDGET_MS (0: exact searches, however long)")
     ap.add_argument("--sessions", type=int, default=32, help="sessions observing at once")
     ap.add_argument("--observe-bytes", type=int, default=2048, help="characters per observe")
     ap.add_argument("--rounds", type=int, default=1, help="observes per session, each on a new slice")

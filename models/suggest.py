@@ -45,8 +45,8 @@ import torch
 from models.base import Adapter, LanguageModel, State
 
 __all__ = [
-    "APOSTROPHES", "Completion", "Cursor", "NextChar", "Suggestions", "advance", "complete_word", "is_word_char",
-    "next_chars", "split_word", "suggest",
+    "APOSTROPHES", "Completion", "Cursor", "NextChar", "Suggestions", "WordSearch", "advance", "advance_many",
+    "complete_word", "is_word_char", "next_chars", "row_adapters", "split_word", "step", "suggest",
 ]
 
 APOSTROPHES = frozenset("'\u2019")
@@ -129,6 +129,44 @@ def advance(model: LanguageModel, state: State, inputs: bytes, adapter: Adapter 
     return Cursor(out.state, torch.log_softmax(out.logits[0, -1].float(), dim=-1))
 
 
+@torch.no_grad()
+def advance_many(model: LanguageModel, feeds: list[tuple[State, bytes, Adapter | None]]) -> list[Cursor]:
+    """`advance` for many (state, inputs, adapter) at once (adapters of any size, or none): the rows of each input
+    length run as one batched forward. -> a cursor per feed, in order."""
+    device = next(model.parameters()).device
+    out: list[Cursor | None] = [None] * len(feeds)
+    by_length: dict[int, list[int]] = {}
+    for i, (_, inputs, _) in enumerate(feeds):
+        if not inputs:
+            raise ValueError("nothing to feed")
+        by_length.setdefault(len(inputs), []).append(i)
+    for rows in by_length.values():
+        x = torch.tensor([list(feeds[i][1]) for i in rows], dtype=torch.long, device=device)  # (B, T)
+        state = State.stack([feeds[i][0] for i in rows])
+        adapter = row_adapters([feeds[i][2] for i in rows], [1] * len(rows))
+        result = model(x, state, adapter)  # logits (B, T, V)
+        lps = torch.log_softmax(result.logits[:, -1].float(), dim=-1)  # (B, V)
+        for j, i in enumerate(rows):
+            out[i] = Cursor(result.state.select(j), lps[j])
+    return [c for c in out if c is not None]
+
+
+def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | None:
+    """Batch-1 adapters (or None: M = 0), adapter i repeated for rows[i] consecutive rows -> one (B, K, K) per site
+    (a view when there is only one adapter)."""
+    if len(adapters) == 1:
+        return _rows(adapters[0], rows[0])
+    if all(a is None for a in adapters):
+        return None
+    if all(a is not None for a in adapters) and len({tuple(m.shape for m in a.mats.values())
+                                                     for a in adapters if a is not None}) == 1:
+        return Adapter.stack([_rows(a, n) for a, n in zip(adapters, rows, strict=True) if a is not None])
+    padded = Adapter.stack_padded(adapters)  # one row each, zero-padded to the largest size
+    assert padded is not None
+    index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+    return Adapter({k: m.index_select(0, index.to(m.device)) for k, m in padded.mats.items()})
+
+
 @dataclass(eq=False, slots=True)
 class _Branch:
     data: bytes  # the continuation so far
@@ -154,10 +192,10 @@ def _gather(branches: list[_Branch]) -> tuple[list[_Branch], State]:
 
 
 @torch.no_grad()
-def _step(model: LanguageModel, state: State, tokens: list[int],
-          adapter: Adapter | None) -> tuple[State, torch.Tensor]:
-    """One batched step: row i feeds tokens[i] from row i of `state`. -> new states (B, ...), log-probs (B, V)
-    float64 on the CPU."""
+def step(model: LanguageModel, state: State, tokens: list[int],
+         adapter: Adapter | None) -> tuple[State, torch.Tensor]:
+    """One batched step: row i feeds tokens[i] from row i of `state`, under `adapter` (batch 1: every row, or one
+    matrix per row). -> new states (B, ...), log-probs (B, V) float64 on the CPU."""
     device = next(model.parameters()).device
     x = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)  # (B, 1)
     out = model(x, state, _rows(adapter, len(tokens)))  # logits (B, 1, V)
@@ -227,42 +265,86 @@ def _char_len(data: bytes) -> int:
     return n
 
 
+class WordSearch:
+    """`complete_word` as a resumable search, so that a caller can batch the model steps of many searches (many
+    typists) into one call: `request()` pops the branches of the next round and returns the batched step they
+    need, the caller runs it (`step`, or its own batched call) and hands the result to `feed()`, until `request()`
+    returns None; then `result()`. `cut()` ends the search early (a time budget): the result is then the best
+    completions found so far, marked inexact."""
+
+    def __init__(self, cursor: Cursor, prefix: str, *, k: int = 3, max_chars: int = 24, min_prob: float = 1e-3,
+                 batch: int = 32, max_expansions: int = 2048) -> None:
+        if k < 1 or max_chars < 1 or batch < 1 or not 0 < min_prob <= 1:
+            raise ValueError("k, max_chars and batch must be >= 1 and min_prob in (0, 1]")
+        self.k, self.batch, self.max_expansions = k, batch, max_expansions
+        self._search = _Search(prefix, max_chars, math.log(min_prob))
+        self._found: list[Completion] = []
+        self._popped: list[_Branch] = []
+        self._cut = False
+        root = _Branch(b"", 0, 0, cursor.state, 0, 0.0)
+        self._search.expand([root], cursor.state, cursor.logprobs.double().cpu().unsqueeze(0))
+
+    @property
+    def model_calls(self) -> int:
+        return self._search.model_calls
+
+    def request(self, limit: int | None = None) -> tuple[State, list[int]] | None:
+        """Pop the next round (at most `limit` branches, else `batch`): -> (their states (b, ...), the byte each
+        feeds), or None when the search is over. Completions at the top of the queue are taken on the way."""
+        if self._popped:
+            raise RuntimeError("feed() the last request first")
+        search, limit = self._search, min(limit or self.batch, self.batch)
+        while not self._cut and len(self._found) < self.k and search.queue and search.expansions < self.max_expansions:
+            while search.queue and len(self._popped) < limit:
+                item = search.queue[0][2]
+                if isinstance(item, Completion):
+                    if self._popped:
+                        break  # a popped branch may still beat it
+                    heapq.heappop(search.queue)
+                    self._found.append(item)
+                    if len(self._found) == self.k:
+                        break
+                    continue
+                heapq.heappop(search.queue)
+                self._popped.append(item)
+            if self._popped:
+                self._popped, before = _gather(self._popped)
+                return before, [b.data[-1] for b in self._popped]
+        return None
+
+    def feed(self, state: State, logprobs: torch.Tensor) -> None:
+        """The step of the last request: the states after it (b, ...) and the next-byte log-probs (b, V)."""
+        if not self._popped:
+            raise RuntimeError("nothing was requested")
+        self._search.model_calls += 1
+        popped, self._popped = self._popped, []
+        self._search.expand(popped, state, logprobs.double().cpu())
+
+    def cut(self) -> None:
+        """Stop here (a pending request is dropped): `result()` gives what was found."""
+        self._cut = True
+        self._popped = []
+
+    def result(self) -> Suggestions:
+        search, found = self._search, list(self._found)
+        exact = len(found) == self.k or not search.queue
+        if not exact:  # cut by the budget: the best completions seen so far
+            rest = sorted((e for e in search.queue if isinstance(e[2], Completion)), key=lambda e: e[:2])
+            found += [e[2] for e in rest if isinstance(e[2], Completion)][: self.k - len(found)]
+        return Suggestions(search.prefix, found, [], search.expansions, search.model_calls, exact)
+
+
 @torch.no_grad()
 def complete_word(model: LanguageModel, cursor: Cursor, prefix: str, adapter: Adapter | None = None, *, k: int = 3,
                   max_chars: int = 24, min_prob: float = 1e-3, batch: int = 32,
                   max_expansions: int = 2048) -> Suggestions:
     """The k most probable completions of the word whose typed part `prefix` ends the context that `cursor`
     is at (see the module docstring). -> Suggestions without next characters."""
-    if k < 1 or max_chars < 1 or batch < 1 or not 0 < min_prob <= 1:
-        raise ValueError("k, max_chars and batch must be >= 1 and min_prob in (0, 1]")
-    search = _Search(prefix, max_chars, math.log(min_prob))
-    root = _Branch(b"", 0, 0, cursor.state, 0, 0.0)
-    search.expand([root], cursor.state, cursor.logprobs.double().cpu().unsqueeze(0))
-    found: list[Completion] = []
-    while len(found) < k and search.queue and search.expansions < max_expansions:
-        popped: list[_Branch] = []
-        while search.queue and len(popped) < batch:
-            item = search.queue[0][2]
-            if isinstance(item, Completion):
-                if popped:
-                    break  # a popped branch may still beat it
-                heapq.heappop(search.queue)
-                found.append(item)
-                if len(found) == k:
-                    break
-                continue
-            heapq.heappop(search.queue)
-            popped.append(item)
-        if popped:
-            popped, before = _gather(popped)
-            state, logprobs = _step(model, before, [b.data[-1] for b in popped], adapter)
-            search.model_calls += 1
-            search.expand(popped, state, logprobs)
-    exact = len(found) == k or not search.queue
-    if not exact:  # cut by the budget: the best completions seen so far
-        rest = sorted((e for e in search.queue if isinstance(e[2], Completion)), key=lambda e: e[:2])
-        found += [e[2] for e in rest if isinstance(e[2], Completion)][: k - len(found)]
-    return Suggestions(prefix, found, [], search.expansions, search.model_calls, exact)
+    search = WordSearch(cursor, prefix, k=k, max_chars=max_chars, min_prob=min_prob, batch=batch,
+                        max_expansions=max_expansions)
+    while (request := search.request()) is not None:
+        search.feed(*step(model, *request, adapter))
+    return search.result()
 
 
 @torch.no_grad()
@@ -279,7 +361,7 @@ def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | 
     # multibyte: extend every lead byte greedily with its most likely valid continuation, all in one step each
     grow = [(bytes([b]), float(lp[b]), cursor.state) for b in top if b >= 0x80]
     while grow:
-        state, lps = _step(model, State.stack([s for _, _, s in grow]), [d[-1] for d, _, _ in grow], adapter)
+        state, lps = step(model, State.stack([s for _, _, s in grow]), [d[-1] for d, _, _ in grow], adapter)
         later = []
         for i, (data, logprob, _) in enumerate(grow):
             for b in torch.argsort(lps[i].masked_fill(~_TAILS, -math.inf), descending=True)[:64].tolist():

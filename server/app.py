@@ -36,7 +36,8 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         config = EngineConfig(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                               max_queue=settings.max_queue, retry_after_s=settings.retry_after_s,
-                              session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s)
+                              session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s,
+                              suggest_budget_ms=settings.suggest_budget_ms)
         store = _session_store(settings)
         engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.

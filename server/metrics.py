@@ -96,8 +96,10 @@ class _EngineCollector(Collector):
         yield gauge
         labels, values = ["model", "kernel"], [self._metrics.model, self._metrics.kernel]
         batches = HistogramMetricFamily("adaptlm_batch_rows", "Rows (streams) per batched model call: text work "
-                                        "(scores, observes) and generation steps.", labels=[*labels, "work"])
-        for work, counts in (("text", stats.batch_rows), ("generate", stats.decode_rows)):
+                                        "(scores, observes), generation steps and keyboard suggestions' steps "
+                                        "(all the typists' branches).", labels=[*labels, "work"])
+        for work, counts in (("text", stats.batch_rows), ("generate", stats.decode_rows),
+                             ("suggest", stats.suggest_rows)):
             batches.add_metric([*values, work], *_buckets(counts))
         yield batches
         for name, doc, value in (
@@ -106,6 +108,8 @@ class _EngineCollector(Collector):
              stats.nonfinite_resets),
             ("adaptlm_cancelled_work", "Scores and session operations dropped because their client went away.",
              stats.cancelled_work),
+            ("adaptlm_suggest_cut", "Keyboard suggestions answered inexactly: the time budget stopped the search.",
+             stats.suggest_cut),
         ):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric(values, value)

@@ -323,6 +323,9 @@ class SuggestResponse(BaseModel):
     completions: list[SuggestedWord] = Field(description="The k most probable completions, most probable first; "
                                                          "fewer when fewer have probability >= 0.001.")
     next_chars: list[SuggestedChar] = Field(description="The most likely next characters, most likely first.")
+    exact: bool = Field(default=True, description="False when the server's time budget (ADAPTLM_SUGGEST_BUDGET_MS) "
+                                                  "stopped the word search: the completions are then the best found "
+                                                  "in time, possibly fewer or not the most probable.")
 
 
 class ModelCard(BaseModel):

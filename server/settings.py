@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     session_memory_bytes: int = Field(default=1 << 30, ge=1)
     session_ttl_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     max_session_ttl_s: float = Field(default=7 * 86400.0, gt=0, allow_inf_nan=False)
+    # A keyboard suggestion's word search stops this long after the request reached the engine and answers with
+    # the best completions found so far (0: no budget, always the exact top k).
+    suggest_budget_ms: float = Field(default=50.0, ge=0, le=60_000, allow_inf_nan=False)
     # repr=False: a Redis URL may carry a password
     session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)
 

@@ -47,7 +47,7 @@ from models.base import Adapter, State
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.sampling import SamplingParams, Stepper
 from models.scoring import BOS
-from models.suggest import Suggestions, suggest
+from models.suggest import Suggestions
 from server.engine._batch import Row, RuleCache, TextJob, batch_step, text_tensors
 from server.engine._errors import (
     EngineOverloaded,
@@ -68,7 +68,7 @@ from server.engine._sessions import (
     import_session,
 )
 from server.engine._stats import EngineStats
-from server.engine._suggest import CursorCache
+from server.engine._suggest import CursorCache, SuggestJob, run_suggestions
 
 __all__ = ["Engine", "EngineConfig", "ModelInfo", "SessionLimits", "TextScore", "new_session_id"]
 
@@ -81,6 +81,7 @@ _RULE_CACHE = 256  # update rules kept, by (lr, decay, adapter size)
 SUGGEST_MIN_PROB = 1e-3  # word completions: branches below this cumulative probability are dropped (§6)
 SUGGEST_BATCH = 32  # branches expanded per batched model step
 SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
+SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
 
 
 def new_session_id() -> str:
@@ -98,10 +99,13 @@ class EngineConfig:
     max_session_ttl_s: float = 7 * 86400.0  # the longest an imported session keeps
     max_sessions: int = 10_000  # the in-process store's limits (when the engine builds the store)
     session_memory_bytes: int = 1 << 30
+    suggest_budget_ms: float = 0.0  # a suggestion's word search stops this long after submission (0: never)
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.session_ttl_s <= 0:
-            raise ValueError("max_batch and max_queue must be >= 1, max_wait_ms >= 0, session_ttl_s > 0")
+        if self.max_batch < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.session_ttl_s <= 0 \
+                or self.suggest_budget_ms < 0:
+            raise ValueError("max_batch and max_queue must be >= 1, max_wait_ms >= 0, session_ttl_s > 0, "
+                             "suggest_budget_ms >= 0")
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,19 @@ class _Text(_Item):
         return 2 if self.mode == "observe" else 1
 
 
+@dataclass(eq=False)
+class _Suggest(_Item):
+    """Keyboard suggestions. `session_id` stays None (a suggestion does not wait for its session's turn); the
+    session is `target`."""
+
+    target: str = ""
+    context: str = ""
+    k: int = 3
+    max_chars: int = 24
+    n_chars: int = 5
+    deadline: float = math.inf
+
+
 _Pending = _Item | GenerationJob
 
 
@@ -215,6 +232,7 @@ class Engine:
         self._rules: dict[tuple[float, float, int], UpdateRule] = {}
         self._stacked = RuleCache()
         self._cursors = CursorCache()
+        self._suggests: list[tuple[_Suggest, SuggestJob]] = []
 
     # -- lifecycle (blocking; call from a thread, not the event loop) ------------------------------
 
@@ -252,7 +270,8 @@ class Engine:
         with self._lock:
             queued = self._waiting
         return dataclasses.replace(self._stats, batch_rows=dict(self._stats.batch_rows),
-                                   decode_rows=dict(self._stats.decode_rows), queued=queued,
+                                   decode_rows=dict(self._stats.decode_rows),
+                                   suggest_rows=dict(self._stats.suggest_rows), queued=queued,
                                    sessions=store.sessions, session_bytes=store.bytes,
                                    evictions=dict(store.evictions))
 
@@ -345,17 +364,14 @@ class Engine:
         continued by `context`. The session is not changed (only touched). The model after the session and
         the context is cached (`CursorCache`): the next keystroke feeds only the bytes it added."""
         self.session_limits()
-        data = context.encode("utf-8")
-
-        def run(ckpt: Checkpoint) -> Suggestions:
-            session = self.get_session(session_id, owner)
-            cursor = self._cursors.cursor(ckpt.model, session, data)
-            return suggest(ckpt.model, cursor, context, session.adapter, k=k, max_chars=max_chars, n_chars=n_chars,
-                           min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS)
-
+        budget = self.config.suggest_budget_ms
+        deadline = time.monotonic() + budget / 1000 if budget > 0 else math.inf
         # No session id on the item: a suggestion reads the session's last committed record at once instead of
-        # waiting for the session's turn behind a long observe (a keystroke cannot wait for that).
-        result: Suggestions = await self._submit(_Call(Future(), None, owner, run=run))
+        # waiting for the session's turn behind a long observe (a keystroke cannot wait for that). Suggestions
+        # that arrive together are answered together, their model steps batched (`run_suggestions`).
+        item = _Suggest(Future(), None, owner, target=session_id, context=context, k=k, max_chars=max_chars,
+                        n_chars=n_chars, deadline=deadline)
+        result: Suggestions = await self._submit(item)
         return result
 
     def delete_session(self, session_id: str, owner: str | None) -> None:
@@ -551,6 +567,7 @@ class Engine:
             if idle and not stopping and self.config.max_wait_ms > 0 and self._pending_rows():
                 stopping = self._fill(time.monotonic() + self.config.max_wait_ms / 1000) or stopping
             self._admit(ckpt)
+            self._run_suggests(ckpt)
             self._step_texts(ckpt)
             self._step_generations()
             if time.monotonic() - last_sweep > _SWEEP_S:
@@ -614,6 +631,9 @@ class Engine:
             elif isinstance(item, _Call):
                 self._started(item)
                 self._run_call(ckpt, item)
+            elif isinstance(item, _Suggest):
+                self._started(item)
+                self._start_suggest(item)
             elif isinstance(item, GenerationJob):
                 self._started(item)
                 self._start_generation(ckpt, item)
@@ -639,6 +659,41 @@ class Engine:
             item.future.set_exception(e)
         else:
             item.future.set_result(result)
+
+    def _start_suggest(self, item: _Suggest) -> None:
+        if item.cancelled.is_set() or not item.future.set_running_or_notify_cancel():
+            self._stats.cancelled_work += 1
+            return
+        try:
+            session = self.get_session(item.target, item.owner)
+        except Exception as e:
+            item.future.set_exception(e)
+            return
+        self._suggests.append((item, SuggestJob(session, item.context, item.k, item.max_chars, item.n_chars,
+                                                item.deadline)))
+
+    def _run_suggests(self, ckpt: Checkpoint) -> None:
+        """Answer every started suggestion, their model steps batched together."""
+        if not self._suggests:
+            return
+        started, self._suggests = self._suggests, []
+        try:
+            steps = run_suggestions(ckpt.model, [job for _, job in started], self._cursors,
+                                    min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH,
+                                    max_expansions=SUGGEST_MAX_EXPANSIONS, round_rows=SUGGEST_ROUND_ROWS)
+        except Exception as e:
+            log.exception("a batched suggestion step failed; failing its %d suggestions", len(started))
+            for item, _ in started:
+                item.fail(e)
+            return
+        for rows in steps:
+            self._stats.suggest_rows[rows] = self._stats.suggest_rows.get(rows, 0) + 1
+        for item, job in started:
+            if job.result is not None:
+                self._stats.suggest_cut += not job.result.exact
+                item.future.set_result(job.result)
+            else:
+                item.fail(job.error or RuntimeError("the suggestion was not answered"))
 
     def _start_text(self, ckpt: Checkpoint, item: _Text) -> bool:
         """Read the session and set up the rows; True if the item is now running."""
@@ -814,7 +869,9 @@ class Engine:
             job.fail(error)
         for item in self._texts:
             item.fail(error)
-        self._gens, self._texts = [], []
+        for suggestion, _ in self._suggests:
+            suggestion.fail(error)
+        self._gens, self._texts, self._suggests = [], [], []
         self._stats.active = 0
         while True:
             try:

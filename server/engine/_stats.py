@@ -21,6 +21,8 @@ class EngineStats:
     batches: int = 0  # batched model calls of text work
     batch_rows: dict[int, int] = field(default_factory=dict)  # rows in a batched call -> how many calls
     decode_rows: dict[int, int] = field(default_factory=dict)  # the same for generation's one-byte steps
+    suggest_rows: dict[int, int] = field(default_factory=dict)  # the same for keyboard suggestions' steps
+    suggest_cut: int = 0  # suggestions whose word search the time budget stopped
     updates: int = 0  # session adapter updates applied
     nonfinite_resets: int = 0  # updates refused (or adapters reset) by the non-finite guard
     sessions: int = 0

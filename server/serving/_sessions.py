@@ -138,4 +138,5 @@ async def suggest(session_id: str, body: SuggestRequest, ctx: Context) -> Sugges
     ctx.metrics.suggest_expansions.labels(ctx.metrics.model).observe(result.expansions)
     return SuggestResponse(prefix=result.prefix,
                            completions=[SuggestedWord(text=c.text, prob=c.prob) for c in result.completions],
-                           next_chars=[SuggestedChar(char=c.char, prob=c.prob) for c in result.next_chars])
+                           next_chars=[SuggestedChar(char=c.char, prob=c.prob) for c in result.next_chars],
+                           exact=result.exact)

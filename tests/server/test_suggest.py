@@ -9,6 +9,8 @@ import json
 import math
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,13 @@ def ckpt(tiny_checkpoint: Path) -> Any:
     return load_checkpoint(tiny_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def live(tiny_checkpoint: Path, serve_app: Any) -> Iterator[Any]:
+    """No time budget here: these tests compare exact answers, which a busy machine must not cut short."""
+    with serve_app(Settings(checkpoint=tiny_checkpoint, suggest_budget_ms=0)) as server:
+        yield server
+
+
 def create(client: httpx.Client, **body: Any) -> str:
     r = client.post("/v1/sessions", json=body)
     assert r.status_code == 201, r.text
@@ -57,7 +66,8 @@ def session_parts(client: httpx.Client, sid: str) -> tuple[State, int, Adapter, 
 def test_suggestions(client: httpx.Client) -> None:
     sid = create(client, initial_text=TEXT)
     body = suggest(client, sid, context="She said that the man was univ", k=5, n_chars=4)
-    assert set(body) == {"prefix", "completions", "next_chars"} and body["prefix"] == "univ"
+    assert set(body) == {"prefix", "completions", "next_chars", "exact"} and body["prefix"] == "univ"
+    assert body["exact"] is True
     words, chars = body["completions"], body["next_chars"]
     assert 1 <= len(words) <= 5 and len(chars) == 4
     for items in (words, chars):
@@ -176,6 +186,58 @@ def test_latency(client: httpx.Client) -> None:
     for le in ("0.001", "0.002", "0.005"):  # both histograms resolve under 5 ms
         assert f'adaptlm_suggest_duration_seconds_bucket{{le="{le}"' in metrics
     assert 'adaptlm_http_request_duration_seconds_bucket{le="0.0025",method="POST"' in metrics
+
+
+def suggest_rows(client: httpx.Client) -> dict[float, float]:
+    """The cumulative bucket counts of the batch-rows histogram for suggestions (le -> count)."""
+    out = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("adaptlm_batch_rows_bucket") and 'work="suggest"' in line:
+            le = line.split('le="')[1].split('"')[0]
+            out[float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_concurrent_typists_share_model_steps_and_get_their_own_answers(client: httpx.Client, live: Any) -> None:
+    """12 sessions, each adapted on a different text (different adapter sizes too), ask at once: every answer
+    equals the one the session gets alone, and the model steps carried several typists' branches."""
+    texts = [TEXT, "zorblax " * 60, "the cat sat on the mat. " * 20, "Mr. Darcy and Mrs. Bennet. " * 10] * 3
+    sids = [create(client, initial_text=text, adaptation={"lr": 0.01 * (i % 3), "adapter_size": 4 + 4 * (i % 2)})
+            for i, text in enumerate(texts)]
+    contexts = ["the man was univ", "zorb", "the ca", "Mr. Da", "", "and she "] * 2
+    alone = [suggest(client, sid, context=ctx) for sid, ctx in zip(sids, contexts, strict=True)]
+    before = suggest_rows(client)
+    for _ in range(3):
+        with ThreadPoolExecutor(len(sids)) as pool:
+            futures = [pool.submit(_suggest_fresh, live.url, sid, ctx) for sid, ctx in zip(sids, contexts, strict=True)]
+            together = [f.result() for f in futures]
+        for a, b in zip(alone, together, strict=True):
+            assert [w["text"] for w in a["completions"]] == [w["text"] for w in b["completions"]]
+            assert [w["prob"] for w in b["completions"]] == pytest.approx([w["prob"] for w in a["completions"]],
+                                                                          rel=1e-4)
+            assert [c["char"] for c in a["next_chars"]] == [c["char"] for c in b["next_chars"]]
+    after = suggest_rows(client)
+    # some step carried more rows than one search ever takes per round (32 branches): several typists' at once
+    shared = (after[float("inf")] - after[32.0]) - (before[float("inf")] - before[32.0])
+    assert shared > 0, (before, after)
+
+
+def _suggest_fresh(url: str, sid: str, context: str) -> dict[str, Any]:
+    with httpx.Client(base_url=url, timeout=30) as c:
+        return suggest(c, sid, context=context)
+
+
+def test_a_time_budget_cuts_the_search(tiny_checkpoint: Path, serve_app: Any) -> None:
+    """With a budget shorter than any search, the answer comes back marked inexact (the best found in time),
+    and the cut is counted."""
+    with serve_app(Settings(checkpoint=tiny_checkpoint, suggest_budget_ms=0.001)) as live, \
+            httpx.Client(base_url=live.url) as c:
+        sid = create(c, initial_text=TEXT)
+        body = suggest(c, sid, context="the ", k=10)
+        assert body["exact"] is False and len(body["completions"]) < 10 and len(body["next_chars"]) == 5
+        metrics = c.get("/metrics").text
+        cut = [line for line in metrics.splitlines() if line.startswith("adaptlm_suggest_cut_total")]
+        assert cut and float(cut[0].rsplit(" ", 1)[1]) >= 1
 
 
 def test_the_cursor_cache_feeds_only_new_bytes(ckpt: Any) -> None:
