@@ -154,7 +154,7 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(BaseModel):
     """OpenAI's `POST /v1/completions` request. Accepted and ignored: presence_penalty, frequency_penalty,
-    best_of, logit_bias, user (it will name a session)."""
+    best_of, logit_bias. `user` may name a session (see its description)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -179,7 +179,11 @@ class CompletionRequest(BaseModel):
     best_of: int | None = Field(default=None, ge=1, strict=True)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, strict=True)
-    user: str | None = Field(default=None, strict=True)
+    user: str | None = Field(default=None, strict=True,
+                             description="The id of one of your sessions (POST /v1/sessions): the prompt then "
+                                         "continues that session's text under its adapter, and the session is left "
+                                         "unchanged (echo + logprobs score the prompt as the adapted session "
+                                         "does). Any other value is an end-user identifier, accepted and ignored.")
 
 
 class CompletionLogprobs(BaseModel):

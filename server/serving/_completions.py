@@ -8,6 +8,7 @@ character, so that streamed and whole answers agree; bytes of a stop string are 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import Response
 
 from models.sampling import SamplingParams, TextDecoder
-from server.engine import Finished, GenerationStream, PromptScored, Token, TokenLogprob
+from server.engine import Finished, GenerationStream, PromptScored, SessionNotFound, Token, TokenLogprob
 from server.errors import NotFoundError
 from server.protocol import (
     CompletionChoice,
@@ -61,8 +62,10 @@ async def create_completion(body: CompletionRequest, ctx: Context) -> Completion
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed,
                                 stop=tuple(body.stop or ()))
     echo = bool(body.echo)
+    session_id = await _session_named(body.user, ctx)
     stream = ctx.engine.generate(prompt, params, n=n, logprobs=body.logprobs,
-                                 prompt_logprobs=echo and body.logprobs is not None)
+                                 prompt_logprobs=echo and body.logprobs is not None, session_id=session_id,
+                                 owner=ctx.owner)
     job = _Job(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=info.name, prompt_text=prompt_text,
                prompt_tokens=len(prompt), n=n, echo=echo, logprobs=body.logprobs is not None)
     if body.stream:
@@ -70,6 +73,18 @@ async def create_completion(body: CompletionRequest, ctx: Context) -> Completion
         return sse_response(_chunks(stream, job, include_usage, ctx))
     response = await run_unless_disconnected(ctx.request, _complete(stream, job))
     return response if response is not None else Response(status_code=499)  # nginx's "client closed request"
+
+
+async def _session_named(user: str | None, ctx: Context) -> str | None:
+    """`user` when it is the id of one of the caller's sessions; None for any other value (OpenAI's end-user
+    identifier), including another key's session, whose existence is not revealed."""
+    if not user or ctx.engine.info.sessions is None:
+        return None
+    try:
+        await asyncio.to_thread(ctx.engine.get_session, user, ctx.owner, touch=False)  # the store may do I/O
+    except SessionNotFound:
+        return None
+    return user
 
 
 def _show(token: int) -> str:

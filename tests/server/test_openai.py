@@ -238,3 +238,26 @@ def test_an_error_after_the_stream_started(oai: Any, client: httpx.Client, parse
     with pytest.raises(openai.APIError, match="internal server error"):
         for _ in oai.completions.create(model=model, prompt=PROMPT, max_tokens=100, stream=True):
             pass
+
+
+def test_user_names_a_session(oai: Any, client: httpx.Client, model: str, reference: Any) -> None:
+    """`user` = a session id: the completion continues the session under its adapter (and leaves it unchanged);
+    any other `user` is only an identifier."""
+    r = client.post("/v1/sessions", json={"adaptation": {"lr": 0.03}})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    assert client.post(f"/v1/sessions/{sid}/observe", json={"text": "zorblax " * 400}).status_code == 200
+    before = client.get(f"/v1/sessions/{sid}").json()["stats"]
+    adapted = oai.completions.create(model=model, prompt="zorb", max_tokens=4, temperature=0, user=sid)
+    plain = oai.completions.create(model=model, prompt="zorb", max_tokens=4, temperature=0, user="someone-else")
+    assert adapted.choices[0].text.startswith("la"), adapted.choices[0].text
+    assert not plain.choices[0].text.startswith("la"), plain.choices[0].text
+    # scoring under the session: the adapted session finds the word far more likely than the model does
+    text = " zorblax zorblax"
+    scored = [oai.completions.create(model=model, prompt=text, max_tokens=0, echo=True, logprobs=0, user=u)
+              for u in (sid, None)]
+    session_lp, static_lp = (sum(c.choices[0].logprobs.token_logprobs[1:]) for c in scored)
+    assert session_lp > static_lp + 10
+    expected = score_bytes(reference, text.encode(), logprobs=True).logprobs
+    assert scored[1].choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+    assert client.get(f"/v1/sessions/{sid}").json()["stats"] == before

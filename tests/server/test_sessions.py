@@ -356,6 +356,12 @@ def test_sessions_belong_to_their_api_key(keyed: str, assert_error: Any) -> None
                   b.post("/v1/generate", json={"prompt": "a", "max_tokens": 1, "session_id": sid})):
             assert_error(r, 404, "not_found_error", "session_id")
         assert a.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT)
+        # OpenAI's `user` names only the caller's own sessions: for b, a's id is a plain identifier
+        model = a.get("/v1/models").json()["data"][0]["id"]
+        scored = [c.post("/v1/completions", json={"model": model, "prompt": TEXT[:40], "max_tokens": 0, "echo": True,
+                                                  "logprobs": 0, "user": u}).json()["choices"][0]["logprobs"]
+                  for c, u in ((a, sid), (b, sid), (b, None))]
+        assert scored[1] == scored[2] != scored[0]
         assert_error(httpx.post(f"{keyed}/v1/sessions", json={}), 401, "authentication_error")
         # b may import a's export under an id of its own
         assert b.put("/v1/sessions/b-copy-of-the-session-01/state", content=blob).status_code == 200
