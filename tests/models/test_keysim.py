@@ -1,0 +1,88 @@
+"""In-process suggestions for the keystroke simulator (models/keysim.py): against `models.suggest` from scratch,
+the cursor cache's work, and the adaptation against `models.adaptation.evaluate` on the same text (sparse and
+full dynamic evaluation are the same loop: one stream from BOS, segments scored then updated)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.adaptation import evaluate
+from models.checkpoint import load_checkpoint
+from models.keysim import ModelSuggester
+from models.scoring import BOS
+from models.suggest import advance, suggest
+from trainer.evaluation import config_for
+
+TEXT = "It is a truth universally acknowledged, that a single man\n"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint: Path):  # type: ignore[no-untyped-def]
+    return load_checkpoint(tiny_checkpoint)
+
+
+def words_from_scratch(model, context: str, observed: str = "", adapter=None, state=None):  # type: ignore[no-untyped-def]
+    state = model.init_state(1) if state is None else state
+    cursor = advance(model, state, bytes([BOS]) + (observed + context).encode(), adapter)
+    return [c.text for c in suggest(model, cursor, observed + context, adapter, k=3, n_chars=0).completions]
+
+
+def test_static_suggestions_equal_a_fresh_computation_and_feed_only_new_bytes(ckpt) -> None:  # type: ignore[no-untyped-def]
+    s = ModelSuggester(ckpt.model)
+    s.observe(TEXT)
+    fed = 0
+    for end in range(0, 12):
+        context = "The man wen"[:end]
+        assert s.suggest(context, 3) == words_from_scratch(ckpt.model, context, TEXT)
+        fed += 1  # the first call feeds the next byte (the text's last); each later one its new character
+        assert s.fed == fed
+    s.suggest("The man went", 3)  # several characters at once (a selection): only those
+    assert s.fed == fed + 1
+    s.suggest("A", 3)  # not a continuation: from the state again (the next byte and the context)
+    assert s.fed == fed + 1 + 2
+
+
+def test_sparse_adaptation_is_the_sessions_loop(ckpt) -> None:  # type: ignore[no-untyped-def]
+    config = config_for("sparse", ckpt.dyneval)
+    s = ModelSuggester(ckpt.model, config, stats=ckpt.stats)
+    s.observe(TEXT)
+    ref = evaluate(ckpt.model, TEXT.encode(), config, stats=ckpt.stats)  # BOS, then the text; the same segments
+    assert s.updates == ref.bytes // config.segment + (ref.bytes % config.segment > 0)
+    assert s.adapter is not None
+    for site, m in s.adapter.mats.items():
+        torch.testing.assert_close(m[0], ref.adapted[site])
+        assert m.abs().sum() > 0
+    for k, v in s.state.tensors.items():
+        torch.testing.assert_close(v, ref.state.tensors[k])
+    # suggestions under the adapter: the adapted state, the text's last byte next, then the context
+    cursor = advance(ckpt.model, s.state, bytes([TEXT.encode()[-1]]) + b"Th", s.adapter)
+    expected = [c.text for c in suggest(ckpt.model, cursor, "Th", s.adapter, k=3, n_chars=0).completions]
+    assert s.suggest("Th", 3) == expected
+
+
+def test_full_dynamic_evaluation_suggests_from_the_adapted_weights(ckpt) -> None:  # type: ignore[no-untyped-def]
+    config = config_for("dynamic", ckpt.dyneval, lr=3e-3)  # a large step: the weights visibly move
+    before = {n: p.detach().clone() for n, p in ckpt.model.named_parameters()}
+    s = ModelSuggester(ckpt.model, config, stats=ckpt.stats)
+    cut = 2 * config.segment  # messages cut on a segment boundary: the same segments as one text
+    s.observe(TEXT[:cut])
+    s.observe(TEXT[cut:])  # continues from where the first message left off
+    ref = evaluate(ckpt.model, TEXT.encode(), config, stats=ckpt.stats)
+    for name, p in ref.adapted.items():
+        torch.testing.assert_close(s.params[name], p, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(s.params[n], before[n]) for n in s.params)
+    for name, p in ckpt.model.named_parameters():  # the shared model was never written
+        assert torch.equal(p.detach(), before[name])
+    # suggestions equal those of a copy of the model holding the adapted weights
+    adapted = copy.deepcopy(ckpt.model)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            p.copy_(s.params.get(name, p))
+    for context in ("", "Th", "The ma"):
+        cursor = advance(adapted, s.state, bytes([TEXT.encode()[-1]]) + context.encode())
+        expected = [c.text for c in suggest(adapted, cursor, context, k=3, n_chars=0).completions]
+        assert s.suggest(context, 3) == expected
