@@ -11,11 +11,15 @@ TORCH := torch==2.13.0
 install: system-deps $(STAMP)
 
 # System packages: redis-server, which the Redis session store's tests start on their own (nothing else
-# needs to run). apt-get as root, through sudo otherwise.
+# needs to run), and chromium (with a font), which the keyboard page's browser test drives headless through
+# playwright (never `playwright install`: the system browser is used). apt-get as root, through sudo otherwise.
 system-deps:
-	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || { \
+	@missing=; \
+	command -v redis-server >/dev/null || test -x /usr/bin/redis-server || missing="$$missing redis-server"; \
+	test -x /usr/bin/chromium || missing="$$missing chromium fonts-liberation"; \
+	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
-		$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends redis-server; }
+		$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends $$missing; fi
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -2,9 +2,9 @@
 
 from fastapi import APIRouter
 
-from server.routes import completions, generate, health, metrics, models, score, sessions
+from server.routes import completions, generate, health, keyboard, metrics, models, score, sessions
 
 __all__ = ["ROUTERS"]
 
 ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, score.router, sessions.router, generate.router,
-                                  completions.router, metrics.router)
+                                  completions.router, metrics.router, keyboard.router)

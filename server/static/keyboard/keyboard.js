@@ -1,0 +1,411 @@
+// The adaptlm keyboard: a page that uses only the public HTTP API (fetch to its own origin), no dependencies.
+//
+// Two sessions: the one that adapts, and an unadapted twin created with `adaptation: {lr: 0}` that reads the same
+// commits. The twin is the same model in the same context with its adapter held at zero, so its suggestions are
+// the unadapted model's; the chart's unadapted line is observe's `static_bits`, which the twin's own bits match.
+"use strict";
+
+(() => {
+  const SUGGEST_MAX_CONTEXT = 2048; // server/protocol.py: the most characters `context` may have
+  const K = 3;
+  // A commit ends at Enter, or at sentence-ending punctuation (closing quotes or brackets may follow) and a space.
+  const BOUNDARY = /[.!?]["'\u201d\u2019)\]]*[ \t]|\n/g;
+
+  const $ = (id) => document.getElementById(id);
+  const text = $("text");
+  const bar = $("bar");
+  const barStatic = $("bar-static");
+  const compare = $("compare");
+  const chart = $("chart");
+  const keyInput = $("key");
+
+  const state = {
+    key: new URLSearchParams(location.search).get("key") || "",
+    generation: 0, // bumped by connect and reset: answers for an older one are dropped
+    adapted: null, // session ids
+    twin: null,
+    committed: "", // what the sessions have read: a prefix of the text area (see syncCommitted)
+    observing: Promise.resolve(), // commits are sent one after the other, in order
+    requested: null, // the context of the latest suggest request
+    seq: 0,
+    controller: null,
+    shown: null, // {context, prefix, words, wordsStatic, ms}: what the bars show
+    saved: 0,
+    series: { adapted: [], static: [], twin: [], chars: [] }, // per commit: bits per character, characters
+    bits: { adapted: 0, static: 0, chars: 0 },
+  };
+
+  class ApiError extends Error {
+    constructor(status, message, retryAfter) {
+      super(message);
+      this.status = status;
+      this.retryAfter = retryAfter;
+    }
+  }
+
+  async function api(path, body, { method = "POST", signal, keepalive = false } = {}) {
+    const headers = { "content-type": "application/json" };
+    if (state.key) headers.authorization = `Bearer ${state.key}`;
+    const init = { method, headers, signal, keepalive };
+    if (body !== undefined) init.body = JSON.stringify(body);
+    // Relative to the page: /keyboard -> /v1/..., and the same behind a proxy's path prefix.
+    const response = await fetch(`v1/${path}`, init);
+    if (response.status === 204) return null;
+    const data = await response.json().catch(() => null);
+    if (!response.ok) {
+      const message = data?.error?.message ?? `${response.status} ${response.statusText}`;
+      throw new ApiError(response.status, message, Number(response.headers.get("retry-after")) || 1);
+    }
+    return data;
+  }
+
+  // 429 and 503 come before the server did any work: a commit waits and tries again rather than being lost.
+  async function withRetry(call, tries = 3) {
+    for (let i = 1; ; i++) {
+      try {
+        return await call();
+      } catch (e) {
+        if (i >= tries || !(e.status === 429 || e.status === 503)) throw e;
+        await new Promise((resolve) => setTimeout(resolve, 1000 * e.retryAfter));
+      }
+    }
+  }
+
+  function setStatus(kind, message) {
+    document.body.dataset.state = kind;
+    $("status").textContent = message;
+  }
+
+  // -- sessions ---------------------------------------------------------------------------------------------
+
+  async function connect() {
+    const generation = ++state.generation;
+    closeSessions();
+    setStatus("connecting", "Connecting…");
+    try {
+      const [adapted, twin] = await Promise.all([api("sessions", {}), api("sessions", { adaptation: { lr: 0 } })]);
+      if (generation !== state.generation) return;
+      state.adapted = adapted.id;
+      state.twin = twin.id;
+    } catch (e) {
+      if (generation !== state.generation) return;
+      setStatus("error", e.status === 401 ? `${e.message}: enter the server's API key above` : e.message);
+      if (e.status === 401) keyInput.focus();
+      return;
+    }
+    clearProgress();
+    setStatus("ready", `Ready: session ${state.adapted.slice(0, 8)}… and its unadapted twin.`);
+    onInput(); // text already there is committed to the new sessions up to its last sentence end
+  }
+
+  function closeSessions() {
+    for (const id of [state.adapted, state.twin]) {
+      if (id) api(`sessions/${id}`, undefined, { method: "DELETE", keepalive: true }).catch(() => {});
+    }
+    state.adapted = state.twin = null;
+  }
+
+  async function reset() {
+    if (!state.adapted) return;
+    const generation = ++state.generation;
+    const ids = [state.adapted, state.twin];
+    try {
+      await Promise.all(ids.map((id) => api(`sessions/${id}/reset`)));
+    } catch (e) {
+      setStatus("error", e.message);
+      return;
+    }
+    if (generation !== state.generation) return;
+    text.value = "";
+    state.saved = 0;
+    clearProgress();
+    onInput();
+    text.focus();
+  }
+
+  function clearProgress() {
+    state.committed = "";
+    state.observing = Promise.resolve();
+    state.requested = null;
+    state.series = { adapted: [], static: [], twin: [], chars: [] };
+    state.bits = { adapted: 0, static: 0, chars: 0 };
+    draw();
+  }
+
+  // -- commits ------------------------------------------------------------------------------------------------
+
+  // Text already read cannot be unread: after an edit inside it, what the sessions read is taken to end where the
+  // edit starts, and the text from there is committed again (the sessions read it twice).
+  function syncCommitted() {
+    const value = text.value;
+    if (value.startsWith(state.committed)) return;
+    let n = 0;
+    while (n < state.committed.length && value[n] === state.committed[n]) n++;
+    if (n > 0 && isHighSurrogate(value.charCodeAt(n - 1))) n--;
+    state.committed = value.slice(0, n);
+  }
+
+  function commitSentences() {
+    if (!state.adapted) return;
+    const pending = text.value.slice(state.committed.length, text.selectionStart);
+    let end = 0;
+    for (const match of pending.matchAll(BOUNDARY)) end = match.index + match[0].length;
+    const sentence = pending.slice(0, end);
+    // Blank lines wait for the next sentence: a point on the chart is a sentence.
+    if (sentence.trim() === "") return;
+    state.committed += sentence;
+    observe(sentence);
+  }
+
+  function observe(sentence) {
+    const { generation, adapted, twin } = state;
+    state.observing = state.observing
+      .then(async () => {
+        const [a, t] = await Promise.all([
+          withRetry(() => api(`sessions/${adapted}/observe`, { text: sentence })),
+          withRetry(() => api(`sessions/${twin}/observe`, { text: sentence })),
+        ]);
+        if (generation !== state.generation) return;
+        const chars = [...sentence].length;
+        state.series.adapted.push(a.bits / chars);
+        state.series.static.push(a.static_bits / chars);
+        state.series.twin.push(t.bits / chars);
+        state.series.chars.push(chars);
+        state.bits.adapted += a.bits;
+        state.bits.static += a.static_bits;
+        state.bits.chars += chars;
+        updateStats();
+        draw();
+      })
+      .catch((e) => {
+        if (generation === state.generation) setStatus("error", `observe: ${e.message}`);
+      });
+  }
+
+  // -- suggestions --------------------------------------------------------------------------------------------
+
+  // What the user is typing: the text before the cursor since the last commit (the sessions have read the rest),
+  // at most the API's SUGGEST_MAX_CONTEXT characters (UTF-16 units, so never more code points).
+  function currentContext() {
+    const before = text.value.slice(0, text.selectionStart);
+    let context = before.startsWith(state.committed) ? before.slice(state.committed.length) : before;
+    if (context.length > SUGGEST_MAX_CONTEXT) {
+      context = context.slice(-SUGGEST_MAX_CONTEXT);
+      if (isLowSurrogate(context.charCodeAt(0))) context = context.slice(1);
+    }
+    return context;
+  }
+
+  async function refresh() {
+    if (!state.adapted) return;
+    const context = currentContext();
+    if (context === state.requested) return;
+    state.requested = context;
+    const seq = ++state.seq;
+    // Only the latest keystroke's answer is shown: the request for an older one is abandoned.
+    state.controller?.abort();
+    const controller = (state.controller = new AbortController());
+    // The sessions must have read every commit before the text that follows it is completed.
+    await state.observing;
+    if (seq !== state.seq) return;
+    const { adapted, twin } = state;
+    const ask = (id) =>
+      api(`sessions/${id}/suggest`, { context, k: K, n_chars: 0 }, { signal: controller.signal });
+    const started = performance.now();
+    try {
+      const [a, t] = await Promise.all([ask(adapted), compare.checked ? ask(twin) : null]);
+      if (seq !== state.seq) return;
+      const words = a.completions.map((w) => w.text);
+      const wordsStatic = t ? t.completions.map((w) => w.text) : [];
+      state.shown = { context, prefix: a.prefix, words, wordsStatic, ms: performance.now() - started };
+      render(bar, a.completions, true);
+      render(barStatic, t ? t.completions : [], false);
+      if (document.body.dataset.state !== "ready") setStatus("ready", "Ready.");
+    } catch (e) {
+      if (e.name === "AbortError" || seq !== state.seq) return;
+      state.requested = null; // the next keystroke asks again
+      setStatus("error", `suggest: ${e.message}`);
+    }
+  }
+
+  function render(el, completions, keys) {
+    el.querySelectorAll("button.word").forEach((button, i) => {
+      const word = completions[i];
+      button.disabled = !word;
+      button.textContent = word ? word.text : "";
+      button.dataset.word = word ? word.text : "";
+      button.title = word ? `p = ${word.prob.toPrecision(2)}` : "";
+      if (keys) button.dataset.key = i === 0 ? "Tab" : `Alt+${i + 1}`;
+    });
+    el.dataset.count = String(completions.length);
+  }
+
+  // The suggestion replaces the typed part of the word and adds a space (or steps over the one already there).
+  function accept(word) {
+    const shown = state.shown;
+    if (!shown || shown.context !== currentContext() || !word.startsWith(shown.prefix)) return false;
+    const start = text.selectionStart;
+    const from = start - shown.prefix.length;
+    const end = text.selectionEnd;
+    const spaceFollows = text.value[end] === " ";
+    text.setRangeText(spaceFollows ? word : `${word} `, from, end, "end");
+    if (spaceFollows) text.selectionStart = text.selectionEnd = text.selectionEnd + 1;
+    // Saved: the rest of the word and the space, less the one key that accepted it.
+    state.saved += [...word].length - [...shown.prefix].length;
+    onInput();
+    return true;
+  }
+
+  // -- statistics and chart -----------------------------------------------------------------------------------
+
+  function updateStats() {
+    const total = [...text.value].length;
+    const bpc = (bits) => (state.bits.chars ? `${(bits / state.bits.chars).toFixed(2)} bpc` : "–");
+    $("saved").textContent = String(state.saved);
+    $("ksr").textContent = `${(total ? (100 * state.saved) / total : 0).toFixed(1)}%`;
+    $("commits").textContent = String(state.series.adapted.length);
+    $("bpc-adapted").textContent = bpc(state.bits.adapted);
+    $("bpc-static").textContent = bpc(state.bits.static);
+    $("gain").textContent = state.bits.static ? `${(100 * (1 - state.bits.adapted / state.bits.static)).toFixed(1)}%` : "–";
+  }
+
+  function draw() {
+    const { adapted, static: fixed } = state.series;
+    const n = adapted.length;
+    chart.dataset.points = String(n);
+    const ratio = window.devicePixelRatio || 1;
+    const width = chart.clientWidth || chart.width;
+    const height = chart.clientHeight || chart.height;
+    chart.width = Math.round(width * ratio);
+    chart.height = Math.round(height * ratio);
+    const g = chart.getContext("2d");
+    g.setTransform(ratio, 0, 0, ratio, 0, 0);
+    g.clearRect(0, 0, width, height);
+    const css = getComputedStyle(document.documentElement);
+    const color = (name) => css.getPropertyValue(name).trim();
+    const pad = { left: 46, right: 14, top: 12, bottom: 24 };
+    const w = width - pad.left - pad.right;
+    const h = height - pad.top - pad.bottom;
+    // The y range hugs the data (whole bits at its ends): the gap between the lines is what matters.
+    const low = n ? Math.floor(Math.min(...adapted, ...fixed)) : 0;
+    const high = n ? Math.max(low + 1, Math.ceil(Math.max(...adapted, ...fixed))) : 8;
+    const x = (i) => pad.left + (n === 1 ? w / 2 : (i * w) / (n - 1));
+    const y = (v) => pad.top + h - ((v - low) / (high - low)) * h;
+
+    g.font = "11px system-ui, sans-serif";
+    g.textBaseline = "middle";
+    g.lineWidth = 1;
+    const ticks = high - low <= 2 ? 4 * (high - low) : high - low;
+    for (let i = 0; i <= ticks; i++) {
+      const v = low + ((high - low) * i) / ticks;
+      g.strokeStyle = color("--line");
+      g.beginPath();
+      g.moveTo(pad.left, Math.round(y(v)) + 0.5);
+      g.lineTo(pad.left + w, Math.round(y(v)) + 0.5);
+      g.stroke();
+      g.fillStyle = color("--muted");
+      g.textAlign = "right";
+      g.fillText(v.toFixed(2), pad.left - 6, y(v));
+    }
+    g.textAlign = "center";
+    if (n > 1) {
+      g.fillText("1", x(0), height - 8);
+      g.fillText(String(n), x(n - 1), height - 8);
+    }
+    g.fillText("bits per character, by commit", pad.left + w / 2, height - 8);
+    if (n === 0) {
+      g.fillText("commit a sentence (Enter, or . ! ? and a space)", pad.left + w / 2, pad.top + h / 2);
+      return;
+    }
+    for (const [values, name] of [[fixed, "--static"], [adapted, "--adapted"]]) {
+      g.strokeStyle = g.fillStyle = color(name);
+      g.lineWidth = 2;
+      g.beginPath();
+      values.forEach((v, i) => (i ? g.lineTo(x(i), y(v)) : g.moveTo(x(i), y(v))));
+      g.stroke();
+      values.forEach((v, i) => {
+        g.beginPath();
+        g.arc(x(i), y(v), 3, 0, 2 * Math.PI);
+        g.fill();
+      });
+    }
+  }
+
+  // -- events -------------------------------------------------------------------------------------------------
+
+  function onInput() {
+    syncCommitted();
+    commitSentences();
+    updateStats();
+    refresh();
+  }
+
+  text.addEventListener("input", (event) => {
+    if (!event.isComposing) onInput();
+  });
+  text.addEventListener("compositionend", onInput);
+  // The cursor moved without typing: the word at the cursor changed.
+  text.addEventListener("click", refresh);
+  text.addEventListener("keyup", (event) => {
+    if (event.key.startsWith("Arrow") || event.key === "Home" || event.key === "End") refresh();
+  });
+  text.addEventListener("keydown", (event) => {
+    if (event.isComposing || event.ctrlKey || event.metaKey) return;
+    let rank = -1;
+    if (event.key === "Tab" && !event.shiftKey && !event.altKey) rank = 0;
+    // Alt: plain digits must stay typeable. event.code: Alt+digit types another character on some layouts.
+    else if (event.altKey && /^Digit[1-3]$/.test(event.code)) rank = Number(event.code.slice(5)) - 1;
+    if (rank < 0) return;
+    const word = state.shown?.words[rank];
+    if (word === undefined) return;
+    event.preventDefault(); // even when the bar is a keystroke behind: Tab here means "accept", not "leave"
+    accept(word);
+  });
+  for (const el of [bar, barStatic]) {
+    el.addEventListener("mousedown", (event) => event.preventDefault()); // keep the focus (and cursor) in the text
+    el.addEventListener("click", (event) => {
+      const button = event.target.closest("button.word");
+      if (button && !button.disabled) accept(button.dataset.word);
+      text.focus();
+    });
+  }
+  compare.addEventListener("change", () => {
+    barStatic.hidden = !compare.checked;
+    state.requested = null;
+    refresh();
+  });
+  $("key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    state.key = keyInput.value.trim();
+    connect();
+  });
+  $("reset").addEventListener("click", reset);
+  window.addEventListener("resize", draw);
+  window.addEventListener("pagehide", closeSessions);
+  window.addEventListener("pageshow", (event) => {
+    if (event.persisted) connect(); // back from the page cache: its sessions were closed on leaving
+  });
+
+  function isHighSurrogate(code) {
+    return code >= 0xd800 && code <= 0xdbff;
+  }
+  function isLowSurrogate(code) {
+    return code >= 0xdc00 && code <= 0xdfff;
+  }
+
+  // For tests and the curious: a copy of what the page holds.
+  window.adaptlmKeyboard = {
+    snapshot: () =>
+      structuredClone({
+        sessions: { adapted: state.adapted, twin: state.twin },
+        committed: state.committed,
+        context: currentContext(),
+        shown: state.shown,
+        saved: state.saved,
+        series: state.series,
+      }),
+  };
+
+  keyInput.value = state.key;
+  connect();
+})();

@@ -1,0 +1,198 @@
+"""GET /keyboard: the page and its assets over HTTP, and the page itself typed into key by key in headless
+Chromium (the system's `chromium`, driven by playwright; `make test` installs both) against a real server.
+
+The screenshot of the page after a run is kept in tests/artifacts/ (gitignored); its path is printed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, sync_playwright
+
+from server.settings import Settings
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+SUGGEST_WITHIN_MS = 2000
+# An answer for the current text: the bar shows the suggestions for the cursor as it is now.
+CURRENT = "() => { const s = adaptlmKeyboard.snapshot(); return s.shown !== null && s.shown.context === s.context; }"
+
+
+# -- over HTTP --------------------------------------------------------------------------------------------
+
+
+def test_page_and_assets(client: httpx.Client, assert_error: Any) -> None:
+    page = client.get("/keyboard")
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assets = re.findall(r'(?:src|href)="(keyboard/[^"]+)"', page.text)
+    assert sorted(assets) == ["keyboard/keyboard.css", "keyboard/keyboard.js"]
+    for asset, media_type in (("keyboard/keyboard.js", "text/javascript"), ("keyboard/keyboard.css", "text/css")):
+        r = client.get(f"/{asset}")
+        assert r.status_code == 200 and r.headers["content-type"] == f"{media_type}; charset=utf-8" and r.text
+    assert "SUGGEST_MAX_CONTEXT = 2048" in client.get("/keyboard/keyboard.js").text  # server/protocol.py's
+    assert_error(client.get("/keyboard/index.html"), 404, "not_found_error", "asset")
+    assert_error(client.get("/keyboard/app.js"), 404, "not_found_error", "asset")
+    assert not any(path.startswith("/keyboard") for path in client.get("/openapi.json").json()["paths"])
+
+
+def test_suggest_max_context_matches_the_protocol() -> None:
+    from server.protocol import SUGGEST_MAX_CONTEXT
+    from server.routes.keyboard import STATIC_DIR
+
+    assert f"const SUGGEST_MAX_CONTEXT = {SUGGEST_MAX_CONTEXT};" in (STATIC_DIR / "keyboard.js").read_text()
+
+
+# -- in the browser ---------------------------------------------------------------------------------------
+
+
+def _chromium() -> str:
+    found = "/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else shutil.which("chromium")
+    if found is None:
+        pytest.fail("chromium is not installed, and the keyboard page is tested in it: run `make test` (it "
+                    "installs the system package), or `apt-get install chromium`", pytrace=False)
+    return found
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    # The system browser: `playwright install` downloads one of its own, which this project never does.
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 820, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    yield page
+    context.close()
+    assert not errors, errors
+
+
+def snapshot(page: Page) -> dict[str, Any]:
+    return dict(page.evaluate("adaptlmKeyboard.snapshot()"))
+
+
+def type_keys(page: Page, keys: str) -> list[float]:
+    """Types `keys` one by one, waiting after each for the suggestions for the text as it is now -> their
+    latencies in ms (each within SUGGEST_WITHIN_MS, or the wait fails)."""
+    latencies = []
+    for key in keys:
+        start = time.perf_counter()
+        page.keyboard.press("Enter" if key == "\n" else key)
+        page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
+        latencies.append(1000 * (time.perf_counter() - start))
+    return latencies
+
+
+def open_keyboard(page: Page, url: str) -> None:
+    page.goto(url)
+    page.wait_for_selector("body[data-state=ready]", timeout=10_000)
+    page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)  # the first word's suggestions
+    page.click("#text")
+
+
+def test_typing_accepting_and_committing(live: Any, page: Page) -> None:
+    open_keyboard(page, f"{live.url}/keyboard")
+    assert snapshot(page)["shown"]["words"], "no suggestions for the first word"
+
+    latencies = type_keys(page, "It is a truth univ")
+    shown = snapshot(page)["shown"]
+    assert shown["prefix"] == "univ" and shown["context"] == "It is a truth univ"
+    assert 1 <= len(shown["words"]) <= 3 and all(w.startswith("univ") and len(w) > 4 for w in shown["words"])
+    assert page.locator("#bar button.word:not([disabled])").count() == len(shown["words"])
+
+    # Tab accepts the first: it replaces the typed part of the word and adds a space.
+    page.keyboard.press("Tab")
+    assert page.input_value("#text") == f"It is a truth {shown['words'][0]} "
+    saved = len(shown["words"][0]) - len("univ")
+    assert snapshot(page)["saved"] == saved and page.text_content("#saved") == str(saved)
+    assert page.text_content("#ksr") != "0.0%"
+
+    # A click on the second of the next suggestions.
+    latencies += type_keys(page, "ac")
+    words = snapshot(page)["shown"]["words"]
+    assert len(words) >= 2
+    page.click("#bar button.word[data-rank='1']")
+    value = page.input_value("#text")
+    assert value.endswith(f" {words[1]} ") and page.evaluate("document.activeElement.id") == "text"
+    saved += len(words[1]) - len("ac")
+    assert snapshot(page)["saved"] == saved
+
+    # Sentence end and a space commit the sentence: one point, adapted and unadapted.
+    assert page.get_attribute("#chart", "data-points") == "0"
+    latencies += type_keys(page, "man. ")
+    page.wait_for_selector("#chart[data-points='1']", timeout=5000)
+    state = snapshot(page)
+    assert state["committed"] == value + "man. " and state["context"] == ""
+    # Then Enter commits the line.
+    latencies += type_keys(page, "She was not\n")
+    page.wait_for_selector("#chart[data-points='2']", timeout=5000)
+    state = snapshot(page)
+    assert state["committed"] == value + "man. She was not\n"
+    series = state["series"]
+    assert series["chars"] == [len(value) + 5, len("She was not\n")]
+    for adapted, static, twin in zip(series["adapted"], series["static"], series["twin"], strict=True):
+        assert 0 < adapted < 16 and 0 < static < 16
+        # The unadapted twin (lr 0) is the static model: its bits are observe's static bits.
+        assert math.isclose(twin, static, rel_tol=1e-4)
+    assert page.text_content("#commits") == "2" and page.text_content("#bpc-adapted").endswith("bpc")
+    total = len(page.input_value("#text"))
+    assert page.text_content("#ksr") == f"{100 * saved / total:.1f}%"
+
+    # The unadapted model's suggestions beside the adapted ones.
+    assert page.is_hidden("#bar-static")
+    page.check("#compare")
+    page.focus("#text")
+    page.keyboard.press("Control+End")
+    latencies += type_keys(page, "Th")
+    assert page.is_visible("#bar-static") and snapshot(page)["shown"]["wordsStatic"]
+    assert page.locator("#bar-static button.word:not([disabled])").count() >= 1
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "keyboard.png"
+    page.screenshot(path=str(shot), full_page=True)
+    median = sorted(latencies)[len(latencies) // 2]
+    print(f"\nkeyboard screenshot: {shot}; suggestions {median:.0f} ms (median), {max(latencies):.0f} ms (max) "
+          f"after a keystroke, over {len(latencies)} keys")
+
+
+def test_fast_typing_shows_the_latest_answer(live: Any, page: Page) -> None:
+    open_keyboard(page, f"{live.url}/keyboard")
+    page.keyboard.type("It was the best of times, it was the wor")  # no waiting: older answers are dropped
+    page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
+    shown = snapshot(page)["shown"]
+    assert shown["context"] == "It was the best of times, it was the wor" and shown["prefix"] == "wor"
+    assert all(w.startswith("wor") for w in shown["words"])
+
+
+def test_api_key(tiny_checkpoint: Path, serve_app: Any, page: Page) -> None:
+    settings = Settings(checkpoint=tiny_checkpoint, api_keys="key-one")  # type: ignore[arg-type]
+    with serve_app(settings) as live:
+        assert httpx.get(f"{live.url}/keyboard").status_code == 200  # the page itself needs no key
+        page.goto(f"{live.url}/keyboard")
+        page.wait_for_selector("body[data-state=error]", timeout=10_000)
+        assert "API key" in page.text_content("#status")
+        page.fill("#key", "key-one")
+        page.click("#key-form button[type=submit]")
+        page.wait_for_selector("body[data-state=ready]", timeout=10_000)
+        page.click("#text")
+        type_keys(page, "It is a tr")
+        assert snapshot(page)["shown"]["prefix"] == "tr"
+        # ?key= in the address does the same.
+        page.goto(f"{live.url}/keyboard?key=key-one")
+        page.wait_for_selector("body[data-state=ready]", timeout=10_000)
+        assert page.input_value("#key") == "key-one"
