@@ -17,8 +17,11 @@ COPY clients ./clients
 COPY trainer ./trainer
 COPY loadtest ./loadtest
 COPY checkpoints ./checkpoints
-RUN pip install --no-cache-dir . && useradd --create-home adaptlm
-ENV ADAPTLM_CHECKPOINT=/app/checkpoints/default
+RUN pip install --no-cache-dir . && useradd --create-home adaptlm \
+    && mkdir -p /var/lib/adaptlm && chown adaptlm /var/lib/adaptlm
+# In-memory sessions are written to the volume at `docker stop` (SIGTERM) and read back at start.
+ENV ADAPTLM_CHECKPOINT=/app/checkpoints/default ADAPTLM_SESSION_SNAPSHOT=/var/lib/adaptlm/sessions.zip
+VOLUME /var/lib/adaptlm
 USER adaptlm
 EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=3s CMD python -c "import httpx; httpx.get('http://127.0.0.1:8000/readyz').raise_for_status()"

@@ -28,8 +28,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
+# With the in-memory session store, sessions are kept across restarts in var/sessions.zip (written at shutdown).
 serve: install
-	$(VENV)/bin/adaptlm serve
+	@if [ "$${ADAPTLM_SESSION_STORE:-memory}" = memory ]; then \
+		export ADAPTLM_SESSION_SNAPSHOT="$${ADAPTLM_SESSION_SNAPSHOT:-var/sessions.zip}"; fi; \
+	exec $(VENV)/bin/adaptlm serve
 
 test: install
 	$(PY) -m pytest -q

@@ -158,9 +158,10 @@ def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | N
         return _rows(adapters[0], rows[0])
     if all(a is None for a in adapters):
         return None
-    if all(a is not None for a in adapters) and len({tuple(m.shape for m in a.mats.values())
-                                                     for a in adapters if a is not None}) == 1:
-        return Adapter.stack([_rows(a, n) for a, n in zip(adapters, rows, strict=True) if a is not None])
+    given = [a for a in adapters if a is not None]
+    if len(given) == len(adapters) and len({tuple(m.shape for m in a.mats.values()) for a in given}) == 1:
+        return Adapter.stack([Adapter({k: m.expand(n, -1, -1) for k, m in a.mats.items()})
+                              for a, n in zip(given, rows, strict=True)])
     padded = Adapter.stack_padded(adapters)  # one row each, zero-padded to the largest size
     assert padded is not None
     index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))

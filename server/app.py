@@ -50,10 +50,11 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             # The engine finishes its queued and running work, writing every session back to the store. With
-            # Redis that is all there is to keep (each change was written when it was made); the memory store's
-            # sessions end with the process.
+            # Redis that is all there is to keep (each change was written when it was made); the memory store
+            # writes its snapshot file when it closes (ADAPTLM_SESSION_SNAPSHOT; without one its sessions end
+            # with the process).
             await asyncio.to_thread(engine.stop)
-            store.close()
+            await asyncio.to_thread(store.close)
 
     app = FastAPI(title="adaptlm", version=_version(), lifespan=lifespan,
                   description="Scoring and generation with adaptive byte-level language models.")
@@ -71,7 +72,8 @@ def create_app(settings: Settings) -> FastAPI:
 
 def _session_store(settings: Settings) -> SessionStore:
     if settings.session_store == "memory":
-        return MemorySessionStore(max_sessions=settings.max_sessions, max_bytes=settings.session_memory_bytes)
+        return MemorySessionStore(max_sessions=settings.max_sessions, max_bytes=settings.session_memory_bytes,
+                                  snapshot=settings.session_snapshot)
     return RedisSessionStore(str(settings.session_store), max_sessions=settings.max_sessions,
                              max_bytes=settings.session_memory_bytes)
 

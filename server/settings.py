@@ -63,6 +63,8 @@ class Settings(BaseSettings):
     suggest_budget_ms: float = Field(default=50.0, ge=0, le=60_000, allow_inf_nan=False)
     # repr=False: a Redis URL may carry a password
     session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)
+    # The memory store's file: written at shutdown, read back at start-up (None: sessions end with the process).
+    session_snapshot: Path | None = None
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -88,6 +90,8 @@ class Settings(BaseSettings):
         if self.max_body_bytes < self.max_text_bytes:
             raise ValueError(f"max_body_bytes ({self.max_body_bytes}) must be at least max_text_bytes "
                              f"({self.max_text_bytes}), or the text limit could never be reached")
+        if self.session_snapshot is not None and self.session_store != "memory":
+            raise ValueError("session_snapshot is for the memory store; a Redis store keeps its sessions itself")
         if self.session_ttl_s > self.max_session_ttl_s:
             raise ValueError(f"session_ttl_s ({self.session_ttl_s}) must be at most max_session_ttl_s "
                              f"({self.max_session_ttl_s})")

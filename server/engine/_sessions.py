@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import os
 import threading
 import time
+import zipfile
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +44,9 @@ __all__ = [
 
 EXPORT_FORMAT = "adaptlm-session"
 EXPORT_VERSION = 1
+SNAPSHOT_FORMAT = "adaptlm-session-snapshot-1"  # MemorySessionStore's file
+
+log = logging.getLogger(__name__)
 _MAX_HEADER = 1 << 20  # a session's safetensors header is a few hundred bytes
 
 
@@ -160,13 +167,23 @@ class SessionStore(ABC):
 
 
 class MemorySessionStore(SessionStore):
-    """In-process store: an LRU map with per-session TTL, a byte budget and a count limit."""
+    """In-process store: an LRU map with per-session TTL, a byte budget and a count limit.
 
-    def __init__(self, *, max_sessions: int, max_bytes: int, clock: Callable[[], float] = time.time) -> None:
+    With a `snapshot` path, the sessions outlive the process: `close` (at shutdown, once the engine has finished
+    its work) writes them all to that file, and `bind` (at start-up) reads back those of the same weights that
+    have not expired. The file is a zip (stored, not compressed) of `export_session` blobs, one per session,
+    and an `index.json` with each one's id, owner (the API key's hash), times and TTL: no pickle. It is
+    written to a temporary file and renamed, so a crash mid-write leaves the previous snapshot whole.
+    """
+
+    def __init__(self, *, max_sessions: int, max_bytes: int, clock: Callable[[], float] = time.time,
+                 snapshot: str | Path | None = None) -> None:
         if max_sessions < 1 or max_bytes < 1:
             raise ValueError("max_sessions and max_bytes must be >= 1")
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
+        self.snapshot = Path(snapshot) if snapshot is not None else None
+        self._model_hash: str | None = None
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
@@ -244,10 +261,72 @@ class MemorySessionStore(SessionStore):
             return StoreStats(sessions=len(self._sessions), bytes=self._bytes, evictions=dict(self._evictions))
 
     def bind(self, model_hash: str, template: Session) -> None:
-        pass  # sessions stay Python objects
+        self._model_hash = model_hash
+        if self.snapshot is not None and self.snapshot.exists():
+            self._restore(self.snapshot, model_hash, template)
 
     def close(self) -> None:
-        pass  # nothing to release; the sessions are lost with the process
+        """Write the snapshot, if there is one to write (without a path the sessions end with the process)."""
+        if self.snapshot is not None and self._model_hash is not None:
+            self._save(self.snapshot, self._model_hash)
+
+    def _save(self, path: Path, model_hash: str) -> None:
+        with self._lock:
+            self._sweep_locked()
+            sessions = list(self._sessions.values())  # least recently used first
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        index = []
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+            for i, session in enumerate(sessions):
+                member = f"{i}.safetensors"
+                z.writestr(member, export_session(session, model_hash))
+                index.append({"member": member, "id": session.id, "owner": session.owner,
+                              "created": session.created, "last_used": session.last_used, "ttl_s": session.ttl_s})
+            z.writestr("index.json", json.dumps({"format": SNAPSHOT_FORMAT, "model_hash": model_hash,
+                                                 "sessions": index}))
+        os.replace(tmp, path)
+        log.info("wrote %d sessions to %s", len(sessions), path)
+
+    def _restore(self, path: Path, model_hash: str, template: Session) -> None:
+        """Read a snapshot back; a snapshot of other weights, or one that cannot be read, is left alone (and
+        said so in the log): the server starts without those sessions rather than not at all."""
+        now, kept, skipped = self._clock(), 0, 0
+        try:
+            with zipfile.ZipFile(path) as z:
+                index = json.loads(z.read("index.json"))
+                if index.get("format") != SNAPSHOT_FORMAT:
+                    raise ValueError(f"not a session snapshot (format {index.get('format')!r})")
+                if index.get("model_hash") != model_hash:
+                    log.warning("the session snapshot %s is of other weights (sha256 %s…): not restored", path,
+                                str(index.get("model_hash"))[:12])
+                    return
+                for entry in index["sessions"]:  # least recently used first, so the LRU order comes back
+                    try:
+                        session, _ = import_session(z.read(entry["member"]), model_hash=model_hash,
+                                                    template=template)
+                        owner = entry["owner"]
+                        if owner is not None and not isinstance(owner, str):
+                            raise TypeError("an owner is a string or null")
+                        session = dataclasses.replace(
+                            session, id=str(entry["id"]), owner=owner, created=float(entry["created"]),
+                            last_used=float(entry["last_used"]), ttl_s=float(entry["ttl_s"]))
+                    except (KeyError, TypeError, ValueError, SessionImportError) as e:
+                        skipped += 1
+                        log.warning("a session of the snapshot cannot be read (%s): skipped", e)
+                        continue
+                    if session.expired(now):
+                        continue
+                    try:
+                        self.insert(session)
+                    except SessionStoreFull:
+                        skipped += 1
+                        continue
+                    kept += 1
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            log.error("the session snapshot %s cannot be read (%s): starting without it", path, e)
+            return
+        log.info("restored %d sessions from %s (%d skipped)", kept, path, skipped)
 
     def _fits(self, session: Session, without: list[str]) -> bool:
         """Would `session` fit within the limits once the sessions `without` are gone?"""

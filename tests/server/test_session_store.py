@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,3 +214,63 @@ def test_invalid_exports_are_refused(mangle: str) -> None:
     with pytest.raises(SessionImportError) as info:
         import_session(blob, model_hash=HASH, template=template)
     assert not info.value.conflict
+
+
+# -- the memory store's snapshot -------------------------------------------------------------------------------
+
+
+def same_session(a: Session, b: Session) -> bool:
+    return (a.id, a.owner, a.created, a.last_used, a.ttl_s, a.config, a.stats, a.last_byte) == \
+        (b.id, b.owner, b.created, b.last_used, b.ttl_s, b.config, b.stats, b.last_byte) and \
+        all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors) and \
+        all(torch.equal(a.static_state.tensors[k], b.static_state.tensors[k]) for k in a.static_state.tensors) and \
+        all(torch.equal(a.adapter.mats[k], b.adapter.mats[k]) for k in a.adapter.mats)
+
+
+def test_a_snapshot_brings_the_sessions_back(tmp_path: Path) -> None:
+    clock, path = Clock(), tmp_path / "state" / "sessions.zip"
+    one = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, clock=clock, snapshot=path)
+    one.bind(HASH, make("template"))
+    sessions = [make("a", "key-1", seed=1), make("b", None, k=2, seed=2), make("c", "key-2", seed=3, ttl=5.0)]
+    for s in sessions:
+        one.insert(s)
+    one.get("a", "key-1")  # now the most recently used
+    one.close()
+    assert path.exists() and not list(path.parent.glob(".*tmp"))
+    with zipfile.ZipFile(path) as z:  # a zip of safetensors exports and a JSON index: nothing to unpickle
+        assert sorted(z.namelist()) == ["0.safetensors", "1.safetensors", "2.safetensors", "index.json"]
+        index = json.loads(z.read("index.json"))
+        assert [e["id"] for e in index["sessions"]] == ["b", "c", "a"]  # least recently used first
+    clock.now += 10  # "c" (ttl 5 s) expires while the server is down
+    two = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, clock=clock, snapshot=path)
+    two.bind(HASH, make("template"))
+    assert two.stats().sessions == 2 and two.get("c", "key-2") is None
+    assert same_session(two.get("b", None, touch=False), sessions[1])  # type: ignore[arg-type]
+    restored = two.get("a", "key-1", touch=False)
+    assert restored is not None and restored.last_used == 1000.0 and same_session(
+        restored, dataclasses.replace(sessions[0], last_used=1000.0))
+    assert two.get("a", "key-2") is None  # owners come back too
+    # the LRU order came back: one more session over the limit evicts "b", the least recently used
+    small = MemorySessionStore(max_sessions=2, max_bytes=1 << 20, clock=clock, snapshot=path)
+    small.bind(HASH, make("template"))
+    small.insert(make("d"))
+    assert small.get("b", None) is None and small.get("a", "key-1") is not None
+
+
+def test_a_snapshot_of_other_weights_or_a_broken_one_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "sessions.zip"
+    one = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, snapshot=path)
+    one.bind(HASH, make("template"))
+    one.insert(make("a"))
+    one.close()
+    other = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, snapshot=path)
+    other.bind("b" * 64, make("template"))  # other weights: nothing restored, the server still starts
+    assert other.stats().sessions == 0
+    path.write_bytes(b"not a zip at all")
+    broken = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, snapshot=path)
+    broken.bind(HASH, make("template"))
+    assert broken.stats().sessions == 0
+    without = MemorySessionStore(max_sessions=10, max_bytes=1 << 20)  # no path: nothing written
+    without.bind(HASH, make("template"))
+    without.insert(make("a"))
+    without.close()

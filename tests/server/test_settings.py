@@ -54,6 +54,8 @@ def test_rejects_an_invalid_port_from_the_environment(monkeypatch: pytest.Monkey
     {"max_text_bytes": 0},
     {"max_text_bytes": 100, "max_body_bytes": 99},
     {"unknown_setting": 1},
+    {"session_snapshot": "s.zip", "session_store": "redis://localhost:6379/0"},  # Redis keeps its own sessions
+    {"suggest_budget_ms": -1}, {"suggest_budget_ms": float("nan")},
 ])
 def test_rejects_invalid_settings(overrides: dict[str, object]) -> None:
     with pytest.raises(ValidationError):

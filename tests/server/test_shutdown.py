@@ -1,0 +1,102 @@
+"""SIGTERM on a real `adaptlm serve` process: it finishes the work in flight, writes the in-memory sessions to the
+snapshot file (ADAPTLM_SESSION_SNAPSHOT), exits 0; started again, it serves the same sessions."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import load
+
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
+LONG = "However little known the feelings or views of such a man may be on his first entering a neighbourhood. " * 200
+
+
+@contextmanager
+def server(checkpoint: Path, snapshot: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = os.environ | {"ADAPTLM_SESSION_SNAPSHOT": str(snapshot), "ADAPTLM_LOG_LEVEL": "info"}
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(checkpoint),
+                                 "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def same_export(a: bytes, b: bytes) -> bool:
+    """Equal tensors and metadata (safetensors writes the metadata's keys in an order that varies by process)."""
+    ta, tb = load(a), load(b)
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta) and header(a) == header(b)
+
+
+def header(blob: bytes) -> Any:
+    return json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+
+
+def stop(proc: subprocess.Popen[bytes], log: Path) -> None:
+    """SIGTERM, then a clean exit: uvicorn shuts the app down, then re-raises the signal it caught, so the exit
+    status is "terminated by SIGTERM" (what systemd and docker expect of a clean stop), after the lifespan's end."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) in (0, -signal.SIGTERM)
+    assert log.read_text().rstrip().endswith(f"Finished server process [{proc.pid}]"), log.read_text()[-3000:]
+
+
+def test_sigterm_finishes_the_work_and_keeps_the_sessions(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    snapshot, log = tmp_path / "sessions.zip", tmp_path / "server.log"
+    answers: dict[str, Any] = {}
+    with server(tiny_checkpoint, snapshot, log) as (url, proc), httpx.Client(base_url=url, timeout=120) as c:
+        sid = c.post("/v1/sessions", json={"initial_text": TEXT}).json()["id"]
+        gone = c.post("/v1/sessions", json={}).json()["id"]
+        assert c.delete(f"/v1/sessions/{gone}").status_code == 204
+
+        def observe() -> None:  # in flight when the signal comes
+            answers["observe"] = httpx.post(f"{url}/v1/sessions/{sid}/observe", json={"text": LONG}, timeout=120)
+
+        thread = threading.Thread(target=observe)
+        thread.start()
+        time.sleep(0.5)
+        assert "observe" not in answers, "the observe ended before the signal; make LONG longer"
+        stop(proc, log)
+        thread.join(60)
+    assert answers["observe"].status_code == 200, answers["observe"].text  # finished, not dropped
+    assert snapshot.exists(), log.read_text()[-3000:]
+    with server(tiny_checkpoint, snapshot, log) as (url, proc), httpx.Client(base_url=url, timeout=60) as c:
+        session = c.get(f"/v1/sessions/{sid}").json()
+        assert session["stats"]["bytes_observed"] == len(TEXT) + len(LONG)
+        assert c.get(f"/v1/sessions/{gone}").status_code == 404
+        blob = c.get(f"/v1/sessions/{sid}/state").content
+        probe = c.post("/v1/score", json={"text": "the end", "session_id": sid}).json()
+        stop(proc, log)
+    with server(tiny_checkpoint, snapshot, log) as (url, proc), httpx.Client(base_url=url, timeout=60) as c:
+        assert same_export(c.get(f"/v1/sessions/{sid}/state").content, blob)  # bit-identical through a restart
+        assert c.post("/v1/score", json={"text": "the end", "session_id": sid}).json() == probe
+        stop(proc, log)
