@@ -221,6 +221,89 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- adaptlm keyboard-sim: keystroke savings of suggestions (clients/keysim.py) ---------------------------------
+
+
+def cmd_keyboard_sim(args: argparse.Namespace) -> int:
+    """Type a text against suggestions from a server (--url) or a checkpoint here (--checkpoint)."""
+    from clients.keysim import messages, simulate, split_text
+
+    if (args.url is None) == (args.checkpoint is None):
+        raise UsageError("give either --url (a running server) or --checkpoint (a model in this process)")
+    if args.suggestions < 1 or args.suggestions > 10:
+        raise UsageError("--suggestions must be between 1 and 10")
+    for name in ("last_bytes", "warmup_bytes", "limit_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup_bytes" else 1):
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.adapt_mode == "full" and args.checkpoint is None:
+        raise UsageError("--adapt-mode full runs in this process: it needs --checkpoint")
+    data = _read_text_arg(args.text)
+    try:
+        warm, measured = split_text(data, last_bytes=args.last_bytes, warmup_bytes=args.warmup_bytes,
+                                    limit_bytes=args.limit_bytes)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{args.text}: not UTF-8 text (byte {e.start})") from None
+    adaptation = args.adapt_mode if args.adapt else "static"
+    record: dict[str, Any] = {"text": args.text, "measured_bytes": len(measured.encode("utf-8")),
+                              "warmup_bytes": len(warm.encode("utf-8")), "suggestions": args.suggestions,
+                              "adaptation": adaptation}
+
+    def progress(result: Any) -> None:
+        if not args.json and args.progress and result.messages % args.progress == 0:
+            print(f"{result.messages} messages, {result.chars:,} chars: KSR {result.ksr:.4f}", file=sys.stderr)
+
+    if args.url is not None:
+        from clients import AdaptlmError
+        from clients.keysim import SessionSuggester
+
+        args.timeout, args.max_retries = 600.0, 2
+        args.api_key = args.api_key or None
+        record["url"] = args.url
+        try:
+            with _client(args) as client, SessionSuggester(
+                    client, lr=(args.lr if args.adapt else 0.0), decay=args.decay if args.adapt else None,
+                    max_chars=args.max_chars) as suggester:
+                result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),
+                                  on_message=progress)
+        except AdaptlmError as e:
+            print(f"adaptlm: error: {e.message} ({e.status}, {e.type})", file=sys.stderr)
+            return 2 if e.status is not None and 400 <= e.status < 500 else 1
+    else:
+        from models.keysim import ModelSuggester
+        from trainer.evaluation import config_for
+
+        ckpt = _load(args.checkpoint)
+        config = None
+        if args.adapt:
+            if args.adapt_mode == "full":
+                config = config_for("dynamic", ckpt.dyneval, lr=args.lr, decay=args.decay)
+            else:  # the server sessions' settings
+                section = ckpt.dyneval.get("session") or ckpt.dyneval.get("sparse", {})
+                from models.adaptation import DynEvalConfig
+
+                config = DynEvalConfig.from_dict(section, mode="sparse", cache=None,
+                                                 **{k: v for k, v in (("lr", args.lr), ("decay", args.decay))
+                                                    if v is not None})
+            record.update({k: getattr(config, k) for k in ("rule", "lr", "decay", "segment")})
+        record["checkpoint"] = str(ckpt.path)
+        try:
+            suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, max_chars=args.max_chars or 24)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),
+                          on_message=progress)
+    record.update(result.summary())
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"KSR {record['ksr']:.4f} ({result.typed:,} keys typed + {result.selections:,} selections for "
+              f"{result.chars:,} characters); next word top-1 {record['top1_accuracy']:.4f}, top-3 "
+              f"{record['top3_accuracy']:.4f} ({result.words:,} words); suggest p50 {record['suggest_ms_p50']:.1f} "
+              f"ms, p99 {record['suggest_ms_p99']:.1f} ms")
+    return 0
+
+
 # -- adaptlm client ...: the Python SDK (clients/) against a running server ------------------------------------
 
 
@@ -316,6 +399,23 @@ def client_generate(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def client_suggest(client: Client, args: argparse.Namespace) -> int:
+    """Suggestions under a session; without --session, under a new one deleted afterwards (the bare model)."""
+    context = _text_or_file(args.context, args.file, "context")
+    session = client.session(args.session) if args.session else client.create_session()
+    try:
+        result = session.suggest(context, k=args.k, max_chars=args.max_chars, n_chars=args.n_chars)
+    finally:
+        if not args.session:
+            session.delete()
+    if args.json:
+        _print_model(result)
+    else:
+        for word in result.completions:
+            print(f"{word.text}\t{word.prob:.4f}")
+    return 0
+
+
 def client_session_create(client: Client, args: argparse.Namespace) -> int:
     session = client.create_session(args.initial_text, ttl_s=args.ttl, lr=args.lr, decay=args.decay,
                                     adapter_size=args.adapter_size)
@@ -405,6 +505,15 @@ def _add_client_parsers(sub: Any) -> None:
     g.add_argument("--adapt", action="store_true", help="with --session: the session then observes the text")
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
     g.add_argument("--json", action="store_true", help="print the answer as JSON")
+
+    su = leaf(csub, "suggest", client_suggest, "keyboard suggestions for a context (POST /v1/sessions/{id}/suggest)")
+    su.add_argument("context", nargs="?", help="the text typed so far (or --file); the word at its end is completed")
+    su.add_argument("--file", help="read the context from a file, - for standard input")
+    su.add_argument("--session", help="under this session (default: a new session, deleted afterwards)")
+    su.add_argument("--k", type=int, help="word completions (default: the server's, 3)")
+    su.add_argument("--max-chars", type=int, help="longest completion in characters (default: 24)")
+    su.add_argument("--n-chars", type=int, help="most likely next characters (default: 5)")
+    su.add_argument("--json", action="store_true", help="the whole answer as JSON (next characters too)")
 
     se = csub.add_parser("session", help="adaptive sessions (/v1/sessions)")
     ssub = se.add_subparsers(dest="session_command", required=True, parser_class=_Parser)
@@ -509,6 +618,28 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host")
     v.add_argument("--port", type=int)
     v.set_defaults(func=cmd_serve)
+
+    kb = sub.add_parser("keyboard-sim", help="keystroke savings of word suggestions on a text")
+    kb.add_argument("--text", required=True, help="the text to type (UTF-8); each line is a message")
+    kb.add_argument("--url", help="a running server: suggestions under a session of it")
+    kb.add_argument("--checkpoint", help="or a model in this process")
+    kb.add_argument("--api-key", default=os.environ.get("ADAPTLM_API_KEY"), help="with --url")
+    kb.add_argument("--suggestions", type=int, default=3, help="words offered at each keystroke (default: 3)")
+    kb.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=False,
+                    help="adapt on each finished message (default: no, the static model)")
+    kb.add_argument("--adapt-mode", choices=["sparse", "full"], default="sparse",
+                    help="sparse: a session's adapter (the server's settings); full: full dynamic evaluation "
+                         "(--checkpoint only; the checkpoint's 'full' settings)")
+    kb.add_argument("--lr", type=float, help="adaptation learning rate (default: the checkpoint's)")
+    kb.add_argument("--decay", type=float, help="adaptation decay (default: the checkpoint's)")
+    kb.add_argument("--last-bytes", type=int, help="type only the last N bytes (from a line start)")
+    kb.add_argument("--warmup-bytes", type=int,
+                    help="observe at most the N bytes before the typed part first (default: all of them)")
+    kb.add_argument("--limit-bytes", type=int, help="type only the first N bytes of the typed part (whole lines)")
+    kb.add_argument("--max-chars", type=int, help="longest completion in characters (default: 24)")
+    kb.add_argument("--progress", type=int, default=0, help="a line on stderr every N messages (0: none)")
+    kb.add_argument("--json", action="store_true")
+    kb.set_defaults(func=cmd_keyboard_sim)
 
     _add_client_parsers(sub)
     return p

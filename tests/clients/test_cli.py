@@ -142,3 +142,20 @@ def test_api_key_from_the_flag_or_the_environment(keyed: LiveServer) -> None:
     failed(adaptlm("score", "x", url=keyed.url, api_key="wrong"), 2)
     assert ok(adaptlm("score", "x", url=keyed.url, api_key="cli-key"))
     assert ok(adaptlm("score", "x", "--api-key", "cli-key", url=keyed.url, api_key="wrong"))
+
+
+def test_suggest(live: LiveServer, client: Client) -> None:
+    session = client.create_session(initial_text=TEXT)
+    expected = session.suggest("It is a tr", k=2, n_chars=3)
+    out = json.loads(ok(adaptlm("suggest", "It is a tr", "--session", session.id, "--k", "2", "--n-chars", "3",
+                                "--json", url=live.url)))
+    assert out == expected.model_dump(mode="json") and out["prefix"] == "tr" and len(out["next_chars"]) == 3
+    lines = ok(adaptlm("suggest", "It is a tr", "--session", session.id, "--k", "2", url=live.url)).splitlines()
+    assert [line.split("\t")[0] for line in lines] == [w.text for w in expected.completions]
+    # without --session: the bare model, in a session made for the call and deleted after it
+    before = client.suggest(client.create_session().id, "The ", k=3)
+    bare = json.loads(ok(adaptlm("suggest", "--file", "-", "--json", url=live.url, stdin=b"The ")))
+    assert bare["completions"] == before.model_dump(mode="json")["completions"]
+    err = failed(adaptlm("suggest", "x", "--k", "11", url=live.url), 2)
+    assert "422" in err and "param k" in err
+    failed(adaptlm("suggest", "x", "--session", "no-such-session-0000", url=live.url), 2)

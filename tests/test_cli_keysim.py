@@ -1,0 +1,71 @@
+"""`adaptlm keyboard-sim` with a checkpoint in the process, run as a user runs it: its JSON and its mistakes (exit
+2, one line). The run against a server (--url) is in tests/clients/test_keysim.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+
+
+def keyboard_sim(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "adaptlm", "keyboard-sim", *args], capture_output=True, cwd=ROOT,
+                          timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keysim") / "text.txt"
+    path.write_bytes((DATA / "valid.txt").read_bytes()[:1200])
+    return path
+
+
+@pytest.mark.parametrize("adapt", [["--no-adapt"], ["--adapt"], ["--adapt", "--adapt-mode", "full"]])
+def test_checkpoint_mode(tiny_checkpoint: Path, text: Path, adapt: list[str]) -> None:
+    r = keyboard_sim("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--last-bytes", "500",
+                     "--warmup-bytes", "400", "--suggestions", "3", *adapt, "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    out = json.loads(r.stdout)
+    assert out["adaptation"] == {"--no-adapt": "static", "--adapt": "sparse"}.get(adapt[-1], "full")
+    assert out["checkpoint"] == str(tiny_checkpoint) and out["suggestions"] == 3
+    assert 400 <= out["measured_bytes"] <= 500 and 300 <= out["warmup_bytes"] <= 400
+    assert out["observed_chars"] == out["measured_bytes"] + out["warmup_bytes"]  # ASCII text
+    assert out["chars"] == out["measured_bytes"] and out["words"] > 50
+    assert 0 <= out["ksr"] < 1
+    assert out["ksr"] == pytest.approx(1 - (out["typed"] + out["selections"]) / out["chars"])
+    assert 0 <= out["top1_accuracy"] <= out["top3_accuracy"] <= 1
+    assert out["suggest_calls"] >= out["words"]
+    assert out["suggest_ms_p99"] >= out["suggest_ms_p50"] > 0
+    if adapt != ["--no-adapt"]:
+        assert out["lr"] > 0 and out["segment"] >= 1
+    # the human-readable line
+    r = keyboard_sim("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--last-bytes", "200", *adapt)
+    assert r.returncode == 0 and r.stdout.decode().startswith("KSR "), r.stderr.decode()
+
+
+def test_mistakes_exit_2(tiny_checkpoint: Path, text: Path, tmp_path: Path) -> None:
+    cases = [
+        ("--text", str(tmp_path / "missing.txt"), "--checkpoint", str(tiny_checkpoint)),
+        ("--text", str(text)),  # neither --url nor --checkpoint
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--url", "http://127.0.0.1:1"),  # both
+        ("--text", str(text), "--url", "http://127.0.0.1:1", "--adapt", "--adapt-mode", "full"),  # full: in-process
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--suggestions", "0"),
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--last-bytes", "0"),
+        ("--text", str(text), "--checkpoint", str(tmp_path)),  # not a checkpoint
+        ("--checkpoint", str(tiny_checkpoint)),  # no --text
+    ]
+    for args in cases:
+        r = keyboard_sim(*args)
+        err = r.stderr.decode()
+        assert r.returncode == 2, (args, r.returncode, err)
+        assert err.startswith("adaptlm: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert keyboard_sim("--text", str(empty), "--checkpoint", str(tiny_checkpoint)).returncode == 2
