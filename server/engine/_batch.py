@@ -3,9 +3,10 @@
 A `TextJob` is one text and the rows that read it: a static score has one row (no adapter); a session
 score has one (the session's state and adapter, no update); a session observe has two, the session's
 (score-then-update) and its unadapted shadow (scored only, for the static bits). `batch_step` takes the
-next segment of every job it is given, stacks all their rows into one right-padded batch (adapters
-zero-padded to the batch's largest size), runs one forward (and, if any row adapts, one backward and
-one update: `sparse_step`), and scatters each row's log-probs, state and adapter back. Rows of
+next segment of every job it is given, stacks their rows into right-padded batches (adapters zero-padded
+to the batch's largest size): the adapting rows into one forward, backward and update (`sparse_step`),
+the rows that only score into one forward (`score_step`), so that they do not pay for the backward; then
+it scatters each row's log-probs, state and adapter back. Rows of
 different lengths are masked; a row whose text ends leaves with its job.
 
 Non-finite guard: `sparse_step` refuses an update that would make a row's M or state non-finite (the row
@@ -81,6 +82,11 @@ class RuleCache:
         return self._rule
 
 
+def _stacked_adapter(rows: Sequence[Row]) -> Adapter | None:
+    return Adapter.stack_padded([Adapter({s: m.unsqueeze(0) for s, m in row.mats.items()})
+                                 if row.mats is not None else None for row in rows])
+
+
 def batch_step(model: LanguageModel, jobs: Sequence[TextJob], config: DynEvalConfig,
                rules: RuleCache | None = None) -> int:
     """Advance every job by one segment (`config.segment` bytes) in one batched call; -> rows in the batch."""
@@ -98,21 +104,41 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], config: DynEvalCon
             y[r, :t] = job.targets[job.pos : job.pos + t]
             r += 1
     mask = torch.arange(n, device=ref.device).unsqueeze(0) < torch.tensor(lengths, device=ref.device).unsqueeze(1)
-    state = State.stack([row.state for row in rows])
     sites = [s.name for s in model.adaptation_sites()]
-    adapting = any(row.rule is not None for row in rows)
-    # zero-padded to the batch's largest k; `UpdateRule.stack` keeps the padding 0 through the update
-    adapter = Adapter.stack_padded([Adapter({s: m.unsqueeze(0) for s, m in row.mats.items()})
-                                    if row.mats is not None else None for row in rows])
-    if adapting:
+    # Adapting rows take a forward and a backward; the others (static scores, peeks, observes' shadows) only a
+    # forward, in a call of their own, so they do not pay for the backward.
+    learn = [i for i, row in enumerate(rows) if row.rule is not None]
+    keep = [i for i, row in enumerate(rows) if row.rule is None]
+    lp_dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32  # as `log_softmax` gives them
+    logprobs = torch.zeros(len(rows), n, dtype=lp_dtype, device=ref.device)  # (B, n)
+    new_state: dict[int, State] = {}
+    new_mats: dict[str, torch.Tensor] = {}
+    learned_row: dict[int, int] = {}  # batch row -> its row in the adapting call
+    failed = [False] * len(rows)
+    if learn:
+        part = [rows[i] for i in learn]
+        index = torch.tensor(learn, device=ref.device)
+        # zero-padded to the batch's largest k; `UpdateRule.stack` keeps the padding 0 through the update
+        adapter = _stacked_adapter(part)
         assert adapter is not None
         shapes = {site: tuple(m.shape[1:]) for site, m in adapter.mats.items()}
-        rule = (rules or RuleCache()).stacked(rows, sites, shapes, ref.dtype, ref.device)
-        step = sparse_step(model, x, y, mask, state, adapter, None, config, rule=rule)
-        logprobs, new_state, new_mats, failed = step.logprobs, step.state, step.adapter.mats, step.failed.tolist()
-    else:
-        scored = score_step(model, x, y, mask, state, adapter)
-        logprobs, new_state, new_mats, failed = scored.logprobs, scored.state, {}, [False] * len(rows)
+        rule = (rules or RuleCache()).stacked(part, sites, shapes, ref.dtype, ref.device)
+        step = sparse_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]), adapter, None,
+                           config, rule=rule)
+        logprobs[index] = step.logprobs.to(logprobs.dtype)
+        for j, i in enumerate(learn):
+            new_state[i] = step.state.select(j)
+            failed[i] = bool(step.failed[j])
+        new_mats = dict(step.adapter.mats)
+        learned_row = {i: j for j, i in enumerate(learn)}
+    if keep:
+        part = [rows[i] for i in keep]
+        index = torch.tensor(keep, device=ref.device)
+        scored = score_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]),
+                            _stacked_adapter(part))
+        logprobs[index] = scored.logprobs.to(logprobs.dtype)
+        for j, i in enumerate(keep):
+            new_state[i] = scored.state.select(j)
     finite = torch.isfinite(logprobs).all(1).tolist()  # (B,)
     b = 0
     for job in jobs:
@@ -129,12 +155,13 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], config: DynEvalCon
         for i, row in zip(mine, job.rows, strict=True):
             t = lengths[i]
             row.logprobs.append(logprobs[i, :t])
-            row.state = new_state.select(i)
+            row.state = new_state[i]
             if row.rule is not None and row.mats is not None:
                 if failed[i]:
                     row.dropped += 1
                 else:
                     row.updates += 1
-                row.mats = {s: new_mats[s][i, : row.mats[s].shape[0], : row.mats[s].shape[1]] for s in sites}
+                j = learned_row[i]
+                row.mats = {s: new_mats[s][j, : row.mats[s].shape[0], : row.mats[s].shape[1]] for s in sites}
         job.pos += lengths[mine.start]
     return len(rows)
