@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install system-deps serve test lint clean
+.PHONY: install system-deps serve test lint clean bench-deps
 
 install: system-deps $(STAMP)
 
@@ -27,6 +27,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
+
+# Benchmarks only, not `make test`: Presage (bench/keyboard.py's peer) and 7-Zip (bench/dyneval.py's PPMd).
+bench-deps:
+	@if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends presage libpresage-data p7zip-full
 
 # With the in-memory session store, sessions are kept across restarts in var/sessions.zip (written at shutdown).
 serve: install
