@@ -79,7 +79,7 @@ LN2 = math.log(2.0)
 _SWEEP_S = 1.0  # how often the worker drops expired sessions
 _RULE_CACHE = 256  # update rules kept, by (lr, decay, adapter size)
 SUGGEST_MIN_PROB = 1e-3  # word completions: branches below this cumulative probability are dropped (§6)
-SUGGEST_BATCH = 32  # branches expanded per batched model step
+SUGGEST_BATCH = 8  # branches one suggestion expands per model step (8 measured fastest: docs/benchmarks.md)
 SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
 SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
 

@@ -24,6 +24,7 @@ from models.checkpoint import load_checkpoint
 from models.scoring import BOS, score_bytes
 from models.suggest import advance
 from server.engine import AdaptationConfig, Session
+from server.engine._engine import SUGGEST_BATCH
 from server.engine._suggest import CursorCache
 from server.settings import Settings
 
@@ -217,8 +218,9 @@ def test_concurrent_typists_share_model_steps_and_get_their_own_answers(client: 
                                                                           rel=1e-4)
             assert [c["char"] for c in a["next_chars"]] == [c["char"] for c in b["next_chars"]]
     after = suggest_rows(client)
-    # some step carried more rows than one search ever takes per round (32 branches): several typists' at once
-    shared = (after[float("inf")] - after[32.0]) - (before[float("inf")] - before[32.0])
+    # some step carried more rows than one suggestion ever puts in a step: several typists' at once
+    assert float(SUGGEST_BATCH) in after
+    shared = (after[float("inf")] - after[float(SUGGEST_BATCH)]) - (before[float("inf")] - before[float(SUGGEST_BATCH)])
     assert shared > 0, (before, after)
 
 
