@@ -1,0 +1,290 @@
+"""Keystroke savings against Presage: our default model (static, sparse session adaptation over HTTP, full dynamic
+evaluation in-process) and Presage (an n-gram predictor built from the same training text, without and with
+learning), all typed by the same simulator (clients/keysim.py: Presage's KSR definition, 3 suggestions).
+
+    python -m bench.keyboard [--texts emails,sms] [--systems presage,presage-learn,static,sparse,...]
+                             [--limit-bytes N] [--warmup-bytes N] [--out runs/keyboard] [--force]
+
+Needs `make bench-deps` (Debian's presage and libpresage-data). Presage runs in this process through its C API
+(libpresage.so.1, ctypes): its past stream is the last 400 characters observed and the message typed so far;
+"learning" = its user n-gram predictor (a fresh database per run) learning each finished message through
+`presage_learn`, plus its recency predictor; without learning, the smoothed 3-gram predictor on our training
+text alone. Its n-gram database is built once with `text2ngram` (1-, 2- and 3-grams, case kept) from the
+default checkpoint's training text (the Makefile's DEFAULT_TRAIN). `presage_simulator` itself is also run on
+each measured text with both configurations, as a cross-check of its own KSR figure (whitespace tokens).
+
+Each (text, system) result is written to OUT/<text>.<system>.json as it finishes and skipped on a later run
+(unless --force), so the run can be resumed; the table is printed from every result present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._common import DEFAULT_CHECKPOINT, ROOT, SHARED, machine_line
+from bench.server import serve
+from clients import Client
+from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
+
+TEXTS = {  # name -> (label, file, bytes measured at its end)
+    "emails": ("e-mails (enron-farmer-d)", "messages/enron-farmer-d.first2672.txt", 40_000),
+    "sms": ("SMS (sms_ham.train)", "messages/sms_ham.train.txt", 20_000),
+}
+HELD_OUT = ("austen-persuasion.txt", "chesterton-brown.txt")
+SYSTEMS = {
+    "presage": "Presage, no learning",
+    "presage-learn": "Presage, learning",
+    "static": "ours, static (HTTP)",
+    "sparse": "ours, session adaptation, server defaults (HTTP)",
+    "sparse-lr": "ours, session adaptation, lr override (HTTP)",
+    "full": "ours, full dynamic evaluation (in-process)",
+}
+K = 3
+PAST_CHARS = 400  # of observed text in Presage's past stream (it reads the last few words)
+
+
+def train_files() -> list[Path]:
+    books = sorted(p for p in (SHARED / "gutenberg").glob("*.txt") if p.name not in HELD_OUT)
+    return [*books, SHARED / "tinyshakespeare" / "input.txt"]
+
+
+# -- Presage ---------------------------------------------------------------------------------------------------
+
+
+def build_presage_db(db: Path) -> Path:
+    """Presage's n-gram database of our training text at `db` (kept: built once, ~2 minutes)."""
+    if db.exists():
+        return db
+    tmp = db.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    files = [str(p) for p in train_files()]
+    for n in (1, 2, 3):
+        subprocess.run(["text2ngram", "-n", str(n), "-f", "sqlite", "-o", str(tmp), *(["-a"] if n > 1 else []),
+                        *files], check=True, capture_output=True)
+    tmp.rename(db)
+    return db
+
+
+def presage_config(out: Path, db: Path, learn: bool, name: str) -> Path:
+    """A presage.xml: our database, K suggestions; with `learn`, a user n-gram database of its own and recency."""
+    user_db = out / f"{name}.user.db"
+    user_db.unlink(missing_ok=True)
+    predictors = "DefaultSmoothedNgramPredictor" + (" UserSmoothedNgramPredictor DefaultRecencyPredictor"
+                                                    if learn else "")
+    xml = f"""<?xml version="1.0" encoding="UTF-8" standalone="no" ?>
+<Presage>
+  <PredictorRegistry><LOGGER>ERROR</LOGGER><PREDICTORS>{predictors}</PREDICTORS></PredictorRegistry>
+  <ContextTracker><LOGGER>ERROR</LOGGER><SLIDING_WINDOW_SIZE>80</SLIDING_WINDOW_SIZE>
+    <LOWERCASE_MODE>no</LOWERCASE_MODE><ONLINE_LEARNING>{"yes" if learn else "no"}</ONLINE_LEARNING></ContextTracker>
+  <Selector><LOGGER>ERROR</LOGGER><SUGGESTIONS>{K}</SUGGESTIONS><REPEAT_SUGGESTIONS>no</REPEAT_SUGGESTIONS>
+    <GREEDY_SUGGESTION_THRESHOLD>0</GREEDY_SUGGESTION_THRESHOLD></Selector>
+  <PredictorActivator><LOGGER>ERROR</LOGGER><PREDICT_TIME>1000</PREDICT_TIME>
+    <MAX_PARTIAL_PREDICTION_SIZE>60</MAX_PARTIAL_PREDICTION_SIZE>
+    <COMBINATION_POLICY>Meritocracy</COMBINATION_POLICY></PredictorActivator>
+  <ProfileManager><LOGGER>ERROR</LOGGER><AUTOPERSIST>false</AUTOPERSIST></ProfileManager>
+  <Predictors>
+    <DefaultSmoothedNgramPredictor><PREDICTOR>SmoothedNgramPredictor</PREDICTOR><LOGGER>ERROR</LOGGER>
+      <DBFILENAME>{db}</DBFILENAME><DELTAS>0.01 0.1 0.89</DELTAS><LEARN>false</LEARN>
+      <DatabaseConnector><LOGGER>ERROR</LOGGER></DatabaseConnector></DefaultSmoothedNgramPredictor>
+    <UserSmoothedNgramPredictor><PREDICTOR>SmoothedNgramPredictor</PREDICTOR><LOGGER>ERROR</LOGGER>
+      <DBFILENAME>{user_db}</DBFILENAME><DELTAS>0.01 0.1 0.89</DELTAS><LEARN>true</LEARN>
+      <DatabaseConnector><LOGGER>ERROR</LOGGER></DatabaseConnector></UserSmoothedNgramPredictor>
+    <DefaultRecencyPredictor><PREDICTOR>RecencyPredictor</PREDICTOR><LOGGER>ERROR</LOGGER>
+      <LAMBDA>1</LAMBDA><N_0>1</N_0><CUTOFF_THRESHOLD>20</CUTOFF_THRESHOLD></DefaultRecencyPredictor>
+  </Predictors>
+</Presage>
+"""
+    path = out / f"{name}.xml"
+    path.write_text(xml)
+    return path
+
+
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)  # returns a const char* that we keep alive
+
+
+class PresageSuggester:
+    """Presage through its C API (presage.h): the `clients.keysim.Suggester` protocol. `learn`: each finished
+    message is learnt (`presage_learn`); the context tracker's own online learning is off in both
+    configurations, so what it learns is exactly what the simulator observes."""
+
+    def __init__(self, config: Path, learn: bool) -> None:
+        self.lib = ctypes.CDLL("libpresage.so.1")
+        self.lib.presage_new_with_config.argtypes = [_CALLBACK, ctypes.c_void_p, _CALLBACK, ctypes.c_void_p,
+                                                     ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+        self.lib.presage_predict.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.POINTER(ctypes.c_char_p))]
+        self.lib.presage_learn.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        self.lib.presage_config_set.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
+        self.lib.presage_free_string_array.argtypes = [ctypes.POINTER(ctypes.c_char_p)]
+        self.lib.presage_free.argtypes = [ctypes.c_void_p]
+        self.learn = learn
+        self.past = ""
+        self._context = ctypes.create_string_buffer(b"")
+        self._empty = ctypes.create_string_buffer(b"")
+        self._past_cb = _CALLBACK(lambda _: ctypes.addressof(self._context))
+        self._future_cb = _CALLBACK(lambda _: ctypes.addressof(self._empty))
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.presage_new_with_config(self._past_cb, None, self._future_cb, None,
+                                                     str(config).encode(), ctypes.byref(self.handle)), "new")
+        # the configuration file's ONLINE_LEARNING names the variant; explicit presage_learn does the learning
+        self._check(self.lib.presage_config_set(self.handle, b"Presage.ContextTracker.ONLINE_LEARNING", b"no"),
+                    "config")
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"presage_{what} failed with error code {code}")
+
+    def suggest(self, context: str, k: int) -> list[str]:
+        self._context = ctypes.create_string_buffer((self.past + context).encode("utf-8"))
+        result = ctypes.POINTER(ctypes.c_char_p)()
+        self._check(self.lib.presage_predict(self.handle, ctypes.byref(result)), "predict")
+        words = []
+        i = 0
+        while result[i] is not None:
+            words.append(result[i].decode("utf-8", "replace"))
+            i += 1
+        self.lib.presage_free_string_array(result)
+        return words[:k]
+
+    def observe(self, text: str) -> None:
+        if self.learn:
+            self._check(self.lib.presage_learn(self.handle, text.encode("utf-8")), "learn")
+        self.past = (self.past + text)[-PAST_CHARS:]
+
+    def close(self) -> None:
+        self.lib.presage_free(self.handle)
+
+
+def presage_simulator_ksr(config: Path, text: str, out: Path) -> float | None:
+    """presage_simulator's own KSR (percent / 100) on `text`, or None if it is not installed."""
+    exe = shutil.which("presage_simulator")
+    if exe is None:
+        return None
+    path = out / "presage_simulator.input.txt"
+    path.write_text(text, encoding="utf-8")
+    r = subprocess.run([exe, "-q", "-c", str(config), str(path)], capture_output=True, text=True)
+    found = re.search(r"KSR:\s*([-0-9.eE+]+)", r.stdout)
+    if r.returncode != 0 or not found:  # with online learning it can abort (an assertion in its n-gram predictor)
+        print(f"  presage_simulator failed ({r.returncode}): {r.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return float(found.group(1)) / 100
+
+
+# -- the runs --------------------------------------------------------------------------------------------------
+
+
+def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Namespace) -> dict[str, Any]:
+    record: dict[str, Any] = {"text": name, "system": system, "measured_bytes": len(measured.encode("utf-8")),
+                              "warmup_bytes": len(warm.encode("utf-8"))}
+    t0 = time.perf_counter()
+
+    def progress(result: KeysimResult) -> None:
+        if result.messages % 100 == 0:
+            print(f"  {name}/{system}: {result.messages} messages, {result.chars:,} chars, KSR {result.ksr:.4f}, "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    if system.startswith("presage"):
+        learn = system == "presage-learn"
+        db = build_presage_db(args.db)
+        config = presage_config(args.out, db, learn, f"{name}.{system}")
+        suggester = PresageSuggester(config, learn)
+        try:
+            result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
+        finally:
+            suggester.close()
+        sim_config = presage_config(args.out, db, learn, f"{name}.{system}.simulator")
+        record["presage_simulator_ksr"] = presage_simulator_ksr(sim_config, measured, args.out)
+    elif system == "full":
+        from models.checkpoint import load_checkpoint
+        from models.keysim import ModelSuggester
+        from trainer.evaluation import config_for
+
+        ckpt = load_checkpoint(args.checkpoint)
+        config = config_for("dynamic", ckpt.dyneval)
+        record.update({"lr": config.lr, "decay": config.decay, "rule": config.rule})
+        result = simulate(ModelSuggester(ckpt.model, config, stats=ckpt.stats), messages(measured), k=K,
+                          warmup=messages(warm), on_message=progress)
+    else:
+        lr = {"static": 0.0, "sparse": None, "sparse-lr": args.sparse_lr}[system]
+        record["lr"] = lr
+        log = args.out / f"{name}.{system}.server.log"
+        with serve(str(args.checkpoint), log) as url, Client(url, timeout=600) as client, \
+                SessionSuggester(client, lr=lr) as suggester:
+            if lr is None:
+                assert suggester.session.info is not None
+                record["lr"] = suggester.session.info.adaptation.lr
+            result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
+    record.update(result.summary())
+    record["seconds"] = time.perf_counter() - t0
+    return record
+
+
+def table(out: Path, names: list[str]) -> None:
+    rows = []
+    for name in names:
+        for system, label in SYSTEMS.items():
+            path = out / f"{name}.{system}.json"
+            if not path.exists():
+                continue
+            r = json.loads(path.read_text())
+            lr = f" (lr {r['lr']:g})" if system.startswith("sparse") and r.get("lr") is not None else ""
+            sim = r.get("presage_simulator_ksr")
+            rows.append(f"| {TEXTS[name][0]} | {label}{lr} | {r['measured_bytes']:,} | {r['warmup_bytes']:,} "
+                        f"| {r['ksr']:.3f} | {r['top1_accuracy']:.3f} | {r['top3_accuracy']:.3f} "
+                        f"| {r['suggest_ms_p50']:.1f} | {r['suggest_ms_p99']:.1f} "
+                        f"| {'' if sim is None else f'{sim:.3f}'} |")
+    print("| text | system | bytes typed | warm-up bytes | KSR | top-1 | top-3 | suggest p50 ms | suggest p99 ms "
+          "| presage_simulator KSR |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    ap.add_argument("--texts", default=",".join(TEXTS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--limit-bytes", type=int, help="type only the first N bytes of each measured part")
+    ap.add_argument("--warmup-bytes", type=int,
+                    help="observe at most the N bytes before the measured part (default: all of them)")
+    ap.add_argument("--sparse-lr", type=float, default=1e-4, help="the session learning rate of 'sparse-lr'")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "keyboard")
+    ap.add_argument("--db", type=Path, default=ROOT / "runs" / "keyboard" / "presage-train.db",
+                    help="Presage's n-gram database (built there from the training text if missing)")
+    ap.add_argument("--force", action="store_true", help="run again what OUT already has")
+    ap.add_argument("--table-only", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = [t for t in args.texts.split(",") if t]
+    print(f"# keyboard suggestions, k={K}, {Path(args.checkpoint).name}: {machine_line()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}", flush=True)
+    if not args.table_only:
+        for name in names:
+            label, rel, last = TEXTS[name]
+            warm, measured = split_text((SHARED / rel).read_bytes(), last_bytes=last, warmup_bytes=args.warmup_bytes,
+                                        limit_bytes=args.limit_bytes)
+            for system in [s for s in args.systems.split(",") if s]:
+                path = args.out / f"{name}.{system}.json"
+                if path.exists() and not args.force:
+                    continue
+                print(f"{name}/{system}: typing {len(measured.encode()):,} bytes after {len(warm.encode()):,} "
+                      "observed", file=sys.stderr, flush=True)
+                record = run_one(name, system, warm, measured, args)
+                path.write_text(json.dumps(record, indent=1) + "\n")
+                print(f"{name}/{system}: KSR {record['ksr']:.4f}, top-3 {record['top3_accuracy']:.4f}, "
+                      f"{record['seconds']:.0f} s", file=sys.stderr, flush=True)
+    table(args.out, names)
+
+
+if __name__ == "__main__":
+    main()
