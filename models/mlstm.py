@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.adapted_mlstm import adapted_mlstm
 from kernels.adapter import AdapterSteps
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
@@ -64,12 +65,13 @@ class _WNLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         if self.g is None:
             return self.v
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (self.v.requires_grad or self.g.requires_grad):
             w: torch.Tensor = self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1)  # (out, in)
             return w
-        # Without autograd (scoring, generation, suggestions) the normalised weight is cached: it costs
-        # a pass over the matrix, which dominates a one-byte step. The key changes whenever v or g does
-        # (in-place updates bump _version; swapped or moved tensors change identity or storage).
+        # Without gradients for v and g (scoring, generation, suggestions, sparse adaptation) the normalised
+        # weight is cached: it costs a pass over the matrix, which dominates a one-byte step. The key changes
+        # whenever v or g does (in-place updates bump _version; swapped or moved tensors change identity or
+        # storage).
         key = tuple((id(t), t._version, t.data_ptr(), t.dtype) for t in (self.v, self.g))
         if self._cache is None or self._cache[0] != key:
             self._cache = (key, self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1))
@@ -140,10 +142,17 @@ class MLSTM(LanguageModel):
         zx = F.linear(x, self.w_x.weight(), self.w_x.bias)  # (B, T, 4H)
         w_mh, w_m = self.w_mh.weight(), self.w_m.weight()
         h, c = state.tensors["h"], state.tensors["c"]
-        m_site = AdapterSteps(adapter.mats["h"]) if adapter is not None else None
         h_mask = None
         if self.training and cfg.dropout_hidden > 0:
             h_mask = _locked_mask(h.unsqueeze(1), cfg.dropout_hidden)[:, 0]  # (B, H)
+        if (adapter is not None and h_mask is None and torch.is_grad_enabled()
+                and not any(t.requires_grad for t in (mx, zx, w_mh, w_m))
+                and not torch.is_autocast_enabled(mx.device.type)):
+            # sparse adaptation (frozen weights): hand-written backward through time, gradient for M only
+            hs, h, c = adapted_mlstm(mx, zx, h, c, w_mh, w_m, adapter.mats["h"])  # (B, T, H)
+            logits = F.linear(hs, self.head.weight(), self.head.bias)  # (B, T, V)
+            return Output(logits=logits, state=State({"h": h, "c": c}), hidden=hs)
+        m_site = AdapterSteps(adapter.mats["h"]) if adapter is not None else None
         outs = []
         # unbind (whose backward is one stack) rather than indexing mx[:, t] (whose backward
         # materialises a full-size zero tensor per step)

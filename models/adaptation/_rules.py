@@ -87,8 +87,12 @@ class UpdateRule:
         with torch.no_grad():
             for n in self.names:
                 p, s, d = theta[n], self.scale[n], self.decay[n]
-                new = p - s * grads[n]
+                # one fused pass per term (addcmul may round once where p - s * g rounds twice)
+                new = torch.addcmul(p, s, grads[n], value=-1.0) if isinstance(s, torch.Tensor) else p - s * grads[n]
                 if isinstance(d, torch.Tensor) or d != 0.0:
-                    new = new + d * ((start[n] - p) if start is not None else -p)
+                    if start is not None:
+                        new = new + d * (start[n] - p)
+                    else:
+                        new = new.addcmul_(d, p, value=-1.0) if isinstance(d, torch.Tensor) else new - d * p
                 out[n] = new
         return out

@@ -48,6 +48,22 @@ def eval_mode(model: LanguageModel) -> Iterator[None]:
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def frozen_weights(model: LanguageModel) -> Iterator[None]:
+    """The model's parameters stop requiring grad for the duration (restored after). Sparse adaptation needs
+    gradients for M only: with frozen weights autograd records nothing for them, the weight-normalised
+    matrices come from their cache, and the mLSTM runs its hand-written backward (kernels.adapted_mlstm).
+    Like full mode's functional_call, this changes the shared module for the duration: one thread at a time."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """(B, T, V) -> (B, T, V); at least float32 (like models.scoring), float64 stays float64."""
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -79,6 +95,9 @@ def forward_rows(forward: ForwardFn, inputs: torch.Tensor, lengths: torch.Tensor
         if out.hidden is not None:
             hidden.append(out.hidden)
         current, start = out.state, cut
+        if len(cuts) == 1:  # every row is full length (the common case): nothing to pick
+            final = dict(current.tensors)
+            break
         ends = lengths == cut  # (B,)
         final = {k: torch.where(row_mask(ends, v), current.tensors[k], final[k]) for k, v in final.items()}
     hs = torch.cat(hidden, 1) if len(hidden) == len(logits) else None
@@ -151,8 +170,8 @@ def _sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tens
         raise ValueError("mask must be True on a prefix of each row (right padding)")
     if rule is None:
         rule = UpdateRule(config, list(mats_in), ms_g)
-    mats = {n: m.detach().clone().requires_grad_(True) for n, m in mats_in.items()}
-    with torch.enable_grad(), eval_mode(model):
+    mats = {n: m.detach().requires_grad_(True) for n, m in mats_in.items()}
+    with torch.enable_grad(), eval_mode(model), frozen_weights(model):
         logits, hidden, new_state = forward_rows(model, inputs, lengths, state_in, Adapter(mats))
         log_dist = log_softmax(logits)  # (B, n, V)
         lp = log_dist.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
@@ -167,9 +186,10 @@ def _sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tens
     # but keeps the state, which the old M produced legitimately
     state_ok = finite_rows(list(new_state.tensors.values()), B)  # (B,)
     take_m = (lengths > 0) & state_ok & finite_rows(list(new.values()), B)  # (B,)
-    out_mats = {n: torch.where(row_mask(take_m, m), new[n], m) for n, m in old.items()}
-    out_state = State({k: torch.where(row_mask(state_ok, v), v, state_in.tensors[k].detach())
-                       for k, v in new_state.tensors.items()})
+    # where() only when a row is refused: a (B, k, k) pass saved in the common case
+    out_mats = new if bool(take_m.all()) else {n: torch.where(row_mask(take_m, m), new[n], m) for n, m in old.items()}
+    out_state = new_state if bool(state_ok.all()) else State(
+        {k: torch.where(row_mask(state_ok, v), v, state_in.tensors[k].detach()) for k, v in new_state.tensors.items()})
     return SparseStep(logprobs=lp.detach(), state=out_state, adapter=Adapter(out_mats),
                       failed=(lengths > 0) & ~take_m,
                       log_dist=log_dist.detach(), hidden=hidden.detach() if hidden is not None else None)

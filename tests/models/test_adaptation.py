@@ -399,6 +399,31 @@ def test_sparse_step_row_without_tokens_is_untouched_and_padding_ends_its_state(
         sparse_step(model, inputs, inputs, mask.flip(1), state, Adapter({"h": mats}), None, cfg)
 
 
+def test_sparse_step_rows_of_different_lengths_match_plain_autograd() -> None:
+    """Each row's update equals a plain-autograd step on that row alone (the weights requiring grad there), though
+    sparse_step freezes the weights, cuts the batch at each row length and runs the hand-written backward; the
+    weights require grad again afterwards."""
+    model = _model(embed_std=1.0)
+    g = torch.Generator().manual_seed(7)
+    lengths = [9, 4, 6]
+    inputs = torch.randint(0, 256, (3, 9), generator=g)
+    targets = torch.randint(0, 256, (3, 9), generator=g)
+    mask = torch.arange(9).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    state = model(inputs, model.init_state(3)).state
+    mats = 0.05 * torch.randn(3, H, H, generator=g, dtype=torch.float64)
+    lr = 0.5
+    step = sparse_step(model, inputs, targets, mask, state, Adapter({"h": mats}), None,
+                       DynEvalConfig(mode="sparse", rule="sgd", lr=lr))
+    assert all(p.requires_grad for p in model.parameters())
+    for b, n in enumerate(lengths):
+        leaf = mats[b : b + 1].clone().requires_grad_(True)
+        out = model(inputs[b : b + 1, :n], state.select(b), Adapter({"h": leaf}))
+        (grad,) = torch.autograd.grad(F.cross_entropy(out.logits[0], targets[b, :n]), [leaf])
+        torch.testing.assert_close(step.adapter.mats["h"][b], (mats[b] - lr * grad[0]), rtol=0, atol=1e-10)
+        for key, value in out.state.tensors.items():
+            torch.testing.assert_close(step.state.tensors[key][b], value[0].detach(), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("rule", RULES)
 def test_stacked_rule_steps_each_row_like_its_own_rule(rule: str) -> None:
     """Rows of different adapter sizes, learning rates and decays in one padded batch (the server's case)."""

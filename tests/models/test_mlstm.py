@@ -188,3 +188,18 @@ def test_inference_weight_cache_follows_updates() -> None:
     fresh = model(x, model.init_state(1)).logits  # grad enabled: computed directly
     assert not torch.equal(a, b)
     torch.testing.assert_close(b, fresh.detach(), rtol=0, atol=0)
+
+
+def test_weight_cache_serves_frozen_weights_under_autograd() -> None:
+    # sparse adaptation runs with autograd on and the weights frozen: no gradient can reach v or g, so the cache serves
+    model = _model()
+    assert model.w_m.weight() is not model.w_m.weight() and model.w_m.weight().requires_grad
+    model.requires_grad_(False)
+    try:
+        w = model.w_m.weight()
+        assert model.w_m.weight() is w and not w.requires_grad
+        with torch.no_grad():
+            model.w_m.v.mul_(2.0)
+        assert model.w_m.weight() is not w
+    finally:
+        model.requires_grad_(True)
