@@ -271,7 +271,9 @@ class WordSearch:
     typists) into one call: `request()` pops the branches of the next round and returns the batched step they
     need, the caller runs it (`step`, or its own batched call) and hands the result to `feed()`, until `request()`
     returns None; then `result()`. `cut()` ends the search early (a time budget): the result is then the best
-    completions found so far, marked inexact."""
+    completions found so far, marked inexact. `next_cursors` keeps the model after each one-character
+    continuation the search expanded: the likely next keystrokes, whose suggestions can then start without
+    feeding the character."""
 
     def __init__(self, cursor: Cursor, prefix: str, *, k: int = 3, max_chars: int = 24, min_prob: float = 1e-3,
                  batch: int = 32, max_expansions: int = 2048) -> None:
@@ -282,6 +284,7 @@ class WordSearch:
         self._found: list[Completion] = []
         self._popped: list[_Branch] = []
         self._cut = False
+        self.next_cursors: dict[bytes, Cursor] = {}  # one-character continuations expanded on the way
         root = _Branch(b"", 0, 0, cursor.state, 0, 0.0)
         self._search.expand([root], cursor.state, cursor.logprobs.double().cpu().unsqueeze(0))
 
@@ -319,7 +322,11 @@ class WordSearch:
             raise RuntimeError("nothing was requested")
         self._search.model_calls += 1
         popped, self._popped = self._popped, []
-        self._search.expand(popped, state, logprobs.double().cpu())
+        logprobs = logprobs.double().cpu()
+        for i, branch in enumerate(popped):
+            if branch.chars == 1 and branch.pending == 0:  # the model after the next character: keep it
+                self.next_cursors[branch.data] = Cursor(state.select(i), logprobs[i].float())
+        self._search.expand(popped, state, logprobs)
 
     def cut(self) -> None:
         """Stop here (a pending request is dropped): `result()` gives what was found."""

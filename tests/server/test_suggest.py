@@ -25,7 +25,7 @@ from models.scoring import BOS, score_bytes
 from models.suggest import advance
 from server.engine import AdaptationConfig, Session
 from server.engine._engine import SUGGEST_BATCH
-from server.engine._suggest import CursorCache
+from server.engine._suggest import CursorCache, SuggestJob, run_suggestions
 from server.settings import Settings
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
@@ -274,3 +274,28 @@ def test_the_text_limit_applies_to_the_context(tiny_checkpoint: Path, serve_app:
         assert suggest(c, sid, context="x" * 16)["prefix"] == "x" * 16
         assert_error(c.post(f"/v1/sessions/{sid}/suggest", json={"context": "é" * 9}), 413, "payload_too_large_error",
                      "context")
+
+
+def test_the_next_keystroke_starts_from_the_search_s_expansions(ckpt: Any) -> None:
+    """A search keeps the model after each one-character continuation it expanded: typing one of those
+    characters next feeds nothing, and the suggestions are the same as from scratch."""
+    model = ckpt.model
+    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
+                      config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
+                      static_state=model.init_state(1), last_byte=BOS,
+                      adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
+    cache = CursorCache()
+    first = SuggestJob(session, "It is a truth univ", 3, 24, 5)
+    run_suggestions(model, [first], cache, min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
+    assert first.search is not None and first.search.next_cursors
+    typed = next(iter(first.search.next_cursors)).decode()
+    fed = cache.fed
+    again = SuggestJob(session, "It is a truth univ" + typed, 3, 24, 5)
+    run_suggestions(model, [again], cache, min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
+    assert cache.fed == fed  # nothing fed: the cursor came from the first search
+    fresh = SuggestJob(session, "It is a truth univ" + typed, 3, 24, 5)
+    run_suggestions(model, [fresh], CursorCache(), min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
+    assert again.result is not None and fresh.result is not None
+    assert [c.text for c in again.result.completions] == [c.text for c in fresh.result.completions]
+    assert [c.prob for c in again.result.completions] == pytest.approx([c.prob for c in fresh.result.completions],
+                                                                      rel=1e-5)
