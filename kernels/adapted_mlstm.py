@@ -92,10 +92,16 @@ class _AdaptedMLSTM(torch.autograd.Function):
         mx, c0, w_mh, w_m, m, heads, cs, tcs, si, sf, so, tu = ctx.saved_tensors
         T, B, H = cs.shape
         k = m.shape[-1]
-        # every step's local derivatives at once (eq. 3.8-3.9): dc_t += dh_t * p_t; dz_t = [dc, dc, dh, dc] * s_t
-        p = so * (1 - tcs * tcs)  # (T, B, H) dh_t/dc_t
-        c_prev = torch.cat([c0.unsqueeze(0), cs[:-1]])  # (T, B, H)
-        s = torch.cat([tu * si * (1 - si), c_prev * sf * (1 - sf), tcs * so * (1 - so), si * (1 - tu * tu)], dim=2)
+        # every step's local derivatives at once (eq. 3.8-3.9): dc_t += dh_t * p_t; dz_t = [dc, dc, dh, dc] * s_t,
+        # with the fused sigmoid'/tanh' ops autograd itself uses (y' = g y (1 - y), g (1 - y^2)), written in place
+        sig_bwd, tanh_bwd = torch.ops.aten.sigmoid_backward.grad_input, torch.ops.aten.tanh_backward.grad_input
+        p = torch.ops.aten.tanh_backward(so, tcs)  # (T, B, H) dh_t/dc_t = sig(o) tanh'(c)
+        s = cs.new_empty(T, B, 4 * H)  # (T, B, 4H)
+        sig_bwd(tu, si, grad_input=s[..., :H])  # tanh(u) sig'(i)
+        sig_bwd(c0.unsqueeze(0), sf[:1], grad_input=s[:1, :, H : 2 * H])  # c_{t-1} sig'(f)
+        sig_bwd(cs[:-1], sf[1:], grad_input=s[1:, :, H : 2 * H])
+        sig_bwd(tcs, so, grad_input=s[..., 2 * H : 3 * H])  # tanh(c) sig'(o)
+        tanh_bwd(si, tu, grad_input=s[..., 3 * H :])  # sig(i) tanh'(u)
         d_out = d_hs.transpose(0, 1) if d_hs is not None else cs.new_zeros(T, B, H)  # (T, B, H) dL/dh'_t direct
         dh = d_out[T - 1] if d_hT is None else d_out[T - 1] + d_hT  # (B, H) dL/dh'_{T-1}
         dc = d_cT

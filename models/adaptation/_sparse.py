@@ -41,6 +41,9 @@ class ScoreStep(NamedTuple):
 def eval_mode(model: LanguageModel) -> Iterator[None]:
     """No dropout while scoring; the caller's mode is restored."""
     was_training = model.training
+    if not was_training:  # already evaluating (the usual case inside evaluate_many): skip the module walk
+        yield
+        return
     model.eval()
     try:
         yield

@@ -12,13 +12,13 @@ from models.mlstm import MLSTM, MLSTMConfig
 B, T, H = 3, 7, 12
 
 
-def _inputs(k: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def _inputs(k: int, seed: int = 0, steps: int = T) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    return {"mx": r(B, T, H), "zx": r(B, T, 4 * H), "h0": r(B, H, scale=0.5), "c0": r(B, H),
+    return {"mx": r(B, steps, H), "zx": r(B, steps, 4 * H), "h0": r(B, H, scale=0.5), "c0": r(B, H),
             "w_mh": r(H, H, scale=0.4), "w_m": r(4 * H, H, scale=0.4), "m": r(B, k, k, scale=0.2)}
 
 
@@ -29,9 +29,9 @@ def _loss(hs: torch.Tensor, h: torch.Tensor, c: torch.Tensor, seed: int = 1) -> 
     return (hs * w[0]).sum() + (hs ** 2).sum() + (h * w[1]).sum() + (c * w[2]).sum()
 
 
-@pytest.mark.parametrize("k", [5, H])
-def test_gradients_match_plain_autograd(k: int) -> None:
-    x = _inputs(k)
+@pytest.mark.parametrize(("k", "steps"), [(5, T), (H, T), (5, 1)])
+def test_gradients_match_plain_autograd(k: int, steps: int) -> None:
+    x = _inputs(k, steps=steps)
     leaves = {n: x[n].clone().requires_grad_(True) for n in ("h0", "c0", "m")}
     fast = adapted_mlstm(**{**x, **leaves})
     ref_leaves = {n: x[n].clone().requires_grad_(True) for n in ("h0", "c0", "m")}
