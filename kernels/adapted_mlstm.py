@@ -103,25 +103,32 @@ class _AdaptedMLSTM(torch.autograd.Function):
         sig_bwd(tcs, so, grad_input=s[..., 2 * H : 3 * H])  # tanh(c) sig'(o)
         tanh_bwd(si, tu, grad_input=s[..., 3 * H :])  # sig(i) tanh'(u)
         d_out = d_hs.transpose(0, 1) if d_hs is not None else cs.new_zeros(T, B, H)  # (T, B, H) dL/dh'_t direct
-        dh = d_out[T - 1] if d_hT is None else d_out[T - 1] + d_hT  # (B, H) dL/dh'_{T-1}
-        dc = d_cT
+        outs, ps, ss, sfs, mxs = d_out.unbind(0), p.unbind(0), s.unbind(0), sf.unbind(0), mx.unbind(1)
+        need_h0, need_c0 = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        dh = outs[T - 1] if d_hT is None else outs[T - 1] + d_hT  # (B, H) dL/dh'_{T-1}
+        dc, d_h0, d_c0 = d_cT, None, None
         gs: list[torch.Tensor] = [dh] * T
         for t in range(T - 1, -1, -1):
-            g = dh[:, :k]  # (B, k)
+            g = dh[:, :k]  # (B, k) dL/dh'_t on the adapted units
             gs[t] = g
+            if t == 0 and not (need_h0 or need_c0):
+                break  # dL/dM needs g_0 only: step 0's two matmuls are saved (the usual case, a detached state)
             # through h' = h + M h: dL/dh_t = (I + M)^T g on the first k units
             head = torch.baddbmm(g.unsqueeze(1), g.unsqueeze(1), m).squeeze(1)  # (B, k)
             d_pre = head if k == H else torch.cat([head, dh[:, k:]], dim=1)  # (B, H)
-            dc = d_pre * p[t] if dc is None else torch.addcmul(dc, d_pre, p[t])  # (B, H) dL/dc_t
-            dz = torch.stack((dc, dc, d_pre, dc), dim=1).view(B, 4 * H).mul_(s[t])  # (B, 4H) dL/dz_t
-            dc = dc * sf[t]  # dL/dc_{t-1} through eq. 3.8
-            dmm = (dz @ w_m) * mx[:, t]  # (B, H) dL/d(W_mh h'_{t-1}), eq. 3.6 then 3.5
-            if t > 0:
-                dh = torch.addmm(d_out[t - 1], dmm, w_mh)  # (B, H) dL/dh'_{t-1}
-            else:
-                dh = dmm @ w_mh if ctx.needs_input_grad[2] else None
+            dc = d_pre * ps[t] if dc is None else torch.addcmul(dc, d_pre, ps[t])  # (B, H) dL/dc_t
+            if t > 0 or need_h0:
+                dz = torch.stack((dc, dc, d_pre, dc), dim=1).view(B, 4 * H).mul_(ss[t])  # (B, 4H) dL/dz_t
+                dmm = (dz @ w_m) * mxs[t]  # (B, H) dL/d(W_mh h'_{t-1}), eq. 3.6 then 3.5
+                if t > 0:
+                    dh = torch.addmm(outs[t - 1], dmm, w_mh)  # (B, H) dL/dh'_{t-1}
+                else:
+                    d_h0 = dmm @ w_mh
+            dc = dc * sfs[t]  # dL/dc_{t-1} through eq. 3.8
+        if need_c0:
+            d_c0 = dc
         d_m = torch.bmm(torch.stack(gs, dim=2), heads) if ctx.needs_input_grad[6] else None  # (B, k, k) sum_t g_t h_t^T
-        return None, None, dh, dc if ctx.needs_input_grad[3] else None, None, None, d_m
+        return None, None, d_h0, d_c0, None, None, d_m
 
 
 def adapted_mlstm(mx: torch.Tensor, zx: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, w_mh: torch.Tensor,

@@ -55,6 +55,18 @@ def test_gradient_of_m_alone_and_of_hs_alone() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("leaf", ["h0", "c0"])
+def test_gradient_of_one_initial_state_tensor(leaf: str) -> None:
+    # the backward skips step 0's matmuls when h0 needs no gradient: each state tensor alone must still be right
+    x = _inputs(7, seed=4)
+    got_leaves = {leaf: x[leaf].clone().requires_grad_(True), "m": x["m"].clone().requires_grad_(True)}
+    want_leaves = {leaf: x[leaf].clone().requires_grad_(True), "m": x["m"].clone().requires_grad_(True)}
+    got = torch.autograd.grad(_loss(*adapted_mlstm(**{**x, **got_leaves})), list(got_leaves.values()))
+    want = torch.autograd.grad(_loss(*adapted_mlstm_ref(**{**x, **want_leaves})), list(want_leaves.values()))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
 def test_chained_calls_carry_the_gradient_through_the_state() -> None:
     # forward_rows splits a batch at row lengths: the second call's h0, c0 are the first call's outputs
     x = _inputs(6, seed=3)
