@@ -13,7 +13,8 @@ adapted h'_t of every step, and the final h'_T, c_T (B, H).
 Sparse dynamic evaluation needs dL/dM and nothing of the weights. Plain autograd records ~20 nodes per step
 and runs them one by one; `_AdaptedMLSTM` runs the T steps under no_grad, keeps the gate activations, and
 its backward walks the steps in reverse with two matmuls each (dz_t W_m and (dm_t * mx_t) W_mh: the
-gradient through time), forming dL/dM = sum_t g_t^T h_t (g_t = dL/dh'_t) once at the end.
+gradient through time), forming dL/dM = sum_t g_t^T h_t (row vectors, g_t = dL/dh'_t[:k]) once at the end.
+Step 0's matmuls are skipped when the initial state needs no gradient (sparse_step's detached state).
 
 The forward does the same arithmetic, op for op, as `models.mlstm.mlstm_cell` followed by
 `kernels.adapter.apply_adapter_ref`, so its outputs are bit-identical to the plain path's.
