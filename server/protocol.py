@@ -225,6 +225,9 @@ class AdaptationParams(BaseModel):
     adapter_size: int | None = Field(default=None, ge=1, strict=True,
                                      description="k: M is k x k on the first k units of the adaptation site "
                                                  "(at most the site's units).")
+    cache_weight: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False,
+                                       description="Weight of the session's word cache (the words it observed) "
+                                                   "mixed into keyboard suggestions; 0 turns it off.")
 
 
 class AdaptationSettings(BaseModel):
@@ -234,6 +237,7 @@ class AdaptationSettings(BaseModel):
     rule: str = Field(description="The checkpoint's update rule (sgd, sgd_decay, rms, rms_decay).")
     eps: float
     segment: int = Field(description="Bytes scored per update.")
+    cache_weight: float = Field(default=0.0, description="Weight of the word cache in keyboard suggestions.")
 
 
 class SessionCreateRequest(BaseModel):

@@ -120,6 +120,7 @@ class SessionLimits:
     rule: str
     eps: float
     segment: int
+    cache_weight: float = 0.0  # the word cache's weight in suggestions (dyneval.json "session" "cache_weight")
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,8 @@ class Engine:
         """A new session (the checkpoint's defaults for what `config` leaves out); with `initial_text`, it has
         observed that text when this returns."""
         limits = self.session_limits()
-        config = config or AdaptationConfig(lr=limits.lr, decay=limits.decay, adapter_size=limits.adapter_size)
+        config = config or AdaptationConfig(lr=limits.lr, decay=limits.decay, adapter_size=limits.adapter_size,
+                                            cache_weight=limits.cache_weight)
         self._check_config(config)
         session_id = new_session_id()
         ttl = ttl_s if ttl_s is not None else self.config.session_ttl_s
@@ -442,13 +444,16 @@ class Engine:
             raise ValueError(f"lr must be finite and >= 0, not {config.lr}")
         if not (math.isfinite(config.decay) and 0 <= config.decay <= 1):
             raise ValueError(f"decay must be in [0, 1], not {config.decay}")
+        if not (math.isfinite(config.cache_weight) and 0 <= config.cache_weight <= 1):
+            raise ValueError(f"cache_weight must be in [0, 1], not {config.cache_weight}")
 
     def _fresh(self, ckpt: Checkpoint, session_id: str, owner: str | None, ttl_s: float,
                config: AdaptationConfig | None) -> Session:
         """A session at the start: the initial state after the BOS byte, M = 0."""
         if config is None:
             limits = self.session_limits()
-            config = AdaptationConfig(lr=limits.lr, decay=limits.decay, adapter_size=limits.adapter_size)
+            config = AdaptationConfig(lr=limits.lr, decay=limits.decay, adapter_size=limits.adapter_size,
+                                      cache_weight=limits.cache_weight)
         ref = next(ckpt.model.parameters())
         sites = {s.name: config.adapter_size for s in ckpt.model.adaptation_sites()}
         now = time.time()
@@ -525,8 +530,11 @@ class Engine:
             units = min([units, *(min(t.shape) for t in stats if t is not None)])
         self._base = base
         default = min(base.adapter_units or units, units)
+        weight = section.get("cache_weight", 0.0) if isinstance(section, dict) else 0.0
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight <= 1:
+            return None, f"dyneval.json's session cache_weight must be a number in [0, 1], not {weight!r}"
         return SessionLimits(lr=base.lr, decay=base.decay, adapter_size=default, max_adapter_size=units,
-                             rule=base.rule, eps=base.eps, segment=base.segment), ""
+                             rule=base.rule, eps=base.eps, segment=base.segment, cache_weight=float(weight)), ""
 
     def _template(self, ckpt: Checkpoint) -> Session:
         """A fresh session of this model, for a store to read sessions back into (tensor layouts, device)."""
@@ -783,10 +791,12 @@ class Engine:
                                  updates=old.stats.updates + main.updates,
                                  nonfinite_resets=old.stats.nonfinite_resets + main.dropped + main.resets,
                                  bits=old.stats.bits + bits, static_bits=old.stats.static_bits + static_bits)
+            words = old.words.copy()  # copied: the stored record may be read meanwhile
+            words.observe(item.data.decode("utf-8", errors="ignore"))
             session = dataclasses.replace(
                 old, last_used=time.time(), state=_owned(main.state), static_state=_owned(shadow.state),
                 last_byte=item.data[-1], adapter=Adapter({k: m.unsqueeze(0).clone() for k, m in main.mats.items()}),
-                stats=stats)
+                stats=stats, words=words)
             if not self.store.update(session):
                 raise SessionNotFound(session.id)  # deleted while it was being observed
         return TextScore(bits=bits, bytes=len(item.data), logprobs=lp.tolist() if item.logprobs else None,

@@ -35,6 +35,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from models.base import Adapter, State
+from models.wordcache import WordCache
 from server.engine._errors import SessionImportError, SessionStoreFull
 
 __all__ = [
@@ -57,6 +58,7 @@ class AdaptationConfig:
     lr: float
     decay: float
     adapter_size: int  # k: M is (k, k) on the first k units of every adaptation site
+    cache_weight: float = 0.0  # lam of the word cache in keyboard suggestions (models/wordcache.py); 0: off
 
 
 @dataclass(frozen=True)
@@ -94,12 +96,13 @@ class Session:
     last_byte: int  # the next input byte: the last observed byte, or scoring.BOS at the start
     adapter: Adapter  # mats[site]: (1, k, k)
     stats: SessionStats = field(default_factory=SessionStats)
+    words: WordCache = field(default_factory=WordCache)  # the observed words; replaced, never changed in place
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor data the session holds."""
+        """Bytes the session holds: its tensors, and an estimate for its word cache."""
         tensors = [*self.state.tensors.values(), *self.static_state.tensors.values(), *self.adapter.mats.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + self.words.nbytes
 
     def expires_at(self) -> float:
         return self.last_used + self.ttl_s
@@ -373,6 +376,7 @@ def export_session(session: Session, model_hash: str) -> bytes:
     meta = {
         "ttl_s": session.ttl_s, "created": session.created, "last_byte": session.last_byte,
         "config": dataclasses.asdict(session.config), "stats": dataclasses.asdict(session.stats),
+        "words": session.words.to_dict(),
     }
     return save_tensors(tensors, metadata={"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION),
                                            "model_hash": model_hash, "session": json.dumps(meta)})
@@ -427,7 +431,12 @@ def import_session(blob: bytes, *, model_hash: str, template: Session) -> tuple[
     size = cfg.get("adapter_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise SessionImportError("the export's 'adapter_size' is not a positive integer")
-    config = AdaptationConfig(lr=_finite_number(cfg, "lr"), decay=_finite_number(cfg, "decay"), adapter_size=size)
+    config = AdaptationConfig(lr=_finite_number(cfg, "lr"), decay=_finite_number(cfg, "decay"), adapter_size=size,
+                              cache_weight=_finite_number(cfg, "cache_weight") if "cache_weight" in cfg else 0.0)
+    try:  # exports older than the word cache have none
+        words = WordCache.from_dict(info.get("words") or {})
+    except ValueError:
+        raise SessionImportError("the export's word cache is not valid") from None
     last_byte = info.get("last_byte")
     if isinstance(last_byte, bool) or not isinstance(last_byte, int) or not 0 <= last_byte < 256:
         raise SessionImportError("the export's 'last_byte' is not a byte")
@@ -460,5 +469,5 @@ def import_session(blob: bytes, *, model_hash: str, template: Session) -> tuple[
     ttl = _finite_number(info, "ttl_s")
     session = dataclasses.replace(template, ttl_s=ttl if ttl > 0 else template.ttl_s, config=config,
                                   state=State(state), static_state=State(static), last_byte=last_byte,
-                                  adapter=Adapter(mats), stats=stats)
+                                  adapter=Adapter(mats), stats=stats, words=words)
     return session, config

@@ -12,6 +12,7 @@ dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from models.suggest import (
     split_word,
     step,
 )
+from models.wordcache import mix_completions, previous_word
 from server.engine._sessions import Session
 
 __all__ = ["CursorCache", "Feed", "SuggestJob", "Suggestions", "run_suggestions"]
@@ -196,6 +198,11 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
     try:
         found = job.search.result()
         chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter)
+        weight = job.session.config.cache_weight
+        if weight > 0:  # the session's word cache, mixed in (models/wordcache.py)
+            before, prefix = split_word(job.context)
+            cached = job.session.words.candidates(prefix, previous_word(before), job.max_chars)
+            found = dataclasses.replace(found, completions=mix_completions(found.completions, cached, weight, job.k))
     except Exception as e:  # one job's failure is its own
         job.error = e
         return

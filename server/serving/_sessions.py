@@ -50,7 +50,7 @@ def session_response(session: Session, ctx: Context, result: TextScore | None = 
         expires_at=session.expires_at(), ttl_s=session.ttl_s,
         adaptation=AdaptationSettings(lr=session.config.lr, decay=session.config.decay,
                                       adapter_size=session.config.adapter_size, rule=limits.rule, eps=limits.eps,
-                                      segment=limits.segment),
+                                      segment=limits.segment, cache_weight=session.config.cache_weight),
         state_bytes=session.nbytes,
         stats=SessionStatsBody(bytes_observed=st.bytes_observed, updates=st.updates,
                                nonfinite_resets=st.nonfinite_resets, bits=st.bits, bits_per_byte=st.bits_per_byte,
@@ -66,7 +66,8 @@ def _config(params: AdaptationParams | None, ctx: Context) -> AdaptationConfig:
     size = limits.adapter_size if p.adapter_size is None else p.adapter_size
     check_limit(size, limits.max_adapter_size, "adaptation.adapter_size")
     return AdaptationConfig(lr=limits.lr if p.lr is None else p.lr, decay=limits.decay if p.decay is None else p.decay,
-                            adapter_size=size)
+                            adapter_size=size,
+                            cache_weight=limits.cache_weight if p.cache_weight is None else p.cache_weight)
 
 
 async def create_session(body: SessionCreateRequest, ctx: Context) -> SessionResponse | Response:

@@ -22,7 +22,8 @@ from safetensors.torch import load
 from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
 from models.scoring import BOS, score_bytes
-from models.suggest import advance
+from models.suggest import Completion, advance, split_word
+from models.wordcache import WordCache, mix_completions, previous_word
 from server.engine import AdaptationConfig, Session
 from server.engine._engine import SUGGEST_BATCH
 from server.engine._suggest import CursorCache, SuggestJob, run_suggestions
@@ -299,3 +300,38 @@ def test_the_next_keystroke_starts_from_the_search_s_expansions(ckpt: Any) -> No
     assert [c.text for c in again.result.completions] == [c.text for c in fresh.result.completions]
     assert [c.prob for c in again.result.completions] == pytest.approx([c.prob for c in fresh.result.completions],
                                                                       rel=1e-5)
+
+
+def test_the_word_cache_mixes_observed_words_into_the_completions(client: httpx.Client) -> None:
+    """With cache_weight lam, a completion's probability is (1 - lam) p_model + lam p_cache over the words the
+    session observed (models/wordcache.py): a word seen once is offered at once. Two sessions that read the same
+    text without adapting (lr 0) differ only in the cache."""
+    text = "the zorblax meter. the zorblax method. the zorblax meter. "
+    cached = create(client, initial_text=text, adaptation={"lr": 0.0, "cache_weight": 0.5})
+    plain = create(client, initial_text=text, adaptation={"lr": 0.0, "cache_weight": 0.0})
+    assert client.get(f"/v1/sessions/{cached}").json()["adaptation"]["cache_weight"] == 0.5
+    for context in ("the zorblax me", "the zo", "a"):
+        model = [Completion(w["text"], w["prob"]) for w in suggest(client, plain, context=context, k=3)["completions"]]
+        words = WordCache()
+        words.observe(text)
+        before, prefix = split_word(context)
+        expected = mix_completions(model, words.candidates(prefix, previous_word(before), 24), 0.5, 3)
+        got = suggest(client, cached, context=context, k=3)["completions"]
+        assert [w["text"] for w in got] == [c.text for c in expected]
+        assert [w["prob"] for w in got] == pytest.approx([c.prob for c in expected], rel=1e-6)
+    # "zorblax" after "the" (seen 3 times) and then "meter" (2 of the 3 "zorblax me..." pairs) lead
+    assert suggest(client, cached, context="the zo", k=1)["completions"][0]["text"] == "zorblax"
+    assert suggest(client, cached, context="the zorblax me", k=1)["completions"][0]["text"] == "meter"
+    # the cache travels with an export, and a reset empties it
+    blob = client.get(f"/v1/sessions/{cached}/state").content
+    assert client.put("/v1/sessions/cache-copy-of-a-session-0001/state", content=blob).status_code == 200
+    assert suggest(client, "cache-copy-of-a-session-0001", context="the zorblax me", k=3) == \
+        suggest(client, cached, context="the zorblax me", k=3)
+    assert client.post(f"/v1/sessions/{cached}/reset").status_code == 200
+    assert "zorblax" not in [w["text"] for w in suggest(client, cached, context="the zo", k=3)["completions"]]
+
+
+def test_cache_weight_is_validated(client: httpx.Client, assert_error: Any) -> None:
+    for weight in (-0.1, 1.5, "x"):
+        r = client.post("/v1/sessions", json={"adaptation": {"cache_weight": weight}})
+        assert_error(r, 422, "validation_error", "adaptation.cache_weight")
