@@ -1,7 +1,7 @@
 // The adaptlm keyboard: a page that uses only the public HTTP API (fetch to its own origin), no dependencies.
 //
-// Two sessions: the one that adapts, and an unadapted twin created with `adaptation: {lr: 0}` that reads the same
-// commits. The twin is the same model in the same context with its adapter held at zero, so its suggestions are
+// Two sessions: the one that adapts, and an unadapted twin created with `adaptation: {lr: 0, cache_weight: 0}`
+// (no gradient steps, no word cache) that reads the same commits. The twin is the same model in the same context with its adapter held at zero, so its suggestions are
 // the unadapted model's; the chart's unadapted line is observe's `static_bits`, which the twin's own bits match.
 "use strict";
 
@@ -83,7 +83,8 @@
     closeSessions();
     setStatus("connecting", "Connecting…");
     try {
-      const [adapted, twin] = await Promise.all([api("sessions", {}), api("sessions", { adaptation: { lr: 0 } })]);
+      const [adapted, twin] = await Promise.all([
+        api("sessions", {}), api("sessions", { adaptation: { lr: 0, cache_weight: 0 } })]);
       if (generation !== state.generation) return;
       state.adapted = adapted.id;
       state.twin = twin.id;
