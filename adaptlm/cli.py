@@ -236,6 +236,8 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup_bytes" else 1):
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.cache_weight is not None and not 0 <= args.cache_weight <= 1:
+        raise UsageError("--cache-weight must be between 0 and 1")
     if args.adapt_mode == "full" and args.checkpoint is None:
         raise UsageError("--adapt-mode full runs in this process: it needs --checkpoint")
     data = _read_text_arg(args.text)
@@ -261,9 +263,14 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         args.api_key = args.api_key or None
         record["url"] = args.url
         try:
+            cache = args.cache_weight if args.adapt or args.cache_weight is not None else 0.0
             with _client(args) as client, SessionSuggester(
                     client, lr=(args.lr if args.adapt else 0.0), decay=args.decay if args.adapt else None,
-                    max_chars=args.max_chars) as suggester:
+                    cache_weight=cache, max_chars=args.max_chars) as suggester:
+                info = suggester.session.info
+                if info is not None:
+                    record.update({"lr": info.adaptation.lr, "decay": info.adaptation.decay,
+                                   "cache_weight": info.adaptation.cache_weight})
                 result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),
                                   on_message=progress)
         except AdaptlmError as e:
@@ -275,6 +282,7 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
 
         ckpt = _load(args.checkpoint)
         config = None
+        cache = args.cache_weight or 0.0
         if args.adapt:
             if args.adapt_mode == "full":
                 config = config_for("dynamic", ckpt.dyneval, lr=args.lr, decay=args.decay)
@@ -285,10 +293,14 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
                 config = DynEvalConfig.from_dict(section, mode="sparse", cache=None,
                                                  **{k: v for k, v in (("lr", args.lr), ("decay", args.decay))
                                                     if v is not None})
+                if args.cache_weight is None:
+                    cache = float(section.get("cache_weight", 0.0))
             record.update({k: getattr(config, k) for k in ("rule", "lr", "decay", "segment")})
         record["checkpoint"] = str(ckpt.path)
+        record["cache_weight"] = cache
         try:
-            suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, max_chars=args.max_chars or 24)
+            suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, max_chars=args.max_chars or 24,
+                                       cache_weight=cache)
         except ValueError as e:
             raise UsageError(str(e)) from None
         result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),
@@ -632,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(--checkpoint only; the checkpoint's 'full' settings)")
     kb.add_argument("--lr", type=float, help="adaptation learning rate (default: the checkpoint's)")
     kb.add_argument("--decay", type=float, help="adaptation decay (default: the checkpoint's)")
+    kb.add_argument("--cache-weight", type=float,
+                    help="weight of the word cache of the observed text in the suggestions (default: with --adapt "
+                         "sparse, the session's; else 0)")
     kb.add_argument("--last-bytes", type=int, help="type only the last N bytes (from a line start)")
     kb.add_argument("--warmup-bytes", type=int,
                     help="observe at most the N bytes before the typed part first (default: all of them)")

@@ -1,6 +1,8 @@
 """Keystroke savings against Presage: our default model (static, sparse session adaptation over HTTP, full dynamic
 evaluation in-process) and Presage (an n-gram predictor built from the same training text, without and with
-learning), all typed by the same simulator (clients/keysim.py: Presage's KSR definition, 3 suggestions).
+learning), all typed by the same simulator (clients/keysim.py: Presage's KSR definition, 3 suggestions). The
+sessions run as served (sparse adapter and the session word cache, models/wordcache.py) and with the word cache
+off; full dynamic evaluation runs without and with the same word cache.
 
     python -m bench.keyboard [--texts emails,sms] [--systems presage,presage-learn,static,sparse,...]
                              [--limit-bytes N] [--warmup-bytes N] [--out runs/keyboard] [--force]
@@ -45,9 +47,10 @@ SYSTEMS = {
     "presage": "Presage, no learning",
     "presage-learn": "Presage, learning",
     "static": "ours, static (HTTP)",
-    "sparse": "ours, session adaptation, server defaults (HTTP)",
-    "sparse-lr": "ours, session adaptation, lr override (HTTP)",
+    "sparse-nocache": "ours, session adapter only (HTTP, word cache off)",
+    "sparse": "ours, session as served: adapter + word cache (HTTP)",
     "full": "ours, full dynamic evaluation (in-process)",
+    "full-cache": "ours, full dynamic evaluation + word cache (in-process)",
 }
 K = 3
 PAST_CHARS = 400  # of observed text in Presage's past stream (it reads the last few words)
@@ -170,7 +173,7 @@ def presage_simulator_ksr(config: Path, text: str, out: Path) -> float | None:
     exe = shutil.which("presage_simulator")
     if exe is None:
         return None
-    path = out / "presage_simulator.input.txt"
+    path = config.with_suffix(".input.txt")
     path.write_text(text, encoding="utf-8")
     r = subprocess.run([exe, "-q", "-c", str(config), str(path)], capture_output=True, text=True)
     found = re.search(r"KSR:\s*([-0-9.eE+]+)", r.stdout)
@@ -204,25 +207,27 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
             suggester.close()
         sim_config = presage_config(args.out, db, learn, f"{name}.{system}.simulator")
         record["presage_simulator_ksr"] = presage_simulator_ksr(sim_config, measured, args.out)
-    elif system == "full":
+    elif system.startswith("full"):
         from models.checkpoint import load_checkpoint
         from models.keysim import ModelSuggester
         from trainer.evaluation import config_for
 
         ckpt = load_checkpoint(args.checkpoint)
         config = config_for("dynamic", ckpt.dyneval)
-        record.update({"lr": config.lr, "decay": config.decay, "rule": config.rule})
-        result = simulate(ModelSuggester(ckpt.model, config, stats=ckpt.stats), messages(measured), k=K,
-                          warmup=messages(warm), on_message=progress)
+        cache = float(ckpt.dyneval.get("session", {}).get("cache_weight", 0.0)) if system == "full-cache" else 0.0
+        record.update({"lr": config.lr, "decay": config.decay, "rule": config.rule, "cache_weight": cache})
+        suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, cache_weight=cache)
+        result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
     else:
-        lr = {"static": 0.0, "sparse": None, "sparse-lr": args.sparse_lr}[system]
-        record["lr"] = lr
+        # static: the adapter stays zero (lr 0) and no word cache; the sessions: the server's defaults
+        lr, cache = {"static": (0.0, 0.0), "sparse": (None, None), "sparse-nocache": (None, 0.0)}[system]
         log = args.out / f"{name}.{system}.server.log"
         with serve(str(args.checkpoint), log) as url, Client(url, timeout=600) as client, \
-                SessionSuggester(client, lr=lr) as suggester:
-            if lr is None:
-                assert suggester.session.info is not None
-                record["lr"] = suggester.session.info.adaptation.lr
+                SessionSuggester(client, lr=lr, cache_weight=cache) as suggester:
+            info = suggester.session.info
+            assert info is not None
+            record.update({"lr": info.adaptation.lr, "decay": info.adaptation.decay,
+                           "cache_weight": info.adaptation.cache_weight})
             result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
     record.update(result.summary())
     record["seconds"] = time.perf_counter() - t0
@@ -237,7 +242,8 @@ def table(out: Path, names: list[str]) -> None:
             if not path.exists():
                 continue
             r = json.loads(path.read_text())
-            lr = f" (lr {r['lr']:g})" if system.startswith("sparse") and r.get("lr") is not None else ""
+            lr = f" (lr {r['lr']:g}, cache {r.get('cache_weight', 0):g})" if system != "static" and r.get("lr") \
+                else ""
             sim = r.get("presage_simulator_ksr")
             rows.append(f"| {TEXTS[name][0]} | {label}{lr} | {r['measured_bytes']:,} | {r['warmup_bytes']:,} "
                         f"| {r['ksr']:.3f} | {r['top1_accuracy']:.3f} | {r['top3_accuracy']:.3f} "
@@ -257,7 +263,6 @@ def main() -> None:
     ap.add_argument("--limit-bytes", type=int, help="type only the first N bytes of each measured part")
     ap.add_argument("--warmup-bytes", type=int,
                     help="observe at most the N bytes before the measured part (default: all of them)")
-    ap.add_argument("--sparse-lr", type=float, default=1e-4, help="the session learning rate of 'sparse-lr'")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "keyboard")
     ap.add_argument("--db", type=Path, default=ROOT / "runs" / "keyboard" / "presage-train.db",
                     help="Presage's n-gram database (built there from the training text if missing)")

@@ -30,7 +30,8 @@ from torch.func import functional_call
 from models.adaptation import DynEvalConfig, UpdateRule, adapted_parameter_names, adapter_ms_g, sparse_step
 from models.base import Adapter, LanguageModel, Output, State
 from models.scoring import BOS
-from models.suggest import Cursor, advance, suggest
+from models.suggest import Cursor, advance, split_word, suggest
+from models.wordcache import WordCache, mix_completions, previous_word
 
 __all__ = ["ModelSuggester"]
 
@@ -52,11 +53,17 @@ class _Bound:
 
 class ModelSuggester:
     """Implements `clients.keysim.Suggester` with a model in this process (module docstring). `config` None is
-    static; `stats` are the checkpoint's MS_g statistics (the RMS rules need them)."""
+    static; `stats` are the checkpoint's MS_g statistics (the RMS rules need them); `cache_weight` > 0 mixes a
+    word cache of the observed text into the completions, as a server session does (`models.wordcache`)."""
 
     def __init__(self, model: LanguageModel, config: DynEvalConfig | None = None, *,
-                 stats: Mapping[str, torch.Tensor] | None = None, max_chars: int = 24) -> None:
+                 stats: Mapping[str, torch.Tensor] | None = None, max_chars: int = 24,
+                 cache_weight: float = 0.0) -> None:
+        if not 0 <= cache_weight <= 1:
+            raise ValueError(f"cache_weight must be in [0, 1], not {cache_weight}")
         self.model = model.eval()
+        self.cache_weight = cache_weight
+        self.words = WordCache()
         self.config = config or DynEvalConfig(mode="static")
         self.max_chars = max_chars
         ref = next(model.parameters())
@@ -111,7 +118,12 @@ class ModelSuggester:
             self.fed += len(inputs)
         self._cursor = (inputs, cursor)
         found = suggest(self._forward, cursor, context, self.adapter, k=k, max_chars=self.max_chars, n_chars=0)
-        return [c.text for c in found.completions]
+        completions = found.completions
+        if self.cache_weight > 0:
+            before, prefix = split_word(context)
+            cached = self.words.candidates(prefix, previous_word(before), self.max_chars)
+            completions = mix_completions(completions, cached, self.cache_weight, k)
+        return [c.text for c in completions]
 
     def observe(self, text: str) -> None:
         data = text.encode("utf-8")
@@ -135,6 +147,7 @@ class ModelSuggester:
             self._bind()
         self.last = data[-1]
         self._cursor = None
+        self.words.observe(text)
 
     # -- adaptation ----------------------------------------------------------------------------------------
 

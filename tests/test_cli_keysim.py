@@ -45,6 +45,10 @@ def test_checkpoint_mode(tiny_checkpoint: Path, text: Path, adapt: list[str]) ->
     assert out["suggest_ms_p99"] >= out["suggest_ms_p50"] > 0
     if adapt != ["--no-adapt"]:
         assert out["lr"] > 0 and out["segment"] >= 1
+    # a word cache only with the sessions' settings (sparse), unless asked for
+    assert out["cache_weight"] == (0.0 if adapt[-1] != "--adapt" else
+                                   json.loads((tiny_checkpoint / "dyneval.json").read_text()).get(
+                                       "session", {}).get("cache_weight", 0.0))
     # the human-readable line
     r = keyboard_sim("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--last-bytes", "200", *adapt)
     assert r.returncode == 0 and r.stdout.decode().startswith("KSR "), r.stderr.decode()
@@ -58,6 +62,7 @@ def test_mistakes_exit_2(tiny_checkpoint: Path, text: Path, tmp_path: Path) -> N
         ("--text", str(text), "--url", "http://127.0.0.1:1", "--adapt", "--adapt-mode", "full"),  # full: in-process
         ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--suggestions", "0"),
         ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--last-bytes", "0"),
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--cache-weight", "2"),
         ("--text", str(text), "--checkpoint", str(tmp_path)),  # not a checkpoint
         ("--checkpoint", str(tiny_checkpoint)),  # no --text
     ]

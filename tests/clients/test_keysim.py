@@ -172,5 +172,7 @@ def test_keyboard_sim_against_a_server(live: LiveServer, tmp_path: Path) -> None
         assert 0 <= out["top1_accuracy"] <= out["top3_accuracy"] <= 1
         assert out["suggest_ms_p99"] >= out["suggest_ms_p50"] > 0
     assert runs["--no-adapt"]["adaptation"] == "static" and runs["--adapt"]["adaptation"] == "sparse"
+    assert runs["--no-adapt"]["lr"] == 0.0 and runs["--no-adapt"]["cache_weight"] == 0.0  # the model alone
+    assert runs["--adapt"]["lr"] > 0
     # the same text was typed both times
     assert runs["--no-adapt"]["words"] == runs["--adapt"]["words"]

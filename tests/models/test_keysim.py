@@ -86,3 +86,22 @@ def test_full_dynamic_evaluation_suggests_from_the_adapted_weights(ckpt) -> None
         cursor = advance(adapted, s.state, bytes([TEXT.encode()[-1]]) + context.encode())
         expected = [c.text for c in suggest(adapted, cursor, context, k=3, n_chars=0).completions]
         assert s.suggest(context, 3) == expected
+
+
+def test_the_word_cache_is_mixed_in_as_a_session_mixes_it(ckpt) -> None:  # type: ignore[no-untyped-def]
+    from models.wordcache import WordCache, mix_completions
+
+    plain, cached = ModelSuggester(ckpt.model), ModelSuggester(ckpt.model, cache_weight=0.5)
+    for s in (plain, cached):
+        s.observe(TEXT)
+        s.observe("universally universal unique\n")
+    words = WordCache()
+    words.observe(TEXT + "universally universal unique\n")
+    cursor = advance(ckpt.model, plain.state, b"\nThe un")
+    model = suggest(ckpt.model, cursor, "The un", k=3, n_chars=0).completions
+    expected = mix_completions(model, words.candidates("un", "The", 24), 0.5, 3)
+    assert cached.suggest("The un", 3) == [c.text for c in expected]
+    assert "universally" in cached.suggest("The un", 3)  # seen twice: the cache puts it first
+    assert plain.suggest("The un", 3) == [c.text for c in model]
+    with pytest.raises(ValueError, match="cache_weight"):
+        ModelSuggester(ckpt.model, cache_weight=1.5)
