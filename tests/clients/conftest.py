@@ -19,7 +19,8 @@ __all__ = ["LiveServer", "RecordingTransport", "serve"]
 
 @pytest.fixture(scope="module")
 def live(tiny_checkpoint: Path) -> Iterator[LiveServer]:
-    with serve(Settings(checkpoint=tiny_checkpoint)) as server:
+    # no suggestion time budget: tests compare exact answers, which a loaded CI machine must not cut short
+    with serve(Settings(checkpoint=tiny_checkpoint, suggest_budget_ms=0)) as server:
         yield server
 
 
