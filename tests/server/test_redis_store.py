@@ -42,8 +42,9 @@ MORE = "However little known the feelings or views of such a man may be on his f
 def make(session_id: str, owner: str | None = None, *, k: int = 4, ttl: float = 60.0, seed: int = 0) -> Session:
     g = torch.Generator().manual_seed(seed)
     state = {"h": torch.randn(1, 8, generator=g), "c": torch.randn(1, 8, generator=g)}
-    now = float(int(time.time()))  # whole seconds: every export the same size (the header holds `created`)
-    return Session(id=session_id, owner=owner, created=now - 5, last_used=now, ttl_s=ttl,
+    now = time.time()
+    # `created` in whole seconds: every export the same size (the header holds it; a float's repr varies)
+    return Session(id=session_id, owner=owner, created=float(int(now)) - 5, last_used=now, ttl_s=ttl,
                    config=AdaptationConfig(lr=1e-3, decay=2e-3, adapter_size=k),
                    state=State(state), static_state=State({n: t + 1 for n, t in state.items()}),
                    last_byte=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
