@@ -67,6 +67,7 @@ class WordCache:
     last: str | None = None  # the last complete word, if a pair may still start from it
     pending: str = ""  # a word cut by the end of the last text
     _sorted: list[str] | None = field(default=None, repr=False, compare=False)
+    _nbytes: int | None = field(default=None, repr=False, compare=False)
 
     def observe(self, text: str) -> None:
         """Count the words of a text the user wrote (it continues the last one)."""
@@ -90,6 +91,7 @@ class WordCache:
                 self.pairs[key] = self.pairs.get(key, 0) + 1
             self.last = word
         self._sorted = None
+        self._nbytes = None
         self._prune()
 
     def _prune(self) -> None:
@@ -123,8 +125,11 @@ class WordCache:
 
     @property
     def nbytes(self) -> int:
-        """A rough size in memory: a dict entry and a short string per word and per pair."""
-        return sum(100 + len(k) for k in self.words) + sum(100 + len(k) for k in self.pairs)
+        """A rough size in memory: a dict entry and a short string per word and per pair. Kept until the next
+        observe: the session store asks on every write."""
+        if self._nbytes is None:
+            self._nbytes = sum(100 + len(k) for k in self.words) + sum(100 + len(k) for k in self.pairs)
+        return self._nbytes
 
     def copy(self) -> WordCache:
         return WordCache(self.max_words, dict(self.words), dict(self.pairs), self.last, self.pending)
