@@ -19,9 +19,13 @@ Step 0's matmuls are skipped when the initial state needs no gradient (sparse_st
 The forward does the same arithmetic, op for op, as `models.mlstm.mlstm_cell` followed by
 `kernels.adapter.apply_adapter_ref`, so its outputs are bit-identical to the plain path's.
 
+w_mh and w_m may be in a lower precision than the rest (bf16 inference, models/mlstm.py): the four matmuls of a
+step (two forward, two backward) then take their inputs in it and return to the others' dtype; everything else
+stays in that dtype.
+
 Known limits: no Triton kernel yet (every device runs this PyTorch code); gradients reach M, h0 and c0 only,
 so mx, zx, w_mh and w_m must not require grad (the launcher refuses them: use plain autograd there); no
-autocast.
+autocast (pass bf16 weights instead).
 """
 
 from __future__ import annotations
@@ -56,11 +60,16 @@ def _check(mx: torch.Tensor, zx: torch.Tensor, h0: torch.Tensor, c0: torch.Tenso
             or w_m.shape != (4 * H, H) or m.shape != (B, k, k) or not 0 < k <= H or T == 0):
         raise ValueError(f"shapes do not fit: mx {tuple(mx.shape)}, zx {tuple(zx.shape)}, h0 {tuple(h0.shape)}, "
                          f"c0 {tuple(c0.shape)}, w_mh {tuple(w_mh.shape)}, w_m {tuple(w_m.shape)}, m {tuple(m.shape)}")
-    if len({t.dtype for t in (mx, zx, h0, c0, w_mh, w_m, m)}) != 1:
-        raise ValueError("adapted_mlstm needs one dtype for every input")
+    if len({t.dtype for t in (mx, zx, h0, c0, m)}) != 1 or w_mh.dtype != w_m.dtype:
+        raise ValueError("adapted_mlstm needs one dtype for mx, zx, h0, c0 and m, and one for w_mh and w_m")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (mx, zx, w_mh, w_m)):
         raise ValueError("adapted_mlstm gives gradients for m, h0 and c0 only: use adapted_mlstm_ref when "
                          "the weights or input projections need them")
+
+
+def _mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a @ w in w's precision, returned in a's."""
+    return a @ w if a.dtype == w.dtype else (a.to(w.dtype) @ w).to(a.dtype)
 
 
 class _AdaptedMLSTM(torch.autograd.Function):
@@ -71,8 +80,8 @@ class _AdaptedMLSTM(torch.autograd.Function):
         h, c = h0, c0
         outs, kept = [], []
         for mx_t, zx_t in zip(mx.unbind(1), zx.unbind(1), strict=True):
-            mm = mx_t * (h @ w_mh.t())  # (B, H) eq. 3.5
-            i, f, o, u = (zx_t + mm @ w_m.t()).chunk(4, dim=1)  # eq. 3.6
+            mm = mx_t * (h.to(w_mh.dtype) @ w_mh.t())  # (B, H) eq. 3.5
+            i, f, o, u = (zx_t + mm.to(w_m.dtype) @ w_m.t()).chunk(4, dim=1)  # eq. 3.6
             si, sf, so, tu = torch.sigmoid(i), torch.sigmoid(f), torch.sigmoid(o), torch.tanh(u)
             c = sf * c + si * tu  # (B, H) eq. 3.8
             tc = torch.tanh(c)
@@ -93,6 +102,7 @@ class _AdaptedMLSTM(torch.autograd.Function):
         mx, c0, w_mh, w_m, m, heads, cs, tcs, si, sf, so, tu = ctx.saved_tensors
         T, B, H = cs.shape
         k = m.shape[-1]
+        lowp = w_m.dtype if w_m.dtype != cs.dtype else None
         # every step's local derivatives at once (eq. 3.8-3.9): dc_t += dh_t * p_t; dz_t = [dc, dc, dh, dc] * s_t,
         # with the fused sigmoid'/tanh' ops autograd itself uses (y' = g y (1 - y), g (1 - y^2)), written in place
         sig_bwd, tanh_bwd = torch.ops.aten.sigmoid_backward.grad_input, torch.ops.aten.tanh_backward.grad_input
@@ -120,11 +130,11 @@ class _AdaptedMLSTM(torch.autograd.Function):
             dc = d_pre * ps[t] if dc is None else torch.addcmul(dc, d_pre, ps[t])  # (B, H) dL/dc_t
             if t > 0 or need_h0:
                 dz = torch.stack((dc, dc, d_pre, dc), dim=1).view(B, 4 * H).mul_(ss[t])  # (B, 4H) dL/dz_t
-                dmm = (dz @ w_m) * mxs[t]  # (B, H) dL/d(W_mh h'_{t-1}), eq. 3.6 then 3.5
-                if t > 0:
-                    dh = torch.addmm(outs[t - 1], dmm, w_mh)  # (B, H) dL/dh'_{t-1}
+                dmm = _mm(dz, w_m) * mxs[t]  # (B, H) dL/d(W_mh h'_{t-1}), eq. 3.6 then 3.5
+                if t > 0:  # (B, H) dL/dh'_{t-1}
+                    dh = torch.addmm(outs[t - 1], dmm, w_mh) if lowp is None else outs[t - 1] + _mm(dmm, w_mh)
                 else:
-                    d_h0 = dmm @ w_mh
+                    d_h0 = _mm(dmm, w_mh)
             dc = dc * sfs[t]  # dL/dc_{t-1} through eq. 3.8
         if need_c0:
             d_c0 = dc

@@ -37,13 +37,14 @@ def create_app(settings: Settings) -> FastAPI:
         config = EngineConfig(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                               max_queue=settings.max_queue, retry_after_s=settings.retry_after_s,
                               session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s,
-                              suggest_budget_ms=settings.suggest_budget_ms)
+                              suggest_budget_ms=settings.suggest_budget_ms, precision=settings.precision)
         store = _session_store(settings)
         engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         await asyncio.to_thread(engine.start)
         metrics.model = engine.info.name
         metrics.kernel = engine.info.kernel
+        metrics.precision = engine.info.precision
         metrics.engine_stats = lambda: engine.stats
         app.state.engine = engine
         try:

@@ -38,6 +38,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.model = ""  # label value; set once the engine has loaded the checkpoint
         self.kernel = ""  # label value: the adapter kernel's implementation ("reference" until Triton)
+        self.precision = ""  # label value: the model work's precision ("float32" or "bfloat16")
         self.requests = Counter("adaptlm_http_requests", "HTTP requests by route and status.",
                                 ["model", "method", "route", "status"], registry=self.registry)
         self.latency = Histogram("adaptlm_http_request_duration_seconds",
@@ -94,7 +95,8 @@ class _EngineCollector(Collector):
         gauge = GaugeMetricFamily("adaptlm_active_generations", "Generations in progress.", labels=["model"])
         gauge.add_metric(model, stats.active)
         yield gauge
-        labels, values = ["model", "kernel"], [self._metrics.model, self._metrics.kernel]
+        labels = ["model", "kernel", "precision"]
+        values = [self._metrics.model, self._metrics.kernel, self._metrics.precision]
         batches = HistogramMetricFamily("adaptlm_batch_rows", "Rows (streams) per batched model call: text work "
                                         "(scores, observes), generation steps and keyboard suggestions' steps "
                                         "(all the typists' branches).", labels=[*labels, "work"])

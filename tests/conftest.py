@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).resolve().parent / "data"
+
+# Servers under test (in-process and subprocesses, which inherit this) run in float32 unless a test asks for
+# bfloat16: most tests compare the server's numbers with the library's exactly. The bf16 path has its own tests.
+os.environ["ADAPTLM_PRECISION"] = "float32"
 
 
 @pytest.fixture(scope="session")

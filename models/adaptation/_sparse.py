@@ -176,12 +176,15 @@ def _sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tens
     mats = {n: m.detach().requires_grad_(True) for n, m in mats_in.items()}
     with torch.enable_grad(), eval_mode(model), frozen_weights(model):
         logits, hidden, new_state = forward_rows(model, inputs, lengths, state_in, Adapter(mats))
-        log_dist = log_softmax(logits)  # (B, n, V)
-        lp = log_dist.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
-        lp = torch.where(mask, lp, 0.0)
-        # sum over rows of each row's mean: row b's gradient w.r.t. M_b is its own segment's
-        loss = -(lp.sum(1) / lengths.clamp(min=1).to(lp.dtype)).sum()
-        grads = torch.autograd.grad(loss, list(mats.values()))
+        # under bf16 autocast (models/precision.py) the model chose what runs in bf16; the loss and the backward
+        # here stay in float32
+        with torch.autocast(inputs.device.type, enabled=False):
+            log_dist = log_softmax(logits)  # (B, n, V)
+            lp = log_dist.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
+            lp = torch.where(mask, lp, 0.0)
+            # sum over rows of each row's mean: row b's gradient w.r.t. M_b is its own segment's
+            loss = -(lp.sum(1) / lengths.clamp(min=1).to(lp.dtype)).sum()
+            grads = torch.autograd.grad(loss, list(mats.values()))
     old = {n: m.detach() for n, m in mats.items()}
     new = rule.step(old, dict(zip(mats, grads, strict=True)))
     new_state = new_state.detach()

@@ -45,6 +45,7 @@ from kernels import adapter_implementation
 from models.adaptation import DynEvalConfig, UpdateRule, adapter_ms_g
 from models.base import Adapter, State
 from models.checkpoint import Checkpoint, load_checkpoint
+from models.precision import PRECISIONS, inference_precision, resolve_precision
 from models.sampling import SamplingParams, Stepper
 from models.scoring import BOS
 from models.suggest import Suggestions
@@ -68,7 +69,7 @@ from server.engine._sessions import (
     import_session,
 )
 from server.engine._stats import EngineStats
-from server.engine._suggest import CursorCache, SuggestJob, run_suggestions
+from server.engine._suggest import CursorCache, SuggestJob, SuggestRounds
 
 __all__ = ["Engine", "EngineConfig", "ModelInfo", "SessionLimits", "TextScore", "new_session_id"]
 
@@ -100,12 +101,16 @@ class EngineConfig:
     max_sessions: int = 10_000  # the in-process store's limits (when the engine builds the store)
     session_memory_bytes: int = 1 << 30
     suggest_budget_ms: float = 0.0  # a suggestion's word search stops this long after submission (0: never)
+    # the model work's precision (models/precision.py): "float32", "bfloat16" (bf16 recurrent matmuls) or "auto"
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.session_ttl_s <= 0 \
                 or self.suggest_budget_ms < 0:
             raise ValueError("max_batch and max_queue must be >= 1, max_wait_ms >= 0, session_ttl_s > 0, "
                              "suggest_budget_ms >= 0")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,7 @@ class ModelInfo:
     created: int  # unix time the weights were written
     path: Path
     kernel: str = "reference"  # the adapter kernel's implementation (a metric label)
+    precision: str = "float32"  # what "auto" resolved to on this device (a metric label)
     sessions: SessionLimits | None = None  # None: this checkpoint cannot adapt sessions
     sessions_unavailable: str = ""  # why not
 
@@ -233,7 +239,9 @@ class Engine:
         self._rules: dict[tuple[float, float, int], UpdateRule] = {}
         self._stacked = RuleCache()
         self._cursors = CursorCache()
-        self._suggests: list[tuple[_Suggest, SuggestJob]] = []
+        self._suggests: list[tuple[_Suggest, SuggestJob]] = []  # started, not yet fed
+        self._rounds: SuggestRounds | None = None  # the searches in progress (made when the model is loaded)
+        self._searching: dict[SuggestJob, _Suggest] = {}
 
     # -- lifecycle (blocking; call from a thread, not the event loop) ------------------------------
 
@@ -494,8 +502,10 @@ class Engine:
             ckpt = load_checkpoint(self._path)
             weights = self._path / "model.safetensors"
             limits, why = self._session_settings(ckpt)
+            device = next(ckpt.model.parameters()).device
+            precision = resolve_precision(self.config.precision, device)
             info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime),
-                             path=self._path, kernel=adapter_implementation(), sessions=limits,
+                             path=self._path, kernel=adapter_implementation(), precision=precision, sessions=limits,
                              sessions_unavailable=why)
             self.store.bind(ckpt.model_hash, self._template(ckpt))
         except BaseException as e:
@@ -505,7 +515,8 @@ class Engine:
             self._running = True
         loaded.set_result(info)
         try:
-            self._loop(ckpt)
+            with inference_precision(precision, device):  # thread-local: all of this thread's model work
+                self._loop(ckpt)
         finally:
             self._fail_pending()
 
@@ -567,8 +578,10 @@ class Engine:
     def _loop(self, ckpt: Checkpoint) -> None:
         stopping = False
         last_sweep = time.monotonic()
+        self._rounds = SuggestRounds(ckpt.model, self._cursors, min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH,
+                                     max_expansions=SUGGEST_MAX_EXPANSIONS, round_rows=SUGGEST_ROUND_ROWS)
         while True:
-            idle = not self._texts and not self._gens and not self._pending
+            idle = not self._texts and not self._gens and not self._pending and not self._searching
             if stopping and idle:
                 return
             stopping = self._take(block=idle and not stopping) or stopping
@@ -681,27 +694,46 @@ class Engine:
                                                 item.deadline)))
 
     def _run_suggests(self, ckpt: Checkpoint) -> None:
-        """Answer every started suggestion, their model steps batched together."""
-        if not self._suggests:
-            return
+        """Start the suggestions that arrived, then run one round of all the word searches in progress (one
+        batched step): a suggestion joins the searches already running at the next round (`SuggestRounds`)."""
+        rounds = self._rounds
+        assert rounds is not None
         started, self._suggests = self._suggests, []
-        try:
-            steps = run_suggestions(ckpt.model, [job for _, job in started], self._cursors,
-                                    min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH,
-                                    max_expansions=SUGGEST_MAX_EXPANSIONS, round_rows=SUGGEST_ROUND_ROWS)
-        except Exception as e:
-            log.exception("a batched suggestion step failed; failing its %d suggestions", len(started))
-            for item, _ in started:
-                item.fail(e)
+        # a client that went away: its search stops here
+        for job in [job for job in rounds.active if self._searching[job].cancelled.is_set()]:
+            rounds.active.remove(job)
+            del self._searching[job]
+            self._stats.cancelled_work += 1
+        if not started and not rounds.active:
             return
-        for rows in steps:
-            self._stats.suggest_rows[rows] = self._stats.suggest_rows.get(rows, 0) + 1
-        for item, job in started:
+        self._searching.update((job, item) for item, job in started)
+        ended: list[SuggestJob] = [job for _, job in started]
+        try:
+            if started:
+                self._count_suggest_rows(rounds.start([job for _, job in started]))
+            rows, done = rounds.round()
+        except Exception as e:
+            log.exception("a batched suggestion step failed; failing its %d suggestions", len(self._searching))
+            for item in self._searching.values():
+                item.fail(e)
+            self._searching.clear()
+            rounds.active.clear()
+            return
+        self._count_suggest_rows(rows)
+        going = set(rounds.active)
+        for job in [*ended, *done]:
+            if job in going or job not in self._searching:
+                continue  # still searching, or answered already (started and done in this turn)
+            item = self._searching.pop(job)
             if job.result is not None:
                 self._stats.suggest_cut += not job.result.exact
                 item.future.set_result(job.result)
             else:
                 item.fail(job.error or RuntimeError("the suggestion was not answered"))
+
+    def _count_suggest_rows(self, rows: int | None) -> None:
+        if rows is not None:
+            self._stats.suggest_rows[rows] = self._stats.suggest_rows.get(rows, 0) + 1
 
     def _start_text(self, ckpt: Checkpoint, item: _Text) -> bool:
         """Read the session and set up the rows; True if the item is now running."""
@@ -881,7 +913,12 @@ class Engine:
             item.fail(error)
         for suggestion, _ in self._suggests:
             suggestion.fail(error)
+        for suggestion in self._searching.values():
+            suggestion.fail(error)
         self._gens, self._texts, self._suggests = [], [], []
+        self._searching.clear()
+        if self._rounds is not None:
+            self._rounds.active.clear()
         self._stats.active = 0
         while True:
             try:

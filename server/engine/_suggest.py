@@ -36,7 +36,7 @@ from models.suggest import (
 from models.wordcache import mix_completions, previous_word
 from server.engine._sessions import Session
 
-__all__ = ["CursorCache", "Feed", "SuggestJob", "Suggestions", "run_suggestions"]
+__all__ = ["CursorCache", "Feed", "SuggestJob", "SuggestRounds", "Suggestions", "run_suggestions"]
 
 
 def _same_record(a: Session, b: Session) -> bool:
@@ -118,7 +118,7 @@ class CursorCache:
 
 @dataclass(eq=False)
 class SuggestJob:
-    """One keystroke's suggestions, for `run_suggestions`: its outcome is `result` or `error`."""
+    """One keystroke's suggestions, for `SuggestRounds`: its outcome is `result` or `error`."""
 
     session: Session
     context: str
@@ -130,63 +130,107 @@ class SuggestJob:
     error: Exception | None = None
     cursor: Cursor | None = None
     search: WordSearch | None = None
+    request: tuple[State, list[int]] | None = None  # the search's next round, popped and not yet run
 
 
-@torch.no_grad()
-def run_suggestions(model: LanguageModel, jobs: list[SuggestJob], cache: CursorCache, *, min_prob: float,
-                    batch: int, max_expansions: int, round_rows: int) -> list[int]:
-    """Answer every job, batching their model work across sessions: one forward feeds each job's new context
-    bytes (by length), then each round of the word searches runs as one batched step of all the jobs' branches,
-    every row under its own session's adapter. A job takes at most `batch` branches per round, fewer when many
-    jobs share the round (`round_rows` in all, at least 4 each): the searches stay exact, they take more rounds.
-    A job past its deadline is cut (its result is then marked inexact). -> the rows of each batched model call."""
-    steps: list[int] = []
-    plans = [(job, cache.plan(job.session, job.context.encode("utf-8"))) for job in jobs]
-    feeds = [(job, plan) for job, plan in plans if isinstance(plan, Feed)]
-    for job, plan in plans:
-        if isinstance(plan, Cursor):
-            job.cursor = plan
-    if feeds:
-        steps.append(len(feeds))
-        made = advance_many(model, [(plan.state, plan.inputs, job.session.adapter) for job, plan in feeds])
-        for (job, _), cursor in zip(feeds, made, strict=True):
-            job.cursor = cache.put(job.session, job.context.encode("utf-8"), cursor)
-    active = []
-    for job in jobs:
-        assert job.cursor is not None
-        try:
-            job.search = WordSearch(job.cursor, split_word(job.context)[1], k=job.k, max_chars=job.max_chars,
-                                    min_prob=min_prob, batch=batch, max_expansions=max_expansions)
-        except ValueError as e:
-            job.error = e
-        else:
-            active.append(job)
-    while active:
-        now = time.monotonic()
-        limit = max(4, round_rows // len(active))
-        requests = []
-        for job in active:
-            assert job.search is not None
-            if now > job.deadline:
-                job.search.cut()
-            request = job.search.request(limit)
-            if request is None:
-                _finish(model, job, cache)
+class SuggestRounds:
+    """The keyboard suggestions in progress on the worker, their model work batched across sessions.
+
+    `start(jobs)` feeds each new job's context bytes (one forward, rows grouped by length) and starts its word
+    search; `round()` runs one round of every search in progress as one batched step, each row under its own
+    session's adapter. A job takes at most `batch` branches per round, fewer when many share it (`round_rows`
+    in all, at least 4 each): the searches stay exact, they take more rounds. A job past its deadline is cut
+    (its result is then marked inexact).
+
+    Jobs join between rounds (continuous batching): the engine runs one round per turn of its loop, so a
+    keystroke that arrives while others are searching waits for one round (a few ms), not for their whole
+    searches."""
+
+    def __init__(self, model: LanguageModel, cache: CursorCache, *, min_prob: float, batch: int,
+                 max_expansions: int, round_rows: int) -> None:
+        self.model, self.cache = model, cache
+        self.min_prob, self.batch, self.max_expansions, self.round_rows = min_prob, batch, max_expansions, round_rows
+        self.active: list[SuggestJob] = []
+
+    @torch.no_grad()
+    def start(self, jobs: list[SuggestJob]) -> int | None:
+        """Make the jobs' cursors and start their searches; -> the rows of the feeding forward (None: every
+        cursor was cached). A job that cannot start gets its error and is not kept."""
+        plans = [(job, self.cache.plan(job.session, job.context.encode("utf-8"))) for job in jobs]
+        feeds = [(job, plan) for job, plan in plans if isinstance(plan, Feed)]
+        for job, plan in plans:
+            if isinstance(plan, Cursor):
+                job.cursor = plan
+        if feeds:
+            made = advance_many(self.model, [(plan.state, plan.inputs, job.session.adapter) for job, plan in feeds])
+            for (job, _), cursor in zip(feeds, made, strict=True):
+                job.cursor = self.cache.put(job.session, job.context.encode("utf-8"), cursor)
+        for job in jobs:
+            assert job.cursor is not None
+            try:
+                job.search = WordSearch(job.cursor, split_word(job.context)[1], k=job.k, max_chars=job.max_chars,
+                                        min_prob=self.min_prob, batch=self.batch,
+                                        max_expansions=self.max_expansions)
+            except ValueError as e:
+                job.error = e
             else:
-                requests.append((job, request))
-        if not requests:
-            break
+                self.active.append(job)
+        return len(feeds) or None
+
+    @torch.no_grad()
+    def round(self) -> tuple[int | None, list[SuggestJob]]:
+        """One batched step of every search in progress -> (its rows, None if no step was needed; the jobs that
+        ended, with their result or error)."""
+        done: list[SuggestJob] = []
+        self.active = self._next_requests(self.active, done)
+        if not self.active:
+            return None, done
+        requests = [(job, job.request) for job in self.active if job.request is not None]
         sizes = [len(tokens) for _, (_, tokens) in requests]
-        steps.append(sum(sizes))
         adapter = row_adapters([job.session.adapter for job, _ in requests], sizes)
-        state, logprobs = step(model, State.stack([s for _, (s, _) in requests]),
+        state, logprobs = step(self.model, State.stack([s for _, (s, _) in requests]),
                                [t for _, (_, tokens) in requests for t in tokens], adapter)
         start = 0
         for (job, _), n in zip(requests, sizes, strict=True):
             assert job.search is not None
+            job.request = None
             job.search.feed(state.select(slice(start, start + n)), logprobs[start : start + n])
             start += n
-        active = [job for job, _ in requests]
+        # pop the next round now: a search that has just ended answers in this round, not the next
+        self.active = self._next_requests(self.active, done)
+        return sum(sizes), done
+
+    def _next_requests(self, jobs: list[SuggestJob], done: list[SuggestJob]) -> list[SuggestJob]:
+        """Give every job without one its next request (cutting those past their deadline); -> the jobs that
+        still search. The others are finished into `done`."""
+        now = time.monotonic()
+        limit = max(4, self.round_rows // max(1, len(jobs)))
+        going = []
+        for job in jobs:
+            assert job.search is not None
+            if now > job.deadline:
+                job.search.cut()
+                job.request = None
+            if job.request is None:
+                job.request = job.search.request(limit)
+            if job.request is None:
+                _finish(self.model, job, self.cache)
+                done.append(job)
+            else:
+                going.append(job)
+        return going
+
+
+def run_suggestions(model: LanguageModel, jobs: list[SuggestJob], cache: CursorCache, *, min_prob: float,
+                    batch: int, max_expansions: int, round_rows: int) -> list[int]:
+    """Answer every job (`SuggestRounds` until none is left) -> the rows of each batched model call."""
+    rounds = SuggestRounds(model, cache, min_prob=min_prob, batch=batch, max_expansions=max_expansions,
+                           round_rows=round_rows)
+    steps = [rows] if (rows := rounds.start(jobs)) is not None else []
+    while rounds.active:
+        rows, _ = rounds.round()
+        if rows is not None:
+            steps.append(rows)
     return steps
 
 

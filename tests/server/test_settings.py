@@ -23,6 +23,7 @@ def test_defaults() -> None:
     assert DEFAULT_CHECKPOINT == Path(__file__).resolve().parents[2] / "checkpoints" / "default"
     assert (s.host, s.port, s.max_text_bytes, s.log_level, s.api_keys) == ("127.0.0.1", 8000, 1_000_000, "info", ())
     assert s.max_body_bytes >= s.max_text_bytes
+    assert s.precision == "auto"  # bf16 recurrent matmuls where the hardware has them (models/precision.py)
 
 
 def test_reads_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -56,6 +57,7 @@ def test_rejects_an_invalid_port_from_the_environment(monkeypatch: pytest.Monkey
     {"unknown_setting": 1},
     {"session_snapshot": "s.zip", "session_store": "redis://localhost:6379/0"},  # Redis keeps its own sessions
     {"suggest_budget_ms": -1}, {"suggest_budget_ms": float("nan")},
+    {"precision": "fp8"}, {"precision": "float16"},
 ])
 def test_rejects_invalid_settings(overrides: dict[str, object]) -> None:
     with pytest.raises(ValidationError):

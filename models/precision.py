@@ -1,0 +1,46 @@
+"""Inference precision: float32 everywhere, or bfloat16 for the recurrent matmuls (models/mlstm.py).
+
+The server runs all of its model work (scoring, observes' sparse adaptation, generation, suggestions) under
+`inference_precision(...)`: with "bfloat16" that is `torch.autocast(dtype=torch.bfloat16)`, which a model
+reads as "the weights may be used in bf16 where it is safe" (the mLSTM: its two recurrent matmuls, on cached
+bf16 copies; everything else in float32). "auto" picks bfloat16 where the hardware multiplies it natively
+(a CPU with AVX-512 BF16 or AMX, through oneDNN; a CUDA GPU with bf16 support) and float32 elsewhere, where
+bf16 would be emulated and slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import torch
+
+__all__ = ["PRECISIONS", "Precision", "inference_precision", "native_bf16", "resolve_precision"]
+
+Precision = Literal["auto", "float32", "bfloat16"]
+PRECISIONS: tuple[Precision, ...] = ("auto", "float32", "bfloat16")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Does `device` multiply bf16 matrices natively (faster than float32)?"""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # False without oneDNN or AVX-512 BF16/AMX
+    return False
+
+
+def resolve_precision(precision: str, device: torch.device) -> Literal["float32", "bfloat16"]:
+    """"auto" -> what `device` runs fastest; "float32" and "bfloat16" as they are."""
+    if precision == "auto":
+        return "bfloat16" if native_bf16(device) else "float32"
+    if precision not in ("float32", "bfloat16"):
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    return precision  # type: ignore[return-value]
+
+
+def inference_precision(precision: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The context the model work runs in (thread-local): bf16 autocast for "bfloat16", nothing for "float32"."""
+    if resolve_precision(precision, device) == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
