@@ -18,7 +18,8 @@
     python -m bench.server [--checkpoint DIR] [--only suggest|observe|emails] [--typists 1,10,50]
                            [--keystrokes 200] [--key-interval-ms 200] [--suggest-budget-ms 50] [--sessions 32]
                            [--observe-bytes 2048] [--rounds 1]
-                           [--max-batch 1,32] [--max-seconds 1800] [--emails 60] [--plot docs/img/session_gain.png]
+                           [--max-batch 1,32] [--precision auto[,float32]] [--max-seconds 1800] [--emails 60]
+                           [--plot docs/img/session_gain.png]
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import torch
 
 from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
 from clients import AsyncClient, Client
+from models.precision import resolve_precision
 from server.protocol import SUGGEST_MAX_CONTEXT, SuggestResponse
 from server.settings import Settings
 
@@ -149,7 +152,7 @@ def bench_suggest(args: argparse.Namespace, log: Path) -> None:
           f"outstanding each; server time budget {args.suggest_budget_ms:g} ms")
     print("| typists | requests | p50 ms | p99 ms | mean ms | requests/s | inexact (budget cut) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    with serve(args.checkpoint, log, suggest_budget_ms=args.suggest_budget_ms) as url:
+    with serve(args.checkpoint, log, suggest_budget_ms=args.suggest_budget_ms, precision=args.precision[0]) as url:
         for n in args.typists:
             cut0 = suggest_cut(url)
             latencies, seconds = asyncio.run(suggest_level(url, n, messages, args.keystrokes,
@@ -201,17 +204,18 @@ def bench_observe(args: argparse.Namespace, log: Path) -> None:
         raise SystemExit(f"{args.messages} has {len(corpus):,} characters, fewer than rounds x sessions x size")
     texts = [[corpus[(r * n + j) * size:(r * n + j + 1) * size] for j in range(n)] for r in range(args.rounds)]
     print(f"\n## observe throughput: {n} sessions at once, {size:,}-character slices, {args.rounds} round(s)")
-    print("| max_batch (rows) | observes per call, at most | mean rows per call | rounds | bytes | seconds "
-          "| bytes/s | vs first |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    first: float | None = None
-    for max_batch in args.max_batch:
-        with serve(args.checkpoint, log, max_batch=max_batch) as url:
-            total, seconds, done, rows = asyncio.run(observe_rounds(url, texts, args.max_seconds))
-        rate = total / seconds
-        first = first or rate
-        print(f"| {max_batch} | {max(1, max_batch // 2)} | {rows:.1f} "
-              f"| {done} | {total:,} | {seconds:.1f} | {rate:,.0f} | {rate / first:.2f}x |", flush=True)
+    print("| precision | max_batch (rows) | observes per call, at most | mean rows per call | rounds | bytes "
+          "| seconds | bytes/s | vs first of its precision |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for precision in args.precision:
+        first: float | None = None
+        for max_batch in args.max_batch:
+            with serve(args.checkpoint, log, max_batch=max_batch, precision=precision) as url:
+                total, seconds, done, rows = asyncio.run(observe_rounds(url, texts, args.max_seconds))
+            rate = total / seconds
+            first = first or rate
+            print(f"| {precision} | {max_batch} | {max(1, max_batch // 2)} | {rows:.1f} "
+                  f"| {done} | {total:,} | {seconds:.1f} | {rate:,.0f} | {rate / first:.2f}x |", flush=True)
 
 
 # -- 3. gain of a session over the e-mails ---------------------------------------------------------------------
@@ -225,7 +229,7 @@ def bench_emails(args: argparse.Namespace, log: Path) -> None:
     print("| ---: | ---: | ---: | ---: | ---: |")
     gains: list[float] = []
     bits = static = seconds = 0.0
-    with serve(args.checkpoint, log) as url, Client(url, timeout=3600) as client:
+    with serve(args.checkpoint, log, precision=args.precision[0]) as url, Client(url, timeout=3600) as client:
         session = client.create_session()
         deadline = time.monotonic() + args.max_seconds
         for i, mail in enumerate(mails, 1):
@@ -289,13 +293,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="observes per session, each on a new slice")
     ap.add_argument("--max-batch", type=ints, default=[1, Settings.model_fields["max_batch"].default],
                     help="one server per value, one after the other; the ratio is against the first")
+    ap.add_argument("--precision", type=lambda s: s.split(","), default=["auto"],
+                    help="the server's ADAPTLM_PRECISION; observe runs each of a comma list, the others the first")
     ap.add_argument("--emails", type=int, default=60)
     ap.add_argument("--plot", type=lambda s: Path(s) if s else None, default=Path("docs/img/session_gain.png"),
                     help="PNG of the running gain ('' for none)")
     ap.add_argument("--max-seconds", type=float, default=1800, help="time bound of each level / server / e-mail run")
     args = ap.parse_args()
+    auto = resolve_precision("auto", torch.device("cpu"))
     print(f"# server, {Path(args.checkpoint).name} over loopback HTTP: {machine_line()}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, precision auto = {auto} here")
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         log = Path(tmp) / "server.log"
         for part, run in (("suggest", bench_suggest), ("observe", bench_observe), ("emails", bench_emails)):

@@ -9,13 +9,15 @@ Each round of the worker:
    to fill a batch (while work runs, newcomers join at the next segment: continuous batching);
 2. start waiting items in arrival order: an item of a session waits while earlier work of the same session
    runs (work on one session is applied one at a time, in order); text work starts while its rows fit in
-   `max_batch`; session operations without batched model work (create, reset, import) run at once, and so do
-   keyboard suggestions (their own small batched steps), which read a session's last committed record without
-   waiting for its turn;
-3. one batched step of all running text work (`batch_step`: one segment of every text, one forward, and for
+   `max_batch`; session operations without batched model work (create, reset, import) run at once;
+   keyboard suggestions read a session's last committed record without waiting for its turn;
+3. keyboard suggestions: rounds of all the word searches in progress, one batched step each, keystrokes that
+   arrive meanwhile joining between rounds (`SuggestRounds`), until none is left or, while other work waits,
+   for at most SUGGEST_SLICE_S;
+4. one batched step of all running text work (`batch_step`: one segment of every text, one forward, and for
    adapting rows one backward and one update), then finish the texts that are done: write each session back
    to the store and resolve the futures;
-4. one byte of every running generation: sampled per sequence, then all fed in one batched forward.
+5. one byte of every running generation: sampled per sequence, then all fed in one batched forward.
 
 A session's state is read from the store when its work starts and written back when it ends; sessions with
 work in flight are pinned (never evicted). A cancelled caller's work is dropped before it starts, or
@@ -83,6 +85,9 @@ SUGGEST_MIN_PROB = 1e-3  # word completions: branches below this cumulative prob
 SUGGEST_BATCH = 8  # branches one suggestion expands per model step (8 measured fastest: docs/benchmarks.md)
 SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
 SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
+# Suggestion rounds run back to back (new keystrokes joining between rounds) for at most this long while text
+# work or generations wait; then one text step and one generation step run, and the searches go on.
+SUGGEST_SLICE_S = 0.025
 
 
 def new_session_id() -> str:
@@ -92,7 +97,7 @@ def new_session_id() -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 32  # rows per batched model call (a session observe takes two: adapted and static)
+    max_batch: int = 64  # rows per batched model call (a session observe takes two: adapted and static)
     max_wait_ms: float = 2.0  # coming from idle, how long to wait for more work to fill a batch
     max_queue: int = 256  # work items waiting to start; more are refused with EngineOverloaded
     retry_after_s: int = 1  # what EngineOverloaded tells the caller
@@ -588,7 +593,7 @@ class Engine:
             if idle and not stopping and self.config.max_wait_ms > 0 and self._pending_rows():
                 stopping = self._fill(time.monotonic() + self.config.max_wait_ms / 1000) or stopping
             self._admit(ckpt)
-            self._run_suggests(ckpt)
+            stopping = self._suggest_slice(ckpt) or stopping
             self._step_texts(ckpt)
             self._step_generations()
             if time.monotonic() - last_sweep > _SWEEP_S:
@@ -692,6 +697,18 @@ class Engine:
             return
         self._suggests.append((item, SuggestJob(session, item.context, item.k, item.max_chars, item.n_chars,
                                                 item.deadline)))
+
+    def _suggest_slice(self, ckpt: Checkpoint) -> bool:
+        """Run suggestion rounds until no search is left, starting the keystrokes that arrive meanwhile; while
+        text or generation work waits, for at most SUGGEST_SLICE_S. -> True if the stop sentinel arrived."""
+        stopping = False
+        end = time.monotonic() + SUGGEST_SLICE_S
+        while True:
+            self._run_suggests(ckpt)
+            if not self._searching or ((self._texts or self._gens) and time.monotonic() > end):
+                return stopping
+            stopping = self._take(block=False) or stopping
+            self._admit(ckpt)
 
     def _run_suggests(self, ckpt: Checkpoint) -> None:
         """Start the suggestions that arrived, then run one round of all the word searches in progress (one

@@ -105,5 +105,6 @@ def test_model_uses_it_when_the_weights_are_frozen() -> None:
     model.requires_grad_(False)
     fast_logits, fast_grad, fast_node = run()
     assert plain_node != fast_node == "_AdaptedMLSTMBackward"
-    assert torch.equal(fast_logits, plain_logits)
+    # frozen weights also look the input projections up (MLSTM._input_tables): equal up to summation order
+    torch.testing.assert_close(fast_logits, plain_logits, rtol=0, atol=1e-12)
     torch.testing.assert_close(fast_grad, plain_grad, rtol=0, atol=1e-10)

@@ -184,10 +184,16 @@ def test_inference_weight_cache_follows_updates() -> None:
         a = model(x, model.init_state(1)).logits
         assert torch.equal(model(x, model.init_state(1)).logits, a)  # cached path, same result
         model.w_m.g.mul_(1.5)  # an in-place update must invalidate the cache
+        model.w_x.bias.add_(0.25)  # and the input tables
         b = model(x, model.init_state(1)).logits
-    fresh = model(x, model.init_state(1)).logits  # grad enabled: computed directly
+        rebuilt = MLSTM(model.config).to(next(model.parameters()).dtype).eval()
+        rebuilt.load_state_dict(model.state_dict())
+        fresh = rebuilt(x, rebuilt.init_state(1)).logits  # caches made from the new weights
+    direct = model(x, model.init_state(1)).logits  # grad enabled: computed without any cache
     assert not torch.equal(a, b)
-    torch.testing.assert_close(b, fresh.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(b, fresh, rtol=0, atol=0)
+    # the input tables are the same products row by row, up to the matmul's summation order
+    torch.testing.assert_close(b, direct.detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_weight_cache_serves_frozen_weights_under_autograd() -> None:
