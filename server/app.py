@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.datastructures import Headers
@@ -17,7 +18,7 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.routes import ROUTERS
 from server.settings import Settings
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "uvicorn_options"]
 
 
 def _version() -> str:
@@ -25,6 +26,11 @@ def _version() -> str:
         return version("adaptlm")
     except PackageNotFoundError:
         return "0.0.0"
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """What a uvicorn serving this app is given besides the app, host, port and logging."""
+    return {"timeout_keep_alive": settings.keep_alive_s}
 
 
 def create_app(settings: Settings) -> FastAPI:

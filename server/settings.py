@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     max_n: int = Field(default=8, ge=1)
     # JSON escapes can make a text's body several times its UTF-8 size (`\u00e9` is 6 bytes for 2).
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    # Idle keep-alive connections are closed after this long (uvicorn's timeout_keep_alive, 5 s by default). It
+    # must outlast clients' own expiry (httpx: 5 s; nginx upstreams: 60 s), or a client may send a request on a
+    # connection the server is closing at that moment and read a reset (`httpx.ReadError`).
+    keep_alive_s: int = Field(default=75, ge=1, le=3600)
     log_level: LogLevel = "info"
     # NoDecode: the environment holds a comma list, not JSON.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()

@@ -25,7 +25,7 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 
-from server.app import create_app
+from server.app import create_app, uvicorn_options
 from server.settings import Settings
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -48,7 +48,8 @@ def serve(settings: Settings, start_timeout: float = 60.0) -> Iterator[LiveServe
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                           **uvicorn_options(settings)))
     exit_codes: list[object] = []
 
     def run() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import pytest
 
 from models.checkpoint import load_checkpoint
 from models.scoring import score_bytes
+from server.settings import Settings
 
 TEXT = "Elinor, this eldest daughter, whose advice was so effectual, possessed a strength of understanding."
 
@@ -165,3 +168,34 @@ def test_openapi_and_docs(client: httpx.Client) -> None:
     assert score["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ScoreRequest")
     assert score["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "HTTPValidationError" not in spec["components"]["schemas"]
+
+
+def _get_on(conn: socket.socket) -> bytes:
+    """GET /healthz on an open connection -> the whole response (headers, then Content-Length bytes)."""
+    conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return data
+
+
+def test_idle_connections_live_for_keep_alive_s(tiny_checkpoint: Path, serve_app: Any) -> None:
+    """An idle keep-alive connection is closed after `keep_alive_s`, not uvicorn's 5 s (which races with clients
+    that keep connections 5 s themselves: a request on a connection being closed reads a reset)."""
+    with serve_app(Settings(checkpoint=tiny_checkpoint, keep_alive_s=1)) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            assert _get_on(conn).startswith(b"HTTP/1.1 200")
+            time.sleep(0.4)
+            assert _get_on(conn).startswith(b"HTTP/1.1 200")  # still open
+            time.sleep(2.0)
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+            try:
+                answer = conn.recv(65536)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b""  # the server closed it

@@ -23,6 +23,7 @@ def test_defaults() -> None:
     assert DEFAULT_CHECKPOINT == Path(__file__).resolve().parents[2] / "checkpoints" / "default"
     assert (s.host, s.port, s.max_text_bytes, s.log_level, s.api_keys) == ("127.0.0.1", 8000, 1_000_000, "info", ())
     assert s.max_body_bytes >= s.max_text_bytes
+    assert s.keep_alive_s == 75  # longer than clients keep idle connections (httpx 5 s, nginx 60 s)
     assert s.precision == "auto"  # bf16 recurrent matmuls where the hardware has them (models/precision.py)
 
 
