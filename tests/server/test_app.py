@@ -177,7 +177,8 @@ def _get_on(conn: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += conn.recv(65536)
     head, body = data.split(b"\r\n\r\n", 1)
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     while len(body) < length:
         body += conn.recv(65536)
     return data
