@@ -13,6 +13,7 @@ dropped.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections import OrderedDict
@@ -37,6 +38,8 @@ from models.wordcache import mix_completions, previous_word
 from server.engine._sessions import Session
 
 __all__ = ["CursorCache", "Feed", "SuggestJob", "SuggestRounds", "Suggestions", "run_suggestions"]
+
+NEXT_CURSORS = 8  # cursors a search leaves for the next keystroke (of a session's 32)
 
 
 def _same_record(a: Session, b: Session) -> bool:
@@ -237,8 +240,13 @@ def run_suggestions(model: LanguageModel, jobs: list[SuggestJob], cache: CursorC
 def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
     assert job.search is not None and job.cursor is not None
     context = job.context.encode("utf-8")
-    for char, cursor in job.search.next_cursors.items():  # the next keystroke is likely one of these
+    # The next keystroke is likely one of the characters the search expanded: keep the likeliest (the search
+    # found them best first). Then the context's own cursor again, so that it is the most recent: a keystroke
+    # no search foresaw (or a backspace) continues from it, instead of feeding the whole message again because
+    # the foreseen characters pushed it out of the session's few cursors.
+    for char, cursor in itertools.islice(job.search.next_cursors.items(), NEXT_CURSORS):
         cache.put(job.session, context + char, cursor)
+    cache.put(job.session, context, job.cursor)
     try:
         found = job.search.result()
         chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter)

@@ -294,6 +294,26 @@ def test_the_next_keystroke_starts_from_the_search_s_expansions(ckpt: Any) -> No
                                                                       rel=1e-5)
 
 
+def test_a_keystroke_no_search_foresaw_feeds_only_itself(ckpt: Any) -> None:
+    """The cursors a search leaves for the next keystroke must not push out the context's own: a character the
+    search did not foresee then feeds one byte, not the whole message (a cache of 4 cursors a session)."""
+    model = ckpt.model
+    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
+                      config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
+                      static_state=model.init_state(1), last_byte=BOS,
+                      adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
+    cache = CursorCache(per_session=4)
+    context = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be t"
+    first = SuggestJob(session, context, 3, 24, 5)
+    run_suggestions(model, [first], cache, min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
+    assert first.search is not None and len(first.search.next_cursors) >= 4  # enough to fill the cache
+    unforeseen = next(c for c in "zqxjvkw" if c.encode() not in first.search.next_cursors)
+    fed = cache.fed
+    run_suggestions(model, [SuggestJob(session, context + unforeseen, 3, 24, 5)], cache, min_prob=1e-3, batch=8,
+                    max_expansions=2048, round_rows=128)
+    assert cache.fed == fed + 1
+
+
 def test_the_word_cache_mixes_observed_words_into_the_completions(client: httpx.Client) -> None:
     """With cache_weight lam, a completion's probability is (1 - lam) p_model + lam p_cache over the words the
     session observed (models/wordcache.py): a word seen once is offered at once. Two sessions that read the same
