@@ -15,7 +15,9 @@ two recurrent matmuls of the loop (and their transposes in the sparse backward) 
 converted once and cached; the input projections, the gates, the cell state, the adapter and the output layer
 stay in float32 (a bf16 logit would be off by up to 1/16 at the logits' scale). The recurrent weights are read at
 half the bytes, and CPUs with AVX-512 BF16 or AMX multiply them about 2x faster at 8-64 rows. Training under
-autocast is unchanged (everything autocast covers runs in bf16), as are all paths without autocast.
+autocast is unchanged (everything autocast covers runs in bf16); the trainer's validation runs without
+gradients under autocast, so it takes this path (float32 output layer). With frozen weights the input
+projections come from per-byte tables (`_input_tables`), with or without autocast.
 """
 
 from __future__ import annotations

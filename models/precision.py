@@ -21,12 +21,27 @@ Precision = Literal["auto", "float32", "bfloat16"]
 PRECISIONS: tuple[Precision, ...] = ("auto", "float32", "bfloat16")
 
 
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def native_bf16(device: torch.device) -> bool:
-    """Does `device` multiply bf16 matrices natively (faster than float32)?"""
+    """Does `device` multiply bf16 matrices natively (faster than float32)? oneDNN also runs bf16 on any
+    AVX-512 CPU, but emulated (slower than float32) without AVX-512 BF16 or AMX: those are what count."""
     if device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported())
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     if device.type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # False without oneDNN or AVX-512 BF16/AMX
+        if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+            return False
+        return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
     return False
 
 

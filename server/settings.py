@@ -70,8 +70,8 @@ class Settings(BaseSettings):
     # the best completions found so far (0: no budget, always the exact top k).
     suggest_budget_ms: float = Field(default=50.0, ge=0, le=60_000, allow_inf_nan=False)
     # The model work's precision (models/precision.py): "bfloat16" runs the recurrent matmuls in bf16 (about 2x
-    # faster at 8-64 rows where the CPU has AVX-512 BF16 or AMX; bits within ~1e-4 relative), "float32" is exact,
-    # "auto" is bfloat16 where the hardware multiplies it natively, else float32.
+    # faster at 8-64 rows where the CPU has AVX-512 BF16 or AMX; bits within about 1e-4 relative on the default
+    # model), "float32" is exact, "auto" is bfloat16 where the hardware multiplies it natively, else float32.
     precision: Precision = "auto"
     # repr=False: a Redis URL may carry a password
     session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)

@@ -382,8 +382,8 @@ class Engine:
         budget = self.config.suggest_budget_ms
         deadline = time.monotonic() + budget / 1000 if budget > 0 else math.inf
         # No session id on the item: a suggestion reads the session's last committed record at once instead of
-        # waiting for the session's turn behind a long observe (a keystroke cannot wait for that). Suggestions
-        # that arrive together are answered together, their model steps batched (`run_suggestions`).
+        # waiting for the session's turn behind a long observe (a keystroke cannot wait for that). It joins the
+        # word searches in progress at their next round, its model steps batched with theirs (`SuggestRounds`).
         item = _Suggest(Future(), None, owner, target=session_id, context=context, k=k, max_chars=max_chars,
                         n_chars=n_chars, deadline=deadline)
         result: Suggestions = await self._submit(item)
@@ -715,12 +715,11 @@ class Engine:
         batched step): a suggestion joins the searches already running at the next round (`SuggestRounds`)."""
         rounds = self._rounds
         assert rounds is not None
-        started, self._suggests = self._suggests, []
-        # a client that went away: its search stops here
-        for job in [job for job in rounds.active if self._searching[job].cancelled.is_set()]:
-            rounds.active.remove(job)
+        started = [(item, job) for item, job in self._suggests if not self._dropped(item)]
+        self._suggests = []
+        for job in [job for job in rounds.active if self._dropped(self._searching[job])]:
+            rounds.active.remove(job)  # its client went away: the search stops here
             del self._searching[job]
-            self._stats.cancelled_work += 1
         if not started and not rounds.active:
             return
         self._searching.update((job, item) for item, job in started)
@@ -747,6 +746,14 @@ class Engine:
                 item.future.set_result(job.result)
             else:
                 item.fail(job.error or RuntimeError("the suggestion was not answered"))
+
+    def _dropped(self, item: _Suggest) -> bool:
+        """A started suggestion whose client went away is failed (as running text work is) and counted."""
+        if not item.cancelled.is_set():
+            return False
+        item.fail(asyncio.CancelledError())
+        self._stats.cancelled_work += 1
+        return True
 
     def _count_suggest_rows(self, rows: int | None) -> None:
         if rows is not None:

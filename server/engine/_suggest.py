@@ -145,9 +145,10 @@ class SuggestRounds:
     in all, at least 4 each): the searches stay exact, they take more rounds. A job past its deadline is cut
     (its result is then marked inexact).
 
-    Jobs join between rounds (continuous batching): the engine runs one round per turn of its loop, so a
-    keystroke that arrives while others are searching waits for one round (a few ms), not for their whole
-    searches."""
+    Jobs join between rounds (continuous batching): the engine runs rounds back to back and starts the
+    keystrokes that arrived in between, so a keystroke that arrives while others are searching waits for one
+    round (a few ms), not for their whole searches (it may still wait for a text or generation step the engine
+    is running)."""
 
     def __init__(self, model: LanguageModel, cache: CursorCache, *, min_prob: float, batch: int,
                  max_expansions: int, round_rows: int) -> None:
@@ -207,7 +208,10 @@ class SuggestRounds:
         """Give every job without one its next request (cutting those past their deadline); -> the jobs that
         still search. The others are finished into `done`."""
         now = time.monotonic()
-        limit = max(4, self.round_rows // max(1, len(jobs)))
+        # `round_rows` in all: the rows already popped (by the jobs that searched last round) count against it
+        taken = sum(len(job.request[1]) for job in jobs if job.request is not None)
+        asking = sum(job.request is None for job in jobs)
+        limit = max(4, (self.round_rows - taken) // max(1, asking))
         going = []
         for job in jobs:
             assert job.search is not None

@@ -44,6 +44,18 @@ def test_precision_names_resolve() -> None:
         assert not torch.is_autocast_enabled("cpu")
 
 
+def test_auto_needs_bf16_in_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN runs bf16 on any AVX-512 CPU, emulated (slower) without AVX-512 BF16 or AMX: "auto" asks the flags."""
+    import models.precision as precision
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
+    assert not native_bf16(cpu) and resolve_precision("auto", cpu) == "float32"
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert native_bf16(cpu) == torch.backends.mkldnn.is_available()
+    assert not native_bf16(torch.device("meta"))
+
+
 def test_bf16_scoring_stays_close_to_float32(ckpt: Any) -> None:
     model = ckpt.model
     exact = score_bytes(model, TEXT, logprobs=True)

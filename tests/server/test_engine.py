@@ -15,6 +15,7 @@ from models.checkpoint import CheckpointError, load_checkpoint
 from models.mlstm import MLSTM
 from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
+from models.suggest import Suggestions
 from server.engine import Engine, EngineUnavailable, Event, Finished, GenerationStream, PromptScored, Token
 from server.settings import Settings
 
@@ -172,3 +173,19 @@ def test_not_ready_once_the_engine_stops(tiny_checkpoint: Path, serve_app: Any, 
         assert_error(client.post("/v1/generate", json={"prompt": "a"}), 503, "service_unavailable_error")
         r = client.post("/v1/completions", json={"model": tiny_checkpoint.name, "prompt": "a"})
         assert_error(r, 503, "service_unavailable_error")
+
+
+def test_stop_answers_the_suggestions_in_progress(engine: Engine) -> None:
+    """Keystrokes queued or searching when the engine stops are answered, not dropped."""
+    text = "It is a truth universally acknowledged, that a single man"
+
+    async def main() -> list[Any]:
+        session = (await engine.create_session(owner=None))[0]
+        tasks = [asyncio.create_task(engine.suggest(session.id, None, text[:n])) for n in range(5, len(text), 4)]
+        await asyncio.sleep(0.01)  # every one submitted (the first few already searching)
+        await asyncio.to_thread(engine.stop)
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+    answers = asyncio.run(main())
+    assert len(answers) == 13 and all(isinstance(a, Suggestions) and a.completions for a in answers), answers
+    assert not engine.alive

@@ -25,7 +25,7 @@ from models.suggest import Completion, advance, split_word
 from models.wordcache import WordCache, mix_completions, previous_word
 from server.engine import AdaptationConfig, Session
 from server.engine._engine import SUGGEST_BATCH
-from server.engine._suggest import CursorCache, SuggestJob, run_suggestions
+from server.engine._suggest import CursorCache, SuggestJob, SuggestRounds, run_suggestions
 from server.settings import Settings
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
@@ -292,6 +292,42 @@ def test_the_next_keystroke_starts_from_the_search_s_expansions(ckpt: Any) -> No
     assert [c.text for c in again.result.completions] == [c.text for c in fresh.result.completions]
     assert [c.prob for c in again.result.completions] == pytest.approx([c.prob for c in fresh.result.completions],
                                                                       rel=1e-5)
+
+
+def test_a_suggestion_joins_the_searches_in_progress(ckpt: Any) -> None:
+    """Continuous batching: a job started while another searches shares its next round's step, and both answer
+    exactly as they would alone."""
+    model = ckpt.model
+
+    def session(sid: str) -> Session:
+        return Session(id=sid, owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
+                       config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
+                       static_state=model.init_state(1), last_byte=BOS,
+                       adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
+
+    contexts = {"a": "It is a truth universally acknowledged, that a single man in possession of a good fortune, m",
+                "b": "However little known the feelings or views of such a man may be on his first entering a neigh"}
+    alone = {}
+    for sid, context in contexts.items():
+        job = SuggestJob(session(sid), context, 3, 24, 5)
+        run_suggestions(model, [job], CursorCache(), min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
+        alone[sid] = job.result
+    rounds = SuggestRounds(model, CursorCache(), min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
+    a, b = SuggestJob(session("a"), contexts["a"], 3, 24, 5), SuggestJob(session("b"), contexts["b"], 3, 24, 5)
+    rounds.start([a])
+    first, done = rounds.round()
+    assert first is not None and not done and rounds.active == [a]  # a is still searching
+    pending = len(a.request[1]) if a.request is not None else 0
+    rounds.start([b])
+    shared, _ = rounds.round()
+    assert shared is not None and shared > pending  # b's branches ran in the same step as a's
+    while rounds.active:
+        rounds.round()
+    for sid, job in (("a", a), ("b", b)):
+        got, want = job.result, alone[sid]
+        assert got is not None and want is not None
+        assert [c.text for c in got.completions] == [c.text for c in want.completions]
+        assert [c.prob for c in got.completions] == pytest.approx([c.prob for c in want.completions], rel=1e-5)
 
 
 def test_a_keystroke_no_search_foresaw_feeds_only_itself(ckpt: Any) -> None:
