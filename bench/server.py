@@ -16,8 +16,10 @@
 3. emails: one session observes the first e-mails of the file one by one (each with its blank-line
    separator): bits per byte under the session before it adapts vs the unadapted model on the same stream
    (observe's static figure), the running gain 1 - session bits / static bits, and a plot of it.
+4. mixed: one typist's suggestion latency while `--sessions` sessions observe `--observe-bytes` slices back to
+   back (a keystroke can wait for a text step: while someone types the engine keeps them to 32 rows).
 
-    python -m bench.server [--checkpoint DIR] [--only suggest|observe|emails] [--typists 1,10,50]
+    python -m bench.server [--checkpoint DIR] [--only suggest|observe|emails|mixed] [--typists 1,10,50]
                            [--keystrokes 200] [--key-interval-ms 200] [--repeats 1] [--suggest-budget-ms 50]
                            [--sessions 32] [--observe-bytes 2048] [--rounds 1]
                            [--max-batch 1,64] [--precision auto[,float32]] [--max-seconds 1800] [--emails 60]
@@ -38,6 +40,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -221,6 +224,70 @@ def bench_observe(args: argparse.Namespace, log: Path) -> None:
                   f"| {done} | {total:,} | {seconds:.1f} | {rate:,.0f} | {rate / first:.2f}x |", flush=True)
 
 
+# -- 4. keystrokes while sessions observe -----------------------------------------------------------------------
+
+
+async def mixed_load(url: str, slices: list[str], messages: list[str], keystrokes: int, interval: float,
+                     max_seconds: float) -> tuple[list[float], float, float]:
+    """`len(slices)` sessions observe their slices back to back while one typist types -> (the typist's
+    latencies in seconds, adapter updates (segments) the server made meanwhile, seconds)."""
+    n = len(slices)
+    transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=n + 2, max_keepalive_connections=n + 2))
+    async with (AsyncClient(url, timeout=3600, transport=transport) as sdk,
+                httpx.AsyncClient(base_url=url, timeout=120) as http):
+        sessions = [await sdk.create_session() for _ in range(n)]
+        stop = asyncio.Event()
+
+        async def observer(session: Any, text: str) -> None:
+            while not stop.is_set():
+                await session.observe(text)
+
+        typist_session = await sdk.create_session()
+        path = f"/v1/sessions/{typist_session.id}/suggest"
+        tasks = [asyncio.create_task(observer(s, t)) for s, t in zip(sessions, slices, strict=True)]
+        await asyncio.sleep(2)  # the observers' batches are running
+        latencies: list[float] = []
+        keys = ((m, end) for m in messages for end in range(1, len(m) + 1))
+        updates0, t0 = await adaptation_updates(http), time.perf_counter()
+        deadline = time.monotonic() + max_seconds
+        for _, (message, end) in zip(range(keystrokes), keys, strict=False):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(interval)
+            start = time.perf_counter()
+            (await http.post(path, json={"context": message[:end], "k": 3})).raise_for_status()
+            latencies.append(time.perf_counter() - start)
+        updates, seconds = await adaptation_updates(http) - updates0, time.perf_counter() - t0
+        stop.set()
+        await asyncio.gather(*tasks)
+        return latencies, updates, seconds
+
+
+async def adaptation_updates(http: httpx.AsyncClient) -> float:
+    """`adaptlm_adaptation_updates_total`: adapter updates so far, one per observed segment."""
+    found = re.search(r'^adaptlm_adaptation_updates_total\{[^}]*\} (\S+)$', (await http.get("/metrics")).text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def bench_mixed(args: argparse.Namespace, log: Path) -> None:
+    corpus = args.messages.read_text(encoding="utf-8")
+    n, size = args.sessions, args.observe_bytes
+    slices = [corpus[j * size:(j + 1) * size] for j in range(n)]
+    messages = [mail[i:i + SUGGEST_MAX_CONTEXT] for mail in emails(args.messages)
+                for i in range(0, len(mail), SUGGEST_MAX_CONTEXT)]
+    print(f"\n## one typist (a key every {args.key_interval_ms:g} ms after the answer) while {n} sessions observe "
+          f"{size:,}-character slices back to back")
+    print("| precision | keystrokes | p50 ms | p90 ms | p99 ms | bytes/s adapted meanwhile |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    with serve(args.checkpoint, log, precision=args.precision[0]) as url:
+        latencies, updates, seconds = asyncio.run(mixed_load(url, slices, messages, args.keystrokes,
+                                                             args.key_interval_ms / 1000, args.max_seconds))
+    p50, p90, p99 = np.percentile(1000 * np.asarray(latencies), [50, 90, 99])
+    segment = 20  # bytes per update: the checkpoint's sparse segment (the last one of a text may be shorter)
+    print(f"| {args.precision[0]} | {len(latencies)} | {p50:.1f} | {p90:.1f} | {p99:.1f} "
+          f"| {updates * segment / seconds:,.0f} |", flush=True)
+
+
 # -- 3. gain of a session over the e-mails ---------------------------------------------------------------------
 
 
@@ -284,7 +351,7 @@ def ints(text: str) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
-    ap.add_argument("--only", choices=["suggest", "observe", "emails"])
+    ap.add_argument("--only", choices=["suggest", "observe", "emails", "mixed"])
     ap.add_argument("--messages", type=Path, default=MESSAGES, help="e-mails separated by blank lines")
     ap.add_argument("--typists", type=ints, default=[1, 10, 50], help="concurrency levels of the suggest part")
     ap.add_argument("--keystrokes", type=int, default=200, help="timed keystrokes per typist")
@@ -310,7 +377,8 @@ def main() -> None:
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, precision auto = {auto} here")
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         log = Path(tmp) / "server.log"
-        for part, run in (("suggest", bench_suggest), ("observe", bench_observe), ("emails", bench_emails)):
+        for part, run in (("suggest", bench_suggest), ("observe", bench_observe), ("emails", bench_emails),
+                          ("mixed", bench_mixed)):
             if args.only in (None, part):
                 run(args, log)
 

@@ -88,6 +88,11 @@ SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each g
 # Suggestion rounds run back to back (new keystrokes joining between rounds) for at most this long while text
 # work or generations wait; then one text step and one generation step run, and the searches go on.
 SUGGEST_SLICE_S = 0.025
+# While someone is typing (a suggestion started in the last TYPING_S), a text step takes at most TYPING_TEXT_ROWS
+# rows, the texts that waited longest first: a keystroke then waits for a shorter step (a 64-row step of the
+# default model is ~150 ms in bf16, a 32-row one ~80 ms; docs/benchmarks.md).
+TYPING_S = 1.0
+TYPING_TEXT_ROWS = 32
 
 
 def new_session_id() -> str:
@@ -247,6 +252,7 @@ class Engine:
         self._suggests: list[tuple[_Suggest, SuggestJob]] = []  # started, not yet fed
         self._rounds: SuggestRounds | None = None  # the searches in progress (made when the model is loaded)
         self._searching: dict[SuggestJob, _Suggest] = {}
+        self._last_keystroke = -math.inf  # time.monotonic() of the last suggestion started
 
     # -- lifecycle (blocking; call from a thread, not the event loop) ------------------------------
 
@@ -687,6 +693,7 @@ class Engine:
             item.future.set_result(result)
 
     def _start_suggest(self, item: _Suggest) -> None:
+        self._last_keystroke = time.monotonic()
         if item.cancelled.is_set() or not item.future.set_running_or_notify_cancel():
             self._stats.cancelled_work += 1
             return
@@ -804,16 +811,29 @@ class Engine:
         self._texts = running
         if not running:
             return
+        if time.monotonic() - self._last_keystroke < TYPING_S:  # shorter steps while someone types
+            stepping: list[_Text] = []
+            rows = 0
+            for item in running:
+                need = len(item.job.rows) if item.job is not None else 0
+                if stepping and rows + need > TYPING_TEXT_ROWS:
+                    break
+                stepping.append(item)
+                rows += need
+            # the others go first next time
+            self._texts = running = [*running[len(stepping):], *stepping]
+        else:
+            stepping = running
         assert self._base is not None or all(t.mode == "static" for t in running)
         config = self._base or DynEvalConfig(mode="static")
         try:
-            rows = batch_step(ckpt.model, [t.job for t in running if t.job is not None], config, self._stacked)
+            rows = batch_step(ckpt.model, [t.job for t in stepping if t.job is not None], config, self._stacked)
         except Exception as e:
-            log.exception("a batched step failed; failing its %d items", len(running))
-            for item in running:
+            log.exception("a batched step failed; failing its %d items", len(stepping))
+            for item in stepping:
                 item.fail(e)
                 self._release(item.session_id)
-            self._texts = []
+            self._texts = [item for item in running if item not in stepping]
             return
         self._stats.batches += 1
         self._stats.batch_rows[rows] = self._stats.batch_rows.get(rows, 0) + 1

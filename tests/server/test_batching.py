@@ -21,6 +21,7 @@ from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
 from server.engine import Engine, EngineConfig, EngineOverloaded, TextScore, Token
 from server.engine._batch import Row, TextJob, batch_step, text_tensors
+from server.engine._engine import TYPING_TEXT_ROWS
 from server.settings import Settings
 from trainer.evaluation import config_for
 
@@ -87,6 +88,27 @@ def test_batched_observe_equals_sequential_sparse_evaluation(engine: Engine, tin
     expected = score_bytes(ckpt.model, b"a static score in the same batches", logprobs=True)
     assert plain.bits == pytest.approx(expected.bits, rel=1e-5)
     assert plain.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
+
+def test_text_steps_are_shorter_while_someone_types(engine: Engine, tiny_checkpoint: Path) -> None:
+    """With a keystroke in the last second, a text step takes at most TYPING_TEXT_ROWS rows (the texts that waited
+    longest first), so that a keystroke waits for a shorter step; every observe still gives the same answer."""
+    data = [t.encode() for t in texts(20, seed=3)]  # 40 rows
+
+    async def observe_all(typing: bool) -> list[TextScore]:
+        ids = [(await engine.create_session(owner=None))[0].id for _ in data]
+        if typing:
+            await engine.suggest(ids[0], None, "a keystroke")
+        return list(await asyncio.gather(*(engine.score(d, session_id=i, adapt=True)
+                                           for d, i in zip(data, ids, strict=True))))
+
+    plain = asyncio.run(observe_all(typing=False))
+    assert max(engine.stats.batch_rows) == 2 * len(data)
+    before = dict(engine.stats.batch_rows)
+    typed = asyncio.run(observe_all(typing=True))
+    grew = {rows for rows, n in engine.stats.batch_rows.items() if n > before.get(rows, 0)}
+    assert grew and max(grew) <= TYPING_TEXT_ROWS
+    assert [r.bits for r in typed] == pytest.approx([r.bits for r in plain], rel=1e-5)
 
 
 def test_an_adapter_whose_scores_overflow_is_reset_and_the_segment_redone(tiny_checkpoint: Path) -> None:
