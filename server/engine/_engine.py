@@ -709,10 +709,12 @@ class Engine:
         """Run suggestion rounds until no search is left, starting the keystrokes that arrive meanwhile; while
         text or generation work waits, for at most SUGGEST_SLICE_S. -> True if the stop sentinel arrived."""
         stopping = False
-        end = time.monotonic() + SUGGEST_SLICE_S
+        start = time.monotonic()
         while True:
             self._run_suggests(ckpt)
-            if not self._searching or ((self._texts or self._gens) and time.monotonic() > end):
+            spent = time.monotonic() - start
+            # (with nothing else waiting, still back to the loop now and then: the store's sweep runs there)
+            if not self._searching or ((self._texts or self._gens) and spent > SUGGEST_SLICE_S) or spent > 1.0:
                 return stopping
             stopping = self._take(block=False) or stopping
             self._admit(ckpt)
