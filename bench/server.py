@@ -96,12 +96,18 @@ def emails(path: Path) -> list[str]:
     return [mail for mail in path.read_text(encoding="utf-8").split(SEPARATOR) if mail.strip()]
 
 
+def metric(metrics: str, name: str, labels: str = "") -> float:
+    """The value of the sample `name{...}` of a /metrics page whose labels contain `labels` (0 if absent)."""
+    found = re.search(rf'^{name}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$', metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 async def text_rows(url: str) -> tuple[float, float]:
     """(rows, batched calls) of text work so far, from the `adaptlm_batch_rows` histogram."""
     async with httpx.AsyncClient(timeout=30) as http:
         metrics = (await http.get(f"{url}/metrics")).text
-    found = dict(re.findall(r'^adaptlm_batch_rows_(sum|count)\{[^}]*work="text"[^}]*\} (\S+)$', metrics, re.M))
-    return float(found.get("sum", 0)), float(found.get("count", 0))
+    return (metric(metrics, "adaptlm_batch_rows_sum", 'work="text"'),
+            metric(metrics, "adaptlm_batch_rows_count", 'work="text"'))
 
 
 # -- 1. suggestion latency -------------------------------------------------------------------------------------
@@ -172,8 +178,7 @@ def bench_suggest(args: argparse.Namespace, log: Path) -> None:
 
 def suggest_cut(url: str) -> float:
     """Suggestions the server's time budget cut so far (`adaptlm_suggest_cut_total`)."""
-    found = re.search(r'^adaptlm_suggest_cut_total\{[^}]*\} (\S+)$', httpx.get(f"{url}/metrics").text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return metric(httpx.get(f"{url}/metrics").text, "adaptlm_suggest_cut_total")
 
 
 # -- 2. observe throughput, batched or not ---------------------------------------------------------------------
@@ -265,8 +270,7 @@ async def mixed_load(url: str, slices: list[str], messages: list[str], keystroke
 
 async def adaptation_updates(http: httpx.AsyncClient) -> float:
     """`adaptlm_adaptation_updates_total`: adapter updates so far, one per observed segment."""
-    found = re.search(r'^adaptlm_adaptation_updates_total\{[^}]*\} (\S+)$', (await http.get("/metrics")).text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return metric((await http.get("/metrics")).text, "adaptlm_adaptation_updates_total")
 
 
 def bench_mixed(args: argparse.Namespace, log: Path) -> None:

@@ -30,8 +30,8 @@ from torch.func import functional_call
 from models.adaptation import DynEvalConfig, UpdateRule, adapted_parameter_names, adapter_ms_g, sparse_step
 from models.base import Adapter, LanguageModel, Output, State
 from models.scoring import BOS
-from models.suggest import Cursor, advance, split_word, suggest
-from models.wordcache import WordCache, mix_completions, previous_word
+from models.suggest import Cursor, advance, suggest
+from models.wordcache import WordCache
 
 __all__ = ["ModelSuggester"]
 
@@ -118,11 +118,7 @@ class ModelSuggester:
             self.fed += len(inputs)
         self._cursor = (inputs, cursor)
         found = suggest(self._forward, cursor, context, self.adapter, k=k, max_chars=self.max_chars, n_chars=0)
-        completions = found.completions
-        if self.cache_weight > 0:
-            before, prefix = split_word(context)
-            cached = self.words.candidates(prefix, previous_word(before), self.max_chars)
-            completions = mix_completions(completions, cached, self.cache_weight, k)
+        completions = self.words.mix(found.completions, context, self.cache_weight, k, self.max_chars)
         return [c.text for c in completions]
 
     def observe(self, text: str) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.suggest import APOSTROPHES, Completion, is_word_char
+from models.suggest import APOSTROPHES, Completion, is_word_char, split_word
 
 __all__ = ["WordCache", "mix_completions", "previous_word"]
 
@@ -122,6 +122,15 @@ class WordCache:
         pair = {w: self.pairs.get(previous + _PAIR + w, 0) for w in found}
         seen = sum(pair.values())
         return {w: (pair[w] + uni[w]) / (seen + 1) for w in found}  # beta = 1
+
+    def mix(self, completions: list[Completion], context: str, weight: float, k: int,
+            max_chars: int) -> list[Completion]:
+        """The model's `completions` of the word being typed at the end of `context`, with this cache mixed in at
+        `weight` (module docstring): the k best."""
+        if weight <= 0:
+            return completions[:k]
+        before, prefix = split_word(context)
+        return mix_completions(completions, self.candidates(prefix, previous_word(before), max_chars), weight, k)
 
     @property
     def nbytes(self) -> int:

@@ -732,7 +732,6 @@ class Engine:
         if not started and not rounds.active:
             return
         self._searching.update((job, item) for item, job in started)
-        ended: list[SuggestJob] = [job for _, job in started]
         try:
             if started:
                 self._count_suggest_rows(rounds.start([job for _, job in started]))
@@ -742,13 +741,10 @@ class Engine:
             for item in self._searching.values():
                 item.fail(e)
             self._searching.clear()
-            rounds.active.clear()
+            rounds.clear()
             return
         self._count_suggest_rows(rows)
-        going = set(rounds.active)
-        for job in [*ended, *done]:
-            if job in going or job not in self._searching:
-                continue  # still searching, or answered already (started and done in this turn)
+        for job in done:
             item = self._searching.pop(job)
             if job.result is not None:
                 self._stats.suggest_cut += not job.result.exact
@@ -964,7 +960,7 @@ class Engine:
         self._gens, self._texts, self._suggests = [], [], []
         self._searching.clear()
         if self._rounds is not None:
-            self._rounds.active.clear()
+            self._rounds.clear()
         self._stats.active = 0
         while True:
             try:

@@ -34,7 +34,6 @@ from models.suggest import (
     split_word,
     step,
 )
-from models.wordcache import mix_completions, previous_word
 from server.engine._sessions import Session
 
 __all__ = ["CursorCache", "Feed", "SuggestJob", "SuggestRounds", "Suggestions", "run_suggestions"]
@@ -155,11 +154,12 @@ class SuggestRounds:
         self.model, self.cache = model, cache
         self.min_prob, self.batch, self.max_expansions, self.round_rows = min_prob, batch, max_expansions, round_rows
         self.active: list[SuggestJob] = []
+        self._ended: list[SuggestJob] = []  # jobs that could not start: `round` hands them back with its own
 
     @torch.no_grad()
     def start(self, jobs: list[SuggestJob]) -> int | None:
         """Make the jobs' cursors and start their searches; -> the rows of the feeding forward (None: every
-        cursor was cached). A job that cannot start gets its error and is not kept."""
+        cursor was cached). A job that cannot start gets its error, and the next `round` returns it as ended."""
         plans = [(job, self.cache.plan(job.session, job.context.encode("utf-8"))) for job in jobs]
         feeds = [(job, plan) for job, plan in plans if isinstance(plan, Feed)]
         for job, plan in plans:
@@ -177,15 +177,20 @@ class SuggestRounds:
                                         max_expansions=self.max_expansions)
             except ValueError as e:
                 job.error = e
+                self._ended.append(job)
             else:
                 self.active.append(job)
         return len(feeds) or None
+
+    def clear(self) -> None:
+        """Forget every job (the caller answers them)."""
+        self.active, self._ended = [], []
 
     @torch.no_grad()
     def round(self) -> tuple[int | None, list[SuggestJob]]:
         """One batched step of every search in progress -> (its rows, None if no step was needed; the jobs that
         ended, with their result or error)."""
-        done: list[SuggestJob] = []
+        done, self._ended = self._ended, []
         self.active = self._next_requests(self.active, done)
         if not self.active:
             return None, done
@@ -254,11 +259,10 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
     try:
         found = job.search.result()
         chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter)
-        weight = job.session.config.cache_weight
-        if weight > 0:  # the session's word cache, mixed in (models/wordcache.py)
-            before, prefix = split_word(job.context)
-            cached = job.session.words.candidates(prefix, previous_word(before), job.max_chars)
-            found = dataclasses.replace(found, completions=mix_completions(found.completions, cached, weight, job.k))
+        if job.session.config.cache_weight > 0:  # the session's word cache, mixed in (models/wordcache.py)
+            mixed = job.session.words.mix(found.completions, job.context, job.session.config.cache_weight, job.k,
+                                          job.max_chars)
+            found = dataclasses.replace(found, completions=mixed)
     except Exception as e:  # one job's failure is its own
         job.error = e
         return

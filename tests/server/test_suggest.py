@@ -314,9 +314,11 @@ def test_a_suggestion_joins_the_searches_in_progress(ckpt: Any) -> None:
         alone[sid] = job.result
     rounds = SuggestRounds(model, CursorCache(), min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
     a, b = SuggestJob(session("a"), contexts["a"], 3, 24, 5), SuggestJob(session("b"), contexts["b"], 3, 24, 5)
-    rounds.start([a])
+    bad = SuggestJob(session("c"), "x", 0, 24, 5)  # k = 0: cannot start, handed back by the round
+    rounds.start([a, bad])
     first, done = rounds.round()
-    assert first is not None and not done and rounds.active == [a]  # a is still searching
+    assert done == [bad] and isinstance(bad.error, ValueError)
+    assert first is not None and rounds.active == [a]  # a is still searching
     pending = len(a.request[1]) if a.request is not None else 0
     rounds.start([b])
     shared, _ = rounds.round()
