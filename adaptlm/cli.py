@@ -300,7 +300,7 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         record["checkpoint"] = str(ckpt.path)
         record["cache_weight"] = cache
         try:
-            suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, max_chars=args.max_chars or 24,
+            suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, tokenizer=ckpt.tokenizer, max_chars=args.max_chars or 24,
                                        cache_weight=cache)
         except ValueError as e:
             raise UsageError(str(e)) from None

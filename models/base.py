@@ -30,21 +30,52 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Site:
-    """Where `h' = h + M h` may be applied (ALGORITHMS.md §3): the first `units` of a `dim`-wide vector."""
+    """Where `h' = h + M h` may be applied (ALGORITHMS.md §3): an adapter M (k, k) acts on the first k of the
+    `dim` units of a vector. `layer` is the block it sits in (0 = the first; -1 = after the last), `per_step` says
+    whether it is applied at every time step of a recurrence (the mLSTM's hidden state, feeding the next step)
+    or once per position on a layer's output (a transformer block's residual stream). `units` is this site's
+    default adapter size k (0: the whole `dim`)."""
 
     name: str
     dim: int
+    layer: int = -1
+    per_step: bool = True
+    units: int = 0
+
+    def adapter_size(self, requested: int = 0) -> int:
+        """k for this site: `requested` (0: the site's default) capped at `dim`."""
+        return min(requested or self.units or self.dim, self.dim)
 
 
 @dataclass
 class State:
-    """Recurrent state or memories; every tensor has the batch on dim 0."""
+    """Recurrent state or memories; every tensor has the batch on dim 0.
+
+    A state may hold memories that fill up over time (a transformer's keys and values, (B, L, ...)), with a
+    boolean `mask` (B, L) marking each row's valid slots. `stack` then left-pads every tensor whose dim 1
+    differs between the states (zeros; False in `mask`), so rows of different lengths batch together; the
+    model must ignore the masked slots. Recurrent states (fixed shapes) stack with a plain `cat`.
+    """
 
     tensors: dict[str, torch.Tensor]
 
     @property
     def batch(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row holds (what a session's state costs in memory; padding included)."""
+        return sum(t[0].numel() * t.element_size() for t in self.tensors.values()) if self.batch else 0
+
+    def to_tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Flat, contiguous CPU tensors for serialisation (safetensors), names prefixed."""
+        return {prefix + k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()}
+
+    @staticmethod
+    def from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "") -> State:
+        """The inverse of `to_tensors`: the tensors whose name starts with `prefix`."""
+        return State({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
 
     def detach(self) -> State:
         return State({k: v.detach() for k, v in self.tensors.items()})
@@ -57,10 +88,23 @@ class State:
     @staticmethod
     def stack(states: list[State]) -> State:
         keys = states[0].tensors.keys()
-        return State({k: torch.cat([s.tensors[k] for s in states], dim=0) for k in keys})
+        out = {}
+        for k in keys:
+            parts = [s.tensors[k] for s in states]
+            if parts[0].dim() >= 2 and len({p.shape[1] for p in parts}) > 1:
+                L = max(p.shape[1] for p in parts)
+                parts = [_left_pad(p, L) for p in parts]  # memories of different lengths: pad the oldest end
+            out[k] = torch.cat(parts, dim=0)
+        return State(out)
 
     def to(self, *args: Any, **kwargs: Any) -> State:
         return State({k: v.to(*args, **kwargs) for k, v in self.tensors.items()})
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """(b, l, ...) -> (b, length, ...), the new slots first (zeros, or False for a mask)."""
+    pad = t.new_zeros(t.shape[0], length - t.shape[1], *t.shape[2:])
+    return torch.cat([pad, t], dim=1)
 
 
 @dataclass
@@ -122,9 +166,16 @@ class Output:
 
 
 class LanguageModel(nn.Module):
-    """Interface shared by all architectures; the engine, trainer and dynamic evaluation use only this."""
+    """Interface shared by all architectures; the engine, trainer and dynamic evaluation use only this.
+
+    `frozen` is set once, by `freeze()` when a checkpoint is loaded for inference: the weights are constants
+    from then on (no gradients for them, never toggled while serving), and a model may use that for faster
+    inference and for a cheaper backward that computes the adapters' gradients only (sparse adaptation). The
+    trainer's models are not frozen; full dynamic evaluation adapts an unfrozen private copy (`trainable_copy`).
+    """
 
     config: ModelConfig
+    frozen: bool = False
 
     def init_state(self, batch: int) -> State:
         raise NotImplementedError
@@ -134,3 +185,38 @@ class LanguageModel(nn.Module):
 
     def adaptation_sites(self) -> list[Site]:
         raise NotImplementedError
+
+    def freeze(self) -> LanguageModel:
+        """Make the weights constants for inference (once, at load); -> self."""
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.frozen = True
+        return self.eval()
+
+    def trainable_copy(self) -> LanguageModel:
+        """A private copy whose weights take gradients (full dynamic evaluation); this model is untouched."""
+        ref = next(self.parameters())
+        copy = type(self)(self.config).to(ref.device, ref.dtype)
+        copy.load_state_dict(self.state_dict())
+        return copy.eval()
+
+    # -- losses and scores through the model, so that a model with an adaptive softmax or auxiliary losses
+    #    needs no special case in the trainer, dynamic evaluation or the server --------------------------
+
+    def log_probs(self, output: Output) -> torch.Tensor:
+        """log p over the vocabulary at every position: (B, T, V), at least float32."""
+        logits = output.logits
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return torch.log_softmax(logits, dim=-1)
+
+    def target_logprobs(self, output: Output, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) at every position: targets (B, T) -> (B, T). A large-vocabulary model may override it
+        to avoid the full distribution."""
+        return self.log_probs(output).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def loss(self, output: Output, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss: mean cross-entropy of the targets (B, T) plus every auxiliary loss the forward
+        returned in `output.aux` (already weighted by the model)."""
+        nll = -self.target_logprobs(output, targets).mean()
+        return nll + sum(output.aux.values()) if output.aux else nll

@@ -3,7 +3,8 @@
     config.json         {"format": 1, "model": {arch, ...}, "training": {...}, "metrics": {...}}
     model.safetensors   weights
     stats.safetensors   MS_g per weight ("param.<name>") and per adapter site ("adapter.<site>")
-    dyneval.json        dynamic-evaluation settings (eta, lambda, eps, segment, ...)
+    dyneval.json        dynamic-evaluation settings (eta, lambda, eps, segment, ...), parsed into DynEvalSettings
+  config.json's "tokenizer" names the tokenizer (absent: bytes, as every checkpoint before it was saved).
     MODEL_CARD.md       human-readable card
 """
 
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from models.adaptation import DynEvalSettings
 from models.base import LanguageModel, ModelConfig
 from models.registry import build_model, config_from_dict
+from models.tokenizer import ByteTokenizer, tokenizer_from_dict
 
 __all__ = ["CHECKPOINT_FILES", "Checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint"]
 
@@ -40,10 +42,15 @@ class Checkpoint:
     config: ModelConfig
     meta: dict[str, Any]  # config.json minus the model config
     stats: dict[str, torch.Tensor]
-    dyneval: dict[str, Any]
+    dyneval: DynEvalSettings
     model_hash: str  # sha256 of model.safetensors: ties sessions and exports to these weights
     path: Path | None = None
     card: str = field(default="", repr=False)
+    tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @property
     def name(self) -> str:
@@ -59,20 +66,21 @@ def _sha256(path: Path) -> str:
 
 
 def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[str, torch.Tensor] | None = None,
-                    dyneval: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
+                    dyneval: Mapping[str, Any] | None = None, meta: dict[str, Any] | None = None,
                     card: str = "", weights_dtype: torch.dtype = torch.float32,
-                    stats_dtype: torch.dtype = torch.float32) -> Path:
+                    stats_dtype: torch.dtype = torch.float32, tokenizer: ByteTokenizer | None = None) -> Path:
     """Write every checkpoint file; files are written to temporary names and renamed into place."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"format": FORMAT_VERSION, "model": model.config.to_dict(), **(meta or {})}
+    config = {"format": FORMAT_VERSION, "model": model.config.to_dict(), **(meta or {}),
+              "tokenizer": (tokenizer or ByteTokenizer()).to_dict()}
     weights = {k: v.detach().to("cpu", weights_dtype).contiguous() for k, v in model.state_dict().items()}
     stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()}
     staged: dict[str, Callable[[Path], object]] = {
         "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": str(FORMAT_VERSION)}),
         "stats.safetensors": lambda p: save_file(stats_t, str(p), metadata={"format": str(FORMAT_VERSION)}),
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
-        "dyneval.json": lambda p: p.write_text(json.dumps(dyneval or {}, indent=2, sort_keys=True) + "\n"),
+        "dyneval.json": lambda p: p.write_text(json.dumps(dict(dyneval or {}), indent=2, sort_keys=True) + "\n"),
         "MODEL_CARD.md": lambda p: p.write_text(card or "# Model card\n\n(no card written)\n"),
     }
     for name, write in staged.items():
@@ -108,8 +116,10 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
-                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load and validate a checkpoint directory; every problem raises CheckpointError naming the file."""
+                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    trainable: bool = False) -> Checkpoint:
+    """Load and validate a checkpoint directory onto `device`; every problem raises CheckpointError naming the
+    file. The model is frozen for inference (`LanguageModel.freeze`) unless `trainable`."""
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a checkpoint directory")
@@ -123,6 +133,13 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
         config = config_from_dict(meta.pop("model"))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_path}: {e}") from None
+    try:
+        tokenizer = tokenizer_from_dict(meta.pop("tokenizer", None))
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from None
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(f"{cfg_path}: the {tokenizer.kind} tokenizer has {tokenizer.vocab_size} tokens, "
+                              f"the model {config.vocab_size}")
     if expect_arch is not None and config.arch != expect_arch:
         raise CheckpointError(f"{cfg_path}: architecture {config.arch!r}, expected {expect_arch!r}")
 
@@ -149,12 +166,13 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
     for k, v in stats.items():
         if k.startswith("param.") and (k[6:] not in params or params[k[6:]].shape != v.shape):
             raise CheckpointError(f"{stats_path}: statistics {k!r} match no parameter of the model")
-    dyneval = _read_json(d / "dyneval.json")
-    for key, value in dyneval.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise CheckpointError(f"{d / 'dyneval.json'}: {key!r} is not finite")
+    try:
+        dyneval = DynEvalSettings(_read_json(d / "dyneval.json"))
+    except ValueError as e:
+        raise CheckpointError(f"{d / 'dyneval.json'}: {e}") from None
     card_path = d / "MODEL_CARD.md"
     if not card_path.is_file():
         raise CheckpointError(f"{card_path}: missing")
     return Checkpoint(model=model, config=config, meta=meta, stats=stats, dyneval=dyneval,
-                      model_hash=_sha256(weights_path), path=d, card=card_path.read_text(encoding="utf-8"))
+                      model_hash=_sha256(weights_path), path=d, card=card_path.read_text(encoding="utf-8"),
+                      tokenizer=tokenizer)

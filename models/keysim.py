@@ -8,11 +8,12 @@ for the message being typed.
 
 Modes (`DynEvalConfig.mode`):
 - "static": fixed weights; observing only moves the recurrent state on (the text is context);
-- "sparse": sparse dynamic evaluation of adapter matrices M (the server's sessions), `sparse_step` per segment;
-- "full": full dynamic evaluation of the weights (thesis fig. 4.1, as in `models.adaptation`'s full mode): each
-  segment is scored, then one update step of every adapted parameter, continuing across messages from where
-  the last one left off; suggestions run through `torch.func.functional_call` with the adapted tensors (the
-  shared model's weights are never written).
+- "sparse": sparse dynamic evaluation of adapter matrices M (the server's sessions): the text runs through
+  `models.adaptation.batch_step`, the step the server's engine and offline evaluation run, guard included;
+- "full": full dynamic evaluation of the weights (thesis fig. 4.1, `models.adaptation.FullStream`, as offline
+  evaluation's full mode): each segment is scored, then one update step of every adapted parameter, continuing
+  across messages from where the last one left off, in a private copy of the weights that suggestions then use
+  (the shared model's weights are never written).
 
 The text is one stream from the BOS byte, as in a session: `observe` feeds the byte that follows the state and
 the text but its last byte, which becomes the next input. A cursor (the model after the message typed so far)
@@ -21,34 +22,29 @@ is kept between suggestions, so each keystroke feeds only the characters it adde
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import cast
+from collections.abc import Mapping
 
 import torch
-from torch.func import functional_call
 
-from models.adaptation import DynEvalConfig, UpdateRule, adapted_parameter_names, adapter_ms_g, sparse_step
-from models.base import Adapter, LanguageModel, Output, State
-from models.scoring import BOS
+from models.adaptation import (
+    DynEvalConfig,
+    FullStream,
+    Row,
+    RuleCache,
+    TextJob,
+    UpdateRule,
+    adapter_ms_g,
+    batch_step,
+    sparse_sites,
+)
+from models.base import Adapter, LanguageModel, State
 from models.suggest import Cursor, advance, suggest
+from models.tokenizer import ByteTokenizer
 from models.wordcache import WordCache
 
 __all__ = ["ModelSuggester"]
 
-
-class _Bound:
-    """The model with some of its parameters replaced, called through `functional_call`: what `models.suggest`
-    needs of a model (a call and `parameters()`), for suggestions from fully adapted weights."""
-
-    def __init__(self, model: LanguageModel, params: dict[str, torch.Tensor]) -> None:
-        self.model = model
-        self.params = params
-
-    def parameters(self) -> Iterator[torch.Tensor]:
-        return iter(self.params.values())
-
-    def __call__(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
-        return cast(Output, functional_call(self.model, self.params, (tokens, state, adapter)))
+_STATIC_SEGMENT = 1024  # static observing takes no steps: long segments, fewer calls
 
 
 class ModelSuggester:
@@ -58,48 +54,60 @@ class ModelSuggester:
 
     def __init__(self, model: LanguageModel, config: DynEvalConfig | None = None, *,
                  stats: Mapping[str, torch.Tensor] | None = None, max_chars: int = 24,
-                 cache_weight: float = 0.0) -> None:
+                 cache_weight: float = 0.0, tokenizer: ByteTokenizer | None = None) -> None:
         if not 0 <= cache_weight <= 1:
             raise ValueError(f"cache_weight must be in [0, 1], not {cache_weight}")
-        self.model = model.eval()
+        self.model = model
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.cache_weight = cache_weight
         self.words = WordCache()
         self.config = config or DynEvalConfig(mode="static")
         self.max_chars = max_chars
         ref = next(model.parameters())
         self.device = ref.device
-        self.state = model.init_state(1)
-        self.last = BOS
-        self.adapter: Adapter | None = None
-        self.fed = 0  # bytes fed to the model by suggestions (the cursor cache's work)
-        self.updates = 0
+        self.last = self.tokenizer.bos
+        self.fed = 0  # tokens fed to the model by suggestions (the cursor cache's work)
         self._cursor: tuple[bytes, Cursor] | None = None  # (context bytes, the model after them)
+        self._full: FullStream | None = None
+        self._rules = RuleCache()
         mode = self.config.mode
+        rule = None
+        mats = None
         if mode == "sparse":
-            sites = {s.name: self.config.adapter_units or s.dim for s in model.adaptation_sites()}
+            sites = sparse_sites(model, self.config.adapter_units)
             ms_g = None
             if self.config.rule in ("rms", "rms_decay"):
                 if stats is None:
                     raise ValueError(f"rule {self.config.rule!r} needs the checkpoint's stats")
                 ms_g = {k: v.to(ref.device, ref.dtype) for k, v in adapter_ms_g(stats, sites).items()}
-            self.adapter = Adapter.zeros(sites, 1, dtype=ref.dtype, device=ref.device)
-            self._ms_g = ms_g
-            self._rule = UpdateRule(self.config, list(sites), ms_g)
+            rule = UpdateRule(self.config, list(sites), ms_g)
+            mats = {s: torch.zeros(k, k, dtype=ref.dtype, device=ref.device) for s, k in sites.items()}
         elif mode == "full":
-            names = adapted_parameter_names(model, self.config)
-            everything = {n: p.detach() for n, p in model.named_parameters()}
-            self._theta_g = {n: everything[n] for n in names}  # the unadapted weights: decay pulls towards them
-            self._fixed = {n: p for n, p in everything.items() if n not in self._theta_g}
-            ms_g = None
-            if stats is not None:
-                ms_g = {n: stats[f"param.{n}"].to(ref.device, ref.dtype) for n in names if f"param.{n}" in stats}
-            self._rule = UpdateRule(self.config, names, ms_g)
-            self.params = {n: p.clone() for n, p in self._theta_g.items()}
-        self._bind()
+            self._full = FullStream(model, self.config, stats)  # a private copy of the weights adapts
+        self._row = Row(model.init_state(1), mats, rule)  # static and sparse: the stream, as a server session's
 
-    def _bind(self) -> None:
-        self._forward: LanguageModel = self.model if self.config.mode != "full" else cast(
-            LanguageModel, _Bound(self.model, {**self._fixed, **self.params}))
+    @property
+    def updates(self) -> int:
+        return self._full.updates + self._full.skipped if self._full is not None else (
+            self._row.updates + self._row.dropped)
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """Full mode: the adapted weights (a copy); other modes: none."""
+        return self._full.adapted() if self._full is not None else {}
+
+    @property
+    def _forward(self) -> LanguageModel:
+        return self._full.model if self._full is not None else self.model
+
+    @property
+    def adapter(self) -> Adapter | None:
+        mats = self._row.mats
+        return Adapter({s: m.unsqueeze(0) for s, m in mats.items()}) if mats is not None else None
+
+    @property
+    def state(self) -> State:
+        return self._full.state if self._full is not None else self._row.state
 
     # -- the Suggester protocol ---------------------------------------------------------------------------
 
@@ -125,48 +133,17 @@ class ModelSuggester:
         data = text.encode("utf-8")
         if not data:
             return
-        inputs = torch.tensor([self.last, *data[:-1]], dtype=torch.long, device=self.device)  # (T,)
-        targets = torch.tensor(list(data), dtype=torch.long, device=self.device)  # (T,)
-        mode = self.config.mode
-        if mode == "static":
-            with torch.no_grad():
-                self.state = self.model(inputs.unsqueeze(0), self.state).state
-        else:
+        inputs, targets = self.tokenizer.stream(data, self.last, self.device)  # (T,)
+        if self._full is not None:
             n = self.config.segment
             for start in range(0, inputs.numel(), n):
-                x, y = inputs[None, start:start + n], targets[None, start:start + n]  # (1, t)
-                if mode == "sparse":
-                    self._sparse_segment(x, y)
-                else:
-                    self._full_segment(x, y)
-                self.updates += 1
-            self._bind()
-        self.last = data[-1]
+                self._full.step(inputs[None, start:start + n], targets[None, start:start + n])
+        else:
+            job = TextJob(inputs, targets, [self._row])
+            segment = self.config.segment if self.config.mode == "sparse" else _STATIC_SEGMENT
+            while not job.done:
+                batch_step(self.model, [job], segment, self._rules)
+            self._row.logprobs.clear()  # only the stream's state and adapter are kept
+        self.last = self.tokenizer.last_token(data)
         self._cursor = None
         self.words.observe(text)
-
-    # -- adaptation ----------------------------------------------------------------------------------------
-
-    def _sparse_segment(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        assert self.adapter is not None
-        mask = torch.ones_like(x, dtype=torch.bool)  # (1, t)
-        step = sparse_step(self.model, x, y, mask, self.state, self.adapter, self._ms_g, self.config, rule=self._rule)
-        self.state, self.adapter = step.state, step.adapter
-
-    def _full_segment(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Score the segment with the current weights, then one update step (as `models.adaptation`'s full mode,
-        whose non-finite guard this keeps: a non-finite state rewinds the segment, non-finite weights alone are
-        dropped)."""
-        with torch.inference_mode(False), torch.enable_grad():
-            leaves = {k: p.detach().requires_grad_(True) for k, p in self.params.items()}
-            out = functional_call(self.model, {**self._fixed, **leaves}, (x, self.state))
-            lp = torch.log_softmax(out.logits.float(), dim=-1).gather(-1, y.unsqueeze(-1))  # (1, t, 1)
-            grads = torch.autograd.grad(-lp.mean(), list(leaves.values()))
-        new = self._rule.step({k: p.detach() for k, p in leaves.items()}, dict(zip(leaves, grads, strict=True)),
-                              self._theta_g)
-        state = out.state.detach()
-        state_ok = all(bool(torch.isfinite(t).all()) for t in state.tensors.values())
-        if state_ok and all(bool(torch.isfinite(t).all()) for t in new.values()):
-            self.params = new
-        if state_ok:
-            self.state = state

@@ -9,15 +9,15 @@
 The input projections W_mx x and W_x x do not depend on the recurrence, so they are computed for the
 whole sequence in two matmuls before the time loop; the loop does two matmuls per step.
 
-Low-precision inference: under `torch.autocast(dtype=torch.bfloat16)` with the weights needing no gradient
-(scoring, generation, suggestions, sparse adaptation: what the server runs with `precision=bfloat16`), only the
-two recurrent matmuls of the loop (and their transposes in the sparse backward) run in bfloat16, on weights
-converted once and cached; the input projections, the gates, the cell state, the adapter and the output layer
-stay in float32 (a bf16 logit would be off by up to 1/16 at the logits' scale). The recurrent weights are read at
-half the bytes, and CPUs with AVX-512 BF16 or AMX multiply them about 2x faster at 8-64 rows. Training under
-autocast is unchanged (everything autocast covers runs in bf16); the trainer's validation runs without
-gradients under autocast, so it takes this path (float32 output layer). With frozen weights the input
-projections come from per-byte tables (`_input_tables`), with or without autocast.
+Inference paths: a model frozen at load (`LanguageModel.freeze`: the weights are constants, an explicit flag,
+never inferred from `requires_grad`) looks its input projections up from per-byte tables (`_input_tables`),
+runs sparse adaptation through the hand-written backward of kernels.adapted_mlstm (gradient for M only), and
+under `torch.autocast(dtype=torch.bfloat16)` runs only the two recurrent matmuls of the loop (and their
+transposes in the sparse backward) in bfloat16, on weights converted once and cached; the input projections,
+the gates, the cell state, the adapter and the output layer stay in float32 (a bf16 logit would be off by up to
+1/16 at the logits' scale). The recurrent weights are read at half the bytes, and CPUs with AVX-512 BF16 or AMX
+multiply them about 2x faster at 8-64 rows. An unfrozen model (training, the trainer's validation, full dynamic
+evaluation's private copy) takes the plain path, and under autocast everything autocast covers runs in bf16.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class MLSTM(LanguageModel):
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: h, c (B, H); adapter: mats["h"] (B, k, k) or None."""
         device = tokens.device.type
-        frozen = not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+        frozen = self.frozen  # weights are constants (LanguageModel.freeze, at load): the inference paths
         if frozen and torch.is_autocast_enabled(device):
             # inference or sparse adaptation under autocast (module docstring): bf16 recurrent matmuls only
             with torch.autocast(device, enabled=False):
@@ -191,8 +191,7 @@ class MLSTM(LanguageModel):
         h_mask = None
         if self.training and cfg.dropout_hidden > 0:
             h_mask = _locked_mask(h.unsqueeze(1), cfg.dropout_hidden)[:, 0]  # (B, H)
-        if (adapter is not None and h_mask is None and torch.is_grad_enabled()
-                and not any(t.requires_grad for t in (mx, zx, w_mh, w_m))
+        if (frozen and adapter is not None and h_mask is None and torch.is_grad_enabled()
                 and not torch.is_autocast_enabled(mx.device.type)):
             # sparse adaptation (frozen weights): hand-written backward through time, gradient for M only
             hs, h, c = adapted_mlstm(mx, zx, h, c, w_mh, w_m, adapter.mats["h"])  # (B, T, H)

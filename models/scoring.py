@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from models.base import Adapter, LanguageModel, State
+from models.tokenizer import ByteTokenizer
 
 __all__ = ["BOS", "ScoreResult", "score_bytes", "token_logprobs"]
 
 LN2 = math.log(2.0)
-# Every text is scored after this context byte, so its first byte is predicted too (a newline is the
-# most common document start in the training text).
-BOS = 0x0A
+# Every text is scored after the tokenizer's start token (for bytes a newline), so its first byte is predicted too.
+BOS = ByteTokenizer.bos
 
 
 @dataclass

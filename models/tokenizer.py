@@ -1,26 +1,61 @@
-"""Byte tokenizer: any bytes in, the same bytes out; token ids are byte values 0..255."""
+"""Tokenizers, saved with a checkpoint (config.json "tokenizer"). Today: bytes (token ids are byte values 0..255).
+
+Everything that turns text into model inputs asks the tokenizer: the ids of a text, the token that starts a
+stream (`bos`), the bytes each token stands for (`token_bytes`, which the suggestion search and the keyboard
+simulator use to tell word characters from word ends). A word-level tokenizer is a later class here.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
-__all__ = ["ByteTokenizer"]
+__all__ = ["ByteTokenizer", "Tokenizer", "tokenizer_from_dict"]
+
+# Every text is scored after this context byte, so its first byte is predicted too (a newline is the most
+# common document start in the training text).
+_NEWLINE = 0x0A
 
 
 class ByteTokenizer:
+    """Any bytes in, the same bytes out; token ids are byte values."""
+
+    kind = "bytes"
     vocab_size = 256
+    bos = _NEWLINE  # the token before a stream's first one
+
+    def to_dict(self) -> dict[str, Any] | str:
+        return self.kind  # a kind with settings (a word vocabulary) will write an object
 
     def encode(self, data: str | bytes) -> list[int]:
         if isinstance(data, str):
             data = data.encode("utf-8")
         return list(data)
 
-    def encode_tensor(self, data: str | bytes) -> torch.Tensor:
+    def encode_tensor(self, data: str | bytes, device: torch.device | str = "cpu") -> torch.Tensor:
         if isinstance(data, str):
             data = data.encode("utf-8")
         if not data:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # (T,)
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device).long()  # (T,)
+
+    def stream(self, data: str | bytes, last_token: int | None = None,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """-> inputs, targets (T,): every token of `data` is predicted, the first one from `last_token` (the
+        stream's previous input; None: `bos`, a stream's start)."""
+        targets = self.encode_tensor(data, device)  # (T,)
+        first = targets.new_tensor([self.bos if last_token is None else last_token])
+        return torch.cat([first, targets[:-1]]), targets
+
+    def last_token(self, data: bytes) -> int:
+        """The token a stream continues from after `data` (non-empty)."""
+        return data[-1]
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for."""
+        return bytes([token])
 
     def decode_bytes(self, ids: list[int] | torch.Tensor) -> bytes:
         if isinstance(ids, torch.Tensor):
@@ -30,3 +65,18 @@ class ByteTokenizer:
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Text of the bytes; invalid UTF-8 becomes U+FFFD instead of raising."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+Tokenizer = ByteTokenizer  # the interface every tokenizer implements (one kind today)
+
+_KINDS: dict[str, type[ByteTokenizer]] = {"bytes": ByteTokenizer}
+
+
+def tokenizer_from_dict(data: Mapping[str, Any] | str | None) -> ByteTokenizer:
+    """A checkpoint's tokenizer: {"kind": ...}, or its kind's name alone (None: bytes)."""
+    if data is not None and not isinstance(data, str | Mapping):
+        raise ValueError(f"tokenizer must be an object or a name, not {data!r}")
+    kind = data if isinstance(data, str) else (data or {}).get("kind", "bytes")
+    if kind not in _KINDS:
+        raise ValueError(f"unknown tokenizer {kind!r}; known: {', '.join(sorted(_KINDS))}")
+    return _KINDS[kind]()

@@ -10,48 +10,27 @@ from typing import Any
 
 import numpy as np
 
-from models.adaptation import CacheConfig, DynEvalConfig, EvalResult, evaluate
+from models.adaptation import EVAL_MODES, DynEvalConfig, DynEvalSettings, EvalResult, evaluate
 from models.checkpoint import Checkpoint
 
 __all__ = ["EVAL_MODES", "config_for", "loss_curve", "plot_curves", "run_eval", "write_curves_csv"]
 
 LN2 = math.log(2.0)
-# user-facing mode -> (DynEvalConfig mode, dyneval.json section, neural cache on)
-EVAL_MODES: dict[str, tuple[str, str | None, bool]] = {
-    "static": ("static", None, False),
-    "dynamic": ("full", "full", False),
-    "sparse": ("sparse", "sparse", False),
-    "cache": ("static", None, True),
-    "dynamic+cache": ("full", "full", True),
-    "sparse+cache": ("sparse", "sparse", True),
-}
-
-
 def config_for(mode: str, dyneval: Mapping[str, Any], **overrides: Any) -> DynEvalConfig:
     """The checkpoint's (tuned) settings for `mode`, with `overrides` (None values ignored) on top."""
-    if mode not in EVAL_MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(EVAL_MODES)}")
-    inner, section, cache = EVAL_MODES[mode]
-    base = dict(dyneval.get(section, {})) if section else {}
-    if cache:
-        base["cache"] = dict(dyneval.get("cache", {}))
-    elif "cache" in base:
-        del base["cache"]
-    given = {k: v for k, v in overrides.items() if v is not None}
-    if "cache" in given and isinstance(given["cache"], Mapping):
-        given["cache"] = CacheConfig(**{**base.get("cache", {}), **given["cache"]})
-    return DynEvalConfig.from_dict(base, mode=inner, **given)
+    settings = dyneval if isinstance(dyneval, DynEvalSettings) else DynEvalSettings(dyneval)
+    return settings.config(mode, **overrides)
 
 
 def run_eval(ckpt: Checkpoint, data: bytes, mode: str, **overrides: Any) -> tuple[dict[str, Any], EvalResult]:
     """-> (the JSON record of `adaptlm eval`, the full result)."""
     cfg = config_for(mode, ckpt.dyneval, **overrides)
-    result = evaluate(ckpt.model, data, cfg, stats=ckpt.stats)
+    result = evaluate(ckpt.model, data, cfg, stats=ckpt.stats, tokenizer=ckpt.tokenizer)
     record: dict[str, Any] = {
         "mode": mode, "bits_per_byte": result.bits_per_byte, "bytes": result.bytes, "bits": result.bits,
         "params_adapted": result.params_adapted, "state_bytes": result.state_bytes,
         "seconds": result.seconds, "tokens_per_s": result.bytes / max(result.seconds, 1e-9),
-        "skipped_updates": result.skipped_updates,
+        "skipped_updates": result.skipped_updates, "adapter_resets": result.adapter_resets,
     }
     if cfg.mode != "static":
         record.update({"rule": cfg.rule, "lr": cfg.lr, "decay": cfg.decay, "eps": cfg.eps, "segment": cfg.segment})

@@ -165,7 +165,6 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
     n_params = sum(p.numel() for p in model.parameters())
     meta_base = {
         "name": name or out.name,
-        "tokenizer": "bytes",
         "training_config": cfg.to_dict(),
     }
 

@@ -1,24 +1,24 @@
 """Test-time adaptation: dynamic evaluation (full and sparse) and the neural cache (ALGORITHMS.md §2-4).
 
     evaluate(model, text, DynEvalConfig(mode="sparse"), stats=ckpt.stats) -> EvalResult
-    sparse_step(...)   one batched score-then-update step over B streams (the server engine's unit)
-    score_step(...)    the same step without the update (scoring with fixed adapters)
+    batch_step(model, jobs, segment)   the one score-then-update step over many streams, each with its own
+                                       state, adapter, rule and guard: evaluation, the engine and keysim run it
+    sparse_step(...)   its adapting half: one forward, backward and update of B streams' adapters
+    score_step(...)    its scoring half (fixed adapters)
+    FullStream         full dynamic evaluation of one stream (a private copy of the weights)
 """
 
 from models.adaptation._cache import NeuralCache
-from models.adaptation._config import MODES, RULES, CacheConfig, DynEvalConfig
-from models.adaptation._evaluate import (
-    EvalResult,
-    adapted_parameter_names,
-    evaluate,
-    evaluate_many,
-    split_documents,
-)
+from models.adaptation._config import EVAL_MODES, MODES, RULES, CacheConfig, DynEvalConfig, DynEvalSettings
+from models.adaptation._evaluate import EvalResult, evaluate, evaluate_many, sparse_sites, split_documents
+from models.adaptation._full import FullStream, adapted_parameter_names
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import ScoreStep, SparseStep, adapter_ms_g, score_step, sparse_step
+from models.adaptation._step import DIVERGED_BITS, Row, RuleCache, TextJob, batch_step
 
 __all__ = [
-    "MODES", "RULES", "CacheConfig", "DynEvalConfig", "EvalResult", "NeuralCache", "ScoreStep", "SparseStep",
+    "DIVERGED_BITS", "FullStream", "Row", "RuleCache", "TextJob", "batch_step", "sparse_sites",
+    "EVAL_MODES", "MODES", "RULES", "CacheConfig", "DynEvalConfig", "DynEvalSettings", "EvalResult", "NeuralCache", "ScoreStep", "SparseStep",
     "UpdateRule", "adapted_parameter_names", "adapter_ms_g", "evaluate", "evaluate_many", "score_step", "sparse_step",
     "split_documents",
 ]

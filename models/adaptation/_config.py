@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MODES", "RULES", "CacheConfig", "DynEvalConfig"]
+__all__ = ["EVAL_MODES", "MODES", "RULES", "CacheConfig", "DynEvalConfig", "DynEvalSettings"]
 
 MODES = ("static", "full", "sparse")
 RULES = ("sgd", "sgd_decay", "rms", "rms_decay")
@@ -111,3 +111,79 @@ class DynEvalConfig:
             except UnicodeDecodeError:
                 out["reset"] = list(self.reset)
         return out
+
+
+# user-facing evaluation mode -> (DynEvalConfig mode, dyneval.json section, neural cache on)
+EVAL_MODES: dict[str, tuple[str, str | None, bool]] = {
+    "static": ("static", None, False),
+    "dynamic": ("full", "full", False),
+    "sparse": ("sparse", "sparse", False),
+    "cache": ("static", None, True),
+    "dynamic+cache": ("full", "full", True),
+    "sparse+cache": ("sparse", "sparse", True),
+}
+
+
+class DynEvalSettings(Mapping[str, Any]):
+    """A checkpoint's dyneval.json, parsed and validated once by the checkpoint loader.
+
+    Sections: "full" and "sparse" (tuned on validation text by `adaptlm tune`), "session" (the serving default
+    for users' sessions; falls back to "sparse"), "cache" (the neural cache); other keys (notes, tuning
+    provenance) are kept as written. It reads as the JSON object it was parsed from (a Mapping), and gives each
+    mode's typed `DynEvalConfig`. Any invalid section raises ValueError naming it.
+    """
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        self._raw = dict(data or {})
+        for key, value in self._raw.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key!r} is not finite")
+        for mode in EVAL_MODES:  # every mode's settings must build
+            self.config(mode)
+        self.session = self._section_config("session" if self._raw.get("session") else "sparse", "sparse")
+        section = self._raw.get("session") or {}
+        weight = section.get("cache_weight", 0.0) if isinstance(section, Mapping) else 0.0
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight <= 1:
+            raise ValueError(f"the session section's cache_weight must be a number in [0, 1], not {weight!r}")
+        self.cache_weight = float(weight)  # the word cache's weight in keyboard suggestions
+
+    def __getitem__(self, key: str) -> Any:
+        return self._raw[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def _section(self, name: str | None) -> dict[str, Any]:
+        if name is None:
+            return {}
+        section = self._raw.get(name, {})
+        if not isinstance(section, Mapping):
+            raise ValueError(f"section {name!r} must be an object")
+        return dict(section)
+
+    def _section_config(self, name: str, mode: str) -> DynEvalConfig:
+        try:
+            return DynEvalConfig.from_dict(self._section(name), mode=mode, cache=None)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"section {name!r}: {e}") from None
+
+    def config(self, mode: str, **overrides: Any) -> DynEvalConfig:
+        """The settings of a user-facing mode (`EVAL_MODES`), with `overrides` (None values ignored) on top."""
+        if mode not in EVAL_MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(EVAL_MODES)}")
+        inner, name, cache = EVAL_MODES[mode]
+        base = self._section(name)
+        if cache:
+            base["cache"] = self._section("cache")
+        else:
+            base.pop("cache", None)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "cache" in given and isinstance(given["cache"], Mapping):
+            given["cache"] = CacheConfig(**{**base.get("cache", {}), **given["cache"]})
+        try:
+            return DynEvalConfig.from_dict(base, mode=inner, **given)
+        except TypeError as e:
+            raise ValueError(f"section {name!r}: {e}") from None

@@ -35,6 +35,8 @@ class SparseStep(NamedTuple):
 class ScoreStep(NamedTuple):
     logprobs: torch.Tensor  # (B, n) natural-log p(target); 0 on padding
     state: State  # each row's state after its own last real token
+    log_dist: torch.Tensor | None = None  # (B, n, V) with `keep_dist`
+    hidden: torch.Tensor | None = None  # (B, n, H) with `keep_dist`, if the model gives it
 
 
 @contextlib.contextmanager
@@ -49,22 +51,6 @@ def eval_mode(model: LanguageModel) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
-
-
-@contextlib.contextmanager
-def frozen_weights(model: LanguageModel) -> Iterator[None]:
-    """The model's parameters stop requiring grad for the duration (restored after). Sparse adaptation needs
-    gradients for M only: with frozen weights autograd records nothing for them, the weight-normalised
-    matrices come from their cache, and the mLSTM runs its hand-written backward (kernels.adapted_mlstm).
-    Like full mode's functional_call, this changes the shared module for the duration: one thread at a time."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.requires_grad_(True)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -130,8 +116,8 @@ def adapter_ms_g(stats: Mapping[str, torch.Tensor], sites: Mapping[str, int]) ->
 
 
 def sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-                state: State, adapter: Adapter, ms_g: Mapping[str, torch.Tensor] | None,
-                config: DynEvalConfig, *, rule: UpdateRule | None = None) -> SparseStep:
+                state: State, adapter: Adapter, ms_g: Mapping[str, torch.Tensor] | None = None,
+                config: DynEvalConfig | None = None, *, rule: UpdateRule | None = None) -> SparseStep:
     """Score one segment of B streams with their current M, then take one update step on each M.
 
     inputs, targets: (B, n) int64; mask: (B, n) bool, True on a prefix of each row; state: (B, ...);
@@ -139,8 +125,12 @@ def sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tenso
     The returned log-probs come from the forward pass with the M given here, before any update.
     Non-finite guard, per row: a non-finite new state keeps the row's previous state and M; a non-finite
     new M alone keeps the previous M (the new state stands). Either way the row is flagged in `failed`;
-    the other rows update normally. Pass a prebuilt `rule` to skip rebuilding it every call.
+    the other rows update normally. Pass a prebuilt `rule` (else one is built from `config` and `ms_g`).
+    Only M takes gradients: with a frozen model (`LanguageModel.freeze`, as loaded for inference) autograd records
+    nothing for the weights, and a model may run a cheaper backward (the mLSTM's, kernels.adapted_mlstm).
     """
+    if rule is None and config is None:
+        raise ValueError("sparse_step needs an update rule or the config to build one")
     with torch.inference_mode(False):  # a caller under inference mode still gets its gradient step
         return _sparse_step(model, _plain(inputs), _plain(targets), _plain(mask),
                             State({k: _plain(v) for k, v in state.tensors.items()}),
@@ -149,14 +139,17 @@ def sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tenso
 
 @torch.no_grad()
 def score_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-               state: State, adapter: Adapter | None = None) -> ScoreStep:
+               state: State, adapter: Adapter | None = None, *, keep_dist: bool = False) -> ScoreStep:
     """`sparse_step` without the update: score one segment of B right-padded streams, each with its own M
-    (or none). Same layout as `sparse_step`; its log-probs equal sparse_step's for the same inputs."""
+    (or none). Same layout as `sparse_step`; its log-probs equal sparse_step's for the same inputs.
+    `keep_dist` also returns the log-distributions and hidden states (for the neural cache)."""
     lengths = mask.long().sum(1)  # (B,)
     with eval_mode(model):
-        logits, _, new_state = forward_rows(model, inputs, lengths, state, adapter)
-        lp = log_softmax(logits).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
-    return ScoreStep(logprobs=torch.where(mask, lp, 0.0), state=new_state)
+        logits, hidden, new_state = forward_rows(model, inputs, lengths, state, adapter)
+        log_dist = model.log_probs(Output(logits=logits, state=new_state))  # (B, n, V)
+        lp = log_dist.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
+    return ScoreStep(logprobs=torch.where(mask, lp, 0.0), state=new_state,
+                     log_dist=log_dist if keep_dist else None, hidden=hidden if keep_dist else None)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -166,20 +159,21 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 def _sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                  state_in: State, mats_in: dict[str, torch.Tensor], ms_g: Mapping[str, torch.Tensor] | None,
-                 config: DynEvalConfig, rule: UpdateRule | None) -> SparseStep:
+                 config: DynEvalConfig | None, rule: UpdateRule | None) -> SparseStep:
     B, T = inputs.shape
     lengths = mask.long().sum(1)  # (B,)
     if not torch.equal(mask, torch.arange(T, device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)):
         raise ValueError("mask must be True on a prefix of each row (right padding)")
     if rule is None:
+        assert config is not None
         rule = UpdateRule(config, list(mats_in), ms_g)
     mats = {n: m.detach().requires_grad_(True) for n, m in mats_in.items()}
-    with torch.enable_grad(), eval_mode(model), frozen_weights(model):
+    with torch.enable_grad(), eval_mode(model):
         logits, hidden, new_state = forward_rows(model, inputs, lengths, state_in, Adapter(mats))
         # under bf16 autocast (models/precision.py) the model chose what runs in bf16; the loss and the backward
         # here stay in float32
         with torch.autocast(inputs.device.type, enabled=False):
-            log_dist = log_softmax(logits)  # (B, n, V)
+            log_dist = model.log_probs(Output(logits=logits, state=new_state))  # (B, n, V)
             lp = log_dist.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
             lp = torch.where(mask, lp, 0.0)
             # sum over rows of each row's mean: row b's gradient w.r.t. M_b is its own segment's

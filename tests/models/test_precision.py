@@ -119,13 +119,17 @@ def test_adapted_mlstm_with_bf16_weights_gives_close_gradients() -> None:
 
 
 def test_training_under_autocast_is_not_the_inference_path() -> None:
-    """With the weights requiring grad, autocast keeps its usual meaning: every matmul it covers in bf16."""
+    """An unfrozen model (training, and the trainer's validation without gradients) keeps autocast's usual
+    meaning, every matmul it covers in bf16; only a model frozen for inference (`freeze`, as the checkpoint loader
+    leaves it) takes the inference path, whatever the grad mode."""
     model = MLSTM(MLSTMConfig(hidden=16, embed_dim=8))
     tokens = torch.randint(0, 256, (2, 5))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         training = model(tokens, model.init_state(2))
         with torch.no_grad():
-            inference = model(tokens, model.init_state(2))
-    assert training.logits.dtype == torch.bfloat16  # the output layer under autocast
+            validation = model(tokens, model.init_state(2))
+        model.freeze()
+        inference = model(tokens, model.init_state(2))
+    assert training.logits.dtype == validation.logits.dtype == torch.bfloat16  # the output layer under autocast
     assert inference.logits.dtype == torch.float32  # only the recurrent matmuls in bf16
-    assert training.logits.requires_grad
+    assert training.logits.requires_grad and not inference.logits.requires_grad

@@ -1,0 +1,98 @@
+"""Full dynamic evaluation of one stream (thesis fig. 4.1, eq. 4.3-4.7; ALGORITHMS.md §2): every adapted weight
+takes a gradient step after each segment is scored.
+
+The adapted weights live in a private trainable copy of the model (`LanguageModel.trainable_copy`): the shared,
+frozen model is never written, and nothing is toggled on it. Offline evaluation (`evaluate_many`'s full mode)
+and the keyboard simulator (`models.keysim`) both step a `FullStream`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from models.adaptation._cache import NeuralCache
+from models.adaptation._config import DynEvalConfig
+from models.adaptation._rules import UpdateRule
+from models.adaptation._sparse import finite_rows
+from models.base import LanguageModel, State
+
+__all__ = ["FullStream", "adapted_parameter_names"]
+
+
+def adapted_parameter_names(model: LanguageModel, config: DynEvalConfig) -> list[str]:
+    """Full mode: the parameters whose dotted name starts with a `params` prefix (all if none), minus `frozen`."""
+    names = [n for n, _ in model.named_parameters()]
+
+    def match(name: str, prefixes: Sequence[str]) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+    for prefix in (*config.params, *config.frozen):
+        if not any(match(n, (prefix,)) for n in names):
+            raise ValueError(f"no parameter matches {prefix!r}; parameters: {', '.join(names)}")
+    chosen = [n for n in names if (not config.params or match(n, config.params)) and not match(n, config.frozen)]
+    if not chosen:
+        raise ValueError("the params/frozen settings leave no parameter to adapt")
+    return chosen
+
+
+class FullStream:
+    """One stream of full dynamic evaluation: `step` scores a segment with the current weights, then updates
+    them. The non-finite guard: a non-finite state rewinds the segment (state and weights stay); non-finite
+    weights alone are dropped (`skipped`) and the state, which the old weights produced, stands."""
+
+    def __init__(self, model: LanguageModel, config: DynEvalConfig,
+                 stats: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.names = adapted_parameter_names(model, config)
+        self.model = model.trainable_copy()
+        params = dict(self.model.named_parameters())
+        for name, p in params.items():
+            p.requires_grad_(name in self.names)
+        self.params = {n: params[n] for n in self.names}
+        self.theta_g = {n: p.detach().clone() for n, p in self.params.items()}  # decay pulls towards these
+        ms_g = None
+        if stats is not None:
+            ms_g = {n: stats[f"param.{n}"].to(p.device, p.dtype) for n, p in self.params.items()
+                    if f"param.{n}" in stats}
+        self.rule = UpdateRule(config, self.names, ms_g)
+        self.state = self.model.init_state(1)
+        self.cache = NeuralCache(config.cache) if config.cache else None
+        self.skipped = 0
+        self.updates = 0
+
+    @property
+    def params_adapted(self) -> int:
+        return sum(p.numel() for p in self.params.values())
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def adapted(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x, y: (1, t) inputs and targets -> log p(y) (t,) scored before this segment's update."""
+        with torch.inference_mode(False), torch.enable_grad():
+            out = self.model(x, self.state)
+            log_dist = self.model.log_probs(out)  # (1, t, V)
+            lp = log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (1, t)
+            grads = torch.autograd.grad(-lp.mean(), list(self.params.values()))
+        if self.cache is not None:
+            assert out.hidden is not None, "the neural cache needs Output.hidden"
+            lp = self.cache.mix(log_dist.detach(), out.hidden, y).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        old = {n: p.detach() for n, p in self.params.items()}
+        new = self.rule.step(old, dict(zip(self.params, grads, strict=True)), self.theta_g)
+        state: State = out.state.detach()
+        state_ok = bool(finite_rows(list(state.tensors.values()), 1).all())
+        if state_ok and bool(finite_rows(list(new.values()), 1).all()):
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(new[n])
+            self.updates += 1
+        else:
+            self.skipped += 1
+        if state_ok:
+            self.state = state
+        return lp.detach()[0]

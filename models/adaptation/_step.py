@@ -1,0 +1,190 @@
+"""The one score-then-update step (ALGORITHMS.md §2-3; thesis fig. 4.1), batched over streams.
+
+Offline evaluation (`evaluate_many`), the server's engine and the keyboard simulator all run text through
+`batch_step`. A `TextJob` is one text and the rows (streams) that read it; each `Row` has its own state,
+adapter M (None: M = 0), update rule (None: scored only, never updated), optional neural cache, and counts of
+what its guard did. `batch_step` takes the next segment of every job it is given, stacks their rows into
+right-padded batches (adapters zero-padded to the batch's largest size): the adapting rows into one forward,
+backward and update (`sparse_step`), the rows that only score into one forward (`score_step`), so that they do
+not pay for the backward; then it scatters each row's log-probs, state and adapter back. A row whose text ends
+leaves with its job.
+
+The guard, per row (thesis sec. 4.4 gives none; this is ours): `sparse_step` refuses an update that would make
+a row's M or state non-finite (the row keeps its last good values, `dropped`). An adapter can still be finite
+yet so large that the next segment's scores blow up: non-finite, or a mean loss over the segment above
+`DIVERGED_BITS` bits a token (4x a uniform guess over bytes: no working model is that wrong on average over a
+whole segment). Then that row's M is reset to 0 (`resets`) and its job redoes the segment in the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from models.adaptation._cache import NeuralCache
+from models.adaptation._rules import UpdateRule
+from models.adaptation._sparse import score_step, sparse_step
+from models.base import Adapter, LanguageModel, State
+
+__all__ = ["DIVERGED_BITS", "Row", "RuleCache", "TextJob", "batch_step"]
+
+DIVERGED_BITS = 32.0  # mean bits per token over a segment beyond which an adapter counts as diverged
+
+
+@dataclass(eq=False)
+class Row:
+    """One stream over a job's text. `mats` None: no adapter (M = 0); `rule` None: scored, never updated."""
+
+    state: State  # batch 1
+    mats: dict[str, torch.Tensor] | None = None  # site -> (k, k)
+    rule: UpdateRule | None = None
+    cache: NeuralCache | None = None  # the neural cache (ALGORITHMS.md §4) mixed into this row's scores
+    logprobs: list[torch.Tensor] = field(default_factory=list)  # (t,) per segment, natural log
+    updates: int = 0
+    dropped: int = 0  # updates the non-finite guard refused
+    resets: int = 0  # times M was reset to 0 because the scores under it diverged
+
+    def total_logprob(self) -> float:
+        return float(torch.cat(self.logprobs).double().sum()) if self.logprobs else 0.0
+
+
+@dataclass(eq=False)
+class TextJob:
+    inputs: torch.Tensor  # (T,) int64: the token before each target (`Tokenizer.stream`)
+    targets: torch.Tensor  # (T,) int64
+    rows: list[Row]
+    pos: int = 0  # tokens done
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= self.targets.numel()
+
+
+class RuleCache:
+    """The last batch's stacked update rule, reused while its rows keep their rules and adapter sizes: the
+    common case, the same sessions stepping segment after segment (stacking costs 2 B K^2 writes)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._rule: UpdateRule | None = None
+
+    def stacked(self, rows: Sequence[Row], sites: Sequence[str], shapes: dict[str, tuple[int, ...]],
+                dtype: torch.dtype, device: torch.device) -> UpdateRule:
+        per_row = [(row.rule, {s: tuple(row.mats[s].shape) for s in sites})
+                   if row.rule is not None and row.mats is not None else None for row in rows]
+        # the rules themselves (compared by identity) are in the key, so they stay alive while it is cached
+        key = (tuple((r[0], tuple(r[1].values())) if r is not None else None for r in per_row),
+               tuple(shapes.items()), dtype, device)
+        if key != self._key or self._rule is None:
+            self._rule = UpdateRule.stack(per_row, shapes, dtype=dtype, device=device)
+            self._key = key
+        return self._rule
+
+
+def _stacked_adapter(rows: Sequence[Row]) -> Adapter | None:
+    return Adapter.stack_padded([Adapter({s: m.unsqueeze(0) for s, m in row.mats.items()})
+                                 if row.mats is not None else None for row in rows])
+
+
+def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rules: RuleCache | None = None) -> int:
+    """Advance every job by one segment (`segment` tokens) in one batched call; -> rows in the batch."""
+    rows = [row for job in jobs for row in job.rows]
+    lengths = [min(segment, job.targets.numel() - job.pos) for job in jobs for _ in job.rows]
+    n = max(lengths)
+    ref = next(model.parameters())
+    x = torch.zeros(len(rows), n, dtype=torch.long, device=ref.device)  # (B, n) right-padded
+    y = torch.zeros_like(x)
+    r = 0
+    for job in jobs:
+        t = min(segment, job.targets.numel() - job.pos)
+        for _ in job.rows:
+            x[r, :t] = job.inputs[job.pos : job.pos + t]
+            y[r, :t] = job.targets[job.pos : job.pos + t]
+            r += 1
+    length_t = torch.tensor(lengths, device=ref.device)  # (B,)
+    mask = torch.arange(n, device=ref.device).unsqueeze(0) < length_t.unsqueeze(1)  # (B, n)
+    sites = [s.name for s in model.adaptation_sites()]
+    # Adapting rows take a forward and a backward; the others (static scores, peeks, observes' shadows) only a
+    # forward, in a call of their own, so they do not pay for the backward.
+    learn = [i for i, row in enumerate(rows) if row.rule is not None]
+    keep = [i for i, row in enumerate(rows) if row.rule is None]
+    lp_dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32  # as `log_probs` gives them
+    logprobs = torch.zeros(len(rows), n, dtype=lp_dtype, device=ref.device)  # (B, n)
+    new_state: dict[int, State] = {}
+    new_mats: dict[str, torch.Tensor] = {}
+    learned_row: dict[int, int] = {}  # batch row -> its row in the adapting call
+    failed = [False] * len(rows)
+    cached: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # batch row -> (log_dist, hidden) (1, n, .)
+
+    def keep_dist(index: list[int], log_dist: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        for j, i in enumerate(index):
+            if rows[i].cache is not None:
+                assert log_dist is not None and hidden is not None, "the neural cache needs Output.hidden"
+                cached[i] = (log_dist[j : j + 1], hidden[j : j + 1])
+
+    if learn:
+        part = [rows[i] for i in learn]
+        index = torch.tensor(learn, device=ref.device)
+        # zero-padded to the batch's largest k; `UpdateRule.stack` keeps the padding 0 through the update
+        adapter = _stacked_adapter(part)
+        assert adapter is not None
+        shapes = {site: tuple(m.shape[1:]) for site, m in adapter.mats.items()}
+        rule = (rules or RuleCache()).stacked(part, sites, shapes, ref.dtype, ref.device)
+        step = sparse_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]), adapter,
+                           None, rule=rule)
+        logprobs[index] = step.logprobs.to(logprobs.dtype)
+        for j, i in enumerate(learn):
+            new_state[i] = step.state.select(j)
+            failed[i] = bool(step.failed[j])
+        new_mats = dict(step.adapter.mats)
+        learned_row = {i: j for j, i in enumerate(learn)}
+        keep_dist(learn, step.log_dist, step.hidden)
+    if keep:
+        part = [rows[i] for i in keep]
+        index = torch.tensor(keep, device=ref.device)
+        with_dist = any(row.cache is not None for row in part)
+        scored = score_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]),
+                            _stacked_adapter(part), keep_dist=with_dist)
+        logprobs[index] = scored.logprobs.to(logprobs.dtype)
+        for j, i in enumerate(keep):
+            new_state[i] = scored.state.select(j)
+        keep_dist(keep, scored.log_dist, scored.hidden)
+    # one host synchronisation per step for the guard: per row, are its scores usable?
+    bits = -logprobs.sum(1) / length_t.clamp(min=1).to(logprobs.dtype) / math.log(2.0)  # (B,) mean bits a token
+    usable = (torch.isfinite(logprobs).all(1) & (bits <= DIVERGED_BITS)).tolist()  # (B,)
+    b = 0
+    for job in jobs:
+        mine = range(b, b + len(job.rows))
+        b += len(job.rows)
+        broken = [row for i, row in zip(mine, job.rows, strict=True)
+                  if not usable[i] and row.mats is not None and any(bool(m.any()) for m in row.mats.values())]
+        if broken:  # scores blew up under these adapters: reset them, keep the other rows, redo the segment
+            for row in broken:
+                assert row.mats is not None
+                row.mats = {s: torch.zeros_like(m) for s, m in row.mats.items()}
+                row.resets += 1
+            continue
+        for i, row in zip(mine, job.rows, strict=True):
+            t = lengths[i]
+            lp = logprobs[i, :t]
+            if row.cache is not None:
+                log_dist, hidden = cached[i]
+                yi = y[i : i + 1, :t]
+                hid = hidden[:, :t] if hidden is not None else None
+                assert hid is not None
+                mixed = row.cache.mix(log_dist[:, :t], hid, yi)  # (1, t, V)
+                lp = mixed.gather(-1, yi.unsqueeze(-1))[0, :, 0].to(logprobs.dtype)
+            row.logprobs.append(lp)
+            row.state = new_state[i]
+            if row.rule is not None and row.mats is not None:
+                if failed[i]:
+                    row.dropped += 1
+                else:
+                    row.updates += 1
+                j = learned_row[i]
+                row.mats = {s: new_mats[s][j, : row.mats[s].shape[0], : row.mats[s].shape[1]] for s in sites}
+        job.pos += lengths[mine.start]
+    return len(rows)
