@@ -102,7 +102,7 @@ def test_model_uses_it_when_the_weights_are_frozen() -> None:
         return out.logits.detach(), grad, type(out.hidden.grad_fn).__name__
 
     plain_logits, plain_grad, plain_node = run()
-    model.requires_grad_(False)
+    model.freeze()
     fast_logits, fast_grad, fast_node = run()
     assert plain_node != fast_node == "_AdaptedMLSTMBackward"
     # frozen weights also look the input projections up (MLSTM._input_tables): equal up to summation order
