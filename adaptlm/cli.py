@@ -31,12 +31,21 @@ def _fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def _load(checkpoint: str | None) -> Any:
+def _device(name: str | None) -> Any:
+    from models.device import resolve_device
+
+    try:
+        return resolve_device(name or "auto")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _load(checkpoint: str | None, device: str | None = None) -> Any:
     from models.checkpoint import CheckpointError, load_checkpoint
     from server.settings import DEFAULT_CHECKPOINT
 
     try:
-        return load_checkpoint(checkpoint or DEFAULT_CHECKPOINT)
+        return load_checkpoint(checkpoint or DEFAULT_CHECKPOINT, device=_device(device))
     except CheckpointError as e:
         raise UsageError(str(e)) from None
 
@@ -77,7 +86,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume and not (out / "last" / "trainer_state.json").is_file():
         raise UsageError(f"{out}: nothing to resume")
     try:
-        result = train(cfg, args.data, out, valid_path=args.valid, resume=args.resume, progress=not args.quiet)
+        result = train(cfg, args.data, out, valid_path=args.valid, resume=args.resume, progress=not args.quiet,
+                       device=_device(args.device))
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(json.dumps({"out": str(result.out), "best_valid_bpb": result.best_valid_bpb, "steps": result.steps,
@@ -89,7 +99,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from models.scoring import score_bytes
 
     data = _read_text_arg(args.file)
-    ckpt = _load(args.checkpoint)
+    ckpt = _load(args.checkpoint, args.device)
     result = score_bytes(ckpt.model, data)
     if args.json:
         print(json.dumps({"bits_per_byte": result.bits_per_byte, "bytes": result.bytes, "bits": result.bits}))
@@ -108,7 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 top_p=args.top_p, seed=args.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    ckpt = _load(args.checkpoint)
+    ckpt = _load(args.checkpoint, args.device)
     out = sys.stdout
     for piece in generate(ckpt.model, args.prompt.encode("utf-8"), params):
         out.write(piece)
@@ -127,6 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     if args.checkpoint:
         overrides["checkpoint"] = args.checkpoint
+    if args.device:
+        overrides["device"] = args.device
     if args.host:
         overrides["host"] = args.host
     if args.port is not None:
@@ -163,7 +175,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     data = _read_text_arg(args.file)
     if args.limit:
         data = data[: args.limit]
-    ckpt = _load(args.checkpoint)
+    ckpt = _load(args.checkpoint, args.device)
     records, curves = [], {}
     for m in modes:
         try:
@@ -192,7 +204,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from trainer.tune import tune_mode
 
     data = _read_text_arg(args.valid)[: args.bytes]
-    ckpt = _load(args.checkpoint)
+    ckpt = _load(args.checkpoint, args.device)
     if ckpt.path is None:
         raise UsageError("checkpoint has no directory to write dyneval.json into")
     dyneval = dict(ckpt.dyneval)
@@ -281,7 +293,7 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         from models.keysim import ModelSuggester
         from trainer.evaluation import config_for
 
-        ckpt = _load(args.checkpoint)
+        ckpt = _load(args.checkpoint, args.device)
         config = None
         cache = args.cache_weight or 0.0
         if args.adapt:
@@ -300,7 +312,8 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         record["checkpoint"] = str(ckpt.path)
         record["cache_weight"] = cache
         try:
-            suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, tokenizer=ckpt.tokenizer, max_chars=args.max_chars or 24,
+            suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, tokenizer=ckpt.tokenizer,
+                                       max_chars=args.max_chars or 24,
                                        cache_weight=cache)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -578,16 +591,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int)
     t.add_argument("--threads", type=int)
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser("score", help="bits per byte of a file")
     s.add_argument("--checkpoint", help="checkpoint directory (default: the shipped model)")
+    s.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
     s.add_argument("file", help="text file, or - for standard input")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_score)
 
     g = sub.add_parser("generate", help="sample a continuation")
     g.add_argument("--checkpoint")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=1.0)
@@ -598,6 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="bits per byte under static, dynamic, sparse or cache evaluation")
     e.add_argument("--checkpoint")
+    e.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     e.add_argument("file", help="text file, or - for standard input")
     e.add_argument("--mode", default="static",
                    help="one or several (comma-separated) of static, dynamic, sparse, cache, dynamic+cache, "
@@ -618,6 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("tune", help="tune dynamic evaluation on validation text; writes dyneval.json")
     u.add_argument("--checkpoint")
+    u.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     u.add_argument("--valid", required=True)
     u.add_argument("--mode", choices=["both", "full", "sparse"], default="both")
     u.add_argument("--bytes", type=int, default=20_000, help="tune on the first N bytes of the validation text")
@@ -628,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="run the HTTP server")
     v.add_argument("--checkpoint")
+    v.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: ADAPTLM_DEVICE, else auto)")
     v.add_argument("--host")
     v.add_argument("--port", type=int)
     v.set_defaults(func=cmd_serve)
@@ -636,6 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     kb.add_argument("--text", required=True, help="the text to type (UTF-8); each line is a message")
     kb.add_argument("--url", help="a running server: suggestions under a session of it")
     kb.add_argument("--checkpoint", help="or a model in this process")
+    kb.add_argument("--device", default="auto", help="with --checkpoint: auto, cpu, cuda or cuda:N")
     kb.add_argument("--api-key", default=os.environ.get("ADAPTLM_API_KEY"), help="with --url")
     kb.add_argument("--suggestions", type=int, default=3, help="words offered at each keystroke (default: 3)")
     kb.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=False,

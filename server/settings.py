@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import Field, RedisDsn, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from models.device import DEVICE_PATTERN
 from models.precision import Precision
 
 __all__ = ["DEFAULT_CHECKPOINT", "LogLevel", "Settings"]
@@ -73,6 +74,8 @@ class Settings(BaseSettings):
     # faster at 8-64 rows where the CPU has AVX-512 BF16 or AMX; bits within about 1e-4 relative on the default
     # model), "float32" is exact, "auto" is bfloat16 where the hardware multiplies it natively, else float32.
     precision: Precision = "auto"
+    # Where the model runs (models/device.py): auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.
+    device: str = Field(default="auto", pattern=DEVICE_PATTERN)
     # repr=False: a Redis URL may carry a password
     session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)
     # The memory store's file: written at shutdown, read back at start-up (None: sessions end with the process).

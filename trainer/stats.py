@@ -9,7 +9,6 @@ update sees; the hidden state is carried between segments as in evaluation.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from models.base import Adapter, LanguageModel
 from trainer.data import ByteStreams
@@ -39,7 +38,7 @@ def gradient_stats(model: LanguageModel, data: bytes, *, batches: int, batch_siz
             m.requires_grad_(True)
         model.zero_grad(set_to_none=True)
         out = model(chunk[:, :-1], state, adapter)
-        loss = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), chunk[:, 1:].reshape(-1))
+        loss = -model.target_logprobs(out, chunk[:, 1:]).mean()  # the dynamic-evaluation loss (no auxiliary terms)
         loss.backward()
         for n, p in params.items():
             if p.grad is not None:

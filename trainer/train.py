@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -51,7 +50,7 @@ def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: in
     was_training = model.training
     model.eval()
     streams = max(1, min(streams, (len(data) - 1) // 2))
-    rows = ByteStreams(data, streams, 1).rows  # (S, L)
+    rows = ByteStreams(data, streams, 1).rows.to(next(model.parameters()).device)  # (S, L)
     state = model.init_state(streams)
     total, count = 0.0, 0
     for start in range(0, rows.shape[1] - 1, chunk):
@@ -59,8 +58,7 @@ def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: in
         with _autocast(precision):
             out = model(piece[:, :-1], state)
         state = out.state
-        nll = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), piece[:, 1:].reshape(-1),
-                              reduction="sum")
+        nll = -model.target_logprobs(out, piece[:, 1:]).double().sum()  # through the model (adaptive softmax)
         total += float(nll)
         count += piece[:, 1:].numel()
     model.train(was_training)
@@ -133,13 +131,15 @@ def _model_card(cfg: TrainConfig, meta: dict[str, Any], n_params: int) -> str:
 
 def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *, valid_path: str | Path | None = None,
           resume: bool = False, name: str | None = None, progress: bool = True,
-          on_log: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+          on_log: Callable[[dict[str, Any]], None] | None = None,
+          device: torch.device | str = "cpu") -> TrainResult:
+    """Train `cfg` on `data_paths` on `device`, keeping the best checkpoint (by validation bits) in `out`."""
     out = Path(out)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model})
-    model = build_model(model_cfg)
+    model = build_model(model_cfg).to(device)
     model.train()
     train_bytes = read_corpus(data_paths)
     valid_bytes = read_bytes(valid_path) if valid_path else b""
@@ -172,13 +172,15 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         meta = {**meta_base, "metrics": {"valid_bpb_slice": valid_bpb, "step": step}}
         save_checkpoint(out, model, meta=meta, card="# (training in progress)\n")
 
-    state = model.init_state(cfg.batch_size) if hidden is None else type(model.init_state(1))(hidden)
+    state = model.init_state(cfg.batch_size) if hidden is None else type(model.init_state(1))(
+        {k: v.to(device) for k, v in hidden.items()})
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
     t0 = time.monotonic() - elapsed
     window_t, window_tokens = time.monotonic(), 0
     stop_reason = "max_steps"
     while step < cfg.max_steps:
         chunk, new_epoch = streams.chunk(step)
+        chunk = chunk.to(device, non_blocking=True)
         if new_epoch:
             state = model.init_state(cfg.batch_size)
         lr = _lr_at(cfg, step)
@@ -186,10 +188,10 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
             group["lr"] = lr
         with _autocast(cfg.precision):
             output = model(chunk[:, :-1], state)
-        loss = F.cross_entropy(output.logits.float().reshape(-1, output.logits.shape[-1]), chunk[:, 1:].reshape(-1))
+        loss = model.loss(output, chunk[:, 1:])  # the model's own loss: its auxiliary losses included
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+        gnorm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)  # read at logging: no sync a step
         opt.step()
         state = output.state.detach()  # carried across chunks, gradients truncated (TBPTT)
         step += 1
@@ -200,7 +202,8 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
             tps = window_tokens / max(1e-9, now - window_t)
             window_t, window_tokens = now, 0
             bar.set_postfix(loss_bpb=f"{loss.item() / LN2:.3f}", tok_s=f"{tps:,.0f}")
-            log({"step": step, "train_bpb": loss.item() / LN2, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tps,
+            log({"step": step, "train_bpb": loss.item() / LN2, "lr": lr, "grad_norm": float(gnorm_t),
+                 "tokens_per_s": tps,
                  "seconds": now - t0})
         time_up = bool(cfg.max_minutes) and (time.monotonic() - t0) > cfg.max_minutes * 60
         if valid_slice and (step % cfg.valid_every == 0 or step == cfg.max_steps or time_up):

@@ -17,8 +17,8 @@ from models.adaptation._sparse import ScoreStep, SparseStep, adapter_ms_g, score
 from models.adaptation._step import DIVERGED_BITS, Row, RuleCache, TextJob, batch_step
 
 __all__ = [
-    "DIVERGED_BITS", "FullStream", "Row", "RuleCache", "TextJob", "batch_step", "sparse_sites",
-    "EVAL_MODES", "MODES", "RULES", "CacheConfig", "DynEvalConfig", "DynEvalSettings", "EvalResult", "NeuralCache", "ScoreStep", "SparseStep",
-    "UpdateRule", "adapted_parameter_names", "adapter_ms_g", "evaluate", "evaluate_many", "score_step", "sparse_step",
-    "split_documents",
+    "DIVERGED_BITS", "EVAL_MODES", "MODES", "RULES", "CacheConfig", "DynEvalConfig", "DynEvalSettings", "EvalResult",
+    "FullStream", "NeuralCache", "Row", "RuleCache", "ScoreStep", "SparseStep", "TextJob", "UpdateRule",
+    "adapted_parameter_names", "adapter_ms_g", "batch_step", "evaluate", "evaluate_many", "score_step", "sparse_sites",
+    "sparse_step", "split_documents",
 ]
