@@ -8,11 +8,21 @@ from typing import Any
 from models.base import LanguageModel, ModelConfig
 from models.mlstm import MLSTM, MLSTMConfig
 
-__all__ = ["REGISTRY", "build_model", "config_from_dict"]
+__all__ = ["REGISTRY", "build_model", "config_from_dict", "register"]
 
 REGISTRY: dict[str, tuple[type[ModelConfig], type[LanguageModel]]] = {
     "mlstm": (MLSTMConfig, MLSTM),
 }
+
+
+def register(config_cls: type[ModelConfig], model_cls: type[LanguageModel]) -> None:
+    """Add an architecture under `config_cls.arch` (a new model file calls this; so can a test's toy model)."""
+    if not config_cls.arch:
+        raise ValueError("a config class names its architecture in `arch`")
+    known = REGISTRY.get(config_cls.arch)
+    if known is not None and known != (config_cls, model_cls):
+        raise ValueError(f"architecture {config_cls.arch!r} is already registered")
+    REGISTRY[config_cls.arch] = (config_cls, model_cls)
 
 
 def config_from_dict(data: dict[str, Any]) -> ModelConfig:
