@@ -175,6 +175,26 @@ def _meta(blob: bytes) -> dict[str, str]:
     return meta
 
 
+def test_a_version_1_export_of_the_next_byte_imports_as_the_next_token() -> None:
+    """The format written before the record's `last_byte` became `last_token`, built here by hand (not by
+    `export_session`), still imports; and exports still name the next token `last_byte`."""
+    from safetensors.torch import save
+
+    original = make("a", seed=4)
+    tensors = {"state.h": original.state.tensors["h"], "state.c": original.state.tensors["c"],
+               "static.h": original.static_state.tensors["h"], "static.c": original.static_state.tensors["c"],
+               "adapter.h": original.adapter.mats["h"]}
+    meta = {"ttl_s": 60.0, "created": 1000.0, "last_byte": 33,
+            "config": {"lr": 1e-3, "decay": 2e-3, "adapter_size": 4},  # before the word cache: no cache_weight
+            "stats": {"bytes_observed": 40, "updates": 2, "nonfinite_resets": 0, "bits": 100.0, "static_bits": 110.0}}
+    blob = save(tensors, metadata={"format": "adaptlm-session", "version": "1", "model_hash": HASH,
+                                   "session": json.dumps(meta)})
+    session, config = import_session(blob, model_hash=HASH, template=make("b"))
+    assert session.last_token == 33 and config == original.config and session.stats == original.stats
+    assert torch.equal(session.adapter.mats["h"], original.adapter.mats["h"])
+    assert json.loads(_meta(export_session(session, HASH))["session"])["last_byte"] == 33
+
+
 def test_import_from_other_weights_is_a_conflict() -> None:
     blob = export_session(make("a"), HASH)
     with pytest.raises(SessionImportError, match="other weights") as info:
