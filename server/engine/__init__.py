@@ -5,31 +5,26 @@ from server.engine._engine import Engine, EngineConfig, ModelInfo, SessionLimits
 from server.engine._errors import (
     EngineOverloaded,
     EngineUnavailable,
+    InvalidSessionSettings,
     SessionImportError,
     SessionNotFound,
     SessionStoreFull,
     SessionStoreUnavailable,
     SessionsUnavailable,
 )
+from server.engine._export import export_session, import_session
 from server.engine._generation import Event, Finished, GenerationStream, PromptScored, Token, TokenLogprob
+from server.engine._memory_store import MemorySessionStore
 from server.engine._redis import RedisSessionStore
-from server.engine._sessions import (
-    AdaptationConfig,
-    MemorySessionStore,
-    Session,
-    SessionStats,
-    SessionStore,
-    StoreStats,
-    export_session,
-    import_session,
-)
+from server.engine._session import AdaptationConfig, Session, SessionStats
 from server.engine._stats import EngineStats
+from server.engine._store import SessionStore, StoreStats
 from server.engine._suggest import Suggestions
 
 __all__ = [
     "AdaptationConfig", "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event",
-    "Finished", "GenerationStream", "MemorySessionStore", "ModelInfo", "PromptScored", "RedisSessionStore", "Session",
-    "SessionImportError", "SessionLimits", "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull",
-    "SessionStoreUnavailable", "SessionsUnavailable", "StoreStats", "Suggestions", "TextScore", "Token",
-    "TokenLogprob", "export_session", "import_session", "new_session_id",
+    "Finished", "GenerationStream", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
+    "RedisSessionStore", "Session", "SessionImportError", "SessionLimits", "SessionNotFound", "SessionStats",
+    "SessionStore", "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable", "StoreStats", "Suggestions",
+    "TextScore", "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
 ]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "EngineOverloaded", "EngineUnavailable", "SessionImportError", "SessionNotFound", "SessionStoreFull",
-    "SessionStoreUnavailable", "SessionsUnavailable",
+    "EngineOverloaded", "EngineUnavailable", "InvalidSessionSettings", "SessionImportError", "SessionNotFound",
+    "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable",
 ]
 
 
@@ -52,6 +52,16 @@ class SessionImportError(ValueError):
         super().__init__(message)
         self.conflict = conflict
         self.param = param
+
+
+class InvalidSessionSettings(ValueError):
+    """Adaptation settings or a TTL outside what this checkpoint and server allow; `param` names the setting
+    (`lr`, `decay`, `adapter_size`, `cache_weight`, `ttl_s`), `code` says how it failed (`less_than_equal`, ...)."""
+
+    def __init__(self, message: str, *, param: str, code: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class SessionsUnavailable(RuntimeError):

@@ -1,19 +1,25 @@
-"""Generation work: the events a generation sends, the stream a caller reads them from, and the job the
-worker thread advances one token at a time.
+"""Generation work: the events a generation sends, the stream a caller reads them from, the job the worker
+thread advances one token at a time, and the executor that advances all jobs together.
 
 The job lives on the worker thread; every event crosses to the caller's event loop with
 `loop.call_soon_threadsafe` into an `asyncio.Queue`, so the loop never runs model code. The caller cancels
-by setting a flag that the worker checks between tokens.
+by setting the job's cancel flag (leaving the stream's `async with`), which the worker checks between tokens.
+
+With `adapt`, the session is claimed while the job runs, and when it ends the session observes the prompt and
+what was generated (thesis sec. 4.3), before any later work of the session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -21,9 +27,17 @@ from models.base import Adapter, State
 from models.checkpoint import Checkpoint
 from models.sampling import FinishReason, SamplingParams, Stepper, top_logprobs
 from models.scoring import BOS
+from server.engine._errors import SessionNotFound
+from server.engine._scheduler import Scheduler
+from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
+from server.engine._text import Text
+from server.engine._work import Work
 
-__all__ = ["Event", "Finished", "GenerationJob", "GenerationStream", "PromptScored", "Token", "TokenLogprob"]
+__all__ = ["Event", "Finished", "GenerationExecutor", "GenerationJob", "GenerationStream", "PromptScored", "Token",
+           "TokenLogprob"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,11 +93,11 @@ class GenerationStream:
     generation is raised from the iteration.
     """
 
-    def __init__(self, n: int, submitted: float) -> None:
+    def __init__(self, n: int, submitted: float, cancelled: threading.Event) -> None:
         self.submitted = submitted  # time.perf_counter() at submission
         self._open = n
         self._queue: asyncio.Queue[_Message] = asyncio.Queue()
-        self._cancelled = threading.Event()
+        self._cancelled = cancelled  # its job's
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -117,24 +131,26 @@ class GenerationStream:
         self.cancel()
 
 
-class GenerationJob:
+class GenerationJob(Work):
     """`n` sequences from one prompt, advanced by the worker thread: `start` prefills the prompt once (the
     sequences fork its state), then each `sample` samples one byte of every unfinished sequence, which the
-    engine then feeds to the model together with every other job's.
+    executor then feeds to the model together with every other job's. Its caller reads `stream`; its future
+    is resolved when it ends.
 
     `params` None: no generation, only the prompt (its log-probabilities, if asked for). With `session_id`,
-    the engine starts it from that session's state and adapter; with `adapt`, it then has the session
-    observe the prompt and sequence 0's bytes (`generated`).
+    it starts from that session's state and adapter; with `adapt`, it then has the session observe the prompt
+    and sequence 0's bytes (`generated`).
     """
 
-    def __init__(self, stream: GenerationStream, loop: asyncio.AbstractEventLoop, prompt: bytes,
-                 params: SamplingParams | None, n: int, logprobs: int | None, prompt_logprobs: bool, *,
-                 session_id: str | None = None, owner: str | None = None, adapt: bool = False) -> None:
-        self._stream = stream
+    kind = "generate"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: bytes, params: SamplingParams | None, n: int,
+                 logprobs: int | None, prompt_logprobs: bool, *, session_id: str | None = None,
+                 owner: str | None = None, adapt: bool = False) -> None:
+        super().__init__(session_id=session_id, owner=owner)
+        self.stream = GenerationStream(n, time.perf_counter(), self._cancelled)
         self._loop = loop
         self.prompt = prompt
-        self.session_id = session_id
-        self.owner = owner
         self.adapt = adapt
         self.generated = bytearray()  # with `adapt`: sequence 0's sampled bytes
         self.failed = False
@@ -145,28 +161,25 @@ class GenerationJob:
         self._steppers: dict[int, Stepper] = {}
         self._first_token: dict[int, float] = {}
 
-    @property
-    def cancelled(self) -> bool:
-        return self._stream.cancelled
-
     def _send(self, message: _Message) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._stream._deliver, message)
+            self._loop.call_soon_threadsafe(self.stream._deliver, message)
         except RuntimeError:  # the loop is closed: nobody will read this stream
-            self._stream.cancel()
+            self.stream.cancel()
 
     def fail(self, error: BaseException) -> None:
         self.failed = True
         self._send(_Failed(error))
+        super().fail(error)
 
-    def start(self, ckpt: Checkpoint, stats: EngineStats, *, state: State | None = None, last_byte: int = BOS,
+    def start(self, ckpt: Checkpoint, stats: EngineStats, *, state: State | None = None, last_token: int = BOS,
               adapter: Adapter | None = None) -> bool:
-        """Prefill, continuing from `state` (whose next input is `last_byte`) with `adapter`, or from the
+        """Prefill, continuing from `state` (whose next input is `last_token`) with `adapter`, or from the
         initial state after the BOS byte; returns True when there is nothing left to do."""
         if self._params is None and not self._prompt_logprobs:
             self._finish_all_unstarted()
             return True
-        first = Stepper(ckpt.model, self._params or SamplingParams(), state=state, last_byte=last_byte,
+        first = Stepper(ckpt.model, self._params or SamplingParams(), state=state, last_byte=last_token,
                         adapter=adapter)
         k = self._logprobs or 0
         scored = first.prefill(self.prompt, logprobs=k if self._prompt_logprobs else None)
@@ -185,7 +198,7 @@ class GenerationJob:
         return False
 
     def _finish_all_unstarted(self) -> None:
-        seconds = time.perf_counter() - self._stream.submitted
+        seconds = time.perf_counter() - self.stream.submitted
         for i in range(self._n):
             self._send(Finished(i, "length", 0, None, seconds))
 
@@ -213,9 +226,102 @@ class GenerationJob:
             self._send(Token(i, step.token, step.text, step.offset, logprob, now))
             if stepper.finish_reason is not None:
                 del self._steppers[i]
-                submitted = self._stream.submitted
+                submitted = self.stream.submitted
                 self._send(Finished(i, stepper.finish_reason, stepper.tokens, self._first_token[i] - submitted,
                                     now - submitted))
             else:
                 feeds.append((stepper, step.token))
         return feeds
+
+
+class GenerationExecutor:
+    """The running generations, one byte of each per step."""
+
+    rows = 0
+
+    def __init__(self, ckpt: Checkpoint, sessions: SessionService, scheduler: Scheduler, stats: EngineStats) -> None:
+        self._ckpt, self._sessions, self._scheduler, self._stats = ckpt, sessions, scheduler, stats
+        self._jobs: list[GenerationJob] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    def start(self, job: GenerationJob) -> None:
+        """Prefill (on its own); a job with nothing more to do ends here."""
+        try:
+            start: dict[str, Any] = {}
+            if job.session_id is not None:
+                session = self._sessions.get(job.session_id, job.owner)
+                start = {"state": session.state, "last_token": session.last_token, "adapter": session.adapter}
+            done = job.start(self._ckpt, self._stats, **start)
+        except Exception as e:
+            job.fail(e)
+            return
+        if done:
+            self.finish(job)
+            return
+        if job.adapt:
+            self._scheduler.claim(job.session_id)  # nothing else may change the session until it has adapted
+        self._jobs.append(job)
+        self._stats.active = len(self._jobs)
+
+    def step(self) -> None:
+        """One byte of every running generation: sampled per sequence, fed to the model in one batched forward."""
+        running: list[GenerationJob] = []
+        feeds: list[tuple[GenerationJob, Stepper, int]] = []
+        for job in self._jobs:
+            if job.cancelled:
+                self._stats.count_cancelled(job.kind)
+                self._scheduler.release(job.session_id if job.adapt else None)
+                continue
+            try:
+                feeds += [(job, stepper, token) for stepper, token in job.sample(self._stats)]
+            except Exception as e:
+                job.fail(e)
+                self.finish(job)
+                continue
+            if job.finished:
+                self.finish(job)
+            else:
+                running.append(job)
+        if feeds:
+            try:
+                Stepper.feed_many([stepper for _, stepper, _ in feeds], [token for _, _, token in feeds])
+            except Exception as e:
+                failed = {id(job): job for job, _, _ in feeds}
+                for job in failed.values():
+                    job.fail(e)
+                    self.finish(job)
+                running = [job for job in running if id(job) not in failed]
+            rows = len(feeds)
+            self._stats.decode_rows[rows] = self._stats.decode_rows.get(rows, 0) + 1
+        self._jobs = running
+        self._stats.active = len(running)
+
+    def finish(self, job: GenerationJob) -> None:
+        """The job has finished or failed (its caller may already have left: that is no cancellation). With
+        `adapt`, the session observes the prompt and what was generated, before its next work."""
+        if not job.future.done():
+            job.future.set_result(None)
+        if not job.adapt:
+            return
+        self._scheduler.release(job.session_id)
+        data = job.prompt + bytes(job.generated)
+        if job.failed or not data:
+            return
+        follow = Text(data, "observe", session_id=job.session_id, owner=job.owner, counted=False)
+        follow.future.add_done_callback(_log_failure)
+        self._scheduler.follow(follow)
+
+    def fail(self, error: BaseException) -> None:
+        for job in self._jobs:
+            job.fail(error)
+        self._jobs = []
+        self._stats.active = 0
+
+
+def _log_failure(future: Future[Any]) -> None:
+    error = future.exception()
+    if error is not None and not isinstance(error, SessionNotFound):
+        log.error("adapting a session on its generation failed", exc_info=error)

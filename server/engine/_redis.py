@@ -48,7 +48,9 @@ import redis
 from redis.commands.core import Script
 
 from server.engine._errors import SessionImportError, SessionStoreFull, SessionStoreUnavailable
-from server.engine._sessions import Session, SessionStore, StoreStats, export_session, import_session
+from server.engine._export import export_session, import_session
+from server.engine._session import Session
+from server.engine._store import SessionStore, StoreStats
 
 __all__ = ["RedisSessionStore"]
 

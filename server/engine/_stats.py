@@ -28,3 +28,10 @@ class EngineStats:
     sessions: int = 0
     session_bytes: int = 0
     evictions: dict[str, int] = field(default_factory=dict)  # by reason: ttl, lru
+
+    def count_cancelled(self, kind: str) -> None:
+        """Work of `kind` dropped because its caller went away: generations count apart (their own metric)."""
+        if kind == "generate":
+            self.cancelled += 1
+        else:
+            self.cancelled_work += 1

@@ -1,4 +1,5 @@
-"""Keyboard suggestions on the worker: a cache of cursors (the model after a session's text and a context), so
+"""Keyboard suggestions on the worker: their work item and executor, the batched rounds of word searches, and a
+cache of cursors (the model after a session's text and a context), so
 that a keystroke feeds only the bytes it added (or, after a backspace, the few since a cached context).
 
 Suggestions run on every keystroke: feeding the whole context again each time would cost one model step per
@@ -8,12 +9,18 @@ continuations it expanded (the likely next keystrokes: two times in three in a m
 that the next keystroke often feeds nothing at all. A cursor is valid only for the session record it was made
 from: an observe, reset or import changes the state (or adapter, or next byte) and the session's cursors are
 dropped.
+
+A suggestion does not wait for its session's turn: it reads the session's last committed record at once (a
+keystroke cannot wait behind a long observe) and joins the word searches in progress at their next round, its
+model steps batched with theirs (`SuggestRounds`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -34,11 +41,20 @@ from models.suggest import (
     split_word,
     step,
 )
-from server.engine._sessions import Session
+from server.engine._session import Session
+from server.engine._session_service import SessionService
+from server.engine._stats import EngineStats
+from server.engine._work import Work
 
-__all__ = ["CursorCache", "Feed", "SuggestJob", "SuggestRounds", "Suggestions", "run_suggestions"]
+__all__ = ["CursorCache", "Feed", "Suggest", "SuggestExecutor", "SuggestJob", "SuggestRounds", "Suggestions",
+           "run_suggestions"]
 
+log = logging.getLogger(__name__)
 NEXT_CURSORS = 8  # cursors a search leaves for the next keystroke (of a session's 32)
+SUGGEST_MIN_PROB = 1e-3  # word completions: branches below this cumulative probability are dropped (§6)
+SUGGEST_BATCH = 8  # branches one suggestion expands per model step (8 measured fastest: docs/benchmarks.md)
+SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
+SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
 
 
 def _same_record(a: Session, b: Session) -> bool:
@@ -46,7 +62,7 @@ def _same_record(a: Session, b: Session) -> bool:
     sessions returns new tensors on every read, so identity is not enough.)"""
     if a is b:
         return True
-    if a.last_byte != b.last_byte or a.state.tensors.keys() != b.state.tensors.keys() \
+    if a.last_token != b.last_token or a.state.tensors.keys() != b.state.tensors.keys() \
             or a.adapter.mats.keys() != b.adapter.mats.keys():
         return False
     pairs = [(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors]
@@ -86,7 +102,7 @@ class CursorCache:
     def plan(self, session: Session, context: bytes) -> Cursor | Feed:
         """The cached cursor after the session's text and `context`, or what must be fed to make it (from the
         longest cached context that this one extends): run it, then `put` the result."""
-        inputs = bytes([session.last_byte]) + context
+        inputs = bytes([session.last_token]) + context
         entry = self._entries.get(session.id)
         if entry is None or not _same_record(entry.session, session):
             entry = _Entry(session)
@@ -107,7 +123,7 @@ class CursorCache:
         entry = self._entries.get(session.id)
         if entry is None or entry.session is not session and not _same_record(entry.session, session):
             return cursor  # the session changed (or was evicted) meanwhile: not worth keeping
-        inputs = bytes([session.last_byte]) + context
+        inputs = bytes([session.last_token]) + context
         entry.cursors[inputs] = cursor
         entry.cursors.move_to_end(inputs)
         while len(entry.cursors) > self.per_session:
@@ -267,3 +283,100 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
         job.error = e
         return
     job.result = Suggestions(found.prefix, found.completions, chars, found.expansions, found.model_calls, found.exact)
+
+
+class Suggest(Work):
+    """Keyboard suggestions for the session `target`. `session_id` stays None: a suggestion does not wait for
+    its session's turn."""
+
+    kind = "suggest"
+    keystroke = True
+
+    def __init__(self, target: str, context: str, *, owner: str | None, k: int, max_chars: int, n_chars: int,
+                 deadline: float) -> None:
+        super().__init__(owner=owner)
+        self.target, self.context, self.k, self.max_chars, self.n_chars = target, context, k, max_chars, n_chars
+        self.deadline = deadline
+        self.job: SuggestJob | None = None  # once started
+
+
+class SuggestExecutor:
+    """The suggestions in progress: started ones join the word searches at the next `step` (one round)."""
+
+    rows = 0
+
+    def __init__(self, model: LanguageModel, sessions: SessionService, stats: EngineStats) -> None:
+        self._sessions, self._stats = sessions, stats
+        self._rounds = SuggestRounds(model, CursorCache(), min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH,
+                                     max_expansions=SUGGEST_MAX_EXPANSIONS, round_rows=SUGGEST_ROUND_ROWS)
+        self._started: list[Suggest] = []  # not yet fed
+        self._searching: dict[SuggestJob, Suggest] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._searching or self._started)
+
+    def start(self, work: Suggest) -> None:
+        try:
+            session = self._sessions.get(work.target, work.owner)
+        except Exception as e:
+            work.fail(e)
+            return
+        work.job = SuggestJob(session, work.context, work.k, work.max_chars, work.n_chars, work.deadline)
+        self._started.append(work)
+
+    def step(self) -> None:
+        """Start the suggestions that arrived, then run one round of all the word searches in progress (one
+        batched step)."""
+        rounds = self._rounds
+        started = [work for work in self._started if not self._dropped(work)]
+        self._started = []
+        for job in [job for job in rounds.active if self._dropped(self._searching[job])]:
+            rounds.active.remove(job)  # its client went away: the search stops here
+            del self._searching[job]
+        if not started and not rounds.active:
+            return
+        jobs = [work.job for work in started if work.job is not None]
+        self._searching.update(zip(jobs, started, strict=True))
+        try:
+            if started:
+                self._count_rows(rounds.start(jobs))
+            rows, done = rounds.round()
+        except Exception as e:
+            log.exception("a batched suggestion step failed; failing its %d suggestions", len(self._searching))
+            for work in self._searching.values():
+                work.fail(e)
+            self._searching.clear()
+            rounds.clear()
+            return
+        self._count_rows(rows)
+        for job in done:
+            self.finish(self._searching.pop(job))
+
+    def finish(self, work: Suggest) -> None:
+        job = work.job
+        assert job is not None
+        if job.result is not None:
+            self._stats.suggest_cut += not job.result.exact
+            work.future.set_result(job.result)
+        else:
+            work.fail(job.error or RuntimeError("the suggestion was not answered"))
+
+    def fail(self, error: BaseException) -> None:
+        for work in [*self._started, *self._searching.values()]:
+            work.fail(error)
+        self._started = []
+        self._searching.clear()
+        self._rounds.clear()
+
+    def _dropped(self, work: Suggest) -> bool:
+        """A started suggestion whose client went away is failed (as running text work is) and counted."""
+        if not work.cancelled:
+            return False
+        work.fail(asyncio.CancelledError())
+        self._stats.count_cancelled(work.kind)
+        return True
+
+    def _count_rows(self, rows: int | None) -> None:
+        if rows is not None:
+            self._stats.suggest_rows[rows] = self._stats.suggest_rows.get(rows, 0) + 1

@@ -12,7 +12,7 @@ import time
 
 from fastapi import Response
 
-from server.engine import AdaptationConfig, Session, TextScore
+from server.engine import AdaptationConfig, InvalidSessionSettings, Session, TextScore
 from server.errors import UnprocessableEntityError
 from server.protocol import (
     AdaptationParams,
@@ -27,7 +27,7 @@ from server.protocol import (
     SuggestRequest,
     SuggestResponse,
 )
-from server.serving._common import Context, check_limit, check_text, run_unless_disconnected
+from server.serving._common import Context, check_text, run_unless_disconnected
 
 __all__ = ["create_session", "delete_session", "export_state", "get_session", "import_state", "observe",
            "reset_session", "suggest"]
@@ -59,27 +59,31 @@ def session_response(session: Session, ctx: Context, result: TextScore | None = 
         observed=observed(result) if result is not None else None)
 
 
-def _config(params: AdaptationParams | None, ctx: Context) -> AdaptationConfig:
-    """The checkpoint's defaults, overridden by the request; the adapter must fit the model's site."""
-    limits = ctx.engine.session_limits()
-    p = params or AdaptationParams()
-    size = limits.adapter_size if p.adapter_size is None else p.adapter_size
-    check_limit(size, limits.max_adapter_size, "adaptation.adapter_size")
-    return AdaptationConfig(lr=limits.lr if p.lr is None else p.lr, decay=limits.decay if p.decay is None else p.decay,
-                            adapter_size=size,
-                            cache_weight=limits.cache_weight if p.cache_weight is None else p.cache_weight)
+def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[AdaptationConfig, float]:
+    """The request's adaptation settings and TTL, completed and checked by the engine's session service (the
+    checkpoint's defaults and limits, the server's TTLs); what it refuses is a 422 on the request's field."""
+    p = body.adaptation or AdaptationParams()
+    try:
+        config = ctx.engine.sessions.config(lr=p.lr, decay=p.decay, adapter_size=p.adapter_size,
+                                            cache_weight=p.cache_weight)
+    except InvalidSessionSettings as e:
+        raise _unprocessable(e, f"adaptation.{e.param}") from None
+    try:
+        return config, ctx.engine.sessions.ttl(body.ttl_s)
+    except InvalidSessionSettings as e:
+        raise _unprocessable(e, "ttl_s") from None
+
+
+def _unprocessable(error: InvalidSessionSettings, param: str) -> UnprocessableEntityError:
+    return UnprocessableEntityError(f"{param}: {error}", param=param, code=error.code)
 
 
 async def create_session(body: SessionCreateRequest, ctx: Context) -> SessionResponse | Response:
-    config = _config(body.adaptation, ctx)
-    if body.ttl_s is not None and body.ttl_s > ctx.settings.max_session_ttl_s:
-        raise UnprocessableEntityError(f"ttl_s: Input should be less than or equal to "
-                                       f"{ctx.settings.max_session_ttl_s} (this server's limit)",
-                                       param="ttl_s", code="less_than_equal")
+    config, ttl_s = _settings(body, ctx)
     initial = body.initial_text.encode("utf-8") if body.initial_text is not None else None
     if initial is not None:
         check_text(initial, ctx.settings, "initial_text")
-    work = ctx.engine.create_session(owner=ctx.owner, config=config, ttl_s=body.ttl_s, initial_text=initial)
+    work = ctx.engine.create_session(owner=ctx.owner, config=config, ttl_s=ttl_s, initial_text=initial)
     created = await run_unless_disconnected(ctx.request, work)
     if created is None:
         return Response(status_code=499)

@@ -21,7 +21,7 @@ from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
 from server.engine import Engine, EngineConfig, EngineOverloaded, TextScore, Token
 from server.engine._batch import Row, TextJob, batch_step, text_tensors
-from server.engine._engine import TYPING_TEXT_ROWS
+from server.engine._scheduler import TYPING_TEXT_ROWS
 from server.settings import Settings
 from trainer.evaluation import config_for
 
@@ -84,7 +84,7 @@ def test_batched_observe_equals_sequential_sparse_evaluation(engine: Engine, tin
         assert reference.state is not None
         for key, value in session.state.tensors.items():
             torch.testing.assert_close(value, reference.state.tensors[key], rtol=1e-4, atol=1e-6)
-        assert session.last_byte == text[-1] and session.stats.bytes_observed == len(text)
+        assert session.last_token == text[-1] and session.stats.bytes_observed == len(text)
     expected = score_bytes(ckpt.model, b"a static score in the same batches", logprobs=True)
     assert plain.bits == pytest.approx(expected.bits, rel=1e-5)
     assert plain.logprobs == pytest.approx(expected.logprobs, abs=1e-5)

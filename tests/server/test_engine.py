@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import threading
 import time
 from pathlib import Path
@@ -16,7 +18,16 @@ from models.mlstm import MLSTM
 from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
 from models.suggest import Suggestions
-from server.engine import Engine, EngineUnavailable, Event, Finished, GenerationStream, PromptScored, Token
+from server.engine import (
+    Engine,
+    EngineUnavailable,
+    Event,
+    Finished,
+    GenerationStream,
+    InvalidSessionSettings,
+    PromptScored,
+    Token,
+)
 from server.settings import Settings
 
 
@@ -189,3 +200,26 @@ def test_stop_answers_the_suggestions_in_progress(engine: Engine) -> None:
     answers = asyncio.run(main())
     assert len(answers) == 13 and all(isinstance(a, Suggestions) and a.completions for a in answers), answers
     assert not engine.alive
+
+
+def test_session_settings_are_filled_and_checked_by_the_session_service(engine: Engine) -> None:
+    """One place fills a session's settings from the checkpoint's defaults and checks them (and its TTL)
+    against the checkpoint's and the server's limits, whoever creates the session."""
+    limits = engine.session_limits()
+    default = engine.sessions.config()
+    assert (default.lr, default.decay, default.adapter_size, default.cache_weight) == (
+        limits.lr, limits.decay, limits.adapter_size, limits.cache_weight)
+    assert engine.sessions.config(adapter_size=1).adapter_size == 1
+    assert engine.sessions.ttl(None) == engine.config.session_ttl_s
+    too_large = dataclasses.replace(default, adapter_size=limits.max_adapter_size + 1)
+    for call, param in ((lambda: engine.sessions.config(adapter_size=limits.max_adapter_size + 1), "adapter_size"),
+                        (lambda: engine.sessions.config(decay=1.5), "decay"),
+                        (lambda: engine.sessions.config(lr=math.nan), "lr"),
+                        (lambda: engine.sessions.ttl(engine.config.max_session_ttl_s * 2), "ttl_s"),
+                        (lambda: asyncio.run(engine.create_session(owner=None, config=too_large)), "adapter_size"),
+                        (lambda: asyncio.run(engine.create_session(owner=None, ttl_s=-1.0)), "ttl_s")):
+        with pytest.raises(InvalidSessionSettings) as info:
+            call()
+        assert info.value.param == param
+    session, _ = asyncio.run(engine.create_session(owner=None))
+    assert session.config == default and session.ttl_s == engine.config.session_ttl_s

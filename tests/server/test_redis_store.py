@@ -47,7 +47,7 @@ def make(session_id: str, owner: str | None = None, *, k: int = 4, ttl: float = 
     return Session(id=session_id, owner=owner, created=float(int(now)) - 5, last_used=now, ttl_s=ttl,
                    config=AdaptationConfig(lr=1e-3, decay=2e-3, adapter_size=k),
                    state=State(state), static_state=State({n: t + 1 for n, t in state.items()}),
-                   last_byte=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
+                   last_token=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
                    stats=SessionStats(bytes_observed=40, updates=2, bits=100.0, static_bits=110.0))
 
 
@@ -71,8 +71,8 @@ def store(redis_url: str) -> Iterator[RedisSessionStore]:
 
 def same(a: Session, b: Session) -> bool:
     tensors = [(a.state, b.state), (a.static_state, b.static_state)]
-    return (a.id, a.owner, a.config, a.stats, a.last_byte, a.ttl_s, a.created) == (
-        b.id, b.owner, b.config, b.stats, b.last_byte, b.ttl_s, b.created) and all(
+    return (a.id, a.owner, a.config, a.stats, a.last_token, a.ttl_s, a.created) == (
+        b.id, b.owner, b.config, b.stats, b.last_token, b.ttl_s, b.created) and all(
         torch.equal(x.tensors[k], y.tensors[k]) for x, y in tensors for k in y.tensors) and all(
         torch.equal(a.adapter.mats[k], b.adapter.mats[k]) for k in b.adapter.mats)
 
@@ -173,10 +173,10 @@ def test_owners_see_only_their_sessions(store: RedisSessionStore) -> None:
 
 def test_update_only_replaces_a_present_session(store: RedisSessionStore) -> None:
     store.insert(make("a"))
-    newer = dataclasses.replace(make("a", seed=1), last_byte=33)
+    newer = dataclasses.replace(make("a", seed=1), last_token=33)
     assert store.update(newer)
     got = store.get("a", None)
-    assert got is not None and got.last_byte == 33 and same(dataclasses.replace(got, last_used=0),
+    assert got is not None and got.last_token == 33 and same(dataclasses.replace(got, last_used=0),
                                                              dataclasses.replace(newer, last_used=0))
     store.delete("a", None)
     assert not store.update(newer) and not store.contains("a")

@@ -41,7 +41,7 @@ def make(session_id: str, owner: str | None = None, *, k: int = 4, ttl: float = 
     return Session(id=session_id, owner=owner, created=1000.0, last_used=1000.0, ttl_s=ttl,
                    config=AdaptationConfig(lr=1e-3, decay=2e-3, adapter_size=k),
                    state=State(state), static_state=State({n: t + 1 for n, t in state.items()}),
-                   last_byte=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
+                   last_token=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
                    stats=SessionStats(bytes_observed=40, updates=2, bits=100.0, static_bits=110.0))
 
 
@@ -123,10 +123,10 @@ def test_owners_see_only_their_sessions() -> None:
 def test_update_only_replaces_a_present_session() -> None:
     store = MemorySessionStore(max_sessions=10, max_bytes=10**9, clock=Clock())
     store.insert(make("a"))
-    newer = dataclasses.replace(make("a", seed=1), last_byte=33)
+    newer = dataclasses.replace(make("a", seed=1), last_token=33)
     assert store.update(newer)
     got = store.get("a", None)
-    assert got is not None and got.last_byte == 33
+    assert got is not None and got.last_token == 33
     store.delete("a", None)
     assert not store.update(newer) and not store.contains("a")
 
@@ -161,7 +161,7 @@ def test_export_import_round_trip() -> None:
     session, config = import_session(blob, model_hash=HASH, template=template)
     assert (session.id, session.owner, session.created) == ("b", "bob", template.created)
     assert config == original.config == session.config
-    assert session.stats == original.stats and session.last_byte == original.last_byte
+    assert session.stats == original.stats and session.last_token == original.last_token
     for a, b in ((session.state, original.state), (session.static_state, original.static_state)):
         assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)
     assert torch.equal(session.adapter.mats["h"], original.adapter.mats["h"])
@@ -173,6 +173,26 @@ def test_export_import_round_trip() -> None:
 def _meta(blob: bytes) -> dict[str, str]:
     meta: dict[str, str] = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
     return meta
+
+
+def test_a_version_1_export_of_the_next_byte_imports_as_the_next_token() -> None:
+    """The format written before the record's `last_byte` became `last_token`, built here by hand (not by
+    `export_session`), still imports; and exports still name the next token `last_byte`."""
+    from safetensors.torch import save
+
+    original = make("a", seed=4)
+    tensors = {"state.h": original.state.tensors["h"], "state.c": original.state.tensors["c"],
+               "static.h": original.static_state.tensors["h"], "static.c": original.static_state.tensors["c"],
+               "adapter.h": original.adapter.mats["h"]}
+    meta = {"ttl_s": 60.0, "created": 1000.0, "last_byte": 33,
+            "config": {"lr": 1e-3, "decay": 2e-3, "adapter_size": 4},  # before the word cache: no cache_weight
+            "stats": {"bytes_observed": 40, "updates": 2, "nonfinite_resets": 0, "bits": 100.0, "static_bits": 110.0}}
+    blob = save(tensors, metadata={"format": "adaptlm-session", "version": "1", "model_hash": HASH,
+                                   "session": json.dumps(meta)})
+    session, config = import_session(blob, model_hash=HASH, template=make("b"))
+    assert session.last_token == 33 and config == original.config and session.stats == original.stats
+    assert torch.equal(session.adapter.mats["h"], original.adapter.mats["h"])
+    assert json.loads(_meta(export_session(session, HASH))["session"])["last_byte"] == 33
 
 
 def test_import_from_other_weights_is_a_conflict() -> None:
@@ -220,8 +240,8 @@ def test_invalid_exports_are_refused(mangle: str) -> None:
 
 
 def same_session(a: Session, b: Session) -> bool:
-    return (a.id, a.owner, a.created, a.last_used, a.ttl_s, a.config, a.stats, a.last_byte) == \
-        (b.id, b.owner, b.created, b.last_used, b.ttl_s, b.config, b.stats, b.last_byte) and \
+    return (a.id, a.owner, a.created, a.last_used, a.ttl_s, a.config, a.stats, a.last_token) == \
+        (b.id, b.owner, b.created, b.last_used, b.ttl_s, b.config, b.stats, b.last_token) and \
         all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors) and \
         all(torch.equal(a.static_state.tensors[k], b.static_state.tensors[k]) for k in a.static_state.tensors) and \
         all(torch.equal(a.adapter.mats[k], b.adapter.mats[k]) for k in a.adapter.mats)

@@ -24,8 +24,7 @@ from models.scoring import BOS, score_bytes
 from models.suggest import Completion, advance, split_word
 from models.wordcache import WordCache, mix_completions, previous_word
 from server.engine import AdaptationConfig, Session
-from server.engine._engine import SUGGEST_BATCH
-from server.engine._suggest import CursorCache, SuggestJob, SuggestRounds, run_suggestions
+from server.engine._suggest import SUGGEST_BATCH, CursorCache, SuggestJob, SuggestRounds, run_suggestions
 from server.settings import Settings
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
@@ -243,7 +242,7 @@ def test_the_cursor_cache_feeds_only_new_bytes(ckpt: Any) -> None:
                       config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=8),
                       state=State({k: torch.randn(v.shape, generator=g) * 0.1
                                    for k, v in model.init_state(1).tensors.items()}),
-                      static_state=model.init_state(1), last_byte=ord("."),
+                      static_state=model.init_state(1), last_token=ord("."),
                       adapter=Adapter({k: torch.randn(1, n, n, generator=g) * 0.1 for k, n in sites.items()}))
     cache = CursorCache()
     typed = "hello wor"
@@ -255,7 +254,7 @@ def test_the_cursor_cache_feeds_only_new_bytes(ckpt: Any) -> None:
     cache.cursor(model, session, b"hello wo")  # a backspace: cached
     cache.cursor(model, session, b"hello wa")  # from the cursor of "hello w"
     assert cache.fed == 2 + len(typed)
-    changed = dataclasses.replace(session, last_byte=BOS)  # another record (e.g. after an observe)
+    changed = dataclasses.replace(session, last_token=BOS)  # another record (e.g. after an observe)
     cache.cursor(model, changed, b"hello wa")
     assert cache.fed == 2 + len(typed) + len(b"\nhello wa")
 
@@ -275,7 +274,7 @@ def test_the_next_keystroke_starts_from_the_search_s_expansions(ckpt: Any) -> No
     model = ckpt.model
     session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
                       config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
-                      static_state=model.init_state(1), last_byte=BOS,
+                      static_state=model.init_state(1), last_token=BOS,
                       adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
     cache = CursorCache()
     first = SuggestJob(session, "It is a truth univ", 3, 24, 5)
@@ -302,7 +301,7 @@ def test_a_suggestion_joins_the_searches_in_progress(ckpt: Any) -> None:
     def session(sid: str) -> Session:
         return Session(id=sid, owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
                        config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
-                       static_state=model.init_state(1), last_byte=BOS,
+                       static_state=model.init_state(1), last_token=BOS,
                        adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
 
     contexts = {"a": "It is a truth universally acknowledged, that a single man in possession of a good fortune, m",
@@ -338,7 +337,7 @@ def test_a_keystroke_no_search_foresaw_feeds_only_itself(ckpt: Any) -> None:
     model = ckpt.model
     session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
                       config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
-                      static_state=model.init_state(1), last_byte=BOS,
+                      static_state=model.init_state(1), last_token=BOS,
                       adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
     cache = CursorCache(per_session=4)
     context = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be t"

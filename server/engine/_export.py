@@ -1,0 +1,140 @@
+"""The session export format: a versioned, pickle-free blob (safetensors bytes of the state, shadow state and
+adapter, with JSON metadata in the safetensors header), tagged with the checkpoint's weights hash.
+
+The metadata keeps the key `last_byte` for the session's next input token (`Session.last_token`): exports
+written before the record's rename, and by servers that have not been updated, read the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from models.base import Adapter, State
+from models.wordcache import WordCache
+from server.engine._errors import SessionImportError
+from server.engine._session import AdaptationConfig, Session, SessionStats
+
+__all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "export_session", "import_session"]
+
+EXPORT_FORMAT = "adaptlm-session"
+EXPORT_VERSION = 1
+_MAX_HEADER = 1 << 20  # a session's safetensors header is a few hundred bytes
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous().clone()
+
+
+def export_session(session: Session, model_hash: str) -> bytes:
+    """A versioned, pickle-free blob: safetensors bytes of the tensors, with JSON metadata in its header,
+    tagged with the checkpoint's weights hash. Owner and id are not part of it: the importer chooses both."""
+    tensors = {f"state.{k}": _plain(v) for k, v in session.state.tensors.items()}
+    tensors |= {f"static.{k}": _plain(v) for k, v in session.static_state.tensors.items()}
+    tensors |= {f"adapter.{k}": _plain(v) for k, v in session.adapter.mats.items()}
+    meta = {
+        "ttl_s": session.ttl_s, "created": session.created, "last_byte": session.last_token,
+        "config": dataclasses.asdict(session.config), "stats": dataclasses.asdict(session.stats),
+        "words": session.words.to_dict(),
+    }
+    return save_tensors(tensors, metadata={"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION),
+                                           "model_hash": model_hash, "session": json.dumps(meta)})
+
+
+def _header_metadata(blob: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors blob: an 8-byte little-endian header length, then a JSON header."""
+    if len(blob) < 8:
+        raise SessionImportError("not a session export (too short)")
+    n = int.from_bytes(blob[:8], "little")
+    if n > min(_MAX_HEADER, len(blob) - 8):
+        raise SessionImportError("not a session export (bad header)")
+    try:
+        header = json.loads(blob[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise SessionImportError("not a session export (bad header)") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+        raise SessionImportError("not a session export (no adaptlm-session metadata)")
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def _finite_number(data: Mapping[str, Any], key: str) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SessionImportError(f"the export's {key!r} is not a finite number")
+    return float(value)
+
+
+def import_session(blob: bytes, *, model_hash: str, template: Session) -> tuple[Session, AdaptationConfig]:
+    """Read an `export_session` blob into a session shaped like `template` (a fresh session of this model:
+    its id, owner, clock times and tensor layouts are kept). -> the session and the config the blob asks for,
+    which the caller must check against its limits before storing. Raises SessionImportError: `conflict`
+    when the blob comes from other weights, otherwise because it is not a valid export."""
+    meta = _header_metadata(blob)
+    if meta.get("version") != str(EXPORT_VERSION):
+        raise SessionImportError(f"unsupported session export version {meta.get('version')!r} "
+                                 f"(this server reads version {EXPORT_VERSION})")
+    if meta.get("model_hash") != model_hash:
+        raise SessionImportError(f"the session was exported from other weights (sha256 "
+                                 f"{meta.get('model_hash', '?')[:12]}…); this server's checkpoint is "
+                                 f"{model_hash[:12]}…", conflict=True)
+    try:
+        info = json.loads(meta["session"])
+        tensors = load_tensors(blob)
+    except (KeyError, json.JSONDecodeError, SafetensorError, ValueError, RuntimeError):
+        raise SessionImportError("the session export is corrupt") from None
+    if not isinstance(info, dict) or not isinstance(info.get("config"), dict) or not isinstance(info.get("stats"),
+                                                                                                  dict):
+        raise SessionImportError("the session export's metadata is incomplete")
+    cfg, st = info["config"], info["stats"]
+    size = cfg.get("adapter_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise SessionImportError("the export's 'adapter_size' is not a positive integer")
+    config = AdaptationConfig(lr=_finite_number(cfg, "lr"), decay=_finite_number(cfg, "decay"), adapter_size=size,
+                              cache_weight=_finite_number(cfg, "cache_weight") if "cache_weight" in cfg else 0.0)
+    try:  # exports older than the word cache have none
+        words = WordCache.from_dict(info.get("words") or {})
+    except ValueError:
+        raise SessionImportError("the export's word cache is not valid") from None
+    last_token = info.get("last_byte")
+    if isinstance(last_token, bool) or not isinstance(last_token, int) or not 0 <= last_token < 256:
+        raise SessionImportError("the export's 'last_byte' is not a byte")
+    counts = {}
+    for key in ("bytes_observed", "updates", "nonfinite_resets"):
+        value = st.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SessionImportError(f"the export's {key!r} is not a count")
+        counts[key] = value
+    stats = SessionStats(**counts, bits=_finite_number(st, "bits"), static_bits=_finite_number(st, "static_bits"))
+
+    def take(prefix: str, like: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        out = {}
+        for k, ref in like.items():
+            t = tensors.pop(f"{prefix}.{k}", None)
+            if t is None or tuple(t.shape) != shapes[k] or t.dtype != ref.dtype:
+                raise SessionImportError(f"the export's {prefix}.{k} is missing or not of shape {shapes[k]} "
+                                         f"and dtype {ref.dtype} (another model?)")
+            if not bool(torch.isfinite(t).all()):
+                raise SessionImportError(f"the export's {prefix}.{k} holds non-finite values")
+            out[k] = t.to(ref.device)
+        return out
+
+    state_shapes = {k: tuple(v.shape) for k, v in template.state.tensors.items()}
+    state = take("state", template.state.tensors, state_shapes)
+    static = take("static", template.static_state.tensors, state_shapes)
+    mats = take("adapter", template.adapter.mats, {k: (1, size, size) for k in template.adapter.mats})
+    if tensors:
+        raise SessionImportError(f"the export holds unexpected tensors: {', '.join(sorted(tensors)[:5])}")
+    ttl = _finite_number(info, "ttl_s")
+    session = dataclasses.replace(template, ttl_s=ttl if ttl > 0 else template.ttl_s, config=config,
+                                  state=State(state), static_state=State(static), last_token=last_token,
+                                  adapter=Adapter(mats), stats=stats, words=words)
+    return session, config

@@ -1,0 +1,94 @@
+"""Loading the model: the checkpoint, what it tells about itself (`ModelInfo`) and the session settings its
+dyneval.json allows (`SessionLimits`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import adapter_implementation
+from models.adaptation import DynEvalConfig
+from models.checkpoint import Checkpoint, load_checkpoint
+from models.precision import resolve_precision
+
+__all__ = ["Loaded", "ModelInfo", "SessionLimits", "load_model", "session_settings"]
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """The checkpoint's sparse dynamic-evaluation settings that sessions start from (dyneval.json "session",
+    else "sparse")."""
+
+    lr: float
+    decay: float
+    adapter_size: int  # default k
+    max_adapter_size: int  # the adaptation sites' units (and the statistics' coverage)
+    rule: str
+    eps: float
+    segment: int
+    cache_weight: float = 0.0  # the word cache's weight in suggestions (dyneval.json "session" "cache_weight")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    model_hash: str  # sha256 of the weights
+    created: int  # unix time the weights were written
+    path: Path
+    kernel: str = "reference"  # the adapter kernel's implementation (a metric label)
+    precision: str = "float32"  # what "auto" resolved to on this device (a metric label)
+    sessions: SessionLimits | None = None  # None: this checkpoint cannot adapt sessions
+    sessions_unavailable: str = ""  # why not
+
+
+@dataclass(frozen=True)
+class Loaded:
+    ckpt: Checkpoint
+    info: ModelInfo
+    base: DynEvalConfig | None  # the sparse settings the update rules derive from (None: unreadable)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.ckpt.model.parameters()).device
+
+
+def load_model(path: Path, precision: str) -> Loaded:
+    """Load the checkpoint at `path`; raises CheckpointError on a bad one. `precision` may be "auto"."""
+    ckpt = load_checkpoint(path)
+    weights = path / "model.safetensors"
+    limits, base, why = session_settings(ckpt)
+    device = next(ckpt.model.parameters()).device
+    info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime), path=path,
+                     kernel=adapter_implementation(), precision=resolve_precision(precision, device),
+                     sessions=limits, sessions_unavailable=why)
+    return Loaded(ckpt, info, base)
+
+
+def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalConfig | None, str]:
+    """The checkpoint's sparse settings and what limits them, or why sessions cannot work with it; and the
+    sparse settings themselves once they are known valid for this model (text steps use their segment)."""
+    # "session": serving defaults for users' own text, when the checkpoint has them; else "sparse",
+    # the settings tuned on the validation book (in-domain text wants far smaller steps)
+    section = ckpt.dyneval.get("session") or ckpt.dyneval.get("sparse", {})
+    try:
+        base = DynEvalConfig.from_dict(section if isinstance(section, dict) else {}, mode="sparse", cache=None)
+    except (TypeError, ValueError) as e:
+        return None, None, f"dyneval.json's sparse section is not valid ({e})"
+    sites = ckpt.model.adaptation_sites()
+    if not sites:
+        return None, None, f"{type(ckpt.model).__name__} has no adaptation sites"
+    units = min(s.dim for s in sites)
+    if base.rule in ("rms", "rms_decay"):
+        stats = [ckpt.stats.get(f"adapter.{s.name}") for s in sites]
+        if any(t is None for t in stats):
+            return None, None, (f"the checkpoint has no adapter statistics (MS_g) for the {base.rule!r} rule; "
+                                "train it to the end (or collect them) to serve sessions")
+        units = min([units, *(min(t.shape) for t in stats if t is not None)])
+    default = min(base.adapter_units or units, units)
+    weight = section.get("cache_weight", 0.0) if isinstance(section, dict) else 0.0
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight <= 1:
+        return None, base, f"dyneval.json's session cache_weight must be a number in [0, 1], not {weight!r}"
+    return SessionLimits(lr=base.lr, decay=base.decay, adapter_size=default, max_adapter_size=units,
+                         rule=base.rule, eps=base.eps, segment=base.segment, cache_weight=float(weight)), base, ""

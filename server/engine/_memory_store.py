@@ -1,0 +1,216 @@
+"""The in-process session store (LRU order, TTL, a memory budget, a count limit) and its snapshot file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import zipfile
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+from server.engine._errors import SessionImportError, SessionStoreFull
+from server.engine._export import export_session, import_session
+from server.engine._session import Session
+from server.engine._store import SessionStore, StoreStats
+
+__all__ = ["SNAPSHOT_FORMAT", "MemorySessionStore"]
+
+SNAPSHOT_FORMAT = "adaptlm-session-snapshot-1"  # MemorySessionStore's file
+
+log = logging.getLogger(__name__)
+
+
+class MemorySessionStore(SessionStore):
+    """In-process store: an LRU map with per-session TTL, a byte budget and a count limit.
+
+    With a `snapshot` path, the sessions outlive the process: `close` (at shutdown, once the engine has finished
+    its work) writes them all to that file, and `bind` (at start-up) reads back those of the same weights that
+    have not expired. The file is a zip (stored, not compressed) of `export_session` blobs, one per session,
+    and an `index.json` with each one's id, owner (the API key's hash), times and TTL: no pickle. It is
+    written to a temporary file and renamed, so a crash mid-write leaves the previous snapshot whole.
+    """
+
+    def __init__(self, *, max_sessions: int, max_bytes: int, clock: Callable[[], float] = time.time,
+                 snapshot: str | Path | None = None) -> None:
+        if max_sessions < 1 or max_bytes < 1:
+            raise ValueError("max_sessions and max_bytes must be >= 1")
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self.snapshot = Path(snapshot) if snapshot is not None else None
+        self._model_hash: str | None = None
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._pins: Counter[str] = Counter()
+        self._evictions: Counter[str] = Counter({"ttl": 0, "lru": 0})
+
+    def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session | None:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.owner != owner:
+                return None
+            now = self._clock()
+            if session.expired(now) and not self._pins[session_id]:
+                self._remove(session_id, "ttl")
+                return None
+            if touch:
+                session = dataclasses.replace(session, last_used=now)
+                self._sessions[session_id] = session
+                self._sessions.move_to_end(session_id)
+            return session
+
+    def contains(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
+    def insert(self, session: Session) -> None:
+        with self._lock:
+            if not self._fits(session, []):
+                self._sweep_locked()
+            victims: list[str] = []
+            for key in self._sessions:  # least recently used first
+                if self._fits(session, victims):
+                    break
+                if key != session.id and not self._pins[key]:
+                    victims.append(key)
+            if not self._fits(session, victims):  # refuse before evicting anything
+                raise SessionStoreFull(f"the session store is full ({len(self._sessions)} sessions, {self._bytes} "
+                                       f"of {self.max_bytes} bytes) and no session can be evicted now")
+            for key in victims:
+                self._remove(key, "lru")
+            self._put(session)
+
+    def update(self, session: Session) -> bool:
+        with self._lock:
+            if session.id not in self._sessions:
+                return False
+            self._put(session)
+            return True
+
+    def delete(self, session_id: str, owner: str | None) -> bool:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.owner != owner:
+                return False
+            self._remove(session_id, None)
+            return True
+
+    def pin(self, session_id: str) -> None:
+        with self._lock:
+            self._pins[session_id] += 1
+
+    def unpin(self, session_id: str) -> None:
+        with self._lock:
+            self._pins[session_id] -= 1
+            if self._pins[session_id] <= 0:
+                del self._pins[session_id]
+
+    def sweep(self) -> int:
+        with self._lock:
+            return self._sweep_locked()
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(sessions=len(self._sessions), bytes=self._bytes, evictions=dict(self._evictions))
+
+    def bind(self, model_hash: str, template: Session) -> None:
+        self._model_hash = model_hash
+        if self.snapshot is not None and self.snapshot.exists():
+            self._restore(self.snapshot, model_hash, template)
+
+    def close(self) -> None:
+        """Write the snapshot, if there is one to write (without a path the sessions end with the process)."""
+        if self.snapshot is not None and self._model_hash is not None:
+            self._save(self.snapshot, self._model_hash)
+
+    def _save(self, path: Path, model_hash: str) -> None:
+        with self._lock:
+            self._sweep_locked()
+            sessions = list(self._sessions.values())  # least recently used first
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        index = []
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+            for i, session in enumerate(sessions):
+                member = f"{i}.safetensors"
+                z.writestr(member, export_session(session, model_hash))
+                index.append({"member": member, "id": session.id, "owner": session.owner,
+                              "created": session.created, "last_used": session.last_used, "ttl_s": session.ttl_s})
+            z.writestr("index.json", json.dumps({"format": SNAPSHOT_FORMAT, "model_hash": model_hash,
+                                                 "sessions": index}))
+        os.replace(tmp, path)
+        log.info("wrote %d sessions to %s", len(sessions), path)
+
+    def _restore(self, path: Path, model_hash: str, template: Session) -> None:
+        """Read a snapshot back; a snapshot of other weights, or one that cannot be read, is left alone (and
+        said so in the log): the server starts without those sessions rather than not at all."""
+        now, kept, skipped = self._clock(), 0, 0
+        try:
+            with zipfile.ZipFile(path) as z:
+                index = json.loads(z.read("index.json"))
+                if index.get("format") != SNAPSHOT_FORMAT:
+                    raise ValueError(f"not a session snapshot (format {index.get('format')!r})")
+                if index.get("model_hash") != model_hash:
+                    log.warning("the session snapshot %s is of other weights (sha256 %s…): not restored", path,
+                                str(index.get("model_hash"))[:12])
+                    return
+                for entry in index["sessions"]:  # least recently used first, so the LRU order comes back
+                    try:
+                        session, _ = import_session(z.read(entry["member"]), model_hash=model_hash,
+                                                    template=template)
+                        owner = entry["owner"]
+                        if owner is not None and not isinstance(owner, str):
+                            raise TypeError("an owner is a string or null")
+                        session = dataclasses.replace(
+                            session, id=str(entry["id"]), owner=owner, created=float(entry["created"]),
+                            last_used=float(entry["last_used"]), ttl_s=float(entry["ttl_s"]))
+                    except (KeyError, TypeError, ValueError, SessionImportError) as e:
+                        skipped += 1
+                        log.warning("a session of the snapshot cannot be read (%s): skipped", e)
+                        continue
+                    if session.expired(now):
+                        continue
+                    try:
+                        self.insert(session)
+                    except SessionStoreFull:
+                        skipped += 1
+                        continue
+                    kept += 1
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+            log.error("the session snapshot %s cannot be read (%s): starting without it", path, e)
+            return
+        log.info("restored %d sessions from %s (%d skipped)", kept, path, skipped)
+
+    def _fits(self, session: Session, without: list[str]) -> bool:
+        """Would `session` fit within the limits once the sessions `without` are gone?"""
+        old = self._sessions.get(session.id)
+        gone = [self._sessions[k] for k in without] + ([old] if old is not None else [])
+        count = len(self._sessions) - len(gone) + 1
+        size = self._bytes - sum(s.nbytes for s in gone) + session.nbytes
+        return count <= self.max_sessions and size <= self.max_bytes
+
+    def _put(self, session: Session) -> None:
+        old = self._sessions.pop(session.id, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._sessions[session.id] = session  # most recently used
+        self._bytes += session.nbytes
+
+    def _remove(self, session_id: str, reason: str | None) -> None:
+        session = self._sessions.pop(session_id)
+        self._bytes -= session.nbytes
+        if reason is not None:
+            self._evictions[reason] += 1
+
+    def _sweep_locked(self) -> int:
+        now = self._clock()
+        expired = [k for k, s in self._sessions.items() if s.expired(now) and not self._pins[k]]
+        for k in expired:
+            self._remove(k, "ttl")
+        return len(expired)

@@ -1,0 +1,82 @@
+"""The session record: one text stream adapted online (sparse dynamic evaluation, ALGORITHMS.md §3).
+
+A session holds the recurrent state after everything it has observed, the next input token, its adapter M
+(zeros at the start), and a second, never-adapted state of the same text, so that the bits it would have cost
+the static model can be counted in the same batched step. Records are immutable: the engine's worker builds a
+new one and writes it back, so a reader always sees a consistent snapshot.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from models.base import Adapter, State
+from models.wordcache import WordCache
+
+__all__ = ["AdaptationConfig", "Session", "SessionStats", "new_session_id"]
+
+
+def new_session_id() -> str:
+    """192 random bits, URL-safe (32 characters)."""
+    return secrets.token_urlsafe(24)
+
+
+@dataclass(frozen=True)
+class AdaptationConfig:
+    """What a session may choose of sparse dynamic evaluation; the rule, eps and segment are the checkpoint's."""
+
+    lr: float
+    decay: float
+    adapter_size: int  # k: M is (k, k) on the first k units of every adaptation site
+    cache_weight: float = 0.0  # lam of the word cache in keyboard suggestions (models/wordcache.py); 0: off
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    bytes_observed: int = 0
+    updates: int = 0  # adapter updates applied (one per segment)
+    nonfinite_resets: int = 0  # updates dropped by the non-finite guard
+    bits: float = 0.0  # of the observed text, each segment scored before the update it caused
+    static_bits: float = 0.0  # of the same text under the unadapted model
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        return self.bits / self.bytes_observed if self.bytes_observed else None
+
+    @property
+    def static_bits_per_byte(self) -> float | None:
+        return self.static_bits / self.bytes_observed if self.bytes_observed else None
+
+    @property
+    def gain_over_static(self) -> float | None:
+        """1 - bits / static bits: the fraction of the static model's bits that adaptation saved so far."""
+        return 1.0 - self.bits / self.static_bits if self.bytes_observed and self.static_bits > 0 else None
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    owner: str | None  # hash of the API key that created it; None when the server has no keys
+    created: float  # unix time
+    last_used: float  # unix time; the session expires ttl_s after it
+    ttl_s: float
+    config: AdaptationConfig
+    state: State  # batch 1: the state after every observed byte but the last
+    static_state: State  # the same, under the unadapted model
+    last_token: int  # the next input token (a byte): the last observed byte, or scoring.BOS at the start
+    adapter: Adapter  # mats[site]: (1, k, k)
+    stats: SessionStats = field(default_factory=SessionStats)
+    words: WordCache = field(default_factory=WordCache)  # the observed words; replaced, never changed in place
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the session holds: its tensors, and an estimate for its word cache."""
+        tensors = [*self.state.tensors.values(), *self.static_state.tensors.values(), *self.adapter.mats.values()]
+        return sum(t.numel() * t.element_size() for t in tensors) + self.words.nbytes
+
+    def expires_at(self) -> float:
+        return self.last_used + self.ttl_s
+
+    def expired(self, now: float) -> bool:
+        return now >= self.expires_at()

@@ -1,0 +1,74 @@
+"""The session store interface: where sessions live between two pieces of work.
+
+Only the engine's worker thread writes sessions (create, adapt, reset, import); HTTP handlers read them
+(stats, export) and delete them. `MemorySessionStore` (`_memory_store.py`) keeps them in this process,
+`RedisSessionStore` (`_redis.py`) in Redis as export blobs (`_export.py`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from server.engine._session import Session
+
+__all__ = ["SessionStore", "StoreStats"]
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    sessions: int
+    bytes: int
+    evictions: Mapping[str, int]  # by reason: "ttl" (expired), "lru" (made room for another session)
+
+
+class SessionStore(ABC):
+    """Where sessions live. Thread-safe. `owner` is checked on reads and deletes: a session of another owner
+    is reported as absent. Sessions that the engine has work for are pinned and never evicted."""
+
+    @abstractmethod
+    def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session | None:
+        """The session, or None if there is none (expired, evicted, deleted, never created, another owner's).
+        `touch` marks it used (extends its TTL, makes it most recently used)."""
+
+    @abstractmethod
+    def contains(self, session_id: str) -> bool:
+        """Whether a session of that id exists, whoever owns it (expired ones included until swept)."""
+
+    @abstractmethod
+    def insert(self, session: Session) -> None:
+        """Create or replace `session`; evicts expired, then least recently used unpinned sessions to stay in
+        the limits; raises SessionStoreFull (evicting and storing nothing) if that cannot make room."""
+
+    @abstractmethod
+    def update(self, session: Session) -> bool:
+        """Replace the stored session of the same id; False (storing nothing) if it is gone (deleted)."""
+
+    @abstractmethod
+    def delete(self, session_id: str, owner: str | None) -> bool:
+        """Remove the session; False if there was none for `owner`."""
+
+    @abstractmethod
+    def pin(self, session_id: str) -> None:
+        """Protect the session from eviction until as many `unpin` calls (work for it is in flight)."""
+
+    @abstractmethod
+    def unpin(self, session_id: str) -> None: ...
+
+    @abstractmethod
+    def sweep(self) -> int:
+        """Remove expired unpinned sessions now; -> how many."""
+
+    @abstractmethod
+    def stats(self) -> StoreStats: ...
+
+    @abstractmethod
+    def bind(self, model_hash: str, template: Session) -> None:
+        """Called by the engine once its checkpoint is loaded, before any other call: the weights' hash and a
+        fresh session of the model (its tensor layouts, dtype and device). A store that serialises sessions
+        needs both to read them back; it may also check here that it is reachable (SessionStoreUnavailable)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections; called once the engine has stopped (its last writes are done)."""

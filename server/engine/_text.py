@@ -1,0 +1,205 @@
+"""Text work: a static score, a session score without adaptation ("peek") or a session observe, and the executor
+that reads all running texts segment by segment in one batched step (`_batch.batch_step`).
+
+A text reads its session when it starts and writes it back when it is done (an observe: the new state, shadow
+state, adapter, next token, statistics and word cache); a text whose caller went away stops between two
+segments, and its session stays as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from models.adaptation import DynEvalConfig
+from models.base import Adapter, State
+from models.checkpoint import Checkpoint
+from models.scoring import BOS
+from server.engine._batch import Row, RuleCache, TextJob, batch_step, text_tensors
+from server.engine._errors import SessionNotFound
+from server.engine._scheduler import Scheduler, pack
+from server.engine._session import Session, SessionStats
+from server.engine._session_service import SessionService
+from server.engine._stats import EngineStats
+from server.engine._work import Work
+
+__all__ = ["Text", "TextExecutor", "TextScore"]
+
+log = logging.getLogger(__name__)
+LN2 = math.log(2.0)
+Mode = Literal["static", "peek", "observe"]
+
+
+@dataclass(frozen=True)
+class TextScore:
+    """A text's bits under the model (static) or under a session, each segment scored before any update."""
+
+    bits: float
+    bytes: int
+    logprobs: list[float] | None = None  # natural log, per byte, if asked for
+    static_bits: float | None = None  # adapting work: the same text under the unadapted model
+    updates: int = 0  # adapter updates applied
+    nonfinite_reset: bool = False  # the non-finite guard refused an update or reset the adapter
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.bits / self.bytes if self.bytes else float("nan")
+
+
+class Text(Work):
+    """`data` read as `mode`; with `create`, a session to create first (then observed)."""
+
+    kind = "text"
+
+    def __init__(self, data: bytes, mode: Mode, *, session_id: str | None = None, owner: str | None = None,
+                 logprobs: bool = False, create: Callable[[], Session] | None = None, counted: bool = True) -> None:
+        super().__init__(session_id=session_id, owner=owner, counted=counted)
+        self.data, self.mode, self.logprobs, self.create = data, mode, logprobs, create
+        self.job: TextJob | None = None  # its rows, once started
+        self.session: Session | None = None  # the record it started from
+
+    @property
+    def rows(self) -> int:
+        return 2 if self.mode == "observe" else 1
+
+
+class TextExecutor:
+    def __init__(self, ckpt: Checkpoint, sessions: SessionService, scheduler: Scheduler, stats: EngineStats) -> None:
+        self._ckpt, self._sessions, self._scheduler, self._stats = ckpt, sessions, scheduler, stats
+        self._texts: list[Text] = []  # running, in the order they step
+        self._stacked = RuleCache()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._texts)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(t.job.rows) for t in self._texts if t.job is not None)
+
+    def start(self, work: Text) -> None:
+        """Read the session and set up the rows."""
+        model = self._ckpt.model
+        try:
+            session = None
+            if work.create is not None:
+                session = work.create()
+            elif work.session_id is not None:
+                session = self._sessions.get(work.session_id, work.owner)
+            ref = next(model.parameters())
+            if session is None:
+                rows = [Row(model.init_state(1))]
+                last = BOS
+            else:
+                mats = {k: m[0] for k, m in session.adapter.mats.items()}  # (k, k)
+                rule = self._sessions.rule(session.config) if work.mode == "observe" else None
+                rows = [Row(session.state, mats, rule)]
+                if work.mode == "observe":
+                    rows.append(Row(session.static_state))
+                last = session.last_token
+            inputs, targets = text_tensors(work.data, last, ref.device)
+        except Exception as e:
+            work.fail(e)
+            return
+        work.job = TextJob(inputs, targets, rows)
+        work.session = session
+        self._scheduler.claim(work.session_id)
+        self._texts.append(work)
+
+    def step(self) -> None:
+        """One batched segment of every running text (while someone types, of the texts that waited longest, up
+        to the scheduler's row limit); then finish those that are done."""
+        running = []
+        for work in self._texts:
+            if work.cancelled:
+                self._stats.count_cancelled(work.kind)
+                work.fail(asyncio.CancelledError())
+                self._scheduler.release(work.session_id)
+            else:
+                running.append(work)
+        self._texts = running
+        if not running:
+            return
+        limit = self._scheduler.text_rows()
+        if limit is not None:
+            taken = pack(running, lambda t: len(t.job.rows) if t.job is not None else 0, limit)
+            stepping = running[:taken]
+            self._texts = running = [*running[taken:], *stepping]  # the others go first next time
+        else:
+            stepping = running
+        assert self._sessions.base is not None or all(t.mode == "static" for t in running)
+        config = self._sessions.base or DynEvalConfig(mode="static")
+        try:
+            rows = batch_step(self._ckpt.model, [t.job for t in stepping if t.job is not None], config, self._stacked)
+        except Exception as e:
+            log.exception("a batched step failed; failing its %d items", len(stepping))
+            for work in stepping:
+                work.fail(e)
+                self._scheduler.release(work.session_id)
+            self._texts = [work for work in running if work not in stepping]
+            return
+        self._stats.batches += 1
+        self._stats.batch_rows[rows] = self._stats.batch_rows.get(rows, 0) + 1
+        self._texts = []
+        for work in running:
+            assert work.job is not None
+            if work.job.done:
+                self.finish(work)
+            else:
+                self._texts.append(work)
+
+    def finish(self, work: Text) -> None:
+        try:
+            work.future.set_result(self._score(work))
+        except Exception as e:
+            work.fail(e)
+        finally:
+            self._scheduler.release(work.session_id)
+
+    def fail(self, error: BaseException) -> None:
+        for work in self._texts:
+            work.fail(error)
+        self._texts = []
+
+    def _score(self, work: Text) -> TextScore:
+        """The text's score; an observe's session is written back."""
+        assert work.job is not None
+        main = work.job.rows[0]
+        lp = torch.cat(main.logprobs)  # (T,)
+        bits = -float(lp.double().sum()) / LN2
+        static_bits = None
+        self._stats.nonfinite_resets += main.dropped + main.resets
+        if work.mode == "observe":
+            assert work.session is not None and main.mats is not None
+            shadow = work.job.rows[1]
+            static_bits = -shadow.total_logprob() / LN2
+            self._stats.updates += main.updates
+            old = work.session
+            stats = SessionStats(bytes_observed=old.stats.bytes_observed + len(work.data),
+                                 updates=old.stats.updates + main.updates,
+                                 nonfinite_resets=old.stats.nonfinite_resets + main.dropped + main.resets,
+                                 bits=old.stats.bits + bits, static_bits=old.stats.static_bits + static_bits)
+            words = old.words.copy()  # copied: the stored record may be read meanwhile
+            words.observe(work.data.decode("utf-8", errors="ignore"))
+            session = dataclasses.replace(
+                old, last_used=time.time(), state=_owned(main.state), static_state=_owned(shadow.state),
+                last_token=work.data[-1], adapter=Adapter({k: m.unsqueeze(0).clone() for k, m in main.mats.items()}),
+                stats=stats, words=words)
+            if not self._sessions.store.update(session):
+                raise SessionNotFound(session.id)  # deleted while it was being observed
+        return TextScore(bits=bits, bytes=len(work.data), logprobs=lp.tolist() if work.logprobs else None,
+                         static_bits=static_bits, updates=main.updates,
+                         nonfinite_reset=bool(main.dropped or main.resets))
+
+
+def _owned(state: State) -> State:
+    """A state that owns its memory (not a view into a batch), fit to be stored."""
+    return State({k: v.clone() for k, v in state.tensors.items()})
