@@ -43,7 +43,8 @@ def create_app(settings: Settings) -> FastAPI:
         config = EngineConfig(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                               max_queue=settings.max_queue, retry_after_s=settings.retry_after_s,
                               session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s,
-                              suggest_budget_ms=settings.suggest_budget_ms, precision=settings.precision)
+                              suggest_budget_ms=settings.suggest_budget_ms, precision=settings.precision,
+                              device=settings.device)
         store = _session_store(settings)
         engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.

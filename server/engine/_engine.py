@@ -64,6 +64,7 @@ class EngineConfig:
     suggest_budget_ms: float = 0.0  # a suggestion's word search stops this long after submission (0: never)
     # the model work's precision (models/precision.py): "float32", "bfloat16" (bf16 recurrent matmuls) or "auto"
     precision: str = "float32"
+    device: str = "cpu"  # where the model runs (models/device.py): auto, cpu, cuda or cuda:N
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.session_ttl_s <= 0 \
@@ -251,7 +252,7 @@ class Engine:
 
     def _run(self, loaded: Future[ModelInfo]) -> None:
         try:
-            model = load_model(self._path, self.config.precision)
+            model = load_model(self._path, self.config.precision, self.config.device)
             self.sessions.load(model.ckpt, model.info.sessions, model.info.sessions_unavailable, model.base)
         except BaseException as e:
             loaded.set_exception(e)

@@ -11,6 +11,7 @@ import torch
 from kernels import adapter_implementation
 from models.adaptation import DynEvalConfig
 from models.checkpoint import Checkpoint, load_checkpoint
+from models.device import resolve_device
 from models.precision import resolve_precision
 
 __all__ = ["Loaded", "ModelInfo", "SessionLimits", "load_model", "session_settings"]
@@ -54,9 +55,10 @@ class Loaded:
         return next(self.ckpt.model.parameters()).device
 
 
-def load_model(path: Path, precision: str) -> Loaded:
-    """Load the checkpoint at `path`; raises CheckpointError on a bad one. `precision` may be "auto"."""
-    ckpt = load_checkpoint(path)
+def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
+    """Load the checkpoint at `path` onto `device` (models/device.py; "auto": CUDA when present); raises
+    CheckpointError on a bad one, ValueError on a device that is not here. `precision` may be "auto"."""
+    ckpt = load_checkpoint(path, device=resolve_device(device))
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
     device = next(ckpt.model.parameters()).device
@@ -71,11 +73,7 @@ def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalCon
     sparse settings themselves once they are known valid for this model (text steps use their segment)."""
     # "session": serving defaults for users' own text, when the checkpoint has them; else "sparse",
     # the settings tuned on the validation book (in-domain text wants far smaller steps)
-    section = ckpt.dyneval.get("session") or ckpt.dyneval.get("sparse", {})
-    try:
-        base = DynEvalConfig.from_dict(section if isinstance(section, dict) else {}, mode="sparse", cache=None)
-    except (TypeError, ValueError) as e:
-        return None, None, f"dyneval.json's sparse section is not valid ({e})"
+    base = ckpt.dyneval.session  # parsed and validated with the checkpoint
     sites = ckpt.model.adaptation_sites()
     if not sites:
         return None, None, f"{type(ckpt.model).__name__} has no adaptation sites"
@@ -87,8 +85,6 @@ def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalCon
                                 "train it to the end (or collect them) to serve sessions")
         units = min([units, *(min(t.shape) for t in stats if t is not None)])
     default = min(base.adapter_units or units, units)
-    weight = section.get("cache_weight", 0.0) if isinstance(section, dict) else 0.0
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight <= 1:
-        return None, base, f"dyneval.json's session cache_weight must be a number in [0, 1], not {weight!r}"
     return SessionLimits(lr=base.lr, decay=base.decay, adapter_size=default, max_adapter_size=units,
-                         rule=base.rule, eps=base.eps, segment=base.segment, cache_weight=float(weight)), base, ""
+                         rule=base.rule, eps=base.eps, segment=base.segment,
+                         cache_weight=ckpt.dyneval.cache_weight), base, ""

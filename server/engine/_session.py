@@ -18,8 +18,11 @@ __all__ = ["AdaptationConfig", "Session", "SessionStats", "new_session_id"]
 
 
 def new_session_id() -> str:
-    """192 random bits, URL-safe (32 characters)."""
-    return secrets.token_urlsafe(24)
+    """192 random bits, URL-safe (32 characters), never starting with "-" (a command line would read such an id
+    as an option: `adaptlm client session get -x...` failed for about one id in 64)."""
+    while (session_id := secrets.token_urlsafe(24)).startswith("-"):
+        pass
+    return session_id
 
 
 @dataclass(frozen=True)

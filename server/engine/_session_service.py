@@ -17,7 +17,6 @@ import time
 from models.adaptation import DynEvalConfig, UpdateRule, adapter_ms_g
 from models.base import Adapter
 from models.checkpoint import Checkpoint
-from models.scoring import BOS
 from server.engine._errors import (
     EngineUnavailable,
     InvalidSessionSettings,
@@ -118,7 +117,8 @@ class SessionService:
         sites = {s.name: config.adapter_size for s in model.adaptation_sites()}
         now = time.time()
         return Session(id=session_id, owner=owner, created=now, last_used=now, ttl_s=ttl_s, config=config,
-                       state=model.init_state(1), static_state=model.init_state(1), last_token=BOS,
+                       state=model.init_state(1), static_state=model.init_state(1),
+                       last_token=self._checkpoint().tokenizer.bos,
                        adapter=Adapter.zeros(sites, 1, dtype=ref.dtype, device=ref.device))
 
     def template(self) -> Session:

@@ -1,5 +1,6 @@
 """Text work: a static score, a session score without adaptation ("peek") or a session observe, and the executor
-that reads all running texts segment by segment in one batched step (`_batch.batch_step`).
+that reads all running texts segment by segment in one batched step (`models.adaptation.batch_step`, the step
+offline evaluation and the keyboard simulator run too).
 
 A text reads its session when it starts and writes it back when it is done (an observe: the new state, shadow
 state, adapter, next token, statistics and word cache); a text whose caller went away stops between two
@@ -19,11 +20,9 @@ from typing import Literal
 
 import torch
 
-from models.adaptation import DynEvalConfig
+from models.adaptation import DynEvalConfig, Row, RuleCache, TextJob, batch_step
 from models.base import Adapter, State
 from models.checkpoint import Checkpoint
-from models.scoring import BOS
-from server.engine._batch import Row, RuleCache, TextJob, batch_step, text_tensors
 from server.engine._errors import SessionNotFound
 from server.engine._scheduler import Scheduler, pack
 from server.engine._session import Session, SessionStats
@@ -97,7 +96,7 @@ class TextExecutor:
             ref = next(model.parameters())
             if session is None:
                 rows = [Row(model.init_state(1))]
-                last = BOS
+                last = None  # the stream's start: the tokenizer's BOS
             else:
                 mats = {k: m[0] for k, m in session.adapter.mats.items()}  # (k, k)
                 rule = self._sessions.rule(session.config) if work.mode == "observe" else None
@@ -105,7 +104,7 @@ class TextExecutor:
                 if work.mode == "observe":
                     rows.append(Row(session.static_state))
                 last = session.last_token
-            inputs, targets = text_tensors(work.data, last, ref.device)
+            inputs, targets = self._ckpt.tokenizer.stream(work.data, last, ref.device)
         except Exception as e:
             work.fail(e)
             return
@@ -138,7 +137,8 @@ class TextExecutor:
         assert self._sessions.base is not None or all(t.mode == "static" for t in running)
         config = self._sessions.base or DynEvalConfig(mode="static")
         try:
-            rows = batch_step(self._ckpt.model, [t.job for t in stepping if t.job is not None], config, self._stacked)
+            rows = batch_step(self._ckpt.model, [t.job for t in stepping if t.job is not None], config.segment,
+                              self._stacked)
         except Exception as e:
             log.exception("a batched step failed; failing its %d items", len(stepping))
             for work in stepping:

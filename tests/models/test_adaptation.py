@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import random
+import string
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from models.adaptation import (
+    DIVERGED_BITS,
     CacheConfig,
     DynEvalConfig,
     UpdateRule,
@@ -31,6 +34,7 @@ from models.base import Adapter, State
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.mlstm import MLSTM, MLSTMConfig
 from models.scoring import BOS, score_bytes
+from trainer.evaluation import config_for
 
 H = 16
 RULES = ["sgd", "sgd_decay", "rms", "rms_decay"]
@@ -584,3 +588,19 @@ def test_callers_under_inference_mode_still_adapt() -> None:
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
     assert torch.equal(step.adapter.mats["h"], ref.adapter.mats["h"])
     assert torch.count_nonzero(step.adapter.mats["h"]) > 0
+
+
+def test_offline_sparse_evaluation_has_the_servers_guard(tiny_checkpoint: Path) -> None:
+    """A learning rate far too large on random text: without the guard the adapter explodes and bits per byte run
+    into the billions (finite, so no non-finite check catches it). Offline evaluation runs the engine's step, so
+    the diverged adapter is reset and the text stays scored like a model, not like an explosion."""
+    ckpt = load_checkpoint(tiny_checkpoint)
+    rng = random.Random(0)
+    text = "".join(rng.choice(string.printable[:95]) for _ in range(600)).encode()
+    static = evaluate(ckpt.model, text, DynEvalConfig(mode="static"))
+    wild = evaluate(ckpt.model, text, config_for("sparse", ckpt.dyneval, lr=1.0), stats=ckpt.stats)
+    assert wild.adapter_resets > 0
+    assert wild.bits_per_byte < DIVERGED_BITS
+    assert wild.bits_per_byte < 3 * static.bits_per_byte
+    calm = evaluate(ckpt.model, text, config_for("sparse", ckpt.dyneval), stats=ckpt.stats)
+    assert calm.adapter_resets == 0 and calm.skipped_updates == 0

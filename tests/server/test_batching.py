@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -15,12 +16,12 @@ import httpx
 import pytest
 import torch
 
-from models.adaptation import evaluate_many
+from models.adaptation import DIVERGED_BITS, Row, TextJob, batch_step, evaluate_many
+from models.base import Adapter
 from models.checkpoint import load_checkpoint
 from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
 from server.engine import Engine, EngineConfig, EngineOverloaded, TextScore, Token
-from server.engine._batch import Row, TextJob, batch_step, text_tensors
 from server.engine._scheduler import TYPING_TEXT_ROWS
 from server.settings import Settings
 from trainer.evaluation import config_for
@@ -116,17 +117,38 @@ def test_an_adapter_whose_scores_overflow_is_reset_and_the_segment_redone(tiny_c
     cfg = config_for("sparse", ckpt.dyneval)
     k = cfg.adapter_units
     data = b"finite weights, infinite adapter"
-    inputs, targets = text_tensors(data, 10, torch.device("cpu"))
+    inputs, targets = ckpt.tokenizer.stream(data, 10)
     huge = Row(ckpt.model.init_state(1), {"h": torch.full((k, k), 3e38)})  # finite, but h' = h + M h is not
     plain = Row(ckpt.model.init_state(1))
     job, other = TextJob(inputs, targets, [huge]), TextJob(inputs.clone(), targets.clone(), [plain])
-    assert batch_step(ckpt.model, [job, other], cfg) == 2
+    assert batch_step(ckpt.model, [job, other], cfg.segment) == 2
     assert (job.pos, other.pos, huge.resets, huge.logprobs) == (0, 20, 1, [])  # only the broken job waits
     assert not huge.mats["h"].any()  # type: ignore[index]
     while not job.done:
-        batch_step(ckpt.model, [job], cfg)
+        batch_step(ckpt.model, [job], cfg.segment)
     expected = score_bytes(ckpt.model, data, last_byte=10, logprobs=True).logprobs
     assert torch.cat(huge.logprobs).tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_an_adapter_whose_scores_are_finite_but_diverged_is_reset(tiny_checkpoint: Path) -> None:
+    """Scores can be finite and still absurd (an exploded M gives log-probs of -1e3 a byte): past DIVERGED_BITS a
+    token on average over a segment the adapter is reset and the segment redone, as for non-finite scores."""
+    ckpt = load_checkpoint(tiny_checkpoint)
+    k = config_for("sparse", ckpt.dyneval).adapter_units
+    data = b"finite scores, absurd adapter"
+    inputs, targets = ckpt.tokenizer.stream(data)
+    wild = Row(ckpt.model.init_state(1), {"h": torch.full((k, k), 200.0)})
+    with torch.no_grad():
+        probe = score_bytes(ckpt.model, data, adapter=Adapter({"h": wild.mats["h"][None]}), logprobs=True)  # type: ignore[index]
+    assert probe.logprobs is not None and all(math.isfinite(v) for v in probe.logprobs)
+    assert probe.bits_per_byte > DIVERGED_BITS  # the case this test is about: finite but diverged
+    job = TextJob(inputs, targets, [wild])
+    batch_step(ckpt.model, [job], 20)
+    assert (job.pos, wild.resets) == (0, 1) and not wild.mats["h"].any()  # type: ignore[index]
+    while not job.done:
+        batch_step(ckpt.model, [job], 20)
+    assert torch.cat(wild.logprobs).tolist() == pytest.approx(score_bytes(ckpt.model, data, logprobs=True).logprobs,
+                                                              abs=1e-5)
 
 
 def test_concurrent_generations_share_each_step(engine: Engine, tiny_checkpoint: Path) -> None:

@@ -294,3 +294,11 @@ def test_a_snapshot_of_other_weights_or_a_broken_one_is_left_alone(tmp_path: Pat
     without.bind(HASH, make("template"))
     without.insert(make("a"))
     without.close()
+
+
+def test_session_ids_never_start_with_a_dash() -> None:
+    """A command line reads a leading "-" as an option; 1 id in 64 of token_urlsafe starts with one."""
+    from server.engine._session import new_session_id
+
+    ids = [new_session_id() for _ in range(4000)]
+    assert len(set(ids)) == len(ids) and all(len(i) == 32 and not i.startswith("-") for i in ids)
