@@ -157,8 +157,17 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
         if weights[k].shape != shape:
             raise CheckpointError(f"{weights_path}: {k!r} has shape {tuple(weights[k].shape)}, "
                                   f"config says {tuple(shape)}")
-    model.load_state_dict({k: v.to(device, dtype) for k, v in weights.items()}, assign=True)
+    if any(b.is_meta for b in model.buffers()):
+        # buffers the state dict does not carry (a causal mask, position tables) would stay on meta: build the
+        # model for real on the device, then copy the weights in
+        with torch.device(device):
+            model = build_model(config).to(dtype)
+        model.load_state_dict({k: v.to(device, dtype) for k, v in weights.items()})
+    else:
+        model.load_state_dict({k: v.to(device, dtype) for k, v in weights.items()}, assign=True)
     model.eval()
+    if not trainable:
+        model.freeze()
 
     stats_path = d / "stats.safetensors"
     stats = {k: v.to(device, dtype) for k, v in _read_tensors(stats_path).items()}

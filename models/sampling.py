@@ -178,8 +178,8 @@ class Stepper:
             state = out.state
             targets = context[start + 1 : start + chunk + 1]  # (t,) or (t-1,) in the last chunk
             if scored is not None and targets.numel():
-                scored.extend(top_logprobs(out.logits[0, : targets.numel()], targets, logprobs or 0))
-        self._state, self._logits = state, out.logits[0, -1]
+                scored.extend(top_logprobs(self.model.log_probs(out)[0, : targets.numel()], targets, logprobs or 0))
+        self._state, self._logits = state, self.model.log_probs(out)[0, -1]  # log-probs: the model's distribution
         return scored
 
     def fork(self, params: SamplingParams) -> Stepper:
@@ -214,7 +214,7 @@ class Stepper:
     def feed(self, token: int) -> None:
         """One model step on `token`: the logits of the byte after it."""
         out = self.model(torch.tensor([[token]], device=self.device), self._state, self.adapter)  # (1, 1, V)
-        self._state, self._logits = out.state, out.logits[0, -1]
+        self._state, self._logits = out.state, self.model.log_probs(out)[0, -1]
 
     @staticmethod
     @torch.no_grad()
@@ -235,8 +235,9 @@ class Stepper:
         adapter = Adapter.stack_padded([s.adapter for s in steppers])
         x = torch.tensor(list(tokens), device=steppers[0].device).unsqueeze(1)  # (B, 1)
         out = model(x, state, adapter)  # logits (B, 1, V)
+        lps = model.log_probs(out)  # (B, 1, V)
         for b, s in enumerate(steppers):
-            s._state, s._logits = out.state.select(b), out.logits[b, -1]
+            s._state, s._logits = out.state.select(b), lps[b, -1]
 
     def step(self) -> Step:
         """Sample a byte and, unless the sequence is finished, feed it to the model."""

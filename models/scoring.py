@@ -57,7 +57,7 @@ def _score(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, st
     for start in range(0, inputs.numel(), chunk):
         out = model(inputs[start : start + chunk].unsqueeze(0), state, adapter)
         state = out.state
-        lp = token_logprobs(out.logits, targets[start : start + chunk].unsqueeze(0))[0]  # (t,)
+        lp = model.target_logprobs(out, targets[start : start + chunk].unsqueeze(0))[0]  # (t,) through the model
         total -= float(lp.double().sum())
         if logprobs:
             lps.append(lp)

@@ -126,7 +126,7 @@ def advance(model: LanguageModel, state: State, inputs: bytes, adapter: Adapter 
     device = next(model.parameters()).device
     x = torch.frombuffer(bytearray(inputs), dtype=torch.uint8).to(device).long().unsqueeze(0)  # (1, T)
     out = model(x, state, adapter)  # logits (1, T, V)
-    return Cursor(out.state, torch.log_softmax(out.logits[0, -1].float(), dim=-1))
+    return Cursor(out.state, model.log_probs(out)[0, -1])  # (V,)
 
 
 @torch.no_grad()
@@ -145,7 +145,7 @@ def advance_many(model: LanguageModel, feeds: list[tuple[State, bytes, Adapter |
         state = State.stack([feeds[i][0] for i in rows])
         adapter = row_adapters([feeds[i][2] for i in rows], [1] * len(rows))
         result = model(x, state, adapter)  # logits (B, T, V)
-        lps = torch.log_softmax(result.logits[:, -1].float(), dim=-1)  # (B, V)
+        lps = model.log_probs(result)[:, -1]  # (B, V)
         for j, i in enumerate(rows):
             out[i] = Cursor(result.state.select(j), lps[j])
     return [c for c in out if c is not None]
@@ -200,7 +200,7 @@ def step(model: LanguageModel, state: State, tokens: list[int],
     device = next(model.parameters()).device
     x = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)  # (B, 1)
     out = model(x, state, _rows(adapter, len(tokens)))  # logits (B, 1, V)
-    return out.state, torch.log_softmax(out.logits[:, -1].float(), dim=-1).double().cpu()  # (B, V)
+    return out.state, model.log_probs(out)[:, -1].double().cpu()  # (B, V)
 
 
 def _valid_prefix(data: bytes) -> bool:

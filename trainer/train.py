@@ -224,7 +224,7 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
     if not valid_slice:
         save_best(math.nan)
     # final: best weights, MS_g statistics on training data, full validation, card
-    ckpt = load_checkpoint(out)
+    ckpt = load_checkpoint(out, trainable=True)  # the statistics take gradients of the weights
     best_model = ckpt.model
     weights_dtype = DTYPES[cfg.weights_dtype]
     with torch.no_grad():  # everything below is measured on the weights as shipped
