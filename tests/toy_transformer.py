@@ -54,9 +54,10 @@ class _Block(nn.Module):
         self.proj = nn.Linear(D, D)
         self.ln2 = nn.LayerNorm(D)
         self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
-        # ALiBi slopes (Press et al. 2022): head h penalises distance d by slope_h * d
-        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / cfg.n_head) for h in range(cfg.n_head)])
-        self.register_buffer("slopes", slopes, persistent=False)
+        # ALiBi slopes (Press et al. 2022): head h penalises distance d by slope_h * d. Plain floats, not a
+        # non-persistent buffer: models.checkpoint builds the model on the meta device and loads only the
+        # state dict, so such a buffer would stay on meta (see the report in tests/models/test_toy_transformer.py)
+        self.slopes = [2.0 ** (-8.0 * (h + 1) / cfg.n_head) for h in range(cfg.n_head)]
 
     def forward(self, x: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, allowed: torch.Tensor,
                 dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,7 +72,8 @@ class _Block(nn.Module):
         kh = keys.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, L+T, Dh)
         vh = vals.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, L+T, Dh)
         scores = qh @ kh.transpose(-1, -2) / math.sqrt(D // H)  # (B, H, T, L+T)
-        scores = scores - self.slopes.view(1, H, 1, 1).to(scores.dtype) * dist.to(scores.dtype)
+        slopes = torch.tensor(self.slopes, dtype=scores.dtype, device=scores.device).view(1, H, 1, 1)
+        scores = scores - slopes * dist.to(scores.dtype)
         scores = scores.masked_fill(~allowed.unsqueeze(1), -math.inf)
         att = torch.softmax(scores, dim=-1) @ vh  # (B, H, T, Dh)
         x = x + self.proj(att.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
