@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.adapter import AdapterSteps
@@ -56,7 +55,7 @@ class _Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
         # ALiBi slopes (Press et al. 2022): head h penalises distance d by slope_h * d. Plain floats, not a
         # non-persistent buffer: models.checkpoint builds the model on the meta device and loads only the
-        # state dict, so such a buffer would stay on meta (see the report in tests/models/test_toy_transformer.py)
+        # state dict (models/checkpoint.py:148-160), so such a buffer would stay on the meta device
         self.slopes = [2.0 ** (-8.0 * (h + 1) / cfg.n_head) for h in range(cfg.n_head)]
 
     def forward(self, x: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, allowed: torch.Tensor,
