@@ -105,9 +105,9 @@ def test_dashboard_covers_the_issue_panels() -> None:
     text = " ".join(dashboard_expressions())
     for name in ("adaptlm_http_requests_total", "adaptlm_http_request_duration_seconds_bucket",
                  "adaptlm_suggest_duration_seconds_bucket", "adaptlm_time_to_first_token_seconds_bucket",
-                 "adaptlm_generated_tokens_total", "adaptlm_batch_rows", "adaptlm_queue_depth", "adaptlm_active_sessions",
-                 "adaptlm_session_store_bytes", "adaptlm_adaptation_updates_total", "adaptlm_session_evictions_total",
-                 "adaptlm_nonfinite_resets_total"):
+                 "adaptlm_generated_tokens_total", "adaptlm_batch_rows", "adaptlm_queue_depth",
+                 "adaptlm_active_sessions", "adaptlm_session_store_bytes", "adaptlm_adaptation_updates_total",
+                 "adaptlm_session_evictions_total", "adaptlm_nonfinite_resets_total"):
         assert name in text, f"no panel shows {name}"
 
 
@@ -129,8 +129,10 @@ def prometheus(prometheus_binary: str, live_url: str, tmp_path: Path) -> Iterato
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         log = open(tmp_path / f"prometheus-{port}.log", "wb")  # noqa: SIM115
-        process = subprocess.Popen([prometheus_binary, f"--config.file={path}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                                    f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([prometheus_binary, f"--config.file={path}",
+                                    f"--storage.tsdb.path={tmp_path / 'data'}",
+                                    f"--web.listen-address=127.0.0.1:{port}"],
+                                   stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 30
