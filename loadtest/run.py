@@ -6,7 +6,8 @@
 
 Writes <out>/locust_stats.csv (and locust's other CSVs), <out>/report.html, <out>/server.log (a server it
 started), then checks <out>/locust_stats.csv against the objectives (loadtest/slo.py) and exits 1 when one
-is missed, 2 when the run itself failed. A server it starts inherits the environment (ADAPTLM_* settings).
+is missed, 2 when the run itself failed. A server it starts inherits the environment (ADAPTLM_* settings), with
+OMP_NUM_THREADS=1 unless it is set.
 """
 
 from __future__ import annotations
@@ -119,7 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = run(args.url.rstrip("/"))
     else:
         (out / "server.log").unlink(missing_ok=True)
-        with start_server(args.checkpoint, log=out / "server.log") as url:
+        # one thread unless told otherwise, as bench/ measures: torch's default (a thread per core) contends with
+        # locust on the same machine and, on a small one, makes every latency several times longer
+        threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        with start_server(args.checkpoint, log=out / "server.log", env=threads) as url:
             status = run(url)
     stats = out / "locust_stats.csv"
     if status != 0 or not stats.exists():
