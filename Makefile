@@ -6,16 +6,18 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install system-deps serve test lint clean bench-deps
+.PHONY: install system-deps serve test lint clean bench-deps loadtest
 
 install: system-deps $(STAMP)
 
 # System packages: redis-server, which the Redis session store's tests start on their own (nothing else
 # needs to run), and chromium (with a font), which the keyboard page's browser test drives headless through
-# playwright (never `playwright install`: the system browser is used). apt-get as root, through sudo otherwise.
+# playwright (never `playwright install`: the system browser is used), and prometheus (prometheus and promtool),
+# which the monitoring assets' tests run against a live server. apt-get as root, through sudo otherwise.
 system-deps:
 	@missing=; \
 	command -v redis-server >/dev/null || test -x /usr/bin/redis-server || missing="$$missing redis-server"; \
+	command -v promtool >/dev/null || test -x /usr/bin/promtool || missing="$$missing prometheus"; \
 	test -x /usr/bin/chromium || missing="$$missing chromium fonts-liberation"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first, pinned: the CPU build; an unpinned torch could pull a multi-GB CUDA build
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,loadtest]'  # locust: `make loadtest` and its test
 	@touch $(STAMP)
 
 # Benchmarks only, not `make test`: Presage (bench/keyboard.py's peer) and 7-Zip (bench/dyneval.py's PPMd).
@@ -41,6 +43,15 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q
+
+# A headless locust run (loadtest/), its reports in $(LOADTEST_OUT), then the objectives of loadtest/slo.toml:
+# exits 1 when one is missed. Against URL= when given, else a server started here on a free loopback port.
+# CLASSES= runs only those user classes (Scorer Generator Typist OpenAICompletions); default: the weighted mix.
+USERS ?= 8
+RUN_TIME ?= 60s
+LOADTEST_OUT ?= var/loadtest
+loadtest: install
+	$(PY) -m loadtest.run $(if $(URL),--url $(URL)) --users $(USERS) --run-time $(RUN_TIME) --out $(LOADTEST_OUT) $(CLASSES)
 
 lint: install
 	$(VENV)/bin/ruff check .

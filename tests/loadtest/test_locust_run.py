@@ -1,0 +1,66 @@
+"""`python -m loadtest.run` (what `make loadtest` runs), for real: a server on a free loopback port with the tiny
+checkpoint, locust headless with every user class of the mix, its CSV and HTML reports, and the objectives."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from loadtest import slo
+
+ROOT = Path(__file__).resolve().parents[2]
+# Every entry of the mix; latency objectives loose enough for a busy CI machine: the test is that the whole
+# chain works and no request fails, not this machine's speed (docs/benchmarks.md has the measured figures).
+OBJECTIVES = """
+min_requests = 1
+[total]
+max_failure_ratio = 0
+[entries."POST /v1/score"]
+p99_ms = 20000
+[entries."POST /v1/sessions"]
+p99_ms = 20000
+[entries."POST /v1/sessions/{session_id}/suggest"]
+p50_ms = 20000
+min_requests = 5
+[entries."POST /v1/generate [stream]"]
+p99_ms = 20000
+[entries."SSE /v1/generate time to first token"]
+p99_ms = 20000
+[entries."SSE /v1/generate inter-token latency"]
+p99_ms = 20000
+[entries."POST /v1/completions"]
+p99_ms = 20000
+[entries."GET /v1/models"]
+p99_ms = 20000
+"""
+
+
+def test_loadtest_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    objectives = tmp_path / "slo.toml"
+    objectives.write_text(OBJECTIVES)
+    out = tmp_path / "reports"
+    # 8 users: the weights (typist 4, scorer 2, generator 1, openai 1) give each class at least one
+    run = subprocess.run([sys.executable, "-m", "loadtest.run", "--checkpoint", str(tiny_checkpoint), "--users", "8",
+                          "--spawn-rate", "8", "--run-time", "20s", "--out", str(out), "--slo", str(objectives),
+                          "--locust-arg=--keystroke-ms", "--locust-arg=100", "--locust-arg=--max-tokens",
+                          "--locust-arg=16"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "MISS" not in run.stdout and "service-level objectives:" in run.stdout
+    assert (out / "report.html").stat().st_size > 10_000
+    assert (out / "server.log").exists()
+    stats = slo.read_stats(out / "locust_stats.csv")
+    assert int(stats[slo.TOTAL]["Failure Count"]) == 0
+    # and the same run against objectives it cannot meet: a miss, reported, exit status 1
+    impossible = tmp_path / "impossible.toml"
+    impossible.write_text('[entries."POST /v1/score"]\np50_ms = 0\n')
+    check = subprocess.run([sys.executable, "-m", "loadtest.slo", str(out / "locust_stats.csv"), "--slo",
+                            str(impossible)], cwd=ROOT, capture_output=True, text=True)
+    assert check.returncode == 1 and "MISS  POST /v1/score: p50_ms" in check.stdout, check.stdout
+
+
+def test_unknown_user_class_is_refused() -> None:
+    run = subprocess.run([sys.executable, "-m", "loadtest.run", "--url", "http://127.0.0.1:9", "Nobody"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "unknown user classes" in run.stderr
