@@ -234,10 +234,8 @@ def test_checkpoint_loads_back_with_identical_logits_and_adapter_statistics(trai
     assert math.isfinite(res.bits) and res.adapted[site.name].abs().sum() > 0
 
 
-@pytest.mark.xfail(strict=True, reason="models/checkpoint.py:120-160: load_checkpoint documents that the model is "
-                   "frozen unless `trainable`, but never calls LanguageModel.freeze() (`trainable` is unused), so "
-                   "every architecture is served unfrozen (the mLSTM's frozen fast paths included)")
 def test_loaded_checkpoint_is_frozen(ckpt: Checkpoint) -> None:
+    """Loaded for inference, the weights are constants: `freeze` once at load (a model's fast paths key on it)."""
     assert ckpt.model.frozen and not any(p.requires_grad for p in ckpt.model.parameters())
 
 
@@ -258,9 +256,6 @@ class _Buffered(ToyTransformer):
         return Output(logits=out.logits * self.scale[0], state=out.state, hidden=out.hidden)
 
 
-@pytest.mark.xfail(strict=True, raises=(RuntimeError, NotImplementedError),
-                   reason="models/checkpoint.py:148-160 builds the model on the meta device and assigns only the "
-                          "state dict: a non-persistent buffer stays on meta and the first forward fails")
 def test_a_model_with_a_non_persistent_buffer_loads(tmp_path: Path) -> None:
     register(_BufferedConfig, _Buffered)
     torch.manual_seed(0)
