@@ -49,6 +49,7 @@ import torch
 from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
 from clients import AsyncClient, Client
 from models.precision import resolve_precision
+from server.launch import stop, wait_ready
 from server.protocol import SUGGEST_MAX_CONTEXT, SuggestResponse
 from server.settings import Settings
 
@@ -71,24 +72,11 @@ def serve(checkpoint: str, log: Path, start_timeout: float = 300.0, **settings: 
                                      "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out,
                                     stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + start_timeout
-            while proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
-            if proc.poll() is None and time.monotonic() < deadline:
+            if wait_ready(url, proc, time.monotonic() + start_timeout):
                 yield url
                 return
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, 60)
     raise RuntimeError(f"the server did not start; its log: {log}\n{log.read_text()[-2000:]}")
 
 

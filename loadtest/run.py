@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,9 +22,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
 from loadtest import slo
+from server.launch import stop, wait_ready
 
 __all__ = ["main", "run_locust", "start_server"]
 
@@ -52,28 +50,14 @@ def start_server(checkpoint: str | Path | None = None, log: Path | None = None, 
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
         try:
-            while process.poll() is None and time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-            if process.poll() is None:
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(f"the server was not ready in {timeout_s} s")
+            if wait_ready(url, process, time.monotonic() + timeout_s):
                 yield url
                 return
-        finally:
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                raise RuntimeError(f"the server was not ready in {timeout_s} s")
+        finally:
+            stop(process)
             if log:
                 out.close()  # type: ignore[union-attr]
     raise RuntimeError(f"the server did not start (exit status {process.returncode}; see {log or 'its output'})")

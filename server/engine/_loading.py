@@ -61,9 +61,8 @@ def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     ckpt = load_checkpoint(path, device=resolve_device(device))
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
-    device = next(ckpt.model.parameters()).device
     info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime), path=path,
-                     kernel=adapter_implementation(), precision=resolve_precision(precision, device),
+                     kernel=adapter_implementation(), precision=resolve_precision(precision, ckpt.device),
                      sessions=limits, sessions_unavailable=why)
     return Loaded(ckpt, info, base)
 

@@ -20,6 +20,8 @@ import httpx
 import torch
 from safetensors.torch import load
 
+from server.launch import wait_ready
+
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
 LONG = "However little known the feelings or views of such a man may be on his first entering a neighbourhood. " * 200
 
@@ -36,15 +38,7 @@ def server(checkpoint: Path, snapshot: Path, log: Path) -> Iterator[tuple[str, s
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        assert wait_ready(url, proc, time.monotonic() + 120), log.read_text()[-3000:]
         yield url, proc
     finally:
         if proc.poll() is None:
