@@ -176,6 +176,9 @@ class LanguageModel(nn.Module):
 
     config: ModelConfig
     frozen: bool = False
+    # Capability: frozen and under bf16 autocast, the model itself keeps in float32 what must stay there (the
+    # logits, the state it hands back). Without it the server runs the model in float32 whatever it is asked.
+    bf16_inference: ClassVar[bool] = False
 
     def init_state(self, batch: int) -> State:
         raise NotImplementedError

@@ -114,7 +114,7 @@ class ModelSuggester:
     @torch.no_grad()
     def suggest(self, context: str, k: int) -> list[str]:
         data = context.encode("utf-8")
-        inputs = bytes([self.last]) + data
+        inputs = self.tokenizer.token_bytes(self.last) + data
         if self._cursor is not None and inputs.startswith(self._cursor[0]) and len(inputs) > len(self._cursor[0]):
             base, cursor = self._cursor
             cursor = advance(self._forward, cursor.state, inputs[len(base):], self.adapter)
@@ -125,7 +125,8 @@ class ModelSuggester:
             cursor = advance(self._forward, self.state, inputs, self.adapter)
             self.fed += len(inputs)
         self._cursor = (inputs, cursor)
-        found = suggest(self._forward, cursor, context, self.adapter, k=k, max_chars=self.max_chars, n_chars=0)
+        found = suggest(self._forward, cursor, context, self.adapter, k=k, max_chars=self.max_chars, n_chars=0,
+                        tokenizer=self.tokenizer)
         completions = self.words.mix(found.completions, context, self.cache_weight, k, self.max_chars)
         return [c.text for c in completions]
 

@@ -117,6 +117,7 @@ def _locked_mask(x: torch.Tensor, p: float) -> torch.Tensor:
 
 class MLSTM(LanguageModel):
     config: MLSTMConfig
+    bf16_inference = True  # only the recurrent matmuls in bf16 when frozen (module docstring)
 
     def __init__(self, config: MLSTMConfig) -> None:
         super().__init__()

@@ -45,13 +45,20 @@ def native_bf16(device: torch.device) -> bool:
     return False
 
 
-def resolve_precision(precision: str, device: torch.device) -> Literal["float32", "bfloat16"]:
-    """"auto" -> what `device` runs fastest; "float32" and "bfloat16" as they are."""
+def resolve_precision(precision: str, device: torch.device, *, bf16_model: bool = True
+                      ) -> Literal["float32", "bfloat16"]:
+    """"auto" -> what `device` runs fastest; "float32" and "bfloat16" as they are. `bf16_model` False (a model
+    without `LanguageModel.bf16_inference`: under autocast everything it does would run in bf16, logits included)
+    makes "auto" float32 and "bfloat16" an error."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if not bf16_model:
+        if precision == "bfloat16":
+            raise ValueError("this model does not declare bf16 inference (LanguageModel.bf16_inference)")
+        return "float32"
     if precision == "auto":
         return "bfloat16" if native_bf16(device) else "float32"
-    if precision not in ("float32", "bfloat16"):
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    return precision  # type: ignore[return-value]
+    return precision
 
 
 def inference_precision(precision: str, device: torch.device) -> contextlib.AbstractContextManager[object]:

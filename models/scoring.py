@@ -42,9 +42,7 @@ def score_bytes(model: LanguageModel, data: bytes, *, logprobs: bool = False, st
     `last_byte`; with no state, from the model's initial state after the BOS byte."""
     if not data:
         raise ValueError("empty text: nothing to score")
-    device = next(model.parameters()).device
-    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device).long()  # (T,)
-    inputs = torch.cat([ids.new_tensor([last_byte]), ids[:-1]])  # (T,) predicts ids
+    inputs, ids = ByteTokenizer().stream(data, last_byte, next(model.parameters()).device)  # (T,) predicts ids
     return _score(model, inputs, ids, state or model.init_state(1), adapter, logprobs, chunk)
 
 

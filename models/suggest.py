@@ -34,6 +34,7 @@ The model must be in eval mode; nothing here changes the state or adapter it is 
 from __future__ import annotations
 
 import codecs
+import functools
 import heapq
 import itertools
 import math
@@ -43,22 +44,48 @@ from dataclasses import dataclass, field
 import torch
 
 from models.base import Adapter, LanguageModel, State
+from models.tokenizer import ByteTokenizer
 
 __all__ = [
     "APOSTROPHES", "Completion", "Cursor", "NextChar", "Suggestions", "WordSearch", "advance", "advance_many",
-    "complete_word", "is_word_char", "next_chars", "row_adapters", "split_word", "step", "suggest",
+    "TokenClasses", "complete_word", "is_word_char", "next_chars", "row_adapters", "split_word", "step", "suggest",
 ]
 
 APOSTROPHES = frozenset("'\u2019")
-_WORD_BYTES = torch.zeros(256, dtype=torch.bool)  # ASCII bytes that are word characters
-_WORD_BYTES[[b for b in range(128) if chr(b).isalnum() or chr(b) in APOSTROPHES]] = True
-_ENDS = torch.zeros(256, dtype=torch.bool)  # ASCII bytes that end a word
-_ENDS[:128] = ~_WORD_BYTES[:128]
-_LEADS = torch.zeros(256, dtype=torch.bool)  # bytes that start a multibyte character (C0, C1 are never valid)
-_LEADS[0xC2:0xF5] = True
-_TAILS = torch.zeros(256, dtype=torch.bool)  # continuation bytes
-_TAILS[0x80:0xC0] = True
-_STARTS = _WORD_BYTES | _LEADS  # what may follow a complete character inside a word
+
+
+@dataclass(frozen=True)
+class TokenClasses:
+    """What each token is to the word search, asked of the tokenizer (`token_bytes`): masks (V,) of the tokens
+    that are an ASCII word character, that end a word (any other ASCII byte), that start a multibyte UTF-8
+    character (C0, C1 are never valid), and that continue one. The search reads one byte a token; a tokenizer
+    whose tokens are longer (words) needs a search of its own."""
+
+    words: torch.Tensor
+    ends: torch.Tensor
+    leads: torch.Tensor
+    tails: torch.Tensor
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """What may follow a complete character inside a word."""
+        return self.words | self.leads
+
+    @staticmethod
+    @functools.cache
+    def of(tokenizer: ByteTokenizer) -> TokenClasses:
+        pieces = [tokenizer.token_bytes(t) for t in range(tokenizer.vocab_size)]
+        if any(len(p) != 1 for p in pieces):
+            raise ValueError(f"the word search reads one byte a token; the {tokenizer.kind} tokenizer's are longer")
+        values = torch.tensor([p[0] for p in pieces])  # (V,)
+        ascii_ = values < 0x80
+        words = ascii_ & torch.tensor([chr(v).isalnum() or chr(v) in APOSTROPHES if v < 0x80 else False
+                                       for v in values.tolist()])
+        return TokenClasses(words=words, ends=ascii_ & ~words, leads=(values >= 0xC2) & (values < 0xF5),
+                            tails=(values >= 0x80) & (values < 0xC0))
+
+
+_BYTES = TokenClasses.of(ByteTokenizer())
 
 
 def _more_bytes(lead: int) -> int:
@@ -124,7 +151,7 @@ def advance(model: LanguageModel, state: State, inputs: bytes, adapter: Adapter 
     if not inputs:
         raise ValueError("nothing to feed")
     device = next(model.parameters()).device
-    x = torch.frombuffer(bytearray(inputs), dtype=torch.uint8).to(device).long().unsqueeze(0)  # (1, T)
+    x = ByteTokenizer().encode_tensor(inputs, device).unsqueeze(0)  # (1, T)
     out = model(x, state, adapter)  # logits (1, T, V)
     return Cursor(out.state, model.log_probs(out)[0, -1])  # (V,)
 
@@ -219,6 +246,7 @@ class _Search:
     prefix: str
     max_chars: int
     log_min: float
+    classes: TokenClasses
     queue: list[tuple[float, int, _Branch | Completion]] = field(default_factory=list)
     order: itertools.count[int] = field(default_factory=itertools.count)
     expansions: int = 0
@@ -233,10 +261,11 @@ class _Search:
         self.expansions += len(branches)
         cum = torch.tensor([b.logprob for b in branches], dtype=torch.float64)  # (B,)
         total = logprobs + cum.unsqueeze(1)  # (B, V)
-        ends = torch.logsumexp(logprobs[:, _ENDS], dim=1) + cum  # (B,) the word ends after each branch
+        ends = torch.logsumexp(logprobs[:, self.classes.ends], dim=1) + cum  # (B,) the word ends after each branch
         at_boundary = torch.tensor([b.pending == 0 for b in branches])  # (B,)
         room = torch.tensor([b.chars < self.max_chars for b in branches])  # (B,)
-        allowed = torch.where(at_boundary.unsqueeze(1), _STARTS & room.unsqueeze(1), _TAILS)  # (B, V)
+        allowed = torch.where(at_boundary.unsqueeze(1), self.classes.starts & room.unsqueeze(1),
+                              self.classes.tails)  # (B, V)
         rows, tokens = torch.nonzero(allowed & (total >= self.log_min), as_tuple=True)
         for branch, end in zip(branches, ends.tolist(), strict=True):
             if branch.pending == 0 and branch.chars > 0 and end >= self.log_min:
@@ -276,11 +305,11 @@ class WordSearch:
     feeding the character."""
 
     def __init__(self, cursor: Cursor, prefix: str, *, k: int = 3, max_chars: int = 24, min_prob: float = 1e-3,
-                 batch: int = 32, max_expansions: int = 2048) -> None:
+                 batch: int = 32, max_expansions: int = 2048, classes: TokenClasses = _BYTES) -> None:
         if k < 1 or max_chars < 1 or batch < 1 or not 0 < min_prob <= 1:
             raise ValueError("k, max_chars and batch must be >= 1 and min_prob in (0, 1]")
         self.k, self.batch, self.max_expansions = k, batch, max_expansions
-        self._search = _Search(prefix, max_chars, math.log(min_prob))
+        self._search = _Search(prefix, max_chars, math.log(min_prob), classes)
         self._found: list[Completion] = []
         self._popped: list[_Branch] = []
         self._cut = False
@@ -345,25 +374,24 @@ class WordSearch:
 @torch.no_grad()
 def complete_word(model: LanguageModel, cursor: Cursor, prefix: str, adapter: Adapter | None = None, *, k: int = 3,
                   max_chars: int = 24, min_prob: float = 1e-3, batch: int = 32,
-                  max_expansions: int = 2048) -> Suggestions:
+                  max_expansions: int = 2048, classes: TokenClasses = _BYTES) -> Suggestions:
     """The k most probable completions of the word whose typed part `prefix` ends the context that `cursor`
     is at (see the module docstring). -> Suggestions without next characters."""
     search = WordSearch(cursor, prefix, k=k, max_chars=max_chars, min_prob=min_prob, batch=batch,
-                        max_expansions=max_expansions)
+                        max_expansions=max_expansions, classes=classes)
     while (request := search.request()) is not None:
         search.feed(*step(model, *request, adapter))
     return search.result()
 
 
 @torch.no_grad()
-def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | None = None) -> list[NextChar]:
+def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | None = None, *,
+               classes: TokenClasses = _BYTES) -> list[NextChar]:
     """The n most likely next characters (module docstring), most likely first."""
     if n < 1:
         return []
     lp = cursor.logprobs.double().cpu()  # (V,)
-    starts = torch.zeros(256, dtype=torch.bool)
-    starts[:128] = True
-    starts |= _LEADS
+    starts = classes.words | classes.ends | classes.leads  # (V,) tokens that can start a character
     top = torch.topk(lp.masked_fill(~starts, -math.inf), min(n, int(starts.sum()))).indices.tolist()
     out = [NextChar(chr(b), math.exp(float(lp[b]))) for b in top if b < 0x80]
     # multibyte: extend every lead byte greedily with its most likely valid continuation, all in one step each
@@ -372,7 +400,7 @@ def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | 
         state, lps = step(model, State.stack([s for _, _, s in grow]), [d[-1] for d, _, _ in grow], adapter)
         later = []
         for i, (data, logprob, _) in enumerate(grow):
-            for b in torch.argsort(lps[i].masked_fill(~_TAILS, -math.inf), descending=True)[:64].tolist():
+            for b in torch.argsort(lps[i].masked_fill(~classes.tails, -math.inf), descending=True)[:64].tolist():
                 if _valid_prefix(data + bytes([b])):
                     break
             else:
@@ -388,11 +416,13 @@ def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | 
 
 def suggest(model: LanguageModel, cursor: Cursor, context: str, adapter: Adapter | None = None, *, k: int = 3,
             max_chars: int = 24, n_chars: int = 5, min_prob: float = 1e-3, batch: int = 32,
-            max_expansions: int = 2048) -> Suggestions:
+            max_expansions: int = 2048, tokenizer: ByteTokenizer | None = None) -> Suggestions:
     """Completions of the word being typed at the end of `context` and the next characters; `cursor` is the
-    model after `context` (from `advance`)."""
+    model after `context` (from `advance`). The tokenizer (the checkpoint's; bytes by default) says what each
+    token is to the search (`TokenClasses`)."""
+    classes = TokenClasses.of(tokenizer) if tokenizer is not None else _BYTES
     _, prefix = split_word(context)
     found = complete_word(model, cursor, prefix, adapter, k=k, max_chars=max_chars, min_prob=min_prob, batch=batch,
-                          max_expansions=max_expansions)
-    return Suggestions(prefix, found.completions, next_chars(model, cursor, n_chars, adapter), found.expansions,
-                       found.model_calls, found.exact)
+                          max_expansions=max_expansions, classes=classes)
+    return Suggestions(prefix, found.completions, next_chars(model, cursor, n_chars, adapter, classes=classes),
+                       found.expansions, found.model_calls, found.exact)

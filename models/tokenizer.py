@@ -26,6 +26,12 @@ class ByteTokenizer:
     vocab_size = 256
     bos = _NEWLINE  # the token before a stream's first one
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ByteTokenizer) and other.to_dict() == self.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(repr(self.to_dict()))
+
     def to_dict(self) -> dict[str, Any] | str:
         return self.kind  # a kind with settings (a word vocabulary) will write an object
 

@@ -37,9 +37,9 @@ class TrainResult:
     seconds: float
 
 
-def _autocast(precision: str) -> contextlib.AbstractContextManager[Any]:
+def _autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager[Any]:
     if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -55,7 +55,7 @@ def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: in
     total, count = 0.0, 0
     for start in range(0, rows.shape[1] - 1, chunk):
         piece = rows[:, start : start + chunk + 1]
-        with _autocast(precision):
+        with _autocast(precision, rows.device):
             out = model(piece[:, :-1], state)
         state = out.state
         nll = -model.target_logprobs(out, piece[:, 1:]).double().sum()  # through the model (adaptive softmax)
@@ -186,7 +186,7 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         lr = _lr_at(cfg, step)
         for group in opt.param_groups:
             group["lr"] = lr
-        with _autocast(cfg.precision):
+        with _autocast(cfg.precision, device):
             output = model(chunk[:, :-1], state)
         loss = model.loss(output, chunk[:, 1:])  # the model's own loss: its auxiliary losses included
         opt.zero_grad(set_to_none=True)

@@ -62,7 +62,8 @@ def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
     info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime), path=path,
-                     kernel=adapter_implementation(), precision=resolve_precision(precision, ckpt.device),
+                     kernel=adapter_implementation(), precision=resolve_precision(
+                         precision, ckpt.device, bf16_model=ckpt.model.bf16_inference),
                      sessions=limits, sessions_unavailable=why)
     return Loaded(ckpt, info, base)
 

@@ -78,8 +78,9 @@ def test_bf16_copies_follow_the_weights(ckpt: Any) -> None:
         model.w_mh.g.mul_(2)  # in place: the cache key's version changes
         after = model.w_mh.weight(torch.bfloat16).float()
     assert torch.allclose(after, 2 * before, rtol=1e-2, atol=0)
+    model.w_mh.v.requires_grad_(True)  # as in training (the loaded model is frozen)
     with pytest.raises(RuntimeError, match="without gradients"):
-        model.w_mh.weight(torch.bfloat16)  # v and g require grad and grad mode is on: not for training
+        model.w_mh.weight(torch.bfloat16)  # v requires grad and grad mode is on: not for training
 
 
 def test_sparse_adaptation_under_bf16_stays_close(ckpt: Any) -> None:
@@ -133,3 +134,14 @@ def test_training_under_autocast_is_not_the_inference_path() -> None:
     assert training.logits.dtype == validation.logits.dtype == torch.bfloat16  # the output layer under autocast
     assert inference.logits.dtype == torch.float32  # only the recurrent matmuls in bf16
     assert training.logits.requires_grad and not inference.logits.requires_grad
+
+
+def test_a_model_without_bf16_inference_runs_in_float32() -> None:
+    """bf16 is a capability a model declares (`bf16_inference`): without it, under autocast everything would run
+    in bf16, logits and handed-back state included, so "auto" resolves to float32 and "bfloat16" is refused."""
+    cpu = torch.device("cpu")
+    assert MLSTM.bf16_inference
+    assert resolve_precision("auto", cpu, bf16_model=False) == "float32"
+    assert resolve_precision("float32", cpu, bf16_model=False) == "float32"
+    with pytest.raises(ValueError, match="bf16 inference"):
+        resolve_precision("bfloat16", cpu, bf16_model=False)
