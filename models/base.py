@@ -97,6 +97,18 @@ class State:
             out[k] = torch.cat(parts, dim=0)
         return State(out)
 
+    def where(self, rows: torch.Tensor, other: State) -> State:
+        """Row b from this state where `rows[b]` (B,) bool, else from `other`; memories of different lengths are
+        left-padded to the longer first, as `stack` does."""
+        out = {}
+        for k, mine in self.tensors.items():
+            theirs = other.tensors[k]
+            if mine.dim() >= 2 and mine.shape[1] != theirs.shape[1]:
+                L = max(mine.shape[1], theirs.shape[1])
+                mine, theirs = _left_pad(mine, L), _left_pad(theirs, L)
+            out[k] = torch.where(rows.view(-1, *([1] * (mine.dim() - 1))), mine, theirs)
+        return State(out)
+
     def to(self, *args: Any, **kwargs: Any) -> State:
         return State({k: v.to(*args, **kwargs) for k, v in self.tensors.items()})
 

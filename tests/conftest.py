@@ -33,3 +33,16 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests need a CUDA device: skipped (with the reason) where there is none, so the default run stays
+    green on a CPU-only machine; on a GPU machine `pytest -m gpu` runs them."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -74,7 +74,7 @@ def forward_rows(forward: ForwardFn, inputs: torch.Tensor, lengths: torch.Tensor
     T = inputs.shape[1]
     cuts = sorted({int(c) for c in lengths.tolist()} | {T})
     logits, hidden = [], []
-    final = dict(state.tensors)
+    final = state
     current, start = state, 0
     for cut in cuts:
         if cut == start:
@@ -85,12 +85,11 @@ def forward_rows(forward: ForwardFn, inputs: torch.Tensor, lengths: torch.Tensor
             hidden.append(out.hidden)
         current, start = out.state, cut
         if len(cuts) == 1:  # every row is full length (the common case): nothing to pick
-            final = dict(current.tensors)
+            final = current
             break
-        ends = lengths == cut  # (B,)
-        final = {k: torch.where(row_mask(ends, v), current.tensors[k], final[k]) for k, v in final.items()}
+        final = current.where(lengths == cut, final)  # rows that end at this cut take its state
     hs = torch.cat(hidden, 1) if len(hidden) == len(logits) else None
-    return torch.cat(logits, 1), hs, State(final)
+    return torch.cat(logits, 1), hs, final
 
 
 def finite_rows(tensors: list[torch.Tensor], batch: int) -> torch.Tensor:
@@ -187,8 +186,12 @@ def _sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tens
     state_ok = finite_rows(list(new_state.tensors.values()), B)  # (B,)
     take_m = (lengths > 0) & state_ok & finite_rows(list(new.values()), B)  # (B,)
     # where() only when a row is refused: a (B, k, k) pass saved in the common case
-    out_mats = new if bool(take_m.all()) else {n: torch.where(row_mask(take_m, m), new[n], m) for n, m in old.items()}
-    out_state = new_state if bool(state_ok.all()) else State(
+    # On a CPU, where() only when a row is refused (a (B, k, k) pass saved in the common case); on a GPU always,
+    # which costs less than the host synchronisation that asking would
+    cpu = inputs.device.type == "cpu"
+    out_mats = new if cpu and bool(take_m.all()) else {
+        n: torch.where(row_mask(take_m, m), new[n], m) for n, m in old.items()}
+    out_state = new_state if cpu and bool(state_ok.all()) else State(
         {k: torch.where(row_mask(state_ok, v), v, state_in.tensors[k].detach()) for k, v in new_state.tensors.items()})
     return SparseStep(logprobs=lp.detach(), state=out_state, adapter=Adapter(out_mats),
                       failed=(lengths > 0) & ~take_m,

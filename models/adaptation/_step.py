@@ -136,9 +136,10 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
         step = sparse_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]), adapter,
                            None, rule=rule)
         logprobs[index] = step.logprobs.to(logprobs.dtype)
+        refused = step.failed.tolist()  # one host synchronisation for the batch
         for j, i in enumerate(learn):
             new_state[i] = step.state.select(j)
-            failed[i] = bool(step.failed[j])
+            failed[i] = refused[j]
         new_mats = dict(step.adapter.mats)
         learned_row = {i: j for j, i in enumerate(learn)}
         keep_dist(learn, step.log_dist, step.hidden)

@@ -209,3 +209,21 @@ def test_weight_cache_serves_frozen_weights_under_autograd() -> None:
         assert model.w_m.weight() is not w
     finally:
         model.requires_grad_(True)
+
+
+def test_states_whose_memories_fill_up_batch_by_left_padding() -> None:
+    """A memory (B, L, D) with a validity mask (B, L): rows of different lengths stack (and merge with `where`) by
+    left-padding the shorter, zeros and False, so each row's own slots keep their places at the recent end."""
+    from models.base import State
+
+    short = State({"kv": torch.ones(1, 2, 3), "mask": torch.ones(1, 2, dtype=torch.bool)})
+    long = State({"kv": 2 * torch.ones(1, 4, 3), "mask": torch.ones(1, 4, dtype=torch.bool)})
+    both = State.stack([short, long])
+    assert both.tensors["kv"].shape == (2, 4, 3)
+    assert both.tensors["mask"].tolist() == [[False, False, True, True], [True] * 4]
+    assert both.tensors["kv"][0, :2].abs().sum() == 0 and bool((both.tensors["kv"][0, 2:] == 1).all())
+    assert both.row_bytes == 4 * 3 * 4 + 4
+    merged = short.where(torch.tensor([False]), long)
+    assert merged.tensors["kv"].shape == (1, 4, 3) and bool((merged.tensors["kv"] == 2).all())
+    restored = State.from_tensors(both.to_tensors("s."), "s.")
+    assert all(torch.equal(restored.tensors[k], v) for k, v in both.tensors.items())

@@ -1,0 +1,68 @@
+"""The same work on a CUDA device as on the CPU (`gpu` marker: skipped without CUDA; `pytest -m gpu` on a GPU
+machine). Each compares the device's figures with the CPU's on the same weights, within float32 tolerance."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.adaptation import evaluate
+from models.checkpoint import load_checkpoint
+from models.device import resolve_device
+from models.sampling import SamplingParams, generate
+from models.scoring import score_bytes
+from server.engine import Engine, EngineConfig
+from trainer.config import make_config
+from trainer.evaluation import config_for
+from trainer.train import train
+
+pytestmark = pytest.mark.gpu
+
+TEXT = b"It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 4
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_auto_is_cuda() -> None:
+    assert resolve_device("auto").type == "cuda"
+
+
+def test_scoring_and_sparse_evaluation_match_the_cpu(tiny_checkpoint: Path) -> None:
+    cpu = load_checkpoint(tiny_checkpoint)
+    gpu = load_checkpoint(tiny_checkpoint, device="cuda")
+    assert gpu.device.type == "cuda" and gpu.model.frozen
+    assert score_bytes(gpu.model, TEXT).bits == pytest.approx(score_bytes(cpu.model, TEXT).bits, rel=1e-4)
+    cfg = config_for("sparse", cpu.dyneval)
+    on_cpu = evaluate(cpu.model, TEXT, cfg, stats=cpu.stats)
+    on_gpu = evaluate(gpu.model, TEXT, cfg, stats=gpu.stats)
+    assert on_gpu.bits == pytest.approx(on_cpu.bits, rel=1e-3)
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    assert "".join(generate(gpu.model, b"It is a ", greedy))  # runs there (the argmax may differ in the last ulp)
+
+
+def test_the_engine_serves_sessions_on_the_device(tiny_checkpoint: Path) -> None:
+    results = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(tiny_checkpoint, config=EngineConfig(device=device, precision="float32"))
+        engine.start()
+        try:
+            async def run() -> tuple[float, float]:
+                session, _ = await engine.create_session(owner=None)
+                observed = await engine.score(TEXT, session_id=session.id, adapt=True)
+                static = await engine.score(TEXT)
+                return observed.bits, static.bits
+
+            results[device] = asyncio.run(run())
+        finally:
+            engine.stop()
+    assert results["cuda"] == pytest.approx(results["cpu"], rel=1e-3)
+
+
+def test_training_runs_on_the_device(tmp_path: Path) -> None:
+    result = train(make_config("tiny", {"max_steps": 5}), [DATA / "train.txt"], out=tmp_path / "ck",
+                   valid_path=DATA / "valid.txt", progress=False, device="cuda")
+    assert result.steps == 5
+    assert load_checkpoint(tmp_path / "ck").model.frozen
+    assert torch.cuda.is_available()
