@@ -42,19 +42,20 @@ def test_scoring_and_sparse_evaluation_match_the_cpu(tiny_checkpoint: Path) -> N
     assert "".join(generate(gpu.model, b"It is a ", greedy))  # runs there (the argmax may differ in the last ulp)
 
 
+async def _observe(engine: Engine) -> tuple[float, float]:
+    session, _ = await engine.create_session(owner=None)
+    observed = await engine.score(TEXT, session_id=session.id, adapt=True)
+    static = await engine.score(TEXT)
+    return observed.bits, static.bits
+
+
 def test_the_engine_serves_sessions_on_the_device(tiny_checkpoint: Path) -> None:
     results = {}
     for device in ("cpu", "cuda"):
         engine = Engine(tiny_checkpoint, config=EngineConfig(device=device, precision="float32"))
         engine.start()
         try:
-            async def run() -> tuple[float, float]:
-                session, _ = await engine.create_session(owner=None)
-                observed = await engine.score(TEXT, session_id=session.id, adapt=True)
-                static = await engine.score(TEXT)
-                return observed.bits, static.bits
-
-            results[device] = asyncio.run(run())
+            results[device] = asyncio.run(_observe(engine))
         finally:
             engine.stop()
     assert results["cuda"] == pytest.approx(results["cpu"], rel=1e-3)
