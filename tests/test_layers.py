@@ -12,4 +12,13 @@ def test_import_contracts_hold() -> None:
     exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
     r = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 kept, 0 broken" in r.stdout
+    assert "4 kept, 0 broken" in r.stdout  # layers; clients; no FastAPI in the engine; no torch in the scheduler
+
+
+def test_what_clients_reach_loads_no_torch() -> None:
+    """At run time too, directly or not: the SDK, its CLI-free modules and the load test import no torch."""
+    code = ("import sys, clients, clients.keysim, loadtest.slo, server.protocol, server.launch; "
+            "bad = sorted(m for m in ('torch', 'models', 'kernels', 'fastapi') if m in sys.modules); "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
