@@ -12,8 +12,10 @@ leaves with its job.
 The guard, per row (thesis sec. 4.4 gives none; this is ours): `sparse_step` refuses an update that would make
 a row's M or state non-finite (the row keeps its last good values, `dropped`). An adapter can still be finite
 yet so large that the next segment's scores blow up: non-finite, or a mean loss over the segment above
-`DIVERGED_BITS` bits a token (4x a uniform guess over bytes: no working model is that wrong on average over a
-whole segment). Then that row's M is reset to 0 (`resets`) and its job redoes the segment in the next step.
+`DIVERGED_BITS` bits a token (8x a uniform guess over bytes: no working model is that wrong on average over a
+whole segment; an aggressive but sound step can reach 40-odd bits on one segment and recover, which the bound
+leaves alone, while a runaway adapter reaches 1e9 and more). Then that row's M is reset to 0 (`resets`) and its
+job redoes the segment in the next step.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from models.base import Adapter, LanguageModel, State
 
 __all__ = ["DIVERGED_BITS", "Row", "RuleCache", "TextJob", "batch_step"]
 
-DIVERGED_BITS = 32.0  # mean bits per token over a segment beyond which an adapter counts as diverged
+DIVERGED_BITS = 64.0  # mean bits per token over a segment beyond which an adapter counts as diverged
 
 
 @dataclass(eq=False)
