@@ -185,5 +185,5 @@ class DynEvalSettings(Mapping[str, Any]):
             given["cache"] = CacheConfig(**{**base.get("cache", {}), **given["cache"]})
         try:
             return DynEvalConfig.from_dict(base, mode=inner, **given)
-        except TypeError as e:
-            raise ValueError(f"section {name!r}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{mode} (section {name!r}): {e}") from None

@@ -27,9 +27,12 @@ def test_round_trip_is_bit_exact(saved: tuple[MLSTM, Path]) -> None:
     for (k, a), (k2, b) in zip(model.state_dict().items(), ck.model.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(a, b)
     x = torch.randint(0, 256, (2, 11))
-    model.eval()
+    assert ck.model.frozen and not any(p.requires_grad for p in ck.model.parameters())  # loaded for inference
+    model.freeze()  # the same (inference) path on both sides: equal bit for bit on any CPU
     assert torch.equal(model(x, model.init_state(2)).logits, ck.model(x, ck.model.init_state(2)).logits)
     assert ck.dyneval == {"lr": 1e-4}
+    assert ck.tokenizer.kind == "bytes" and json.loads((path / "config.json").read_text())["tokenizer"] == "bytes"
+    assert load_checkpoint(path, trainable=True).model.w_mh.v.requires_grad
     assert ck.name == "t"
     assert len(ck.model_hash) == 64
     assert set(ck.stats) == {f"param.{n}" for n, _ in model.named_parameters()} | {"adapter.h"}
@@ -113,3 +116,28 @@ def test_other_architecture_and_bad_config(saved: tuple[MLSTM, Path]) -> None:
 def test_not_a_directory(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         load_checkpoint(tmp_path / "nope")
+
+
+def test_dyneval_is_parsed_once_into_typed_settings(saved: tuple[MLSTM, Path]) -> None:
+    _, path = saved
+    sections = {"sparse": {"rule": "sgd", "lr": 0.01, "segment": 10, "adapter_units": 8},
+                "session": {"rule": "sgd", "lr": 0.002, "cache_weight": 0.25}, "full": {"rule": "sgd"}}
+    (path / "dyneval.json").write_text(json.dumps(sections))
+    ck = load_checkpoint(path)
+    assert ck.dyneval.session.lr == 0.002 and ck.dyneval.session.mode == "sparse" and ck.dyneval.cache_weight == 0.25
+    assert ck.dyneval.config("sparse").segment == 10 and ck.dyneval.config("dynamic").mode == "full"
+    assert ck.dyneval["sparse"]["lr"] == 0.01  # still reads as the file it was parsed from
+    for bad, match in ((dict(sections, sparse={"rule": "adam"}), "sparse"),
+                       (dict(sections, session={"cache_weight": 2}), "cache_weight"),
+                       (dict(sections, full=[1]), "full")):
+        (path / "dyneval.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=match):
+            load_checkpoint(path)
+
+
+def test_an_unknown_tokenizer_is_refused(saved: tuple[MLSTM, Path]) -> None:
+    _, path = saved
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tokenizer": "sentencepiece"}))
+    with pytest.raises(CheckpointError, match="unknown tokenizer 'sentencepiece'"):
+        load_checkpoint(path)
