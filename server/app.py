@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
 from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
 from server.metrics import Metrics, MetricsMiddleware
+from server.ratelimit import RateLimiter
 from server.routes import ROUTERS
 from server.settings import Settings
 
@@ -98,6 +100,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.openapi = functools.partial(_openapi, app, settings)  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.metrics = metrics
+    burst = settings.rate_limit_burst or math.ceil(2 * settings.rate_limit_per_s)
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, burst)
     install_error_handler(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -125,7 +129,7 @@ def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     ]
     engine = getattr(app.state, "engine", None)
     limits_known = isinstance(engine, Engine) and engine.alive
-    if limits_known and engine.info.sessions is not None:
+    if isinstance(engine, Engine) and limits_known and engine.info.sessions is not None:
         limits.append(("AdaptationParams", "adapter_size", engine.info.sessions.max_adapter_size))
     for model, field, maximum in limits:
         prop = models.get(model, {}).get("properties", {}).get(field)

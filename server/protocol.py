@@ -23,10 +23,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 from pydantic_core import PydanticCustomError
 
 __all__ = [
-    "ERROR_TYPES", "MAX_SEED", "SESSION_ID_MAX_LENGTH", "SESSION_ID_PATTERN", "AdaptationParams", "AdaptationSettings", "CompletionChoice",
+    "ERROR_TYPES", "MAX_SEED", "SESSION_ID_MAX_LENGTH", "SESSION_ID_PATTERN", "AdaptationParams",
+    "AdaptationSettings", "CompletionChoice",
     "CompletionLogprobs", "CompletionRequest", "CompletionResponse", "ErrorBody", "ErrorResponse", "ErrorType",
     "FinishReason", "GenerateChunk", "GenerateDone", "GenerateRequest", "GenerateResponse", "HealthResponse",
-    "ModelCard", "ModelList", "ObserveRequest", "ObserveResponse", "ReadyResponse", "ScoreRequest", "ScoreResponse",
+    "ModelCard", "ModelList", "ObserveRequest", "ObserveResponse", "ReadyResponse", "RequestModel",
+    "ScoreRequest", "ScoreResponse",
     "SUGGEST_MAX_CONTEXT", "SessionCreateRequest", "SessionResponse", "SessionStatsBody", "StreamOptions",
     "SuggestRequest", "SuggestResponse", "SuggestedChar", "SuggestedWord", "Timings", "Usage",
 ]
