@@ -256,7 +256,8 @@ def test_user_text_is_never_logged_at_info(tiny_checkpoint: Path, serve_app: Any
             # refused requests too
             c.post("/v1/score", json={"text": MARK * 200})
             c.post("/v1/score", json={"text": MARK, "unknown": MARK})
-            c.post("/v1/generate", content=f'{{"prompt": "{MARK}\\ud800"}}', headers={"content-type": "application/json"})
+            c.post("/v1/generate", content=f'{{"prompt": "{MARK}\\ud800"}}',
+                   headers={"content-type": "application/json"})
             c.post("/v1/completions", json={"model": MARK, "prompt": MARK})
             c.post("/v1/score", content=f'{{"text": "{MARK}"', headers={"content-type": "application/json"})
     finally:
