@@ -128,10 +128,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
 
-    from server.app import create_app, uvicorn_options
+    from server.app import serve
     from server.settings import Settings
 
     overrides: dict[str, Any] = {}
@@ -152,9 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"{settings.checkpoint}: not a checkpoint directory")
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                **uvicorn_options(settings))
-    return 0
+    return serve(settings)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

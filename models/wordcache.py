@@ -50,6 +50,24 @@ def _clean(word: str) -> str:
     return word.strip("".join(APOSTROPHES))
 
 
+def _is_piece(text: str) -> bool:
+    """Word characters only (an observed word as it was cut, its apostrophes included), with UTF-8 bytes."""
+    return all(is_word_char(c) for c in text) and text.isprintable() and _has_utf8(text)
+
+
+def _is_word(text: object) -> bool:
+    """A word as `observe` counts it."""
+    return isinstance(text, str) and bool(text) and _clean(text) == text and _is_piece(text)
+
+
+def _has_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def previous_word(before: str) -> str | None:
     """The word just before the word being typed, if only spaces separate them (`before` is the context up to
     the typed prefix)."""
@@ -148,14 +166,17 @@ class WordCache:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], max_words: int = 2048) -> WordCache:
-        """The inverse of `to_dict`; raises ValueError on anything else."""
+        """The inverse of `to_dict`; raises ValueError on anything else, including a word `observe` could not have
+        counted (a session blob is user input: a lone surrogate restored here would fail every suggestion after)."""
         words, pairs = data.get("words", {}), data.get("pairs", {})
         last, pending = data.get("last"), data.get("pending", "")
-        ok = isinstance(words, dict) and isinstance(pairs, dict) and (last is None or isinstance(last, str)) \
-            and isinstance(pending, str)
+        ok = isinstance(words, dict) and isinstance(pairs, dict) and (last is None or _is_word(last)) \
+            and isinstance(pending, str) and _is_piece(pending)
         for table in (words, pairs) if ok else ():
             ok = ok and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
                             for k, v in table.items())
+        ok = ok and all(_is_word(w) for w in words) and all(
+            len(pair := key.split(_PAIR)) == 2 and all(_is_word(w) for w in pair) for key in pairs)
         if not ok:
             raise ValueError("not a word cache")
         cache = cls(max_words=max_words, words=dict(words), pairs=dict(pairs), last=last, pending=pending)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -15,10 +19,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
 from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
 from server.metrics import Metrics, MetricsMiddleware
+from server.ratelimit import RateLimiter
 from server.routes import ROUTERS
 from server.settings import Settings
 
-__all__ = ["create_app", "uvicorn_options"]
+__all__ = ["create_app", "serve", "uvicorn_options"]
 
 
 def _version() -> str:
@@ -31,6 +36,30 @@ def _version() -> str:
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """What a uvicorn serving this app is given besides the app, host, port and logging."""
     return {"timeout_keep_alive": settings.keep_alive_s}
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises the SIGTERM or SIGINT it caught once it has shut down, so even a clean drain ends with
+    status 143 (or 130), which supervisors read as a failure. A clean drain here exits 0; a failed one (the
+    lifespan's shutdown raised, or a second Ctrl-C forced the exit) still ends by the signal."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        lifespan = getattr(self, "lifespan", None)
+        failed = self.force_exit or getattr(lifespan, "shutdown_failed", False) \
+            or getattr(lifespan, "error_occurred", False)
+        if not failed:
+            self._captured_signals.clear()
+
+
+def serve(settings: Settings) -> int:
+    """Serve `create_app(settings)` on settings.host:port until SIGTERM or SIGINT -> the exit status: 0 after a
+    clean drain (the work in flight finished, the sessions kept), 3 if the start-up failed."""
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                            log_level=settings.log_level, **uvicorn_options(settings))
+    server = _Server(config)
+    server.run()
+    return 0 if server.started else 3  # uvicorn's own status for a failed start-up
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -64,10 +93,15 @@ def create_app(settings: Settings) -> FastAPI:
             await asyncio.to_thread(engine.stop)
             await asyncio.to_thread(store.close)
 
-    app = FastAPI(title="adaptlm", version=_version(), lifespan=lifespan,
+    # redirect_slashes=False: a path with a trailing slash (`/v1/sessions/%2e%2e%2f`) is a 404 in the one error
+    # shape, not a 307 to a Location built from the client's Host header.
+    app = FastAPI(title="adaptlm", version=_version(), lifespan=lifespan, redirect_slashes=False,
                   description="Scoring and generation with adaptive byte-level language models.")
+    app.openapi = functools.partial(_openapi, app, settings)  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.metrics = metrics
+    burst = settings.rate_limit_burst or math.ceil(2 * settings.rate_limit_per_s)
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, burst)
     install_error_handler(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -76,6 +110,36 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
+
+
+def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
+    """FastAPI's schema with the limits that only this server knows (its settings, and the checkpoint's adapter
+    size once it is loaded), so that the schema and the server accept the same requests. What the schema cannot
+    say: texts are limited in UTF-8 bytes (ADAPTLM_MAX_TEXT_BYTES, a 413), and `model` must be the served one."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = FastAPI.openapi(app)
+    app.openapi_schema = None  # FastAPI cached its own: cache ours instead, complete
+    models = schema.get("components", {}).get("schemas", {})
+    limits: list[tuple[str, str, float]] = [
+        ("SessionCreateRequest", "ttl_s", settings.max_session_ttl_s),
+        ("GenerateRequest", "max_tokens", settings.max_tokens),
+        ("CompletionRequest", "max_tokens", settings.max_tokens),
+        ("CompletionRequest", "n", settings.max_n),
+    ]
+    engine = getattr(app.state, "engine", None)
+    limits_known = isinstance(engine, Engine) and engine.alive
+    if isinstance(engine, Engine) and limits_known and engine.info.sessions is not None:
+        limits.append(("AdaptationParams", "adapter_size", engine.info.sessions.max_adapter_size))
+    for model, field, maximum in limits:
+        prop = models.get(model, {}).get("properties", {}).get(field)
+        if prop is not None:
+            for branch in prop.get("anyOf", [prop]):
+                if branch.get("type") in ("number", "integer"):
+                    branch["maximum"] = maximum
+    if limits_known:  # before the model is loaded, the checkpoint's limits are not known yet: not cached
+        app.openapi_schema = schema
+    return schema
 
 
 def _session_store(settings: Settings) -> SessionStore:

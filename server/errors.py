@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.engine import (
@@ -116,6 +117,7 @@ _BY_STATUS: dict[int, type[APIError]] = {
                                 ServiceUnavailableError)
 }
 _LOCATIONS = {"body", "query", "path", "header", "cookie"}
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
 def openapi_responses(*errors: type[APIError]) -> dict[int | str, dict[str, Any]]:
@@ -157,15 +159,30 @@ def to_api_error(exc: Exception, request: Request) -> APIError:
         return _from_validation(exc)
     if isinstance(exc, StarletteHTTPException):
         headers = dict(exc.headers or {})
+        path = _bounded(request.url.path)
         if exc.status_code == 404:
-            return NotFoundError(f"no route for {request.method} {request.url.path}", headers=headers)
+            return NotFoundError(f"no route for {request.method} {path}", headers=headers)
         if exc.status_code == 405:
-            return MethodNotAllowedError(f"{request.method} is not allowed on {request.url.path}", headers=headers)
+            # Starlette's Allow names the methods of the first route that matched the path; a path has several
+            headers["Allow"] = ", ".join(_allowed_methods(request))
+            return MethodNotAllowedError(f"{request.method} is not allowed on {path}", headers=headers)
         cls = _BY_STATUS.get(exc.status_code, BadRequestError if exc.status_code < 500 else InternalServerError)
         return cls(str(exc.detail), headers=headers)
     if isinstance(exc, _ENGINE_ERRORS):
         return _from_engine(exc)
     return InternalServerError("internal server error")
+
+
+def _bounded(text: str, limit: int = 200) -> str:
+    """At most `limit` characters of something the client sent, for a message (never a 100 KB echo)."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route answers on the request's path (asked of each route, included routers too)."""
+    routes = request.app.router.routes
+    return [method for method in _METHODS
+            if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
 
 
 def _from_engine(exc: Exception) -> APIError:
@@ -191,7 +208,8 @@ def _from_engine(exc: Exception) -> APIError:
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     """The one handler: every exception a request raises becomes an error response in the one shape."""
     if isinstance(exc, EngineUnavailable | SessionStoreUnavailable):
-        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        # the cause (e.g. the Redis address) is for the operator's log, never for the client
+        log.warning("%s %s: %s (%s)", request.method, request.url.path, exc, exc.__cause__)
     return error_response(to_api_error(exc, request))
 
 

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = [
-    "ERROR_TYPES", "SESSION_ID_PATTERN", "AdaptationParams", "AdaptationSettings", "CompletionChoice",
+    "ERROR_TYPES", "MAX_SEED", "SESSION_ID_MAX_LENGTH", "SESSION_ID_PATTERN", "AdaptationParams",
+    "AdaptationSettings", "CompletionChoice",
     "CompletionLogprobs", "CompletionRequest", "CompletionResponse", "ErrorBody", "ErrorResponse", "ErrorType",
     "FinishReason", "GenerateChunk", "GenerateDone", "GenerateRequest", "GenerateResponse", "HealthResponse",
-    "ModelCard", "ModelList", "ObserveRequest", "ObserveResponse", "ReadyResponse", "ScoreRequest", "ScoreResponse",
+    "ModelCard", "ModelList", "ObserveRequest", "ObserveResponse", "ReadyResponse", "RequestModel",
+    "ScoreRequest", "ScoreResponse",
     "SUGGEST_MAX_CONTEXT", "SessionCreateRequest", "SessionResponse", "SessionStatsBody", "StreamOptions",
     "SuggestRequest", "SuggestResponse", "SuggestedChar", "SuggestedWord", "Timings", "Usage",
 ]
@@ -43,17 +46,51 @@ ErrorType = Literal[
     "server_error",  # 500: a bug; the message says nothing more
     "service_unavailable_error",  # 503: the model is not loaded, the engine has stopped, or the session store is full
 ]
-# What session ids look like (the server makes 32 characters; an import may name its own).
-SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{16,128}$"
-SessionId = Annotated[str, Field(min_length=1, max_length=128, strict=True,
+# What session ids look like (the server makes 32 characters; an import may name its own). A longer id is a 422
+# wherever it is sent (path or body), so no answer ever echoes more than this many characters of one.
+SESSION_ID_MAX_LENGTH = 128
+SESSION_ID_PATTERN = rf"^[A-Za-z0-9_-]{{16,{SESSION_ID_MAX_LENGTH}}}$"
+SessionId = Annotated[str, Field(min_length=1, max_length=SESSION_ID_MAX_LENGTH, strict=True,
                                  description="A session (POST /v1/sessions) of the same API key.")]
 ERROR_TYPES: tuple[ErrorType, ...] = get_args(ErrorType)
+# The largest seed (and, negated, the smallest a completion takes): 2**53 - 1, the largest integer a JSON number
+# holds exactly in every client (JavaScript's Number.MAX_SAFE_INTEGER) and in the schema's `maximum`, which
+# validators read as a float; 2**63 - 1 read as a float is 2**63, a seed the server would refuse.
+MAX_SEED = 2**53 - 1
 
 
-class ScoreRequest(BaseModel):
+def _utf8(value: Any) -> None:
+    """Raise pydantic's own `string_unicode` error for a string with no UTF-8 bytes (a lone surrogate, which JSON
+    can spell `"\\ud800"`), anywhere in a field's value. pydantic refuses one only in fields with constraints."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PydanticCustomError("string_unicode", "Input should be a valid string, unable to parse raw data "
+                                                        "as a unicode string") from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _utf8(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _utf8(key)
+            _utf8(item)
+
+
+class RequestModel(BaseModel):
+    """Base of our requests: unknown fields are refused, and every string (nested ones included) has UTF-8 bytes,
+    so the serving layer's `.encode("utf-8")` cannot fail."""
+
     model_config = ConfigDict(extra="forbid")
 
-    # pydantic refuses a lone surrogate (`"\ud800"`) here, so the text always has UTF-8 bytes.
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text_is_utf8(cls, value: Any) -> Any:
+        _utf8(value)
+        return value
+
+
+class ScoreRequest(RequestModel):
     text: str = Field(min_length=1, strict=True, description="Text to score, as its UTF-8 bytes.")
     logprobs: bool = Field(default=False, strict=True, description="Also return each byte's natural-log probability.")
     session_id: SessionId | None = Field(default=None, description="Score the text as the continuation of this "
@@ -80,9 +117,7 @@ FinishReason = Literal["length", "stop"]  # length: max_tokens bytes were genera
 StopString = Annotated[str, Field(min_length=1, strict=True)]
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class GenerateRequest(RequestModel):
     prompt: str = Field(strict=True, description="Text to continue, as its UTF-8 bytes; may be empty.")
     max_tokens: int | None = Field(default=None, ge=1, strict=True,
                                    description="Most bytes to generate (at most the server's limit); "
@@ -92,7 +127,7 @@ class GenerateRequest(BaseModel):
     top_k: int = Field(default=0, ge=0, strict=True, description="Sample among the k most likely bytes; 0: off.")
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False, strict=True,
                          description="Nucleus sampling: the smallest set of bytes whose probability reaches top_p.")
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True,
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, strict=True,
                              description="The same seed and parameters give the same text.")
     stop: list[StopString] = Field(default_factory=list, max_length=4,
                                    description="Up to 4 stop strings; the text ends before the first one that appears.")
@@ -145,18 +180,14 @@ def _string_or_list_schema(max_items: int) -> WithJsonSchema:
                                      {"type": "array", "items": {"type": "string"}, "maxItems": max_items}]})
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class StreamOptions(RequestModel):
     include_usage: bool | None = Field(default=None, description="Send a last chunk with the usage and no choices.")
     include_obfuscation: bool | None = Field(default=None, description="Accepted and ignored.")
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(RequestModel):
     """OpenAI's `POST /v1/completions` request. Accepted and ignored: presence_penalty, frequency_penalty,
     best_of, logit_bias. `user` may name a session (see its description)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(strict=True, description="The served model's id (GET /v1/models).")
     prompt: Annotated[list[str], BeforeValidator(_one_or_list), Field(min_length=1, max_length=1),
@@ -164,8 +195,8 @@ class CompletionRequest(BaseModel):
     suffix: None = Field(default=None, description="Only null: insertion is not supported.")
     max_tokens: int | None = Field(default=16, ge=0, strict=True,
                                    description="0 with echo: score the prompt without generating.")
-    temperature: float | None = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    temperature: float | None = Field(default=1.0, ge=0, le=2, allow_inf_nan=False, strict=True)
+    top_p: float | None = Field(default=1.0, gt=0, le=1, allow_inf_nan=False, strict=True)
     n: int | None = Field(default=1, ge=1, strict=True, description="Choices to generate (choice i uses seed + i).")
     stream: bool | None = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
@@ -174,11 +205,11 @@ class CompletionRequest(BaseModel):
     echo: bool | None = Field(default=False, strict=True, description="Prepend the prompt (and its logprobs).")
     stop: Annotated[list[StopString], BeforeValidator(_one_or_list), Field(max_length=4),
                     _string_or_list_schema(4)] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False, strict=True)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False, strict=True)
     best_of: int | None = Field(default=None, ge=1, strict=True)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, strict=True)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False, strict=True)]] | None = None
+    seed: int | None = Field(default=None, ge=-MAX_SEED, le=MAX_SEED, strict=True)
     user: str | None = Field(default=None, strict=True,
                              description="The id of one of your sessions (POST /v1/sessions): the prompt then "
                                          "continues that session's text under its adapter, and the session is left "
@@ -214,18 +245,16 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class AdaptationParams(BaseModel):
+class AdaptationParams(RequestModel):
     """A session's sparse dynamic evaluation (thesis sec. 4.6); what is left out comes from the checkpoint."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float | None = Field(default=None, ge=0, allow_inf_nan=False, description="Learning rate eta.")
-    decay: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False,
+    lr: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True, description="Learning rate eta.")
+    decay: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False, strict=True,
                                 description="Decay lambda towards the unadapted model (M = 0).")
     adapter_size: int | None = Field(default=None, ge=1, strict=True,
                                      description="k: M is k x k on the first k units of the adaptation site "
                                                  "(at most the site's units).")
-    cache_weight: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False,
+    cache_weight: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False, strict=True,
                                        description="Weight of the session's word cache (the words it observed) "
                                                    "mixed into keyboard suggestions; 0 turns it off.")
 
@@ -240,20 +269,16 @@ class AdaptationSettings(BaseModel):
     cache_weight: float = Field(default=0.0, description="Weight of the word cache in keyboard suggestions.")
 
 
-class SessionCreateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class SessionCreateRequest(RequestModel):
     initial_text: str | None = Field(default=None, min_length=1, strict=True,
                                      description="Text for the new session to observe first.")
-    ttl_s: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+    ttl_s: float | None = Field(default=None, gt=0, allow_inf_nan=False, strict=True,
                                 description="Seconds the session lives after its last use (server default and "
                                             "maximum apply).")
     adaptation: AdaptationParams | None = None
 
 
-class ObserveRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ObserveRequest(RequestModel):
     text: str = Field(min_length=1, strict=True, description="Text the session reads next, as its UTF-8 bytes.")
 
 
@@ -296,19 +321,19 @@ class SessionResponse(BaseModel):
 
 
 # Characters of `context` a suggestion takes: the message being typed, not a document (the session holds the
-# history); the first keystroke of a context feeds all of it, later ones only what they add.
+# history); the first keystroke of a context feeds all of it, later ones only what they add. Of a longer message
+# the model reads only about the last 256 bytes (server/engine/_suggest.py, SUGGEST_FEED_BYTES).
 SUGGEST_MAX_CONTEXT = 2048
 
 
-class SuggestRequest(BaseModel):
+class SuggestRequest(RequestModel):
     """Keyboard suggestions for a session: what the user has typed so far in the current message."""
-
-    model_config = ConfigDict(extra="forbid")
 
     context: str = Field(default="", max_length=SUGGEST_MAX_CONTEXT, strict=True,
                          description="The text typed so far in the current message (may be empty); it continues the "
-                                     "session's text and does not change the session. The word being completed is "
-                                     "its end after the last space or punctuation (empty after one: the next word).")
+                                     "session's text and does not change the session (of a long one, only about the "
+                                     "last 256 UTF-8 bytes are read). The word being completed is its end after the "
+                                     "last space or punctuation (empty after one: the next word).")
     k: int = Field(default=3, ge=1, le=10, strict=True, description="Word completions to return.")
     max_chars: int = Field(default=24, ge=1, le=64, strict=True,
                            description="The most characters a completion may add to the typed part of the word.")

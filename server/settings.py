@@ -8,6 +8,9 @@
     ADAPTLM_MAX_BODY_BYTES   largest request body; larger bodies are refused with 413 before parsing
     ADAPTLM_LOG_LEVEL        critical | error | warning | info | debug | trace
     ADAPTLM_API_KEYS         comma-separated keys; when set, /v1 routes need `Authorization: Bearer <key>`
+    ADAPTLM_RATE_LIMIT_PER_S requests a second each API key may make to /v1 routes (a token bucket; 0: no limit,
+                             the default); beyond it, 429 with Retry-After. Without keys, all clients share one
+    ADAPTLM_RATE_LIMIT_BURST requests a key may make at once after being idle (the bucket's size; default 2 s' worth)
     ADAPTLM_MAX_BATCH        rows per batched model call (a session observe takes two: adapted and static)
     ADAPTLM_MAX_WAIT_MS      coming from idle, how long the engine waits for more work to fill a batch
     ADAPTLM_MAX_QUEUE        work items waiting to start; beyond it, 429 with Retry-After
@@ -57,6 +60,8 @@ class Settings(BaseSettings):
     log_level: LogLevel = "info"
     # NoDecode: the environment holds a comma list, not JSON.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
+    rate_limit_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    rate_limit_burst: int | None = Field(default=None, ge=1)  # None: twice the rate (at least 1)
     # rows per batched text step; an observe takes two (the session and its static shadow): 64 runs 32 sessions
     # at once (throughput is flat beyond: compute-bound; docs/benchmarks.md)
     max_batch: int = Field(default=64, ge=1)

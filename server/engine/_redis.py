@@ -339,7 +339,8 @@ class RedisSessionStore(SessionStore):
         try:
             yield
         except redis.RedisError as e:
-            raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__}: {e})") from e
+            # The client sees the error's type only: its text names the Redis server's address (the log has it).
+            raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__})") from e
 
     def _run(self, script: str, *args: str | bytes) -> Any:
         bound = self._binding()

@@ -46,8 +46,8 @@ from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
 from server.engine._work import Work
 
-__all__ = ["CursorCache", "Feed", "Suggest", "SuggestExecutor", "SuggestJob", "SuggestRounds", "Suggestions",
-           "run_suggestions"]
+__all__ = ["SUGGEST_FEED_BYTES", "SUGGEST_FEED_STRIDE", "CursorCache", "Feed", "Suggest", "SuggestExecutor",
+           "SuggestJob", "SuggestRounds", "Suggestions", "feed_window", "run_suggestions"]
 
 log = logging.getLogger(__name__)
 NEXT_CURSORS = 8  # cursors a search leaves for the next keystroke (of a session's 32)
@@ -55,6 +55,27 @@ SUGGEST_MIN_PROB = 1e-3  # word completions: branches below this cumulative prob
 SUGGEST_BATCH = 8  # branches one suggestion expands per model step (8 measured fastest: docs/benchmarks.md)
 SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
 SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
+# A suggestion continues the session with at most the last SUGGEST_FEED_BYTES bytes of its context (`feed_window`):
+# a keystroke must not feed kilobytes on the worker (an 8 KB context took seconds outside the time budget, held
+# up all other work and grew the resident memory for good). The window starts at a multiple of the stride, so
+# that it moves once per SUGGEST_FEED_STRIDE bytes typed and the cursor cache still feeds only new bytes between.
+SUGGEST_FEED_BYTES = 256
+SUGGEST_FEED_STRIDE = 128
+
+
+def feed_window(context: str) -> str:
+    """The end of `context` that a suggestion feeds: all of it up to SUGGEST_FEED_BYTES UTF-8 bytes; beyond, the
+    bytes from the first multiple of SUGGEST_FEED_STRIDE that leaves at most SUGGEST_FEED_BYTES (moved on to the
+    next whole character). A message longer than the window is, for the model, the session's text and then the
+    window: the middle of the message is skipped (a byte model's prediction of the next word rests on the last
+    few hundred bytes)."""
+    data = context.encode("utf-8")
+    if len(data) <= SUGGEST_FEED_BYTES:
+        return context
+    start = -(-(len(data) - SUGGEST_FEED_BYTES) // SUGGEST_FEED_STRIDE) * SUGGEST_FEED_STRIDE
+    while start < len(data) and data[start] & 0xC0 == 0x80:  # a UTF-8 continuation byte: not a character's start
+        start += 1
+    return data[start:].decode("utf-8")
 
 
 def _same_record(a: Session, b: Session) -> bool:
@@ -295,7 +316,8 @@ class Suggest(Work):
     def __init__(self, target: str, context: str, *, owner: str | None, k: int, max_chars: int, n_chars: int,
                  deadline: float) -> None:
         super().__init__(owner=owner)
-        self.target, self.context, self.k, self.max_chars, self.n_chars = target, context, k, max_chars, n_chars
+        self.target, self.k, self.max_chars, self.n_chars = target, k, max_chars, n_chars
+        self.context = feed_window(context)
         self.deadline = deadline
         self.job: SuggestJob | None = None  # once started
 

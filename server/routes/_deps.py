@@ -21,6 +21,7 @@ from server.errors import (
     openapi_responses,
 )
 from server.metrics import Metrics
+from server.ratelimit import RateLimiter
 from server.serving import Context
 from server.settings import Settings
 
@@ -58,21 +59,35 @@ EngineDep = Annotated[Engine, Depends(get_engine)]
 _bearer = HTTPBearer(auto_error=False, description="One of the server's API keys (ADAPTLM_API_KEYS).")
 
 
-def api_key_owner(settings: SettingsDep,
+def api_key_owner(request: Request, settings: SettingsDep,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str | None:
-    """No-op unless keys are configured; then `Authorization: Bearer <key>` must carry one of them.
+    """No-op unless keys are configured; then `Authorization: Bearer <key>` must carry one of them. Then the key's
+    rate limit (server/ratelimit.py): 429 when its bucket is empty.
     -> who owns the sessions this request creates and may see: the key's SHA-256 (None without keys)."""
+    owner = _authenticate(settings, credentials)
+    limiter = request.app.state.rate_limiter
+    assert isinstance(limiter, RateLimiter)
+    wait = limiter.take(owner or "")
+    if wait is not None:
+        raise RateLimitError("this API key's rate limit is reached; retry after the Retry-After header's seconds",
+                             code="rate_limited", headers={"Retry-After": RateLimiter.retry_after(wait)})
+    return owner
+
+
+def _authenticate(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> str | None:
     if not settings.api_keys:
         return None
     if credentials is None:
         raise AuthenticationError("missing API key: send `Authorization: Bearer <key>`", code="missing_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
-    given = credentials.credentials.encode()
-    # Compare with every key (no early exit) in constant time per key.
-    matches = [hmac.compare_digest(given, key.get_secret_value().encode()) for key in settings.api_keys]
+    given = hashlib.sha256(credentials.credentials.encode()).digest()
+    # Compare with every key (no early exit), in constant time per key: SHA-256 digests, so that even the keys'
+    # lengths take no part in the time a wrong key takes.
+    matches = [hmac.compare_digest(given, hashlib.sha256(key.get_secret_value().encode()).digest())
+               for key in settings.api_keys]
     if not any(matches):
         raise AuthenticationError("invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    return hashlib.sha256(given).hexdigest()
+    return given.hex()
 
 
 OwnerDep = Annotated[str | None, Depends(api_key_owner)]

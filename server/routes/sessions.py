@@ -12,6 +12,7 @@ from server.errors import (
     openapi_responses,
 )
 from server.protocol import (
+    SESSION_ID_MAX_LENGTH,
     SESSION_ID_PATTERN,
     ObserveRequest,
     ObserveResponse,
@@ -27,7 +28,8 @@ __all__ = ["router"]
 
 router = work_router("/v1/sessions", "sessions")
 
-SessionPath = Annotated[str, Path(description="The session's id.")]
+# Any id the store could hold is looked up (404 if absent); a longer one is a 422 before any lookup.
+SessionPath = Annotated[str, Path(min_length=1, max_length=SESSION_ID_MAX_LENGTH, description="The session's id.")]
 _BLOB: dict[str, Any] = {"content": {sessions.STATE_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
                          "description": "The session's export: safetensors bytes with versioned JSON metadata, "
                                         "tagged with the checkpoint's weights hash."}

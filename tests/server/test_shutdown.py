@@ -57,10 +57,10 @@ def header(blob: bytes) -> Any:
 
 
 def stop(proc: subprocess.Popen[bytes], log: Path) -> None:
-    """SIGTERM, then a clean exit: uvicorn shuts the app down, then re-raises the signal it caught, so the exit
-    status is "terminated by SIGTERM" (what systemd and docker expect of a clean stop), after the lifespan's end."""
+    """SIGTERM, then a clean exit: the app drains and the process exits 0. (uvicorn alone re-raises the signal it
+    caught after its shutdown, and status 143, "terminated by SIGTERM", reads as a failure to supervisors.)"""
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) in (0, -signal.SIGTERM)
+    assert proc.wait(60) == 0
     assert log.read_text().rstrip().endswith(f"Finished server process [{proc.pid}]"), log.read_text()[-3000:]
 
 

@@ -1,0 +1,280 @@
+"""Security (issue 14, part 5): API keys compared in constant time; another key's session indistinguishable from
+a missing one; per-key rate limits; no pickle where user-supplied bytes are read; no checkpoint path taken from a
+request; user text never logged at INFO; no internal address in an error."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import hmac
+import json
+import logging
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server.engine import RedisSessionStore, SessionStoreUnavailable
+from server.ratelimit import RateLimiter
+from server.routes import _deps
+from server.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ("key-alice-0123456789", "key-bob-9876543210")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_checkpoint: Path, serve_app: Any) -> Iterator[str]:
+    with serve_app(Settings(checkpoint=tiny_checkpoint, api_keys=",".join(KEYS), suggest_budget_ms=0)) as live:
+        yield live.url
+
+
+@pytest.fixture(scope="module")
+def model_name(keyed: str) -> str:
+    return str(httpx.get(f"{keyed}/v1/models", headers=bearer(KEYS[0])).json()["data"][0]["id"])
+
+
+# -- API keys --------------------------------------------------------------------------------------------------
+
+def test_api_keys_are_compared_in_constant_time(keyed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every configured key is compared, each with hmac.compare_digest on equal-length digests: neither where a
+    wrong key first differs nor the keys' lengths shape the time a refusal takes."""
+    calls: list[tuple[bytes, bytes]] = []
+    compare = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return compare(a, b)
+
+    monkeypatch.setattr(_deps.hmac, "compare_digest", spy)
+    for key in ("x", "key-alice-0123456789-and-more", KEYS[0][:-1] + "X", KEYS[1]):
+        calls.clear()
+        status = httpx.get(f"{keyed}/v1/models", headers=bearer(key)).status_code
+        assert status == (200 if key in KEYS else 401)
+        assert len(calls) == len(KEYS)  # no early exit
+        assert {len(a) for a, _ in calls} | {len(b) for _, b in calls} == {hashlib.sha256().digest_size}
+    source = ast.parse(Path(_deps.__file__).read_text())
+    compared = [node for node in ast.walk(source) if isinstance(node, ast.Compare)
+                and any("key" in ast.unparse(side).lower() or "credentials" in ast.unparse(side)
+                        for side in (node.left, *node.comparators))
+                and any(isinstance(op, ast.Eq | ast.NotEq) for op in node.ops)]
+    assert not compared, [ast.unparse(n) for n in compared]  # no `==` on a key anywhere
+
+
+# -- another key's session -------------------------------------------------------------------------------------
+
+def _requests(sid: str, model: str) -> list[tuple[str, str, Any]]:
+    return [
+        ("GET", f"/v1/sessions/{sid}", None), ("GET", f"/v1/sessions/{sid}/state", None),
+        ("POST", f"/v1/sessions/{sid}/observe", {"text": "hello"}), ("POST", f"/v1/sessions/{sid}/reset", None),
+        ("POST", f"/v1/sessions/{sid}/suggest", {"context": "he"}),
+        ("POST", "/v1/score", {"text": "hello", "session_id": sid}),
+        ("POST", "/v1/generate", {"prompt": "a", "max_tokens": 1, "session_id": sid}),
+        ("DELETE", f"/v1/sessions/{sid}", None),
+    ]
+
+
+def test_another_keys_session_is_indistinguishable_from_a_missing_one(keyed: str, model_name: str) -> None:
+    with httpx.Client(base_url=keyed, timeout=60, headers=bearer(KEYS[0])) as alice, \
+            httpx.Client(base_url=keyed, timeout=60, headers=bearer(KEYS[1])) as bob:
+        sid = alice.post("/v1/sessions", json={"initial_text": "Alice's private text. "}).json()["id"]
+        blob = alice.get(f"/v1/sessions/{sid}/state").content
+        missing = "M" * len(sid)
+        for (method, path, body), (_, missing_path, missing_body) in zip(_requests(sid, model_name),
+                                                                         _requests(missing, model_name), strict=True):
+            theirs = bob.request(method, path, json=body)
+            absent = bob.request(method, missing_path, json=missing_body)
+            assert theirs.status_code == absent.status_code == 404, (path, theirs.text)
+            assert theirs.text.replace(sid, missing) == absent.text, path
+            assert {k: v for k, v in theirs.headers.items() if k not in ("date", "content-length")} == \
+                {k: v for k, v in absent.headers.items() if k not in ("date", "content-length")}
+        # a PUT of Bob's over Alice's id is a 404 too, and leaves her session as it was
+        theirs = bob.put(f"/v1/sessions/{sid}/state", content=blob)
+        assert theirs.status_code == 404 and theirs.text.replace(sid, missing) == \
+            bob.get(f"/v1/sessions/{missing}").text
+        # the completions route treats a `user` that is not one of your sessions as an end user: both alike
+        for user in (sid, missing):
+            r = bob.post("/v1/completions", json={"model": model_name, "prompt": "a", "max_tokens": 1, "seed": 1,
+                                                  "user": user, "temperature": 0})
+            assert r.status_code == 200
+        assert alice.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len("Alice's private text. ")
+
+        # timing: the two interleaved request by request, so that a loaded machine's drift hits both alike
+        times: dict[str, list[float]] = {sid: [], missing: []}
+        for _ in range(60):
+            for session_id in (sid, missing):
+                t = time.perf_counter()
+                bob.get(f"/v1/sessions/{session_id}")
+                times[session_id].append(time.perf_counter() - t)
+        theirs_s, absent_s = statistics.median(times[sid]), statistics.median(times[missing])
+        assert abs(theirs_s - absent_s) < max(0.01, min(theirs_s, absent_s)), (theirs_s, absent_s)
+
+
+# -- rate limits -----------------------------------------------------------------------------------------------
+
+def test_the_token_bucket_refills_at_its_rate() -> None:
+    now = [0.0]
+    limiter = RateLimiter(rate=2.0, burst=3, clock=lambda: now[0])
+    assert [limiter.take("a") for _ in range(3)] == [None, None, None]
+    wait = limiter.take("a")
+    assert wait is not None and wait == pytest.approx(0.5)
+    assert limiter.take("b") is None  # another key's bucket is full
+    now[0] += 0.5
+    assert limiter.take("a") is None and limiter.take("a") is not None
+    now[0] += 100
+    assert [limiter.take("a") for _ in range(4)][-1] is not None  # never more than the burst
+    assert RateLimiter(rate=0.0, burst=1).take("a") is None  # off
+    assert Settings().rate_limit_per_s == 0  # off by default
+
+
+def test_rate_limits_are_per_key(tiny_checkpoint: Path, serve_app: Any, assert_error: Any) -> None:
+    settings = Settings(checkpoint=tiny_checkpoint, api_keys=",".join(KEYS), rate_limit_per_s=0.2,
+                        rate_limit_burst=3)
+    with serve_app(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        for _ in range(3):
+            assert c.post("/v1/score", json={"text": "a"}, headers=bearer(KEYS[0])).status_code == 200
+        r = c.post("/v1/score", json={"text": "a"}, headers=bearer(KEYS[0]))
+        assert_error(r, 429, "rate_limit_error")
+        assert 1 <= int(r.headers["retry-after"]) <= 5
+        assert c.get("/v1/models", headers=bearer(KEYS[0])).status_code == 429
+        assert c.post("/v1/score", json={"text": "a"}, headers=bearer(KEYS[1])).status_code == 200  # Bob's own
+        assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200  # probes: no limit
+        # a wrong key is refused as such (401), and does not spend a real key's tokens
+        assert c.post("/v1/score", json={"text": "a"}, headers=bearer("wrong")).status_code == 401
+
+
+# -- no pickle -------------------------------------------------------------------------------------------------
+
+PACKAGES = ("server", "models", "adaptlm", "trainer", "clients", "kernels", "loadtest")
+UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+
+
+def _calls(tree: ast.AST) -> Iterator[ast.Call]:
+    return (node for node in ast.walk(tree) if isinstance(node, ast.Call))
+
+
+def test_nothing_unpickles() -> None:
+    """No module of ours imports a pickle library, calls torch.load without weights_only=True, or numpy.load with
+    allow_pickle: checkpoints, session blobs and snapshots are safetensors and JSON only."""
+    found = []
+    files = [f for package in PACKAGES for f in (ROOT / package).rglob("*.py")]
+    assert len(files) > 20
+    for path in files:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path}: import {n}" for n in names if n.split(".")[0] in UNSAFE_MODULES]
+        for call in _calls(tree):
+            name = ast.unparse(call.func)
+            keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            if name.endswith("torch.load") or name == "load" and "weights_only" in keywords:
+                if keywords.get("weights_only") != "True":
+                    found.append(f"{path}:{call.lineno}: {ast.unparse(call)}")
+            if name.endswith(("np.load", "numpy.load")) and keywords.get("allow_pickle", "False") != "False":
+                found.append(f"{path}:{call.lineno}: {ast.unparse(call)}")
+            if name.endswith(("pickle.load", "pickle.loads", "Unpickler")):
+                found.append(f"{path}:{call.lineno}: {ast.unparse(call)}")
+    assert not found, found
+
+
+def test_session_blobs_are_read_by_safetensors_and_json_only() -> None:
+    from server.engine import _export
+
+    tree = ast.parse(Path(_export.__file__).read_text())
+    loaders = {ast.unparse(c.func) for c in _calls(tree) if "load" in ast.unparse(c.func)}
+    assert loaders <= {"load_tensors", "json.loads", "_header_metadata"}, loaders
+
+
+# -- checkpoint paths ------------------------------------------------------------------------------------------
+
+def test_no_request_names_a_path(keyed: str) -> None:
+    """The checkpoint is the server's setting (ADAPTLM_CHECKPOINT) and nothing else: no request field or parameter
+    names a file, directory or URL, so there is no path to confine. Static files are served by name from a fixed
+    list (the keyboard's assets)."""
+    schema = httpx.get(f"{keyed}/openapi.json").json()
+    suspicious = ("path", "file", "dir", "checkpoint", "url", "uri", "location")
+    fields = [name for model in schema["components"]["schemas"].values()
+              for name in model.get("properties", {})]
+    fields += [p["name"] for item in schema["paths"].values() for op in item.values() for p in op.get("parameters", [])]
+    assert fields and not [f for f in fields if any(s in f.lower() for s in suspicious)]
+    server_files = [f for f in (ROOT / "server").rglob("*.py")]
+    engines = [f"{f.name}:{c.lineno}" for f in server_files for c in _calls(ast.parse(f.read_text()))
+               if ast.unparse(c.func) == "Engine"]
+    assert engines == [f"app.py:{_engine_line()}"]  # one engine, built from the settings
+    for path in ("/keyboard/..%2f..%2fapp.py", "/keyboard/%2e%2e%2fapp.py", "/keyboard/..\\app.py",
+                 "/keyboard/index.html/../../app.py"):
+        r = httpx.get(f"{keyed}{path}")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", path
+
+
+def _engine_line() -> int:
+    from server import app
+
+    source = Path(app.__file__).read_text().splitlines()
+    [line] = [i + 1 for i, text in enumerate(source) if "Engine(settings.checkpoint" in text]
+    return line
+
+
+# -- logs ------------------------------------------------------------------------------------------------------
+
+MARK = "Zq7xSECRETUSERTEXTw"
+
+
+def test_user_text_is_never_logged_at_info(tiny_checkpoint: Path, serve_app: Any) -> None:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    root = logging.getLogger()
+    handler, level = Keep(logging.DEBUG), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        with serve_app(Settings(checkpoint=tiny_checkpoint, log_level="debug", max_text_bytes=2000)) as live, \
+                httpx.Client(base_url=live.url, timeout=60) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            sid = c.post("/v1/sessions", json={"initial_text": f"{MARK} starts "}).json()["id"]
+            c.post(f"/v1/sessions/{sid}/observe", json={"text": f"more {MARK} "})
+            c.post(f"/v1/sessions/{sid}/suggest", json={"context": f"{MARK} wo"})
+            c.post("/v1/score", json={"text": MARK, "logprobs": True})
+            c.post("/v1/generate", json={"prompt": MARK, "max_tokens": 3, "stop": [MARK]})
+            c.post("/v1/generate", json={"prompt": MARK, "max_tokens": 3, "stream": True})
+            c.post("/v1/completions", json={"model": model, "prompt": MARK, "max_tokens": 2, "user": MARK})
+            # refused requests too
+            c.post("/v1/score", json={"text": MARK * 200})
+            c.post("/v1/score", json={"text": MARK, "unknown": MARK})
+            c.post("/v1/generate", content=f'{{"prompt": "{MARK}\\ud800"}}',
+                   headers={"content-type": "application/json"})
+            c.post("/v1/completions", json={"model": MARK, "prompt": MARK})
+            c.post("/v1/score", content=f'{{"text": "{MARK}"', headers={"content-type": "application/json"})
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert records  # the capture works
+    leaked = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in records
+              if r.levelno >= logging.INFO and MARK in r.getMessage() + str(r.exc_info or "")]
+    assert not leaked, leaked
+
+
+# -- errors name no internals -----------------------------------------------------------------------------------
+
+def test_an_unreachable_redis_is_not_named_to_clients() -> None:
+    store = RedisSessionStore("redis://127.0.0.1:1/0", max_sessions=10, max_bytes=1 << 20, timeout_s=0.5)
+    with pytest.raises(SessionStoreUnavailable) as caught:
+        store.bind("0" * 64, None)  # type: ignore[arg-type]  # connects: refused
+    message = str(caught.value)
+    assert "127.0.0.1" not in message and ":1" not in message and "session store" in message
+    assert "127.0.0.1" in str(caught.value.__cause__)  # the operator's log has it
+    json.dumps(message)
+    store.close()
