@@ -321,6 +321,10 @@ class WordSearch:
     def model_calls(self) -> int:
         return self._search.model_calls
 
+    @property
+    def classes(self) -> TokenClasses:
+        return self._search.classes
+
     def request(self, limit: int | None = None) -> tuple[State, list[int]] | None:
         """Pop the next round (at most `limit` branches, else `batch`): -> (their states (b, ...), the byte each
         feeds), or None when the search is over. Completions at the top of the queue are taken on the way."""

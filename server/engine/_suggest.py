@@ -33,6 +33,7 @@ from models.base import LanguageModel, State
 from models.suggest import (
     Cursor,
     Suggestions,
+    TokenClasses,
     WordSearch,
     advance,
     advance_many,
@@ -41,6 +42,7 @@ from models.suggest import (
     split_word,
     step,
 )
+from models.tokenizer import ByteTokenizer
 from server.engine._session import Session
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
@@ -107,7 +109,8 @@ class _Entry:
 class CursorCache:
     """Worker-thread only. At most `sessions` sessions, `per_session` cursors each (least recently used go)."""
 
-    def __init__(self, sessions: int = 256, per_session: int = 32) -> None:
+    def __init__(self, sessions: int = 256, per_session: int = 32, tokenizer: ByteTokenizer | None = None) -> None:
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.sessions = sessions
         self.per_session = per_session
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -123,7 +126,7 @@ class CursorCache:
     def plan(self, session: Session, context: bytes) -> Cursor | Feed:
         """The cached cursor after the session's text and `context`, or what must be fed to make it (from the
         longest cached context that this one extends): run it, then `put` the result."""
-        inputs = bytes([session.last_token]) + context
+        inputs = self.tokenizer.token_bytes(session.last_token) + context
         entry = self._entries.get(session.id)
         if entry is None or not _same_record(entry.session, session):
             entry = _Entry(session)
@@ -144,7 +147,7 @@ class CursorCache:
         entry = self._entries.get(session.id)
         if entry is None or entry.session is not session and not _same_record(entry.session, session):
             return cursor  # the session changed (or was evicted) meanwhile: not worth keeping
-        inputs = bytes([session.last_token]) + context
+        inputs = self.tokenizer.token_bytes(session.last_token) + context
         entry.cursors[inputs] = cursor
         entry.cursors.move_to_end(inputs)
         while len(entry.cursors) > self.per_session:
@@ -187,8 +190,9 @@ class SuggestRounds:
     is running)."""
 
     def __init__(self, model: LanguageModel, cache: CursorCache, *, min_prob: float, batch: int,
-                 max_expansions: int, round_rows: int) -> None:
+                 max_expansions: int, round_rows: int, classes: TokenClasses | None = None) -> None:
         self.model, self.cache = model, cache
+        self.classes = classes or TokenClasses.of(ByteTokenizer())  # what each token is to the word search
         self.min_prob, self.batch, self.max_expansions, self.round_rows = min_prob, batch, max_expansions, round_rows
         self.active: list[SuggestJob] = []
         self._ended: list[SuggestJob] = []  # jobs that could not start: `round` hands them back with its own
@@ -211,7 +215,7 @@ class SuggestRounds:
             try:
                 job.search = WordSearch(job.cursor, split_word(job.context)[1], k=job.k, max_chars=job.max_chars,
                                         min_prob=self.min_prob, batch=self.batch,
-                                        max_expansions=self.max_expansions)
+                                        max_expansions=self.max_expansions, classes=self.classes)
             except ValueError as e:
                 job.error = e
                 self._ended.append(job)
@@ -295,7 +299,7 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
     cache.put(job.session, context, job.cursor)
     try:
         found = job.search.result()
-        chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter)
+        chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter, classes=job.search.classes)
         if job.session.config.cache_weight > 0:  # the session's word cache, mixed in (models/wordcache.py)
             mixed = job.session.words.mix(found.completions, job.context, job.session.config.cache_weight, job.k,
                                           job.max_chars)
@@ -327,10 +331,13 @@ class SuggestExecutor:
 
     rows = 0
 
-    def __init__(self, model: LanguageModel, sessions: SessionService, stats: EngineStats) -> None:
+    def __init__(self, model: LanguageModel, sessions: SessionService, stats: EngineStats, *,
+                 tokenizer: ByteTokenizer | None = None) -> None:
         self._sessions, self._stats = sessions, stats
-        self._rounds = SuggestRounds(model, CursorCache(), min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH,
-                                     max_expansions=SUGGEST_MAX_EXPANSIONS, round_rows=SUGGEST_ROUND_ROWS)
+        tokenizer = tokenizer or ByteTokenizer()
+        self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer), min_prob=SUGGEST_MIN_PROB,
+                                     batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
+                                     round_rows=SUGGEST_ROUND_ROWS, classes=TokenClasses.of(tokenizer))
         self._started: list[Suggest] = []  # not yet fed
         self._searching: dict[SuggestJob, Suggest] = {}
 
