@@ -124,7 +124,8 @@ def test_adaptation_changes_suggestions(client: httpx.Client) -> None:
     # the recurrent state alone (a session that reads the text without adapting) does not learn the word
     unadapted = suggest(client, static, context="zorb", k=10, n_chars=32)
     assert "zorblax" not in [w["text"] for w in unadapted["completions"]]
-    # the next byte is one of the observed text's: 0.9-0.99 of the mass adapted, 0.3-0.4 unadapted (seeds 0-8)
+    # the next byte is one of the observed text's: 0.9-0.99 of the mass adapted, about a third unadapted (over
+    # training seeds 0 and 4-8)
     letters = set("zorblax ")
     mass = [sum(c["prob"] for c in body["next_chars"] if c["char"] in letters) for body in (after, unadapted)]
     assert mass[0] > 0.75 and mass[0] > mass[1] + 0.3, mass
