@@ -14,7 +14,6 @@ DATA = Path(__file__).resolve().parent / "data"
 os.environ["ADAPTLM_PRECISION"] = "float32"
 
 
-
 def _train_seed() -> int | None:
     """ADAPTLM_TEST_TRAIN_SEED (tests only): trains the tiny checkpoint from another seed, which stands in for
     another CPU (whose numerics give other weights from the same seed). The suite must pass with any seed."""

@@ -251,10 +251,10 @@ def test_user_names_a_session(oai: Any, client: httpx.Client, model: str, refere
     sid = r.json()["id"]
     assert client.post(f"/v1/sessions/{sid}/observe", json={"text": "zorblax " * 400}).status_code == 200
     before = client.get(f"/v1/sessions/{sid}").json()["stats"]
-    blob = client.get(f"/v1/sessions/{sid}/state").content
+    blob = client.get(f"/v1/sessions/{sid}/state").content  # the export: adapter, state and next byte
     exported = load(blob)
-    last_byte = json.loads(json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]["session"])[
-        "last_byte"]
+    header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+    last_byte = json.loads(header["__metadata__"]["session"])["last_byte"]
     adapted = oai.completions.create(model=model, prompt="zorb", max_tokens=8, temperature=0, user=sid)
     plain = oai.completions.create(model=model, prompt="zorb", max_tokens=8, temperature=0, user="someone-else")
     greedy = SamplingParams(max_tokens=8, temperature=0)
