@@ -53,9 +53,8 @@ class _Block(nn.Module):
         self.proj = nn.Linear(D, D)
         self.ln2 = nn.LayerNorm(D)
         self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
-        # ALiBi slopes (Press et al. 2022): head h penalises distance d by slope_h * d. Plain floats, not a
-        # non-persistent buffer: models.checkpoint builds the model on the meta device and loads only the
-        # state dict (models/checkpoint.py:148-160), so such a buffer would stay on the meta device
+        # ALiBi slopes (Press et al. 2022): head h penalises distance d by slope_h * d (plain floats; the loader
+        # also handles non-persistent buffers, see test_a_model_with_a_non_persistent_buffer_loads)
         self.slopes = [2.0 ** (-8.0 * (h + 1) / cfg.n_head) for h in range(cfg.n_head)]
 
     def forward(self, x: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor, allowed: torch.Tensor,
