@@ -32,10 +32,8 @@ from models.adaptation import (
     Row,
     RuleCache,
     TextJob,
-    UpdateRule,
-    adapter_ms_g,
     batch_step,
-    sparse_sites,
+    sparse_rule,
 )
 from models.base import Adapter, LanguageModel, State
 from models.suggest import Cursor, advance, suggest
@@ -74,13 +72,7 @@ class ModelSuggester:
         rule = None
         mats = None
         if mode == "sparse":
-            sites = sparse_sites(model, self.config.adapter_units)
-            ms_g = None
-            if self.config.rule in ("rms", "rms_decay"):
-                if stats is None:
-                    raise ValueError(f"rule {self.config.rule!r} needs the checkpoint's stats")
-                ms_g = {k: v.to(ref.device, ref.dtype) for k, v in adapter_ms_g(stats, sites).items()}
-            rule = UpdateRule(self.config, list(sites), ms_g)
+            sites, rule = sparse_rule(model, self.config, stats)
             mats = {s: torch.zeros(k, k, dtype=ref.dtype, device=ref.device) for s, k in sites.items()}
         elif mode == "full":
             self._full = FullStream(model, self.config, stats)  # a private copy of the weights adapts

@@ -10,15 +10,23 @@
 
 from models.adaptation._cache import NeuralCache
 from models.adaptation._config import EVAL_MODES, MODES, RULES, CacheConfig, DynEvalConfig, DynEvalSettings
-from models.adaptation._evaluate import EvalResult, evaluate, evaluate_many, sparse_sites, split_documents
+from models.adaptation._evaluate import EvalResult, evaluate, evaluate_many, split_documents
 from models.adaptation._full import FullStream, adapted_parameter_names
 from models.adaptation._rules import UpdateRule
-from models.adaptation._sparse import ScoreStep, SparseStep, adapter_ms_g, score_step, sparse_step
+from models.adaptation._sparse import (
+    ScoreStep,
+    SparseStep,
+    adapter_ms_g,
+    score_step,
+    sparse_rule,
+    sparse_sites,
+    sparse_step,
+)
 from models.adaptation._step import DIVERGED_BITS, Row, RuleCache, TextJob, batch_step
 
 __all__ = [
     "DIVERGED_BITS", "EVAL_MODES", "MODES", "RULES", "CacheConfig", "DynEvalConfig", "DynEvalSettings", "EvalResult",
     "FullStream", "NeuralCache", "Row", "RuleCache", "ScoreStep", "SparseStep", "TextJob", "UpdateRule",
-    "adapted_parameter_names", "adapter_ms_g", "batch_step", "evaluate", "evaluate_many", "score_step", "sparse_sites",
-    "sparse_step", "split_documents",
+    "adapted_parameter_names", "adapter_ms_g", "batch_step", "evaluate", "evaluate_many", "score_step",
+    "sparse_rule", "sparse_sites", "sparse_step", "split_documents",
 ]

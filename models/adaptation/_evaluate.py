@@ -24,12 +24,12 @@ from models.adaptation._cache import NeuralCache
 from models.adaptation._config import DynEvalConfig
 from models.adaptation._full import FullStream, adapted_parameter_names
 from models.adaptation._rules import UpdateRule
-from models.adaptation._sparse import adapter_ms_g, eval_mode
+from models.adaptation._sparse import eval_mode, sparse_rule
 from models.adaptation._step import Row, RuleCache, TextJob, batch_step
 from models.base import LanguageModel, State
 from models.tokenizer import ByteTokenizer
 
-__all__ = ["EvalResult", "adapted_parameter_names", "evaluate", "evaluate_many", "sparse_sites", "split_documents"]
+__all__ = ["EvalResult", "adapted_parameter_names", "evaluate", "evaluate_many", "split_documents"]
 
 LN2 = math.log(2.0)
 _STATIC_CHUNK = 1024  # static scoring has no updates: long chunks, fewer calls
@@ -70,18 +70,6 @@ def split_documents(text: bytes, separator: bytes | None) -> list[bytes]:
     parts = text.split(separator)
     docs = [p + separator for p in parts[:-1]] + [parts[-1]]
     return [d for d in docs if d]
-
-
-def sparse_sites(model: LanguageModel, adapter_units: int = 0) -> dict[str, int]:
-    """Each adaptation site's adapter size k for `adapter_units` (0: each site's default); ValueError when the
-    model has no sites or asks more units than a site has."""
-    sites = model.adaptation_sites()
-    if not sites:
-        raise ValueError(f"{type(model).__name__} has no adaptation sites: sparse mode needs one")
-    for s in sites:
-        if adapter_units > s.dim:
-            raise ValueError(f"adapter_units {adapter_units} exceeds site {s.name!r} of {s.dim} units")
-    return {s.name: s.adapter_size(adapter_units) for s in sites}
 
 
 def _batched_streams(model: LanguageModel, docs: Sequence[bytes], config: DynEvalConfig,
@@ -145,11 +133,7 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
             sites: dict[str, int] = {}
             rule = None
             if config.mode == "sparse":
-                sites = sparse_sites(model, config.adapter_units)
-                ms_g = None
-                if stats is not None and config.rule in ("rms", "rms_decay"):
-                    ms_g = {k: v.to(ref.device, ref.dtype) for k, v in adapter_ms_g(stats, sites).items()}
-                rule = UpdateRule(config, list(sites), ms_g)
+                sites, rule = sparse_rule(model, config, stats)
                 params_adapted = sum(k * k for k in sites.values())
                 state_bytes = params_adapted * ref.element_size()
             streams = []

@@ -114,6 +114,33 @@ def adapter_ms_g(stats: Mapping[str, torch.Tensor], sites: Mapping[str, int]) ->
     return out
 
 
+def sparse_sites(model: LanguageModel, adapter_units: int = 0) -> dict[str, int]:
+    """Each adaptation site's adapter size k for `adapter_units` (0: each site's default); ValueError when the
+    model has no sites or asks more units than a site has."""
+    sites = model.adaptation_sites()
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no adaptation sites: sparse mode needs one")
+    for s in sites:
+        if adapter_units > s.dim:
+            raise ValueError(f"adapter_units {adapter_units} exceeds site {s.name!r} of {s.dim} units")
+    return {s.name: s.adapter_size(adapter_units) for s in sites}
+
+
+def sparse_rule(model: LanguageModel, config: DynEvalConfig,
+                stats: Mapping[str, torch.Tensor] | None) -> tuple[dict[str, int], UpdateRule]:
+    """The sparse rule's set-up, in one place (offline evaluation, the keyboard simulator and the server's
+    sessions): each site's adapter size for `config.adapter_units`, the MS_g of its (k, k) block from a
+    checkpoint's `stats` when the rule needs them (eq. 4.5-4.7), and the `UpdateRule`. -> (sites, rule)."""
+    sites = sparse_sites(model, config.adapter_units)
+    ms_g = None
+    if config.rule in ("rms", "rms_decay"):
+        if stats is None:
+            raise ValueError(f"rule {config.rule!r} needs the checkpoint's MS_g statistics (stats)")
+        ref = next(model.parameters())
+        ms_g = {k: v.to(ref.device, ref.dtype) for k, v in adapter_ms_g(stats, sites).items()}
+    return sites, UpdateRule(config, list(sites), ms_g)
+
+
 def sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 state: State, adapter: Adapter, ms_g: Mapping[str, torch.Tensor] | None = None,
                 config: DynEvalConfig | None = None, *, rule: UpdateRule | None = None) -> SparseStep:

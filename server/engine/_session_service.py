@@ -14,7 +14,7 @@ import dataclasses
 import math
 import time
 
-from models.adaptation import DynEvalConfig, UpdateRule, adapter_ms_g
+from models.adaptation import DynEvalConfig, UpdateRule, sparse_rule
 from models.base import Adapter
 from models.checkpoint import Checkpoint
 from server.engine._errors import (
@@ -187,12 +187,7 @@ class SessionService:
             assert self.base is not None
             ckpt = self._checkpoint()
             cfg = dataclasses.replace(self.base, lr=config.lr, decay=config.decay, adapter_units=config.adapter_size)
-            sites = {s.name: config.adapter_size for s in ckpt.model.adaptation_sites()}
-            ms_g = None
-            if cfg.rule in ("rms", "rms_decay"):
-                ref = next(ckpt.model.parameters())
-                ms_g = {k: v.to(ref.device, ref.dtype) for k, v in adapter_ms_g(ckpt.stats, sites).items()}
-            rule = UpdateRule(cfg, list(sites), ms_g)
+            _, rule = sparse_rule(ckpt.model, cfg, ckpt.stats)
             if len(self._rules) >= _RULE_CACHE:
                 self._rules.clear()
             self._rules[key] = rule
