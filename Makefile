@@ -13,12 +13,14 @@ install: system-deps $(STAMP)
 # System packages: redis-server, which the Redis session store's tests start on their own (nothing else
 # needs to run), and chromium (with a font), which the keyboard page's browser test drives headless through
 # playwright (never `playwright install`: the system browser is used), and prometheus (prometheus and promtool),
-# which the monitoring assets' tests run against a live server. apt-get as root, through sudo otherwise.
+# which the monitoring assets' tests run against a live server, and nginx, the balancer in front of two servers in
+# tests/deploy/test_replicas.py (run by the test itself). apt-get as root, through sudo otherwise.
 system-deps:
 	@missing=; \
 	command -v redis-server >/dev/null || test -x /usr/bin/redis-server || missing="$$missing redis-server"; \
 	command -v promtool >/dev/null || test -x /usr/bin/promtool || missing="$$missing prometheus"; \
 	test -x /usr/bin/chromium || missing="$$missing chromium fonts-liberation"; \
+	command -v nginx >/dev/null || test -x /usr/sbin/nginx || missing="$$missing nginx"; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
 		$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends $$missing; fi

@@ -1,0 +1,288 @@
+"""deploy/compose.yaml's topology without containers: two `adaptlm serve` replicas on loopback ports sharing a real
+redis-server (run with compose's Redis settings), behind a real nginx run with the balancer configuration compose
+and Kubernetes use (deploy/nginx/adaptlm.conf.template, filled in here as the nginx image does). A session keeps to
+one replica; when that replica is killed (SIGKILL) its session moves to the other and keeps adapting exactly as a
+single server given the same acknowledged observes; an observe in flight on the dying replica answers 502 and
+leaves the session as it was. And compose.yaml's structure, which no container engine checks here."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import torch
+import yaml
+from safetensors.torch import load
+
+from server.launch import free_port, stop, wait_ready
+from server.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "compose.yaml"
+TEMPLATE = DEPLOY / "nginx" / "adaptlm.conf.template"
+TEXTS = ["It is a truth universally acknowledged, that a single man in possession",
+         " of a good fortune, must be in want of a wife. However little known",
+         " the feelings or views of such a man may be on his first entering",
+         " a neighbourhood, this truth is so well fixed in the minds of the",
+         " surrounding families, that he is considered the rightful property"]
+
+
+def compose() -> dict[str, Any]:
+    return dict(yaml.safe_load(COMPOSE.read_text()))
+
+
+def render(template: str, **values: str) -> str:
+    """The template with its ${BALANCER_*} placeholders filled in, as the nginx image's envsubst does (only the
+    variables it is given: nginx's own $variables stay)."""
+    placeholders = set(re.findall(r"\$\{(BALANCER_\w+)\}", template))
+    assert placeholders == set(values), f"the template's placeholders are {sorted(placeholders)}"
+    return Template(template).safe_substitute(values)
+
+
+def binary(name: str, *dirs: str) -> str:
+    found = shutil.which(name) or next((f"{d}/{name}" for d in dirs if os.access(f"{d}/{name}", os.X_OK)), None)
+    if found is None:
+        pytest.fail(f"{name} is not installed: run `make test` (it installs the system packages)", pytrace=False)
+    return found
+
+
+# -- compose.yaml ------------------------------------------------------------------------------------------------
+
+
+def test_compose_topology() -> None:
+    spec = compose()
+    services = spec["services"]
+    assert set(services) == {"redis", "adaptlm-1", "adaptlm-2", "balancer", "prometheus", "grafana"}
+    fields = set(Settings.model_fields)
+    for name in ("adaptlm-1", "adaptlm-2"):
+        replica = services[name]
+        assert replica["build"]["context"] == ".." and (COMPOSE.parent / ".." / "Dockerfile").exists()
+        assert "ports" not in replica, "replicas are reached through the balancer (and scraped directly)"
+        env = replica["environment"]
+        assert all(k.startswith("ADAPTLM_") for k in env)
+        assert {k.removeprefix("ADAPTLM_").lower() for k in env} <= fields
+        assert env["ADAPTLM_SESSION_STORE"] == "redis://redis:6379/0", "replicas share their sessions through Redis"
+        assert replica["depends_on"]["redis"]["condition"] == "service_healthy"
+    # Redis: persistent, and never evicting on its own (docs/architecture.md)
+    command = services["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert any(v.endswith(":/data") for v in services["redis"]["volumes"])
+    assert set(spec["volumes"]) >= {"redis-data", "prometheus-data", "grafana-data"}
+    # the balancer: the shared template, both replicas, the published API port
+    balancer = services["balancer"]
+    assert "./nginx/adaptlm.conf.template:/etc/nginx/templates/adaptlm.conf.template:ro" in balancer["volumes"]
+    assert balancer["ports"] == [f"{balancer['environment']['BALANCER_PORT']}:8000"]
+    servers = re.findall(r"server (\S+):(\d+)", balancer["environment"]["BALANCER_SERVERS"])
+    assert servers == [("adaptlm-1", "8000"), ("adaptlm-2", "8000")]
+    assert services["adaptlm-1"]["expose"] == [str(Settings().port)]  # the image's ADAPTLM_PORT
+    # Prometheus scrapes each replica with the shipped rules; Grafana is provisioned with the dashboard
+    prometheus = services["prometheus"]
+    assert "./prometheus:/etc/prometheus:ro" in prometheus["volumes"]
+    config_name = next(a for a in prometheus["command"] if a.startswith("--config.file=")).rsplit("/", 1)[1]
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / config_name).read_text())
+    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["adaptlm-1:8000", "adaptlm-2:8000"]
+    assert scrape["rule_files"] == ["adaptlm.rules.yml"]
+    grafana = services["grafana"]["volumes"]
+    assert "./grafana/adaptlm.json:/var/lib/grafana/dashboards/adaptlm.json:ro" in grafana
+    for mount in (*services["balancer"]["volumes"], *prometheus["volumes"], *grafana):
+        source = mount.split(":", 1)[0]
+        assert not source.startswith(".") or (DEPLOY / source).exists(), mount
+
+
+def test_compose_prometheus_config_is_valid() -> None:
+    promtool = binary("promtool", "/usr/bin")
+    result = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.compose.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- the topology without containers ------------------------------------------------------------------------------
+
+
+@contextmanager
+def run_redis(directory: Path) -> Iterator[str]:
+    """redis-server on a free loopback port with compose's settings (its `command`), until the block ends."""
+    args = compose()["services"]["redis"]["command"][1:]
+    port = free_port()
+    process = subprocess.Popen([binary("redis-server", "/usr/bin"), *args, "--port", str(port), "--bind",
+                                "127.0.0.1", "--dir", str(directory), "--logfile", str(directory / "redis.log")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start (see {directory / 'redis.log'})") from None
+                time.sleep(0.05)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop(process, 10)
+
+
+@dataclass
+class Replica:
+    url: str
+    address: str  # as nginx's $upstream_addr names it
+    process: subprocess.Popen[bytes]
+
+
+@contextmanager
+def run_server(checkpoint: Path, log: Path, env: dict[str, str]) -> Iterator[Replica]:
+    port = free_port()
+    with open(log, "ab") as out:
+        process = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--host", "127.0.0.1", "--port",
+                                    str(port), "--checkpoint", str(checkpoint)], stdout=out,
+                                   stderr=subprocess.STDOUT, env={**os.environ, **env, "ADAPTLM_PRECISION": "float32"})
+        try:
+            yield Replica(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", process)
+        finally:
+            stop(process)
+
+
+@contextmanager
+def run_nginx(directory: Path, replicas: list[Replica]) -> Iterator[str]:
+    """A Debian nginx in the foreground with the shared balancer configuration, everything under `directory`."""
+    port = free_port()
+    servers = " ".join(f"server {r.address} max_fails=1 fail_timeout=10s;" for r in replicas)
+    (directory / "adaptlm.conf").write_text(render(TEMPLATE.read_text(), BALANCER_PORT=f"127.0.0.1:{port}",
+                                                   BALANCER_SERVERS=servers))
+    temp = "\n".join(f"    {kind}_temp_path {directory / kind};" for kind in ("client_body", "proxy", "fastcgi",
+                                                                             "uwsgi", "scgi"))
+    # As root, the workers would switch to `nobody`, who cannot enter pytest's private temporary directories.
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    (directory / "nginx.conf").write_text(
+        f"{user}daemon off;\nworker_processes 1;\npid {directory / 'nginx.pid'};\n"
+        f"error_log {directory / 'error.log'} info;\nevents {{ worker_connections 256; }}\n"
+        f"http {{\n    access_log {directory / 'access.log'};\n{temp}\n    include {directory / 'adaptlm.conf'};\n}}\n")
+    process = subprocess.Popen([binary("nginx", "/usr/sbin"), "-p", str(directory), "-c",
+                                str(directory / "nginx.conf"), "-e", str(directory / "error.log")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_ready(url, process, time.monotonic() + 30):
+            raise RuntimeError(f"nginx did not start: {(directory / 'error.log').read_text()[-2000:]}")
+        yield url
+    finally:
+        process.send_signal(signal.SIGQUIT)  # nginx's graceful stop
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class Topology:
+    balancer: str
+    replicas: list[Replica]
+    single: str  # a server of its own (memory store): the replay
+
+
+@pytest.fixture
+def topology(tiny_checkpoint: Path, tmp_path: Path) -> Iterator[Topology]:
+    with ExitStack() as stack:
+        store = stack.enter_context(run_redis(tmp_path))
+        env = {"ADAPTLM_SESSION_STORE": store}
+        servers = [stack.enter_context(run_server(tiny_checkpoint, tmp_path / f"replica-{i}.log", env))
+                   for i in (1, 2)]
+        single = stack.enter_context(run_server(tiny_checkpoint, tmp_path / "single.log", {}))
+        for server in (*servers, single):  # started together, waited for together
+            assert wait_ready(server.url, server.process, time.monotonic() + 120), f"not ready: {server.url}"
+        balancer = stack.enter_context(run_nginx(tmp_path, servers))
+        yield Topology(balancer, servers, single.url)
+
+
+def upstream(response: httpx.Response) -> str:
+    """The replica that answered (nginx lists every one it tried; the last answered)."""
+    return response.headers["X-Upstream"].split(",")[-1].strip()
+
+
+def observe(client: httpx.Client, sid: str, text: str) -> httpx.Response:
+    response = client.post(f"/v1/sessions/{sid}/observe", json={"text": text})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def tensors(client: httpx.Client, sid: str) -> dict[str, torch.Tensor]:
+    response = client.get(f"/v1/sessions/{sid}/state")
+    assert response.status_code == 200, response.text
+    return load(response.content)
+
+
+def test_a_session_keeps_adapting_across_a_replica_failure(topology: Topology) -> None:
+    with httpx.Client(base_url=topology.balancer, timeout=120) as lb:
+        created = lb.post("/v1/sessions", json={})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        acknowledged: list[str] = []
+        # every request naming the session goes to one replica: the path's id, or the X-Session-Id header
+        homes = {upstream(observe(lb, sid, text)) for text in TEXTS[:3]}
+        acknowledged += TEXTS[:3]
+        homes.add(upstream(lb.get(f"/v1/sessions/{sid}")))
+        homes.add(upstream(lb.post("/v1/score", json={"text": "the truth", "session_id": sid},
+                                   headers={"X-Session-Id": sid})))
+        assert len(homes) == 1, homes
+        home = next(r for r in topology.replicas if r.address in homes)
+        other = next(r for r in topology.replicas if r is not home)
+
+        # An observe in flight when its replica dies: nginx does not send the POST again (it may have adapted the
+        # session), the client gets 502; the store is written when the observe commits, so the session stays as
+        # after its last acknowledged observe.
+        long_text = (TEXTS[3] * 4000)[:200_000]
+        result: dict[str, httpx.Response] = {}
+        in_flight = threading.Thread(target=lambda: result.setdefault(
+            "r", lb.post(f"/v1/sessions/{sid}/observe", json={"text": long_text})))
+        in_flight.start()
+        time.sleep(1.0)
+        home.process.kill()  # SIGKILL: no drain, no goodbye
+        home.process.wait()
+        in_flight.join(120)
+        if result["r"].status_code == 200:  # done before the kill (a very fast machine): it was acknowledged
+            acknowledged.append(long_text)
+        else:
+            assert result["r"].status_code == 502, result["r"].text
+
+        # the other replica takes the session over, with what the store holds
+        for text in TEXTS[3:]:
+            assert upstream(observe(lb, sid, text)) == other.address
+            acknowledged.append(text)
+        info = lb.get(f"/v1/sessions/{sid}")
+        assert info.status_code == 200 and upstream(info) == other.address
+        stats = info.json()["stats"]
+        assert stats["bytes_observed"] == sum(len(t.encode()) for t in acknowledged)
+        served = tensors(lb, sid)
+
+    # a single server given the same acknowledged observes ends in the same state
+    with httpx.Client(base_url=topology.single, timeout=120) as single:
+        replay = single.post("/v1/sessions", json={}).json()["id"]
+        for text in acknowledged:
+            observe(single, replay, text)
+        expected = tensors(single, replay)
+        expected_stats = single.get(f"/v1/sessions/{replay}").json()["stats"]
+    assert served.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(served[name], expected[name]), name
+    assert stats == expected_stats
