@@ -33,7 +33,7 @@ from server.protocol import (
 )
 
 __all__ = [
-    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "STATE_MEDIA_TYPE", "Call", "SSEDecoder", "create_session",
+    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "SESSION_HEADER", "STATE_MEDIA_TYPE", "Call", "SSEDecoder", "create_session",
     "delete_session", "export_state", "generate", "generate_stream", "get_session", "headers", "health",
     "import_state", "models", "observe", "parse_generate_event", "ready", "reset_session", "score",
     "suggest",
@@ -46,6 +46,7 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 # Generation of a few thousand bytes on a CPU can take a while; connecting should not.
 DEFAULT_TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 STATE_MEDIA_TYPE = "application/octet-stream"
+SESSION_HEADER = "X-Session-Id"  # the session a request works on, for a session-affine balancer
 
 
 @lru_cache(maxsize=1)
@@ -77,10 +78,16 @@ class Call(Generic[T]):
     content: bytes | None = None
     content_type: str | None = None
     retry: bool = True
+    session_id: str | None = None  # a session named in the body: sent as SESSION_HEADER too
 
     def request(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
-        extra = {"Content-Type": self.content_type} if self.content_type else None
-        return http.build_request(self.method, self.path, json=self.json, content=self.content, headers=extra)
+        extra = {"Content-Type": self.content_type} if self.content_type else {}
+        if self.session_id:
+            # a balancer cannot read bodies: the header keeps the session's requests on one replica
+            # (deploy/nginx/adaptlm.conf.template hashes on the path's session id, else on this header)
+            extra[SESSION_HEADER] = self.session_id
+        return http.build_request(self.method, self.path, json=self.json, content=self.content,
+                                  headers=extra or None)
 
 
 def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
@@ -129,7 +136,7 @@ def models() -> Call[ModelList]:
 
 def score(text: str, *, logprobs: bool, session_id: str | None, adapt: bool) -> Call[ScoreResponse]:
     body = _body(text=text, logprobs=logprobs or None, session_id=session_id, adapt=adapt or None)
-    return Call("POST", "/v1/score", _model(ScoreResponse), json=body)
+    return Call("POST", "/v1/score", _model(ScoreResponse), json=body, session_id=session_id)
 
 
 def _generate_body(prompt: str, *, max_tokens: int | None, temperature: float | None, top_k: int | None,
@@ -144,12 +151,13 @@ def _generate_body(prompt: str, *, max_tokens: int | None, temperature: float | 
 
 def generate(prompt: str, **options: Any) -> Call[GenerateResponse]:
     return Call("POST", "/v1/generate", _model(GenerateResponse),
-                json=_generate_body(prompt, **options, stream=False))
+                json=_generate_body(prompt, **options, stream=False), session_id=options.get("session_id"))
 
 
 def generate_stream(prompt: str, **options: Any) -> Call[None]:
     """The request only: its answer is read event by event (`SSEDecoder`, `parse_generate_event`)."""
-    return Call("POST", "/v1/generate", _nothing, json=_generate_body(prompt, **options, stream=True))
+    return Call("POST", "/v1/generate", _nothing, json=_generate_body(prompt, **options, stream=True),
+                session_id=options.get("session_id"))
 
 
 def create_session(initial_text: str | None, *, ttl_s: float | None, lr: float | None, decay: float | None,

@@ -189,3 +189,20 @@ def test_suggest(client: Client) -> None:
     assert session.get().stats.bytes_observed == len(TEXT.encode())
     with pytest.raises(NotFoundError):
         client.suggest("no-such-session-0000", "x")
+
+
+def test_requests_naming_a_session_in_their_body_carry_it_in_a_header() -> None:
+    """A balancer cannot read bodies: score and generate under a session send X-Session-Id (what the shipped
+    nginx configuration hashes on); requests without a session send none."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(500, json={"error": {"message": "x", "type": "internal_error"}})
+
+    with Client(base_url="http://replica", transport=httpx.MockTransport(handler)) as c:
+        for call in (lambda: c.score("hi", session_id="abc"), lambda: c.generate("hi", session_id="abc"),
+                     lambda: c.score("hi")):
+            with pytest.raises(Exception):  # noqa: B017 (only the request is looked at)
+                call()
+    assert [r.headers.get("x-session-id") for r in seen] == ["abc", "abc", None]
