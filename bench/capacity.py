@@ -1,0 +1,82 @@
+"""Load at which the service-level objectives stop holding, per locust user class (issue "Operate it").
+
+For each class alone, users double (1, 2, 4, ...) against one `adaptlm serve` (default checkpoint, one torch
+thread) until `loadtest/slo.toml` is missed; each level is a headless locust run of `--run-time` through
+`python -m loadtest.run --url URL` (the same runner and checker as `make loadtest`). Prints, per class, the
+highest level that met every objective with its requests/s, and the first that missed with what it missed.
+
+    python -m bench.capacity [--classes Scorer,Typist,Generator,OpenAICompletions] [--max-users 32] [--run-time 30s]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench._common import DEFAULT_CHECKPOINT, machine_line
+from server.launch import free_port, stop, wait_ready
+
+CLASSES = ["Scorer", "Typist", "Generator", "OpenAICompletions"]
+
+
+def aggregate(stats: Path) -> dict[str, dict[str, str]]:
+    with stats.open(newline="") as f:
+        return {row["Name"]: row for row in csv.DictReader(f)}
+
+
+def level(url: str, cls: str, users: int, run_time: str, out: Path) -> tuple[int, dict[str, dict[str, str]], str]:
+    """One run -> (checker's exit status: 0 met, 1 missed), the stats rows by entry, the checker's output."""
+    r = subprocess.run([sys.executable, "-m", "loadtest.run", "--url", url, "--users", str(users),
+                        "--spawn-rate", str(users), "--run-time", run_time, "--out", str(out), cls],
+                       capture_output=True, text=True, timeout=600)
+    rows = aggregate(out / "locust_stats.csv") if (out / "locust_stats.csv").exists() else {}
+    return r.returncode, rows, r.stdout + r.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--classes", type=lambda s: s.split(","), default=CLASSES)
+    ap.add_argument("--max-users", type=int, default=32)
+    ap.add_argument("--run-time", default="30s")
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    args = ap.parse_args()
+    print(f"# {machine_line()}, adaptlm serve (default checkpoint, one torch thread) and locust on the same machine")
+    print(f"## objectives loadtest/slo.toml; each level {args.run_time}; users double until one is missed")
+    print("| class | users | requests/s | failures | met | missed |")
+    print("| --- | ---: | ---: | ---: | --- | --- |")
+    env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning"}
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 (closed below)
+        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", args.checkpoint,
+                                 "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            if not wait_ready(url, proc, time.monotonic() + 300):
+                raise SystemExit("the server did not start")
+            for cls in args.classes:
+                users = 1
+                while users <= args.max_users:
+                    status, rows, output = level(url, cls, users, args.run_time, Path(tmp) / f"{cls}-{users}")
+                    total = rows.get("Aggregated", {})
+                    missed = "; ".join(line[4:].strip() for line in output.splitlines() if line.startswith("MISS "))
+                    print(f"| {cls} | {users} | {float(total.get('Requests/s', 'nan')):.2f} | "
+                          f"{total.get('Failure Count', '?')} | {'yes' if status == 0 else 'no'} | {missed[:300]} |",
+                          flush=True)
+                    if status != 0:
+                        break
+                    users *= 2
+        finally:
+            stop(proc)
+            log.close()
+
+
+if __name__ == "__main__":
+    main()
