@@ -61,33 +61,13 @@ def _read_text_arg(path: str) -> bytes:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer.config import load_config_file, make_config
+    from trainer.cli import config_from_args
     from trainer.train import train
 
-    layers: list[dict[str, Any]] = []
-    if args.config:
-        layers.append(load_config_file(args.config))
-    flags: dict[str, Any] = {"arch": args.arch} if args.arch else {}
-    for name in ("max_steps", "max_minutes", "batch_size", "bptt", "lr", "seed", "threads"):
-        value = getattr(args, name)
-        if value is not None:
-            flags[name] = value
-    layers.append(flags)
     try:
-        cfg = make_config(args.preset, *layers)
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    if cfg.arch != "mlstm":
-        raise UsageError(f"architecture {cfg.arch!r} cannot be trained yet (available: mlstm)")
-    for p in [*args.data, *([args.valid] if args.valid else [])]:
-        if not Path(p).is_file():
-            raise UsageError(f"{p}: no such file")
-    out = Path(args.out)
-    if args.resume and not (out / "last" / "trainer_state.json").is_file():
-        raise UsageError(f"{out}: nothing to resume")
-    try:
-        result = train(cfg, args.data, out, valid_path=args.valid, resume=args.resume, progress=not args.quiet,
-                       device=_device(args.device))
+        cfg = config_from_args(args)
+        result = train(cfg, args.data, Path(args.out), valid_path=args.valid, resume=args.resume,
+                       progress=not args.quiet, device=_device(args.device))
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(json.dumps({"out": str(result.out), "best_valid_bpb": result.best_valid_bpb, "steps": result.steps,
@@ -572,23 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
                                             "client of the server.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    t = sub.add_parser("train", help="train a checkpoint")
-    t.add_argument("--arch", choices=["mlstm"], default=None)
-    t.add_argument("--preset", choices=["tiny", "default"], default=None)
-    t.add_argument("--config", help="JSON or TOML file of training settings")
-    t.add_argument("--data", nargs="+", required=True, help="training text files")
-    t.add_argument("--valid", help="validation text file")
-    t.add_argument("--out", required=True, help="checkpoint directory to write")
-    t.add_argument("--resume", action="store_true", help="continue from OUT/last")
-    t.add_argument("--max-steps", type=int)
-    t.add_argument("--max-minutes", type=float)
-    t.add_argument("--batch-size", type=int)
-    t.add_argument("--bptt", type=int)
-    t.add_argument("--lr", type=float)
-    t.add_argument("--seed", type=int)
-    t.add_argument("--threads", type=int)
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
+    from trainer.cli import add_train_arguments
+
+    t = sub.add_parser("train", help="train a checkpoint (several processes: torchrun -m trainer)")
+    add_train_arguments(t)  # shared with `python -m trainer` (torchrun)
     t.set_defaults(func=cmd_train)
 
     s = sub.add_parser("score", help="bits per byte of a file")

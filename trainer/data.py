@@ -35,14 +35,21 @@ class ByteStreams:
 
     Chunk i of an epoch is rows[:, i*bptt : i*bptt + bptt + 1] (inputs and shifted targets); the
     caller carries the recurrent state from one chunk to the next and resets it at epoch starts.
+
+    `shard=(rank, world)` keeps rows [rank * B / world, (rank + 1) * B / world) only: the processes of a
+    distributed run together see exactly the rows one process with batch B sees.
     """
 
-    def __init__(self, data: bytes, batch: int, bptt: int) -> None:
+    def __init__(self, data: bytes, batch: int, bptt: int, shard: tuple[int, int] = (0, 1)) -> None:
         row = len(data) // batch
         if row < bptt + 1:
             raise ValueError(f"corpus of {len(data)} bytes is too small for {batch} streams of {bptt + 1} bytes")
+        rank, world = shard
+        if batch % world:
+            raise ValueError(f"{batch} streams cannot be shared equally by {world} processes")
         flat = torch.frombuffer(bytearray(data[: row * batch]), dtype=torch.uint8)
-        self.rows = flat.view(batch, row).long()  # (B, L)
+        share = batch // world
+        self.rows = flat.view(batch, row)[rank * share : (rank + 1) * share].long()  # (B / world, L)
         self.bptt = bptt
         self.chunks_per_epoch = (row - 1) // bptt
 

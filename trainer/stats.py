@@ -4,6 +4,10 @@ MS_g = mean over N_b training batches of the squared gradient, per parameter. Fo
 evaluation the adapter matrices M get the same statistic, taken at M = 0 (ALGORITHMS.md §3 decision).
 Gradients are of the mean loss over a segment of `segment` tokens, the unit one dynamic-evaluation
 update sees; the hidden state is carried between segments as in evaluation.
+
+Distributed (`group` of N processes, each with batch_size / N of the rows): the statistic is the square of
+the batch-mean gradient, so the processes average their gradients first and square after; summing squared
+per-process gradients would be another statistic (N times too small in expectation for independent rows).
 """
 
 from __future__ import annotations
@@ -11,17 +15,24 @@ from __future__ import annotations
 import torch
 
 from models.base import Adapter, LanguageModel
+from trainer._dist import Group
 from trainer.data import ByteStreams
 
 __all__ = ["gradient_stats"]
 
 
 def gradient_stats(model: LanguageModel, data: bytes, *, batches: int, batch_size: int, segment: int,
-                   adapter_units: int = 0) -> dict[str, torch.Tensor]:
-    """-> {"param.<name>": MS_g, "adapter.<site>": MS_g of M (k, k)} for every parameter and site."""
+                   adapter_units: int = 0, group: Group | None = None) -> dict[str, torch.Tensor]:
+    """-> {"param.<name>": MS_g, "adapter.<site>": MS_g of M (k, k)} for every parameter and site.
+
+    With `group`, this process takes its share of the batch's rows and the result is that of one process
+    with the whole batch (up to float summation order), on every process.
+    """
+    group = group or Group()
     was_training = model.training
     model.eval()  # statistics of the model as it is evaluated: no dropout
-    streams = ByteStreams(data, batch_size, segment)
+    streams = ByteStreams(data, batch_size, segment, shard=(group.rank, group.world))
+    batch_size = group.share(batch_size, "stats_batch_size")
     params = dict(model.named_parameters())
     sums = {n: torch.zeros_like(p) for n, p in params.items()}
     sites = {s.name: (adapter_units or s.dim) for s in model.adaptation_sites()}
@@ -40,13 +51,15 @@ def gradient_stats(model: LanguageModel, data: bytes, *, batches: int, batch_siz
         out = model(chunk[:, :-1], state, adapter)
         loss = -model.target_logprobs(out, chunk[:, 1:]).mean()  # the dynamic-evaluation loss (no auxiliary terms)
         loss.backward()
-        for n, p in params.items():
-            if p.grad is not None:
-                sums[n] += p.grad.detach() ** 2  # eq. 4.4
-        for n, m in adapter.mats.items():
-            # the batch-mean gradient w.r.t. one shared M is the sum over rows of per-row gradients
-            assert m.grad is not None
-            adapter_sums[n] += m.grad.detach().sum(0) ** 2
+        grads = {n: p.grad.detach() for n, p in params.items() if p.grad is not None}
+        # the batch-mean gradient w.r.t. one shared M is the sum over rows of per-row gradients
+        adapter_grads = {n: m.grad.detach().sum(0) for n, m in adapter.mats.items() if m.grad is not None}
+        assert adapter_grads.keys() == adapter.mats.keys()
+        group.mean_([*grads.values(), *adapter_grads.values()])  # the whole batch's mean gradient, then square
+        for n, g in grads.items():
+            sums[n] += g ** 2  # eq. 4.4
+        for n, g in adapter_grads.items():
+            adapter_sums[n] += g ** 2
         state = out.state.detach()
     model.zero_grad(set_to_none=True)
     model.train(was_training)

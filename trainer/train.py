@@ -1,5 +1,12 @@
 """The training loop: truncated BPTT over byte streams, Adam with linear decay, best-checkpoint keeping,
-resumable, JSON-lines log, and MS_g statistics at the end (ALGORITHMS.md §1-3)."""
+resumable, JSON-lines log, and MS_g statistics at the end (ALGORITHMS.md §1-3).
+
+One process, or N processes of a torch.distributed group (`torchrun -m trainer`, trainer/_dist.py): each process
+takes batch_size / N of the batch's rows, DistributedDataParallel averages the gradients (so clipping sees the
+global norm and every process takes the same Adam step), and rank 0 alone validates, logs and writes files while
+the others wait at a barrier. The trajectory is that of one process with the whole batch, up to float summation
+order (tests/trainer/test_distributed.py), except for dropout: each process draws its own masks.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from tqdm import tqdm
 from models.base import LanguageModel
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.registry import build_model, config_from_dict
+from trainer._dist import Group, current
 from trainer.config import DTYPES, TrainConfig
 from trainer.data import ByteStreams, read_bytes, read_corpus
 from trainer.stats import gradient_stats
@@ -72,9 +80,24 @@ def _lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr + (cfg.lr_final - cfg.lr) * frac  # linear decay (thesis ch. 3 training setup)
 
 
+def _rng_key(kind: str, rank: int) -> str:
+    return f"rng.{kind}" if rank == 0 else f"rng.{kind}.{rank}"
+
+
+def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random generators (dropout masks): the CPU's, and its CUDA device's when it has one."""
+    states = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
 def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam, state: dict[str, torch.Tensor],
-                        info: dict[str, Any]) -> None:
-    """Resumable state without pickle: tensors in safetensors, scalars in JSON."""
+                        info: dict[str, Any], rngs: list[dict[str, torch.Tensor]] | None = None) -> None:
+    """Resumable state without pickle: tensors in safetensors, scalars in JSON.
+
+    `state` is the hidden state of the whole batch (every process's rows, in rank order) and `rngs` every
+    process's generators (default: this process's CPU generator), so each process restores its own."""
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
@@ -83,28 +106,40 @@ def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam,
         tensors[f"opt.{n}.exp_avg"] = st["exp_avg"]
         tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"]
         info.setdefault("opt_steps", {})[n] = float(st["step"])
-    tensors.update({f"hidden.{k}": v.detach() for k, v in state.items()})
-    tensors["rng.torch"] = torch.get_rng_state()
+    tensors.update({f"hidden.{k}": v.detach().cpu() for k, v in state.items()})
+    for rank, states in enumerate(rngs or [{"torch": torch.get_rng_state()}]):
+        tensors.update({_rng_key(kind, rank): t for kind, t in states.items()})
     tmp = path / ".trainer_state.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     tmp.replace(path / "trainer_state.safetensors")
     (path / "trainer_state.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
-def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam) -> tuple[dict[str, torch.Tensor],
-                                                                                     dict[str, Any]]:
+def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam, group: Group | None = None,
+                        device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """-> (this process's rows of the hidden state, info); restores the weights, Adam and this process's RNG."""
+    group = group or Group()
     state_file, info_file = path / "trainer_state.safetensors", path / "trainer_state.json"
     if not state_file.is_file() or not info_file.is_file():
         raise ValueError(f"{path}: nothing to resume (no trainer_state.safetensors/json)")
     tensors = load_file(str(state_file))
     info = json.loads(info_file.read_text())
+    saved_world = int(info.get("world_size", 1))
+    if saved_world != group.world:
+        raise ValueError(f"{path}: saved by {saved_world} process(es); resume it with {saved_world}, "
+                         f"not {group.world} (each process restores its own random generator)")
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     for n, p in model.named_parameters():
         if f"opt.{n}.exp_avg" in tensors:
             opt.state[p] = {"step": torch.tensor(info["opt_steps"][n]),
                             "exp_avg": tensors[f"opt.{n}.exp_avg"], "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"]}
-    torch.set_rng_state(tensors["rng.torch"])
-    hidden = {k[7:]: v for k, v in tensors.items() if k.startswith("hidden.")}
+    torch.set_rng_state(tensors[_rng_key("torch", group.rank)])
+    device = torch.device(device)
+    if device.type == "cuda" and _rng_key("cuda", group.rank) in tensors:
+        torch.cuda.set_rng_state(tensors[_rng_key("cuda", group.rank)], device)
+    share = group.share(next(v for k, v in tensors.items() if k.startswith("hidden.")).shape[0])
+    rows = slice(group.rank * share, (group.rank + 1) * share)
+    hidden = {k[7:]: v[rows] for k, v in tensors.items() if k.startswith("hidden.")}
     return hidden, info
 
 
@@ -133,30 +168,46 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
           resume: bool = False, name: str | None = None, progress: bool = True,
           on_log: Callable[[dict[str, Any]], None] | None = None,
           device: torch.device | str = "cpu") -> TrainResult:
-    """Train `cfg` on `data_paths` on `device`, keeping the best checkpoint (by validation bits) in `out`."""
+    """Train `cfg` on `data_paths` on `device`, keeping the best checkpoint (by validation bits) in `out`.
+
+    In a torch.distributed group every process calls this with the same arguments (and its own device);
+    `cfg.batch_size` is the global batch, and `on_log` is called on rank 0 only."""
     out = Path(out)
+    device = torch.device(device)
+    group = current()
+    local_batch = group.share(cfg.batch_size)
+    group.share(cfg.stats_batch_size, "stats_batch_size")  # fail now, not after training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model})
     model = build_model(model_cfg).to(device)
     model.train()
+    net: torch.nn.Module = model
+    if group.world > 1:
+        # the same initial weights everywhere (DDP broadcasts rank 0's too); then each process its own dropout masks
+        torch.manual_seed(cfg.seed + group.rank)
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     train_bytes = read_corpus(data_paths)
     valid_bytes = read_bytes(valid_path) if valid_path else b""
     valid_slice = valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else valid_bytes
-    streams = ByteStreams(train_bytes, cfg.batch_size, cfg.bptt)
+    streams = ByteStreams(train_bytes, cfg.batch_size, cfg.bptt, shard=(group.rank, group.world))
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     log_path = out / "train.jsonl"
     last = out / "last"
     step, best, elapsed = 0, math.inf, 0.0
     hidden: dict[str, torch.Tensor] | None = None
     if resume:
-        hidden, info = _load_trainer_state(last, model, opt)
+        hidden, info = _load_trainer_state(last, model, opt, group, device)
         step, best, elapsed = info["step"], info["best_valid_bpb"], info["seconds"]
-    out.mkdir(parents=True, exist_ok=True)
-    log_file = log_path.open("a", encoding="utf-8")
+    if group.main:
+        out.mkdir(parents=True, exist_ok=True)
+    log_file = log_path.open("a", encoding="utf-8") if group.main else None
 
     def log(record: dict[str, Any]) -> None:
+        if log_file is None:
+            return
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
         if on_log:
@@ -172,9 +223,10 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         meta = {**meta_base, "metrics": {"valid_bpb_slice": valid_bpb, "step": step}}
         save_checkpoint(out, model, meta=meta, card="# (training in progress)\n")
 
-    state = model.init_state(cfg.batch_size) if hidden is None else type(model.init_state(1))(
+    state = model.init_state(local_batch) if hidden is None else type(model.init_state(1))(
         {k: v.to(device) for k, v in hidden.items()})
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and group.main), unit="step",
+               dynamic_ncols=True)
     t0 = time.monotonic() - elapsed
     window_t, window_tokens = time.monotonic(), 0
     stop_reason = "max_steps"
@@ -182,48 +234,58 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         chunk, new_epoch = streams.chunk(step)
         chunk = chunk.to(device, non_blocking=True)
         if new_epoch:
-            state = model.init_state(cfg.batch_size)
+            state = model.init_state(local_batch)
         lr = _lr_at(cfg, step)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        for param_group in opt.param_groups:
+            param_group["lr"] = lr
         with _autocast(cfg.precision, device):
-            output = model(chunk[:, :-1], state)
+            output = net(chunk[:, :-1], state)  # DDP: the backward averages the gradients over the processes
         loss = model.loss(output, chunk[:, 1:])  # the model's own loss: its auxiliary losses included
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        gnorm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)  # read at logging: no sync a step
+        # read at logging: no sync a step; the gradients are already averaged, so this is the global norm
+        gnorm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
         state = output.state.detach()  # carried across chunks, gradients truncated (TBPTT)
         step += 1
-        window_tokens += chunk[:, 1:].numel()
+        window_tokens += chunk[:, 1:].numel() * group.world
         bar.update(1)
         if step % cfg.log_every == 0:
             now = time.monotonic()
             tps = window_tokens / max(1e-9, now - window_t)
             window_t, window_tokens = now, 0
-            bar.set_postfix(loss_bpb=f"{loss.item() / LN2:.3f}", tok_s=f"{tps:,.0f}")
-            log({"step": step, "train_bpb": loss.item() / LN2, "lr": lr, "grad_norm": float(gnorm_t),
+            loss_value = loss.item() if group.world == 1 else group.mean(loss)  # the whole batch's mean loss
+            bar.set_postfix(loss_bpb=f"{loss_value / LN2:.3f}", tok_s=f"{tps:,.0f}")
+            log({"step": step, "train_bpb": loss_value / LN2, "lr": lr, "grad_norm": float(gnorm_t),
                  "tokens_per_s": tps,
                  "seconds": now - t0})
         time_up = bool(cfg.max_minutes) and (time.monotonic() - t0) > cfg.max_minutes * 60
+        if cfg.max_minutes:
+            time_up = group.any(time_up, device)  # every process stops after the same step
         if valid_slice and (step % cfg.valid_every == 0 or step == cfg.max_steps or time_up):
-            vbpb = evaluate_bpb(model, valid_slice, cfg.valid_streams, precision=cfg.precision)
-            improved = vbpb < best
-            if improved:
-                best = vbpb
-                save_best(vbpb)
-            log({"step": step, "valid_bpb": vbpb, "best_valid_bpb": best, "seconds": time.monotonic() - t0})
-            _save_trainer_state(last, model, opt, state.tensors,
-                                {"step": step, "best_valid_bpb": best, "seconds": time.monotonic() - t0,
-                                 "config": cfg.to_dict()})
+            hidden_parts = group.gather({k: v.detach().cpu() for k, v in state.tensors.items()})
+            rngs = group.gather(_rng_states(device))
+            if group.main:
+                vbpb = evaluate_bpb(model, valid_slice, cfg.valid_streams, precision=cfg.precision)
+                improved = vbpb < best
+                if improved:
+                    best = vbpb
+                    save_best(vbpb)
+                log({"step": step, "valid_bpb": vbpb, "best_valid_bpb": best, "seconds": time.monotonic() - t0})
+                whole = {k: torch.cat([part[k] for part in hidden_parts]) for k in hidden_parts[0]}  # (B, ...)
+                _save_trainer_state(last, model, opt, whole,
+                                    {"step": step, "best_valid_bpb": best, "seconds": time.monotonic() - t0,
+                                     "world_size": group.world, "config": cfg.to_dict()}, rngs)
+            group.barrier()  # the others wait for rank 0's validation and files
         if time_up:
             stop_reason = "max_minutes"
             break
     bar.close()
     seconds = time.monotonic() - t0
-    if not valid_slice:
+    if not valid_slice and group.main:
         save_best(math.nan)
-    # final: best weights, MS_g statistics on training data, full validation, card
+    group.barrier()
+    # final: best weights, MS_g statistics on training data (every process its share), full validation, card
     ckpt = load_checkpoint(out, trainable=True)  # the statistics take gradients of the weights
     best_model = ckpt.model
     weights_dtype = DTYPES[cfg.weights_dtype]
@@ -231,8 +293,15 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         for p in best_model.parameters():
             p.copy_(p.to(weights_dtype).to(p.dtype))
     stats = gradient_stats(best_model, train_bytes, batches=cfg.stats_batches, batch_size=cfg.stats_batch_size,
-                           segment=cfg.stats_segment, adapter_units=cfg.adapter_units)
+                           segment=cfg.stats_segment, adapter_units=cfg.adapter_units, group=group)
+    if not group.main:
+        group.barrier()  # rank 0 validates and writes the checkpoint
+        best_bpb = group.broadcast(None)
+        return TrainResult(out=out, best_valid_bpb=best_bpb, steps=step, seconds=seconds)
     metrics: dict[str, Any] = {"best_step": ckpt.meta["metrics"]["step"], "stop_reason": stop_reason}
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads"
+    if group.world > 1:
+        machine += f", {group.world} processes ({device.type})"
     if valid_bytes:
         metrics["valid_bpb"] = evaluate_bpb(best_model, valid_bytes, cfg.valid_streams)
         metrics["valid_streams"] = cfg.valid_streams
@@ -242,7 +311,7 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         "training": {
             "data": [Path(p).name for p in data_paths], "train_bytes": len(train_bytes),
             "valid": Path(valid_path).name if valid_path else None, "valid_bytes": len(valid_bytes),
-            "steps": step, "seconds": seconds, "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+            "steps": step, "seconds": seconds, "machine": machine,
             "torch": torch.__version__,
         },
     }
@@ -250,8 +319,13 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
     save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=default_dyneval(cfg, stats),
                     weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype])
     log({"done": True, "steps": step, "seconds": seconds, **metrics})
+    assert log_file is not None
     log_file.close()
-    return TrainResult(out=out, best_valid_bpb=float(metrics.get("valid_bpb", best)), steps=step, seconds=seconds)
+    best_bpb = float(metrics.get("valid_bpb", best))
+    if group.world > 1:
+        group.barrier()
+        group.broadcast(best_bpb)
+    return TrainResult(out=out, best_valid_bpb=best_bpb, steps=step, seconds=seconds)
 
 
 def default_dyneval(cfg: TrainConfig, stats: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -1,0 +1,138 @@
+"""Distributed training (trainer/_dist.py, `torchrun -m trainer`) against one process: gloo on 2 CPU processes.
+
+Two processes with batch B/2 each see the rows one process with batch B sees, and DDP averages their gradients,
+so the runs differ only in float summation order (the mean loss and the gradients are summed in two halves).
+Measured on a 2-core x86 CPU, tiny preset, 120 steps: train_bpb within 1.7e-7 relative at every step, weights and
+MS_g within 2.2e-6 of each tensor's largest entry. The tolerances below are ~50x those figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer.config import make_config
+from trainer.train import train
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+TRAIN, VALID = DATA / "train.txt", DATA / "valid.txt"
+CRASH = Path(__file__).resolve().parent / "ddp_crash.py"
+LOSS_RTOL = 1e-5  # train_bpb, relative, at every logged step
+TENSOR_TOL = 1e-4  # weights and MS_g: |a - b| <= TENSOR_TOL * max |a| of the tensor, entry by entry
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(args: list[str], *, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """`torchrun --nproc_per_node 2` on loopback (one thread a process), bounded in time."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    if ok:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _flags(out: Path, config: Path, *extra: str) -> list[str]:
+    return ["--preset", "tiny", "--config", str(config), "--data", str(TRAIN), "--valid", str(VALID),
+            "--out", str(out), "--threads", "1", "--quiet", *extra]
+
+
+def _in_process(cfg_layer: dict[str, Any], out: Path) -> None:
+    threads = torch.get_num_threads()
+    try:
+        train(make_config("tiny", cfg_layer, {"threads": 1}), [TRAIN], out, valid_path=VALID, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+
+
+def _files(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+
+
+def _assert_tensors_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        scale = float(a[k].abs().max())
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=TENSOR_TOL * scale, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_two_processes_follow_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
+    layer: dict[str, Any] = {"max_steps": 30, "valid_every": 10, "log_every": 1}  # tiny: no dropout
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps(layer))
+    _in_process(layer, tmp_path / "one")
+    done = _torchrun(["-m", "trainer", *_flags(tmp_path / "two", config)])
+    assert json.loads(done.stdout.strip().splitlines()[-1])["processes"] == 2  # rank 0 alone prints
+
+    one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
+    # one writer: a second process writing the log would add its lines, and its files would show here
+    assert len(two) == len(one) and _files(tmp_path / "two") == _files(tmp_path / "one")
+    for a, b in zip(one, two, strict=True):
+        assert a.keys() == b.keys() and a.get("step") == b.get("step")
+        for key in ("train_bpb", "grad_norm", "valid_bpb"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=LOSS_RTOL), (a["step"], key)
+        if "lr" in a:
+            assert b["lr"] == a["lr"]
+    _assert_tensors_close(load_file(str(tmp_path / "one" / "model.safetensors")),
+                          load_file(str(tmp_path / "two" / "model.safetensors")))
+    _assert_tensors_close(load_file(str(tmp_path / "one" / "stats.safetensors")),
+                          load_file(str(tmp_path / "two" / "stats.safetensors")))
+    # the resumable state holds the whole batch's hidden state and each process's random generator
+    state = load_file(str(tmp_path / "two" / "last" / "trainer_state.safetensors"))
+    assert state["hidden.h"].shape[0] == make_config("tiny").batch_size
+    assert {"rng.torch", "rng.torch.1"} <= state.keys()
+    assert json.loads((tmp_path / "two" / "last" / "trainer_state.json").read_text())["world_size"] == 2
+
+
+def test_an_interrupted_two_process_run_resumes_where_an_uninterrupted_one_ends(tmp_path: Path) -> None:
+    # dropout on: each process draws its own masks, so only restoring every process's own generator ends equal
+    layer: dict[str, Any] = {"max_steps": 12, "valid_every": 4, "valid_bytes": 0,
+                             "model": {"dropout_hidden": 0.2, "dropout_embed": 0.1}}
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps(layer))
+    _torchrun(["-m", "trainer", *_flags(tmp_path / "whole", config)])
+    crashed = _torchrun([str(CRASH), "8", *_flags(tmp_path / "resumed", config)], ok=False)
+    assert crashed.returncode != 0
+    last = json.loads((tmp_path / "resumed" / "last" / "trainer_state.json").read_text())
+    assert last["step"] == 4  # rank 0 died at step 8's validation, before saving step 8's state
+    _torchrun(["-m", "trainer", *_flags(tmp_path / "resumed", config, "--resume")])
+    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=0)
+    stats_w = load_file(str(tmp_path / "whole" / "stats.safetensors"))
+    stats_r = load_file(str(tmp_path / "resumed" / "stats.safetensors"))
+    for k in stats_w:
+        torch.testing.assert_close(stats_r[k], stats_w[k], rtol=0, atol=0)
+    # a state saved by 2 processes is not resumed by 1: its second random generator would be lost
+    with pytest.raises(ValueError, match="saved by 2 process"):
+        train(make_config("tiny", layer), [TRAIN], tmp_path / "resumed", valid_path=VALID, progress=False,
+              resume=True)
+
+
+def test_the_batch_must_divide_among_the_processes(tmp_path: Path) -> None:
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"max_steps": 2}))
+    done = _torchrun(["-m", "trainer", *_flags(tmp_path / "out", config, "--batch-size", "15")], ok=False)
+    assert done.returncode != 0
+    assert "batch_size 15 must be a multiple of the number of processes (2)" in done.stderr
