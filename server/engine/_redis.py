@@ -129,9 +129,12 @@ redis.call('PEXPIRE', skey(id), ARGV[11])
 return {#victims, #expired}
 """
 
-# ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms -> 1, or 0 if it is gone
+# ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, deadline (Redis's unix time in ms)
+# -> 1, 0 if it is gone, -1 if it came after its deadline (nothing written: see `RedisSessionStore.update`)
 _UPDATE = _PRELUDE + """
 local id = ARGV[2]
+local t = redis.call('TIME')
+if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[11]) then return -1 end
 if redis.call('EXISTS', skey(id)) == 0 then return 0 end
 write(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 extend(skey(id), tonumber(ARGV[10]))
@@ -219,6 +222,8 @@ class RedisSessionStore(SessionStore):
         self._clock = clock
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                            health_check_interval=30)
+        self._timeout_s = timeout_s
+        self._skew_s = 0.0  # Redis's clock minus ours (measured at bind and at each sweep)
         self._scripts: dict[str, Script] = {
             name: self._redis.register_script(source) for name, source in (
                 ("insert", _INSERT), ("update", _UPDATE), ("get", _GET), ("delete", _DELETE), ("pin", _PIN),
@@ -238,6 +243,7 @@ class RedisSessionStore(SessionStore):
         self._bound = _Bound(model_hash, template, keys, ns)
         with self._errors("connect to"):
             self._redis.ping()
+            self._measure_skew()
 
     def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session | None:
         fields = self._run("get", session_id, owner or "", "1" if touch else "0", repr(self._clock()))
@@ -271,7 +277,17 @@ class RedisSessionStore(SessionStore):
                                    f"{self.max_bytes} bytes) and no session can be evicted now")
 
     def update(self, session: Session) -> bool:
-        return bool(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock()))))
+        # A write that times out is not known to have failed: Redis may run it later (a paused or partitioned
+        # Redis reads the command from its socket when it resumes), after the client was answered 503, which
+        # promises that nothing was done (clients retry it: an observe would adapt twice). So the write carries a
+        # deadline, half the socket timeout after it is sent, in Redis's clock: run later, it writes nothing.
+        deadline = time.time() + self._skew_s + self._timeout_s / 2
+        written = int(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock())),
+                                str(math.floor(deadline * 1000))))
+        if written < 0:
+            raise SessionStoreUnavailable("could not use the session store (it answered after the write's deadline; "
+                                          "nothing was written)")
+        return bool(written)
 
     def delete(self, session_id: str, owner: str | None) -> bool:
         return bool(self._run("delete", session_id, owner or ""))
@@ -301,6 +317,8 @@ class RedisSessionStore(SessionStore):
         self._lease(pinned)
         try:
             expired = int(self._run("sweep", repr(self._clock()), str(_SWEEP_LIMIT)))
+            with self._errors("read the time of"):
+                self._measure_skew()
         except SessionStoreUnavailable as e:
             log.warning("session sweep failed: %s", e)
             return 0
@@ -351,6 +369,13 @@ class RedisSessionStore(SessionStore):
         blob = export_session(session, self._binding().model_hash)
         return [session.id, blob, session.owner or "", repr(session.created), repr(session.last_used),
                 repr(session.ttl_s), repr(session.expires_at()), str(len(blob))]
+
+    def _measure_skew(self) -> None:
+        """Redis's clock against ours (to within half a round trip), for the deadlines of writes."""
+        before = time.time()
+        seconds, micros = self._redis.time()
+        after = time.time()
+        self._skew_s = seconds + micros / 1e6 - (before + after) / 2
 
     @staticmethod
     def _ttl_ms(session: Session, now: float) -> int:
