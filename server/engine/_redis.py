@@ -29,6 +29,10 @@ server). Redis's own maxmemory evictions cannot be told apart from expiry withou
 they count as "ttl" too (run Redis with `maxmemory-policy noeviction` and let `max_bytes` bound the store).
 "lru" counts the sessions this server evicted to stay in the limits. Eviction counts are this server's
 (a sum over servers is the total); the session count and bytes are the shared store's.
+
+Faults: once a call finds Redis unreachable (refused, or timed out), every call fails at once (503) until a
+background ping reaches it again; a session's write carries a deadline in Redis's clock, so that a write that
+timed out (its caller answered 503) is not done later by a Redis that was only paused (`update`).
 """
 
 from __future__ import annotations
@@ -198,6 +202,7 @@ return n
 """
 
 _SWEEP_LIMIT = 1000  # index entries a sweep looks at
+_PROBE_S = 0.5  # while Redis cannot be reached, how often a background thread tries it again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +239,11 @@ class RedisSessionStore(SessionStore):
         self._pins: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter({"ttl": 0, "lru": 0})
         self._last_stats = StoreStats(sessions=0, bytes=0, evictions={"ttl": 0, "lru": 0})
+        # Set while Redis cannot be reached (a connection refused or a timeout): every call fails at once instead
+        # of waiting for its own timeout, which would hold the engine's worker thread (and with it the work that
+        # needs no session) for seconds a call; a background thread pings Redis and clears it.
+        self._unreachable = threading.Event()
+        self._closed = threading.Event()
 
     # -- the interface -----------------------------------------------------------------------------
 
@@ -343,6 +353,7 @@ class RedisSessionStore(SessionStore):
             return self._last_stats
 
     def close(self) -> None:
+        self._closed.set()
         self._redis.close()
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -354,10 +365,34 @@ class RedisSessionStore(SessionStore):
 
     @contextmanager
     def _errors(self, what: str) -> Iterator[None]:
+        if self._unreachable.is_set():
+            raise SessionStoreUnavailable(f"could not {what} the session store (unreachable; retried every "
+                                          f"{_PROBE_S} s)")
         try:
             yield
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._set_unreachable()
+            raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__}: {e})") from e
         except redis.RedisError as e:
             raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__}: {e})") from e
+
+    def _set_unreachable(self) -> None:
+        with self._lock:
+            if self._unreachable.is_set() or self._closed.is_set():
+                return
+            self._unreachable.set()
+        log.warning("the session store cannot be reached: session requests answer 503 until it can")
+        threading.Thread(target=self._probe, name="redis-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        while not self._closed.wait(_PROBE_S):
+            try:
+                self._redis.ping()
+            except redis.RedisError:
+                continue
+            self._unreachable.clear()
+            log.warning("the session store can be reached again")
+            return
 
     def _run(self, script: str, *args: str | bytes) -> Any:
         bound = self._binding()
