@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install system-deps serve test lint clean bench-deps loadtest
+.PHONY: install system-deps serve test soak lint clean bench-deps loadtest
 
 install: system-deps $(STAMP)
 
@@ -41,8 +41,16 @@ serve: install
 		export ADAPTLM_SESSION_SNAPSHOT="$${ADAPTLM_SESSION_SNAPSHOT:-var/sessions.zip}"; fi; \
 	exec $(VENV)/bin/adaptlm serve
 
+# Everything but the tests marked slow (pyproject.toml's addopts leave them out).
 test: install
 	$(PY) -m pytest -q
+
+# The slow tests: the soak (tests/reliability/test_soak.py: the locust mix for SOAK_S seconds, the server's
+# resident memory after the warm-up must grow < 10%, no failures; its memory curve goes to SOAK_OUT).
+SOAK_S ?= 600
+SOAK_OUT ?= docs/img
+soak: install
+	ADAPTLM_SOAK_S=$(SOAK_S) ADAPTLM_SOAK_OUT=$(SOAK_OUT) $(PY) -m pytest -q -s -m slow
 
 # A headless locust run (loadtest/), its reports in $(LOADTEST_OUT), then the objectives of loadtest/slo.toml:
 # exits 1 when one is missed. Against URL= when given, else a server started here on a free loopback port.
