@@ -15,6 +15,7 @@ since come back, all as the snapshot of the last clean shutdown has them (untouc
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -30,7 +31,7 @@ from tests.reliability.conftest import RedisProcess, StartServerFn
 
 MESSAGES = [line.strip() for line in (Path(__file__).resolve().parents[2] / "loadtest" / "messages.txt").read_text()
             .splitlines() if line.strip() and not line.startswith("#")]
-TYPISTS = 8
+TYPISTS = int(os.environ.get("ADAPTLM_CRASH_TYPISTS", "8"))  # more for a bigger run (docs/benchmarks.md: 32)
 
 
 def export(client: httpx.Client, sid: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
