@@ -90,8 +90,8 @@ def test_soak(tiny_checkpoint: Path, tmp_path: Path) -> None:
     total = stats[slo.TOTAL]
     requests, failures = int(total["Request Count"]), int(total["Failure Count"])
     peak = max(rss for t, rss in samples if t >= warmup)
-    title = (f"soak: {users} locust users (the mix), {duration / 60:g} min, {requests} requests, {failures} failed; "
-             f"RSS after warm-up {growth * 100:+.1f}%")
+    title = (f"soak ({checkpoint.name}): {users} locust users (the mix), {duration / 60:g} min, {requests} requests, "
+             f"{failures} failed; RSS after warm-up {growth * 100:+.1f}%")
     plot(samples, warmup, out / "soak_memory.png", title)
     print(f"\n{title}; first minute after warm-up {statistics.median(first) / 2**20:.1f} MiB, last minute "
           f"{statistics.median(last) / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB; curve in {out}/soak_memory.*")
