@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install system-deps serve test lint clean bench-deps loadtest
+.PHONY: install system-deps serve test soak lint clean bench-deps loadtest
 
 install: system-deps $(STAMP)
 
@@ -43,8 +43,19 @@ serve: install
 		export ADAPTLM_SESSION_SNAPSHOT="$${ADAPTLM_SESSION_SNAPSHOT:-var/sessions.zip}"; fi; \
 	exec $(VENV)/bin/adaptlm serve
 
+# Everything but the tests marked slow (pyproject.toml's addopts leave them out).
 test: install
 	$(PY) -m pytest -q
+
+# The slow tests: the soak (tests/reliability/test_soak.py: the locust mix against a server of SOAK_CHECKPOINT for
+# SOAK_S seconds, the server's resident memory after the warm-up must grow < 10%, no failures; its memory curve
+# goes to SOAK_OUT/soak_memory.csv and .png).
+SOAK_S ?= 600
+SOAK_OUT ?= docs/img
+SOAK_CHECKPOINT ?= checkpoints/default
+soak: install
+	ADAPTLM_SOAK_S=$(SOAK_S) ADAPTLM_SOAK_OUT=$(SOAK_OUT) ADAPTLM_SOAK_CHECKPOINT=$(SOAK_CHECKPOINT) \
+		$(PY) -m pytest -q -s -m slow
 
 # A headless locust run (loadtest/), its reports in $(LOADTEST_OUT), then the objectives of loadtest/slo.toml:
 # exits 1 when one is missed. Against URL= when given, else a server started here on a free loopback port.

@@ -29,6 +29,10 @@ server). Redis's own maxmemory evictions cannot be told apart from expiry withou
 they count as "ttl" too (run Redis with `maxmemory-policy noeviction` and let `max_bytes` bound the store).
 "lru" counts the sessions this server evicted to stay in the limits. Eviction counts are this server's
 (a sum over servers is the total); the session count and bytes are the shared store's.
+
+Faults: once a call finds Redis unreachable (refused, or timed out), every call fails at once (503) until a
+background ping reaches it again; a session's write carries a deadline in Redis's clock, so that a write that
+timed out (its caller answered 503) is not done later by a Redis that was only paused (`update`).
 """
 
 from __future__ import annotations
@@ -129,9 +133,12 @@ redis.call('PEXPIRE', skey(id), ARGV[11])
 return {#victims, #expired}
 """
 
-# ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms -> 1, or 0 if it is gone
+# ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, deadline (Redis's unix time in ms)
+# -> 1, 0 if it is gone, -1 if it came after its deadline (nothing written: see `RedisSessionStore.update`)
 _UPDATE = _PRELUDE + """
 local id = ARGV[2]
+local t = redis.call('TIME')
+if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[11]) then return -1 end
 if redis.call('EXISTS', skey(id)) == 0 then return 0 end
 write(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
 extend(skey(id), tonumber(ARGV[10]))
@@ -195,6 +202,7 @@ return n
 """
 
 _SWEEP_LIMIT = 1000  # index entries a sweep looks at
+_PROBE_S = 0.5  # while Redis cannot be reached, how often a background thread tries it again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +227,8 @@ class RedisSessionStore(SessionStore):
         self._clock = clock
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                            health_check_interval=30)
+        self._timeout_s = timeout_s
+        self._skew_s = 0.0  # Redis's clock minus ours (measured at bind and at each sweep)
         self._scripts: dict[str, Script] = {
             name: self._redis.register_script(source) for name, source in (
                 ("insert", _INSERT), ("update", _UPDATE), ("get", _GET), ("delete", _DELETE), ("pin", _PIN),
@@ -229,6 +239,11 @@ class RedisSessionStore(SessionStore):
         self._pins: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter({"ttl": 0, "lru": 0})
         self._last_stats = StoreStats(sessions=0, bytes=0, evictions={"ttl": 0, "lru": 0})
+        # Set while Redis cannot be reached (a connection refused or a timeout): every call fails at once instead
+        # of waiting for its own timeout, which would hold the engine's worker thread (and with it the work that
+        # needs no session) for seconds a call; a background thread pings Redis and clears it.
+        self._unreachable = threading.Event()
+        self._closed = threading.Event()
 
     # -- the interface -----------------------------------------------------------------------------
 
@@ -238,6 +253,7 @@ class RedisSessionStore(SessionStore):
         self._bound = _Bound(model_hash, template, keys, ns)
         with self._errors("connect to"):
             self._redis.ping()
+            self._measure_skew()
 
     def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session | None:
         fields = self._run("get", session_id, owner or "", "1" if touch else "0", repr(self._clock()))
@@ -271,7 +287,17 @@ class RedisSessionStore(SessionStore):
                                    f"{self.max_bytes} bytes) and no session can be evicted now")
 
     def update(self, session: Session) -> bool:
-        return bool(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock()))))
+        # A write that times out is not known to have failed: Redis may run it later (a paused or partitioned
+        # Redis reads the command from its socket when it resumes), after the client was answered 503, which
+        # promises that nothing was done (clients retry it: an observe would adapt twice). So the write carries a
+        # deadline, half the socket timeout after it is sent, in Redis's clock: run later, it writes nothing.
+        deadline = time.time() + self._skew_s + self._timeout_s / 2
+        written = int(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock())),
+                                str(math.floor(deadline * 1000))))
+        if written < 0:
+            raise SessionStoreUnavailable("could not use the session store (it answered after the write's deadline; "
+                                          "nothing was written)")
+        return bool(written)
 
     def delete(self, session_id: str, owner: str | None) -> bool:
         return bool(self._run("delete", session_id, owner or ""))
@@ -301,6 +327,8 @@ class RedisSessionStore(SessionStore):
         self._lease(pinned)
         try:
             expired = int(self._run("sweep", repr(self._clock()), str(_SWEEP_LIMIT)))
+            with self._errors("read the time of"):
+                self._measure_skew()
         except SessionStoreUnavailable as e:
             log.warning("session sweep failed: %s", e)
             return 0
@@ -325,6 +353,7 @@ class RedisSessionStore(SessionStore):
             return self._last_stats
 
     def close(self) -> None:
+        self._closed.set()
         self._redis.close()
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -336,11 +365,35 @@ class RedisSessionStore(SessionStore):
 
     @contextmanager
     def _errors(self, what: str) -> Iterator[None]:
+        if self._unreachable.is_set():
+            raise SessionStoreUnavailable(f"could not {what} the session store (unreachable; retried every "
+                                          f"{_PROBE_S} s)")
         try:
             yield
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            self._set_unreachable()
+            raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__}: {e})") from e
         except redis.RedisError as e:
             # The client sees the error's type only: its text names the Redis server's address (the log has it).
             raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__})") from e
+
+    def _set_unreachable(self) -> None:
+        with self._lock:
+            if self._unreachable.is_set() or self._closed.is_set():
+                return
+            self._unreachable.set()
+        log.warning("the session store cannot be reached: session requests answer 503 until it can")
+        threading.Thread(target=self._probe, name="redis-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        while not self._closed.wait(_PROBE_S):
+            try:
+                self._redis.ping()
+            except redis.RedisError:
+                continue
+            self._unreachable.clear()
+            log.warning("the session store can be reached again")
+            return
 
     def _run(self, script: str, *args: str | bytes) -> Any:
         bound = self._binding()
@@ -352,6 +405,13 @@ class RedisSessionStore(SessionStore):
         blob = export_session(session, self._binding().model_hash)
         return [session.id, blob, session.owner or "", repr(session.created), repr(session.last_used),
                 repr(session.ttl_s), repr(session.expires_at()), str(len(blob))]
+
+    def _measure_skew(self) -> None:
+        """Redis's clock against ours (to within half a round trip), for the deadlines of writes."""
+        before = time.time()
+        seconds, micros = self._redis.time()
+        after = time.time()
+        self._skew_s = seconds + micros / 1e6 - (before + after) / 2
 
     @staticmethod
     def _ttl_ms(session: Session, now: float) -> int:

@@ -1,0 +1,248 @@
+"""A Redis that goes away under a running server (sessions in Redis), then comes back: while it is away, what needs
+the store answers 503 in the one error shape with Retry-After (`session_store_unavailable`), nothing else fails,
+and work that needs no session goes on; once it is back the same server process serves again, without a restart,
+and no session lost or gained an observe that was not acknowledged.
+
+Two ways to go away: stopped (connections refused; restarted on the same port with its append-only file, so the
+sessions are still there), and paused with SIGSTOP (connections accepted, no answer: a hung Redis or a network
+partition; the first call to find it so waits out the store's 5 s socket timeout, the next ones fail at once).
+
+Two bugs found here, fixed in server/engine/_redis.py, each with a store-level test below: an observe whose write
+timed out (answered 503) was done anyway when the paused Redis resumed; and every call to a hung Redis waited out
+its own timeout on the engine's worker thread, which stopped all model work, static scoring too, for the pause."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.reliability.conftest import RedisProcess, StartServerFn
+
+TEXT = "The meeting has moved to Thursday afternoon, same room as last week.\n"
+ALLOWED = {200, 201, 503}
+
+
+@dataclass
+class Answer:
+    at: float  # monotonic, when the answer came
+    what: str
+    status: int
+    response: httpx.Response
+
+
+@dataclass
+class Worker:
+    """One client in a loop: observe its session, suggest, read it back, a static score; every answer kept."""
+
+    url: str
+    session: str | None  # None: static scores only
+    answers: list[Answer] = field(default_factory=list)
+    acknowledged: int = 0  # bytes of the observes answered 200
+    unknown: int = 0  # bytes of the observes cut off by a transport error (none expected)
+
+    def run(self, stop: threading.Event) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as c:
+            calls: list[tuple[str, Callable[[], httpx.Response]]] = [
+                ("observe", lambda: c.post(f"/v1/sessions/{self.session}/observe", json={"text": TEXT})),
+                ("suggest", lambda: c.post(f"/v1/sessions/{self.session}/suggest", json={"context": "The mee"})),
+                ("get", lambda: c.get(f"/v1/sessions/{self.session}")),
+                ("score", lambda: c.post("/v1/score", json={"text": TEXT})),
+            ]
+            if self.session is None:
+                calls = calls[-1:]
+            while not stop.is_set():
+                for what, call in calls:
+                    try:
+                        r = call()
+                    except httpx.TransportError:
+                        self.unknown += len(TEXT) if what == "observe" else 0
+                        continue
+                    self.answers.append(Answer(time.monotonic(), what, r.status_code, r))
+                    if what == "observe" and r.status_code == 200:
+                        self.acknowledged += len(TEXT)
+                    time.sleep(0.02)
+
+
+def run_load(url: str, sessions: list[str | None]) -> tuple[list[Worker], threading.Event, list[threading.Thread]]:
+    workers = [Worker(url, sid) for sid in sessions]
+    stop = threading.Event()
+    threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    return workers, stop, threads
+
+
+def check_answers(answers: list[Answer], assert_error_shape: Callable[..., dict[str, Any]]) -> int:
+    """Only 200, 201 and 503; each 503 the store's, in the one shape with Retry-After -> the count of 503s."""
+    statuses = {a.status for a in answers}
+    assert statuses <= ALLOWED, {s: [a.what for a in answers if a.status == s][:5] for s in statuses - ALLOWED}
+    unavailable = [a for a in answers if a.status == 503]
+    for a in unavailable:
+        assert_error_shape(a.response, 503, "service_unavailable_error", code="session_store_unavailable")
+        assert int(a.response.headers["retry-after"]) >= 1
+    return len(unavailable)
+
+
+def recovered_at(answers: list[Answer], since: float) -> float:
+    """Seconds from `since` to the first answer after which no session request failed."""
+    failures = [a.at for a in answers if a.at >= since and a.status not in (200, 201)]
+    return (max(failures) if failures else since) - since
+
+
+def test_redis_stopped_and_restarted_mid_run(start_server: StartServerFn, redis_process: Callable[..., RedisProcess],
+                                             assert_error_shape: Callable[..., dict[str, Any]]) -> None:
+    store = redis_process(durable=True)
+    with start_server({"ADAPTLM_SESSION_STORE": store.url}) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as c:
+        sessions = [c.post("/v1/sessions", json={}).json()["id"] for _ in range(3)]
+        workers, stop, threads = run_load(server.url, sessions)
+        time.sleep(1.5)
+        down = time.monotonic()
+        store.stop()
+        time.sleep(2.5)
+        answers_down = [a for w in workers for a in w.answers if a.at > down + 0.5]
+        store.start()  # the same port, its append-only file: the sessions as they were
+        up = time.monotonic()
+        time.sleep(4.0)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        answers = [a for w in workers for a in w.answers]
+        unavailable = check_answers(answers, assert_error_shape)
+        # while it was down: the session routes answered 503, static scoring went on
+        assert {a.what for a in answers_down if a.status == 503} >= {"observe", "suggest", "get"}
+        assert [a.status for a in answers_down if a.what == "score"] and all(
+            a.status == 200 for a in answers_down if a.what == "score")
+        # back without a restart of the server: the last seconds are all answered, by the same process
+        recovery = recovered_at(answers, up)
+        assert recovery < 2.0, recovery
+        assert server.process.poll() is None and c.get("/readyz").status_code == 200
+        assert sum(a.at > up + recovery and a.what == "observe" for a in answers) >= 3
+        # no observe was applied that was not acknowledged, none acknowledged was lost
+        for w in workers:
+            assert w.unknown == 0
+            assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
+    print(f"redis stopped 2.5 s: {len(answers)} answers, {unavailable} 503s, all answered again "
+          f"{recovery:.2f} s after it restarted")
+
+
+def test_redis_paused_mid_run(start_server: StartServerFn, redis_process: Callable[..., RedisProcess],
+                              assert_error_shape: Callable[..., dict[str, Any]]) -> None:
+    store = redis_process()
+    with start_server({"ADAPTLM_SESSION_STORE": store.url}) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as c:
+        sessions: list[str | None] = [c.post("/v1/sessions", json={}).json()["id"] for _ in range(2)]
+        workers, stop, threads = run_load(server.url, [*sessions, None])  # and a static scorer
+        time.sleep(1.0)
+        paused = time.monotonic()
+        store.pause()
+        time.sleep(8.0)  # past the store's 5 s socket timeout
+        store.resume()
+        up = time.monotonic()
+        time.sleep(3.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        answers = [a for w in workers for a in w.answers]
+        unavailable = check_answers(answers, assert_error_shape)
+        # The first call to find Redis hung waits out the 5 s timeout; from then on the store knows it cannot be
+        # reached: session requests answer 503 at once, and work that needs no session goes on.
+        late = [a for a in answers if paused + 6.0 < a.at < up]
+        assert sum(a.status == 503 for a in late) >= 3, [(a.what, a.status) for a in late]
+        assert sum(a.what == "score" and a.status == 200 for a in late) >= 3, [(a.what, a.status) for a in late]
+        recovery = recovered_at(answers, up)
+        assert recovery < 6.0, recovery  # a call sent just before the resume may still time out
+        assert server.process.poll() is None and c.get("/readyz").status_code == 200
+        assert sum(a.at > up + recovery and a.what == "observe" and a.status == 200 for a in answers) >= 2
+        for w in workers:
+            assert w.unknown == 0
+            if w.session is not None:
+                assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
+        static = [a.at for a in workers[-1].answers]
+        gap = max(b - a for a, b in zip(static, static[1:], strict=False))
+    print(f"redis paused 8 s: {len(answers)} answers, {unavailable} 503s, all answered again {recovery:.2f} s "
+          f"after it resumed; {sum(paused < t < up for t in static)} static scores answered during the pause, "
+          f"the longest wait between two {gap:.1f} s")
+
+
+def reachable_again(call: Callable[[], Any], timeout_s: float = 5.0) -> Any:
+    """`call()` once the store answers again (it fails at once until its background ping reaches Redis)."""
+    from server.engine import SessionStoreUnavailable
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except SessionStoreUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_write_that_timed_out_is_not_done_later(redis_process: Callable[..., RedisProcess]) -> None:
+    """A paused Redis reads a timed-out write from its socket when it resumes: that write must not be done then,
+    since its caller was answered 503 (nothing done; clients retry it). Found by the paused test above: an observe
+    answered 503 was in the session after the resume."""
+    import dataclasses
+
+    from server.engine import RedisSessionStore, SessionStats, SessionStoreUnavailable
+    from tests.server.test_redis_store import HASH, TEMPLATE, make, same
+
+    redis_server = redis_process()
+    store = RedisSessionStore(redis_server.url, max_sessions=10, max_bytes=10**9, timeout_s=0.5)
+    store.bind(HASH, TEMPLATE)
+    try:
+        before = make("a", seed=1)
+        store.insert(before)
+        assert store.update(before)  # the script is loaded: the write below is one EVALSHA that Redis can run
+        after = dataclasses.replace(before, stats=SessionStats(bytes_observed=99, updates=5, bits=1.0,
+                                                               static_bits=2.0))
+        redis_server.pause()
+        try:
+            with pytest.raises(SessionStoreUnavailable):
+                store.update(after)
+            time.sleep(0.5)
+        finally:
+            redis_server.resume()
+        got = reachable_again(lambda: store.get("a", None, touch=False))
+        assert got is not None and same(got, before), got and got.stats
+        assert store.update(after) and store.get("a", None, touch=False).stats == after.stats  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_an_unreachable_redis_fails_fast_until_it_answers(redis_process: Callable[..., RedisProcess]) -> None:
+    """Once a call has found Redis hung (its timeout), the next ones fail at once instead of each waiting out its
+    own timeout on the engine's worker thread (found by the paused test above: static scoring stopped for the whole
+    pause); a background ping notices when Redis answers again."""
+    from server.engine import RedisSessionStore, SessionStoreUnavailable
+    from tests.server.test_redis_store import HASH, TEMPLATE, make
+
+    redis_server = redis_process()
+    store = RedisSessionStore(redis_server.url, max_sessions=10, max_bytes=10**9, timeout_s=1.0)
+    store.bind(HASH, TEMPLATE)
+    try:
+        store.insert(make("a"))
+        redis_server.pause()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SessionStoreUnavailable):
+                store.get("a", None)
+            assert time.monotonic() - t0 >= 0.9  # the first waits for its timeout
+            t0 = time.monotonic()
+            for _ in range(5):
+                with pytest.raises(SessionStoreUnavailable):
+                    store.get("a", None)
+            assert store.sweep() == 0
+            assert time.monotonic() - t0 < 0.2
+        finally:
+            redis_server.resume()
+        assert reachable_again(lambda: store.get("a", None)) is not None
+    finally:
+        store.close()
