@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from models.adaptation import (
+    STATIC_SEGMENT,
     DynEvalConfig,
     FullStream,
     Row,
@@ -42,9 +43,6 @@ from models.wordcache import WordCache
 
 __all__ = ["ModelSuggester"]
 
-_STATIC_SEGMENT = 1024  # static observing takes no steps: long segments, fewer calls
-
-
 class ModelSuggester:
     """Implements `clients.keysim.Suggester` with a model in this process (module docstring). `config` None is
     static; `stats` are the checkpoint's MS_g statistics (the RMS rules need them); `cache_weight` > 0 mixes a
@@ -55,7 +53,7 @@ class ModelSuggester:
                  cache_weight: float = 0.0, tokenizer: ByteTokenizer | None = None) -> None:
         if not 0 <= cache_weight <= 1:
             raise ValueError(f"cache_weight must be in [0, 1], not {cache_weight}")
-        self.model = model
+        self.model = model.eval()  # no dropout in what it suggests
         self.tokenizer = tokenizer or ByteTokenizer()
         self.cache_weight = cache_weight
         self.words = WordCache()
@@ -133,7 +131,7 @@ class ModelSuggester:
                 self._full.step(inputs[None, start:start + n], targets[None, start:start + n])
         else:
             job = TextJob(inputs, targets, [self._row])
-            segment = self.config.segment if self.config.mode == "sparse" else _STATIC_SEGMENT
+            segment = self.config.segment if self.config.mode == "sparse" else STATIC_SEGMENT
             while not job.done:
                 batch_step(self.model, [job], segment, self._rules)
             self._row.logprobs.clear()  # only the stream's state and adapter are kept

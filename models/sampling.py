@@ -159,7 +159,7 @@ class Stepper:
             self._generator.seed()
         self._state = state if state is not None else model.init_state(1)
         self._last_byte = last_byte
-        self._logits: torch.Tensor | None = None  # (V,) logits of the next byte, once prefilled
+        self._logits: torch.Tensor | None = None  # (V,) log-probs of the next byte, once prefilled (model.log_probs)
         self.decoder = TextDecoder(params.stop)
         self.tokens = 0  # bytes sampled so far
         self.finish_reason: FinishReason | None = None

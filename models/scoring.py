@@ -6,12 +6,11 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from models.base import Adapter, LanguageModel, State
 from models.tokenizer import ByteTokenizer
 
-__all__ = ["BOS", "ScoreResult", "score_bytes", "token_logprobs"]
+__all__ = ["BOS", "ScoreResult", "score_bytes"]
 
 LN2 = math.log(2.0)
 # Every text is scored after the tokenizer's start token (for bytes a newline), so its first byte is predicted too.
@@ -28,11 +27,6 @@ class ScoreResult:
     @property
     def bits_per_byte(self) -> float:
         return self.bits / self.bytes if self.bytes else float("nan")
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits: (B, T, V), targets: (B, T) -> log p(target) (B, T) in float32."""
-    return F.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()

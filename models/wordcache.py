@@ -168,6 +168,8 @@ class WordCache:
     def from_dict(cls, data: Mapping[str, Any], max_words: int = 2048) -> WordCache:
         """The inverse of `to_dict`; raises ValueError on anything else, including a word `observe` could not have
         counted (a session blob is user input: a lone surrogate restored here would fail every suggestion after)."""
+        if not isinstance(data, Mapping):
+            raise ValueError("a word cache is an object")
         words, pairs = data.get("words", {}), data.get("pairs", {})
         last, pending = data.get("last"), data.get("pending", "")
         ok = isinstance(words, dict) and isinstance(pairs, dict) and (last is None or _is_word(last)) \

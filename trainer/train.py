@@ -54,7 +54,11 @@ def _autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.
 @torch.no_grad()
 def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: int = 1000,
                  precision: str = "fp32") -> float:
-    """Bits per byte of `data` split into `streams` contiguous rows (state carried along each row)."""
+    """Bits per byte of `data` split into `streams` contiguous rows (state carried along each row). Under bf16 the
+    figure is the served one: a frozen copy takes the model's inference path (the mLSTM keeps its output layer in
+    float32 there; the training model under autocast would not)."""
+    if precision == "bf16" and not model.frozen:
+        model = model.trainable_copy().freeze()
     was_training = model.training
     model.eval()
     streams = max(1, min(streams, (len(data) - 1) // 2))
@@ -132,7 +136,8 @@ def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam,
     for n, p in model.named_parameters():
         if f"opt.{n}.exp_avg" in tensors:
             opt.state[p] = {"step": torch.tensor(info["opt_steps"][n]),
-                            "exp_avg": tensors[f"opt.{n}.exp_avg"], "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"]}
+                            "exp_avg": tensors[f"opt.{n}.exp_avg"].to(p.device),
+                            "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].to(p.device)}
     torch.set_rng_state(tensors[_rng_key("torch", group.rank)])
     device = torch.device(device)
     if device.type == "cuda" and _rng_key("cuda", group.rank) in tensors:
@@ -286,7 +291,7 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         save_best(math.nan)
     group.barrier()
     # final: best weights, MS_g statistics on training data (every process its share), full validation, card
-    ckpt = load_checkpoint(out, trainable=True)  # the statistics take gradients of the weights
+    ckpt = load_checkpoint(out, trainable=True, device=device)  # the statistics take gradients of the weights
     best_model = ckpt.model
     weights_dtype = DTYPES[cfg.weights_dtype]
     with torch.no_grad():  # everything below is measured on the weights as shipped

@@ -22,11 +22,11 @@ from models.adaptation._sparse import (
     sparse_sites,
     sparse_step,
 )
-from models.adaptation._step import DIVERGED_BITS, Row, RuleCache, TextJob, batch_step
+from models.adaptation._step import DIVERGED_BITS, STATIC_SEGMENT, Row, RuleCache, TextJob, batch_step
 
 __all__ = [
-    "DIVERGED_BITS", "EVAL_MODES", "MODES", "RULES", "CacheConfig", "DynEvalConfig", "DynEvalSettings", "EvalResult",
-    "FullStream", "NeuralCache", "Row", "RuleCache", "ScoreStep", "SparseStep", "TextJob", "UpdateRule",
-    "adapted_parameter_names", "adapter_ms_g", "batch_step", "evaluate", "evaluate_many", "score_step",
-    "sparse_rule", "sparse_sites", "sparse_step", "split_documents",
+    "DIVERGED_BITS", "EVAL_MODES", "MODES", "RULES", "STATIC_SEGMENT", "CacheConfig", "DynEvalConfig",
+    "DynEvalSettings", "EvalResult", "FullStream", "NeuralCache", "Row", "RuleCache", "ScoreStep", "SparseStep",
+    "TextJob", "UpdateRule", "adapted_parameter_names", "adapter_ms_g", "batch_step", "evaluate", "evaluate_many",
+    "score_step", "sparse_rule", "sparse_sites", "sparse_step", "split_documents",
 ]

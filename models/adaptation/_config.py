@@ -61,6 +61,10 @@ class DynEvalConfig:
                 raise ValueError(f"{name} must be finite and >= 0, not {value!r}")
         if self.decay > 1:
             raise ValueError(f"decay must be <= 1, not {self.decay}")
+        for name in ("segment", "adapter_units"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be a whole number, not {value!r}")
         if self.segment < 1:
             raise ValueError(f"segment must be >= 1, not {self.segment}")
         if self.adapter_units < 0:
@@ -99,6 +103,10 @@ class DynEvalConfig:
         for key in ("lr", "decay", "eps"):
             if key in merged:
                 merged[key] = float(merged[key])
+        for key in ("segment", "adapter_units"):  # a whole number written as 20.0 is still 20
+            value = merged.get(key)
+            if isinstance(value, float) and value.is_integer():
+                merged[key] = int(value)
         return cls(**merged)
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,14 +25,13 @@ from models.adaptation._config import DynEvalConfig
 from models.adaptation._full import FullStream, adapted_parameter_names
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import eval_mode, sparse_rule
-from models.adaptation._step import Row, RuleCache, TextJob, batch_step
+from models.adaptation._step import STATIC_SEGMENT, Row, RuleCache, TextJob, batch_step
 from models.base import LanguageModel, State
 from models.tokenizer import ByteTokenizer
 
 __all__ = ["EvalResult", "adapted_parameter_names", "evaluate", "evaluate_many", "split_documents"]
 
 LN2 = math.log(2.0)
-_STATIC_CHUNK = 1024  # static scoring has no updates: long chunks, fewer calls
 
 
 @dataclass
@@ -82,7 +81,7 @@ def _batched_streams(model: LanguageModel, docs: Sequence[bytes], config: DynEva
         mats = {s: torch.zeros(k, k, dtype=ref.dtype, device=ref.device) for s, k in sites.items()} if rule else None
         row = Row(model.init_state(1), mats, rule, NeuralCache(config.cache) if config.cache else None)
         jobs.append(TextJob(inputs, targets, [row]))
-    segment = config.segment if rule is not None else _STATIC_CHUNK
+    segment = config.segment if rule is not None else STATIC_SEGMENT
     rules = RuleCache()
     while running := [job for job in jobs if not job.done]:
         batch_step(model, running, segment, rules)

@@ -9,7 +9,7 @@ each row, and each row's new state is the one after its own last real token.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -53,26 +53,21 @@ def eval_mode(model: LanguageModel) -> Iterator[None]:
         model.train(was_training)
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T, V) -> (B, T, V); at least float32 (like models.scoring), float64 stays float64."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    return torch.log_softmax(logits, dim=-1)
-
-
 def row_mask(mask: torch.Tensor, shape_like: torch.Tensor) -> torch.Tensor:
     """(B,) bool -> broadcastable against a (B, ...) tensor."""
     return mask.view(-1, *([1] * (shape_like.dim() - 1)))
 
 
 def forward_rows(forward: ForwardFn, inputs: torch.Tensor, lengths: torch.Tensor, state: State,
-                 adapter: Adapter | None) -> tuple[torch.Tensor, torch.Tensor | None, State]:
+                 adapter: Adapter | None, row_lengths: Sequence[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, State]:
     """Run right-padded rows: inputs (B, T), lengths (B,) -> logits (B, T, V), hidden (B, T, H) or None,
     and the state of each row after its own last real token (rows of length 0 keep `state`).
 
-    The time axis is cut at each distinct row length (usually none: one forward call)."""
+    The time axis is cut at each distinct row length (usually none: one forward call). `row_lengths`, the same
+    lengths as host integers, spares reading them back from the device."""
     T = inputs.shape[1]
-    cuts = sorted({int(c) for c in lengths.tolist()} | {T})
+    cuts = sorted({int(c) for c in (row_lengths if row_lengths is not None else lengths.tolist())} | {T})
     logits, hidden = [], []
     final = state
     current, start = state, 0
@@ -143,7 +138,8 @@ def sparse_rule(model: LanguageModel, config: DynEvalConfig,
 
 def sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 state: State, adapter: Adapter, ms_g: Mapping[str, torch.Tensor] | None = None,
-                config: DynEvalConfig | None = None, *, rule: UpdateRule | None = None) -> SparseStep:
+                config: DynEvalConfig | None = None, *, rule: UpdateRule | None = None,
+                row_lengths: Sequence[int] | None = None) -> SparseStep:
     """Score one segment of B streams with their current M, then take one update step on each M.
 
     inputs, targets: (B, n) int64; mask: (B, n) bool, True on a prefix of each row; state: (B, ...);
@@ -157,21 +153,25 @@ def sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tenso
     """
     if rule is None and config is None:
         raise ValueError("sparse_step needs an update rule or the config to build one")
+    # `row_lengths` (host integers, from a caller that built the mask from them) spares the mask check's and the
+    # time cuts' reads back from the device
     with torch.inference_mode(False):  # a caller under inference mode still gets its gradient step
         return _sparse_step(model, _plain(inputs), _plain(targets), _plain(mask),
                             State({k: _plain(v) for k, v in state.tensors.items()}),
-                            {n: _plain(m) for n, m in adapter.mats.items()}, ms_g, config, rule)
+                            {n: _plain(m) for n, m in adapter.mats.items()}, ms_g, config, rule, row_lengths)
 
 
 @torch.no_grad()
 def score_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-               state: State, adapter: Adapter | None = None, *, keep_dist: bool = False) -> ScoreStep:
+               state: State, adapter: Adapter | None = None, *, keep_dist: bool = False,
+               row_lengths: Sequence[int] | None = None) -> ScoreStep:
     """`sparse_step` without the update: score one segment of B right-padded streams, each with its own M
     (or none). Same layout as `sparse_step`; its log-probs equal sparse_step's for the same inputs.
-    `keep_dist` also returns the log-distributions and hidden states (for the neural cache)."""
+    `keep_dist` also returns the log-distributions and hidden states (for the neural cache); `row_lengths`
+    (the mask's row lengths as host integers) spares a read back from the device."""
     lengths = mask.long().sum(1)  # (B,)
     with eval_mode(model):
-        logits, hidden, new_state = forward_rows(model, inputs, lengths, state, adapter)
+        logits, hidden, new_state = forward_rows(model, inputs, lengths, state, adapter, row_lengths)
         log_dist = model.log_probs(Output(logits=logits, state=new_state))  # (B, n, V)
         lp = log_dist.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
     return ScoreStep(logprobs=torch.where(mask, lp, 0.0), state=new_state,
@@ -185,17 +185,19 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 def _sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                  state_in: State, mats_in: dict[str, torch.Tensor], ms_g: Mapping[str, torch.Tensor] | None,
-                 config: DynEvalConfig | None, rule: UpdateRule | None) -> SparseStep:
+                 config: DynEvalConfig | None, rule: UpdateRule | None,
+                 row_lengths: Sequence[int] | None) -> SparseStep:
     B, T = inputs.shape
     lengths = mask.long().sum(1)  # (B,)
-    if not torch.equal(mask, torch.arange(T, device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)):
+    if row_lengths is None and not torch.equal(mask, torch.arange(T, device=mask.device).unsqueeze(0)
+                                               < lengths.unsqueeze(1)):
         raise ValueError("mask must be True on a prefix of each row (right padding)")
     if rule is None:
         assert config is not None
         rule = UpdateRule(config, list(mats_in), ms_g)
     mats = {n: m.detach().requires_grad_(True) for n, m in mats_in.items()}
     with torch.enable_grad(), eval_mode(model):
-        logits, hidden, new_state = forward_rows(model, inputs, lengths, state_in, Adapter(mats))
+        logits, hidden, new_state = forward_rows(model, inputs, lengths, state_in, Adapter(mats), row_lengths)
         # under bf16 autocast (models/precision.py) the model chose what runs in bf16; the loss and the backward
         # here stay in float32
         with torch.autocast(inputs.device.type, enabled=False):
@@ -213,8 +215,8 @@ def _sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tens
     state_ok = finite_rows(list(new_state.tensors.values()), B)  # (B,)
     take_m = (lengths > 0) & state_ok & finite_rows(list(new.values()), B)  # (B,)
     # where() only when a row is refused: a (B, k, k) pass saved in the common case
-    # On a CPU, where() only when a row is refused (a (B, k, k) pass saved in the common case); on a GPU always,
-    # which costs less than the host synchronisation that asking would
+    # On a CPU, where() only when a row is refused (a (B, k, k) pass saved in the common case); on a GPU always:
+    # that costs less than the host synchronisation that asking would
     cpu = inputs.device.type == "cpu"
     out_mats = new if cpu and bool(take_m.all()) else {
         n: torch.where(row_mask(take_m, m), new[n], m) for n, m in old.items()}

@@ -31,8 +31,9 @@ from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import score_step, sparse_step
 from models.base import Adapter, LanguageModel, State
 
-__all__ = ["DIVERGED_BITS", "Row", "RuleCache", "TextJob", "batch_step"]
+__all__ = ["DIVERGED_BITS", "STATIC_SEGMENT", "Row", "RuleCache", "TextJob", "batch_step"]
 
+STATIC_SEGMENT = 1024  # rows that only score take no steps: long segments, fewer calls
 DIVERGED_BITS = 64.0  # mean bits per token over a segment beyond which an adapter counts as diverged
 
 
@@ -86,6 +87,11 @@ class RuleCache:
         return self._rule
 
 
+def _to(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host integers to `device` without waiting for its queue (an index or lengths tensor of a step)."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
 def _stacked_adapter(rows: Sequence[Row]) -> Adapter | None:
     return Adapter.stack_padded([Adapter({s: m.unsqueeze(0) for s, m in row.mats.items()})
                                  if row.mats is not None else None for row in rows])
@@ -106,7 +112,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             x[r, :t] = job.inputs[job.pos : job.pos + t]
             y[r, :t] = job.targets[job.pos : job.pos + t]
             r += 1
-    length_t = torch.tensor(lengths, device=ref.device)  # (B,)
+    length_t = _to(lengths, ref.device)  # (B,)
     mask = torch.arange(n, device=ref.device).unsqueeze(0) < length_t.unsqueeze(1)  # (B, n)
     sites = [s.name for s in model.adaptation_sites()]
     # Adapting rows take a forward and a backward; the others (static scores, peeks, observes' shadows) only a
@@ -118,7 +124,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     new_state: dict[int, State] = {}
     new_mats: dict[str, torch.Tensor] = {}
     learned_row: dict[int, int] = {}  # batch row -> its row in the adapting call
-    failed = [False] * len(rows)
+    failed_t = torch.zeros(len(rows), dtype=torch.bool, device=ref.device)  # (B,) updates the guard refused
     cached: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # batch row -> (log_dist, hidden) (1, n, .)
 
     def keep_dist(index: list[int], log_dist: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
@@ -129,35 +135,35 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
 
     if learn:
         part = [rows[i] for i in learn]
-        index = torch.tensor(learn, device=ref.device)
+        index = _to(learn, ref.device)
         # zero-padded to the batch's largest k; `UpdateRule.stack` keeps the padding 0 through the update
         adapter = _stacked_adapter(part)
         assert adapter is not None
         shapes = {site: tuple(m.shape[1:]) for site, m in adapter.mats.items()}
         rule = (rules or RuleCache()).stacked(part, sites, shapes, ref.dtype, ref.device)
         step = sparse_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]), adapter,
-                           None, rule=rule)
+                           None, rule=rule, row_lengths=[lengths[i] for i in learn])
         logprobs[index] = step.logprobs.to(logprobs.dtype)
-        refused = step.failed.tolist()  # one host synchronisation for the batch
+        failed_t[index] = step.failed
         for j, i in enumerate(learn):
             new_state[i] = step.state.select(j)
-            failed[i] = refused[j]
         new_mats = dict(step.adapter.mats)
         learned_row = {i: j for j, i in enumerate(learn)}
         keep_dist(learn, step.log_dist, step.hidden)
     if keep:
         part = [rows[i] for i in keep]
-        index = torch.tensor(keep, device=ref.device)
+        index = _to(keep, ref.device)
         with_dist = any(row.cache is not None for row in part)
         scored = score_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]),
-                            _stacked_adapter(part), keep_dist=with_dist)
+                            _stacked_adapter(part), keep_dist=with_dist, row_lengths=[lengths[i] for i in keep])
         logprobs[index] = scored.logprobs.to(logprobs.dtype)
         for j, i in enumerate(keep):
             new_state[i] = scored.state.select(j)
         keep_dist(keep, scored.log_dist, scored.hidden)
-    # one host synchronisation per step for the guard: per row, are its scores usable?
+    # the guard's one read back from the device a step: per row, are its scores usable, and was its update refused?
     bits = -logprobs.sum(1) / length_t.clamp(min=1).to(logprobs.dtype) / math.log(2.0)  # (B,) mean bits a token
-    usable = (torch.isfinite(logprobs).all(1) & (bits <= DIVERGED_BITS)).tolist()  # (B,)
+    usable_t = torch.isfinite(logprobs).all(1) & (bits <= DIVERGED_BITS)  # (B,)
+    usable, failed = torch.stack([usable_t, failed_t]).tolist()
     b = 0
     for job in jobs:
         mine = range(b, b + len(job.rows))

@@ -58,7 +58,7 @@ def _header_metadata(blob: bytes) -> dict[str, str]:
         raise SessionImportError("not a session export (bad header)")
     try:
         header = json.loads(blob[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nesting 1e5 deep
         raise SessionImportError("not a session export (bad header)") from None
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:

@@ -84,7 +84,8 @@ def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalCon
             return None, None, (f"the checkpoint has no adapter statistics (MS_g) for the {base.rule!r} rule; "
                                 "train it to the end (or collect them) to serve sessions")
         units = min([units, *(min(t.shape) for t in stats if t is not None)])
-    default = min(base.adapter_units or units, units)
+    # the settings' k, else the sites' own default (`Site.adapter_size`), within what the sites and statistics cover
+    default = min(base.adapter_units or min(s.adapter_size() for s in sites), units)
     return SessionLimits(lr=base.lr, decay=base.decay, adapter_size=default, max_adapter_size=units,
                          rule=base.rule, eps=base.eps, segment=base.segment,
                          cache_weight=ckpt.dyneval.cache_weight), base, ""

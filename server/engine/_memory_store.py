@@ -170,7 +170,7 @@ class MemorySessionStore(SessionStore):
                         session = dataclasses.replace(
                             session, id=str(entry["id"]), owner=owner, created=float(entry["created"]),
                             last_used=float(entry["last_used"]), ttl_s=float(entry["ttl_s"]))
-                    except (KeyError, TypeError, ValueError, SessionImportError) as e:
+                    except (KeyError, TypeError, ValueError, AttributeError, SessionImportError) as e:
                         skipped += 1
                         log.warning("a session of the snapshot cannot be read (%s): skipped", e)
                         continue

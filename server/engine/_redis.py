@@ -290,7 +290,9 @@ class RedisSessionStore(SessionStore):
         # A write that times out is not known to have failed: Redis may run it later (a paused or partitioned
         # Redis reads the command from its socket when it resumes), after the client was answered 503, which
         # promises that nothing was done (clients retry it: an observe would adapt twice). So the write carries a
-        # deadline, half the socket timeout after it is sent, in Redis's clock: run later, it writes nothing.
+        # deadline, half the socket timeout after it is sent, in Redis's clock: run later, it writes nothing. This
+        # narrows the window, it does not close it: a script run before its deadline whose reply is then lost
+        # (Redis paused just after) is done and still answered 503.
         deadline = time.time() + self._skew_s + self._timeout_s / 2
         written = int(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock())),
                                 str(math.floor(deadline * 1000))))

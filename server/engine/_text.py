@@ -191,7 +191,8 @@ class TextExecutor:
             words.observe(work.data.decode("utf-8", errors="ignore"))
             session = dataclasses.replace(
                 old, last_used=time.time(), state=_owned(main.state), static_state=_owned(shadow.state),
-                last_token=work.data[-1], adapter=Adapter({k: m.unsqueeze(0).clone() for k, m in main.mats.items()}),
+                last_token=self._ckpt.tokenizer.last_token(work.data),
+                adapter=Adapter({k: m.unsqueeze(0).clone() for k, m in main.mats.items()}),
                 stats=stats, words=words)
             if not self._sessions.store.update(session):
                 raise SessionNotFound(session.id)  # deleted while it was being observed
