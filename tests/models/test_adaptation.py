@@ -604,3 +604,11 @@ def test_offline_sparse_evaluation_has_the_servers_guard(tiny_checkpoint: Path) 
     assert wild.bits_per_byte < 3 * static.bits_per_byte
     calm = evaluate(ckpt.model, text, config_for("sparse", ckpt.dyneval), stats=ckpt.stats)
     assert calm.adapter_resets == 0 and calm.skipped_updates == 0
+
+
+def test_segment_and_adapter_units_are_whole_numbers() -> None:
+    """A segment of 20.5 used to pass the checkpoint's validation and fail every text step later (a 500 each)."""
+    assert DynEvalConfig.from_dict({"segment": 20.0, "adapter_units": 64.0}).segment == 20
+    for bad in ({"segment": 20.5}, {"adapter_units": 1.5}, {"segment": True}):
+        with pytest.raises(ValueError, match="whole number"):
+            DynEvalConfig.from_dict(bad)

@@ -69,3 +69,11 @@ def test_bounded_and_serialised() -> None:
                 {"last": 3}, {"pending": None}):
         with pytest.raises(ValueError):
             WordCache.from_dict(bad)
+
+
+def test_a_cache_that_is_not_an_object_is_refused() -> None:
+    """Session blobs are user input: a list or a string where the cache's object belongs is a ValueError (the
+    import answers 422), not an AttributeError (a 500)."""
+    for bad in (["x"], "x", 3, None):
+        with pytest.raises(ValueError):
+            WordCache.from_dict(bad)  # type: ignore[arg-type]
