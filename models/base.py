@@ -201,6 +201,10 @@ class LanguageModel(nn.Module):
     def adaptation_sites(self) -> list[Site]:
         raise NotImplementedError
 
+    def set_training_progress(self, fraction: float) -> None:
+        """Called by the trainer before each step with the fraction of training done (step / max_steps), for
+        models whose losses follow a schedule (the character transformer's auxiliary losses); a no-op here."""
+
     def freeze(self) -> LanguageModel:
         """Make the weights constants for inference (once, at load); -> self."""
         for p in self.parameters():
