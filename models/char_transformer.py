@@ -21,8 +21,9 @@ The forward sees the inputs, not the targets: in a contiguous stream target t is
 use the chunk's own inputs and leave out its last one (next-byte) or two (two-ahead) positions.
 
 Training-only parameters: everything under `aux.` (`training_only_parameters`). The checkpoint keeps them, so that
-training resumes; inference never reads them (eval mode computes no auxiliary output), so a served model works with
-them absent: `load_state_dict(..., strict=False)` with only `aux.` keys missing gives the same logits.
+training resumes, and lists their names in config.json (`training_only_parameters`). Inference never reads them
+(eval mode computes no auxiliary output), so a served model works with them absent: `load_state_dict(...,
+strict=False)` with only `aux.` keys missing gives the same logits.
 
 Window, state and cost. Positions are absolute within a window of `context` C bytes (the positional embeddings are
 learned for positions 0..C-1, paper: "we don't require the model to generalize to longer contexts"). State: the
@@ -260,7 +261,9 @@ class CharTransformer(LanguageModel):
             l, ahead = (int(name[5:]), 1) if name.startswith("layer") else (int(name[3:]), 2)
             if T <= ahead:
                 continue
-            head = self.aux["next"][l] if ahead == 1 else self.aux["two"][l]
+            heads = self.aux["next"] if ahead == 1 else self.aux["two"]
+            assert isinstance(heads, nn.ModuleList)
+            head = heads[l]
             logits = head(layer_outs[l][:, : T - ahead])  # (B, T-ahead, V)
             out[name] = w * F.cross_entropy(logits.float().flatten(0, 1), tokens[:, ahead:].flatten())
         return out

@@ -105,7 +105,8 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
     base = PRESETS.get(preset or "", {})
     if preset and arch in ARCH_PRESETS:
         if preset not in ARCH_PRESETS[arch]:
-            raise ValueError(f"preset {preset!r} has no settings for {arch}; choose from {', '.join(ARCH_PRESETS[arch])}")
+            known = ", ".join(ARCH_PRESETS[arch])
+            raise ValueError(f"preset {preset!r} has no settings for {arch}; choose from {known}")
         base = ARCH_PRESETS[arch][preset]
     for layer in ([base] if preset else []) + list(layers):
         unknown = sorted(set(layer) - names)

@@ -196,6 +196,8 @@ def test_training_lowers_the_loss_and_the_checkpoint_loads_back(trained: tuple[P
     assert isinstance(ckpt.model, CharTransformer) and ckpt.model.frozen
     # the checkpoint keeps the training-only heads (resumable) and loads back to identical logits
     assert all(n in dict(ckpt.model.named_parameters()) for n in ckpt.model.training_only_parameters())
+    listed = json.loads((out / "config.json").read_text())["training_only_parameters"]
+    assert listed == ckpt.model.training_only_parameters() and all(n.startswith("aux.") for n in listed)
     again = load_checkpoint(out).model
     x = _tokens(30, batch=2)
     with torch.no_grad():
