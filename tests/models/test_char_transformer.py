@@ -16,7 +16,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from models.adaptation import DynEvalConfig, evaluate
+from models.adaptation import DynEvalConfig, evaluate, evaluate_many
 from models.base import Adapter, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.checkpoint import Checkpoint, load_checkpoint
@@ -223,6 +223,18 @@ def test_sparse_dynamic_evaluation_lowers_the_bits_of_a_repetitive_text(ckpt: Ch
     sparse_later = -sparse.logprobs[later].sum() / math.log(2)
     assert sparse_later < 0.9 * static_later, (static_later, sparse_later)
     assert sparse.adapted["resid"].shape == (32, 32)
+
+
+def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
+    """Batched sparse dynamic evaluation: rows whose windows slide at different times equal each text alone."""
+    texts = [_repetitive(57, seed=1), TEXT.encode(), _repetitive(13, seed=2), b"x"]
+    cfg = DynEvalConfig(mode="sparse", rule="sgd", lr=0.3, segment=10, adapter_units=20)
+    for res, text in zip(evaluate_many(ckpt.model, texts, cfg, max_streams=3), texts, strict=True):
+        alone = evaluate(ckpt.model, text, cfg)
+        assert res.bytes == len(text)
+        torch.testing.assert_close(torch.as_tensor(res.logprobs), torch.as_tensor(alone.logprobs), rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(res.adapted["resid"], alone.adapted["resid"], rtol=1e-4, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
