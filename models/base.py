@@ -201,6 +201,15 @@ class LanguageModel(nn.Module):
     def adaptation_sites(self) -> list[Site]:
         raise NotImplementedError
 
+    def training_only_parameters(self) -> list[str]:
+        """Names of parameters only training reads (auxiliary heads): checkpoints keep them, so training resumes,
+        and list them in config.json (`training_only_parameters`); inference never reads them. None here."""
+        return []
+
+    def set_training_progress(self, fraction: float) -> None:
+        """Called by the trainer before each step with the fraction of training done (step / max_steps), for
+        models whose losses follow a schedule (the character transformer's auxiliary losses); a no-op here."""
+
     def freeze(self) -> LanguageModel:
         """Make the weights constants for inference (once, at load); -> self."""
         for p in self.parameters():

@@ -74,6 +74,8 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
     out.mkdir(parents=True, exist_ok=True)
     config = {"format": FORMAT_VERSION, "model": model.config.to_dict(), **(meta or {}),
               "tokenizer": (tokenizer or ByteTokenizer()).to_dict()}
+    if model.training_only_parameters():  # which weights are not inference parameters (the model's docstring)
+        config["training_only_parameters"] = model.training_only_parameters()
     weights = {k: v.detach().to("cpu", weights_dtype).contiguous() for k, v in model.state_dict().items()}
     stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()}
     staged: dict[str, Callable[[Path], object]] = {

@@ -6,12 +6,14 @@ import dataclasses
 from typing import Any
 
 from models.base import LanguageModel, ModelConfig
+from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.mlstm import MLSTM, MLSTMConfig
 
 __all__ = ["REGISTRY", "build_model", "config_from_dict", "register"]
 
 REGISTRY: dict[str, tuple[type[ModelConfig], type[LanguageModel]]] = {
     "mlstm": (MLSTMConfig, MLSTM),
+    "char-transformer": (CharTransformerConfig, CharTransformer),
 }
 
 

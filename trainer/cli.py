@@ -12,12 +12,13 @@ if TYPE_CHECKING:
 
 __all__ = ["add_train_arguments", "config_from_args"]
 
+_ARCHS = ("mlstm", "char-transformer")  # trainable architectures (models/registry.py), named without importing torch
 _FLAGS = ("max_steps", "max_minutes", "batch_size", "bptt", "lr", "seed", "threads")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The training flags, on `p`."""
-    p.add_argument("--arch", choices=["mlstm"], default=None)
+    p.add_argument("--arch", choices=list(_ARCHS), default=None)
     p.add_argument("--preset", choices=["tiny", "default"], default=None)
     p.add_argument("--config", help="JSON or TOML file of training settings")
     p.add_argument("--data", nargs="+", required=True, help="training text files")
@@ -53,8 +54,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg = make_config(args.preset, *layers)
     except TypeError as e:
         raise ValueError(str(e)) from None
-    if cfg.arch != "mlstm":
-        raise ValueError(f"architecture {cfg.arch!r} cannot be trained yet (available: mlstm)")
+    if cfg.arch not in _ARCHS:
+        raise ValueError(f"architecture {cfg.arch!r} cannot be trained yet (available: {', '.join(_ARCHS)})")
     for p in [*args.data, *([args.valid] if args.valid else [])]:
         if not Path(p).is_file():
             raise ValueError(f"{p}: no such file")

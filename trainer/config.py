@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "PRESETS", "TrainConfig", "load_config_file", "make_config"]
+__all__ = ["ARCH_PRESETS", "DTYPES", "PRESETS", "TrainConfig", "load_config_file", "make_config"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -66,6 +66,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Per-architecture presets: for an architecture named here, `preset` picks these settings instead of PRESETS' (the
+# model fields differ between architectures); a preset it does not name is refused.
+ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "char-transformer": {
+        # seconds on a CPU: for tests and smoke runs (window 64 bytes, chunks of 32 slide through it)
+        "tiny": {
+            "model": {"d_model": 64, "n_layer": 3, "n_head": 2, "d_ff": 256, "context": 64},
+            "batch_size": 16, "bptt": 32, "lr": 1e-3, "lr_final": 3e-4, "max_steps": 120, "valid_every": 40,
+            "valid_streams": 4, "stats_batches": 4, "stats_batch_size": 8, "log_every": 20,
+        },
+    },
+}
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     try:
@@ -87,7 +101,14 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     merged: dict[str, Any] = {"model": {}}
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    for layer in ([PRESETS[preset]] if preset else []) + list(layers):
+    arch = next((layer["arch"] for layer in reversed(layers) if "arch" in layer), TrainConfig.arch)
+    base = PRESETS.get(preset or "", {})
+    if preset and arch in ARCH_PRESETS:
+        if preset not in ARCH_PRESETS[arch]:
+            known = ", ".join(ARCH_PRESETS[arch])
+            raise ValueError(f"preset {preset!r} has no settings for {arch}; choose from {known}")
+        base = ARCH_PRESETS[arch][preset]
+    for layer in ([base] if preset else []) + list(layers):
         unknown = sorted(set(layer) - names)
         if unknown:
             raise ValueError(f"unknown training setting(s): {', '.join(unknown)}")

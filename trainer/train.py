@@ -243,6 +243,7 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         lr = _lr_at(cfg, step)
         for param_group in opt.param_groups:
             param_group["lr"] = lr
+        model.set_training_progress(step / cfg.max_steps)  # schedules of auxiliary losses
         with _autocast(cfg.precision, device):
             output = net(chunk[:, :-1], state)  # DDP: the backward averages the gradients over the processes
         loss = model.loss(output, chunk[:, 1:])  # the model's own loss: its auxiliary losses included

@@ -1,0 +1,270 @@
+"""Deep character transformer with auxiliary losses (Al-Rfou et al. 2018; ALGORITHMS.md §6; papers/ file 000).
+
+    x = E[byte]
+    block l:  x += P_l[pos]                 a learned positional embedding per layer, added to every layer's input
+              x += Attn(LN(x))              causal, over the current window only
+              x += MLP(LN(x))
+    h' = h + M h                            adaptation site "resid" on the first k units, after block `adapt_layer`
+    logits = W LN(x_N)
+
+Layer norm: the paper does not say where it sits; it builds on the Tensor2Tensor Transformer, whose defaults
+normalise each sub-layer's input, so this is pre-LN (and a final LN before the classifier); pre-LN also keeps a deep
+stack trainable without warm-up tricks.
+
+Auxiliary losses (paper, "Auxiliary Losses"; returned in `Output.aux` in training mode only, weights applied):
+- multiple positions: the main loss is at every position (the trainer's `loss` of the logits);
+- intermediate layers: block l < N-1 has its own classifier `aux.next.{l}`; its loss counts until fraction
+  (l+1)/(2N) of training (`set_training_progress`), then is dropped (all gone at half);
+- multiple targets: every block l has a classifier `aux.two.{l}` for the byte two ahead, weight 0.5 times its
+  layer's weight (the last block's weight is always 1).
+The forward sees the inputs, not the targets: in a contiguous stream target t is input t+1, so the auxiliary losses
+use the chunk's own inputs and leave out its last one (next-byte) or two (two-ahead) positions.
+
+Training-only parameters: everything under `aux.` (`training_only_parameters`). The checkpoint keeps them, so that
+training resumes, and lists their names in config.json (`training_only_parameters`). Inference never reads them
+(eval mode computes no auxiliary output), so a served model works with them absent: `load_state_dict(...,
+strict=False)` with only `aux.` keys missing gives the same logits.
+
+Window, state and cost. Positions are absolute within a window of `context` C bytes (the positional embeddings are
+learned for positions 0..C-1, paper: "we don't require the model to generalize to longer contexts"). State: the
+window's bytes `tok` (B, C), its keys/values `k{l}`, `v{l}` (B, C, D) and `mask` (B, C), right-aligned (the newest in
+slot C-1; a fresh state is all False). A new byte is appended at the next position, attending to the cached keys and
+values: one position of compute per byte (generation and suggestions use this cache). When a row's window is full,
+it slides by the stride S: its newest C-S bytes are re-encoded from position 0 (C-S positions of compute), then the
+next S bytes are appended. So every byte is predicted with between C-S and C-1 bytes of context (at least C/2 by
+default), and the amortised cost is 1 + (C-S)/S positions per byte (2 at S = C/2), attention over up to C keys. The
+procedure depends only on each row's stream, not on how it is cut into calls: pieces equal one forward exactly
+(up to float summation order). Rows of a batch slide independently (sessions at different fills batch together).
+With the site after an intermediate layer the adapter also shapes the cached keys/values of later layers; a slide
+re-encodes with the adapter of that call.
+
+Registered in models/registry.py as "char-transformer".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.adapter import AdapterSteps
+from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
+
+__all__ = ["CharTransformer", "CharTransformerConfig"]
+
+TRAINING_ONLY_PREFIX = "aux."
+
+
+@dataclass(frozen=True)
+class CharTransformerConfig(ModelConfig):
+    arch = "char-transformer"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 2  # the paper's two heads
+    d_ff: int = 512
+    context: int = 128  # the window C (paper: 512)
+    stride: int = 0  # how far a full window slides (0: C // 2)
+    dropout: float = 0.0  # paper: 0.2 (T12), 0.55 (T64)
+    adapt_layer: int = -1  # the site sits after this block (-1: the last)
+    adapter_units: int = 0  # default k of the site (0: all of d_model)
+    aux_layers: bool = True  # intermediate-layer losses
+    aux_two_ahead: bool = True  # the byte-two-ahead losses
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: CharTransformerConfig) -> None:
+        super().__init__()
+        D = cfg.d_model
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.ln1 = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.ln2 = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, cfg.d_ff), nn.ReLU(), nn.Linear(cfg.d_ff, D))
+
+    def forward(self, x: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
+                allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, T, D); mem_k, mem_v: (B, C, D); allowed: (B, T, C+T) bool. -> x, this chunk's keys and values."""
+        B, T, D = x.shape
+        H = self.n_head
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)  # (B, T, D) each
+        keys, vals = torch.cat([mem_k, k], 1), torch.cat([mem_v, v], 1)  # (B, C+T, D)
+        qh = q.view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, Dh)
+        kh = keys.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, C+T, Dh)
+        vh = vals.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, C+T, Dh)
+        scores = qh @ kh.transpose(-1, -2) / math.sqrt(D // H)  # (B, H, T, C+T)
+        scores = scores.masked_fill(~allowed.unsqueeze(1), -math.inf)
+        att = torch.softmax(scores, dim=-1) @ vh  # (B, H, T, Dh)
+        p = self.dropout if self.training else 0.0
+        x = x + F.dropout(self.proj(att.transpose(1, 2).reshape(B, T, D)), p)  # (B, T, D)
+        x = x + F.dropout(self.mlp(self.ln2(x)), p)
+        return x, k, v
+
+
+def _classifier(cfg: CharTransformerConfig) -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab_size))
+
+
+class CharTransformer(LanguageModel):
+    config: CharTransformerConfig
+
+    def __init__(self, config: CharTransformerConfig) -> None:
+        super().__init__()
+        if config.d_model % config.n_head:
+            raise ValueError("d_model must be a multiple of n_head")
+        if config.context < 2 or not 0 <= config.stride < config.context:
+            raise ValueError("context must be >= 2 and 0 <= stride < context")
+        if not -config.n_layer <= config.adapt_layer < config.n_layer:
+            raise ValueError("adapt_layer must name a block")
+        self.config = config
+        N, C, D = config.n_layer, config.context, config.d_model
+        self.embed = nn.Embedding(config.vocab_size, D)
+        self.pos = nn.Parameter(torch.zeros(N, C, D))  # P_l[position], one table per layer (paper: L x N x d)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(N))
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, config.vocab_size)
+        # training-only classifiers (module docstring): intermediate next-byte, and two-ahead for every block
+        self.aux = nn.ModuleDict({
+            "next": nn.ModuleList(_classifier(config) for _ in range(N - 1)),
+            "two": nn.ModuleList(_classifier(config) for _ in range(N)),
+        })
+        self._progress = 0.0
+        with torch.no_grad():
+            nn.init.normal_(self.embed.weight, std=0.1)
+            nn.init.normal_(self.pos, std=0.02)
+
+    # -- interface ---------------------------------------------------------------------------------------------
+
+    @property
+    def stride(self) -> int:
+        return self.config.stride or self.config.context // 2
+
+    @property
+    def site_layer(self) -> int:
+        return self.config.adapt_layer % self.config.n_layer
+
+    def training_only_parameters(self) -> list[str]:
+        """Names of the parameters inference never reads (kept in checkpoints so training can resume)."""
+        return [n for n, _ in self.named_parameters() if n.startswith(TRAINING_ONLY_PREFIX)]
+
+    def set_training_progress(self, fraction: float) -> None:
+        self._progress = float(fraction)
+
+    def aux_weights(self, fraction: float | None = None) -> dict[str, float]:
+        """The auxiliary losses' weights at `fraction` of training (default: the progress last set): `layer{l}`
+        for block l's own next-byte classifier (l < N-1), `two{l}` for its two-ahead classifier; zero once dropped."""
+        f = self._progress if fraction is None else fraction
+        N = self.config.n_layer
+        w = [1.0 if f < (l + 1) / (2 * N) else 0.0 for l in range(N - 1)] + [1.0]  # paper: l-th stops at l/2n
+        out = {}
+        if self.config.aux_layers:
+            out.update({f"layer{l}": w[l] for l in range(N - 1)})
+        if self.config.aux_two_ahead:
+            out.update({f"two{l}": 0.5 * w[l] for l in range(N)})
+        return out
+
+    def init_state(self, batch: int) -> State:
+        p = self.embed.weight
+        C, D = self.config.context, self.config.d_model
+        tensors = {"mask": torch.zeros(batch, C, dtype=torch.bool, device=p.device),
+                   "tok": torch.zeros(batch, C, dtype=torch.long, device=p.device)}
+        for i in range(self.config.n_layer):
+            tensors[f"k{i}"] = torch.zeros(batch, C, D, dtype=p.dtype, device=p.device)
+            tensors[f"v{i}"] = torch.zeros(batch, C, D, dtype=p.dtype, device=p.device)
+        return State(tensors)
+
+    def adaptation_sites(self) -> list[Site]:
+        return [Site("resid", self.config.d_model, layer=self.config.adapt_layer, per_step=False,
+                     units=self.config.adapter_units)]
+
+    def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
+        """tokens: (B, T) int64; state: tok, mask (B, C), k{l}, v{l} (B, C, D); adapter: mats["resid"] (B, k, k)."""
+        B, T = tokens.shape
+        C, S, N = self.config.context, self.stride, self.config.n_layer
+        st = dict(state.tensors)
+        mats = adapter.mats["resid"] if adapter is not None else None
+        collect = self.training and bool(self.aux_weights())
+        outs: list[list[torch.Tensor]] = [[] for _ in range(N)]  # per block, its outputs over the chunk's pieces
+        finals = []
+        n = st["mask"].sum(1)  # (B,) the fill of each row's window
+        i = 0
+        while i < T:
+            full = n == C
+            if bool(full.any()):  # slide those rows' windows by S: re-encode their newest C-S bytes from position 0
+                rows = full.nonzero()[:, 0]
+                sub = {k: v[rows] for k, v in st.items()}
+                fresh = self.init_state(len(rows)).tensors
+                _, _, new = self._append(sub["tok"][:, S:], fresh, torch.zeros_like(rows),
+                                         mats[rows] if mats is not None else None, collect=False)
+                st = {k: v.index_copy(0, rows, new[k]) for k, v in st.items()}
+                n = n.masked_fill(full, C - S)
+            m = min(T - i, int((C - n).min()))
+            x, layer_outs, st = self._append(tokens[:, i : i + m], st, n, mats, collect)
+            finals.append(x)
+            for acc, o in zip(outs, layer_outs, strict=False):
+                acc.append(o)
+            n = n + m
+            i += m
+        x = torch.cat(finals, 1) if finals else self.embed(tokens)  # (B, T, D)
+        hidden = self.ln_f(x)  # (B, T, D)
+        logits = self.head(hidden)  # (B, T, V)
+        aux = self._aux_losses(tokens, [torch.cat(o, 1) for o in outs]) if collect else {}
+        return Output(logits=logits, state=State(st), aux=aux, hidden=hidden)
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _append(self, tokens: torch.Tensor, st: dict[str, torch.Tensor], n: torch.Tensor,
+                mats: torch.Tensor | None, collect: bool
+                ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+        """Append m bytes to windows of fill n (B,), n + m <= C: tokens (B, m) take positions n..n+m-1.
+        -> the last block's output (adapted if the site is there) (B, m, D), each block's output (if `collect`),
+        the new state (the oldest m slots, all empty, drop off)."""
+        B, m = tokens.shape
+        C = self.config.context
+        dev = tokens.device
+        pos = n.view(B, 1) + torch.arange(m, device=dev).view(1, m)  # (B, m)
+        valid = torch.cat([st["mask"], st["mask"].new_ones(B, m)], 1)  # (B, C+m)
+        j = torch.arange(C + m, device=dev).view(1, C + m)
+        t = torch.arange(m, device=dev).view(m, 1)
+        causal = (j < C) | (j - C <= t)  # (m, C+m) every cached slot is older than the chunk
+        allowed = causal.unsqueeze(0) & valid.unsqueeze(1)  # (B, m, C+m)
+        x = self.embed(tokens)  # (B, m, D)
+        new: dict[str, torch.Tensor] = {}
+        layer_outs = []
+        for i, block in enumerate(self.blocks):
+            x = x + self.pos[i][pos]  # (B, m, D) this layer's positional embedding (paper: per-layer)
+            mk, mv = st[f"k{i}"], st[f"v{i}"]
+            x, k, v = block(x, mk, mv, allowed)
+            new[f"k{i}"] = torch.cat([mk, k], 1)[:, m:]  # (B, C, D)
+            new[f"v{i}"] = torch.cat([mv, v], 1)[:, m:]
+            if collect:
+                layer_outs.append(x)
+            if i == self.site_layer and mats is not None:
+                op = AdapterSteps(mats)  # h' = h + M h once per position
+                x = torch.stack([op(x_t) for x_t in x.unbind(1)], dim=1)  # (B, m, D)
+        new["mask"] = valid[:, m:]
+        new["tok"] = torch.cat([st["tok"], tokens], 1)[:, m:]
+        return x, layer_outs, new
+
+    def _aux_losses(self, tokens: torch.Tensor, layer_outs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Weighted auxiliary losses from each block's output (B, T, D); targets are the chunk's later inputs."""
+        out: dict[str, torch.Tensor] = {}
+        T = tokens.shape[1]
+        for name, w in self.aux_weights().items():
+            if w == 0.0:
+                continue
+            l, ahead = (int(name[5:]), 1) if name.startswith("layer") else (int(name[3:]), 2)
+            if T <= ahead:
+                continue
+            heads = self.aux["next"] if ahead == 1 else self.aux["two"]
+            assert isinstance(heads, nn.ModuleList)
+            head = heads[l]
+            logits = head(layer_outs[l][:, : T - ahead])  # (B, T-ahead, V)
+            out[name] = w * F.cross_entropy(logits.float().flatten(0, 1), tokens[:, ahead:].flatten())
+        return out
+

@@ -1,0 +1,269 @@
+"""The deep character transformer with auxiliary losses (models/char_transformer.py) through the whole stack:
+causality, the auxiliary-loss schedule, training-only heads, the sliding-window K/V state, cached generation,
+training with a checkpoint and MS_g statistics, sparse dynamic evaluation and an HTTP session.
+
+References are computed in the same run (the model's own forward); no numbers from one machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from models.adaptation import DynEvalConfig, evaluate, evaluate_many
+from models.base import Adapter, State
+from models.char_transformer import CharTransformer, CharTransformerConfig
+from models.checkpoint import Checkpoint, load_checkpoint
+from models.registry import REGISTRY, build_model, config_from_dict
+from models.sampling import SamplingParams, generate
+from models.scoring import BOS
+from trainer.config import make_config
+from trainer.train import train
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+TRAIN, VALID = DATA / "train.txt", DATA / "valid.txt"
+MODEL = {"d_model": 32, "n_layer": 3, "n_head": 2, "d_ff": 64, "context": 12}
+TRAINING = {"batch_size": 8, "bptt": 16, "lr": 3e-3, "lr_final": 1e-3, "max_steps": 60, "valid_every": 30,
+            "valid_bytes": 2000, "valid_streams": 4, "stats_batches": 2, "stats_batch_size": 4, "log_every": 10,
+            "threads": 1}
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
+
+
+def _model(seed: int = 0, **overrides: Any) -> CharTransformer:
+    torch.manual_seed(seed)
+    return CharTransformer(CharTransformerConfig(**{**MODEL, **overrides})).eval()
+
+
+def _tokens(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+# -- the model itself -------------------------------------------------------------------------------------
+
+
+def test_registered_and_config_round_trips() -> None:
+    assert REGISTRY["char-transformer"] == (CharTransformerConfig, CharTransformer)
+    cfg = CharTransformerConfig(**MODEL)
+    assert config_from_dict(cfg.to_dict()) == cfg
+    assert isinstance(build_model(cfg), CharTransformer)
+    # `--arch char-transformer --preset tiny` has model settings of its own
+    tiny = make_config("tiny", {"arch": "char-transformer"})
+    assert isinstance(build_model(config_from_dict({"arch": tiny.arch, **tiny.model})), CharTransformer)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_causal_gradient_of_output_t_wrt_later_inputs_is_zero(training: bool) -> None:
+    """Within one window and across a slide (T > context): d logits_t / d input_s = 0 exactly for s > t.
+
+    The bytes are distinct, so a probe added to the embedding of byte value x_s is input s, wherever the model
+    embeds it (the first pass and the re-encoding of a slide)."""
+    model = _model()
+    model.train(training)
+    T = 20  # past the first slide (context 12, stride 6)
+    x = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:T].view(1, T)
+    probe = torch.zeros(256, model.config.d_model, requires_grad=True)
+    hook = model.embed.register_forward_hook(lambda _m, inp, out: out + probe[inp[0]])
+    try:
+        out = model(x, model.init_state(1))
+    finally:
+        hook.remove()
+    for t in range(T):
+        (grad,) = torch.autograd.grad(out.logits[0, t].sum(), probe, retain_graph=True)
+        seen = grad[x[0]].abs().sum(1) > 0  # (T,) whether output t depends on input s
+        # causal, and the window as documented: full at 12 bytes, it slides by 6 (at t = 12 and t = 18)
+        first = 0 if t < 12 else 6 if t < 18 else 12
+        assert seen.tolist() == [first <= s <= t for s in range(T)], t
+
+
+def test_aux_weights_follow_the_schedule() -> None:
+    model = _model()  # N = 3: block l's own loss stops at (l+1)/6 of training; two-ahead 0.5 x its layer's weight
+    assert model.aux_weights(0.0) == {"layer0": 1.0, "layer1": 1.0, "two0": 0.5, "two1": 0.5, "two2": 0.5}
+    assert model.aux_weights(0.17) == {"layer0": 0.0, "layer1": 1.0, "two0": 0.0, "two1": 0.5, "two2": 0.5}
+    assert model.aux_weights(0.34) == {"layer0": 0.0, "layer1": 0.0, "two0": 0.0, "two1": 0.0, "two2": 0.5}
+    assert model.aux_weights(0.9) == model.aux_weights(0.5) == model.aux_weights(0.34)
+    # the forward returns exactly the live terms, each the weight times a cross-entropy
+    model.train()
+    x = _tokens(16, batch=2)
+    for fraction, live in [(0.0, 5), (0.2, 3), (0.6, 1)]:
+        model.set_training_progress(fraction)
+        torch.manual_seed(0)
+        out = model(x, model.init_state(2))
+        assert sorted(out.aux) == sorted(k for k, w in model.aux_weights().items() if w > 0) and len(out.aux) == live
+        assert all(v.dim() == 0 and v > 0 for v in out.aux.values())
+    ablated = _model(aux_layers=False, aux_two_ahead=False).train()
+    assert ablated(x, ablated.init_state(2)).aux == {}
+
+
+def test_training_only_heads_are_not_needed_to_score() -> None:
+    model = _model()
+    names = model.training_only_parameters()
+    assert names and all(n.startswith("aux.") for n in names)
+    assert "aux.next.0.1.weight" in names and "aux.two.2.1.weight" in names and "head.weight" not in names
+    x = _tokens(30, batch=2)
+    assert model(x, model.init_state(2)).aux == {}  # evaluation: no auxiliary output
+    inference = {k: v for k, v in model.state_dict().items() if not k.startswith("aux.")}
+    served = CharTransformer(model.config).eval()
+    missing, unexpected = served.load_state_dict(inference, strict=False)
+    assert sorted(missing) == sorted(names) and not unexpected
+    with torch.no_grad():
+        for p in served.aux.parameters():
+            p.fill_(float("nan"))  # were they read, the logits would be NaN
+        torch.testing.assert_close(served(x, served.init_state(2)).logits, model(x, model.init_state(2)).logits,
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cuts", [[1, 2, 3], [5, 11, 12], [7, 19, 30], [40]])
+def test_state_carried_across_pieces_equals_one_forward(cuts: list[int]) -> None:
+    """Within the window and past several slides: pieces with the K/V state equal one forward."""
+    model = _model()
+    x = _tokens(40, batch=3)
+    adapter = Adapter({"resid": 0.1 * torch.randn(3, 20, 20, generator=torch.Generator().manual_seed(1))})
+    with torch.no_grad():
+        whole = model(x, model.init_state(3), adapter)
+        state, parts = model.init_state(3), []
+        for a, b in zip([0, *cuts], [*cuts, 40], strict=True):
+            if b > a:
+                out = model(x[:, a:b], state, adapter)
+                state = out.state
+                parts.append(out.logits)
+    torch.testing.assert_close(torch.cat(parts, 1), whole.logits, rtol=1e-5, atol=1e-5)
+    for k, v in whole.state.tensors.items():
+        torch.testing.assert_close(state.tensors[k], v, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_at_different_fills_batch_like_each_alone() -> None:
+    """Sessions with different histories slide at different times; a batch of them equals each row alone."""
+    model = _model()
+    with torch.no_grad():
+        states = [model(_tokens(n, seed=n), model.init_state(1)).state for n in (3, 11, 12, 25)]
+        x = _tokens(9, batch=4, seed=9)
+        batched = model(x, State.stack(states))
+        for r, st in enumerate(states):
+            alone = model(x[r : r + 1], st)
+            torch.testing.assert_close(batched.logits[r : r + 1], alone.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_with_the_cache_equals_recomputation() -> None:
+    """Greedy generation (one position per byte through the cache) is the argmax of a fresh forward over the whole
+    text each time, past several slides of the window."""
+    model = _model()
+    prompt = b"It is a "
+    greedy = "".join(generate(model, prompt, SamplingParams(max_tokens=30, temperature=0)))
+    ctx, expected = [BOS, *prompt], []
+    for _ in range(30):
+        with torch.no_grad():
+            nxt = int(model(torch.tensor([ctx]), model.init_state(1)).logits[0, -1].argmax())
+        expected.append(nxt)
+        ctx.append(nxt)
+    assert greedy == bytes(expected).decode("utf-8", errors="replace")
+
+
+# -- trained: checkpoint, statistics, dynamic evaluation, server ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    out = tmp_path_factory.mktemp("chartf_checkpoint")
+    cfg = make_config(None, {"arch": "char-transformer", "model": MODEL, **TRAINING})
+    threads = torch.get_num_threads()
+    try:
+        result = train(cfg, [TRAIN], out, valid_path=VALID, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def ckpt(trained: tuple[Path, Any]) -> Checkpoint:
+    return load_checkpoint(trained[0])
+
+
+def test_training_lowers_the_loss_and_the_checkpoint_loads_back(trained: tuple[Path, Any], ckpt: Checkpoint) -> None:
+    import json
+
+    out, result = trained
+    log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    losses = [r["train_bpb"] for r in log if "train_bpb" in r]
+    assert losses[-1] < losses[0], losses
+    valid = [r["valid_bpb"] for r in log if "valid_bpb" in r]
+    assert valid and math.isfinite(result.best_valid_bpb) and result.best_valid_bpb < 8.0
+    assert isinstance(ckpt.model, CharTransformer) and ckpt.model.frozen
+    # the checkpoint keeps the training-only heads (resumable) and loads back to identical logits
+    assert all(n in dict(ckpt.model.named_parameters()) for n in ckpt.model.training_only_parameters())
+    listed = json.loads((out / "config.json").read_text())["training_only_parameters"]
+    assert listed == ckpt.model.training_only_parameters() and all(n.startswith("aux.") for n in listed)
+    again = load_checkpoint(out).model
+    x = _tokens(30, batch=2)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x, again.init_state(2)).logits, ckpt.model(x, ckpt.model.init_state(2)).logits,
+                                   rtol=0, atol=0)
+    ms_g = ckpt.stats["adapter.resid"]
+    assert ms_g.shape == (32, 32) and bool((ms_g > 0).any()) and bool(torch.isfinite(ms_g).all())
+
+
+def _repetitive(n: int = 120, alphabet: int = 6, seed: int = 0) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    symbols = torch.randperm(26, generator=g)[:alphabet] + ord("a")
+    return bytes(symbols[torch.randint(0, alphabet, (n,), generator=g)].tolist())
+
+
+def test_sparse_dynamic_evaluation_lowers_the_bits_of_a_repetitive_text(ckpt: Checkpoint) -> None:
+    s = _repetitive()
+    text = s * 3
+    static = evaluate(ckpt.model, text, DynEvalConfig(mode="static"))
+    sparse = evaluate(ckpt.model, text, DynEvalConfig(mode="sparse", rule="sgd", lr=0.5, segment=10))
+    later = slice(len(s), None)
+    static_later = -static.logprobs[later].sum() / math.log(2)
+    sparse_later = -sparse.logprobs[later].sum() / math.log(2)
+    assert sparse_later < 0.9 * static_later, (static_later, sparse_later)
+    assert sparse.adapted["resid"].shape == (32, 32)
+
+
+def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
+    """Batched sparse dynamic evaluation: rows whose windows slide at different times equal each text alone."""
+    texts = [_repetitive(57, seed=1), TEXT.encode(), _repetitive(13, seed=2), b"x"]
+    cfg = DynEvalConfig(mode="sparse", rule="sgd", lr=0.3, segment=10, adapter_units=20)
+    for res, text in zip(evaluate_many(ckpt.model, texts, cfg, max_streams=3), texts, strict=True):
+        alone = evaluate(ckpt.model, text, cfg)
+        assert res.bytes == len(text)
+        torch.testing.assert_close(torch.as_tensor(res.logprobs), torch.as_tensor(alone.logprobs), rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(res.adapted["resid"], alone.adapted["resid"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def client(trained: tuple[Path, Any]) -> Iterator[TestClient]:
+    from server.app import create_app
+    from server.settings import Settings
+
+    app = create_app(Settings(checkpoint=trained[0], precision="float32", max_wait_ms=100))
+    with TestClient(app) as c:
+        yield c
+
+
+def test_session_observes_suggests_and_generates(client: TestClient) -> None:
+    r = client.post("/v1/sessions", json={"adaptation": {"lr": 0.03, "decay": 0.0}})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    text = _repetitive(100, seed=9).decode()
+    seen = []
+    for _ in range(3):
+        r = client.post(f"/v1/sessions/{sid}/observe", json={"text": text})
+        assert r.status_code == 200, r.text
+        seen.append(r.json())
+    # the window (12 bytes) cannot see the repeat; the adapter learns it (RMS steps: lr 0.03 suits this model)
+    assert seen[2]["bits"] < seen[0]["bits"] and seen[2]["bits"] < 0.9 * seen[2]["static_bits"], seen
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "a tru", "k": 3, "n_chars": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert all(w["text"].startswith("tru") for w in body["completions"]) and body["next_chars"]
+    gen = client.post("/v1/generate", json={"prompt": " It", "max_tokens": 20, "temperature": 0.8, "seed": 3,
+                                            "session_id": sid})
+    assert gen.status_code == 200, gen.text
+    assert len(gen.json()["text"]) > 0
