@@ -307,8 +307,8 @@ def test_session_ids_never_start_with_a_dash() -> None:
 def test_a_header_nested_past_the_recursion_limit_is_a_bad_export() -> None:
     """Within the header size limit JSON can nest 200,000 deep: json.loads raises RecursionError, which must be
     an import error (422), not a 500."""
-    from server.engine._export import import_session
     from server.engine._errors import SessionImportError
+    from server.engine._export import import_session
 
     header = b"[" * 200_000 + b"]" * 200_000
     blob = len(header).to_bytes(8, "little") + header
