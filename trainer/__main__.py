@@ -32,12 +32,14 @@ def main(argv: Sequence[str] | None = None, on_log: Callable[[dict[str, Any]], N
         from trainer.train import train
 
         device = _dist.init(resolve_device(args.device))
+        clean = False
         try:
             group = _dist.current()
             result = train(cfg, args.data, args.out, valid_path=args.valid, resume=args.resume,
                            progress=not args.quiet, on_log=on_log, device=device)
+            clean = True
         finally:
-            _dist.shutdown()
+            _dist.shutdown(clean)
     except ValueError as e:
         print(f"trainer: error: {e}", file=sys.stderr)
         return 2

@@ -373,10 +373,12 @@ class RedisSessionStore(SessionStore):
         try:
             yield
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            self._set_unreachable()
-            raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__}: {e})") from e
-        except redis.RedisError as e:
             # The client sees the error's type only: its text names the Redis server's address (the log has it).
+            self._set_unreachable()
+            log.warning("could not %s the session store: %s", what, e)
+            raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__})") from e
+        except redis.RedisError as e:
+            log.warning("could not %s the session store: %s", what, e)
             raise SessionStoreUnavailable(f"could not {what} the session store ({type(e).__name__})") from e
 
     def _set_unreachable(self) -> None:
