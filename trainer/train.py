@@ -192,8 +192,11 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
     if group.world > 1:
         # the same initial weights everywhere (DDP broadcasts rank 0's too); then each process its own dropout masks
         torch.manual_seed(cfg.seed + group.rank)
+        # a model with training-only heads whose losses its schedule drops (the character transformer's
+        # intermediate classifiers) leaves them without gradients from then on: DDP must be told to expect that
         net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=bool(model.training_only_parameters()))
     train_bytes = read_corpus(data_paths)
     valid_bytes = read_bytes(valid_path) if valid_path else b""
     valid_slice = valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else valid_bytes
