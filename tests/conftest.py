@@ -24,25 +24,15 @@ def _train_seed() -> int | None:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint directory of the `tiny` preset trained for 40 steps on tests/data (about a second)."""
-    import torch
-
+    from tests._training import train_on_test_data
     from trainer.config import make_config
-    from trainer.train import train
 
     out = tmp_path_factory.mktemp("tiny_checkpoint")
-    # One thread: with a model this small, several threads contend with each other (and with anything else
-    # running on the machine) and training takes 10-100x longer. `threads` sets torch's global count,
-    # so it is put back for the tests that follow.
-    threads = torch.get_num_threads()
-    try:
-        overrides: dict[str, object] = {"max_steps": 40, "threads": 1}
-        seed = _train_seed()
-        if seed is not None:
-            overrides["seed"] = seed
-        train(make_config("tiny", overrides), [DATA / "train.txt"], out=out,
-              valid_path=DATA / "valid.txt", progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    overrides: dict[str, object] = {"max_steps": 40, "threads": 1}
+    seed = _train_seed()
+    if seed is not None:
+        overrides["seed"] = seed
+    train_on_test_data(make_config("tiny", overrides), out)
     return out
 
 

@@ -23,8 +23,8 @@ from models.checkpoint import Checkpoint, load_checkpoint
 from models.registry import REGISTRY, build_model, config_from_dict
 from models.sampling import SamplingParams, generate
 from models.scoring import BOS
+from tests._training import repetitive, sparse_bits_on_repeats, train_on_test_data
 from trainer.config import make_config
-from trainer.train import train
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 TRAIN, VALID = DATA / "train.txt", DATA / "valid.txt"
@@ -170,13 +170,7 @@ def test_generation_with_the_cache_equals_recomputation() -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     out = tmp_path_factory.mktemp("chartf_checkpoint")
-    cfg = make_config(None, {"arch": "char-transformer", "model": MODEL, **TRAINING})
-    threads = torch.get_num_threads()
-    try:
-        result = train(cfg, [TRAIN], out, valid_path=VALID, progress=False)
-    finally:
-        torch.set_num_threads(threads)
-    return out, result
+    return out, train_on_test_data(make_config(None, {"arch": "char-transformer", "model": MODEL, **TRAINING}), out)
 
 
 @pytest.fixture(scope="module")
@@ -207,27 +201,15 @@ def test_training_lowers_the_loss_and_the_checkpoint_loads_back(trained: tuple[P
     assert ms_g.shape == (32, 32) and bool((ms_g > 0).any()) and bool(torch.isfinite(ms_g).all())
 
 
-def _repetitive(n: int = 120, alphabet: int = 6, seed: int = 0) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    symbols = torch.randperm(26, generator=g)[:alphabet] + ord("a")
-    return bytes(symbols[torch.randint(0, alphabet, (n,), generator=g)].tolist())
-
-
 def test_sparse_dynamic_evaluation_lowers_the_bits_of_a_repetitive_text(ckpt: Checkpoint) -> None:
-    s = _repetitive()
-    text = s * 3
-    static = evaluate(ckpt.model, text, DynEvalConfig(mode="static"))
-    sparse = evaluate(ckpt.model, text, DynEvalConfig(mode="sparse", rule="sgd", lr=0.5, segment=10))
-    later = slice(len(s), None)
-    static_later = -static.logprobs[later].sum() / math.log(2)
-    sparse_later = -sparse.logprobs[later].sum() / math.log(2)
+    static_later, sparse_later, static, sparse = sparse_bits_on_repeats(ckpt.model)
     assert sparse_later < 0.9 * static_later, (static_later, sparse_later)
     assert sparse.adapted["resid"].shape == (32, 32)
 
 
 def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
     """Batched sparse dynamic evaluation: rows whose windows slide at different times equal each text alone."""
-    texts = [_repetitive(57, seed=1), TEXT.encode(), _repetitive(13, seed=2), b"x"]
+    texts = [repetitive(57, seed=1), TEXT.encode(), repetitive(13, seed=2), b"x"]
     cfg = DynEvalConfig(mode="sparse", rule="sgd", lr=0.3, segment=10, adapter_units=20)
     for res, text in zip(evaluate_many(ckpt.model, texts, cfg, max_streams=3), texts, strict=True):
         alone = evaluate(ckpt.model, text, cfg)
@@ -251,7 +233,7 @@ def test_session_observes_suggests_and_generates(client: TestClient) -> None:
     r = client.post("/v1/sessions", json={"adaptation": {"lr": 0.03, "decay": 0.0}})
     assert r.status_code == 201, r.text
     sid = r.json()["id"]
-    text = _repetitive(100, seed=9).decode()
+    text = repetitive(100, seed=9).decode()
     seen = []
     for _ in range(3):
         r = client.post(f"/v1/sessions/{sid}/observe", json={"text": text})

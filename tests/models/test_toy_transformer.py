@@ -30,9 +30,10 @@ from models.sampling import SamplingParams, generate
 from models.scoring import BOS, score_bytes
 from models.suggest import advance, is_word_char, suggest
 from models.tokenizer import ByteTokenizer
+from tests._training import repetitive, sparse_bits_on_repeats, train_on_test_data
 from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
 from trainer.config import make_config
-from trainer.train import evaluate_bpb, train
+from trainer.train import evaluate_bpb
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 TRAIN, VALID = DATA / "train.txt", DATA / "valid.txt"
@@ -64,13 +65,7 @@ def _assert_states_close(a: State, b: State, **tol: float) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     out = tmp_path_factory.mktemp("toy_checkpoint")
-    cfg = make_config(None, {"arch": "toy-transformer", "model": MODEL, **TRAINING})
-    threads = torch.get_num_threads()
-    try:
-        result = train(cfg, [TRAIN], out, valid_path=VALID, progress=False)
-    finally:
-        torch.set_num_threads(threads)
-    return out, result
+    return out, train_on_test_data(make_config(None, {"arch": "toy-transformer", "model": MODEL, **TRAINING}), out)
 
 
 @pytest.fixture(scope="module")
@@ -302,20 +297,8 @@ def test_generation_with_a_seed_is_reproducible(ckpt: Checkpoint) -> None:
 # -- sparse dynamic evaluation ----------------------------------------------------------------------------
 
 
-def _repetitive(n: int = 120, alphabet: int = 6, seed: int = 0) -> bytes:
-    g = torch.Generator().manual_seed(seed)
-    symbols = torch.randperm(26, generator=g)[:alphabet] + ord("a")
-    return bytes(symbols[torch.randint(0, alphabet, (n,), generator=g)].tolist())
-
-
 def test_sparse_dynamic_evaluation_lowers_the_bits_of_a_repetitive_text(ckpt: Checkpoint) -> None:
-    s = _repetitive()
-    text = s * 3
-    static = evaluate(ckpt.model, text, DynEvalConfig(mode="static"))
-    sparse = evaluate(ckpt.model, text, DynEvalConfig(mode="sparse", rule="sgd", lr=0.5, segment=10))
-    later = slice(len(s), None)
-    static_later = -static.logprobs[later].sum() / math.log(2)
-    sparse_later = -sparse.logprobs[later].sum() / math.log(2)
+    static_later, sparse_later, static, sparse = sparse_bits_on_repeats(ckpt.model)
     assert sparse_later < 0.9 * static_later, (static_later, sparse_later)
     assert sparse.adapted["resid"].shape == (32, 32) and sparse.skipped_updates == sparse.adapter_resets == 0
     # no peeking: the first segment is scored before any update, so it equals static
@@ -323,7 +306,7 @@ def test_sparse_dynamic_evaluation_lowers_the_bits_of_a_repetitive_text(ckpt: Ch
 
 
 def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
-    texts = [_repetitive(57, seed=1), TEXT.encode(), _repetitive(13, seed=2), b"x", _repetitive(90, seed=3)]
+    texts = [repetitive(57, seed=1), TEXT.encode(), repetitive(13, seed=2), b"x", repetitive(90, seed=3)]
     cfg = DynEvalConfig(mode="sparse", rule="sgd", lr=0.3, segment=10, adapter_units=20)
     batched = evaluate_many(ckpt.model, texts, cfg, max_streams=3)
     for text, res in zip(texts, batched, strict=True):
@@ -344,7 +327,7 @@ def _job(model: ToyTransformer, text: bytes, k: int, lr: float) -> TextJob:
 
 
 def test_batch_step_across_jobs_with_different_adapter_sizes_equals_each_alone(ckpt: Checkpoint) -> None:
-    specs = [(TEXT.encode(), 32, 0.3), (_repetitive(47, seed=5), 8, 0.5), (_repetitive(25, seed=6), 20, 0.1)]
+    specs = [(TEXT.encode(), 32, 0.3), (repetitive(47, seed=5), 8, 0.5), (repetitive(25, seed=6), 20, 0.1)]
     together = [_job(ckpt.model, *spec) for spec in specs]
     while running := [j for j in together if not j.done]:
         batch_step(ckpt.model, running, 10)
@@ -436,7 +419,7 @@ def _observe(client: TestClient, sid: str, text: str) -> dict[str, Any]:
 
 def test_session_bits_on_repeated_text_drop(client: TestClient, ckpt: Checkpoint) -> None:
     sid = _create(client, adaptation={"lr": 0.5, "decay": 0.0})["id"]
-    text = _repetitive(100, seed=9).decode()
+    text = repetitive(100, seed=9).decode()
     first, second, third = (_observe(client, sid, text) for _ in range(3))
     assert third["bits"] < 0.9 * third["static_bits"], (third, first)
     assert third["bits"] < first["bits"]
@@ -491,7 +474,7 @@ def test_session_suggest_and_generate_use_the_sessions_state_and_adapter(client:
 
 
 def test_two_sessions_batched_equal_each_alone(client: TestClient) -> None:
-    texts = [TEXT, _repetitive(77, seed=4).decode()]
+    texts = [TEXT, repetitive(77, seed=4).decode()]
     alone = [_observe(client, _create(client)["id"], t) for t in texts]
     ids = [_create(client)["id"] for _ in texts]
     engine = client.app.state.engine  # type: ignore[attr-defined]
