@@ -219,9 +219,17 @@ class LanguageModel(nn.Module):
 
     def trainable_copy(self) -> LanguageModel:
         """A private copy whose weights take gradients (full dynamic evaluation); this model is untouched."""
-        ref = next(self.parameters())
-        copy = type(self)(self.config).to(ref.device, ref.dtype)
-        copy.load_state_dict(self.state_dict())
+        # built on the meta device and given clones of this model's tensors: no random initialisation to throw away
+        # (an orthogonal init of a large recurrent matrix costs more than the copy)
+        with torch.device("meta"):
+            copy = type(self)(self.config)
+        copy.load_state_dict({k: v.detach().clone() for k, v in self.state_dict().items()}, assign=True)
+        if any(b.is_meta for b in copy.buffers()):  # buffers the state dict does not carry: build it for real
+            ref = next(self.parameters())
+            copy = type(self)(self.config).to(ref.device, ref.dtype)
+            copy.load_state_dict(self.state_dict())
+        for p in copy.parameters():
+            p.requires_grad_(True)
         return copy.eval()
 
     # -- losses and scores through the model, so that a model with an adaptive softmax or auxiliary losses

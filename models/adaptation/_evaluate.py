@@ -121,8 +121,9 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
     with torch.inference_mode(False), eval_mode(model):
         if config.mode == "full":
             streams = []
+            full = FullStream(model, config, stats)  # one private copy of the weights, reset for each text
             for doc in docs:
-                full = FullStream(model, config, stats)
+                full.reset()
                 inputs, targets = tokenizer.stream(doc, None, ref.device)
                 lps = [full.step(inputs[None, i : i + config.segment], targets[None, i : i + config.segment])
                        for i in range(0, inputs.numel(), config.segment)]

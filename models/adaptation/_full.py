@@ -56,8 +56,16 @@ class FullStream:
             ms_g = {n: stats[f"param.{n}"].to(p.device, p.dtype) for n, p in self.params.items()
                     if f"param.{n}" in stats}
         self.rule = UpdateRule(config, self.names, ms_g)
+        self._cache_config = config.cache
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the unadapted weights and the initial state: a fresh stream, without copying the model again."""
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.theta_g[n])
         self.state = self.model.init_state(1)
-        self.cache = NeuralCache(config.cache) if config.cache else None
+        self.cache = NeuralCache(self._cache_config) if self._cache_config else None
         self.skipped = 0
         self.updates = 0
 

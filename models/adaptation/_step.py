@@ -100,14 +100,14 @@ def _stacked_adapter(rows: Sequence[Row]) -> Adapter | None:
 def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rules: RuleCache | None = None) -> int:
     """Advance every job by one segment (`segment` tokens) in one batched call; -> rows in the batch."""
     rows = [row for job in jobs for row in job.rows]
-    lengths = [min(segment, job.targets.numel() - job.pos) for job in jobs for _ in job.rows]
+    spans = [min(segment, job.targets.numel() - job.pos) for job in jobs]  # this step's tokens of each job
+    lengths = [t for job, t in zip(jobs, spans, strict=True) for _ in job.rows]
     n = max(lengths)
     ref = next(model.parameters())
     x = torch.zeros(len(rows), n, dtype=torch.long, device=ref.device)  # (B, n) right-padded
     y = torch.zeros_like(x)
     r = 0
-    for job in jobs:
-        t = min(segment, job.targets.numel() - job.pos)
+    for job, t in zip(jobs, spans, strict=True):
         for _ in job.rows:
             x[r, :t] = job.inputs[job.pos : job.pos + t]
             y[r, :t] = job.targets[job.pos : job.pos + t]
