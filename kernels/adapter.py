@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdapterSteps", "adapter_implementation", "apply_adapter", "apply_adapter_ref"]
+__all__ = ["AdapterSteps", "adapter_implementation", "apply_adapter", "apply_adapter_ref", "batched_adapter",
+           "batched_adapter_ref"]
 
 
 def apply_adapter_ref(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,13 @@ def apply_adapter_ref(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     if k == h.shape[1]:
         return adapted
     return torch.cat([adapted, h[:, k:]], dim=1)  # (B, H)
+
+
+def batched_adapter_ref(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch reference. h (N, H) rows of many sessions, m (S, A, A) one adapter per session acting on the
+    first A <= H units, index (N,) int64 each row's session (any order, repeats, sessions unused) -> (N, H):
+    out[n, :A] = h[n, :A] + m[index[n]] @ h[n, :A]; other units unchanged."""
+    return apply_adapter_ref(h, m[index])  # m[index]: (N, A, A); autograd sums each session's rows into grad m
 
 
 def adapter_implementation() -> str:
@@ -112,3 +120,12 @@ class AdapterSteps:
             return apply_adapter_ref(h, self.m)
         out: torch.Tensor = _Step.apply(h, self._token, self._m_data, self._tape)  # type: ignore[no-untyped-call]
         return out
+
+
+def batched_adapter(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """Public op. Layout in `batched_adapter_ref`. `impl`: "triton" | "reference"."""
+    if (h.dim() != 2 or m.dim() != 3 or m.shape[1] != m.shape[2] or m.shape[2] > h.shape[1]
+            or index.shape != (h.shape[0],)):
+        raise ValueError(f"h {tuple(h.shape)}, m {tuple(m.shape)}, index {tuple(index.shape)}: expected (N, H), "
+                         "(S, A, A) with A <= H, (N,)")
+    return batched_adapter_ref(h, m, index)
