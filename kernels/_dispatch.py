@@ -1,0 +1,71 @@
+"""Which implementation each kernel op runs: chosen once, logged once, overridable per call.
+
+`ADAPTLM_KERNELS` = auto (default) | triton | reference. "auto" picks Triton when the package imports and a CUDA
+device is present, the pure-PyTorch reference otherwise. The choice is made at the first call (never at import:
+no CUDA query at import time) and reported by `kernel_implementation()` (the `kernel` label in /metrics).
+
+Per call, `impl="triton" | "reference"` forces one (tests). Triton runs on CUDA tensors, or on CPU tensors under
+`TRITON_INTERPRET=1` (the interpreter; float32/float16 only). A tensor on another device takes the reference
+whatever the default says (a CPU-served model on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+__all__ = ["IMPLS", "kernel_implementation", "resolve_impl", "triton_available"]
+
+IMPLS = ("triton", "reference")
+log = logging.getLogger("adaptlm.kernels")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Triton imports (the package is optional: the `gpu` extra)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def kernel_implementation() -> str:
+    """The default implementation of every op in this process: "triton" or "reference" (logged once)."""
+    wanted = os.environ.get("ADAPTLM_KERNELS", "auto").strip().lower() or "auto"
+    if wanted not in ("auto", *IMPLS):
+        raise ValueError(f"ADAPTLM_KERNELS must be auto, triton or reference, not {wanted!r}")
+    if wanted == "reference":
+        choice, why = "reference", "ADAPTLM_KERNELS=reference"
+    elif not triton_available():
+        choice, why = "reference", "triton is not installed"
+    elif not torch.cuda.is_available():
+        choice, why = "reference", "no CUDA device"
+    else:
+        choice, why = "triton", f"CUDA device {torch.cuda.get_device_name()}"
+    if wanted == "triton" and choice != "triton":
+        raise ValueError(f"ADAPTLM_KERNELS=triton, but {why}")
+    log.info("kernels: %s (%s)", choice, why)
+    return choice
+
+
+def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
+    """The implementation one call runs. `impl` forces one; None takes the process default for CUDA tensors and
+    the reference for others."""
+    if impl is not None:
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(IMPLS)}, not {impl!r}")
+        if impl == "triton":
+            if not triton_available():
+                raise ValueError("impl='triton': triton is not installed")
+            if not _interpreting() and not all(t.is_cuda for t in tensors):
+                raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)")
+        return impl
+    if all(t.is_cuda for t in tensors) and kernel_implementation() == "triton":
+        return "triton"
+    return "reference"
