@@ -1,0 +1,133 @@
+"""The architectures side by side: one row per checkpoint, on one device.
+
+    python -m bench.families [--checkpoints DIR ...] [--text FILE] [--bytes 100000] [--device auto] [--json PATH]
+
+Columns: inference parameters; the checkpoint's size on disk; training tokens/s (the median of its train.jsonl,
+measured where it was trained, which the model card names); bits per byte of the held-out book (static, whole
+context carried: `evaluate_bpb` with 8 streams); scoring tokens/s at batch 32; generation latency (ms a byte,
+batch 1, greedy, after a 256-byte prompt); suggestion latency (ms a `suggest` call on a 256-byte context: word
+completions and next characters); a session's state in bytes (`State.row_bytes`) and its sparse adapter in bytes
+(float32 k x k at the checkpoint's dyneval.json size).
+
+The default text is the held-out book of the dynamic-evaluation benchmark (chesterton-brown, never trained on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench._common import ROOT, SHARED, machine_line
+from models.checkpoint import load_checkpoint
+from models.device import resolve_device
+from models.sampling import SamplingParams, generate
+from models.suggest import advance, suggest
+from trainer.train import evaluate_bpb
+
+FAMILIES = ("default", "char-transformer", "compressive")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_tokens_per_s(path: Path) -> float | None:
+    log = path / "train.jsonl"
+    if not log.is_file():
+        return None
+    rates = [r["tokens_per_s"] for line in log.read_text().splitlines() if "tokens_per_s" in (r := json.loads(line))]
+    return statistics.median(rates) if rates else None
+
+
+def measure(path: Path, text: bytes, device: torch.device) -> dict[str, object]:
+    ck = load_checkpoint(path, device=device)
+    model = ck.model
+    row: dict[str, object] = {"checkpoint": path.name, "arch": ck.config.arch}
+    training_only = set(model.training_only_parameters())
+    row["params"] = sum(p.numel() for n, p in model.named_parameters() if n not in training_only)
+    row["disk_mb"] = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+    row["train_tok_s"] = _train_tokens_per_s(path)
+    row["bpb"] = evaluate_bpb(model, text, streams=8)
+    data = text[: 32 * 2000]
+    evaluate_bpb(model, data[:4000], streams=32)  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    evaluate_bpb(model, data, streams=32)
+    _sync(device)
+    row["score_tok_s"] = len(data) / (time.perf_counter() - t0)
+    prompt = text[:256]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    "".join(generate(model, prompt, greedy))  # warm-up
+    n = 64
+    params = SamplingParams(max_tokens=n, temperature=0.0)
+    _sync(device)
+    t0 = time.perf_counter()
+    "".join(generate(model, prompt, params))
+    _sync(device)
+    row["gen_ms"] = (time.perf_counter() - t0) * 1e3 / n
+    context = text[1000:1256].decode("utf-8", errors="ignore")
+    cut = context.rfind(" ") + 3  # end inside a word: completions of a two-letter prefix
+    context = context[:cut]
+    raw = context.encode()
+    state = model.init_state(1)
+    times = []
+    for _ in range(4):
+        _sync(device)
+        t0 = time.perf_counter()
+        cursor = advance(model, state, b"\n" + raw[:-1])
+        suggest(model, cursor, context, tokenizer=ck.tokenizer)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    row["suggest_ms"] = statistics.median(times[1:]) * 1e3
+    with torch.no_grad():
+        out = model(torch.tensor([list(raw)], device=device), state)
+    row["state_bytes"] = out.state.row_bytes
+    site = model.adaptation_sites()[0]
+    k = site.adapter_size(int(ck.dyneval.get("sparse", {}).get("adapter_units", 0) or 0))
+    row["adapter_bytes"] = 4 * k * k * len(model.adaptation_sites())
+    return row
+
+
+def _fmt(v: object, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoints", nargs="+",
+                    default=[str(ROOT / "checkpoints" / f) for f in FAMILIES if (ROOT / "checkpoints" / f).is_dir()])
+    ap.add_argument("--text", default=str(SHARED / "gutenberg" / "chesterton-brown.txt"))
+    ap.add_argument("--bytes", type=int, default=100_000, help="bytes of the text for bits per byte")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    device = resolve_device(args.device)
+    text = Path(args.text).read_bytes()[: args.bytes]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_line()
+    print(f"# architectures side by side on {device.type} ({where}); text {Path(args.text).name}, {len(text):,} bytes")
+    print("| checkpoint | arch | parameters | disk MB | train tok/s | bits/byte | score tok/s (32 streams) "
+          "| generate ms/byte | suggest ms | session state bytes | sparse adapter bytes |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for path in args.checkpoints:
+        try:
+            r = measure(Path(path), text, device)
+        except Exception as e:  # one broken checkpoint must not cost the others' rows (one GPU shot)
+            print(f"| {Path(path).name} | error: {type(e).__name__}: {e} |")
+            continue
+        rows.append(r)
+        print(f"| {r['checkpoint']} | {r['arch']} | {r['params']:,} | {r['disk_mb']:.1f} "
+              f"| {_fmt(r['train_tok_s'], ',.0f')} | {r['bpb']:.4f} | {r['score_tok_s']:,.0f} | {r['gen_ms']:.2f} "
+              f"| {r['suggest_ms']:.1f} | {r['state_bytes']:,} | {r['adapter_bytes']:,} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": where, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

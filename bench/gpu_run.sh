@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One GPU run, everything a session with a lent GPU machine measures, in one command (device time is scarce):
+#   1. the transformer families' `gpu` presets train on the public-domain mix, side by side on the one GPU;
+#   2. meanwhile the `gpu`-marked tests run (correctness only: they share the GPU with the training);
+#   3. then, on the quiet GPU, `python -m bench.kernels` (the Triton kernels against their references).
+# Results go to $OUT (default runs/gpu): gpu.txt (the card), gpu-tests.log, kernels.md, kernels.json,
+# families.md and families.json (bench.families: the trained checkpoints beside the default), one
+# <arch>.tgz per trained checkpoint (the checkpoint and its train.jsonl; its resumable state left out).
+#
+#   DATA=.gpu/data TRAIN_MIN=3 bash bench/gpu_run.sh
+#
+# DATA holds the training texts (see the Makefile's DEFAULT_TRAIN: the mix the default checkpoint was trained on)
+# austen-persuasion.txt for validation and chesterton-brown.txt (the held-out book) for the families table. Where
+# .gpu/whl exists (wheels of packages the GPU image lacks), they are installed to /tmp/site first. SMOKE=1 runs the whole sequence at smoke size on any device (check it on a CPU first).
+set -u
+OUT=${OUT:-runs/gpu}
+DATA=${DATA:-.gpu/data}
+TRAIN_MIN=${TRAIN_MIN:-3}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .gpu/whl ] && ls .gpu/whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+started=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - started )) s] $*"; }
+
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi") > "$OUT/gpu.txt"
+$PY -c "import torch, platform; print('torch', torch.__version__, 'cuda', torch.version.cuda, platform.python_version())" \
+    >> "$OUT/gpu.txt" 2>&1
+$PY -c "import triton; print('triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+TRAIN=""
+for f in austen-emma austen-sense bible-kjv blake-poems chesterton-ball melville-moby_dick milton-paradise \
+         shakespeare-caesar shakespeare-hamlet shakespeare-macbeth input; do
+    TRAIN="$TRAIN $DATA/$f.txt"
+done
+PRESET=gpu
+EXTRA=""
+if [ "${SMOKE:-0}" = 1 ]; then PRESET=tiny; EXTRA="--max-steps 20"; fi
+
+pids=""
+for arch in char-transformer compressive; do
+    stamp "training $arch ($PRESET, at most $TRAIN_MIN min)"
+    # shellcheck disable=SC2086
+    $PY -m trainer --arch "$arch" --preset $PRESET --data $TRAIN --valid "$DATA/austen-persuasion.txt" \
+        --out "$OUT/$arch" --max-minutes "$TRAIN_MIN" --quiet $EXTRA > "$OUT/train-$arch.log" 2>&1 &
+    pids="$pids $!"
+done
+
+stamp "gpu tests"
+if [ "${SMOKE:-0}" = 1 ]; then
+    $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$OUT/gpu-tests.log" 2>&1
+else
+    TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider -m gpu -x --timeout 300 tests > "$OUT/gpu-tests.log" 2>&1
+fi
+tail -n 15 "$OUT/gpu-tests.log"
+
+for pid in $pids; do wait "$pid"; done
+stamp "families table"
+$PY -m bench.families --checkpoints checkpoints/default "$OUT/char-transformer" "$OUT/compressive" \
+    --text "$DATA/chesterton-brown.txt" --json "$OUT/families.json" > "$OUT/families.md" 2>&1
+cat "$OUT/families.md"
+for arch in char-transformer compressive; do
+    stamp "trained $arch: $(tail -n 1 "$OUT/train-$arch.log" | cut -c1-300)"
+    mkdir -p "$OUT/$arch" && mv "$OUT/train-$arch.log" "$OUT/$arch/"
+    tar -czf "$OUT/$arch.tgz" -C "$OUT" --exclude last "$arch" && rm -rf "${OUT:?}/$arch"
+done
+
+stamp "kernel benchmark"
+QUICK=""
+if [ "${SMOKE:-0}" = 1 ]; then QUICK="--quick"; fi
+TRITON_INTERPRET=0 $PY -m bench.kernels $QUICK --json "$OUT/kernels.json" > "$OUT/kernels.md" 2>&1
+cat "$OUT/kernels.md"
+stamp "done"
