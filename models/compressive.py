@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -123,11 +124,12 @@ class _Compressor(nn.Module):
             self.weight = nn.Parameter(torch.eye(D).unsqueeze(-1).repeat(1, 1, c) / c)  # (D, D, c) Conv1d layout
             self.bias = nn.Parameter(torch.zeros(D))
         if self.mode == "dilated":
-            self.dilated = nn.ModuleList(nn.Conv1d(D, D, 3, dilation=d, padding=d) for d in _DILATIONS)
+            convs = [nn.Conv1d(D, D, 3, dilation=d, padding=d) for d in _DILATIONS]
             with torch.no_grad():
-                for conv in self.dilated:
+                for conv in convs:
                     nn.init.normal_(conv.weight, std=0.02)
-                    nn.init.zeros_(conv.bias)
+                    nn.init.zeros_(cast(torch.Tensor, conv.bias))
+            self.dilated = nn.ModuleList(convs)
 
     @property
     def trained(self) -> bool:
@@ -140,8 +142,9 @@ class _Compressor(nn.Module):
             assert usage is not None
             B, S, D = win.shape
             n = S // self.rate
-            quota = (usage.isfinite().sum(1, keepdim=True) // self.rate)  # (B, 1) e/c
-            rank = usage.argsort(dim=1, descending=True, stable=True).argsort(dim=1, stable=True)  # (B, S) 0 = most used
+            quota = usage.isfinite().sum(1, keepdim=True) // self.rate  # (B, 1) e/c
+            order = usage.argsort(dim=1, descending=True, stable=True)  # (B, S) most used first
+            rank = order.argsort(dim=1, stable=True)  # (B, S) each slot's rank
             keep = rank < quota  # (B, S)
             idx = torch.arange(S, device=win.device).expand(B, S)
             order = torch.where(keep, idx, idx - S).sort(1).values[:, S - n :] % S  # (B, n) kept, oldest first
@@ -255,6 +258,15 @@ class CompressiveTransformer(LanguageModel):
     # -- interface ---------------------------------------------------------------------------------------------
 
     @property
+    def layers(self) -> list[_Block]:
+        return [cast(_Block, b) for b in self.blocks]
+
+    @property
+    def trains_compressor(self) -> bool:
+        """f has parameters (conv, dilated): the reconstruction loss trains them."""
+        return self.config.compression in ("conv", "dilated")
+
+    @property
     def site_layer(self) -> int:
         return self.config.adapt_layer % self.config.n_layer
 
@@ -307,11 +319,12 @@ class CompressiveTransformer(LanguageModel):
         hidden = self.ln_f(x)  # (B, T, D)
         logits = self.head(hidden)  # (B, T, V)
         aux = {}
-        if self.training and self.blocks[0].compressor.trained:
+        if self.training and self.trains_compressor:
             if recon:
                 aux["recon"] = self.config.recon_weight * torch.stack(recon).mean()
             else:  # no eviction in this call: f still takes part in the graph (DDP expects every parameter used)
-                aux["recon"] = 0.0 * sum(w.sum() for b in self.blocks for w in b.compressor.parameters())
+                weights = [w.sum() for b in self.layers for w in b.compressor.parameters()]
+                aux["recon"] = 0.0 * torch.stack(weights).sum()
         return Output(logits=logits, state=State(st), aux=aux, hidden=hidden)
 
     # -- internals -------------------------------------------------------------------------------------------
@@ -335,10 +348,10 @@ class CompressiveTransformer(LanguageModel):
         src = torch.where(o >= L - n_f.view(B, 1), o, o - (Lf - n_f).view(B, 1)).clamp(min=0)  # (B, L)
         key_lengths = n_c + n_f + m  # (B,)
         sinus = _sinusoid(L + m, D, x.device, x.dtype)  # (L+m, D) R[d], d = 0..L+m-1
-        train_f = self.training and torch.is_grad_enabled() and self.blocks[0].compressor.trained
+        train_f = self.training and torch.is_grad_enabled() and self.trains_compressor
         new = {"seen": seen + m}
         losses = []
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.layers):
             mem, cmem = st[f"mem{i}"], st[f"cmem{i}"]
             ctx = torch.cat([cmem, mem], 1).gather(1, src.unsqueeze(-1).expand(B, L, D))  # (B, L, D)
             ext = torch.cat([mem, x.detach()], 1)  # (B, Lf+m, D) memories are stop-gradient
