@@ -7,6 +7,7 @@ from typing import Any
 
 from models.base import LanguageModel, ModelConfig
 from models.char_transformer import CharTransformer, CharTransformerConfig
+from models.compressive import CompressiveConfig, CompressiveTransformer
 from models.mlstm import MLSTM, MLSTMConfig
 
 __all__ = ["REGISTRY", "build_model", "config_from_dict", "register"]
@@ -14,6 +15,7 @@ __all__ = ["REGISTRY", "build_model", "config_from_dict", "register"]
 REGISTRY: dict[str, tuple[type[ModelConfig], type[LanguageModel]]] = {
     "mlstm": (MLSTMConfig, MLSTM),
     "char-transformer": (CharTransformerConfig, CharTransformer),
+    "compressive": (CompressiveConfig, CompressiveTransformer),
 }
 
 

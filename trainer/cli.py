@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 __all__ = ["add_train_arguments", "config_from_args"]
 
-_ARCHS = ("mlstm", "char-transformer")  # trainable architectures (models/registry.py), named without importing torch
+# trainable architectures (models/registry.py), named without importing torch
+_ARCHS = ("mlstm", "char-transformer", "compressive")
 _FLAGS = ("max_steps", "max_minutes", "batch_size", "bptt", "lr", "seed", "threads")
 
 

@@ -77,6 +77,15 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "valid_streams": 4, "stats_batches": 4, "stats_batch_size": 8, "log_every": 20,
         },
     },
+    "compressive": {
+        # seconds on a CPU: for tests and smoke runs (segments of 32 = bptt; 32 fine + 16 compressed slots at c = 2)
+        "tiny": {
+            "model": {"d_model": 64, "n_layer": 3, "n_head": 2, "d_ff": 256, "segment": 32, "mem_len": 32,
+                      "cmem_len": 16, "rate": 2},
+            "batch_size": 16, "bptt": 32, "lr": 1e-3, "lr_final": 3e-4, "max_steps": 120, "valid_every": 40,
+            "valid_streams": 4, "stats_batches": 4, "stats_batch_size": 8, "log_every": 20,
+        },
+    },
 }
 
 

@@ -86,7 +86,9 @@ class FullStream:
             out = self.model(x, self.state)
             log_dist = self.model.log_probs(out)  # (1, t, V)
             lp = log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (1, t)
-            grads = torch.autograd.grad(-lp.mean(), list(self.params.values()))
+            # a weight the segment's loss does not reach (a compressor trained by its own loss only) gets zero
+            found = torch.autograd.grad(-lp.mean(), list(self.params.values()), allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(found, self.params.values(), strict=True)]
         if self.cache is not None:
             assert out.hidden is not None, "the neural cache needs Output.hidden"
             lp = self.cache.mix(log_dist.detach(), out.hidden, y).gather(-1, y.unsqueeze(-1)).squeeze(-1)

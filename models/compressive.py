@@ -1,0 +1,386 @@
+"""Compressive Transformer (Rae et al. 2020; ALGORITHMS.md §7; papers/ file 001) over bytes, with Transformer-XL
+relative attention (Dai et al. 2019, sec. 3.3).
+
+    x = E[byte]
+    block l:  keys  = [cmem_l ; mem_l ; current]            layer INPUTS x, projected afresh each call
+              x += Attn(LN(x) -> LN(keys))                   relative positions, causal aligned bottom-right
+              x += MLP(LN(x))
+    h' = h + M h                                             adaptation site "resid" after block `adapt_layer`
+    logits = W LN(x_N)
+
+Layer norm: pre-LN (each sub-layer normalises its input; a final LN before the classifier), as the character
+transformer: it keeps the memory holding the raw residual stream (what the paper compresses: "past activations")
+while K/V see it normalised. Attention runs through `kernels.memory_attention` with rel = (r, u, v): score(i, j) =
+((q_i + u) . k_j + (q_i + v) . r[d]) / sqrt(Dh), r = W_r R[d] the projected sinusoid of the distance d between
+query and key counted in slots of the concatenated [cmem ; mem ; current] (a compressed slot is one position).
+
+Segments, memory and the update rule (the paper's, on a fixed grid of the stream). The stream is cut into segments
+of `segment` S bytes from its start, whatever the calls. A byte in segment k attends to: the compressed memory as
+it was when segment k began, the fine memory then (the last min(kS, n_m) layer inputs), and segment k's own bytes
+up to itself. When segment k completes (possibly in the middle of a call, which is then processed in pieces), its
+S inputs join the fine memory, the oldest are evicted down to n_m, and the evicted ones (S of them, fewer while the
+memory fills: always a multiple of c) are compressed by f with rate c into compressed slots appended to cmem (the
+oldest dropping past n_cm). Memories are stop-gradient (Transformer-XL's SG): the gradient of a call stops at them.
+So outputs and state depend only on the stream, not on how it is cut into calls: T = 1 per byte (generation), 20
+(dynamic evaluation) or bptt (training) give the same numbers up to float summation order (tested). A call whose
+bytes do not close a segment only appends them to the fine memory ("pending").
+
+State (fixed shapes; sessions at different fills batch with a plain `cat`): `seen` (B,) int64, bytes consumed; per
+layer `mem{l}` (B, n_m + S - 1, D) the fine memory incl. the pending bytes of the current segment, and `cmem{l}`
+(B, n_cm, D), each right-aligned (newest last) with zeros in front. The fills follow from `seen` alone: pending
+p = seen mod S, fine min(seen, n_m + p), compressed min(n_cm, max(0, seen - p - n_m) / c). Keys are assembled
+right-aligned and contiguous ([valid cmem ; valid mem ; current], padding first) for `key_lengths`.
+
+Compression f (config `compression`, sec. 3.1): "max" / "mean" pooling and "conv" (kernel = stride = c, initialised
+as mean pooling) through `kernels.compress_memory`; "dilated": residual dilated 1-D convs (kernel 3, dilations
+1, 2, "same" zero padding inside the evicted window, GELU) then the strided conv; "most_used": keep the n/c evicted
+slots with the highest average attention received, in their original order. The attention they received is taken
+from one cheap content-only pass (no positions, no gradient) at eviction: the completing segment's queries over
+the fine memory it saw plus itself (causal), averaged over heads and queries.
+
+Attention-reconstruction loss (sec. 3.2, "Attention"), training mode only, for the modes with parameters (conv,
+dilated): at each eviction, || attn(q, E) - attn(q, f(E)) ||^2 per layer, with E the evicted inputs (detached), q
+the completing segment's inputs, and the layer's LN / Q / K / V weights as detached copies through F.linear
+(content-only multi-head attention, before the output projection). Mean squared error over the rows that evicted,
+summed over layers, averaged over the evictions of the call, times `recon_weight`, in `Output.aux["recon"]` (the
+trainer adds it to the loss). The stored compressed memory is detached: the LM loss gives f no gradient, the
+reconstruction loss gives the attention weights none. In a call with no eviction the term is 0 x f's parameters
+(so DistributedDataParallel sees them used).
+
+Nothing is training-only: f compresses memories at inference too. Registered in models/registry.py as "compressive".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.adapter import AdapterSteps
+from kernels.attention import memory_attention
+from kernels.compress import compress_memory
+from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
+
+__all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
+
+COMPRESSIONS = ("conv", "mean", "max", "dilated", "most_used")
+_DILATIONS = (1, 2)
+
+
+@dataclass(frozen=True)
+class CompressiveConfig(ModelConfig):
+    arch = "compressive"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_ff: int = 512
+    segment: int = 48  # S, the grid on which memories are updated (paper enwik8: 768)
+    mem_len: int = 48  # n_m (paper: 768)
+    cmem_len: int = 72  # n_cm (paper: 1152)
+    rate: int = 3  # c (paper: 3)
+    compression: str = "conv"  # one of COMPRESSIONS (paper: conv + attention reconstruction, the best)
+    recon_weight: float = 1.0  # weight of the attention-reconstruction loss (reaches only f)
+    dropout: float = 0.0
+    adapt_layer: int = -1  # the site sits after this block (-1: the last)
+    adapter_units: int = 0  # default k of the site (0: all of d_model)
+
+
+def _sinusoid(length: int, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """R[d] for d = 0..length-1 (Transformer-XL sec. 3.3: sinusoids of the relative distance) -> (length, dim)."""
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))  # (dim/2,)
+    ang = torch.arange(length, device=device, dtype=torch.float32).view(-1, 1) * inv  # (length, dim/2)
+    return torch.cat([ang.sin(), ang.cos()], 1).to(dtype)  # (length, dim)
+
+
+def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
+    """(B, L, D) -> (B, H, L, D/H)."""
+    B, L, D = t.shape
+    return t.view(B, L, H, D // H).transpose(1, 2)
+
+
+def _content_probs(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Content-only attention weights: q (B, H, Lq, Dh), k (B, H, Lk, Dh), allowed (B, Lq, Lk) -> (B, H, Lq, Lk).
+    A query with no allowed key gets all zeros."""
+    some = allowed.any(-1, keepdim=True)  # (B, Lq, 1) rows with no key: every key, then zeroed (no NaN gradient)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, Lq, Lk)
+    scores = scores.masked_fill(~(allowed | ~some).unsqueeze(1), -math.inf)
+    return torch.softmax(scores.float(), -1).to(q.dtype) * some.unsqueeze(1)
+
+
+class _Compressor(nn.Module):
+    """f: the evicted window (B, S, D) -> (B, S/c, D) (sec. 3.1). "most_used" needs the slots' usage."""
+
+    def __init__(self, cfg: CompressiveConfig) -> None:
+        super().__init__()
+        D, c = cfg.d_model, cfg.rate
+        self.mode, self.rate = cfg.compression, c
+        if self.mode in ("conv", "dilated"):
+            # initialised as mean pooling: the memory is meaningful before the reconstruction loss has trained f
+            self.weight = nn.Parameter(torch.eye(D).unsqueeze(-1).repeat(1, 1, c) / c)  # (D, D, c) Conv1d layout
+            self.bias = nn.Parameter(torch.zeros(D))
+        if self.mode == "dilated":
+            convs = [nn.Conv1d(D, D, 3, dilation=d, padding=d) for d in _DILATIONS]
+            with torch.no_grad():
+                for conv in convs:
+                    nn.init.normal_(conv.weight, std=0.02)
+                    nn.init.zeros_(cast(torch.Tensor, conv.bias))
+            self.dilated = nn.ModuleList(convs)
+
+    @property
+    def trained(self) -> bool:
+        return self.mode in ("conv", "dilated")
+
+    def forward(self, win: torch.Tensor, usage: torch.Tensor | None = None) -> torch.Tensor:
+        """win (B, S, D); usage (B, S) for "most_used" (-inf on the slots not evicted) -> (B, S/c, D). For
+        "most_used" a row with e evicted slots keeps its e/c most used, oldest first, in the last e/c slots."""
+        if self.mode == "most_used":
+            assert usage is not None
+            B, S, D = win.shape
+            n = S // self.rate
+            quota = usage.isfinite().sum(1, keepdim=True) // self.rate  # (B, 1) e/c
+            order = usage.argsort(dim=1, descending=True, stable=True)  # (B, S) most used first
+            rank = order.argsort(dim=1, stable=True)  # (B, S) each slot's rank
+            keep = rank < quota  # (B, S)
+            idx = torch.arange(S, device=win.device).expand(B, S)
+            order = torch.where(keep, idx, idx - S).sort(1).values[:, S - n :] % S  # (B, n) kept, oldest first
+            return win.gather(1, order.unsqueeze(-1).expand(B, n, D))  # (B, n, D)
+        if self.mode == "dilated":
+            h = win.transpose(1, 2)  # (B, D, S)
+            for conv in self.dilated:
+                h = h + F.gelu(conv(h))  # (B, D, S) sec. 3.1 "Dilated Convolution", then the strided conv
+            win = h.transpose(1, 2)  # (B, S, D)
+        if self.trained:
+            return compress_memory(win, rate=self.rate, mode="conv", weight=self.weight, bias=self.bias)
+        return compress_memory(win, rate=self.rate, mode=self.mode)  # (B, S/c, D) max / mean pooling
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: CompressiveConfig) -> None:
+        super().__init__()
+        D, H = cfg.d_model, cfg.n_head
+        self.n_head = H
+        self.dropout = cfg.dropout
+        self.ln1 = nn.LayerNorm(D)
+        self.q = nn.Linear(D, D)
+        self.kv = nn.Linear(D, 2 * D)
+        self.r_net = nn.Linear(D, D, bias=False)  # W_{k,R}: projects the sinusoids R
+        self.u = nn.Parameter(torch.zeros(H, D // H))  # Transformer-XL's global content bias u
+        self.v = nn.Parameter(torch.zeros(H, D // H))  # and positional bias v
+        self.proj = nn.Linear(D, D)
+        self.ln2 = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, cfg.d_ff), nn.ReLU(), nn.Linear(cfg.d_ff, D))
+        self.compressor = _Compressor(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, key_lengths: torch.Tensor,
+                sinus: torch.Tensor) -> torch.Tensor:
+        """x (B, m, D) the piece's inputs; ctx (B, L, D) [cmem ; mem] right-aligned; key_lengths (B,) valid keys of
+        [ctx ; x]; sinus (L + m, D) R[0..L+m-1] -> (B, m, D)."""
+        B, m, D = x.shape
+        H = self.n_head
+        h = self.ln1(torch.cat([ctx, x], 1))  # (B, L+m, D)
+        q = self.q(h[:, -m:])  # (B, m, D)
+        k, v = self.kv(h).chunk(2, -1)  # (B, L+m, D) each
+        r = self.r_net(sinus).view(-1, H, D // H)  # (L+m, H, Dh) W_{k,R} R_{i-j}, indexed by distance
+        att = memory_attention(_heads(q, H), _heads(k, H), _heads(v, H), rel=(r, self.u, self.v),
+                               key_lengths=key_lengths)  # (B, H, m, Dh) TXL eq. terms (a)-(d), causal bottom-right
+        p = self.dropout if self.training else 0.0
+        x = x + F.dropout(self.proj(att.transpose(1, 2).reshape(B, m, D)), p)  # (B, m, D)
+        return x + F.dropout(self.mlp(self.ln2(x)), p)
+
+    def _frozen_qkv(self, seg: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries of seg (B, Lq, D) and keys/values of keys (B, Lk, D) with detached copies of this layer's weights
+        (stop-gradient for the reconstruction loss without touching the module's parameters) -> heads."""
+        D = seg.shape[-1]
+        ln = (self.ln1.normalized_shape, self.ln1.weight.detach(), self.ln1.bias.detach(), self.ln1.eps)
+        q = F.linear(F.layer_norm(seg, *ln[:3], eps=ln[3]), self.q.weight.detach(), self.q.bias.detach())
+        kw, kb = self.kv.weight.detach(), self.kv.bias.detach()
+        k = F.linear(F.layer_norm(keys, *ln[:3], eps=ln[3]), kw[:D], kb[:D])
+        v = F.linear(F.layer_norm(keys, *ln[:3], eps=ln[3]), kw[D:], kb[D:])
+        return _heads(q, self.n_head), _heads(k, self.n_head), _heads(v, self.n_head)
+
+    def usage(self, seg: torch.Tensor, window: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        """Average content-only attention each slot of window (B, Lw, D) receives from the segment's queries seg
+        (B, S, D), which are window's last S slots (causal; the last n_valid (B,) slots are valid) -> (B, Lw)."""
+        B, S, _ = seg.shape
+        Lw = window.shape[1]
+        q, k, _ = self._frozen_qkv(seg, window)
+        i = torch.arange(S, device=seg.device).view(S, 1)
+        j = torch.arange(Lw, device=seg.device).view(1, Lw)
+        allowed = (j <= Lw - S + i).unsqueeze(0) & (j >= Lw - n_valid.view(B, 1)).unsqueeze(1)  # (B, S, Lw)
+        return _content_probs(q, k, allowed).mean((1, 2))  # (B, Lw)
+
+    def recon_loss(self, seg: torch.Tensor, evicted: torch.Tensor, comp: torch.Tensor, n_ev: torch.Tensor,
+                   rate: int) -> torch.Tensor:
+        """||attn(q, E) - attn(q, f(E))||^2 (sec. 3.2 "Attention"): seg (B, S, D) the queries' inputs, evicted
+        (B, S, D) with its last n_ev (B,) slots valid, comp = f(evicted) (B, S/c, D), last n_ev/c valid. Mean over
+        the rows with n_ev > 0 of each row's mean squared error. Only f gets a gradient."""
+        B, S, _ = seg.shape
+        rows = n_ev > 0  # (B,)
+        q, k, v = self._frozen_qkv(seg, evicted)
+        _, kc, vc = self._frozen_qkv(seg, comp)
+        n = comp.shape[1]
+        ok_e = torch.arange(S, device=seg.device) >= S - n_ev.view(B, 1)  # (B, S)
+        ok_c = torch.arange(n, device=seg.device) >= n - (n_ev // rate).view(B, 1)  # (B, S/c)
+        old = _content_probs(q, k, ok_e.unsqueeze(1).expand(B, S, S)) @ v  # (B, H, S, Dh) no positions
+        new = _content_probs(q, kc, ok_c.unsqueeze(1).expand(B, S, n)) @ vc  # (B, H, S, Dh)
+        err = (old - new).pow(2).mean((1, 2, 3))  # (B,)
+        return (err * rows).sum() / rows.sum().clamp(min=1)
+
+
+class CompressiveTransformer(LanguageModel):
+    config: CompressiveConfig
+
+    def __init__(self, config: CompressiveConfig) -> None:
+        super().__init__()
+        c = config.rate
+        if config.d_model % config.n_head or config.d_model % 2:
+            raise ValueError("d_model must be even and a multiple of n_head")
+        if config.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}")
+        if c < 1 or config.segment % c or config.mem_len % c or config.mem_len < 1 or config.cmem_len < 1:
+            raise ValueError("segment and mem_len must be positive multiples of rate; cmem_len >= 1")
+        if not -config.n_layer <= config.adapt_layer < config.n_layer:
+            raise ValueError("adapt_layer must name a block")
+        self.config = config
+        D = config.d_model
+        self.embed = nn.Embedding(config.vocab_size, D)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, config.vocab_size)
+        with torch.no_grad():
+            nn.init.normal_(self.embed.weight, std=0.1)
+
+    # -- interface ---------------------------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> list[_Block]:
+        return [cast(_Block, b) for b in self.blocks]
+
+    @property
+    def trains_compressor(self) -> bool:
+        """f has parameters (conv, dilated): the reconstruction loss trains them."""
+        return self.config.compression in ("conv", "dilated")
+
+    @property
+    def site_layer(self) -> int:
+        return self.config.adapt_layer % self.config.n_layer
+
+    @property
+    def fine_slots(self) -> int:
+        """Slots of `mem{l}`: n_m completed inputs plus up to S - 1 pending ones of the current segment."""
+        return self.config.mem_len + self.config.segment - 1
+
+    def init_state(self, batch: int) -> State:
+        p = self.embed.weight
+        D = self.config.d_model
+        tensors = {"seen": torch.zeros(batch, dtype=torch.long, device=p.device)}
+        for i in range(self.config.n_layer):
+            tensors[f"mem{i}"] = torch.zeros(batch, self.fine_slots, D, dtype=p.dtype, device=p.device)
+            tensors[f"cmem{i}"] = torch.zeros(batch, self.config.cmem_len, D, dtype=p.dtype, device=p.device)
+        return State(tensors)
+
+    def adaptation_sites(self) -> list[Site]:
+        return [Site("resid", self.config.d_model, layer=self.config.adapt_layer, per_step=False,
+                     units=self.config.adapter_units)]
+
+    def fills(self, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Valid slots of the fine and the compressed memory after `seen` (B,) bytes -> (n_fine, n_cmem), (B,)."""
+        cfg = self.config
+        p = seen % cfg.segment
+        n_f = torch.minimum(seen, cfg.mem_len + p)
+        n_c = ((seen - p - cfg.mem_len).clamp(min=0) // cfg.rate).clamp(max=cfg.cmem_len)
+        return n_f, n_c
+
+    def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
+        """tokens: (B, T) int64; state: seen (B,), mem{l} (B, n_m+S-1, D), cmem{l} (B, n_cm, D);
+        adapter: mats["resid"] (B, k, k). Cut into pieces at the segment grid (module docstring)."""
+        B, T = tokens.shape
+        S = self.config.segment
+        st = dict(state.tensors)
+        st["seen"] = st["seen"].clamp(min=0)  # an imported state is validated for shape and dtype only
+        mats = adapter.mats["resid"] if adapter is not None else None
+        p = self.config.dropout if self.training else 0.0
+        x_all = F.dropout(self.embed(tokens), p)  # (B, T, D)
+        finals, recon = [], []
+        i = 0
+        while i < T:
+            m = min(T - i, int((S - st["seen"] % S).min()))  # up to the first row's segment end
+            x, st, rec = self._piece(x_all[:, i : i + m], st, mats)
+            finals.append(x)
+            if rec is not None:
+                recon.append(rec)
+            i += m
+        x = torch.cat(finals, 1) if finals else x_all  # (B, T, D)
+        hidden = self.ln_f(x)  # (B, T, D)
+        logits = self.head(hidden)  # (B, T, V)
+        aux = {}
+        if self.training and self.trains_compressor:
+            if recon:
+                aux["recon"] = self.config.recon_weight * torch.stack(recon).mean()
+            else:  # no eviction in this call: f still takes part in the graph (DDP expects every parameter used)
+                weights = [w.sum() for b in self.layers for w in b.compressor.parameters()]
+                aux["recon"] = 0.0 * torch.stack(weights).sum()
+        return Output(logits=logits, state=State(st), aux=aux, hidden=hidden)
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _piece(self, x: torch.Tensor, st: dict[str, torch.Tensor], mats: torch.Tensor | None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """m bytes that do not cross any row's segment end: x (B, m, D) embedded -> the last block's output (adapted
+        if the site is there) (B, m, D), the new state, the reconstruction loss of this piece (or None)."""
+        cfg = self.config
+        B, m, D = x.shape
+        S, Nm, c = cfg.segment, cfg.mem_len, cfg.rate
+        Lf = self.fine_slots
+        L = cfg.cmem_len + Lf
+        seen = st["seen"]  # (B,)
+        n_f, n_c = self.fills(seen)
+        done = (seen % S) + m == S  # (B,) rows whose segment completes with this piece
+        n_ev = torch.where(done, (seen + m - Nm).clamp(0, S), 0)  # (B,) evicted slots, a multiple of c
+        any_done, evicting = bool(done.any()), bool((n_ev > 0).any())
+        # [cmem ; mem] with each part's valid slots made contiguous at the right end (padding first)
+        o = torch.arange(L, device=x.device).view(1, L)
+        src = torch.where(o >= L - n_f.view(B, 1), o, o - (Lf - n_f).view(B, 1)).clamp(min=0)  # (B, L)
+        key_lengths = n_c + n_f + m  # (B,)
+        sinus = _sinusoid(L + m, D, x.device, x.dtype)  # (L+m, D) R[d], d = 0..L+m-1
+        train_f = self.training and torch.is_grad_enabled() and self.trains_compressor
+        new = {"seen": seen + m}
+        losses = []
+        for i, block in enumerate(self.layers):
+            mem, cmem = st[f"mem{i}"], st[f"cmem{i}"]
+            ctx = torch.cat([cmem, mem], 1).gather(1, src.unsqueeze(-1).expand(B, L, D))  # (B, L, D)
+            ext = torch.cat([mem, x.detach()], 1)  # (B, Lf+m, D) memories are stop-gradient
+            x = block(x, ctx, key_lengths, sinus)
+            if not any_done:
+                new[f"mem{i}"], new[f"cmem{i}"] = ext[:, m:], cmem
+            else:
+                kept = F.pad(ext[:, Lf + m - Nm :], (0, 0, Lf - Nm, 0))  # (B, Lf, D) the newest n_m, zeros first
+                new[f"mem{i}"] = torch.where(done.view(B, 1, 1), kept, ext[:, m:])
+                new[f"cmem{i}"] = cmem
+            if evicting:
+                win = ext[:, m - 1 : m - 1 + S]  # (B, S, D) the S slots before the kept n_m; the last n_ev valid
+                seg = ext[:, Lf + m - S :]  # (B, S, D) the completing segment's inputs
+                usage = None
+                if block.compressor.mode == "most_used":
+                    with torch.no_grad():
+                        w = ext[:, m - 1 :]  # (B, S + n_m, D): evicted, kept, the segment (its tail)
+                        usage = block.usage(seg, w, Nm + n_ev)[:, :S]  # (B, S) sec. 3.1 "Most-used"
+                        usage = usage.masked_fill(torch.arange(S, device=x.device) < S - n_ev.view(B, 1), -math.inf)
+                with torch.set_grad_enabled(train_f):
+                    comp = block.compressor(win, usage)  # (B, S/c, D)
+                if train_f:
+                    losses.append(block.recon_loss(seg, win, comp, n_ev, c))
+                n = S // c
+                ok = torch.arange(n, device=x.device).view(1, n, 1) >= n - (n_ev // c).view(B, 1, 1)
+                comp = comp.detach() * ok  # (B, S/c, D) the LM loss gives f no gradient
+                grown = torch.cat([cmem, comp], 1)[:, -cfg.cmem_len :]  # (B, n_cm, D) oldest drop
+                new[f"cmem{i}"] = torch.where((n_ev > 0).view(B, 1, 1), grown, cmem)
+            if i == self.site_layer and mats is not None:
+                op = AdapterSteps(mats)  # h' = h + M h once per position
+                x = torch.stack([op(x_t) for x_t in x.unbind(1)], dim=1)  # (B, m, D)
+        return x, new, torch.stack(losses).sum() if losses else None
