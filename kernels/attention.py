@@ -348,17 +348,19 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: Rel | None,
         raise ValueError("key_lengths must have shape (B,)")
 
 
-def _check_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: Rel | None,
-                  key_lengths: torch.Tensor | None) -> None:
+def _triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: Rel | None,
+                        key_lengths: torch.Tensor | None) -> str | None:
+    """Why the Triton kernel cannot run these inputs, or None."""
     tensors = [q, k, v, *(rel or ())]
     if q.shape[3] not in HEAD_DIMS:
-        raise ValueError(f"the Triton memory_attention supports head dims {HEAD_DIMS}, not {q.shape[3]}")
+        return f"the Triton memory_attention supports head dims {HEAD_DIMS}, not {q.shape[3]}"
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or any(t.dtype != q.dtype for t in tensors):
-        raise ValueError("the Triton memory_attention needs q, k, v (and rel) in one of float32, float16, bfloat16")
+        return "the Triton memory_attention needs q, k, v (and rel) in one of float32, float16, bfloat16"
     if any(t.device != q.device for t in tensors) or (key_lengths is not None and key_lengths.device != q.device):
-        raise ValueError("memory_attention: all tensors must be on one device")
+        return "the Triton memory_attention needs all tensors on one device"
     if key_lengths is not None and (key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool):
-        raise ValueError("key_lengths must be integers")
+        return "key_lengths must be integers"
+    return None
 
 
 def _block_sizes(D: int, Lq: int, is_cuda: bool) -> tuple[int, int, int, int]:
@@ -457,12 +459,16 @@ class _MemoryAttention(torch.autograd.Function):
 def memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rel: Rel | None = None,
                      scale: float | None = None, key_lengths: torch.Tensor | None = None,
                      impl: str | None = None) -> torch.Tensor:
-    """Public op. `impl`: "triton" | "reference" (default: the implementation chosen at start)."""
+    """Public op. `impl`: "triton" | "reference" (default: the implementation chosen at start; inputs the kernel
+    cannot run, such as another head dim, then take the reference, while impl="triton" refuses them)."""
     _check(q, k, v, rel, key_lengths)
-    if resolve_impl(impl, q, k, v) != "triton":
-        return memory_attention_ref(q, k, v, rel=rel, scale=scale, key_lengths=key_lengths)
-    _check_triton(q, k, v, rel, key_lengths)
-    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
-    r, u, vb = rel if rel is not None else (None, None, None)
-    out: torch.Tensor = _MemoryAttention.apply(q, k, v, r, u, vb, key_lengths, scale)  # type: ignore[no-untyped-call]
-    return out
+    if resolve_impl(impl, q, k, v) == "triton":
+        why = _triton_unsupported(q, k, v, rel, key_lengths)
+        if why is None:
+            r, u, vb = rel if rel is not None else (None, None, None)
+            scale = q.shape[3] ** -0.5 if scale is None else float(scale)
+            out: torch.Tensor = _MemoryAttention.apply(q, k, v, r, u, vb, key_lengths, scale)  # type: ignore[no-untyped-call]
+            return out
+        if impl == "triton":
+            raise ValueError(why)
+    return memory_attention_ref(q, k, v, rel=rel, scale=scale, key_lengths=key_lengths)

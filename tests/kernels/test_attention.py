@@ -127,6 +127,12 @@ def test_cuda_realistic_shape(dtype: torch.dtype, rel: bool) -> None:
         assert err <= 2 * base + floor * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} vs ref {base:.3g}"
 
 
+@pytest.mark.gpu
+def test_cuda_default_falls_back_for_other_head_dims() -> None:
+    x = _inputs(9, 20, 24, torch.float16, rel=False, device="cuda")  # D = 24: no kernel, so the reference
+    assert torch.equal(memory_attention(x["q"], x["k"], x["v"]), memory_attention_ref(x["q"], x["k"], x["v"]))
+
+
 # -- CPU, interpreter ------------------------------------------------------------------------------------------------
 
 CASES = [  # Lq, Lk, D, rel, key_lengths (B,), dtype
