@@ -37,8 +37,8 @@ Known limits:
 
 from __future__ import annotations
 
-import functools
 import math
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,16 +98,24 @@ def _jit(fn: Any) -> Any:
     return fn
 
 
-@functools.cache
-def _triton() -> Any:
-    import triton
-    import triton.language
+_TRITON_LOCK = threading.Lock()
+_TRITON: Any = None
 
-    namespace = globals()
-    namespace["tl"] = triton.language
-    for name in _TRITON_FUNCTIONS:
-        namespace[name] = triton.jit(namespace[name])
-    return triton
+
+def _triton() -> Any:
+    global _TRITON
+    with _TRITON_LOCK:  # the functions are wrapped once, whichever thread launches first
+        if _TRITON is None:
+            import triton
+            import triton.language
+
+            namespace = globals()
+            namespace["tl"] = triton.language
+            for name in _TRITON_FUNCTIONS:
+                namespace[name] = triton.jit(namespace[name])
+            _TRITON = triton
+    return _TRITON
+
 
 # Tile geometry: query tile rows start_m + ii, key tile columns start_n + jj; d(ii, jj) = d0 + ii - jj + BLOCK_N - 1
 # with d0 = Lk - Lq + start_m - start_n - (BLOCK_N - 1) the tile's smallest distance, so the tile needs the r rows
