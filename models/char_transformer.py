@@ -43,7 +43,6 @@ Registered in models/registry.py as "char-transformer".
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.adapter import AdapterSteps
+from kernels.attention import memory_attention
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
 __all__ = ["CharTransformer", "CharTransformerConfig"]
@@ -88,8 +88,9 @@ class _Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(D, cfg.d_ff), nn.ReLU(), nn.Linear(cfg.d_ff, D))
 
     def forward(self, x: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
-                allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (B, T, D); mem_k, mem_v: (B, C, D); allowed: (B, T, C+T) bool. -> x, this chunk's keys and values."""
+                key_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, T, D); mem_k, mem_v: (B, C, D), right-aligned; key_lengths: (B,) the valid keys of each row, the last
+        ones of [cache; chunk]. -> x, this chunk's keys and values."""
         B, T, D = x.shape
         H = self.n_head
         q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)  # (B, T, D) each
@@ -97,9 +98,7 @@ class _Block(nn.Module):
         qh = q.view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, Dh)
         kh = keys.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, C+T, Dh)
         vh = vals.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, C+T, Dh)
-        scores = qh @ kh.transpose(-1, -2) / math.sqrt(D // H)  # (B, H, T, C+T)
-        scores = scores.masked_fill(~allowed.unsqueeze(1), -math.inf)
-        att = torch.softmax(scores, dim=-1) @ vh  # (B, H, T, Dh)
+        att = memory_attention(qh, kh, vh, key_lengths=key_lengths)  # (B, H, T, Dh) causal, bottom-right aligned
         p = self.dropout if self.training else 0.0
         x = x + F.dropout(self.proj(att.transpose(1, 2).reshape(B, T, D)), p)  # (B, T, D)
         x = x + F.dropout(self.mlp(self.ln2(x)), p)
@@ -225,21 +224,17 @@ class CharTransformer(LanguageModel):
         -> the last block's output (adapted if the site is there) (B, m, D), each block's output (if `collect`),
         the new state (the oldest m slots, all empty, drop off)."""
         B, m = tokens.shape
-        C = self.config.context
         dev = tokens.device
         pos = n.view(B, 1) + torch.arange(m, device=dev).view(1, m)  # (B, m)
         valid = torch.cat([st["mask"], st["mask"].new_ones(B, m)], 1)  # (B, C+m)
-        j = torch.arange(C + m, device=dev).view(1, C + m)
-        t = torch.arange(m, device=dev).view(m, 1)
-        causal = (j < C) | (j - C <= t)  # (m, C+m) every cached slot is older than the chunk
-        allowed = causal.unsqueeze(0) & valid.unsqueeze(1)  # (B, m, C+m)
+        key_lengths = n + m  # (B,) the cache is right-aligned: its last n slots, then the chunk
         x = self.embed(tokens)  # (B, m, D)
         new: dict[str, torch.Tensor] = {}
         layer_outs = []
         for i, block in enumerate(self.blocks):
             x = x + self.pos[i][pos]  # (B, m, D) this layer's positional embedding (paper: per-layer)
             mk, mv = st[f"k{i}"], st[f"v{i}"]
-            x, k, v = block(x, mk, mv, allowed)
+            x, k, v = block(x, mk, mv, key_lengths)
             new[f"k{i}"] = torch.cat([mk, k], 1)[:, m:]  # (B, C, D)
             new[f"v{i}"] = torch.cat([mv, v], 1)[:, m:]
             if collect:
