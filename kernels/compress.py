@@ -215,7 +215,8 @@ class MemoryRing:
     preallocated ring buffers; row b has its own count of inputs appended (its fill level).
 
         ring = MemoryRing(B, D, mem_len=768, cmem_len=1152, rate=3, mode="conv", device=..., dtype=...)
-        kv, lengths = ring.view()        # (B, cmem_len + mem_len, D), (B,): attention's memory and key_lengths
+        kv, lengths = ring.view()        # (B, cmem_len + mem_len, D), (B,): the memory keys' source, left-padded
+        # attention over [kv ; segment]: key_lengths = lengths + n_s (kernels.attention: the last valid keys)
         ring.update(h)                   # h (B, n_s, D): this layer's inputs of the segment just run
         ring.reset(rows)                 # a new session in rows: empty memory
 
