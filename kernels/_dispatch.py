@@ -7,6 +7,10 @@ no CUDA query at import time) and reported by `kernel_implementation()` (the `ke
 Per call, `impl="triton" | "reference"` forces one (tests). Triton runs on CUDA tensors, or on CPU tensors under
 `TRITON_INTERPRET=1` (the interpreter; float32/float16 only). A tensor on another device takes the reference
 whatever the default says (a CPU-served model on a GPU machine).
+
+Kernels are wrapped in `triton_kernel`, which hands them to `triton.jit` at their first launch rather than at
+import: triton decides interpreter or compiler when it decorates, so a test's conftest that sets
+TRITON_INTERPRET=1 takes effect whichever module imported `kernels` first.
 """
 
 from __future__ import annotations
@@ -15,10 +19,17 @@ import functools
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["IMPLS", "kernel_implementation", "resolve_impl", "triton_available"]
+try:  # optional (the gpu extra); kernel bodies name `tl`, resolved in their module's globals at the first launch
+    import triton.language as tl
+except ImportError:
+    tl = None
+
+__all__ = ["IMPLS", "kernel_implementation", "resolve_impl", "tl", "triton_available", "triton_kernel"]
 
 IMPLS = ("triton", "reference")
 log = logging.getLogger("adaptlm.kernels")
@@ -69,3 +80,24 @@ def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
     if all(t.is_cuda for t in tensors) and kernel_implementation() == "triton":
         return "triton"
     return "reference"
+
+
+class _LazyKernel:
+    """`kernel[grid](*args, **meta)` like a `triton.jit` function, decorated at the first launch."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+        self._jitted: Any = None
+
+    def __getitem__(self, grid: Any) -> Any:
+        if self._jitted is None:
+            import triton
+
+            self._jitted = triton.jit(self.fn)
+        return self._jitted[grid]
+
+
+def triton_kernel(fn: Callable[..., None]) -> _LazyKernel:
+    """Decorator for a Triton kernel body (see the module docstring for why not `triton.jit` itself).
+    A kernel calls no other jitted function through this wrapper: helpers are written inline."""
+    return _LazyKernel(fn)

@@ -1,23 +1,35 @@
-"""Batched per-session adapter: h' = h + M_b h on the first k units of each row (thesis sec. 4.6).
+"""Per-session adapters h' = h + M h on the first A units of each row (thesis sec. 4.6; ALGORITHMS.md §3).
 
-Layout: h (B, H) with k <= H; M (B, k, k), one matrix per batch row (session). Units k..H pass through.
+`batched_adapter`: h (N, H) rows of many sessions, m (S, A, A) one adapter per session with A <= H, index (N,) the
+session of each row (any order, repeats, sessions unused) -> out (N, H):
+    out[n, :A] = h[n, :A] + m[index[n]] @ h[n, :A];   out[n, A:] = h[n, A:]
+`apply_adapter`: the one-row-per-session case, h (B, H) and m (B, A, A) (index = arange(B)).
 
-A recurrent model applies the same M at every time step. Plain autograd then writes a (B, k, k)
-gradient for M at every step and sums them: for B = 32 sessions and k = 768 that is 75 MB of memory
-traffic per step. `AdapterSteps` instead records each step's (h_t, dL/dh'_t) and forms
-dL/dM = sum_t (dL/dh'_t)^T h_t as one batched matmul per sequence, when backward reaches M.
+A recurrent model applies the same M at every time step. Plain autograd then writes a (B, A, A) gradient for M at
+every step and sums them: for B = 32 sessions and A = 768 that is 75 MB of memory traffic per step. `AdapterSteps`
+instead records each step's (h_t, dL/dh'_t) and forms dL/dM = sum_t (dL/dh'_t)^T h_t as one batched matmul per
+sequence, when backward reaches M; its steps run the Triton kernel when Triton is selected.
 
-Known limits: the Triton kernel is not written yet; every device runs the PyTorch path.
+The Triton path groups rows by session (a stable sort, on the device, no host sync): each program multiplies a
+tile of up to 16 rows of one session by a block of that session's M, so every used M is read once per tile, and
+no (N, A, A) gather is formed. dL/dM: one program per (session, block of M) sums its rows' outer products, so no
+atomics are needed and the result is deterministic; sessions with no rows get zeros.
+
+Known limits: the Triton path computes in h's dtype (M is cast to it); fp32 dots run in IEEE fp32 (not TF32);
+`adapted_mlstm` (the fused recurrence) still applies its adapter with `apply_adapter_ref`. The reference sizes
+its tiles on the host (one sync on a GPU).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["AdapterSteps", "adapter_implementation", "apply_adapter", "apply_adapter_ref", "batched_adapter",
-           "batched_adapter_ref"]
+from kernels._dispatch import resolve_impl, tl, triton_kernel
+
+__all__ = ["AdapterSteps", "apply_adapter", "apply_adapter_ref", "batched_adapter", "batched_adapter_ref"]
 
 
 def apply_adapter_ref(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -32,34 +44,220 @@ def apply_adapter_ref(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def batched_adapter_ref(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Pure-PyTorch reference. h (N, H) rows of many sessions, m (S, A, A) one adapter per session acting on the
-    first A <= H units, index (N,) int64 each row's session (any order, repeats, sessions unused) -> (N, H):
-    out[n, :A] = h[n, :A] + m[index[n]] @ h[n, :A]; other units unchanged."""
-    return apply_adapter_ref(h, m[index])  # m[index]: (N, A, A); autograd sums each session's rows into grad m
+    """Pure-PyTorch reference (plain autograd; grad m sums each session's rows). Layout in the module docstring.
+
+    Vectorised without the (N, A, A) gather m[index]: rows are placed in tiles of one session each (a row's tile
+    and slot come from its rank among its session's rows) and the tiles multiplied by one bmm. When every session
+    fits one tile with little padding, tile s is session s and m is used as it is; otherwise tiles of
+    ceil(N / sessions used) rows take their session's M by a gather of at most 2x the used adapters."""
+    N, H = h.shape
+    S, A, _ = m.shape
+    if N == 0:
+        return h.clone()
+    head = h[:, :A]  # (N, A)
+    counts = torch.zeros(S, dtype=torch.int64, device=h.device).index_add_(0, index, torch.ones_like(index))  # (S,)
+    order = torch.argsort(index, stable=True)  # (N,) rows grouped by session
+    starts = counts.cumsum(0) - counts  # (S,) first sorted position of each session
+    rank = torch.empty_like(index)
+    rank[order] = torch.arange(N, device=h.device) - starts[index[order]]  # (N,) rank within its session
+    width, used = int(counts.max()), int((counts > 0).sum())
+    if S * width <= 2 * N and 2 * used >= S:
+        tile, slot, mats = index, rank, m  # one tile per session: (S, width)
+    else:
+        width = -(-N // used)
+        per = (counts + width - 1) // width  # (S,) tiles of each session
+        tile = (per.cumsum(0) - per)[index] + rank // width  # (N,)
+        slot = rank % width
+        sess = torch.repeat_interleave(torch.arange(S, device=h.device), per, output_size=int(per.sum()))  # (T,)
+        mats = m[sess]  # (T, A, A)
+    tiles = head.new_zeros(mats.shape[0], width, A).index_put((tile, slot), head)  # (T, width, A)
+    adapted = head + torch.bmm(tiles, mats.transpose(1, 2))[tile, slot]  # (N, A) h + M h, row-vector form
+    return adapted if A == H else torch.cat([adapted, h[:, A:]], dim=1)  # (N, H)
 
 
-def adapter_implementation() -> str:
-    """Which implementation `apply_adapter` runs ("reference": no Triton kernel exists yet)."""
-    return "reference"
+@triton_kernel
+def _batched_adapter_kernel(x_ptr, m_ptr, out_ptr, rows_ptr, tile_sess_ptr, tile_lo_ptr, tile_hi_ptr, A,
+                            s_xn, s_xa, s_ms, s_mj, s_mk, s_on, s_oa,
+                            BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+                            IEEE: tl.constexpr):
+    # program (tile t, block of units j): the tile's rows rows[lo:hi] all belong to session s;
+    # out[r, j] = x[r, j] + sum_k m[s, j, k] x[r, k]. The backward's (I + M)^T g swaps s_mj and s_mk.
+    t = tl.program_id(0)
+    s = tl.load(tile_sess_ptr + t)
+    lo = tl.load(tile_lo_ptr + t)
+    hi = tl.load(tile_hi_ptr + t)
+    p = lo + tl.arange(0, BLOCK_N)
+    rmask = p < hi
+    rows = tl.load(rows_ptr + p, mask=rmask, other=0)  # (BLOCK_N,)
+    offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    jmask = offs_j < A
+    a_live = tl.where(hi > lo, A, 0)  # padding tiles (the grid is an upper bound) read nothing of M
+    acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
+    for k0 in range(0, A, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < A
+        x = tl.load(x_ptr + rows[:, None] * s_xn + offs_k[None, :] * s_xa, mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)  # (BLOCK_N, BLOCK_K)
+        w = tl.load(m_ptr + s * s_ms + offs_k[:, None] * s_mk + offs_j[None, :] * s_mj,
+                    mask=(offs_k < a_live)[:, None] & jmask[None, :], other=0.0)  # (BLOCK_K, BLOCK_J) M[s]^T
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    omask = rmask[:, None] & jmask[None, :]
+    xj = tl.load(x_ptr + rows[:, None] * s_xn + offs_j[None, :] * s_xa, mask=omask, other=0.0)
+    y = xj.to(tl.float32) + acc
+    tl.store(out_ptr + rows[:, None] * s_on + offs_j[None, :] * s_oa, y.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-def _check(h: torch.Tensor, m: torch.Tensor) -> None:
-    if m.dim() != 3 or m.shape[0] != h.shape[0] or m.shape[1] != m.shape[2] or m.shape[2] > h.shape[1]:
-        raise ValueError(f"adapter of shape {tuple(m.shape)} does not fit hidden state {tuple(h.shape)}")
+@triton_kernel
+def _adapter_grad_m_kernel(g_ptr, x_ptr, dm_ptr, rows_ptr, starts_ptr, ends_ptr, A,
+                           s_gn, s_ga, s_xn, s_xa, s_ds, s_dj, s_dk,
+                           BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+                           IEEE: tl.constexpr):
+    # program (session s, block j, block k): dm[s, j, k] = sum over s's rows r of g[r, j] x[r, k]
+    s = tl.program_id(0)
+    lo = tl.load(starts_ptr + s)
+    hi = tl.load(ends_ptr + s)
+    offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    jmask = offs_j < A
+    kmask = offs_k < A
+    acc = tl.zeros((BLOCK_J, BLOCK_K), dtype=tl.float32)
+    for p0 in range(lo, hi, BLOCK_N):
+        p = p0 + tl.arange(0, BLOCK_N)
+        rmask = p < hi
+        rows = tl.load(rows_ptr + p, mask=rmask, other=0)
+        gt = tl.load(g_ptr + rows[None, :] * s_gn + offs_j[:, None] * s_ga, mask=jmask[:, None] & rmask[None, :],
+                     other=0.0)  # (BLOCK_J, BLOCK_N) g^T
+        x = tl.load(x_ptr + rows[:, None] * s_xn + offs_k[None, :] * s_xa, mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)  # (BLOCK_N, BLOCK_K)
+        if IEEE:
+            acc = tl.dot(gt, x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(gt, x, acc)
+    tl.store(dm_ptr + s * s_ds + offs_j[:, None] * s_dj + offs_k[None, :] * s_dk, acc.to(dm_ptr.dtype.element_ty),
+             mask=jmask[:, None] & kmask[None, :])
 
 
-def apply_adapter(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Public op for one application; for a recurrence over many steps use `AdapterSteps`."""
-    _check(h, m)
-    return apply_adapter_ref(h, m)
+_TILE = 16  # rows per program (tl.dot's minimum)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Rows grouped by session, built on the device without a host sync."""
+
+    n_sessions: int
+    rows: torch.Tensor  # (N,) row ids sorted by session (stable)
+    starts: torch.Tensor  # (S,) each session's first position in `rows`
+    ends: torch.Tensor  # (S,)
+    tile_sess: torch.Tensor  # (T,) T = min(S, N) + ceil(N / 16), an upper bound on the tiles needed
+    tile_lo: torch.Tensor  # (T,) positions [lo, hi) in `rows`; lo = hi for padding tiles
+    tile_hi: torch.Tensor
+
+
+def _plan(index: torch.Tensor, n_sessions: int) -> _Plan:
+    N, S = index.shape[0], n_sessions
+    index = index.to(torch.int64)
+    counts = torch.zeros(S, dtype=torch.int64, device=index.device).index_add_(0, index, torch.ones_like(index))
+    rows = torch.argsort(index, stable=True)  # (N,)
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    per = (counts + _TILE - 1) // _TILE  # (S,) tiles per session
+    tile_ends = per.cumsum(0)
+    t = torch.arange(min(S, N) + -(-N // _TILE), device=index.device)  # (T,)
+    sess = torch.searchsorted(tile_ends, t, right=True)  # (T,) first session whose tiles reach past t
+    live = sess < S
+    sess = sess.clamp(max=S - 1)
+    lo = starts[sess] + (t - (tile_ends - per)[sess]) * _TILE
+    hi = torch.minimum(lo + _TILE, ends[sess])
+    lo, hi = torch.where(live, lo, 0), torch.where(live, hi, 0)
+    return _Plan(S, rows, starts, ends, sess, lo, hi)
+
+
+def _adapter_triton(x: torch.Tensor, m: torch.Tensor, plan: _Plan, transpose: bool = False) -> torch.Tensor:
+    """Launcher: x (N, H), m (S, A, A) -> x + M x on the first A units (M^T x when `transpose`)."""
+    N, H = x.shape
+    A = m.shape[-1]
+    m = m.to(x.dtype)  # one dtype in the dots (autocast may hand an fp32 M with bf16 rows)
+    out = x.new_empty(N, H)
+    if A < H:
+        out[:, A:] = x[:, A:]
+    if N == 0 or A == 0:
+        return out
+    s_ms, s_mj, s_mk = m.stride()
+    if transpose:
+        s_mj, s_mk = s_mk, s_mj
+    block = 64 if A > 32 else 32 if A > 16 else 16
+    _batched_adapter_kernel[(plan.tile_sess.shape[0], -(-A // block))](
+        x, m, out, plan.rows, plan.tile_sess, plan.tile_lo, plan.tile_hi, A, *x.stride(), s_ms, s_mj, s_mk,
+        *out.stride(), BLOCK_N=_TILE, BLOCK_J=block, BLOCK_K=block, IEEE=x.dtype == torch.float32)
+    return out
+
+
+def _grad_m_triton(g: torch.Tensor, x: torch.Tensor, plan: _Plan, A: int, dtype: torch.dtype) -> torch.Tensor:
+    """Launcher: dL/dM (S, A, A), dm[s] = sum over s's rows of g[:, :A]^T x[:, :A]."""
+    dm = torch.empty(plan.n_sessions, A, A, device=g.device, dtype=dtype)
+    if dm.numel() == 0:
+        return dm
+    block = 64 if A > 32 else 32 if A > 16 else 16
+    _adapter_grad_m_kernel[(plan.n_sessions, -(-A // block), -(-A // block))](
+        g, x, dm, plan.rows, plan.starts, plan.ends, A, *g.stride(), *x.stride(), *dm.stride(),
+        BLOCK_N=32, BLOCK_J=block, BLOCK_K=block, IEEE=g.dtype == torch.float32)
+    return dm
+
+
+class _BatchedAdapter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, m: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        ctx.plan = plan
+        ctx.save_for_backward(h, m)
+        return _adapter_triton(h, m, plan)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        h, m = ctx.saved_tensors
+        gh = _adapter_triton(grad, m, ctx.plan, transpose=True) if ctx.needs_input_grad[0] else None  # (I + M)^T g
+        gm = _grad_m_triton(grad, h, ctx.plan, m.shape[-1], m.dtype) if ctx.needs_input_grad[1] else None
+        return gh, gm, None
+
+
+def _check(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor | None) -> None:
+    if (h.dim() != 2 or m.dim() != 3 or m.shape[1] != m.shape[2] or m.shape[2] > h.shape[1]
+            or (index is None and m.shape[0] != h.shape[0]) or (index is not None and index.shape != (h.shape[0],))):
+        raise ValueError(f"adapter of shape {tuple(m.shape)} does not fit hidden state {tuple(h.shape)}"
+                         + ("" if index is None else f" with index {tuple(index.shape)}")
+                         + ": expected (N, H), (S, A, A) with A <= H, index (N,) (without index: S = N)")
+
+
+def batched_adapter(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """Public op. Layout in the module docstring. `impl`: "triton" | "reference" (default: chosen at start)."""
+    _check(h, m, index)
+    if index.dtype not in (torch.int32, torch.int64):
+        raise ValueError("index must be int32 or int64")
+    if resolve_impl(impl, h, m, index) == "reference":
+        return batched_adapter_ref(h, m, index.long())
+    out: torch.Tensor = _BatchedAdapter.apply(h, m, _plan(index, m.shape[0]))  # type: ignore[no-untyped-call]
+    return out
+
+
+def apply_adapter(h: torch.Tensor, m: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """Public op for one application, h (B, H), m (B, A, A); for a recurrence over many steps use `AdapterSteps`."""
+    _check(h, m, None)
+    if resolve_impl(impl, h, m) == "reference":
+        return apply_adapter_ref(h, m)
+    out: torch.Tensor = _BatchedAdapter.apply(  # type: ignore[no-untyped-call]
+        h, m, _plan(torch.arange(h.shape[0], device=h.device), m.shape[0]))
+    return out
 
 
 class _Tape:
     """Per-sequence record shared by the step nodes and the gather node."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: _Plan | None) -> None:
         self.heads: list[torch.Tensor] = []  # h_t[:, :k] in forward order, (B, k) each
         self.grads: dict[int, torch.Tensor] = {}  # step index -> dL/dh'_t[:, :k], filled by backward
+        self.plan = plan  # the Triton kernel's row grouping (identity), None on the reference
 
 
 class _Gather(torch.autograd.Function):
@@ -87,14 +285,17 @@ class _Step(torch.autograd.Function):
     def forward(ctx: Any, h: torch.Tensor, token: torch.Tensor, m: torch.Tensor, tape: _Tape) -> torch.Tensor:
         ctx.m, ctx.tape, ctx.index = m, tape, len(tape.heads)
         tape.heads.append(h[:, : m.shape[-1]].detach())
-        return apply_adapter_ref(h, m)
+        return apply_adapter_ref(h, m) if tape.plan is None else _adapter_triton(h, m, tape.plan)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         m: torch.Tensor = ctx.m
+        tape: _Tape = ctx.tape
         k = m.shape[-1]
+        tape.grads[ctx.index] = grad_out[:, :k]  # (B, k)
+        if tape.plan is not None:
+            return _adapter_triton(grad_out, m, tape.plan, transpose=True), grad_out.new_zeros(1), None, None
         g = grad_out[:, :k]  # (B, k)
-        ctx.tape.grads[ctx.index] = g
         grad_head = g + torch.bmm(g.unsqueeze(1), m).squeeze(1)  # (B, k) (I + M)^T g
         grad_h = grad_head if k == grad_out.shape[1] else torch.cat([grad_head, grad_out[:, k:]], dim=1)
         return grad_h, grad_out.new_zeros(1), None, None
@@ -103,29 +304,27 @@ class _Step(torch.autograd.Function):
 class AdapterSteps:
     """Applies one M (B, k, k) at every step of a sequence: `op = AdapterSteps(m); h = op(h)` per step.
 
-    Gradients w.r.t. `m` (when it requires grad) equal plain autograd's through `apply_adapter_ref`.
+    Gradients w.r.t. `m` (when it requires grad) equal plain autograd's through `apply_adapter_ref`. `impl` as in
+    `batched_adapter` (the Triton path runs its kernel with index = arange(B)).
     """
 
-    def __init__(self, m: torch.Tensor) -> None:
+    def __init__(self, m: torch.Tensor, *, impl: str | None = None) -> None:
         self.m = m
+        self.impl = resolve_impl(impl, m)
+        self._plan = _plan(torch.arange(m.shape[0], device=m.device), m.shape[0]) if self.impl == "triton" else None
         self._track = m.requires_grad and torch.is_grad_enabled()
         if self._track:
-            self._tape = _Tape()
+            self._tape = _Tape(self._plan)
             self._token = _Gather.apply(m, self._tape)  # type: ignore[no-untyped-call]
             self._m_data = m.detach()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        _check(h, self.m)
+        _check(h, self.m, None)
+        out: torch.Tensor
         if not self._track:
-            return apply_adapter_ref(h, self.m)
-        out: torch.Tensor = _Step.apply(h, self._token, self._m_data, self._tape)  # type: ignore[no-untyped-call]
+            if self._plan is None:
+                return apply_adapter_ref(h, self.m)
+            out = _BatchedAdapter.apply(h, self.m, self._plan)  # type: ignore[no-untyped-call]
+            return out
+        out = _Step.apply(h, self._token, self._m_data, self._tape)  # type: ignore[no-untyped-call]
         return out
-
-
-def batched_adapter(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
-    """Public op. Layout in `batched_adapter_ref`. `impl`: "triton" | "reference"."""
-    if (h.dim() != 2 or m.dim() != 3 or m.shape[1] != m.shape[2] or m.shape[2] > h.shape[1]
-            or index.shape != (h.shape[0],)):
-        raise ValueError(f"h {tuple(h.shape)}, m {tuple(m.shape)}, index {tuple(index.shape)}: expected (N, H), "
-                         "(S, A, A) with A <= H, (N,)")
-    return batched_adapter_ref(h, m, index)

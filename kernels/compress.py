@@ -1,20 +1,42 @@
-"""Compressive-memory compression (Compressive Transformer, Rae et al. 2019, sec. 3.1; ALGORITHMS.md §7).
+"""Compressive-memory compression and the FIFO memory update (Compressive Transformer, Rae et al. 2019, sec. 3.1;
+ALGORITHMS.md §7).
 
-Layout: mem (B, N, D), N a multiple of `rate` c -> compressed (B, N / c, D).
+`compress_memory`: mem (B, N, D), N a multiple of `rate` c -> compressed (B, N / c, D).
 mode "mean" / "max": pool each run of c slots; "conv": 1-D convolution, kernel = stride = c, weight (D, D, c) in
 nn.Conv1d layout, bias (D,) optional.
 
-Known limits: the reference only; no fused FIFO update yet.
+The FIFO update of one layer (paper fig. 1): a segment of n_s activations is appended to the memory, which keeps
+exactly the last n_m inputs; the evicted oldest slots are compressed by c and appended to the compressed memory,
+which keeps its last n_cm slots. `memory_update_ref` is that update with torch.cat semantics (plain autograd: the
+model's path when it needs gradients). `MemoryRing` is the serving form: preallocated ring buffers, one token
+counter per batch row (sessions fill at their own pace), `update` writes and compresses in place with no
+reallocation per step (mean/max: one fused Triton kernel; conv: the same kernel gathers the evicted runs into a
+staging buffer for one matmul), `view` returns [cmem ; mem] in time order, left-padded, with per-row lengths
+(attention's `key_lengths`).
+
+Known limits:
+- conv runs as a matmul on both paths (cuBLAS on a GPU); Triton pools mean/max only.
+- The ring is state, not a graph: `MemoryRing.update` runs under no_grad (the paper stops gradients at the memory).
+  Use `memory_update_ref` where gradients must reach the segment or the conv weights.
+- With per-row lengths that are not multiples of c, up to c - 1 evicted slots wait in the ring for their run to
+  complete: they are no longer in the memory's view and not yet in the compressed memory's.
+- `memory_update_ref` takes one length for the whole batch and needs the evicted count to be a multiple of c.
+- Index arithmetic is int64 per row; per-tensor offsets assume tensors under 2^31 elements per batch row.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["COMPRESS_MODES", "compress_memory", "compress_memory_ref"]
+from kernels._dispatch import resolve_impl, tl, triton_kernel
+
+__all__ = ["COMPRESS_MODES", "MemoryRing", "compress_memory", "compress_memory_ref", "memory_update_ref"]
 
 COMPRESS_MODES = ("conv", "mean", "max")
+_MODE_IDS = {"mean": 0, "max": 1, "conv": 2}  # 2: the kernel gathers runs for the matmul instead of pooling
 
 
 def compress_memory_ref(mem: torch.Tensor, *, rate: int, mode: str, weight: torch.Tensor | None = None,
@@ -28,14 +50,299 @@ def compress_memory_ref(mem: torch.Tensor, *, rate: int, mode: str, weight: torc
     return runs.mean(2) if mode == "mean" else runs.amax(2)  # (B, N/c, D)
 
 
+def memory_update_ref(mem: torch.Tensor, cmem: torch.Tensor, segment: torch.Tensor, *, mem_len: int,
+                      cmem_len: int, rate: int, mode: str, weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One FIFO step with torch.cat semantics (plain autograd). mem (B, m, D) with m <= mem_len, cmem (B, k, D)
+    with k <= cmem_len, segment (B, n_s, D) -> new mem (B, min(m + n_s, mem_len), D), new cmem (B, <= cmem_len, D).
+    The evicted count max(0, m + n_s - mem_len) must be a multiple of `rate`."""
+    x = torch.cat([mem, segment], dim=1)  # (B, m + n_s, D)
+    n_evict = max(0, x.shape[1] - mem_len)
+    if n_evict % rate:
+        raise ValueError(f"{n_evict} evicted slots are not a multiple of rate {rate}")
+    if n_evict == 0:
+        return x, cmem
+    squeezed = compress_memory_ref(x[:, :n_evict], rate=rate, mode=mode, weight=weight, bias=bias)  # (B, n/c, D)
+    c = torch.cat([cmem, squeezed], dim=1)  # (B, k + n/c, D)
+    return x[:, n_evict:], c[:, max(0, c.shape[1] - cmem_len):]
+
+
+@triton_kernel
+def _compress_kernel(x_ptr, out_ptr, n_out, D, s_xb, s_xn, s_xd, s_ob, s_on, s_od,
+                     RATE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr):
+    # program (b * N/c + j, d block): one run of RATE slots -> one output slot
+    pid = tl.program_id(0)
+    b = pid // n_out
+    j = pid % n_out
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = offs_c < RATE
+    dmask = offs_d < D
+    mask = cmask[:, None] & dmask[None, :]
+    x = tl.load(x_ptr + b * s_xb + (j * RATE + offs_c)[:, None] * s_xn + offs_d[None, :] * s_xd, mask=mask,
+                other=0.0)  # (BLOCK_C, BLOCK_D)
+    if MODE == 0:
+        y = tl.sum(x.to(tl.float32), axis=0) / RATE
+    else:
+        y = tl.max(tl.where(cmask[:, None], x, float("-inf")), axis=0)
+    tl.store(out_ptr + b * s_ob + j * s_on + offs_d * s_od, y.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton_kernel
+def _memory_update_kernel(buf_ptr, seg_ptr, stage_ptr, count_ptr, len_ptr, mem_len, cmem_len, ring_runs, D,
+                          s_bb, s_br, s_sb, s_sn, s_gb, s_gk,
+                          RATE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr):
+    # Row b's buffer: rows [0, cmem_len) the compressed ring, [cmem_len, cmem_len + R) the memory ring, R =
+    # ring_runs * RATE. Token p (p-th input ever) lives in memory slot p % R; run G (tokens G*c .. G*c + c - 1)
+    # is compressed into slot G % cmem_len. Program (b, g, d block) owns memory slots [g*c, g*c + c): it first
+    # compresses the runs that sit there and are evicted by this update, then writes the slots' new tokens, so
+    # no slot is written before it is read and no two programs touch the same address (no grid-wide sync).
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = offs_c < RATE
+    dmask = offs_d < D
+    mask = cmask[:, None] & dmask[None, :]
+    t_old = tl.load(count_ptr + b)  # int64: inputs appended before this update
+    t_new = t_old + tl.load(len_ptr + b)
+    z_old = tl.maximum(t_old - mem_len, 0) // RATE  # runs compressed before
+    z_new = tl.maximum(t_new - mem_len, 0) // RATE  # runs compressed after
+    g_lo = tl.maximum(z_old, z_new - cmem_len)  # older new runs would drop out of cmem at once: skipped
+    ring = ring_runs * RATE
+    slot = g * RATE + offs_c  # (BLOCK_C,) memory slots of this program
+    row = buf_ptr + b * s_bb
+    first = g_lo + ((g - g_lo % ring_runs) % ring_runs + ring_runs) % ring_runs  # first run >= g_lo in block g
+    for G in range(first, z_new, ring_runs):
+        pos = G * RATE + offs_c  # (BLOCK_C,) its tokens
+        old = pos < t_old  # in the ring (all of [z_old * c, t_old) is: t_old - z_old * c < R), else in the segment
+        x_ring = tl.load(row + (cmem_len + slot)[:, None] * s_br + offs_d[None, :], mask=mask & old[:, None],
+                         other=0.0)
+        x_seg = tl.load(seg_ptr + b * s_sb + (pos - t_old)[:, None] * s_sn + offs_d[None, :],
+                        mask=mask & (~old)[:, None], other=0.0)
+        x = tl.where(old[:, None], x_ring, x_seg)  # (BLOCK_C, BLOCK_D)
+        if MODE == 2:
+            tl.store(stage_ptr + b * s_gb + (G - g_lo) * s_gk + offs_c[:, None] * D + offs_d[None, :], x, mask=mask)
+        else:
+            if MODE == 0:
+                y = tl.sum(x.to(tl.float32), axis=0) / RATE
+            else:
+                y = tl.max(tl.where(cmask[:, None], x, float("-inf")), axis=0)
+            tl.store(row + (G % cmem_len) * s_br + offs_d, y.to(buf_ptr.dtype.element_ty), mask=dmask)
+    tl.debug_barrier()  # this program's reads of its slots land before its writes
+    p = t_new - 1 - ((t_new - 1 - slot) % ring + ring) % ring  # latest token < t_new in each slot
+    new = cmask & (p >= t_old)
+    wmask = new[:, None] & dmask[None, :]
+    x = tl.load(seg_ptr + b * s_sb + (p - t_old)[:, None] * s_sn + offs_d[None, :], mask=wmask, other=0.0)
+    tl.store(row + (cmem_len + slot)[:, None] * s_br + offs_d[None, :], x, mask=wmask)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_d(D: int) -> int:
+    return min(128, max(16, 1 << (D - 1).bit_length()))
+
+
+def _compress_triton(mem: torch.Tensor, rate: int, mode: str) -> torch.Tensor:
+    """Launcher (mean / max): mem (B, N, D) -> (B, N / c, D)."""
+    B, N, D = mem.shape
+    out = mem.new_empty(B, N // rate, D)
+    if out.numel() == 0:
+        return out
+    block_d = _block_d(D)
+    _compress_kernel[(B * (N // rate), _cdiv(D, block_d))](
+        mem, out, N // rate, D, *mem.stride(), *out.stride(), RATE=rate,
+        BLOCK_C=max(2, 1 << (rate - 1).bit_length()), BLOCK_D=block_d, MODE=_MODE_IDS[mode])
+    return out
+
+
+class _Pool(torch.autograd.Function):
+    """Mean / max pooling by the Triton kernel, with the backward of the reference (amax splits ties evenly)."""
+
+    @staticmethod
+    def forward(ctx: Any, mem: torch.Tensor, rate: int, mode: str) -> torch.Tensor:
+        out = _compress_triton(mem, rate, mode)
+        ctx.rate, ctx.mode = rate, mode
+        if mode == "max":
+            ctx.save_for_backward(mem, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        c = ctx.rate
+        if ctx.mode == "mean":
+            return (grad / c).repeat_interleave(c, dim=1), None, None  # (B, N, D)
+        mem, out = ctx.saved_tensors
+        B, N, D = mem.shape
+        hit = mem.view(B, N // c, c, D) == out.unsqueeze(2)  # (B, N/c, c, D)
+        share = hit / hit.sum(2, keepdim=True)
+        return (share * grad.unsqueeze(2)).view(B, N, D), None, None
+
+
+def _conv_as_matmul(runs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """runs (B, M, c * D), slot-major (token t of a run, then unit i) -> (B, M, D): conv with kernel = stride = c
+    is one matmul with the weight laid out as W[(t, i), o] = weight[o, i, t]."""
+    D_out, D_in, c = weight.shape
+    w = weight.permute(2, 1, 0).reshape(c * D_in, D_out)  # (c * D, D)
+    out = runs @ w  # (B, M, D)
+    return out if bias is None else out + bias
+
+
 def compress_memory(mem: torch.Tensor, *, rate: int, mode: str, weight: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
-    """Public op. `impl`: "triton" | "reference" (default: the implementation chosen at start)."""
+    """Public op. `impl`: "triton" | "reference" (default: the implementation chosen at start). Gradients flow on
+    both paths (conv: to mem, weight and bias; mean / max: to mem)."""
     if mem.dim() != 3 or rate < 1 or mem.shape[1] % rate:
         raise ValueError(f"mem {tuple(mem.shape)}: expected (B, N, D) with N a multiple of rate {rate}")
     if mode not in COMPRESS_MODES:
         raise ValueError(f"mode must be one of {', '.join(COMPRESS_MODES)}")
-    D = mem.shape[2]
+    B, N, D = mem.shape
     if mode == "conv" and (weight is None or weight.shape != (D, D, rate)):
         raise ValueError(f"mode 'conv' needs weight of shape ({D}, {D}, {rate})")
-    return compress_memory_ref(mem, rate=rate, mode=mode, weight=weight, bias=bias)
+    if resolve_impl(impl, mem) == "reference":
+        return compress_memory_ref(mem, rate=rate, mode=mode, weight=weight, bias=bias)
+    if mode == "conv":
+        assert weight is not None
+        return _conv_as_matmul(mem.reshape(B, N // rate, rate * D), weight, bias)  # (B, N/c, D)
+    out: torch.Tensor = _Pool.apply(mem, rate, mode)  # type: ignore[no-untyped-call]
+    return out
+
+
+class MemoryRing:
+    """One layer's memory (the last `mem_len` inputs) and compressed memory (`cmem_len` slots) for `batch` rows, in
+    preallocated ring buffers; row b has its own count of inputs appended (its fill level).
+
+        ring = MemoryRing(B, D, mem_len=768, cmem_len=1152, rate=3, mode="conv", device=..., dtype=...)
+        kv, lengths = ring.view()        # (B, cmem_len + mem_len, D), (B,): the memory keys' source, left-padded
+        # attention over [kv ; segment]: key_lengths = lengths + n_s (kernels.attention: the last valid keys)
+        ring.update(h)                   # h (B, n_s, D): this layer's inputs of the segment just run
+        ring.reset(rows)                 # a new session in rows: empty memory
+
+    Storage per row: [cmem ring (cmem_len) | memory ring (R) | scratch | zeros], R = mem_len + rate - 1 rounded up
+    to a multiple of rate (room for a run evicted but not yet complete, module docstring).
+    """
+
+    def __init__(self, batch: int, dim: int, *, mem_len: int, cmem_len: int, rate: int, mode: str,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if mode not in COMPRESS_MODES:
+            raise ValueError(f"mode must be one of {', '.join(COMPRESS_MODES)}")
+        if rate < 1 or mem_len < 1 or cmem_len < 1:
+            raise ValueError("MemoryRing needs rate, mem_len and cmem_len >= 1")
+        self.mem_len, self.cmem_len, self.rate, self.mode = mem_len, cmem_len, rate, mode
+        self.ring_runs = -(-(mem_len + rate - 1) // rate)
+        self.ring = self.ring_runs * rate  # R
+        self._scratch = cmem_len + self.ring  # where writes that must not land go (vectorised, no host sync)
+        self._zero = self._scratch + 1  # never written: the view's left padding
+        self.buf = torch.zeros(batch, self._zero + 1, dim, device=device, dtype=dtype)  # (B, rows, D)
+        self.count = torch.zeros(batch, dtype=torch.int64, device=self.buf.device)  # (B,) inputs appended
+        self._rows = torch.arange(batch, device=self.buf.device).view(batch, 1)  # (B, 1) for row-wise indexing
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(B,) valid slots of `view()` per row (compressed + memory)."""
+        mem = self.count.clamp(max=self.mem_len)
+        runs = (self.count - self.mem_len).clamp(min=0) // self.rate
+        return runs.clamp(max=self.cmem_len) + mem
+
+    def reset(self, rows: torch.Tensor | None = None) -> None:
+        """Empty rows (all when None; a bool mask (B,) or indices): their next view is all padding."""
+        if rows is None:
+            self.count.zero_()
+        else:
+            self.count[rows] = 0
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[cmem ; mem] in time order, left-padded with zeros -> (B, cmem_len + mem_len, D), lengths (B,)."""
+        B, _, D = self.buf.shape
+        L = self.cmem_len + self.mem_len
+        t = self.count.view(B, 1)
+        n_mem = t.clamp(max=self.mem_len)  # (B, 1)
+        runs = (t - self.mem_len).clamp(min=0) // self.rate  # (B, 1) runs compressed so far
+        n_c = runs.clamp(max=self.cmem_len)
+        back = torch.arange(L, 0, -1, device=t.device).view(1, L)  # (1, L) distance from the end: L .. 1
+        mem_slot = self.cmem_len + (t - back) % self.ring  # (B, L) token t - back
+        c_slot = (runs - (back - n_mem)) % self.cmem_len  # (B, L) run runs - (back - n_mem)
+        idx = torch.where(back <= n_mem, mem_slot, torch.where(back <= n_mem + n_c, c_slot, self._zero))
+        kv = self.buf[self._rows, idx]  # (B, L, D) whole rows of D: faster than gather on a CPU
+        return kv, (n_mem + n_c).view(B)
+
+    @torch.no_grad()
+    def update(self, segment: torch.Tensor, lengths: torch.Tensor | None = None, *,
+               weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, impl: str | None = None) -> None:
+        """Append segment (B, n_s, D) to each row's memory (row b: its first lengths[b] <= n_s slots; all when
+        None), compress the evicted runs into the compressed memory. In place, no gradient."""
+        B, n_s, D = segment.shape
+        if (B, D) != (self.buf.shape[0], self.buf.shape[2]):
+            raise ValueError(f"segment {tuple(segment.shape)} does not fit a ring of {B} rows of {D} units")
+        if self.mode == "conv" and (weight is None or weight.shape != (D, D, self.rate)):
+            raise ValueError(f"mode 'conv' needs weight of shape ({D}, {D}, {self.rate})")
+        if lengths is None:
+            lens = torch.full((B,), n_s, dtype=torch.int64, device=self.count.device)
+        else:
+            lens = lengths.to(device=self.count.device, dtype=torch.int64).clamp(0, n_s)  # (B,)
+        segment = segment.to(self.buf.dtype)
+        c = self.rate
+        max_runs = min(self.cmem_len, (n_s + c - 1) // c)  # runs one update can add to cmem
+        if resolve_impl(impl, self.buf, segment) == "triton":
+            self._update_triton(segment, lens, max_runs, weight, bias)
+        else:
+            self._update_torch(segment, lens, max_runs, weight, bias)
+        self.count += lens
+
+    def _runs(self, lens: torch.Tensor, max_runs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, max_runs) run numbers this update compresses and whether each is real (as in the kernel)."""
+        t_old, t_new = self.count, self.count + lens
+        z_old = (t_old - self.mem_len).clamp(min=0) // self.rate
+        z_new = (t_new - self.mem_len).clamp(min=0) // self.rate
+        g_lo = torch.maximum(z_old, z_new - self.cmem_len)  # (B,)
+        G = g_lo.view(-1, 1) + torch.arange(max_runs, device=lens.device).view(1, -1)  # (B, max_runs)
+        return G, G < z_new.view(-1, 1)
+
+    def _store_runs(self, squeezed: torch.Tensor, G: torch.Tensor, real: torch.Tensor) -> None:
+        """squeezed (B, max_runs, D) -> their cmem slots (the padding runs to the scratch row)."""
+        slot = torch.where(real, G % self.cmem_len, self._scratch)  # (B, max_runs)
+        self.buf.index_put_((self._rows, slot), squeezed.to(self.buf.dtype))
+
+    def _update_torch(self, segment: torch.Tensor, lens: torch.Tensor, max_runs: int, weight: torch.Tensor | None,
+                      bias: torch.Tensor | None) -> None:
+        B, n_s, D = segment.shape
+        c, R = self.rate, self.ring
+        t_old = self.count.view(B, 1, 1)
+        if max_runs > 0:
+            G, real = self._runs(lens, max_runs)
+            pos = (G.unsqueeze(-1) * c + torch.arange(c, device=G.device)).view(B, -1)  # (B, max_runs * c) tokens
+            old = pos < t_old.view(B, 1)
+            from_ring = self.buf[self._rows, self.cmem_len + pos % R]  # (B, max_runs * c, D)
+            from_seg = segment[self._rows, (pos - t_old.view(B, 1)).clamp(0, n_s - 1)]
+            runs = torch.where(old.unsqueeze(-1), from_ring, from_seg)
+            squeezed = compress_memory_ref(runs, rate=c, mode=self.mode, weight=weight, bias=bias)  # (B, runs, D)
+            self._store_runs(squeezed, G, real)
+        # the last R of the new tokens go to their slots (the rest are already compressed or dropped)
+        i = torch.arange(n_s, device=segment.device).view(1, n_s)
+        p = t_old.view(B, 1) + i  # (B, n_s)
+        t_new = (self.count + lens).view(B, 1)
+        keep = (i < lens.view(B, 1)) & (p >= t_new - R)
+        slot = torch.where(keep, self.cmem_len + p % R, self._scratch)
+        self.buf.index_put_((self._rows, slot), segment)
+
+    def _update_triton(self, segment: torch.Tensor, lens: torch.Tensor, max_runs: int, weight: torch.Tensor | None,
+                       bias: torch.Tensor | None) -> None:
+        B, n_s, D = segment.shape
+        if segment.stride(-1) != 1:
+            segment = segment.contiguous()
+        c = self.rate
+        conv = self.mode == "conv"
+        stage = self.buf.new_empty(B, max_runs, c, D) if conv else self.buf  # (B, max_runs, c, D) runs for the matmul
+        block_d = _block_d(D)
+        _memory_update_kernel[(B, self.ring_runs, _cdiv(D, block_d))](
+            self.buf, segment, stage, self.count, lens, self.mem_len, self.cmem_len, self.ring_runs, D,
+            self.buf.stride(0), self.buf.stride(1), segment.stride(0), segment.stride(1),
+            stage.stride(0), stage.stride(1) if conv else 0,
+            RATE=c, BLOCK_C=max(2, 1 << (c - 1).bit_length()), BLOCK_D=block_d, MODE=_MODE_IDS[self.mode])
+        if conv and max_runs > 0:
+            assert weight is not None
+            G, real = self._runs(lens, max_runs)
+            self._store_runs(_conv_as_matmul(stage.view(B, max_runs, c * D), weight.to(stage.dtype),
+                                             None if bias is None else bias.to(stage.dtype)), G, real)

@@ -37,7 +37,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.model = ""  # label value; set once the engine has loaded the checkpoint
-        self.kernel = ""  # label value: the adapter kernel's implementation ("reference" until Triton)
+        self.kernel = ""  # label value: the kernels' implementation, kernels.kernel_implementation() ("triton" or
+        # "reference"; "reference" for a model on the CPU)
         self.precision = ""  # label value: the model work's precision ("float32" or "bfloat16")
         self.requests = Counter("adaptlm_http_requests", "HTTP requests by route and status.",
                                 ["model", "method", "route", "status"], registry=self.registry)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import adapter_implementation
+from kernels import kernel_implementation
 from models.adaptation import DynEvalConfig
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.device import resolve_device
@@ -38,7 +38,7 @@ class ModelInfo:
     model_hash: str  # sha256 of the weights
     created: int  # unix time the weights were written
     path: Path
-    kernel: str = "reference"  # the adapter kernel's implementation (a metric label)
+    kernel: str = "reference"  # the kernels' implementation on the model's device (a metric label)
     precision: str = "float32"  # what "auto" resolved to on this device (a metric label)
     sessions: SessionLimits | None = None  # None: this checkpoint cannot adapt sessions
     sessions_unavailable: str = ""  # why not
@@ -61,8 +61,10 @@ def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     ckpt = load_checkpoint(path, device=resolve_device(device))
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
+    # the process's choice (kernels/_dispatch.py); a model on the CPU runs the reference whatever it is
+    kernel = kernel_implementation() if ckpt.device.type == "cuda" else "reference"
     info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime), path=path,
-                     kernel=adapter_implementation(), precision=resolve_precision(
+                     kernel=kernel, precision=resolve_precision(
                          precision, ckpt.device, bf16_model=ckpt.model.bf16_inference),
                      sessions=limits, sessions_unavailable=why)
     return Loaded(ckpt, info, base)

@@ -1,0 +1,376 @@
+"""Kernel benchmarks: each op's Triton kernel against eager PyTorch, as a markdown table.
+
+On a CUDA device (the card is printed; timings by triton.testing.do_bench, median):
+- memory_attention forward and forward+backward, B=8, H=8, D=64, Lq in {128, 512}, Lk in {512, 2048, 4096}, fp16 and
+  bf16, with and without Transformer-XL relative terms, against F.scaled_dot_product_attention given the equivalent
+  explicit float bias (causal mask, plus the relative term (q + v) . r[i - j] when rel). The rel bias depends on the
+  queries, so it is (B, H, Lq, Lk); it is built before timing, which flatters SDPA (it is not charged for it);
+- compress_memory in each mode (B=8, N=1536, D=512, rate 3) against eager PyTorch, and one MemoryRing update
+  (the paper's enwik8 layer: n_m 768, n_cm 1152, segment 768) against the eager torch.cat update;
+- batched_adapter with 256 sessions (N=1024 rows, A=256 of H=768), forward and forward+backward, against a Python
+  loop of per-session matmuls and against torch.bmm on the gathered adapters m[index].
+Without CUDA: the reference paths' times at scaled-down shapes (GPU figures need a GPU).
+
+Every case runs in its own try/except: a failure is a row of the table, not the end of the run (one GPU shot).
+A Triton path that does not exist yet (memory_attention's kernel comes from another change) reads "n/a".
+
+    python -m bench.kernels [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kernels.attention as attention_mod
+from bench._common import machine_line
+from kernels import (
+    MemoryRing,
+    batched_adapter,
+    batched_adapter_ref,
+    compress_memory,
+    compress_memory_ref,
+    memory_attention,
+    memory_attention_ref,
+    memory_update_ref,
+)
+from kernels._dispatch import triton_available
+
+Fn = Callable[[], object]
+
+
+@dataclass
+class Result:
+    op: str
+    case: str
+    impl: str
+    ms: float | None = None
+    error: str = ""
+    baseline: str = ""  # the impl this row is compared with (same op and case)
+
+
+class Bench:
+    def __init__(self, device: torch.device, quick: bool) -> None:
+        self.device, self.quick = device, quick
+        self.results: list[Result] = []
+
+    def time_ms(self, fn: Fn) -> float:
+        if self.device.type == "cuda":
+            try:
+                from triton.testing import do_bench
+            except ImportError:
+                return self._cuda_events(fn)
+            return float(do_bench(fn, warmup=10 if self.quick else 25, rep=40 if self.quick else 100,
+                                  return_mode="median"))
+        fn()  # warm-up
+        times: list[float] = []
+        budget = 0.05 if self.quick else 0.3
+        start = time.perf_counter()
+        while len(times) < 3 or (time.perf_counter() - start < budget and len(times) < 50):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def _cuda_events(self, fn: Fn) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 10
+
+    def case(self, op: str, case: str, impl: str, make: Callable[[], Fn | None], baseline: str = "") -> None:
+        """make() builds the inputs and returns the timed function, or None when that path does not exist (n/a)."""
+        row = Result(op, case, impl, baseline=baseline)
+        try:
+            fn = make()
+            if fn is None:
+                row.error = "n/a"
+            else:
+                row.ms = self.time_ms(fn)
+        except Exception as e:  # one failing case must not end a one-shot GPU run
+            row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:100]
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.results.append(row)
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Fn:
+    def run() -> None:
+        for t in leaves:
+            t.grad = None
+        fn().float().sum().backward()
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ memory_attention
+
+def _attention_has_triton() -> bool:
+    """kernels.attention's Triton kernel exists (STYLE: kernel functions are named `_<op>..._kernel`)."""
+    return triton_available() and any(name.endswith("_kernel") for name in vars(attention_mod))
+
+
+def _sdpa_bias(q: torch.Tensor, Lk: int, rel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+               scale: float) -> torch.Tensor:
+    """The additive float bias that makes SDPA(q + u, k, v) equal memory_attention: (Lq, Lk) causal mask, or
+    (B, H, Lq, Lk) with the relative term scale * (q + v) . r[Lk - Lq + i - j]."""
+    B, H, Lq, D = q.shape
+    i = torch.arange(Lq, device=q.device).view(Lq, 1)
+    j = torch.arange(Lk, device=q.device).view(1, Lk)
+    mask = torch.zeros(Lq, Lk, device=q.device, dtype=torch.float32).masked_fill(j > Lk - Lq + i, -math.inf)
+    if rel is None:
+        return mask.to(q.dtype)
+    r, _, vb = rel
+    pos = (q + vb.view(1, H, 1, D)) @ r[:Lk].permute(1, 2, 0)  # (B, H, Lq, Lk) by distance
+    dist = (Lk - Lq + i - j).clamp(min=0).expand(B, H, Lq, Lk)
+    return (scale * pos.float().gather(-1, dist) + mask).to(q.dtype)
+
+
+def attention_cases(b: Bench) -> None:
+    on_gpu = b.device.type == "cuda"
+    if on_gpu:
+        B, H, D = 8, 8, 64
+        lqs, lks = ([128], [512, 2048]) if b.quick else ([128, 512], [512, 2048, 4096])
+        dtypes = [torch.float16] if b.quick else [torch.float16, torch.bfloat16]
+    else:
+        B, H, D = 2, 4, 64
+        lqs, lks = ([64], [256]) if b.quick else ([64, 128], [256, 512])
+        dtypes = [torch.float32]
+    has_triton = on_gpu and _attention_has_triton()
+    for dtype in dtypes:
+        for Lq in lqs:
+            for Lk in lks:
+                for use_rel in (False, True):
+                    case = f"B{B} H{H} D{D} Lq{Lq} Lk{Lk} {str(dtype)[6:]}{' rel' if use_rel else ''}"
+
+                    def inputs(Lq: int = Lq, Lk: int = Lk, dtype: torch.dtype = dtype, use_rel: bool = use_rel
+                               ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...] | None]:
+                        g = torch.Generator(device=b.device).manual_seed(0)
+
+                        def r(*s: int) -> torch.Tensor:
+                            return torch.randn(*s, generator=g, device=b.device, dtype=dtype).requires_grad_(True)
+                        qkv = [r(B, H, Lq, D), r(B, H, Lk, D), r(B, H, Lk, D)]
+                        return qkv, ((r(Lk, H, D), r(H, D), r(H, D)) if use_rel else None)
+
+                    for mode in ("fwd", "fwd+bwd"):
+                        def ours(impl: str, mode: str = mode, inputs: Callable = inputs) -> Fn | None:  # type: ignore[type-arg]
+                            if impl == "triton" and not has_triton:
+                                return None
+                            (q, k, v), rel = inputs()
+
+                            def call() -> torch.Tensor:
+                                return memory_attention(q, k, v, rel=rel, impl=impl)  # type: ignore[arg-type]
+                            call()  # a Triton path that fails raises here, not inside the timing
+                            return _fwd_bwd(call, [q, k, v]) if mode == "fwd+bwd" else call
+
+                        def sdpa(mode: str = mode, inputs: Callable = inputs) -> Fn:  # type: ignore[type-arg]
+                            (q, k, v), rel = inputs()
+                            scale = D**-0.5
+                            with torch.no_grad():
+                                bias = _sdpa_bias(q, k.shape[2], rel, scale)
+                            qu = q if rel is None else (q + rel[1].view(1, H, 1, D)).detach().requires_grad_(True)
+                            if on_gpu:  # the same numbers as ours, once
+                                want = memory_attention_ref(q, k, v, rel=rel)  # type: ignore[arg-type]
+                                got = F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, scale=scale)
+                                assert (got.float() - want.float()).abs().max().item() < 0.05, "SDPA bias mismatch"
+
+                            def call() -> torch.Tensor:
+                                return F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, scale=scale)
+                            return _fwd_bwd(call, [qu, k, v]) if mode == "fwd+bwd" else call
+
+                        op = f"memory_attention {mode}"
+                        b.case(op, case, "sdpa+bias", sdpa)
+                        if on_gpu:
+                            b.case(op, case, "triton", lambda ours=ours: ours("triton"), baseline="sdpa+bias")
+                        b.case(op, case, "reference", lambda ours=ours: ours("reference"), baseline="sdpa+bias")
+
+
+# ------------------------------------------------------------------------------------------------ compress
+
+def compress_cases(b: Bench) -> None:
+    on_gpu = b.device.type == "cuda"
+    dtype = torch.float16 if on_gpu else torch.float32
+    if on_gpu:
+        B, N, D, rate = (8, 768, 512, 3) if b.quick else (8, 1536, 512, 3)
+        n_m, n_cm, n_s = (384, 576, 384) if b.quick else (768, 1152, 768)
+    else:
+        B, N, D, rate = (2, 192, 128, 3) if b.quick else (4, 384, 256, 3)
+        n_m, n_cm, n_s = (96, 144, 96) if b.quick else (192, 288, 192)
+    for mode in ("mean", "max", "conv"):
+        case = f"B{B} N{N} D{D} rate{rate} {mode} {str(dtype)[6:]}"
+
+        def make(impl: str, mode: str = mode) -> Fn | None:
+            if impl == "triton" and not triton_available():
+                return None
+            g = torch.Generator(device=b.device).manual_seed(0)
+            x = torch.randn(B, N, D, generator=g, device=b.device, dtype=dtype)
+            w = torch.randn(D, D, rate, generator=g, device=b.device, dtype=dtype) / (D * rate) ** 0.5
+            kw = {"weight": w} if mode == "conv" else {}
+            if impl == "eager":
+                return lambda: compress_memory_ref(x, rate=rate, mode=mode, **kw)
+            return lambda: compress_memory(x, rate=rate, mode=mode, impl=impl, **kw)
+
+        if on_gpu:
+            b.case("compress_memory", case, "eager", lambda make=make: make("eager"))
+            b.case("compress_memory", case, "triton", lambda make=make: make("triton"), baseline="eager")
+        else:
+            b.case("compress_memory", case, "reference", lambda make=make: make("eager"))
+
+        ring_case = f"B{B} D{D} n_m{n_m} n_cm{n_cm} seg{n_s} rate{rate} {mode} {str(dtype)[6:]}"
+
+        def ring(impl: str, mode: str = mode) -> Fn | None:
+            if impl == "triton" and not triton_available():
+                return None
+            g = torch.Generator(device=b.device).manual_seed(0)
+            seg = torch.randn(B, n_s, D, generator=g, device=b.device, dtype=dtype)
+            w = torch.randn(D, D, rate, generator=g, device=b.device, dtype=dtype) / (D * rate) ** 0.5
+            if impl == "eager cat":
+                state = [seg.new_zeros(B, n_m, D), seg.new_zeros(B, n_cm, D)]
+
+                def cat_step() -> None:
+                    state[0], state[1] = memory_update_ref(state[0], state[1], seg, mem_len=n_m, cmem_len=n_cm,
+                                                           rate=rate, mode=mode, weight=w)
+                return cat_step
+            r = MemoryRing(B, D, mem_len=n_m, cmem_len=n_cm, rate=rate, mode=mode, device=b.device, dtype=dtype)
+            for _ in range(3):  # full: every update evicts and compresses a whole segment
+                r.update(seg, weight=w, impl=impl)
+            return lambda: r.update(seg, weight=w, impl=impl)
+
+        op = "memory update"
+        b.case(op, ring_case, "eager cat", lambda ring=ring: ring("eager cat"))
+        if on_gpu:
+            b.case(op, ring_case, "ring triton", lambda ring=ring: ring("triton"), baseline="eager cat")
+        b.case(op, ring_case, "ring reference", lambda ring=ring: ring("reference"), baseline="eager cat")
+
+
+# ------------------------------------------------------------------------------------------------ batched_adapter
+
+def adapter_cases(b: Bench) -> None:
+    on_gpu = b.device.type == "cuda"
+    dtype = torch.float16 if on_gpu else torch.float32
+    if on_gpu:
+        N, A, H, S = (256, 256, 768, 64) if b.quick else (1024, 256, 768, 256)
+    else:
+        N, A, H, S = (128, 64, 192, 32) if b.quick else (512, 128, 384, 128)
+    case = f"N{N} A{A} H{H} S{S} {str(dtype)[6:]}"
+    g = torch.Generator(device=b.device).manual_seed(0)
+    index = torch.randint(0, S, (N,), generator=g, device=b.device)
+
+    def leaves() -> list[torch.Tensor]:
+        h = torch.randn(N, H, generator=g, device=b.device, dtype=dtype).requires_grad_(True)
+        m = (0.05 * torch.randn(S, A, A, generator=g, device=b.device, dtype=dtype)).requires_grad_(True)
+        return [h, m]
+
+    def loop(h: torch.Tensor, m: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        head = h[:, :A]
+        out = h.clone()
+        for s, rows in groups:
+            x = head[rows]
+            out[rows, :A] = x + x @ m[s].T
+        return out
+
+    def gather_bmm(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        head = h[:, :A]
+        adapted = head + torch.bmm(m[index], head.unsqueeze(-1)).squeeze(-1)  # (N, A, A) gathered
+        return torch.cat([adapted, h[:, A:]], 1)
+
+    impls: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = {
+        "python loop": None,  # built with its row groups in make()
+        "gather+bmm": gather_bmm,
+        "reference": lambda h, m: batched_adapter_ref(h, m, index),
+        "triton": lambda h, m: batched_adapter(h, m, index, impl="triton"),
+    }
+    for mode in ("fwd", "fwd+bwd"):
+        for name in impls:
+            if name == "triton" and not on_gpu:
+                continue
+
+            def make(name: str = name, mode: str = mode) -> Fn | None:
+                if name == "triton" and not triton_available():
+                    return None
+                h, m = leaves()
+                f = impls[name]
+                if f is None:  # the loop: each session's rows found once, outside the timing
+                    found = [(s, (index == s).nonzero().squeeze(1)) for s in range(S)]
+                    groups = [(s, rows) for s, rows in found if rows.numel()]
+
+                    def f(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+                        return loop(a, c, groups)
+
+                def call() -> torch.Tensor:
+                    return f(h, m)
+                return _fwd_bwd(call, [h, m]) if mode == "fwd+bwd" else call
+
+            b.case(f"batched_adapter {mode}", case, name, make, baseline="" if name == "python loop" else "python loop")
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+def end_to_end(device: torch.device) -> list[Result]:
+    """HOOK for the lead, once the models land: the compressive model's segment step and 64 adapting mLSTM sessions,
+    end to end, Triton against reference. Returns no rows for now."""
+    return []
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def table(results: list[Result]) -> str:
+    by_key = {(r.op, r.case, r.impl): r for r in results}
+    lines = ["| op | case | impl | ms | speed-up |", "| --- | --- | --- | ---: | --- |"]
+    for r in results:
+        ms = f"{r.ms:.3f}" if r.ms is not None else r.error or "-"
+        speed = ""
+        base = by_key.get((r.op, r.case, r.baseline))
+        if r.ms and base is not None and base.ms:
+            speed = f"{base.ms / r.ms:.2f}x vs {r.baseline}"
+        lines.append(f"| {r.op} | {r.case} | {r.impl} | {ms} | {speed} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller shapes and shorter timings")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    b = Bench(device, args.quick)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU only)"
+    print(f"# Kernels\n\n{machine_line()}\n\nGPU: {card}\n")
+    if device.type != "cuda":
+        print("No CUDA device: the reference paths at scaled-down shapes. GPU figures need a GPU "
+              "(run `python -m bench.kernels` on a CUDA machine).\n")
+    with torch.inference_mode(False):
+        for part in (attention_cases, compress_cases, adapter_cases):
+            try:
+                part(b)
+            except Exception as e:  # keep the other parts' figures
+                b.results.append(Result(part.__name__, "-", "-", error=f"{type(e).__name__}: {e}"[:100]))
+        try:
+            b.results.extend(end_to_end(device))
+        except Exception as e:  # the hook failing is a row too
+            b.results.append(Result("end_to_end", "-", "-", error=f"{type(e).__name__}: {e}"[:100]))
+    print(table(b.results))
+    if device.type == "cuda":
+        print("\nsdpa+bias: F.scaled_dot_product_attention given the explicit float bias, built before timing.")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine_line(), "device": card, "quick": args.quick,
+                                         "results": [asdict(r) for r in b.results]}, indent=1))
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

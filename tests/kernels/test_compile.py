@@ -1,0 +1,60 @@
+"""The Triton kernels compile for Hopper (sm_90: H100/H200) on a machine without a GPU: triton's own ptxas builds
+the cubin. The interpreter runs the kernels' arithmetic but not the compiler's type checks and lowering; this
+catches what only the compiler rejects, before anyone runs the GPU tests.
+
+It runs in a subprocess without TRITON_INTERPRET: triton decorates its own library functions (tl.sum, tl.max, ...)
+when triton.language is imported, for the interpreter or the compiler, and in this test process that import may
+have happened under the conftest's TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = ("fp16", "bf16", "fp32")
+INDEX_POINTERS = {"count_ptr", "len_ptr", "rows_ptr", "tile_sess_ptr", "tile_lo_ptr", "tile_hi_ptr", "starts_ptr",
+                  "ends_ptr"}  # int64 tensors; every other pointer holds the data's dtype
+
+
+def compile_all() -> None:
+    """Compile each kernel in one configuration per dtype, as the launchers pick them for realistic shapes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import adapter, compress
+
+    kernels = [
+        (compress._compress_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 0}),
+        (compress._compress_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 1}),
+        (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 0}),
+        (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 1}),
+        (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 2}),
+        (adapter._batched_adapter_kernel, {"BLOCK_N": 16, "BLOCK_J": 64, "BLOCK_K": 64}),
+        (adapter._adapter_grad_m_kernel, {"BLOCK_N": 32, "BLOCK_J": 64, "BLOCK_K": 64}),
+    ]
+    for dtype in DTYPES:
+        for lazy, constexprs in kernels:
+            params = inspect.signature(lazy.fn).parameters
+            consts = {**constexprs, **({"IEEE": dtype == "fp32"} if "IEEE" in params else {})}
+            sig = {name: "constexpr" if name in consts else
+                   ("*i64" if name in INDEX_POINTERS else f"*{dtype}") if name.endswith("_ptr") else "i32"
+                   for name in params}
+            src = ASTSource(triton.jit(lazy.fn), sig, constexprs=consts)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            assert compiled.asm.get("cubin"), f"{lazy.fn.__name__} {dtype}: no cubin"
+
+
+def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", "from tests.kernels.test_compile import compile_all; compile_all()"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
