@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import Any
 
@@ -79,8 +80,9 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         model.set_training_progress(step / cfg.max_steps)
-        loss, _, state = train_step(model, opt, chunk.to(device), state, accumulate=cfg.accumulate, clip=cfg.clip,
-                                    precision=precision)
+        result = train_step(model, opt, chunk.to(device), state, accumulate=cfg.accumulate, clip=cfg.clip,
+                            precision=precision)
+        loss, state = result.nll, result.state
         step += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -90,11 +92,12 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# {args.arch} preset {args.preset} {' '.join(args.set)}: {machine_line()}, {device_name}, {precision}")
     print("| inference params | training-only params | float16 MB shipped | batch x bptt | tokens/s | steps timed"
-          " | steps in " + f"{minutes:g} min | last loss |")
+          " | steps in " + f"{minutes:g} min | last next-byte loss (bits) |")
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     shipped = n_inf + (n_aux if cfg.ship_training_only else 0)
+    steps = int(tps * minutes * 60 / (cfg.batch_size * cfg.bptt))
     print(f"| {n_inf:,} | {n_aux:,} | {shipped * 2 / 1e6:.2f} | {cfg.batch_size} x {cfg.bptt} | {tps:,.0f} "
-          f"| {step - WARMUP_STEPS} | {int(tps * minutes * 60 / (cfg.batch_size * cfg.bptt)):,} | {float(loss):.3f} |")
+          f"| {step - WARMUP_STEPS} | {steps:,} | {float(loss) / math.log(2):.3f} |")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,9 +44,17 @@ from trainer.config import DTYPES, TrainConfig
 from trainer.data import ByteStreams, read_bytes, read_corpus
 from trainer.stats import gradient_stats
 
-__all__ = ["TrainResult", "default_dyneval", "evaluate_bpb", "lr_at", "train", "train_precision", "train_step"]
+__all__ = ["StepResult", "TrainResult", "default_dyneval", "evaluate_bpb", "lr_at", "train", "train_precision",
+           "train_step"]
 
 LN2 = math.log(2.0)
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # () the batch's training objective: its mean loss plus the auxiliary losses
+    nll: torch.Tensor  # () the batch's mean next-byte loss alone (nats), comparable with validation
+    grad_norm: torch.Tensor  # () the global gradient norm before clipping
+    state: State  # the new state, detached
 
 
 @dataclass
@@ -130,11 +138,11 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def train_step(model: LanguageModel, opt: torch.optim.Optimizer, chunk: torch.Tensor, state: State, *,
                accumulate: int = 1, clip: float = 1.0, precision: str = "fp32",
-               net: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, State]:
+               net: torch.nn.Module | None = None) -> StepResult:
     """One optimizer step on `chunk` (B, T + 1) from `state` (B rows), in `accumulate` micro-batches of rows
     (module docstring). `net` is what runs the forward (a DistributedDataParallel wrapper; default `model`): it
-    synchronises the gradients once, on the last micro-batch. -> (the batch's loss, the gradient norm before
-    clipping, the new state, detached); loss and norm stay on the device (no synchronisation)."""
+    synchronises the gradients once, on the last micro-batch. The scalars stay on the device (no
+    synchronisation)."""
     net = net if net is not None else model
     B = chunk.shape[0]
     if B % accumulate:
@@ -143,6 +151,7 @@ def train_step(model: LanguageModel, opt: torch.optim.Optimizer, chunk: torch.Te
     device = chunk.device
     opt.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
+    nll = torch.zeros((), device=device)
     states = []
     for j in range(accumulate):
         part = slice(j * rows, (j + 1) * rows)
@@ -157,12 +166,13 @@ def train_step(model: LanguageModel, opt: torch.optim.Optimizer, chunk: torch.Te
             loss = model.loss(output, piece[:, 1:])  # the model's own loss: its auxiliary losses included
             (loss / accumulate).backward()
         total += loss.detach() / accumulate
+        nll += (loss.detach() - sum(a.detach() for a in output.aux.values())) / accumulate
         states.append(output.state.detach())  # carried across chunks, gradients truncated (TBPTT)
         del output, loss  # this micro-batch's activations go before the next one's
     # the gradients are already averaged over processes, so this is the global norm
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
-    return total, gnorm, states[0] if accumulate == 1 else State.stack(states)
+    return StepResult(total, nll, gnorm, states[0] if accumulate == 1 else State.stack(states))
 
 
 def _rng_key(kind: str, rank: int) -> str:
@@ -344,8 +354,9 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
             param_group["lr"] = lr
         model.set_training_progress(step / cfg.max_steps)  # schedules of auxiliary losses
         # loss and norm are read at logging: no sync a step
-        loss, gnorm_t, state = train_step(model, opt, chunk, state, accumulate=cfg.accumulate, clip=cfg.clip,
-                                          precision=precision, net=net)
+        result = train_step(model, opt, chunk, state, accumulate=cfg.accumulate, clip=cfg.clip, precision=precision,
+                            net=net)
+        state = result.state
         step += 1
         window_tokens += chunk[:, 1:].numel() * group.world
         bar.update(1)
@@ -353,9 +364,15 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
             now = time.monotonic()
             tps = window_tokens / max(1e-9, now - window_t)
             window_t, window_tokens = now, 0
-            loss_value = loss.item() if group.world == 1 else group.mean(loss)  # the whole batch's mean loss
-            bar.set_postfix(loss_bpb=f"{loss_value / LN2:.3f}", tok_s=f"{tps:,.0f}")
-            log({"step": step, "train_bpb": loss_value / LN2, "lr": lr, "grad_norm": float(gnorm_t),
+            # the whole batch's mean losses: the next-byte loss (train_bpb) and, for a model with auxiliary losses,
+            # the objective they are part of (train_loss_bpb)
+            nll_value = result.nll.item() if group.world == 1 else group.mean(result.nll)
+            record: dict[str, Any] = {"step": step, "train_bpb": nll_value / LN2}
+            if model.training_only_parameters():
+                loss_value = result.loss.item() if group.world == 1 else group.mean(result.loss)
+                record["train_loss_bpb"] = loss_value / LN2
+            bar.set_postfix(train_bpb=f"{nll_value / LN2:.3f}", tok_s=f"{tps:,.0f}")
+            log({**record, "lr": lr, "grad_norm": float(result.grad_norm),
                  "tokens_per_s": tps,
                  "seconds": now - t0})
         time_up = bool(cfg.max_minutes) and (time.monotonic() - t0) > cfg.max_minutes * 60

@@ -64,12 +64,14 @@ def test_accumulation_equals_one_big_batch(arch: str) -> None:
         for step in range(2):  # the second step starts from a carried state
             chunk, _ = streams.chunk(step)
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
-            loss, gnorm, state = train_step(model, opt, chunk, state, accumulate=accumulate, clip=1e9)
+            loss, nll, gnorm, state = train_step(model, opt, chunk, state, accumulate=accumulate, clip=1e9)
+            assert (nll < loss) == (arch == "char-transformer")  # the auxiliary losses, on top
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
-        results.append((loss, gnorm, grads, dict(model.named_parameters()), state))
-    (loss1, norm1, grads1, params1, state1), (loss4, norm4, grads4, params4, state4) = results
+        results.append((loss, nll, gnorm, grads, dict(model.named_parameters()), state))
+    (loss1, nll1, norm1, grads1, params1, state1), (loss4, nll4, norm4, grads4, params4, state4) = results
     torch.testing.assert_close(loss4, loss1, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(nll4, nll1, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(norm4, norm1, rtol=1e-5, atol=1e-6)
     assert grads1.keys() == grads4.keys()
     for n in grads1:
