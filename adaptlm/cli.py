@@ -136,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"lr": args.lr, "decay": args.decay, "eps": args.eps, "segment": args.segment,
-                           "adapter_units": args.adapter_size}
+                           "adapter_units": args.adapter_size, "layers_from": args.layers_from}
     if args.sites:
         out["params"] = tuple(s for s in args.sites.split(",") if s)
     return out
@@ -191,7 +191,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     static = evaluate(ckpt.model, data, config_for("static", dyneval), stats=ckpt.stats).bits_per_byte
     for section in sections:
-        base = config_for("dynamic" if section == "full" else "sparse", dyneval, segment=args.segment)
+        layers = {"layers_from": args.layers_from} if section == "full" else {}
+        try:
+            base = config_for("dynamic" if section == "full" else "sparse", dyneval, segment=args.segment, **layers)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         best, trials = tune_mode(ckpt.model, ckpt.stats, data, base, lr_start=args.lr_start,
                                  max_trials=args.max_trials,
                                  on_trial=lambda t, s=section: print(f"{s}: lr={t['lr']:.3g} decay={t['decay']:.3g}"
@@ -201,6 +205,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                                                  "adapter_units")}
         if section == "full":
             entry.pop("adapter_units", None)
+            if best.layers_from:
+                entry["layers_from"] = best.layers_from
         entry.update({"valid_bpb": best_bpb, "valid_static_bpb": static, "trials": len(trials)})
         dyneval[section] = entry
         results[section] = entry
@@ -595,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--segment", type=int, help="bytes per adaptation segment")
         parser.add_argument("--sites", help="full mode: comma-separated parameter-name prefixes to adapt")
         parser.add_argument("--adapter-size", type=int, help="sparse mode: units of the adaptation site")
+        parser.add_argument("--layers-from", type=int,
+                            help="full mode: adapt only the blocks from this one on (0 = the first) and the output "
+                                 "layers; the embedding and earlier blocks stay fixed (0: every layer)")
     e.set_defaults(func=cmd_eval)
 
     u = sub.add_parser("tune", help="tune dynamic evaluation on validation text; writes dyneval.json")
@@ -606,6 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--segment", type=int)
     u.add_argument("--lr-start", type=float, default=1e-5)
     u.add_argument("--max-trials", type=int, default=30)
+    u.add_argument("--layers-from", type=int, help="full mode: tune adapting the blocks from this one on only "
+                                                   "(kept in dyneval.json; default: the checkpoint's, else 0)")
     u.set_defaults(func=cmd_tune)
 
     v = sub.add_parser("serve", help="run the HTTP server")

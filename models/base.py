@@ -206,6 +206,13 @@ class LanguageModel(nn.Module):
         and list them in config.json (`training_only_parameters`); inference never reads them. None here."""
         return []
 
+    def parameter_layer(self, name: str) -> int | None:
+        """Which layer parameter `name` belongs to, for full dynamic evaluation of the later layers only (thesis
+        ch. 6; `DynEvalConfig.layers_from`): block i of a stack -> i, the input side (embeddings) -> below 0, the
+        output side (final norm, classifier) -> above the last block; None for a training-only parameter. Here:
+        the whole model is one layer, 0."""
+        return None if name in self.training_only_parameters() else 0
+
     def set_training_progress(self, fraction: float) -> None:
         """Called by the trainer before each step with the fraction of training done (step / max_steps), for
         models whose losses follow a schedule (the character transformer's auxiliary losses); a no-op here."""

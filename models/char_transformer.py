@@ -151,6 +151,20 @@ class CharTransformer(LanguageModel):
         """Names of the parameters inference never reads (kept in checkpoints so training can resume)."""
         return [n for n, _ in self.named_parameters() if n.startswith(TRAINING_ONLY_PREFIX)]
 
+    def parameter_layer(self, name: str) -> int | None:
+        """blocks.{i}.* -> i; the byte embedding -> -1; the final LN and the classifier -> n_layer; aux.* -> None.
+        Decision: `pos` holds every layer's positional table in one (N, C, D) parameter and a parameter adapts
+        whole, so it counts as layer 0 (its first table feeds block 0): adapting the later layers leaves it fixed."""
+        if name.startswith(TRAINING_ONLY_PREFIX):
+            return None
+        if name.startswith("blocks."):
+            return int(name.split(".")[1])
+        if name == "pos":
+            return 0
+        if name.startswith("embed."):
+            return -1
+        return self.config.n_layer
+
     def set_training_progress(self, fraction: float) -> None:
         self._progress = float(fraction)
 

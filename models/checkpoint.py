@@ -6,6 +6,12 @@
     dyneval.json        dynamic-evaluation settings (eta, lambda, eps, segment, ...), parsed into DynEvalSettings
   config.json's "tokenizer" names the tokenizer (absent: bytes, as every checkpoint before it was saved).
     MODEL_CARD.md       human-readable card
+
+Training-only parameters (a model's auxiliary heads, `LanguageModel.training_only_parameters`) are listed in
+config.json's "training_only_parameters". A checkpoint saved with `training_only=False` leaves them out of
+model.safetensors ("training_only_parameters_shipped": false) to ship fewer bytes; the loader then fills them with
+zeros: inference never reads them, and nothing trains on from a shipped checkpoint (training resumes from its own
+trainer state).
 """
 
 from __future__ import annotations
@@ -68,16 +74,24 @@ def _sha256(path: Path) -> str:
 def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[str, torch.Tensor] | None = None,
                     dyneval: Mapping[str, Any] | None = None, meta: dict[str, Any] | None = None,
                     card: str = "", weights_dtype: torch.dtype = torch.float32,
-                    stats_dtype: torch.dtype = torch.float32, tokenizer: ByteTokenizer | None = None) -> Path:
-    """Write every checkpoint file; files are written to temporary names and renamed into place."""
+                    stats_dtype: torch.dtype = torch.float32, tokenizer: ByteTokenizer | None = None,
+                    training_only: bool = True) -> Path:
+    """Write every checkpoint file; files are written to temporary names and renamed into place. `training_only`
+    False leaves the training-only parameters (and their statistics) out (module docstring)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     config = {"format": FORMAT_VERSION, "model": model.config.to_dict(), **(meta or {}),
               "tokenizer": (tokenizer or ByteTokenizer()).to_dict()}
+    dropped: set[str] = set()
     if model.training_only_parameters():  # which weights are not inference parameters (the model's docstring)
         config["training_only_parameters"] = model.training_only_parameters()
-    weights = {k: v.detach().to("cpu", weights_dtype).contiguous() for k, v in model.state_dict().items()}
-    stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()}
+        config["training_only_parameters_shipped"] = training_only
+        if not training_only:
+            dropped = set(model.training_only_parameters())
+    weights = {k: v.detach().to("cpu", weights_dtype).contiguous() for k, v in model.state_dict().items()
+               if k not in dropped}
+    stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()
+               if k.removeprefix("param.") not in dropped}
     staged: dict[str, Callable[[Path], object]] = {
         "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": str(FORMAT_VERSION)}),
         "stats.safetensors": lambda p: save_file(stats_t, str(p), metadata={"format": str(FORMAT_VERSION)}),
@@ -152,6 +166,10 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
     expected = {k: v.shape for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
+    if missing and set(missing) <= set(model.training_only_parameters()):
+        # left out when it was saved (module docstring): never read by inference; zeros stand in
+        weights.update({k: torch.zeros(expected[k]) for k in missing})
+        missing = []
     if missing or extra:
         raise CheckpointError(f"{weights_path}: does not match the {config.arch} config "
                               f"(missing {missing[:5]}, unexpected {extra[:5]})")

@@ -67,3 +67,4 @@ def test_training_runs_on_the_device(tmp_path: Path) -> None:
     assert result.steps == 5
     assert load_checkpoint(tmp_path / "ck").model.frozen
     assert torch.cuda.is_available()
+

@@ -20,7 +20,8 @@ _FLAGS = ("max_steps", "max_minutes", "batch_size", "bptt", "lr", "seed", "threa
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The training flags, on `p`."""
     p.add_argument("--arch", choices=list(_ARCHS), default=None)
-    p.add_argument("--preset", choices=["tiny", "default"], default=None)
+    p.add_argument("--preset", choices=["tiny", "default", "small", "gpu"], default=None,
+                   help="tiny, default (mlstm); tiny, small, gpu (char-transformer): trainer/config.py")
     p.add_argument("--config", help="JSON or TOML file of training settings")
     p.add_argument("--data", nargs="+", required=True, help="training text files")
     p.add_argument("--valid", help="validation text file")

@@ -11,9 +11,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["ARCH_PRESETS", "DTYPES", "PRESETS", "TrainConfig", "load_config_file", "make_config"]
+__all__ = ["ARCH_PRESETS", "DTYPES", "PRECISIONS", "PRESETS", "SCHEDULES", "TrainConfig", "load_config_file",
+           "make_config"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PRECISIONS = ("fp32", "bf16", "auto")
+SCHEDULES = ("linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -22,13 +25,19 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)  # architecture config fields
     batch_size: int = 32  # independent contiguous streams, one per batch row
     bptt: int = 100  # truncated back-propagation length; state is carried across chunks
-    lr: float = 1e-3  # Adam, decayed linearly to lr_final (ALGORITHMS.md §1)
+    lr: float = 1e-3  # Adam's peak learning rate, reached after warm-up and decayed to lr_final by max_steps
     lr_final: float = 1e-4
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
+    # "linear" decay over all max_steps (the thesis' mLSTM setup, ALGORITHMS.md §1) or "cosine" decay over the steps
+    # after warm-up (the Compressive Transformer's setup, ALGORITHMS.md §7)
+    schedule: str = "linear"
+    accumulate: int = 1  # micro-batches per optimizer step: the batch's rows split into this many, each with its state
     max_steps: int = 1000
     max_minutes: float = 0.0  # wall-clock stop (0: none); the schedule still follows max_steps
     clip: float = 1.0  # global gradient-norm clip
-    precision: str = "fp32"  # "fp32" or "bf16" (matmuls under CPU/GPU autocast; cell state in fp32)
+    # "fp32", "bf16" (matmuls under CPU/GPU autocast; cell state in fp32) or "auto": bf16 where the device multiplies
+    # it natively (a CUDA GPU with bf16; a CPU with AVX-512 BF16 or AMX), else fp32 (models.precision.native_bf16)
+    precision: str = "fp32"
     valid_every: int = 200
     valid_bytes: int = 0  # validate on the first N bytes of the validation text (0: all)
     valid_streams: int = 16
@@ -40,6 +49,9 @@ class TrainConfig:
     adapter_units: int = 0  # units at the adaptation site whose M gets MS_g (0: all hidden units)
     threads: int = 0  # torch threads (0: torch's default)
     weights_dtype: str = "float32"  # dtype of the shipped model.safetensors (loaded back as float32)
+    # the shipped checkpoint keeps the training-only parameters (auxiliary heads; needed to train on from it): False
+    # leaves them out of model.safetensors and stats.safetensors (config.json still lists them; loading fills them in)
+    ship_training_only: bool = True
     stats_dtype: str = "float32"  # dtype of stats.safetensors (bfloat16 keeps fp32's range)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,8 +85,32 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         # seconds on a CPU: for tests and smoke runs (window 64 bytes, chunks of 32 slide through it)
         "tiny": {
             "model": {"d_model": 64, "n_layer": 3, "n_head": 2, "d_ff": 256, "context": 64},
-            "batch_size": 16, "bptt": 32, "lr": 1e-3, "lr_final": 3e-4, "max_steps": 120, "valid_every": 40,
+            "batch_size": 16, "bptt": 32, "lr": 1e-3, "lr_final": 3e-4, "warmup_steps": 10, "schedule": "cosine",
+            "max_steps": 120, "valid_every": 40,
             "valid_streams": 4, "stats_batches": 4, "stats_batch_size": 8, "log_every": 20,
+        },
+        # about 90 minutes on the 2-core CPU with one thread, like the default mLSTM (docs/benchmarks.md): 3.42M
+        # inference parameters (6.8 MB in float16; the 0.46M of the training-only heads are not shipped), ~5,700
+        # tokens/s in bf16 (this CPU has AVX-512 BF16: 2.4x its fp32 speed), so 13,000 steps x 2,048 bytes is ~27M
+        # bytes, ~2.8 epochs of the default's 9.6 MB; max_minutes is the wall stop
+        "small": {
+            "model": {"d_model": 256, "n_layer": 4, "n_head": 4, "d_ff": 1024, "context": 128, "dropout": 0.05},
+            "batch_size": 32, "bptt": 64, "lr": 1e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
+            "max_steps": 12_000, "max_minutes": 90, "precision": "auto", "threads": 1,
+            "valid_every": 500, "valid_bytes": 100_000, "valid_streams": 32,
+            "stats_batches": 100, "stats_batch_size": 32, "log_every": 20,
+            "weights_dtype": "float16", "stats_dtype": "bfloat16", "ship_training_only": False,
+        },
+        # a few minutes on one H100/H200: 6 blocks of width 256 with the paper's window of 256 bytes (4.48M inference
+        # parameters: 8.9 MB in float16; 0.73M in training-only heads, not shipped), bf16 autocast with TF32 for what
+        # stays in float32, cosine decay after warm-up
+        "gpu": {
+            "model": {"d_model": 256, "n_layer": 6, "n_head": 4, "d_ff": 768, "context": 256, "dropout": 0.1},
+            "batch_size": 128, "bptt": 128, "lr": 1.5e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
+            "max_steps": 6_000, "max_minutes": 15, "precision": "auto",
+            "valid_every": 500, "valid_bytes": 200_000, "valid_streams": 64,
+            "stats_batches": 100, "stats_batch_size": 32, "log_every": 50,
+            "weights_dtype": "float16", "stats_dtype": "bfloat16", "ship_training_only": False,
         },
     },
     "compressive": {
@@ -106,17 +142,18 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConfig:
     """Preset, then each layer (config file, flags) on top; `model` dicts merge key by key."""
-    if preset is not None and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    every = {*PRESETS, *(name for table in ARCH_PRESETS.values() for name in table)}
+    if preset is not None and preset not in every:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(sorted(every))}")
     merged: dict[str, Any] = {"model": {}}
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     arch = next((layer["arch"] for layer in reversed(layers) if "arch" in layer), TrainConfig.arch)
-    base = PRESETS.get(preset or "", {})
-    if preset and arch in ARCH_PRESETS:
-        if preset not in ARCH_PRESETS[arch]:
-            known = ", ".join(ARCH_PRESETS[arch])
-            raise ValueError(f"preset {preset!r} has no settings for {arch}; choose from {known}")
-        base = ARCH_PRESETS[arch][preset]
+    base: dict[str, Any] = {}
+    if preset:
+        table = ARCH_PRESETS.get(arch, PRESETS)
+        if preset not in table:
+            raise ValueError(f"preset {preset!r} has no settings for {arch}; choose from {', '.join(table)}")
+        base = table[preset]
     for layer in ([base] if preset else []) + list(layers):
         unknown = sorted(set(layer) - names)
         if unknown:
@@ -132,9 +169,15 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
     for name in ("weights_dtype", "stats_dtype"):
         if getattr(cfg, name) not in DTYPES:
             raise ValueError(f"{name} must be one of {', '.join(DTYPES)}")
-    if cfg.precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be 'fp32' or 'bf16', not {cfg.precision!r}")
-    for name in ("batch_size", "bptt", "max_steps", "valid_every", "valid_streams", "stats_segment"):
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {cfg.precision!r}")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, not {cfg.schedule!r}")
+    for name in ("batch_size", "bptt", "max_steps", "valid_every", "valid_streams", "stats_segment", "accumulate"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive")
+    if cfg.warmup_steps < 0:
+        raise ValueError("warmup_steps must be >= 0")
+    if cfg.batch_size % cfg.accumulate:
+        raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of accumulate ({cfg.accumulate})")
     return cfg

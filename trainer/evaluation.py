@@ -36,6 +36,8 @@ def run_eval(ckpt: Checkpoint, data: bytes, mode: str, **overrides: Any) -> tupl
         record.update({"rule": cfg.rule, "lr": cfg.lr, "decay": cfg.decay, "eps": cfg.eps, "segment": cfg.segment})
     if cfg.mode == "sparse":
         record["adapter_units"] = cfg.adapter_units
+    if cfg.mode == "full" and cfg.layers_from:
+        record["layers_from"] = cfg.layers_from
     if cfg.cache is not None:
         record.update({"cache_window": cfg.cache.window, "cache_theta": cfg.cache.theta, "cache_lambda": cfg.cache.lam})
     return record, result

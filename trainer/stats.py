@@ -23,7 +23,8 @@ __all__ = ["gradient_stats"]
 
 def gradient_stats(model: LanguageModel, data: bytes, *, batches: int, batch_size: int, segment: int,
                    adapter_units: int = 0, group: Group | None = None) -> dict[str, torch.Tensor]:
-    """-> {"param.<name>": MS_g, "adapter.<site>": MS_g of M (k, k)} for every parameter and site.
+    """-> {"param.<name>": MS_g, "adapter.<site>": MS_g of M (k, k)} for every parameter but the training-only ones
+    (auxiliary heads: dynamic evaluation's loss never reaches them) and every site.
 
     With `group`, this process takes its share of the batch's rows and the result is that of one process
     with the whole batch (up to float summation order), on every process.
@@ -33,7 +34,8 @@ def gradient_stats(model: LanguageModel, data: bytes, *, batches: int, batch_siz
     model.eval()  # statistics of the model as it is evaluated: no dropout
     streams = ByteStreams(data, batch_size, segment, shard=(group.rank, group.world))
     batch_size = group.share(batch_size, "stats_batch_size")
-    params = dict(model.named_parameters())
+    training_only = set(model.training_only_parameters())
+    params = {n: p for n, p in model.named_parameters() if n not in training_only}
     sums = {n: torch.zeros_like(p) for n, p in params.items()}
     sites = {s.name: (adapter_units or s.dim) for s in model.adaptation_sites()}
     ref = next(iter(params.values()))

@@ -1,5 +1,16 @@
-"""The training loop: truncated BPTT over byte streams, Adam with linear decay, best-checkpoint keeping,
-resumable, JSON-lines log, and MS_g statistics at the end (ALGORITHMS.md §1-3).
+"""The training loop: truncated BPTT over byte streams, Adam with warm-up then linear or cosine decay, gradient
+accumulation, best-checkpoint keeping, resumable, JSON-lines log, and MS_g statistics at the end (ALGORITHMS.md
+§1-3, §7's schedule).
+
+Gradient accumulation (`accumulate` = A): the batch's B rows are split into A micro-batches of B / A rows, each
+carrying its own rows' state, and the optimizer steps once on the sum of their losses / A: the same gradient as
+one batch of B rows (every micro-batch has as many rows and positions, so the mean of their means is the batch's
+mean), up to float summation order, in 1/A of the activation memory. Dropout aside: the masks are drawn per
+micro-batch.
+
+Precision: "bf16" runs the forward under autocast (CPU or CUDA); "auto" is bf16 where the device multiplies it
+natively (`models.precision.native_bf16`: a CUDA GPU with bf16, a CPU with AVX-512 BF16 or AMX), else fp32. On a
+CUDA device the float32 matmuls that remain run on TF32 tensor cores while training (restored afterwards).
 
 One process, or N processes of a torch.distributed group (`torchrun -m trainer`, trainer/_dist.py): each process
 takes batch_size / N of the batch's rows, DistributedDataParallel averages the gradients (so clipping sees the
@@ -15,26 +26,35 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from models.base import LanguageModel
+from models.base import LanguageModel, State
 from models.checkpoint import load_checkpoint, save_checkpoint
+from models.precision import native_bf16
 from models.registry import build_model, config_from_dict
 from trainer._dist import Group, current
 from trainer.config import DTYPES, TrainConfig
 from trainer.data import ByteStreams, read_bytes, read_corpus
 from trainer.stats import gradient_stats
 
-__all__ = ["TrainResult", "default_dyneval", "evaluate_bpb", "train"]
+__all__ = ["StepResult", "TrainResult", "default_dyneval", "evaluate_bpb", "lr_at", "train", "train_precision",
+           "train_step"]
 
 LN2 = math.log(2.0)
+
+
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # () the batch's training objective: its mean loss plus the auxiliary losses
+    nll: torch.Tensor  # () the batch's mean next-byte loss alone (nats), comparable with validation
+    grad_norm: torch.Tensor  # () the global gradient norm before clipping
+    state: State  # the new state, detached
 
 
 @dataclass
@@ -45,10 +65,35 @@ class TrainResult:
     seconds: float
 
 
+def train_precision(precision: str, device: torch.device | str) -> str:
+    """The precision training runs in on `device`: "fp32" or "bf16" ("auto": bf16 where the device multiplies it
+    natively, else fp32)."""
+    if precision == "auto":
+        return "bf16" if native_bf16(torch.device(device)) else "fp32"
+    return precision
+
+
 def _autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager[Any]:
-    if precision == "bf16":
+    if train_precision(precision, device) == "bf16":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _tf32(device: torch.device) -> Iterator[None]:
+    """TF32 tensor cores for float32 matmuls and convolutions on a CUDA device (10-bit mantissa products, float32
+    sums: far below the noise of SGD); the process's settings are restored afterwards."""
+    if device.type != "cuda":
+        yield
+        return
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
 
 
 @torch.no_grad()
@@ -57,6 +102,7 @@ def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: in
     """Bits per byte of `data` split into `streams` contiguous rows (state carried along each row). Under bf16 the
     figure is the served one: a frozen copy takes the model's inference path (the mLSTM keeps its output layer in
     float32 there; the training model under autocast would not)."""
+    precision = train_precision(precision, next(model.parameters()).device)
     if precision == "bf16" and not model.frozen:
         model = model.trainable_copy().freeze()
     was_training = model.training
@@ -77,11 +123,56 @@ def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: in
     return total / count / LN2
 
 
-def _lr_at(cfg: TrainConfig, step: int) -> float:
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warm-up to `lr` over `warmup_steps`, then
+    decay to `lr_final` at `max_steps`, linear over all steps (thesis ch. 3; as before cosine existed) or cosine
+    over the steps after warm-up (Compressive Transformer, ALGORITHMS.md §7)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        return cfg.lr_final + (cfg.lr - cfg.lr_final) * 0.5 * (1.0 + math.cos(math.pi * frac))
     frac = min(1.0, step / max(1, cfg.max_steps))
     return cfg.lr + (cfg.lr_final - cfg.lr) * frac  # linear decay (thesis ch. 3 training setup)
+
+
+def train_step(model: LanguageModel, opt: torch.optim.Optimizer, chunk: torch.Tensor, state: State, *,
+               accumulate: int = 1, clip: float = 1.0, precision: str = "fp32",
+               net: torch.nn.Module | None = None) -> StepResult:
+    """One optimizer step on `chunk` (B, T + 1) from `state` (B rows), in `accumulate` micro-batches of rows
+    (module docstring). `net` is what runs the forward (a DistributedDataParallel wrapper; default `model`): it
+    synchronises the gradients once, on the last micro-batch. The scalars stay on the device (no
+    synchronisation)."""
+    net = net if net is not None else model
+    B = chunk.shape[0]
+    if B % accumulate:
+        raise ValueError(f"{B} rows cannot be split into {accumulate} equal micro-batches")
+    rows = B // accumulate
+    device = chunk.device
+    opt.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    nll = torch.zeros((), device=device)
+    states = []
+    for j in range(accumulate):
+        part = slice(j * rows, (j + 1) * rows)
+        piece = chunk if accumulate == 1 else chunk[part]
+        sub = state if accumulate == 1 else state.select(part)
+        last = j == accumulate - 1
+        no_sync = getattr(net, "no_sync", None)
+        sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
+        with sync:
+            with _autocast(precision, device):
+                output = net(piece[:, :-1], sub)  # DDP: the backward averages the gradients over the processes
+            loss = model.loss(output, piece[:, 1:])  # the model's own loss: its auxiliary losses included
+            (loss / accumulate).backward()
+        total += loss.detach() / accumulate
+        nll += (loss.detach() - sum(a.detach() for a in output.aux.values())) / accumulate
+        states.append(output.state.detach())  # carried across chunks, gradients truncated (TBPTT)
+        del output, loss  # this micro-batch's activations go before the next one's
+    # the gradients are already averaged over processes, so this is the global norm
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return StepResult(total, nll, gnorm, states[0] if accumulate == 1 else State.stack(states))
 
 
 def _rng_key(kind: str, rank: int) -> str:
@@ -148,17 +239,24 @@ def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam,
     return hidden, info
 
 
-def _model_card(cfg: TrainConfig, meta: dict[str, Any], n_params: int) -> str:
+def _model_card(cfg: TrainConfig, meta: dict[str, Any], model: LanguageModel) -> str:
     m = meta["metrics"]
     t = meta["training"]
+    schedule = cfg.schedule + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+    training_only = set(model.training_only_parameters())
+    n_params = sum(p.numel() for p in model.parameters())
+    n_aux = sum(p.numel() for n, p in model.named_parameters() if n in training_only)
+    batch = f"{cfg.batch_size} streams" + (f" in {cfg.accumulate} micro-batches" if cfg.accumulate > 1 else "")
     lines = [
         f"# {meta['name']}: byte-level {cfg.arch}", "",
         f"- Architecture: {cfg.arch} {json.dumps(meta['model_config'], sort_keys=True)}",
-        f"- Parameters: {n_params:,}",
+        f"- Parameters: {n_params:,}" + (f" ({n_params - n_aux:,} for inference; {n_aux:,} in training-only heads,"
+                                          f" {'shipped' if cfg.ship_training_only else 'not shipped'})"
+                                          if n_aux else ""),
         f"- Training data: {', '.join(t['data'])} ({t['train_bytes']:,} bytes)",
         f"- Validation: {t['valid'] or '(none)'} ({t['valid_bytes']:,} bytes)",
-        f"- Steps: {t['steps']} x {cfg.batch_size} streams x {cfg.bptt} bytes; Adam {cfg.lr} -> {cfg.lr_final}"
-        f" (linear), clip {cfg.clip}, {cfg.precision}",
+        f"- Steps: {t['steps']} x {batch} x {cfg.bptt} bytes; Adam {cfg.lr} -> {cfg.lr_final}"
+        f" ({schedule}), clip {cfg.clip}, {t.get('precision', cfg.precision)}",
         f"- Training time: {t['seconds'] / 60:.1f} min on {t['machine']}",
         f"- Stored as: weights {cfg.weights_dtype}, statistics {cfg.stats_dtype} (loaded as float32)",
         f"- Validation bits per byte (best checkpoint, whole validation file): {m.get('valid_bpb', float('nan')):.4f}",
@@ -177,10 +275,19 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
 
     In a torch.distributed group every process calls this with the same arguments (and its own device);
     `cfg.batch_size` is the global batch, and `on_log` is called on rank 0 only."""
-    out = Path(out)
-    device = torch.device(device)
+    with _tf32(torch.device(device)):
+        return _train(cfg, data_paths, Path(out), valid_path=valid_path, resume=resume, name=name,
+                      progress=progress, on_log=on_log, device=torch.device(device))
+
+
+def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, valid_path: str | Path | None,
+           resume: bool, name: str | None, progress: bool, on_log: Callable[[dict[str, Any]], None] | None,
+           device: torch.device) -> TrainResult:
     group = current()
     local_batch = group.share(cfg.batch_size)
+    if local_batch % cfg.accumulate:
+        raise ValueError(f"each process's {local_batch} streams cannot be split into {cfg.accumulate} micro-batches")
+    precision = train_precision(cfg.precision, device)
     group.share(cfg.stats_batch_size, "stats_batch_size")  # fail now, not after training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -221,7 +328,6 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         if on_log:
             on_log(record)
 
-    n_params = sum(p.numel() for p in model.parameters())
     meta_base = {
         "name": name or out.name,
         "training_config": cfg.to_dict(),
@@ -243,19 +349,14 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         chunk = chunk.to(device, non_blocking=True)
         if new_epoch:
             state = model.init_state(local_batch)
-        lr = _lr_at(cfg, step)
+        lr = lr_at(cfg, step)
         for param_group in opt.param_groups:
             param_group["lr"] = lr
         model.set_training_progress(step / cfg.max_steps)  # schedules of auxiliary losses
-        with _autocast(cfg.precision, device):
-            output = net(chunk[:, :-1], state)  # DDP: the backward averages the gradients over the processes
-        loss = model.loss(output, chunk[:, 1:])  # the model's own loss: its auxiliary losses included
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        # read at logging: no sync a step; the gradients are already averaged, so this is the global norm
-        gnorm_t = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        state = output.state.detach()  # carried across chunks, gradients truncated (TBPTT)
+        # loss and norm are read at logging: no sync a step
+        result = train_step(model, opt, chunk, state, accumulate=cfg.accumulate, clip=cfg.clip, precision=precision,
+                            net=net)
+        state = result.state
         step += 1
         window_tokens += chunk[:, 1:].numel() * group.world
         bar.update(1)
@@ -263,9 +364,15 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
             now = time.monotonic()
             tps = window_tokens / max(1e-9, now - window_t)
             window_t, window_tokens = now, 0
-            loss_value = loss.item() if group.world == 1 else group.mean(loss)  # the whole batch's mean loss
-            bar.set_postfix(loss_bpb=f"{loss_value / LN2:.3f}", tok_s=f"{tps:,.0f}")
-            log({"step": step, "train_bpb": loss_value / LN2, "lr": lr, "grad_norm": float(gnorm_t),
+            # the whole batch's mean losses: the next-byte loss (train_bpb) and, for a model with auxiliary losses,
+            # the objective they are part of (train_loss_bpb)
+            nll_value = result.nll.item() if group.world == 1 else group.mean(result.nll)
+            record: dict[str, Any] = {"step": step, "train_bpb": nll_value / LN2}
+            if model.training_only_parameters():
+                loss_value = result.loss.item() if group.world == 1 else group.mean(result.loss)
+                record["train_loss_bpb"] = loss_value / LN2
+            bar.set_postfix(train_bpb=f"{nll_value / LN2:.3f}", tok_s=f"{tps:,.0f}")
+            log({**record, "lr": lr, "grad_norm": float(result.grad_norm),
                  "tokens_per_s": tps,
                  "seconds": now - t0})
         time_up = bool(cfg.max_minutes) and (time.monotonic() - t0) > cfg.max_minutes * 60
@@ -275,7 +382,7 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
             hidden_parts = group.gather({k: v.detach().cpu() for k, v in state.tensors.items()})
             rngs = group.gather(_rng_states(device))
             if group.main:
-                vbpb = evaluate_bpb(model, valid_slice, cfg.valid_streams, precision=cfg.precision)
+                vbpb = evaluate_bpb(model, valid_slice, cfg.valid_streams, precision=precision)
                 improved = vbpb < best
                 if improved:
                     best = vbpb
@@ -320,13 +427,14 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
         "training": {
             "data": [Path(p).name for p in data_paths], "train_bytes": len(train_bytes),
             "valid": Path(valid_path).name if valid_path else None, "valid_bytes": len(valid_bytes),
-            "steps": step, "seconds": seconds, "machine": machine,
+            "steps": step, "seconds": seconds, "machine": machine, "device": device.type, "precision": precision,
             "torch": torch.__version__,
         },
     }
-    card = _model_card(cfg, {**meta, "model_config": cfg.model}, n_params)
+    card = _model_card(cfg, {**meta, "model_config": cfg.model}, model)
     save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=default_dyneval(cfg, stats),
-                    weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype])
+                    weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype],
+                    training_only=cfg.ship_training_only)
     log({"done": True, "steps": step, "seconds": seconds, **metrics})
     assert log_file is not None
     log_file.close()

@@ -47,6 +47,9 @@ class DynEvalConfig:
     adapter_units: int = 0  # sparse: k units of each site get an M (0: the whole site)
     params: tuple[str, ...] = ()  # full: parameter-name prefixes that adapt (empty: all)
     frozen: tuple[str, ...] = ()  # full: prefixes left out of `params` (e.g. ("embed",))
+    # full: adapt only the layers from this block on, and the output layers (thesis ch. 6: adapting the later layers
+    # of GPT-2 was cheaper and better); the embedding and earlier blocks stay fixed. 0: every layer
+    layers_from: int = 0
     reset: bytes | None = None  # a separator: each document after it starts afresh (state and adaptation)
     cache: CacheConfig | None = None
 
@@ -61,14 +64,15 @@ class DynEvalConfig:
                 raise ValueError(f"{name} must be finite and >= 0, not {value!r}")
         if self.decay > 1:
             raise ValueError(f"decay must be <= 1, not {self.decay}")
-        for name in ("segment", "adapter_units"):
+        for name in ("segment", "adapter_units", "layers_from"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be a whole number, not {value!r}")
         if self.segment < 1:
             raise ValueError(f"segment must be >= 1, not {self.segment}")
-        if self.adapter_units < 0:
-            raise ValueError(f"adapter_units must be >= 0, not {self.adapter_units}")
+        for name in ("adapter_units", "layers_from"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
         if self.reset is not None and not self.reset:
             raise ValueError("reset separator must not be empty")
 
@@ -103,7 +107,7 @@ class DynEvalConfig:
         for key in ("lr", "decay", "eps"):
             if key in merged:
                 merged[key] = float(merged[key])
-        for key in ("segment", "adapter_units"):  # a whole number written as 20.0 is still 20
+        for key in ("segment", "adapter_units", "layers_from"):  # a whole number written as 20.0 is still 20
             value = merged.get(key)
             if isinstance(value, float) and value.is_integer():
                 merged[key] = int(value)

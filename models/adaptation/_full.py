@@ -22,8 +22,11 @@ __all__ = ["FullStream", "adapted_parameter_names"]
 
 
 def adapted_parameter_names(model: LanguageModel, config: DynEvalConfig) -> list[str]:
-    """Full mode: the parameters whose dotted name starts with a `params` prefix (all if none), minus `frozen`."""
-    names = [n for n, _ in model.named_parameters()]
+    """Full mode: the parameters whose dotted name starts with a `params` prefix (all if none), minus `frozen`,
+    minus those of layers below `layers_from` (`LanguageModel.parameter_layer`). Training-only parameters never
+    adapt: the scored loss does not reach them."""
+    training_only = set(model.training_only_parameters())
+    names = [n for n, _ in model.named_parameters() if n not in training_only]
 
     def match(name: str, prefixes: Sequence[str]) -> bool:
         return any(name == p or name.startswith(p + ".") for p in prefixes)
@@ -32,6 +35,13 @@ def adapted_parameter_names(model: LanguageModel, config: DynEvalConfig) -> list
         if not any(match(n, (prefix,)) for n in names):
             raise ValueError(f"no parameter matches {prefix!r}; parameters: {', '.join(names)}")
     chosen = [n for n in names if (not config.params or match(n, config.params)) and not match(n, config.frozen)]
+    if config.layers_from:
+        layers = {n: model.parameter_layer(n) for n in names}
+        chosen = [n for n in chosen if (layer := layers[n]) is not None and layer >= config.layers_from]
+        if not chosen:
+            deepest = max((x for x in layers.values() if x is not None), default=0)
+            raise ValueError(f"layers_from {config.layers_from} leaves no parameter to adapt (this model's parameters"
+                             f" sit in layers up to {deepest})")
     if not chosen:
         raise ValueError("the params/frozen settings leave no parameter to adapt")
     return chosen

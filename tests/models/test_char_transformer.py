@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,14 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from models.adaptation import DynEvalConfig, evaluate, evaluate_many
+from models.adaptation import (
+    DynEvalConfig,
+    DynEvalSettings,
+    FullStream,
+    adapted_parameter_names,
+    evaluate,
+    evaluate_many,
+)
 from models.base import Adapter, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.checkpoint import Checkpoint, load_checkpoint
@@ -249,3 +257,117 @@ def test_session_observes_suggests_and_generates(client: TestClient) -> None:
                                             "session_id": sid})
     assert gen.status_code == 200, gen.text
     assert len(gen.json()["text"]) > 0
+
+
+# -- full dynamic evaluation, of every layer or the later ones only (thesis ch. 6) ----------------------------
+
+
+def test_parameter_layers() -> None:
+    model = _model()  # 3 blocks
+    layers = {n: model.parameter_layer(n) for n, _ in model.named_parameters()}
+    assert layers["embed.weight"] == -1 and layers["pos"] == 0
+    assert layers["blocks.0.qkv.weight"] == 0 and layers["blocks.2.mlp.2.bias"] == 2
+    assert layers["ln_f.weight"] == layers["head.weight"] == 3
+    assert all(layers[n] is None for n in model.training_only_parameters())
+    from models.mlstm import MLSTM, MLSTMConfig  # one layer: the interface's default
+
+    mlstm = MLSTM(MLSTMConfig(hidden=8, embed_dim=4))
+    assert {mlstm.parameter_layer(n) for n, _ in mlstm.named_parameters()} == {0}
+    with pytest.raises(ValueError, match="layers_from 1 leaves no parameter"):
+        evaluate(mlstm, b"abc", DynEvalConfig(mode="full", layers_from=1))
+
+
+def test_full_dynamic_evaluation_adapts_without_the_training_only_heads() -> None:
+    """The training-only heads get no gradient from the scored loss: full mode leaves them out (it failed on them)."""
+    model = _model()
+    res = evaluate(model, TEXT.encode(), DynEvalConfig(mode="full", rule="sgd", lr=0.1, segment=10))
+    inference = {n: p.numel() for n, p in model.named_parameters() if not n.startswith("aux.")}
+    assert set(res.adapted) == set(inference) and res.params_adapted == sum(inference.values())
+    assert res.skipped_updates == 0 and math.isfinite(res.bits)
+
+
+def test_full_dynamic_evaluation_of_the_later_layers_only() -> None:
+    model = _model()
+    text = repetitive(60, seed=4) * 2
+    cfg = DynEvalConfig(mode="full", rule="sgd", lr=0.3, segment=12)
+    every = evaluate(model, text, cfg)
+    later = evaluate(model, text, replace(cfg, layers_from=2))
+    names = adapted_parameter_names(model, replace(cfg, layers_from=2))
+    assert names == [n for n, _ in model.named_parameters() if n.startswith(("blocks.2.", "ln_f.", "head."))]
+    assert set(later.adapted) == set(names) and later.params_adapted < every.params_adapted
+    # the copy FullStream adapts: block 2 and the output layers moved, everything below stayed where it was
+    stream = FullStream(model, replace(cfg, layers_from=2))
+    x, y = torch.tensor([list(text[:-1])]), torch.tensor([list(text[1:])])
+    for i in range(0, x.shape[1], 12):
+        stream.step(x[:, i : i + 12], y[:, i : i + 12])
+    original, adapted = dict(model.named_parameters()), dict(stream.model.named_parameters())
+    for n, p in adapted.items():
+        if n in names:
+            assert not torch.equal(p, original[n]), n
+        else:
+            assert torch.equal(p, original[n]), n
+    # the first segment is scored before any update (the same bits), the later ones differ from adapting every layer
+    assert later.logprobs[:12] == pytest.approx(every.logprobs[:12], abs=1e-6)
+    assert abs(later.bits - every.bits) > 1e-3
+    # through dyneval.json's full section
+    settings = DynEvalSettings({"full": {"rule": "sgd", "lr": 0.3, "segment": 12, "layers_from": 2}})
+    assert settings.config("dynamic").layers_from == 2
+    assert DynEvalConfig.from_dict(later_cfg := replace(cfg, layers_from=2).to_dict()) == replace(cfg, layers_from=2)
+    assert later_cfg["layers_from"] == 2
+    with pytest.raises(ValueError, match="layers_from must be >= 0"):
+        DynEvalConfig(layers_from=-1)
+    with pytest.raises(ValueError, match="sit in layers up to 3"):
+        evaluate(model, text, replace(cfg, layers_from=4))
+
+
+def test_shipped_without_the_training_only_heads_loads_to_the_same_logits(ckpt: Checkpoint, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from models.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "full", ckpt.model, stats=ckpt.stats, dyneval=dict(ckpt.dyneval), card="# c\n")
+    save_checkpoint(tmp_path / "slim", ckpt.model, stats=ckpt.stats, dyneval=dict(ckpt.dyneval), card="# c\n",
+                    training_only=False)
+    aux = ckpt.model.training_only_parameters()
+    slim_weights = load_file(str(tmp_path / "slim" / "model.safetensors"))
+    assert not set(aux) & set(slim_weights) and set(aux) <= set(load_file(str(tmp_path / "full" / "model.safetensors")))
+    assert not any(k.startswith("param.aux.") for k in load_file(str(tmp_path / "slim" / "stats.safetensors")))
+    slim, full = load_checkpoint(tmp_path / "slim"), load_checkpoint(tmp_path / "full")
+    assert slim.meta["training_only_parameters"] == aux and slim.meta["training_only_parameters_shipped"] is False
+    x = _tokens(30, batch=2)
+    with torch.no_grad():
+        torch.testing.assert_close(slim.model(x, slim.model.init_state(2)).logits,
+                                   full.model(x, full.model.init_state(2)).logits, rtol=0, atol=0)
+    cfg = DynEvalConfig(mode="full", rule="sgd", lr=0.1, segment=10)
+    assert evaluate(slim.model, TEXT.encode(), cfg).bits == evaluate(full.model, TEXT.encode(), cfg).bits
+
+
+def test_tune_and_eval_full_and_sparse_from_the_command_line(trained: tuple[Path, Any], tmp_path: Path) -> None:
+    """`adaptlm tune` on a transformer checkpoint (its MS_g statistics cover every inference weight), then `adaptlm
+    eval` with the tuned settings and with the later layers only."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    shutil.copytree(trained[0], ck)
+
+    def run(*args: str) -> Any:
+        r = subprocess.run([sys.executable, "-m", "adaptlm", *args], capture_output=True, text=True, timeout=600,
+                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    tuned = run("tune", "--checkpoint", str(ck), "--valid", str(VALID), "--bytes", "600", "--max-trials", "5",
+                "--device", "cpu", "--layers-from", "1")
+    dyneval = json.loads((ck / "dyneval.json").read_text())
+    assert dyneval["full"]["layers_from"] == 1 and tuned["full"]["trials"] <= 5
+    assert dyneval["full"]["valid_bpb"] <= dyneval["full"]["valid_static_bpb"]
+    assert dyneval["sparse"]["valid_bpb"] <= dyneval["sparse"]["valid_static_bpb"]
+    base = ("eval", "--checkpoint", str(ck), str(VALID), "--limit", "600", "--device", "cpu", "--json")
+    full, sparse = run(*base, "--mode", "dynamic,sparse")
+    assert full["layers_from"] == 1 and full["bits_per_byte"] == pytest.approx(dyneval["full"]["valid_bpb"])
+    assert sparse["bits_per_byte"] == pytest.approx(dyneval["sparse"]["valid_bpb"])
+    every = run(*base, "--mode", "dynamic", "--layers-from", "0")
+    assert "layers_from" not in every and every["params_adapted"] > full["params_adapted"]

@@ -140,8 +140,9 @@ def test_the_batch_must_divide_among_the_processes(tmp_path: Path) -> None:
 
 def test_a_model_whose_schedule_drops_training_heads_trains_on_two_processes(tmp_path: Path) -> None:
     """The character transformer's intermediate classifiers stop getting gradients once the auxiliary-loss schedule
-    drops them; DDP then needs `find_unused_parameters` or its second step fails."""
+    drops them; DDP then needs `find_unused_parameters` or its second step fails. With gradient accumulation (the
+    processes synchronise on the last micro-batch only)."""
     config = tmp_path / "train.json"
-    config.write_text(json.dumps({"max_steps": 8, "valid_every": 4, "valid_bytes": 2000}))
+    config.write_text(json.dumps({"max_steps": 8, "valid_every": 4, "valid_bytes": 2000, "accumulate": 2}))
     _torchrun(["-m", "trainer", "--arch", "char-transformer", *_flags(tmp_path / "out", config)])
     assert (tmp_path / "out" / "model.safetensors").exists()
