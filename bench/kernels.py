@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.attention as attention_mod
-from bench._common import machine_line
+from bench._common import DEFAULT_CHECKPOINT, ROOT, machine_line
 from kernels import (
     MemoryRing,
     batched_adapter,
@@ -43,7 +45,7 @@ from kernels import (
     memory_attention_ref,
     memory_update_ref,
 )
-from kernels._dispatch import triton_available
+from kernels._dispatch import kernel_implementation, triton_available
 
 Fn = Callable[[], object]
 
@@ -107,6 +109,9 @@ class Bench:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.results.append(row)
+        # as it goes (stderr): a run stopped by its time limit still leaves its figures
+        print(f"{row.op} | {row.case} | {row.impl} | {row.ms if row.ms is not None else row.error}", file=sys.stderr,
+              flush=True)
 
 
 def _fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Fn:
@@ -320,10 +325,69 @@ def adapter_cases(b: Bench) -> None:
 
 # ------------------------------------------------------------------------------------------------ end to end
 
-def end_to_end(device: torch.device) -> list[Result]:
-    """HOOK for the lead, once the models land: the compressive model's segment step and 64 adapting mLSTM sessions,
-    end to end, Triton against reference. Returns no rows for now."""
-    return []
+def _impl_default(impl: str) -> None:
+    """Make `impl` the process default that the models' calls (impl=None) take."""
+    os.environ["ADAPTLM_KERNELS"] = impl
+    kernel_implementation.cache_clear()
+
+
+def _e2e_model(arch: str, device: torch.device, quick: bool) -> torch.nn.Module:
+    """A randomly initialised model of the `gpu` preset (speed does not depend on the weights), frozen for serving."""
+    from models.registry import build_model, config_from_dict
+    from trainer.config import ARCH_PRESETS
+
+    presets = ARCH_PRESETS.get(arch, {})
+    fields = (presets.get("tiny") if quick else presets.get("gpu", presets.get("tiny"))) or {}
+    torch.manual_seed(0)
+    return build_model(config_from_dict({"arch": arch, **fields.get("model", {})})).to(device).eval().freeze()
+
+
+def end_to_end(b: Bench) -> None:
+    """Whole-model figures, Triton against reference as the process default (what a served model calls):
+    - scoring a contiguous stream (8 rows x 1,024 bytes, no gradients) with the compressive and the character
+      transformer at their `gpu` preset sizes (random weights: speed does not depend on them);
+    - 64 adapting sessions of the shipped default mLSTM: sparse dynamic evaluation of 64 texts at once
+      (evaluate_many, the engine's batched score-then-update step), 1,000 bytes each.
+    The ms column is per call; the case names the bytes it handles, for tokens/s."""
+    from models.adaptation import evaluate_many
+    from models.checkpoint import load_checkpoint
+    from trainer.evaluation import config_for
+
+    device, quick = b.device, b.quick
+    impls = ["reference"] + (["triton"] if device.type == "cuda" and triton_available() else [])
+    rows, length = (2, 128) if quick else (8, 1024)
+    for arch in ("compressive", "char-transformer"):
+        try:
+            model = _e2e_model(arch, device, quick)
+        except Exception as e:
+            b.results.append(Result(f"e2e {arch} scoring", "-", "-", error=f"{type(e).__name__}: {e}"[:100]))
+            continue
+        tokens = torch.randint(0, 256, (rows, length), device=device)
+        case = f"{rows}x{length} bytes, gpu preset" if not quick else f"{rows}x{length} bytes, tiny preset"
+
+        def score(model=model, tokens=tokens):  # noqa: ANN001, ANN202
+            with torch.no_grad():
+                return model(tokens, model.init_state(tokens.shape[0])).logits
+
+        for impl in impls:
+            _impl_default(impl)
+            b.case(f"e2e {arch} scoring", case, impl, lambda score=score: score, baseline="reference")
+    try:
+        ck = load_checkpoint(DEFAULT_CHECKPOINT, device=device)
+        text = (ROOT / "tests" / "data").glob("*.txt")
+        corpus = b"".join(p.read_bytes() for p in sorted(text))
+        n, size = (8, 200) if quick else (64, 1000)
+        texts = [corpus[i * size : (i + 1) * size] for i in range(n)]
+        cfg = config_for("sparse", ck.dyneval)
+        for impl in impls:
+            _impl_default(impl)
+            b.case("e2e default mLSTM sessions", f"{n} sessions x {size} bytes, sparse", impl,
+                   lambda: lambda: evaluate_many(ck.model, texts, cfg, stats=ck.stats, max_streams=n),
+                   baseline="reference")
+    except Exception as e:
+        b.results.append(Result("e2e default mLSTM sessions", "-", "-", error=f"{type(e).__name__}: {e}"[:100]))
+    os.environ.pop("ADAPTLM_KERNELS", None)
+    kernel_implementation.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -360,7 +424,7 @@ def main() -> None:
             except Exception as e:  # keep the other parts' figures
                 b.results.append(Result(part.__name__, "-", "-", error=f"{type(e).__name__}: {e}"[:100]))
         try:
-            b.results.extend(end_to_end(device))
+            end_to_end(b)
         except Exception as e:  # the hook failing is a row too
             b.results.append(Result("end_to_end", "-", "-", error=f"{type(e).__name__}: {e}"[:100]))
     print(table(b.results))

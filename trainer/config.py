@@ -33,7 +33,11 @@ class TrainConfig:
     schedule: str = "linear"
     accumulate: int = 1  # micro-batches per optimizer step: the batch's rows split into this many, each with its state
     max_steps: int = 1000
-    max_minutes: float = 0.0  # wall-clock stop (0: none); the schedule still follows max_steps
+    max_minutes: float = 0.0  # wall-clock stop (0: none)
+    # what the schedules (learning rate, auxiliary losses) run on: "steps" (step / max_steps, reproducible) or
+    # "budget" (the larger of step / max_steps and elapsed / max_minutes: the decay completes whichever budget ends
+    # first, for a device whose speed is not known in advance; one process only)
+    schedule_clock: str = "steps"
     clip: float = 1.0  # global gradient-norm clip
     # "fp32", "bf16" (matmuls under CPU/GPU autocast; cell state in fp32) or "auto": bf16 where the device multiplies
     # it natively (a CUDA GPU with bf16; a CPU with AVX-512 BF16 or AMX), else fp32 (models.precision.native_bf16)
@@ -101,13 +105,15 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "stats_batches": 100, "stats_batch_size": 32, "log_every": 20,
             "weights_dtype": "float16", "stats_dtype": "bfloat16", "ship_training_only": False,
         },
-        # a few minutes on one H100/H200: 6 blocks of width 256 with the paper's window of 256 bytes (4.48M inference
-        # parameters: 8.9 MB in float16; 0.73M in training-only heads, not shipped), bf16 autocast with TF32 for what
-        # stays in float32, cosine decay after warm-up
+        # a few minutes on one H100/H200, shipped as checkpoints/char-transformer: the whole checkpoint within 10 MB
+        # (float16 weights + bfloat16 MS_g statistics, 2 bytes each a parameter), so 2.06M inference parameters: 4
+        # blocks of width 192 (3 heads of 64, the Triton attention's head size), the paper's window of 256 bytes
+        # (0.37M in training-only heads, not shipped); bf16 autocast, cosine decay on the budget clock (the decay
+        # ends with max_minutes on a device of unknown speed)
         "gpu": {
-            "model": {"d_model": 256, "n_layer": 6, "n_head": 4, "d_ff": 768, "context": 256, "dropout": 0.1},
-            "batch_size": 128, "bptt": 128, "lr": 1.5e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
-            "max_steps": 6_000, "max_minutes": 15, "precision": "auto",
+            "model": {"d_model": 192, "n_layer": 4, "n_head": 3, "d_ff": 768, "context": 256, "dropout": 0.1},
+            "batch_size": 128, "bptt": 128, "lr": 2e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
+            "max_steps": 20_000, "max_minutes": 15, "schedule_clock": "budget", "precision": "auto",
             "valid_every": 500, "valid_bytes": 200_000, "valid_streams": 64,
             "stats_batches": 100, "stats_batch_size": 32, "log_every": 50,
             "weights_dtype": "float16", "stats_dtype": "bfloat16", "ship_training_only": False,
@@ -120,6 +126,30 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       "cmem_len": 16, "rate": 2},
             "batch_size": 16, "bptt": 32, "lr": 1e-3, "lr_final": 3e-4, "max_steps": 120, "valid_every": 40,
             "valid_streams": 4, "stats_batches": 4, "stats_batch_size": 8, "log_every": 20,
+        },
+        # the CPU budget of the default mLSTM (about 90 minutes, one thread): width 256, 4 blocks, segment = bptt 64,
+        # 64 fine + 32 compressed slots at c = 2 (attention over 160 keys), clip 0.1 (paper)
+        "small": {
+            "model": {"d_model": 256, "n_layer": 4, "n_head": 4, "d_ff": 1024, "segment": 64, "mem_len": 64,
+                      "cmem_len": 32, "rate": 2, "dropout": 0.05},
+            "batch_size": 32, "bptt": 64, "lr": 1e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
+            "max_steps": 12_000, "max_minutes": 90, "schedule_clock": "budget", "clip": 0.1, "precision": "auto",
+            "threads": 1, "valid_every": 500, "valid_bytes": 100_000, "valid_streams": 32,
+            "stats_batches": 100, "stats_batch_size": 32, "log_every": 20,
+            "weights_dtype": "float16", "stats_dtype": "bfloat16",
+        },
+        # a few minutes on one H100/H200, shipped as checkpoints/compressive: within 10 MB like the character
+        # transformer's (2.2M parameters, the conv compressor included: it compresses at inference); segment = bptt
+        # 192, 192 fine + 192 compressed slots at the paper's c = 3 (attention over 576 keys, 1,344 bytes of context
+        # after the compressed memory fills); clip 0.1 and warm-up then cosine (paper), on the budget clock
+        "gpu": {
+            "model": {"d_model": 192, "n_layer": 4, "n_head": 3, "d_ff": 640, "segment": 192, "mem_len": 192,
+                      "cmem_len": 192, "rate": 3, "dropout": 0.1},
+            "batch_size": 128, "bptt": 192, "lr": 2e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
+            "max_steps": 20_000, "max_minutes": 15, "schedule_clock": "budget", "clip": 0.1, "precision": "auto",
+            "valid_every": 500, "valid_bytes": 200_000, "valid_streams": 64,
+            "stats_batches": 100, "stats_batch_size": 32, "log_every": 50,
+            "weights_dtype": "float16", "stats_dtype": "bfloat16",
         },
     },
 }
@@ -171,6 +201,10 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
             raise ValueError(f"{name} must be one of {', '.join(DTYPES)}")
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {cfg.precision!r}")
+    if cfg.schedule_clock not in ("steps", "budget"):
+        raise ValueError(f"schedule_clock must be 'steps' or 'budget', not {cfg.schedule_clock!r}")
+    if cfg.schedule_clock == "budget" and not cfg.max_minutes:
+        raise ValueError("schedule_clock 'budget' needs max_minutes")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, not {cfg.schedule!r}")
     for name in ("batch_size", "bptt", "max_steps", "valid_every", "valid_streams", "stats_segment", "accumulate"):

@@ -123,12 +123,24 @@ def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: in
     return total / count / LN2
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
+def progress_at(cfg: TrainConfig, step: int, seconds: float = 0.0) -> float:
+    """The fraction of training done at `step` after `seconds`: step / max_steps, or under schedule_clock "budget"
+    the larger of that and seconds / max_minutes (the schedules end with whichever budget runs out first)."""
+    frac = step / cfg.max_steps
+    if cfg.schedule_clock == "budget":
+        frac = max(frac, seconds / (60 * cfg.max_minutes))
+    return min(1.0, frac)
+
+
+def lr_at(cfg: TrainConfig, step: int, seconds: float = 0.0) -> float:
     """The learning rate of optimizer step `step` (0-based): linear warm-up to `lr` over `warmup_steps`, then
     decay to `lr_final` at `max_steps`, linear over all steps (thesis ch. 3; as before cosine existed) or cosine
-    over the steps after warm-up (Compressive Transformer, ALGORITHMS.md §7)."""
+    over the steps after warm-up (Compressive Transformer, ALGORITHMS.md §7). Under schedule_clock "budget" the
+    decay runs on `progress_at` (warm-up still counts steps)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule_clock == "budget":
+        step = max(step, round(progress_at(cfg, step, seconds) * cfg.max_steps))
     if cfg.schedule == "cosine":
         frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
         return cfg.lr_final + (cfg.lr - cfg.lr_final) * 0.5 * (1.0 + math.cos(math.pi * frac))
@@ -287,6 +299,8 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     local_batch = group.share(cfg.batch_size)
     if local_batch % cfg.accumulate:
         raise ValueError(f"each process's {local_batch} streams cannot be split into {cfg.accumulate} micro-batches")
+    if cfg.schedule_clock == "budget" and group.world > 1:
+        raise ValueError("schedule_clock 'budget' runs in one process (each would read its own clock)")
     precision = train_precision(cfg.precision, device)
     group.share(cfg.stats_batch_size, "stats_batch_size")  # fail now, not after training
     if cfg.threads:
@@ -349,10 +363,11 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         chunk = chunk.to(device, non_blocking=True)
         if new_epoch:
             state = model.init_state(local_batch)
-        lr = lr_at(cfg, step)
+        seconds = time.monotonic() - t0
+        lr = lr_at(cfg, step, seconds)
         for param_group in opt.param_groups:
             param_group["lr"] = lr
-        model.set_training_progress(step / cfg.max_steps)  # schedules of auxiliary losses
+        model.set_training_progress(progress_at(cfg, step, seconds))  # schedules of auxiliary losses
         # loss and norm are read at logging: no sync a step
         result = train_step(model, opt, chunk, state, accumulate=cfg.accumulate, clip=cfg.clip, precision=precision,
                             net=net)

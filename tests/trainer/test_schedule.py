@@ -145,3 +145,23 @@ def test_preset_names_are_per_architecture() -> None:
         make_config("gpu")
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         make_config("huge", {"arch": "char-transformer"})
+
+
+def test_budget_clock_ends_the_decay_with_whichever_budget_runs_out_first() -> None:
+    from trainer.train import progress_at
+
+    cfg = make_config(None, {"lr": 1e-3, "lr_final": 1e-5, "warmup_steps": 10, "schedule": "cosine",
+                             "max_steps": 110, "max_minutes": 2.0, "schedule_clock": "budget"})
+    assert progress_at(cfg, 20, 0.0) == pytest.approx(20 / 110)  # steps ahead of the clock
+    assert progress_at(cfg, 20, 60.0) == pytest.approx(0.5)  # the clock ahead: half of 2 minutes
+    assert progress_at(cfg, 20, 500.0) == 1.0
+    assert lr_at(cfg, 5, 100.0) == pytest.approx(6e-4)  # warm-up counts steps whatever the clock says
+    assert lr_at(cfg, 20, 60.0) == pytest.approx(lr_at(cfg, 55))  # half the budget: the step half-way (55 of 110)
+    assert lr_at(cfg, 20, 120.0) == pytest.approx(1e-5)
+    steps = make_config(None, {"lr": 1e-3, "lr_final": 1e-5, "warmup_steps": 10, "schedule": "cosine",
+                               "max_steps": 110, "max_minutes": 2.0})
+    assert lr_at(steps, 20, 120.0) == pytest.approx(lr_at(steps, 20))  # the default clock ignores time
+    with pytest.raises(ValueError, match="needs max_minutes"):
+        make_config(None, {"schedule_clock": "budget"})
+    with pytest.raises(ValueError, match="schedule_clock"):
+        make_config(None, {"schedule_clock": "wall"})
