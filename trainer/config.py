@@ -56,6 +56,10 @@ class TrainConfig:
     # the shipped checkpoint keeps the training-only parameters (auxiliary heads; needed to train on from it): False
     # leaves them out of model.safetensors and stats.safetensors (config.json still lists them; loading fills them in)
     ship_training_only: bool = True
+    # chance that a row starts afresh at a chunk (its state reset, its first input the stream-start token), so a
+    # model whose state is a window or a memory also learns to predict from little context, as a new session or a
+    # scored text does (0: rows are reset only at an epoch's start)
+    reset_prob: float = 0.0
     stats_dtype: str = "float32"  # dtype of stats.safetensors (bfloat16 keeps fp32's range)
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,11 +104,12 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "small": {
             "model": {"d_model": 256, "n_layer": 4, "n_head": 4, "d_ff": 1024, "context": 128, "dropout": 0.05},
             "batch_size": 32, "bptt": 64, "lr": 1e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
-            "max_steps": 12_000, "max_minutes": 90, "precision": "auto", "threads": 1,
+            "max_steps": 12_000, "max_minutes": 90, "precision": "auto", "reset_prob": 0.032, "threads": 1,
             "valid_every": 500, "valid_bytes": 100_000, "valid_streams": 32,
             "stats_batches": 100, "stats_batch_size": 32, "log_every": 20,
             "weights_dtype": "float16", "stats_dtype": "bfloat16", "ship_training_only": False,
         },
+        # rows start afresh about every 2,000 bytes (reset_prob = bptt / 2000): served text often starts cold
         # a few minutes on one H100/H200, shipped as checkpoints/char-transformer: the whole checkpoint within 10 MB
         # (float16 weights + bfloat16 MS_g statistics, 2 bytes each a parameter), so 2.06M inference parameters: 4
         # blocks of width 192 (3 heads of 64, the Triton attention's head size), the paper's window of 256 bytes
@@ -114,7 +119,7 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "model": {"d_model": 192, "n_layer": 4, "n_head": 3, "d_ff": 768, "context": 256, "dropout": 0.1},
             "batch_size": 128, "bptt": 128, "lr": 2e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
             "max_steps": 20_000, "max_minutes": 15, "schedule_clock": "budget", "precision": "auto",
-            "valid_every": 500, "valid_bytes": 200_000, "valid_streams": 64,
+            "reset_prob": 0.064, "valid_every": 500, "valid_bytes": 200_000, "valid_streams": 64,
             "stats_batches": 100, "stats_batch_size": 32, "log_every": 50,
             "weights_dtype": "float16", "stats_dtype": "bfloat16", "ship_training_only": False,
         },
@@ -134,7 +139,7 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       "cmem_len": 32, "rate": 2, "dropout": 0.05},
             "batch_size": 32, "bptt": 64, "lr": 1e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
             "max_steps": 12_000, "max_minutes": 90, "schedule_clock": "budget", "clip": 0.1, "precision": "auto",
-            "threads": 1, "valid_every": 500, "valid_bytes": 100_000, "valid_streams": 32,
+            "reset_prob": 0.032, "threads": 1, "valid_every": 500, "valid_bytes": 100_000, "valid_streams": 32,
             "stats_batches": 100, "stats_batch_size": 32, "log_every": 20,
             "weights_dtype": "float16", "stats_dtype": "bfloat16",
         },
@@ -147,7 +152,7 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       "cmem_len": 192, "rate": 3, "dropout": 0.1},
             "batch_size": 128, "bptt": 192, "lr": 2e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
             "max_steps": 20_000, "max_minutes": 15, "schedule_clock": "budget", "clip": 0.1, "precision": "auto",
-            "valid_every": 500, "valid_bytes": 200_000, "valid_streams": 64,
+            "reset_prob": 0.1, "valid_every": 500, "valid_bytes": 200_000, "valid_streams": 64,
             "stats_batches": 100, "stats_batch_size": 32, "log_every": 50,
             "weights_dtype": "float16", "stats_dtype": "bfloat16",
         },
@@ -201,6 +206,8 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
             raise ValueError(f"{name} must be one of {', '.join(DTYPES)}")
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {cfg.precision!r}")
+    if not 0.0 <= cfg.reset_prob < 1.0:
+        raise ValueError("reset_prob must be in [0, 1)")
     if cfg.schedule_clock not in ("steps", "budget"):
         raise ValueError(f"schedule_clock must be 'steps' or 'budget', not {cfg.schedule_clock!r}")
     if cfg.schedule_clock == "budget" and not cfg.max_minutes:

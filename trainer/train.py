@@ -39,6 +39,7 @@ from models.base import LanguageModel, State
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.precision import native_bf16
 from models.registry import build_model, config_from_dict
+from models.tokenizer import ByteTokenizer
 from trainer._dist import Group, current
 from trainer.config import DTYPES, TrainConfig
 from trainer.data import ByteStreams, read_bytes, read_corpus
@@ -146,6 +147,22 @@ def lr_at(cfg: TrainConfig, step: int, seconds: float = 0.0) -> float:
         return cfg.lr_final + (cfg.lr - cfg.lr_final) * 0.5 * (1.0 + math.cos(math.pi * frac))
     frac = min(1.0, step / max(1, cfg.max_steps))
     return cfg.lr + (cfg.lr_final - cfg.lr) * frac  # linear decay (thesis ch. 3 training setup)
+
+
+def _reset_rows(model: LanguageModel, cfg: TrainConfig, step: int, chunk: torch.Tensor, state: State,
+                group: Group) -> tuple[torch.Tensor, State]:
+    """Rows that start afresh at this chunk (`reset_prob`): a fresh state, and the stream-start token as first input.
+    Drawn for the whole batch from (seed, step), each process taking its rows: the same rows however many processes
+    train, and after a resume."""
+    draw = torch.rand(cfg.batch_size, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+    share = chunk.shape[0]
+    rows = (draw < cfg.reset_prob)[group.rank * share : (group.rank + 1) * share]  # (B,) this process's rows
+    if not bool(rows.any()):
+        return chunk, state
+    rows = rows.to(chunk.device)
+    chunk = chunk.clone()
+    chunk[rows, 0] = ByteTokenizer.bos  # what a new stream's first byte follows (models/tokenizer.py)
+    return chunk, model.init_state(share).where(rows, state)
 
 
 def train_step(model: LanguageModel, opt: torch.optim.Optimizer, chunk: torch.Tensor, state: State, *,
@@ -363,6 +380,8 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         chunk = chunk.to(device, non_blocking=True)
         if new_epoch:
             state = model.init_state(local_batch)
+        elif cfg.reset_prob:
+            chunk, state = _reset_rows(model, cfg, step, chunk, state, group)
         seconds = time.monotonic() - t0
         lr = lr_at(cfg, step, seconds)
         for param_group in opt.param_groups:
@@ -431,6 +450,8 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         return TrainResult(out=out, best_valid_bpb=best_bpb, steps=step, seconds=seconds)
     metrics: dict[str, Any] = {"best_step": ckpt.meta["metrics"]["step"], "stop_reason": stop_reason}
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads"
+    if device.type == "cuda":
+        machine = f"{torch.cuda.get_device_name(device)} ({machine})"
     if group.world > 1:
         machine += f", {group.world} processes ({device.type})"
     if valid_bytes:

@@ -165,3 +165,31 @@ def test_budget_clock_ends_the_decay_with_whichever_budget_runs_out_first() -> N
         make_config(None, {"schedule_clock": "budget"})
     with pytest.raises(ValueError, match="schedule_clock"):
         make_config(None, {"schedule_clock": "wall"})
+
+
+def test_reset_rows_start_afresh_with_the_stream_start_token() -> None:
+    """reset_prob: the drawn rows get a fresh state and the stream-start token as first input, the others keep
+    theirs; the draw depends on (seed, step) only, so every process of a distributed run agrees on it."""
+    from trainer._dist import Group
+    from trainer.train import _reset_rows
+
+    cfg = make_config("tiny", {"arch": "char-transformer", "reset_prob": 0.5, "batch_size": 8})
+    model = build_model(config_from_dict({"arch": cfg.arch, **cfg.model})).eval()
+    chunk = ByteStreams(DATA.joinpath("train.txt").read_bytes(), 8, 16).chunk(3)[0]  # (8, 17)
+    with torch.no_grad():
+        state = model(chunk[:, :-1], model.init_state(8)).state
+    new_chunk, new_state = _reset_rows(model, cfg, 7, chunk, state, Group())
+    fresh = model.init_state(8)
+    reset = [b for b in range(8) if torch.equal(new_state.tensors["mask"][b], fresh.tensors["mask"][b])]
+    assert 0 < len(reset) < 8  # p = 0.5 over 8 rows, at this step
+    for b in range(8):
+        if b in reset:
+            assert new_chunk[b, 0] == ord("\n") and torch.equal(new_chunk[b, 1:], chunk[b, 1:])
+            assert all(torch.equal(new_state.tensors[k][b], fresh.tensors[k][b]) for k in fresh.tensors)
+        else:
+            assert torch.equal(new_chunk[b], chunk[b])
+            assert all(torch.equal(new_state.tensors[k][b], state.tensors[k][b]) for k in fresh.tensors)
+    again_chunk, _ = _reset_rows(model, cfg, 7, chunk, state, Group())
+    assert torch.equal(again_chunk, new_chunk)  # (seed, step) decides
+    with pytest.raises(ValueError, match="reset_prob"):
+        make_config(None, {"reset_prob": 1.0})
