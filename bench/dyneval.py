@@ -56,10 +56,12 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8,32,128")
     ap.add_argument("--stream-bytes", type=int, default=2000)
     ap.add_argument("--plot", help="PNG of loss against position on the first text")
+    ap.add_argument("--no-batched", action="store_true", help="leave out the batched-streams table")
     args = ap.parse_args()
     ck = load_checkpoint(args.checkpoint)
     n_params = sum(p.numel() for p in ck.model.parameters())
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    site = max(site.dim for site in ck.model.adaptation_sites())
+    sizes = [int(s) for s in args.sizes.split(",") if s and int(s) <= site]  # sizes beyond the site do not exist
     print(f"# dynamic evaluation, {ck.name} ({n_params:,} parameters): {machine_line()}")
     print(f"settings: {ck.dyneval}")
     print()
@@ -104,7 +106,7 @@ def main() -> None:
     print(f"| streams | batched tokens/s | one at a time tokens/s | speed-up | ({args.stream_bytes} bytes each, "
           f"H={cfg.adapter_units}) |")
     print("| ---: | ---: | ---: | ---: | --- |")
-    for b in [int(s) for s in args.streams.split(",") if s]:
+    for b in [] if args.no_batched else [int(s) for s in args.streams.split(",") if s]:
         texts = [text[j * args.stream_bytes : (j + 1) * args.stream_bytes] for j in range(b)]
         t0 = time.perf_counter()
         evaluate_many(ck.model, texts, cfg, stats=ck.stats, max_streams=b)

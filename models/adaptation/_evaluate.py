@@ -44,7 +44,8 @@ class EvalResult:
     state_bytes: int  # bytes of adapted state per stream: full, the adapted weights; sparse, the M matrices
     seconds: float  # wall time of the whole call (shared by every text of an `evaluate_many` batch)
     skipped_updates: int = 0  # updates dropped by the non-finite guard
-    adapter_resets: int = 0  # sparse: times an adapter whose scores blew up was reset to 0 (segment redone)
+    adapter_resets: int = 0  # times an adapter (sparse) or the weights (full) whose scores blew up were reset to the
+    # unadapted ones, the segment scored again
     adapted: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # final weights / M per site
     state: State | None = field(default=None, repr=False)  # final recurrent state (batch 1)
 
@@ -127,7 +128,7 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
                 inputs, targets = tokenizer.stream(doc, None, ref.device)
                 lps = [full.step(inputs[None, i : i + config.segment], targets[None, i : i + config.segment])
                        for i in range(0, inputs.numel(), config.segment)]
-                streams.append(_Stream(torch.cat(lps), full.state, full.adapted(), full.skipped))
+                streams.append(_Stream(torch.cat(lps), full.state, full.adapted(), full.skipped, full.resets))
                 params_adapted, state_bytes = full.params_adapted, full.state_bytes
         else:
             sites: dict[str, int] = {}

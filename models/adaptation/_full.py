@@ -8,6 +8,7 @@ and the keyboard simulator (`models.keysim`) both step a `FullStream`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -16,9 +17,12 @@ from models.adaptation._cache import NeuralCache
 from models.adaptation._config import DynEvalConfig
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import finite_rows
+from models.adaptation._step import DIVERGED_BITS
 from models.base import LanguageModel, State
 
 __all__ = ["FullStream", "adapted_parameter_names"]
+
+LN2 = math.log(2.0)
 
 
 def adapted_parameter_names(model: LanguageModel, config: DynEvalConfig) -> list[str]:
@@ -50,7 +54,10 @@ def adapted_parameter_names(model: LanguageModel, config: DynEvalConfig) -> list
 class FullStream:
     """One stream of full dynamic evaluation: `step` scores a segment with the current weights, then updates
     them. The non-finite guard: a non-finite state rewinds the segment (state and weights stay); non-finite
-    weights alone are dropped (`skipped`) and the state, which the old weights produced, stands."""
+    weights alone are dropped (`skipped`) and the state, which the old weights produced, stands. The divergence
+    guard, as sparse mode's (`DIVERGED_BITS`): weights under which a segment scores non-finite or worse than
+    DIVERGED_BITS a token on average are put back to the unadapted ones (`resets`) and the segment is scored
+    again under them."""
 
     def __init__(self, model: LanguageModel, config: DynEvalConfig,
                  stats: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -78,6 +85,7 @@ class FullStream:
         self.cache = NeuralCache(self._cache_config) if self._cache_config else None
         self.skipped = 0
         self.updates = 0
+        self.resets = 0
 
     @property
     def params_adapted(self) -> int:
@@ -96,6 +104,14 @@ class FullStream:
             out = self.model(x, self.state)
             log_dist = self.model.log_probs(out)  # (1, t, V)
             lp = log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (1, t)
+            if self.updates and not bool(torch.isfinite(lp).all() and -lp.mean() / LN2 <= DIVERGED_BITS):
+                with torch.no_grad():  # diverged: back to the unadapted weights, and score the segment under them
+                    for n, p in self.params.items():
+                        p.copy_(self.theta_g[n])
+                self.resets += 1
+                out = self.model(x, self.state)
+                log_dist = self.model.log_probs(out)
+                lp = log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)
             # a weight the segment's loss does not reach (a compressor trained by its own loss only) gets zero
             found = torch.autograd.grad(-lp.mean(), list(self.params.values()), allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for g, p in zip(found, self.params.values(), strict=True)]

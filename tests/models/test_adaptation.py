@@ -606,6 +606,22 @@ def test_offline_sparse_evaluation_has_the_servers_guard(tiny_checkpoint: Path) 
     assert calm.adapter_resets == 0 and calm.skipped_updates == 0
 
 
+def test_offline_full_evaluation_has_the_divergence_guard(tiny_checkpoint: Path) -> None:
+    """Full mode: weights under which a segment scores worse than DIVERGED_BITS a token are put back to the
+    unadapted ones and the segment scored again (the compressive checkpoint's untuned eta reached 98 bits per byte
+    on C code before the guard)."""
+    ckpt = load_checkpoint(tiny_checkpoint)
+    rng = random.Random(0)
+    text = "".join(rng.choice(string.printable[:95]) for _ in range(600)).encode()
+    static = evaluate(ckpt.model, text, DynEvalConfig(mode="static"))
+    wild = evaluate(ckpt.model, text, config_for("dynamic", ckpt.dyneval, lr=1.0), stats=ckpt.stats)
+    assert wild.adapter_resets > 0
+    assert wild.bits_per_byte < DIVERGED_BITS
+    assert wild.bits_per_byte < 3 * static.bits_per_byte
+    calm = evaluate(ckpt.model, text, config_for("dynamic", ckpt.dyneval), stats=ckpt.stats)
+    assert calm.adapter_resets == 0 and calm.skipped_updates == 0
+
+
 def test_segment_and_adapter_units_are_whole_numbers() -> None:
     """A segment of 20.5 used to pass the checkpoint's validation and fail every text step later (a 500 each)."""
     assert DynEvalConfig.from_dict({"segment": 20.0, "adapter_units": 64.0}).segment == 20
