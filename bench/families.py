@@ -4,7 +4,7 @@
 
 Columns: inference parameters; the checkpoint's size on disk; training tokens/s (the median of its train.jsonl,
 measured where it was trained, which the model card names); bits per byte of the held-out book (static, whole
-context carried: `evaluate_bpb` with 8 streams); scoring tokens/s at batch 32; generation latency (ms a byte,
+context carried: `evaluate_bpb` with 8 streams), and of 64 pieces of 128 bytes each scored from a cold start; scoring tokens/s at batch 32; generation latency (ms a byte,
 batch 1, greedy, after a 256-byte prompt); suggestion latency (ms a `suggest` call on a 256-byte context: word
 completions and next characters); a session's state in bytes (`State.row_bytes`) and its sparse adapter in bytes
 (float32 k x k at the checkpoint's dyneval.json size).
@@ -54,6 +54,10 @@ def measure(path: Path, text: bytes, device: torch.device) -> dict[str, object]:
     row["disk_mb"] = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
     row["train_tok_s"] = _train_tokens_per_s(path)
     row["bpb"] = evaluate_bpb(model, text, streams=8)
+    # cold starts: 64 pieces of 128 bytes from the text, each scored from the initial state (a new session's, a
+    # stateless /v1/score's), as one batch of independent streams
+    pieces = b"".join(text[i * 1500 : i * 1500 + 128] for i in range(64))
+    row["cold_bpb"] = evaluate_bpb(model, pieces, streams=64)
     data = text[: 32 * 2000]
     evaluate_bpb(model, data[:4000], streams=32)  # warm-up
     _sync(device)
@@ -111,9 +115,10 @@ def main() -> None:
     text = Path(args.text).read_bytes()[: args.bytes]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_line()
     print(f"# architectures side by side on {device.type} ({where}); text {Path(args.text).name}, {len(text):,} bytes")
-    print("| checkpoint | arch | parameters | disk MB | train tok/s | bits/byte | score tok/s (32 streams) "
+    print("| checkpoint | arch | parameters | disk MB | train tok/s | bits/byte | cold 128 B bits/byte "
+          "| score tok/s (32 streams) "
           "| generate ms/byte | suggest ms | session state bytes | sparse adapter bytes |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for path in args.checkpoints:
         try:
@@ -123,7 +128,7 @@ def main() -> None:
             continue
         rows.append(r)
         print(f"| {r['checkpoint']} | {r['arch']} | {r['params']:,} | {r['disk_mb']:.1f} "
-              f"| {_fmt(r['train_tok_s'], ',.0f')} | {r['bpb']:.4f} | {r['score_tok_s']:,.0f} | {r['gen_ms']:.2f} "
+              f"| {_fmt(r['train_tok_s'], ',.0f')} | {r['bpb']:.4f} | {r['cold_bpb']:.4f} | {r['score_tok_s']:,.0f} | {r['gen_ms']:.2f} "
               f"| {r['suggest_ms']:.1f} | {r['state_bytes']:,} | {r['adapter_bytes']:,} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "rows": rows}, indent=1) + "\n")
