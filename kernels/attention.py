@@ -159,6 +159,16 @@ def _on_diagonals(pw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @_jit
+def _on_two_halves(p_lo, p_hi, BLOCK: tl.constexpr):
+    """Square tiles: the distance range as two (BLOCK, BLOCK) halves, p_lo for t < BLOCK and p_hi for t >= BLOCK ->
+    (BLOCK, BLOCK) by key, as `_on_diagonals` of their concatenation (two gathers from half as many columns: the
+    same shuffles per element)."""
+    t = tl.arange(0, BLOCK)[:, None] - tl.arange(0, BLOCK)[None, :] + (BLOCK - 1)
+    low = t < BLOCK
+    return tl.where(low, tl.gather(p_lo, tl.where(low, t, 0), 1), tl.gather(p_hi, tl.where(low, 0, t - BLOCK), 1))
+
+
+@_jit
 def _to_distances(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """ds (BLOCK_M, BLOCK_N) by key -> (BLOCK_M, BLOCK_W) by distance: g[ii, t] = ds[ii, ii - t + BLOCK_N - 1]
     (zero where that key is outside the tile); the adjoint of `_on_diagonals`."""
@@ -204,15 +214,27 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    if HAS_REL and BLOCK_M == BLOCK_N:
+        # square tiles: the next key tile's distances are this one's shifted down by BLOCK_N, so the upper half of
+        # its range is this tile's lower half: one (BLOCK_M, BLOCK_N) matmul per tile instead of (BLOCK_M, BLOCK_W)
+        r_hi = _rel_rows(r_base, srl, Lk - Lq + start_m - first + 1, Lk, offs_d, BLOCK_N)  # first tile's upper half
+        p_hi = tl.dot(qv, tl.trans(r_hi), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_N)
     for start_n in range(first, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N) (q + u) . k
         if HAS_REL:
-            rw = _rel_rows(r_base, srl, Lk - Lq + start_m - start_n - (BLOCK_N - 1), Lk, offs_d, BLOCK_W)
-            pw = tl.dot(qv, tl.trans(rw), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_W) by distance
-            s += _on_diagonals(pw, BLOCK_M, BLOCK_N).to(tl.float32)  # + (q + v) . r[d]
+            d0 = Lk - Lq + start_m - start_n - (BLOCK_N - 1)
+            if BLOCK_M == BLOCK_N:
+                r_lo = _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_N)  # (BLOCK_N, D)
+                p_lo = tl.dot(qv, tl.trans(r_lo), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_N)
+                s += _on_two_halves(p_lo, p_hi, BLOCK_N).to(tl.float32)  # + (q + v) . r[d]
+                p_hi = p_lo
+            else:
+                rw = _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W)
+                pw = tl.dot(qv, tl.trans(rw), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_W) by distance
+                s += _on_diagonals(pw, BLOCK_M, BLOCK_N).to(tl.float32)  # + (q + v) . r[d]
         s = s * qk_scale
         if (start_n < full0) | (start_n >= full1):
             s = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), s, float("-inf"))
@@ -453,13 +475,13 @@ def _block_sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str 
     if not is_cuda:
         return 16, 16, 4, 1
     if kernel == "dr":
-        return 32, 32, 8, 2
+        return (32, 32, 8, 2) if D <= 64 else (16, 16, 4, 2)
     if Lq <= 16:  # decoding: one 16-row tile
         return 16, 64 if D <= 64 else 32, 4, 3 if kernel == "fwd" else 2
     if D > 64:
-        if kernel == "fwd" and not rel:
-            return (128, 64, 8, 2) if Lq >= 256 else (64, 32, 4, 2)
-        return 64, 32, 8, 2
+        if kernel == "fwd":
+            return ((128, 64, 8, 2) if Lq >= 256 else (64, 32, 4, 2)) if not rel else (32, 32, 4, 2)
+        return (32, 32, 8, 2) if rel else (64, 32, 8, 2)
     if kernel == "fwd":
         if rel:
             return 64, 64, 8, 3
@@ -481,7 +503,7 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
     if out.numel() == 0:
         return out, lse
     r, u, vb = rel if rel is not None else (q, q, q)  # placeholders: never read without rel
-    kl = key_lengths.to(torch.int32) if key_lengths is not None else lse
+    kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
     triton = _triton()
     bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, "fwd")
     _memory_attention_kernel[(triton.cdiv(Lq, bm), B * H)](
@@ -529,7 +551,7 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         return dq, dk, dv, torch.zeros_like(r), torch.zeros_like(u), torch.zeros_like(vb)
     triton = _triton()
     delta = torch.empty_like(lse)  # (B, H, Lq) rowsum(dO o O), written by the dq kernel
-    kl = key_lengths.to(torch.int32) if key_lengths is not None else lse
+    kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
     common = (r, u, vb, kl, do, lse, delta)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1),

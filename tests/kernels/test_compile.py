@@ -90,3 +90,12 @@ def compile_attention() -> None:
                 compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                           options={"num_warps": warps, "num_stages": stages})
                 assert compiled.asm.get("cubin"), f"{kernel.fn.__name__} {dtype} D{D} Lq{Lq}: no cubin"
+
+
+def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", "from tests.kernels.test_compile import compile_all; compile_all()"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
