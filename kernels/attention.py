@@ -17,19 +17,28 @@ batch, head) runs the online softmax over the key tiles a tile can see (tiles wh
 the causal edge are never visited; only the tiles that straddle an edge are masked), fp32 accumulation, and saves
 the log-sum-exp. The positional term is computed by distance, in the tile: the tile's distances form one range of
 BLOCK_M + BLOCK_N - 1 values, so (q + v_bias) R_range^T is one small matmul, and entry (i, j) picks its column
-d(i, j) with a gather along the tile's diagonals; no (Lq, Lk) bias exists in memory. The backward recomputes the
-probabilities from the log-sum-exp: one kernel per key tile for dk, dv; one per query tile for dq, whose
-positional part scatters dS back into the distance range, giving dq's r-term and dr (fp32 atomics) from the same
-tile. du and dv_bias are the sums over batch and queries of dq's content and positional parts.
+d(i, j) with a gather along the tile's diagonals; no (Lq, Lk) bias exists in memory. With square tiles the forward
+computes only the lower half of each range (the upper half is the previous key tile's lower half), so the positional
+matmul costs what the content one does. The gathers lower to warp shuffles (about BLOCK_W / 32 per element, the
+rows of a tile each in one warp), which is why the rel kernels run 8 warps. The backward recomputes the
+probabilities from the log-sum-exp in three kernels: dq (one program per query tile; it also writes
+delta = rowsum(dO o O) for the other two, and per-tile row sums of dq's content and positional parts, whose sums
+over batch and tiles are du and dv_bias); dk, dv (one per key tile); and dr, by tile diagonals: square tiles with
+one (query tile - key tile) share one distance range, so one program per (diagonal, head, batch group) sums
+dS-by-distance times (q + v_bias) over its tiles in registers and writes it once; the launcher adds the overlapping
+halves of neighbouring diagonals (no atomics).
 
 Known limits:
 - head dims 16, 32, 64, 128; float32, float16, bfloat16 on CUDA (the CPU interpreter: float32 and float16 only,
   it mis-handles bfloat16 dots); q, k, v, r, u, v_bias share one dtype and device. float32 runs full-precision
-  (IEEE) dots, not TF32.
-- dr is summed with fp32 atomics: its last bits vary run to run (the other gradients are deterministic).
+  (IEEE) dots, not TF32. The positional scores (q + v_bias) . r[d] are rounded to the inputs' dtype before the
+  gather, as the reference's matmul rounds them.
+- the backward with rel recomputes the scores in all three kernels (the dr kernel included): about 3.5x the
+  matmul work of a plain FlashAttention-2 backward.
 - a row with no visible key (key_lengths[b] < Lq, against the contract) gives NaN, as the reference does.
-- block sizes are fixed per head dim (no autotuning, not yet timed on a GPU); decoding (Lq = 1) runs one 16-row
-  tile per (batch, head), with no split over the keys.
+- block sizes are fixed per kernel, head dim and Lq (`_block_sizes`, chosen for Hopper from the compiled code:
+  few or no register spills at D <= 64; not tuned by timing, no autotuning); decoding (Lq = 1) runs one 16-row
+  tile per (batch, head), with no split over the keys. The dr kernel's batch split assumes about 132 SMs.
 - Triton is imported at the first launch, and TRITON_INTERPRET is read then: one process runs the kernels either
   interpreted or compiled, not both.
 - the reference builds the (Lq, Lk) score matrix (the Triton kernel does not).

@@ -163,6 +163,21 @@ def test_unequal_tiles(blocks: tuple[int, int], monkeypatch: pytest.MonkeyPatch)
 
 
 @interpreted
+@pytest.mark.parametrize(("Lq", "Lk", "D", "rel", "key_lengths", "dtype"), [
+    pytest.param(100, 200, 64, True, [200, 120], torch.float16, id="rel-d64"),  # square forward tiles, dr by 32
+    pytest.param(300, 330, 64, False, [330, 310], torch.float32, id="plain-128x64"),
+    pytest.param(1, 70, 64, True, [1, 40], torch.float32, id="decode-rel"),
+    pytest.param(40, 100, 128, True, [100, 50], torch.float32, id="rel-d128"),
+])
+def test_gpu_tile_sizes(Lq: int, Lk: int, D: int, rel: bool, key_lengths: list[int], dtype: torch.dtype,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the tiles, warps and kernels' paths the launcher picks on a GPU, run in the interpreter
+    gpu = attention._block_sizes
+    monkeypatch.setattr(attention, "_block_sizes", lambda D, Lq, is_cuda, *a: gpu(D, Lq, True, *a))
+    _compare(Lq, Lk, D, rel, key_lengths, dtype)
+
+
+@interpreted
 def test_masking_boundary() -> None:
     # v = identity: out row i is query i's attention distribution over the keys, so visibility is read off exactly
     Lq, Lk, D = 5, 16, 16
