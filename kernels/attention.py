@@ -474,13 +474,13 @@ def _block_sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str 
                  ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel "fwd", "dq", "dkdv" or "dr" (square BLOCK_N tiles).
 
-    On a GPU (picked for Hopper from the compiled SASS: no register spills, few shuffles): the positional term's
-    distance range is BLOCK_M + BLOCK_N - 1 rows padded to a power of two (128 for 64 x 64 and 32 x 64 tiles). Its
-    gathers are warp-local shuffles, about BLOCK_W / 32 per element when each warp owns whole rows, so the rel
-    kernels run 8 warps (with 4, a 64 x 64 tile spills registers and shuffles 4x as much). Without rel the forward
-    takes FlashAttention-2's 128 x 64 tiles with 8 warps once there are enough query rows (Lq >= 256) to fill the
-    GPU. The interpreter gets small tiles (its cost is per element, and small tiles exercise the tile edges on
-    small test shapes)."""
+    On a GPU (picked for Hopper from the compiled SASS: few or no register spills, few shuffles): the positional
+    term's distance range is BLOCK_M + BLOCK_N - 1 rows padded to a power of two (128 for 32 x 64 tiles; the
+    forward's square tiles compute half of it per tile). Its gathers are warp-local shuffles, about BLOCK_W / 32 per
+    element when each warp owns whole rows, so the rel kernels run 8 warps (with 4, a 64 x 64 tile spills registers
+    and shuffles twice as much). Without rel the forward takes FlashAttention-2's 128 x 64 tiles with 8 warps once
+    there are enough query rows (Lq >= 256) to fill the GPU. The interpreter gets small tiles (its cost is per
+    element, and small tiles exercise the tile edges on small test shapes)."""
     if not is_cuda:
         return 16, 16, 4, 1
     if kernel == "dr":
@@ -489,7 +489,7 @@ def _block_sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str 
         return 16, 64 if D <= 64 else 32, 4, 3 if kernel == "fwd" else 2
     if D > 64:
         if kernel == "fwd":
-            return ((128, 64, 8, 2) if Lq >= 256 else (64, 32, 4, 2)) if not rel else (32, 32, 4, 2)
+            return ((128, 64, 8, 2) if Lq >= 256 else (64, 32, 4, 2)) if not rel else (64, 64, 8, 2)
         return (32, 32, 8, 2) if rel else (64, 32, 8, 2)
     if kernel == "fwd":
         if rel:
