@@ -528,7 +528,8 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
 
 def _dr_from_diagonals(drp: torch.Tensor, Lq: int, Lk: int, Lr: int, T: int) -> torch.Tensor:
     """drp (groups, C, 2T, H, D): diagonal c's sums for distances d0(c) + t, d0(c) = Lk - Lq + (c - nN + 1) T - T + 1
-    -> (Lr, H, D) fp32. Row t of c and row t - T of c + 1 are one distance: add the halves, flatten, slice."""
+    with nN = cdiv(Lk, T) -> (Lr, H, D) fp32. Row t + T of diagonal c and row t of c + 1 are one distance: add the
+    halves, flatten, slice."""
     part = drp.sum(0) if drp.shape[0] > 1 else drp[0]  # (C, 2T, H, D)
     C, _, H, D = part.shape
     edge = part.new_zeros((1, T, H, D))
