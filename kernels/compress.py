@@ -10,12 +10,15 @@ exactly the last n_m inputs; the evicted oldest slots are compressed by c and ap
 which keeps its last n_cm slots. `memory_update_ref` is that update with torch.cat semantics (plain autograd: the
 model's path when it needs gradients). `MemoryRing` is the serving form: preallocated ring buffers, one token
 counter per batch row (sessions fill at their own pace), `update` writes and compresses in place with no
-reallocation per step (mean/max: one fused Triton kernel; conv: the same kernel gathers the evicted runs into a
-staging buffer for one matmul), `view` returns [cmem ; mem] in time order, left-padded, with per-row lengths
-(attention's `key_lengths`).
+reallocation per step (mean/max: one fused Triton kernel; conv: a GEMM kernel reads the evicted runs straight from
+the ring and the segment and writes the compressed slots, then the write kernel: two launches), `view` returns
+[cmem ; mem] in time order, left-padded, with per-row lengths (attention's `key_lengths`).
 
 Known limits:
-- conv runs as a matmul on both paths (cuBLAS on a GPU); Triton pools mean/max only.
+- Standalone `compress_memory` conv runs as a matmul (cuBLAS on a GPU) on the Triton path; the ring's conv is a
+  Triton GEMM (tl.dot, fp32 accumulation; weight cast to the ring's dtype tile by tile).
+- Standalone mean / max are memory-bound single passes: a few microseconds, so launch overhead weighs as much
+  as the kernel; eager PyTorch is one launch too (the H200 run had eager at 17 us for 17 MB).
 - The ring is state, not a graph: `MemoryRing.update` runs under no_grad (the paper stops gradients at the memory).
   Use `memory_update_ref` where gradients must reach the segment or the conv weights.
 - With per-row lengths that are not multiples of c, up to c - 1 evicted slots wait in the ring for their run to
@@ -36,7 +39,7 @@ from kernels._dispatch import resolve_impl, tl, triton_kernel
 __all__ = ["COMPRESS_MODES", "MemoryRing", "compress_memory", "compress_memory_ref", "memory_update_ref"]
 
 COMPRESS_MODES = ("conv", "mean", "max")
-_MODE_IDS = {"mean": 0, "max": 1, "conv": 2}  # 2: the kernel gathers runs for the matmul instead of pooling
+_MODE_IDS = {"mean": 0, "max": 1, "conv": 2}  # 2: the update kernel only writes (`_ring_conv_kernel` compresses)
 
 
 def compress_memory_ref(mem: torch.Tensor, *, rate: int, mode: str, weight: torch.Tensor | None = None,
@@ -69,34 +72,37 @@ def memory_update_ref(mem: torch.Tensor, cmem: torch.Tensor, segment: torch.Tens
 
 @triton_kernel
 def _compress_kernel(x_ptr, out_ptr, n_out, D, s_xb, s_xn, s_xd, s_ob, s_on, s_od,
-                     RATE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr):
-    # program (b * N/c + j, d block): one run of RATE slots -> one output slot
-    pid = tl.program_id(0)
-    b = pid // n_out
-    j = pid % n_out
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    cmask = offs_c < RATE
-    dmask = offs_d < D
-    mask = cmask[:, None] & dmask[None, :]
-    x = tl.load(x_ptr + b * s_xb + (j * RATE + offs_c)[:, None] * s_xn + offs_d[None, :] * s_xd, mask=mask,
-                other=0.0)  # (BLOCK_C, BLOCK_D)
+                     RATE: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr):
+    # program (b, block of BLOCK_J output slots, d block): BLOCK_J runs of RATE slots -> BLOCK_J output slots, the
+    # RATE slots of the runs read as RATE (BLOCK_J, BLOCK_D) tiles (a few KB per program, not one run)
+    b = tl.program_id(0)
+    offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = (offs_j < n_out)[:, None] & (offs_d < D)[None, :]
+    base = x_ptr + b * s_xb + (offs_j * RATE)[:, None] * s_xn + offs_d[None, :] * s_xd
     if MODE == 0:
-        y = tl.sum(x.to(tl.float32), axis=0) / RATE
+        acc = tl.zeros((BLOCK_J, BLOCK_D), dtype=tl.float32)
+        for t in tl.static_range(RATE):
+            acc += tl.load(base + t * s_xn, mask=mask, other=0.0).to(tl.float32)
+        y = acc / RATE
     else:
-        y = tl.max(tl.where(cmask[:, None], x, float("-inf")), axis=0)
-    tl.store(out_ptr + b * s_ob + j * s_on + offs_d * s_od, y.to(out_ptr.dtype.element_ty), mask=dmask)
+        y = tl.load(base, mask=mask, other=0.0)
+        for t in tl.static_range(1, RATE):
+            y = tl.maximum(y, tl.load(base + t * s_xn, mask=mask, other=0.0))
+    tl.store(out_ptr + b * s_ob + offs_j[:, None] * s_on + offs_d[None, :] * s_od, y.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton_kernel
-def _memory_update_kernel(buf_ptr, seg_ptr, stage_ptr, count_ptr, len_ptr, mem_len, cmem_len, ring_runs, D,
-                          s_bb, s_br, s_sb, s_sn, s_gb, s_gk,
+def _memory_update_kernel(buf_ptr, seg_ptr, count_ptr, len_ptr, mem_len, cmem_len, ring_runs, D,
+                          s_bb, s_br, s_sb, s_sn,
                           RATE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr):
     # Row b's buffer: rows [0, cmem_len) the compressed ring, [cmem_len, cmem_len + R) the memory ring, R =
     # ring_runs * RATE. Token p (p-th input ever) lives in memory slot p % R; run G (tokens G*c .. G*c + c - 1)
     # is compressed into slot G % cmem_len. Program (b, g, d block) owns memory slots [g*c, g*c + c): it first
     # compresses the runs that sit there and are evicted by this update, then writes the slots' new tokens, so
     # no slot is written before it is read and no two programs touch the same address (no grid-wide sync).
+    # MODE 2 (conv) only writes: `_ring_conv_kernel` compressed the evicted runs in the launch before.
     b = tl.program_id(0)
     g = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_C)
@@ -113,17 +119,15 @@ def _memory_update_kernel(buf_ptr, seg_ptr, stage_ptr, count_ptr, len_ptr, mem_l
     slot = g * RATE + offs_c  # (BLOCK_C,) memory slots of this program
     row = buf_ptr + b * s_bb
     first = g_lo + ((g - g_lo % ring_runs) % ring_runs + ring_runs) % ring_runs  # first run >= g_lo in block g
-    for G in range(first, z_new, ring_runs):
-        pos = G * RATE + offs_c  # (BLOCK_C,) its tokens
-        old = pos < t_old  # in the ring (all of [z_old * c, t_old) is: t_old - z_old * c < R), else in the segment
-        x_ring = tl.load(row + (cmem_len + slot)[:, None] * s_br + offs_d[None, :], mask=mask & old[:, None],
-                         other=0.0)
-        x_seg = tl.load(seg_ptr + b * s_sb + (pos - t_old)[:, None] * s_sn + offs_d[None, :],
-                        mask=mask & (~old)[:, None], other=0.0)
-        x = tl.where(old[:, None], x_ring, x_seg)  # (BLOCK_C, BLOCK_D)
-        if MODE == 2:
-            tl.store(stage_ptr + b * s_gb + (G - g_lo) * s_gk + offs_c[:, None] * D + offs_d[None, :], x, mask=mask)
-        else:
+    if MODE != 2:
+        for G in range(first, z_new, ring_runs):
+            pos = G * RATE + offs_c  # (BLOCK_C,) its tokens
+            old = pos < t_old  # in the ring (all of [z_old * c, t_old) is: t_old - z_old * c < R), else the segment
+            x_ring = tl.load(row + (cmem_len + slot)[:, None] * s_br + offs_d[None, :], mask=mask & old[:, None],
+                             other=0.0)
+            x_seg = tl.load(seg_ptr + b * s_sb + (pos - t_old)[:, None] * s_sn + offs_d[None, :],
+                            mask=mask & (~old)[:, None], other=0.0)
+            x = tl.where(old[:, None], x_ring, x_seg)  # (BLOCK_C, BLOCK_D)
             if MODE == 0:
                 y = tl.sum(x.to(tl.float32), axis=0) / RATE
             else:
@@ -135,6 +139,53 @@ def _memory_update_kernel(buf_ptr, seg_ptr, stage_ptr, count_ptr, len_ptr, mem_l
     wmask = new[:, None] & dmask[None, :]
     x = tl.load(seg_ptr + b * s_sb + (p - t_old)[:, None] * s_sn + offs_d[None, :], mask=wmask, other=0.0)
     tl.store(row + (cmem_len + slot)[:, None] * s_br + offs_d[None, :], x, mask=wmask)
+
+
+@triton_kernel
+def _ring_conv_kernel(buf_ptr, seg_ptr, w_ptr, bias_ptr, count_ptr, len_ptr, n_rows, max_runs, mem_len, cmem_len,
+                      ring, D, s_bb, s_br, s_sb, s_sn, s_wo, s_wi, s_wt,
+                      RATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    # The conv ring update as one GEMM read straight from the ring and the segment (no staging copy, no weight
+    # relayout): row m = (b, r) is run G = g_lo(b) + r of batch row b, out[m, o] = bias[o] + sum over (t, i) of
+    # token(G * c + t)[i] w[o, i, t], stored to cmem slot G % cmem_len when the run is real. Runs before the
+    # write kernel of the same update, so the ring still holds the evicted tokens.
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = offs_m // max_runs  # (BLOCK_M,)
+    r = offs_m % max_runs
+    mmask = offs_m < n_rows
+    t_old = tl.load(count_ptr + b, mask=mmask, other=0)  # int64
+    t_new = t_old + tl.load(len_ptr + b, mask=mmask, other=0)
+    z_old = tl.maximum(t_old - mem_len, 0) // RATE
+    z_new = tl.maximum(t_new - mem_len, 0) // RATE
+    G = tl.maximum(z_old, z_new - cmem_len) + r  # (BLOCK_M,) as `MemoryRing._runs`
+    real = mmask & (G < z_new)
+    nmask = offs_n < D
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in tl.static_range(RATE):
+        pos = G * RATE + t  # (BLOCK_M,) token t of each run
+        old = pos < t_old
+        ring_row = buf_ptr + b * s_bb + (cmem_len + pos % ring) * s_br  # (BLOCK_M,) pointers
+        seg_row = seg_ptr + b * s_sb + (pos - t_old) * s_sn
+        for k0 in range(0, D, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < D
+            a_ring = tl.load(ring_row[:, None] + offs_k[None, :], mask=(real & old)[:, None] & kmask[None, :],
+                             other=0.0)
+            a_seg = tl.load(seg_row[:, None] + offs_k[None, :], mask=(real & ~old)[:, None] & kmask[None, :],
+                            other=0.0)
+            a = tl.where(old[:, None], a_ring, a_seg)  # (BLOCK_M, BLOCK_K)
+            w = tl.load(w_ptr + offs_n[None, :] * s_wo + offs_k[:, None] * s_wi + t * s_wt,
+                        mask=kmask[:, None] & nmask[None, :], other=0.0).to(a.dtype)  # (BLOCK_K, BLOCK_N) w[o,i,t]^T
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    dst = buf_ptr + b * s_bb + (G % cmem_len) * s_br  # (BLOCK_M,)
+    tl.store(dst[:, None] + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty), mask=real[:, None] & nmask[None, :])
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -151,10 +202,11 @@ def _compress_triton(mem: torch.Tensor, rate: int, mode: str) -> torch.Tensor:
     out = mem.new_empty(B, N // rate, D)
     if out.numel() == 0:
         return out
-    block_d = _block_d(D)
-    _compress_kernel[(B * (N // rate), _cdiv(D, block_d))](
-        mem, out, N // rate, D, *mem.stride(), *out.stride(), RATE=rate,
-        BLOCK_C=max(2, 1 << (rate - 1).bit_length()), BLOCK_D=block_d, MODE=_MODE_IDS[mode])
+    block_d = min(256, max(16, 1 << (D - 1).bit_length()))
+    block_j = max(1, min(32, 4096 // block_d))  # ~4096 outputs of each slot of the runs per program
+    _compress_kernel[(B, _cdiv(N // rate, block_j), _cdiv(D, block_d))](
+        mem, out, N // rate, D, *mem.stride(), *out.stride(), RATE=rate, BLOCK_J=block_j, BLOCK_D=block_d,
+        MODE=_MODE_IDS[mode])
     return out
 
 
@@ -206,6 +258,8 @@ def compress_memory(mem: torch.Tensor, *, rate: int, mode: str, weight: torch.Te
     if mode == "conv":
         assert weight is not None
         return _conv_as_matmul(mem.reshape(B, N // rate, rate * D), weight, bias)  # (B, N/c, D)
+    if not (torch.is_grad_enabled() and mem.requires_grad):
+        return _compress_triton(mem, rate, mode)  # no autograd node (serving)
     out: torch.Tensor = _Pool.apply(mem, rate, mode)  # type: ignore[no-untyped-call]
     return out
 
@@ -333,16 +387,17 @@ class MemoryRing:
         if segment.stride(-1) != 1:
             segment = segment.contiguous()
         c = self.rate
-        conv = self.mode == "conv"
-        stage = self.buf.new_empty(B, max_runs, c, D) if conv else self.buf  # (B, max_runs, c, D) runs for the matmul
+        if self.mode == "conv" and max_runs > 0:
+            assert weight is not None
+            ieee = self.buf.dtype == torch.float32
+            blk = 64 if D > 32 else 32 if D > 16 else 16
+            _ring_conv_kernel[(_cdiv(B * max_runs, 64), _cdiv(D, blk))](
+                self.buf, segment, weight, self.buf if bias is None else bias, self.count, lens, B * max_runs,
+                max_runs, self.mem_len, self.cmem_len, self.ring, D, self.buf.stride(0), self.buf.stride(1),
+                segment.stride(0), segment.stride(1), *weight.stride(), RATE=c, BLOCK_M=64, BLOCK_N=blk,
+                BLOCK_K=blk, HAS_BIAS=bias is not None, IEEE=ieee)
         block_d = _block_d(D)
         _memory_update_kernel[(B, self.ring_runs, _cdiv(D, block_d))](
-            self.buf, segment, stage, self.count, lens, self.mem_len, self.cmem_len, self.ring_runs, D,
+            self.buf, segment, self.count, lens, self.mem_len, self.cmem_len, self.ring_runs, D,
             self.buf.stride(0), self.buf.stride(1), segment.stride(0), segment.stride(1),
-            stage.stride(0), stage.stride(1) if conv else 0,
             RATE=c, BLOCK_C=max(2, 1 << (c - 1).bit_length()), BLOCK_D=block_d, MODE=_MODE_IDS[self.mode])
-        if conv and max_runs > 0:
-            assert weight is not None
-            G, real = self._runs(lens, max_runs)
-            self._store_runs(_conv_as_matmul(stage.view(B, max_runs, c * D), weight.to(stage.dtype),
-                                             None if bias is None else bias.to(stage.dtype)), G, real)
