@@ -14,6 +14,16 @@ reallocation per step (mean/max: one fused Triton kernel; conv: a GEMM kernel re
 the ring and the segment and writes the compressed slots, then the write kernel: two launches), `view` returns
 [cmem ; mem] in time order, left-padded, with per-row lengths (attention's `key_lengths`).
 
+`fixed_memory_update`: the Compressive Transformer model's own update (models/compressive.py), on fixed-shape,
+right-aligned (newest last, zeros first) state, compression done by the model's f beforehand: mem (B, L, D), the
+piece's inputs x (B, m, D) with m <= L, done (B,) bool (rows whose segment completes: their memory is cut to the
+newest `mem_len`), cmem (B, K, D), comp (B, n, D) the compressed evicted window of which the last n_new[b] slots are
+real (n_new (B,) int; 0: cmem unchanged) ->
+    new mem[b] = ([mem[b] ; x[b]])[m:], its first L - mem_len slots zeroed where done[b]      (B, L, D)
+    new cmem[b] = ([cmem[b] ; comp[b] with its first n - n_new[b] slots zeroed])[-K:]  where n_new[b] > 0   (B, K, D)
+Both new tensors come from one Triton launch (eager: ~8 launches of cat / slice / where per layer); no gradient on
+the Triton path (the model's memories are stop-gradient), the reference is plain autograd.
+
 Known limits:
 - Standalone `compress_memory` conv runs as a matmul (cuBLAS on a GPU) on the Triton path; the ring's conv is a
   Triton GEMM (tl.dot, fp32 accumulation; weight cast to the ring's dtype tile by tile).
@@ -36,7 +46,8 @@ import torch.nn.functional as F
 
 from kernels._dispatch import resolve_impl, tl, triton_kernel
 
-__all__ = ["COMPRESS_MODES", "MemoryRing", "compress_memory", "compress_memory_ref", "memory_update_ref"]
+__all__ = ["COMPRESS_MODES", "MemoryRing", "compress_memory", "compress_memory_ref", "fixed_memory_update",
+           "fixed_memory_update_ref", "memory_update_ref"]
 
 COMPRESS_MODES = ("conv", "mean", "max")
 _MODE_IDS = {"mean": 0, "max": 1, "conv": 2}  # 2: the update kernel only writes (`_ring_conv_kernel` compresses)
@@ -68,6 +79,69 @@ def memory_update_ref(mem: torch.Tensor, cmem: torch.Tensor, segment: torch.Tens
     squeezed = compress_memory_ref(x[:, :n_evict], rate=rate, mode=mode, weight=weight, bias=bias)  # (B, n/c, D)
     c = torch.cat([cmem, squeezed], dim=1)  # (B, k + n/c, D)
     return x[:, n_evict:], c[:, max(0, c.shape[1] - cmem_len):]
+
+
+def fixed_memory_update_ref(mem: torch.Tensor, x: torch.Tensor, done: torch.Tensor, cmem: torch.Tensor,
+                            comp: torch.Tensor | None, n_new: torch.Tensor, *, mem_len: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch reference. Layout in the module docstring (`fixed_memory_update`)."""
+    B, L, D = mem.shape
+    m = x.shape[1]
+    ext = torch.cat([mem, x], 1)[:, m:]  # (B, L, D)
+    keep = (torch.arange(L, device=mem.device) >= L - mem_len) | ~done.view(B, 1)  # (B, L)
+    new_mem = torch.where(keep.unsqueeze(-1), ext, torch.zeros((), dtype=ext.dtype, device=ext.device))
+    if comp is None:
+        return new_mem, cmem
+    K, n = cmem.shape[1], comp.shape[1]
+    ok = torch.arange(n, device=comp.device) >= n - n_new.view(B, 1)  # (B, n) the real compressed slots
+    comp = torch.where(ok.unsqueeze(-1), comp, torch.zeros((), dtype=comp.dtype, device=comp.device))
+    grown = torch.cat([cmem, comp.to(cmem.dtype)], 1)[:, -K:]  # (B, K, D) oldest drop
+    return new_mem, torch.where((n_new > 0).view(B, 1, 1), grown, cmem)
+
+
+@triton_kernel
+def _fixed_update_kernel(mem_ptr, x_ptr, done_ptr, cmem_ptr, comp_ptr, nnew_ptr, nmem_ptr, ncmem_ptr,
+                         L, m, mem_len, K, n, D, mem_blocks,
+                         s_mb, s_mn, s_xb, s_xn, s_cb, s_cn, s_pb, s_pn, s_ob, s_on, s_qb, s_qn,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_COMP: tl.constexpr):
+    # program (b, block of output slots, d block): blocks [0, mem_blocks) are new-mem slots, the rest new-cmem
+    # slots; each output slot reads one source slot (or writes zeros), so one launch writes both tensors
+    b = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    if blk < mem_blocks:
+        j = blk * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) new mem slots
+        jmask = j < L
+        cut = tl.where(tl.load(done_ptr + b).to(tl.int32) != 0, L - mem_len, 0)  # slots zeroed in front
+        live = jmask & (j >= cut)
+        src = j + m  # slot of [mem ; x]
+        in_mem = src < L
+        a = tl.load(mem_ptr + b * s_mb + src[:, None] * s_mn + offs_d[None, :],
+                    mask=(live & in_mem)[:, None] & dmask[None, :], other=0.0)
+        c = tl.load(x_ptr + b * s_xb + (src - L)[:, None] * s_xn + offs_d[None, :],
+                    mask=(live & ~in_mem)[:, None] & dmask[None, :], other=0.0)
+        y = tl.where(in_mem[:, None], a, c.to(a.dtype))
+        tl.store(nmem_ptr + b * s_ob + j[:, None] * s_on + offs_d[None, :], y, mask=jmask[:, None] & dmask[None, :])
+    else:
+        j = (blk - mem_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) new cmem slots
+        jmask = j < K
+        n_new = 0
+        if HAS_COMP:
+            n_new = tl.load(nnew_ptr + b)
+        shift = tl.where(n_new > 0, n, 0)  # cmem moves by the whole window when the row compressed
+        src = j + shift  # (BLOCK_S,) slot of [cmem ; comp]
+        q = src - K  # slot of comp when >= 0
+        in_c = src < K
+        a = tl.load(cmem_ptr + b * s_cb + src[:, None] * s_cn + offs_d[None, :],
+                    mask=(jmask & in_c)[:, None] & dmask[None, :], other=0.0)
+        y = a
+        if HAS_COMP:
+            real = jmask & ~in_c & (q >= n - n_new)
+            c = tl.load(comp_ptr + b * s_pb + q[:, None] * s_pn + offs_d[None, :], mask=real[:, None] & dmask[None, :],
+                        other=0.0)
+            y = tl.where(in_c[:, None], a, c.to(a.dtype))
+        tl.store(ncmem_ptr + b * s_qb + j[:, None] * s_qn + offs_d[None, :], y, mask=jmask[:, None] & dmask[None, :])
 
 
 @triton_kernel
@@ -262,6 +336,50 @@ def compress_memory(mem: torch.Tensor, *, rate: int, mode: str, weight: torch.Te
         return _compress_triton(mem, rate, mode)  # no autograd node (serving)
     out: torch.Tensor = _Pool.apply(mem, rate, mode)  # type: ignore[no-untyped-call]
     return out
+
+
+def _fixed_update_triton(mem: torch.Tensor, x: torch.Tensor, done: torch.Tensor, cmem: torch.Tensor,
+                         comp: torch.Tensor | None, n_new: torch.Tensor, mem_len: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher: one kernel writes the new mem (B, L, D) and the new cmem (B, K, D)."""
+    B, L, D = mem.shape
+    K = cmem.shape[1]
+    x, mem, cmem = (t if t.stride(-1) == 1 else t.contiguous() for t in (x.to(mem.dtype), mem, cmem))
+    if comp is not None:
+        comp = comp.to(cmem.dtype)
+        comp = comp if comp.stride(-1) == 1 else comp.contiguous()
+    new_mem, new_cmem = torch.empty_like(mem), torch.empty_like(cmem)
+    if B == 0 or D == 0:
+        return new_mem, new_cmem
+    block_d = min(256, max(16, 1 << (D - 1).bit_length()))
+    block_s = max(1, min(32, 4096 // block_d))
+    mem_blocks = _cdiv(L, block_s)
+    cp = cmem if comp is None else comp
+    _fixed_update_kernel[(B, mem_blocks + _cdiv(K, block_s), _cdiv(D, block_d))](
+        mem, x, done, cmem, cp, n_new, new_mem, new_cmem, L, x.shape[1], mem_len, K, cp.shape[1], D, mem_blocks,
+        mem.stride(0), mem.stride(1), x.stride(0), x.stride(1), cmem.stride(0), cmem.stride(1), cp.stride(0),
+        cp.stride(1), new_mem.stride(0), new_mem.stride(1), new_cmem.stride(0), new_cmem.stride(1),
+        BLOCK_S=block_s, BLOCK_D=block_d, HAS_COMP=comp is not None)
+    return new_mem, new_cmem
+
+
+def fixed_memory_update(mem: torch.Tensor, x: torch.Tensor, done: torch.Tensor, cmem: torch.Tensor,
+                        comp: torch.Tensor | None, n_new: torch.Tensor, *, mem_len: int, impl: str | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Public op -> (new mem (B, L, D), new cmem (B, K, D)). Layout in the module docstring. The Triton path runs
+    when no input needs a gradient (or under no_grad); otherwise, and for `impl="reference"`, the reference."""
+    B, L, D = mem.shape
+    if (x.dim() != 3 or x.shape[0] != B or x.shape[2] != D or x.shape[1] > L or not 0 <= mem_len <= L
+            or done.shape != (B,) or cmem.dim() != 3 or cmem.shape[0] != B or cmem.shape[2] != D
+            or n_new.shape != (B,) or (comp is not None and (comp.dim() != 3 or comp.shape[0] != B
+                                                              or comp.shape[2] != D))):
+        raise ValueError(f"fixed_memory_update: mem {tuple(mem.shape)}, x {tuple(x.shape)}, done {tuple(done.shape)}, "
+                         f"cmem {tuple(cmem.shape)}, n_new {tuple(n_new.shape)} do not fit (module docstring)")
+    tensors = [t for t in (mem, x, done, cmem, comp, n_new) if t is not None]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if resolve_impl(impl, *tensors) == "reference" or grad:
+        return fixed_memory_update_ref(mem, x, done, cmem, comp, n_new, mem_len=mem_len)
+    return _fixed_update_triton(mem, x, done, cmem, comp, n_new, mem_len)
 
 
 class MemoryRing:
