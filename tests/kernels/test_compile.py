@@ -37,7 +37,7 @@ def compile_all() -> None:
         (compress._fixed_update_kernel, {"BLOCK_S": 16, "BLOCK_D": 256, "HAS_COMP": True}),
         (compress._fixed_update_kernel, {"BLOCK_S": 16, "BLOCK_D": 256, "HAS_COMP": False}),
         (compress._ring_conv_kernel, {"RATE": 3, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "HAS_BIAS": False}),
-        (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 0}),
+        (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 512, "MODE": 0}),
         (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 1}),
         (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 2}),
         (adapter._adapter_scan_kernel, {"BLOCK_N": 16, "BLOCK_J": 64, "BLOCK_K": 64}),
