@@ -38,7 +38,8 @@ import torch
 
 from kernels._dispatch import resolve_impl, tl, triton_kernel
 
-__all__ = ["AdapterSteps", "apply_adapter", "apply_adapter_ref", "batched_adapter", "batched_adapter_ref"]
+__all__ = ["AdapterSteps", "apply_adapter", "apply_adapter_positions", "apply_adapter_ref", "batched_adapter",
+           "batched_adapter_ref"]
 
 
 def apply_adapter_ref(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -50,6 +51,16 @@ def apply_adapter_ref(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     if k == h.shape[1]:
         return adapted
     return torch.cat([adapted, h[:, k:]], dim=1)  # (B, H)
+
+
+def apply_adapter_positions(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """A site outside any recurrence (the transformers' residual stream): x (B, T, H), m (B, k, k) -> (B, T, H),
+    h' = h + M h at every position as one bmm (a loop of `AdapterSteps` over positions is T launches and T graph
+    nodes). Plain autograd: dL/dM = sum_t g_t h_t^T is the bmm's own backward, one matmul."""
+    k = m.shape[-1]
+    head = x[..., :k]  # (B, T, k)
+    adapted = head + torch.bmm(head, m.transpose(1, 2))  # (B, T, k) row-vector form
+    return adapted if k == x.shape[-1] else torch.cat([adapted, x[..., k:]], dim=-1)  # (B, T, H)
 
 
 _GATHER_BYTES = 1 << 28  # the reference gathers m[index] on a GPU up to this size

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.adapter import AdapterSteps
+from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from kernels.compress import compress_memory, fixed_memory_update
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
@@ -376,6 +376,5 @@ class CompressiveTransformer(LanguageModel):
             # completed; cmem <- [cmem ; comp][-n_cm:] with comp's first S/c - n_ev/c slots zeroed, where n_ev > 0
             new[f"mem{i}"], new[f"cmem{i}"] = fixed_memory_update(mem, x_in, done, cmem, comp, n_ev // c, mem_len=Nm)
             if i == self.site_layer and mats is not None:
-                op = AdapterSteps(mats)  # h' = h + M h once per position
-                x = torch.stack([op(x_t) for x_t in x.unbind(1)], dim=1)  # (B, m, D)
+                x = apply_adapter_positions(x, mats)  # (B, m, D) h' = h + M h at every position, one bmm
         return x, new, torch.stack(losses).sum() if losses else None

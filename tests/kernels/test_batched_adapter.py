@@ -9,7 +9,14 @@ import pytest
 import torch
 
 import kernels.adapter as adapter_module
-from kernels.adapter import AdapterSteps, apply_adapter, apply_adapter_ref, batched_adapter, batched_adapter_ref
+from kernels.adapter import (
+    AdapterSteps,
+    apply_adapter,
+    apply_adapter_positions,
+    apply_adapter_ref,
+    batched_adapter,
+    batched_adapter_ref,
+)
 from tests.kernels._tolerance import assert_kernel_close
 
 
@@ -179,3 +186,26 @@ def test_batched_adapter_on_cuda(dtype: torch.dtype) -> None:
     steps = AdapterSteps(m[:64].float().requires_grad_(True), impl="triton")
     ref = apply_adapter_ref(h[:64].float(), m[:64].float())
     torch.testing.assert_close(steps(h[:64].float()), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_apply_adapter_positions_equals_a_loop_over_positions() -> None:
+    """The transformers' site (one bmm over all positions) against AdapterSteps position by position: values, grad M
+    and grad x."""
+    g = torch.Generator().manual_seed(6)
+    B, T, H, k = 3, 5, 9, 6
+    x0, up = torch.randn(B, T, H, generator=g), torch.randn(B, T, H, generator=g)
+    m0 = 0.3 * torch.randn(B, k, k, generator=g)
+
+    def run(positions: bool) -> tuple[torch.Tensor, ...]:
+        x, m = x0.clone().requires_grad_(True), m0.clone().requires_grad_(True)
+        if positions:
+            out = apply_adapter_positions(x, m)
+        else:
+            op = AdapterSteps(m)
+            out = torch.stack([op(x_t) for x_t in x.unbind(1)], dim=1)
+        (out * up).sum().backward()
+        assert x.grad is not None and m.grad is not None
+        return out.detach(), x.grad, m.grad
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
