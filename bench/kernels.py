@@ -6,7 +6,8 @@ On a CUDA device (the card is printed; timings by triton.testing.do_bench, media
   explicit float bias (causal mask, plus the relative term (q + v) . r[i - j] when rel). The rel bias depends on the
   queries, so it is (B, H, Lq, Lk); it is built before timing, which flatters SDPA (it is not charged for it);
 - compress_memory in each mode (B=8, N=1536, D=512, rate 3) against eager PyTorch, and one MemoryRing update
-  (the paper's enwik8 layer: n_m 768, n_cm 1152, segment 768) against the eager torch.cat update;
+  (the paper's enwik8 layer: n_m 768, n_cm 1152, segment 768) against the eager torch.cat update, and the
+  Compressive Transformer model's own fixed-shape update (kernels.fixed_memory_update) against its eager form;
 - batched_adapter with 256 sessions (N=1024 rows, A=256 of H=768), forward and forward+backward, against a Python
   loop of per-session matmuls and against torch.bmm on the gathered adapters m[index].
 Without CUDA: the reference paths' times at scaled-down shapes (GPU figures need a GPU).
