@@ -316,7 +316,8 @@ def _adapter_triton(x: torch.Tensor, m: torch.Tensor, rows: _Rows, transpose: bo
         chunk = 16 if N <= 32 * S else 64  # rows per chunk: few rows per session waste less of a 16-row dot
         j_blocks = -(-H // block)
         n_chunks = -(-N // chunk)
-        splits = max(1, min(n_chunks, -(-2048 // (S * -(-A // block)))))  # split the rows when S x blocks is small
+        busy = max(1, S * -(-A // block))  # programs that scan
+        splits = max(1, min(n_chunks, -(-2048 // busy)))  # split the rows when few programs scan
         span = chunk * -(-n_chunks // splits)
         _adapter_scan_kernel[(S, j_blocks, -(-N // span))](
             x, m, out, rows.index, N, A, H, span, *x.stride(), s_ms, s_mj, s_mk, *out.stride(),
