@@ -6,7 +6,8 @@ On a CUDA device (the card is printed; timings by triton.testing.do_bench, media
   explicit float bias (causal mask, plus the relative term (q + v) . r[i - j] when rel). The rel bias depends on the
   queries, so it is (B, H, Lq, Lk); it is built before timing, which flatters SDPA (it is not charged for it);
 - compress_memory in each mode (B=8, N=1536, D=512, rate 3) against eager PyTorch, and one MemoryRing update
-  (the paper's enwik8 layer: n_m 768, n_cm 1152, segment 768) against the eager torch.cat update;
+  (the paper's enwik8 layer: n_m 768, n_cm 1152, segment 768) against the eager torch.cat update, and the
+  Compressive Transformer model's own fixed-shape update (kernels.fixed_memory_update) against its eager form;
 - batched_adapter with 256 sessions (N=1024 rows, A=256 of H=768), forward and forward+backward, against a Python
   loop of per-session matmuls and against torch.bmm on the gathered adapters m[index].
 Without CUDA: the reference paths' times at scaled-down shapes (GPU figures need a GPU).
@@ -41,6 +42,7 @@ from kernels import (
     batched_adapter_ref,
     compress_memory,
     compress_memory_ref,
+    fixed_memory_update,
     memory_attention,
     memory_attention_ref,
     memory_update_ref,
@@ -260,6 +262,23 @@ def compress_cases(b: Bench) -> None:
         if on_gpu:
             b.case(op, ring_case, "ring triton", lambda ring=ring: ring("triton"), baseline="eager cat")
         b.case(op, ring_case, "ring reference", lambda ring=ring: ring("reference"), baseline="eager cat")
+
+    # the Compressive Transformer model's own update (fixed-shape right-aligned state, f applied before)
+    fixed_case = f"B{B} D{D} n_m{n_m} n_cm{n_cm} seg{n_s} rate{rate} {str(dtype)[6:]}"
+
+    def fixed(impl: str) -> Fn | None:
+        if impl == "triton" and not triton_available():
+            return None
+        g = torch.Generator(device=b.device).manual_seed(0)
+        mem, x, cmem, comp = (torch.randn(B, k, D, generator=g, device=b.device, dtype=dtype)
+                              for k in (n_m + n_s - 1, n_s, n_cm, n_s // rate))
+        done = torch.ones(B, dtype=torch.bool, device=b.device)
+        n_new = torch.full((B,), n_s // rate, device=b.device)
+        return lambda: fixed_memory_update(mem, x, done, cmem, comp, n_new, mem_len=n_m, impl=impl)
+
+    b.case("model memory update", fixed_case, "eager", lambda: fixed("reference"))
+    if on_gpu:
+        b.case("model memory update", fixed_case, "triton", lambda: fixed("triton"), baseline="eager")
 
 
 # ------------------------------------------------------------------------------------------------ batched_adapter

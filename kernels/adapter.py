@@ -10,14 +10,23 @@ every step and sums them: for B = 32 sessions and A = 768 that is 75 MB of memor
 instead records each step's (h_t, dL/dh'_t) and forms dL/dM = sum_t (dL/dh'_t)^T h_t as one batched matmul per
 sequence, when backward reaches M; its steps run the Triton kernel when Triton is selected.
 
-The Triton path groups rows by session (a stable sort, on the device, no host sync): each program multiplies a
-tile of up to 16 rows of one session by a block of that session's M, so every used M is read once per tile, and
-no (N, A, A) gather is formed. dL/dM: one program per (session, block of M) sums its rows' outer products, so no
-atomics are needed and the result is deterministic; sessions with no rows get zeros.
+The Triton path is one launch with no host-side preparation (no sort, no sync): program (session s, block of
+output units, block of rows) scans its rows' `index` in chunks of 16-64 and, for each chunk holding rows of s,
+multiplies them by blocks of M[s] with tl.dot (fp32 accumulation); chunks without s are skipped after reading
+their indices only. So each used M is read once per chunk of its rows (from L2 after the first), no (N, A, A)
+gather is formed, and the units A.. H are copied by the same programs. dL/dM: one program per (session, block of
+M) sums its rows' outer products the same way, so no atomics are needed and the result is deterministic;
+sessions with no rows get zeros. When sessions x rows is large (> 2^22 index reads per unit block) the scan would
+dominate; then the rows are grouped by a stable sort on the device and each program takes a tile of one session.
+
+One row per session (`apply_adapter`, `AdapterSteps`: index = arange(B)) is exactly a batched matmul: the default
+there is torch.bmm (cuBLAS), whatever the process default; impl="triton" forces the kernel.
 
 Known limits: the Triton path computes in h's dtype (M is cast to it); fp32 dots run in IEEE fp32 (not TF32);
-`adapted_mlstm` (the fused recurrence) still applies its adapter with `apply_adapter_ref`. The reference sizes
-its tiles on the host (one sync on a GPU).
+`adapted_mlstm` (the fused recurrence) applies its adapter with `apply_adapter_ref`. The reference forms the
+gathered adapters m[index] and one bmm on a GPU when N * A^2 elements fit 256 MB (the fastest torch form
+measured on an H200); otherwise, and on a CPU, it bmm's session tiles sized on the host (one sync on a GPU).
+Indices outside [0, S) are not checked by the kernel (their rows are left unwritten).
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ import torch
 
 from kernels._dispatch import resolve_impl, tl, triton_kernel
 
-__all__ = ["AdapterSteps", "apply_adapter", "apply_adapter_ref", "batched_adapter", "batched_adapter_ref"]
+__all__ = ["AdapterSteps", "apply_adapter", "apply_adapter_positions", "apply_adapter_ref", "batched_adapter",
+           "batched_adapter_ref"]
 
 
 def apply_adapter_ref(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -43,18 +53,35 @@ def apply_adapter_ref(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.cat([adapted, h[:, k:]], dim=1)  # (B, H)
 
 
+def apply_adapter_positions(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """A site outside any recurrence (the transformers' residual stream): x (B, T, H), m (B, k, k) -> (B, T, H),
+    h' = h + M h at every position as one bmm (a loop of `AdapterSteps` over positions is T launches and T graph
+    nodes). Plain autograd: dL/dM = sum_t g_t h_t^T is the bmm's own backward, one matmul."""
+    k = m.shape[-1]
+    head = x[..., :k]  # (B, T, k)
+    adapted = head + torch.bmm(head, m.transpose(1, 2))  # (B, T, k) row-vector form
+    return adapted if k == x.shape[-1] else torch.cat([adapted, x[..., k:]], dim=-1)  # (B, T, H)
+
+
+_GATHER_BYTES = 1 << 28  # the reference gathers m[index] on a GPU up to this size
+
+
 def batched_adapter_ref(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Pure-PyTorch reference (plain autograd; grad m sums each session's rows). Layout in the module docstring.
 
-    Vectorised without the (N, A, A) gather m[index]: rows are placed in tiles of one session each (a row's tile
-    and slot come from its rank among its session's rows) and the tiles multiplied by one bmm. When every session
-    fits one tile with little padding, tile s is session s and m is used as it is; otherwise tiles of
-    ceil(N / sessions used) rows take their session's M by a gather of at most 2x the used adapters."""
+    On a GPU, when the gathered adapters m[index] fit `_GATHER_BYTES`: one bmm on them. Otherwise vectorised
+    without the (N, A, A) gather: rows are placed in tiles of one session each (a row's tile and slot come from its
+    rank among its session's rows) and the tiles multiplied by one bmm. When every session fits one tile with little
+    padding, tile s is session s and m is used as it is; otherwise tiles of ceil(N / sessions used) rows take their
+    session's M by a gather of at most 2x the used adapters."""
     N, H = h.shape
     S, A, _ = m.shape
     if N == 0:
         return h.clone()
     head = h[:, :A]  # (N, A)
+    if h.is_cuda and N * A * A * m.element_size() <= _GATHER_BYTES:
+        adapted = head + torch.bmm(m[index], head.unsqueeze(-1)).squeeze(-1)  # (N, A, A) @ (N, A, 1): h + M h
+        return adapted if A == H else torch.cat([adapted, h[:, A:]], dim=1)  # (N, H)
     counts = torch.zeros(S, dtype=torch.int64, device=h.device).index_add_(0, index, torch.ones_like(index))  # (S,)
     order = torch.argsort(index, stable=True)  # (N,) rows grouped by session
     starts = counts.cumsum(0) - counts  # (S,) first sorted position of each session
@@ -73,6 +100,83 @@ def batched_adapter_ref(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor) -
     tiles = head.new_zeros(mats.shape[0], width, A).index_put((tile, slot), head)  # (T, width, A)
     adapted = head + torch.bmm(tiles, mats.transpose(1, 2))[tile, slot]  # (N, A) h + M h, row-vector form
     return adapted if A == H else torch.cat([adapted, h[:, A:]], dim=1)  # (N, H)
+
+
+@triton_kernel
+def _adapter_scan_kernel(x_ptr, m_ptr, out_ptr, idx_ptr, N, A, H, span,
+                         s_xn, s_xa, s_ms, s_mj, s_mk, s_on, s_oa,
+                         BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    # program (session s, block of units j < A, rows [r0, r1)): for every chunk of rows holding rows of s,
+    # out[r, j] = x[r, j] + sum_{k < A} m[s, j, k] x[r, k]. A block of units j >= A is a plain copy: there program
+    # s copies the s-th of S equal parts of [r0, r1), no scan. The backward's (I + M)^T g swaps s_mj and s_mk.
+    s = tl.program_id(0)
+    j0 = tl.program_id(1) * BLOCK_J
+    offs_j = j0 + tl.arange(0, BLOCK_J)
+    jmask = offs_j < H
+    wj = offs_j < A
+    r0 = tl.program_id(2) * span
+    r1 = tl.minimum(r0 + span, N)
+    if j0 >= A:
+        part = (span + tl.num_programs(0) - 1) // tl.num_programs(0)
+        c0 = r0 + s * part
+        c1 = tl.minimum(c0 + part, r1)
+        for p0 in range(c0, c1, BLOCK_N):
+            p = p0 + tl.arange(0, BLOCK_N)
+            cmask = (p < c1)[:, None] & jmask[None, :]
+            xj = tl.load(x_ptr + p[:, None] * s_xn + offs_j[None, :] * s_xa, mask=cmask, other=0.0)
+            tl.store(out_ptr + p[:, None] * s_on + offs_j[None, :] * s_oa, xj.to(out_ptr.dtype.element_ty), mask=cmask)
+    else:
+        for p0 in range(r0, r1, BLOCK_N):
+            p = p0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) row ids
+            pmask = p < r1
+            mine = pmask & (tl.load(idx_ptr + p, mask=pmask, other=-1) == s)
+            if tl.max(mine.to(tl.int32), axis=0) > 0:
+                acc = tl.zeros((BLOCK_N, BLOCK_J), dtype=tl.float32)
+                for k0 in range(0, A, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    kmask = offs_k < A
+                    x = tl.load(x_ptr + p[:, None] * s_xn + offs_k[None, :] * s_xa,
+                                mask=mine[:, None] & kmask[None, :], other=0.0)  # (BLOCK_N, BLOCK_K)
+                    w = tl.load(m_ptr + s * s_ms + offs_k[:, None] * s_mk + offs_j[None, :] * s_mj,
+                                mask=kmask[:, None] & wj[None, :], other=0.0)  # (BLOCK_K, BLOCK_J) M[s]^T
+                    if IEEE:
+                        acc = tl.dot(x, w, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(x, w, acc)
+                omask = mine[:, None] & jmask[None, :]
+                xj = tl.load(x_ptr + p[:, None] * s_xn + offs_j[None, :] * s_xa, mask=omask, other=0.0)
+                y = xj.to(tl.float32) + acc
+                tl.store(out_ptr + p[:, None] * s_on + offs_j[None, :] * s_oa, y.to(out_ptr.dtype.element_ty),
+                         mask=omask)
+
+
+@triton_kernel
+def _adapter_scan_grad_m_kernel(g_ptr, x_ptr, dm_ptr, idx_ptr, N, A,
+                                s_gn, s_ga, s_xn, s_xa, s_ds, s_dj, s_dk,
+                                BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+                                IEEE: tl.constexpr):
+    # program (session s, block j, block k): dm[s, j, k] = sum over s's rows r of g[r, j] x[r, k], scanning all rows
+    s = tl.program_id(0)
+    offs_j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    jmask = offs_j < A
+    kmask = offs_k < A
+    acc = tl.zeros((BLOCK_J, BLOCK_K), dtype=tl.float32)
+    for p0 in range(0, N, BLOCK_N):
+        p = p0 + tl.arange(0, BLOCK_N)
+        pmask = p < N
+        mine = pmask & (tl.load(idx_ptr + p, mask=pmask, other=-1) == s)
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            gt = tl.load(g_ptr + p[None, :] * s_gn + offs_j[:, None] * s_ga, mask=jmask[:, None] & mine[None, :],
+                         other=0.0)  # (BLOCK_J, BLOCK_N) g^T
+            x = tl.load(x_ptr + p[:, None] * s_xn + offs_k[None, :] * s_xa, mask=mine[:, None] & kmask[None, :],
+                        other=0.0)  # (BLOCK_N, BLOCK_K)
+            if IEEE:
+                acc = tl.dot(gt, x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(gt, x, acc)
+    tl.store(dm_ptr + s * s_ds + offs_j[:, None] * s_dj + offs_k[None, :] * s_dk, acc.to(dm_ptr.dtype.element_ty),
+             mask=jmask[:, None] & kmask[None, :])
 
 
 @triton_kernel
@@ -140,12 +244,13 @@ def _adapter_grad_m_kernel(g_ptr, x_ptr, dm_ptr, rows_ptr, starts_ptr, ends_ptr,
              mask=jmask[:, None] & kmask[None, :])
 
 
-_TILE = 16  # rows per program (tl.dot's minimum)
+_TILE = 16  # rows per program of the sorted path (tl.dot's minimum)
+_SCAN_LIMIT = 1 << 22  # sessions x rows above which the rows are sorted instead of scanned
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """Rows grouped by session, built on the device without a host sync."""
+    """Rows grouped by session, built on the device without a host sync (the sorted path)."""
 
     n_sessions: int
     rows: torch.Tensor  # (N,) row ids sorted by session (stable)
@@ -154,6 +259,15 @@ class _Plan:
     tile_sess: torch.Tensor  # (T,) T = min(S, N) + ceil(N / 16), an upper bound on the tiles needed
     tile_lo: torch.Tensor  # (T,) positions [lo, hi) in `rows`; lo = hi for padding tiles
     tile_hi: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Which session each row belongs to, as the kernels take it: the index itself (scan) or a sorted plan."""
+
+    n_sessions: int
+    index: torch.Tensor  # (N,) int32 / int64
+    plan: _Plan | None  # the sorted path when sessions x rows > _SCAN_LIMIT
 
 
 def _plan(index: torch.Tensor, n_sessions: int) -> _Plan:
@@ -175,50 +289,82 @@ def _plan(index: torch.Tensor, n_sessions: int) -> _Plan:
     return _Plan(S, rows, starts, ends, sess, lo, hi)
 
 
-def _adapter_triton(x: torch.Tensor, m: torch.Tensor, plan: _Plan, transpose: bool = False) -> torch.Tensor:
+def _rows(index: torch.Tensor, n_sessions: int) -> _Rows:
+    big = n_sessions * index.shape[0] > _SCAN_LIMIT
+    return _Rows(n_sessions, index, _plan(index, n_sessions) if big else None)
+
+
+def _block(A: int) -> int:
+    return 64 if A > 32 else 32 if A > 16 else 16
+
+
+def _adapter_triton(x: torch.Tensor, m: torch.Tensor, rows: _Rows, transpose: bool = False) -> torch.Tensor:
     """Launcher: x (N, H), m (S, A, A) -> x + M x on the first A units (M^T x when `transpose`)."""
     N, H = x.shape
-    A = m.shape[-1]
+    S, A = m.shape[0], m.shape[-1]
     m = m.to(x.dtype)  # one dtype in the dots (autocast may hand an fp32 M with bf16 rows)
     out = x.new_empty(N, H)
-    if A < H:
-        out[:, A:] = x[:, A:]
-    if N == 0 or A == 0:
+    if N == 0:
         return out
     s_ms, s_mj, s_mk = m.stride()
     if transpose:
         s_mj, s_mk = s_mk, s_mj
-    block = 64 if A > 32 else 32 if A > 16 else 16
+    block = _block(A)
+    ieee = x.dtype == torch.float32
+    plan = rows.plan
+    if plan is None:
+        chunk = 16 if N <= 32 * S else 64  # rows per chunk: few rows per session waste less of a 16-row dot
+        j_blocks = -(-H // block)
+        n_chunks = -(-N // chunk)
+        busy = max(1, S * -(-A // block))  # programs that scan
+        splits = max(1, min(n_chunks, -(-2048 // busy)))  # split the rows when few programs scan
+        span = chunk * -(-n_chunks // splits)
+        _adapter_scan_kernel[(S, j_blocks, -(-N // span))](
+            x, m, out, rows.index, N, A, H, span, *x.stride(), s_ms, s_mj, s_mk, *out.stride(),
+            BLOCK_N=chunk, BLOCK_J=block, BLOCK_K=block, IEEE=ieee)
+        return out
+    if A < H:
+        out[:, A:] = x[:, A:]
+    if A == 0:
+        return out
     _batched_adapter_kernel[(plan.tile_sess.shape[0], -(-A // block))](
         x, m, out, plan.rows, plan.tile_sess, plan.tile_lo, plan.tile_hi, A, *x.stride(), s_ms, s_mj, s_mk,
-        *out.stride(), BLOCK_N=_TILE, BLOCK_J=block, BLOCK_K=block, IEEE=x.dtype == torch.float32)
+        *out.stride(), BLOCK_N=_TILE, BLOCK_J=block, BLOCK_K=block, IEEE=ieee)
     return out
 
 
-def _grad_m_triton(g: torch.Tensor, x: torch.Tensor, plan: _Plan, A: int, dtype: torch.dtype) -> torch.Tensor:
+def _grad_m_triton(g: torch.Tensor, x: torch.Tensor, rows: _Rows, A: int, dtype: torch.dtype) -> torch.Tensor:
     """Launcher: dL/dM (S, A, A), dm[s] = sum over s's rows of g[:, :A]^T x[:, :A]."""
-    dm = torch.empty(plan.n_sessions, A, A, device=g.device, dtype=dtype)
+    dm = torch.empty(rows.n_sessions, A, A, device=g.device, dtype=dtype)
     if dm.numel() == 0:
         return dm
-    block = 64 if A > 32 else 32 if A > 16 else 16
-    _adapter_grad_m_kernel[(plan.n_sessions, -(-A // block), -(-A // block))](
-        g, x, dm, plan.rows, plan.starts, plan.ends, A, *g.stride(), *x.stride(), *dm.stride(),
-        BLOCK_N=32, BLOCK_J=block, BLOCK_K=block, IEEE=g.dtype == torch.float32)
+    block = _block(A)
+    grid = (rows.n_sessions, -(-A // block), -(-A // block))
+    ieee = g.dtype == torch.float32
+    if rows.plan is None:
+        N = g.shape[0]
+        chunk = 16 if N <= 32 * rows.n_sessions else 64
+        _adapter_scan_grad_m_kernel[grid](g, x, dm, rows.index, N, A, *g.stride(), *x.stride(), *dm.stride(),
+                                          BLOCK_N=chunk, BLOCK_J=block, BLOCK_K=block, IEEE=ieee)
+        return dm
+    plan = rows.plan
+    _adapter_grad_m_kernel[grid](g, x, dm, plan.rows, plan.starts, plan.ends, A, *g.stride(), *x.stride(),
+                                 *dm.stride(), BLOCK_N=32, BLOCK_J=block, BLOCK_K=block, IEEE=ieee)
     return dm
 
 
 class _BatchedAdapter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, m: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        ctx.plan = plan
+    def forward(ctx: Any, h: torch.Tensor, m: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        ctx.rows = rows
         ctx.save_for_backward(h, m)
-        return _adapter_triton(h, m, plan)
+        return _adapter_triton(h, m, rows)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         h, m = ctx.saved_tensors
-        gh = _adapter_triton(grad, m, ctx.plan, transpose=True) if ctx.needs_input_grad[0] else None  # (I + M)^T g
-        gm = _grad_m_triton(grad, h, ctx.plan, m.shape[-1], m.dtype) if ctx.needs_input_grad[1] else None
+        gh = _adapter_triton(grad, m, ctx.rows, transpose=True) if ctx.needs_input_grad[0] else None  # (I + M)^T g
+        gm = _grad_m_triton(grad, h, ctx.rows, m.shape[-1], m.dtype) if ctx.needs_input_grad[1] else None
         return gh, gm, None
 
 
@@ -237,27 +383,31 @@ def batched_adapter(h: torch.Tensor, m: torch.Tensor, index: torch.Tensor, *, im
         raise ValueError("index must be int32 or int64")
     if resolve_impl(impl, h, m, index) == "reference":
         return batched_adapter_ref(h, m, index.long())
-    out: torch.Tensor = _BatchedAdapter.apply(h, m, _plan(index, m.shape[0]))  # type: ignore[no-untyped-call]
+    if not (torch.is_grad_enabled() and (h.requires_grad or m.requires_grad)):
+        return _adapter_triton(h, m, _rows(index, m.shape[0]))  # no autograd node (serving)
+    out: torch.Tensor = _BatchedAdapter.apply(h, m, _rows(index, m.shape[0]))  # type: ignore[no-untyped-call]
     return out
 
 
 def apply_adapter(h: torch.Tensor, m: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
-    """Public op for one application, h (B, H), m (B, A, A); for a recurrence over many steps use `AdapterSteps`."""
+    """Public op for one application, h (B, H), m (B, A, A); for a recurrence over many steps use `AdapterSteps`.
+    `impl`: None takes the bmm form (one row per session is a batched matmul: cuBLAS beats the grouped kernel);
+    "triton" forces the kernel."""
     _check(h, m, None)
-    if resolve_impl(impl, h, m) == "reference":
+    if impl is None or resolve_impl(impl, h, m) == "reference":
         return apply_adapter_ref(h, m)
     out: torch.Tensor = _BatchedAdapter.apply(  # type: ignore[no-untyped-call]
-        h, m, _plan(torch.arange(h.shape[0], device=h.device), m.shape[0]))
+        h, m, _rows(torch.arange(h.shape[0], device=h.device), m.shape[0]))
     return out
 
 
 class _Tape:
     """Per-sequence record shared by the step nodes and the gather node."""
 
-    def __init__(self, plan: _Plan | None) -> None:
+    def __init__(self, plan: _Rows | None) -> None:
         self.heads: list[torch.Tensor] = []  # h_t[:, :k] in forward order, (B, k) each
         self.grads: dict[int, torch.Tensor] = {}  # step index -> dL/dh'_t[:, :k], filled by backward
-        self.plan = plan  # the Triton kernel's row grouping (identity), None on the reference
+        self.plan = plan  # the Triton kernel's rows (index = arange(B)), None on the bmm form
 
 
 class _Gather(torch.autograd.Function):
@@ -304,14 +454,15 @@ class _Step(torch.autograd.Function):
 class AdapterSteps:
     """Applies one M (B, k, k) at every step of a sequence: `op = AdapterSteps(m); h = op(h)` per step.
 
-    Gradients w.r.t. `m` (when it requires grad) equal plain autograd's through `apply_adapter_ref`. `impl` as in
-    `batched_adapter` (the Triton path runs its kernel with index = arange(B)).
+    Gradients w.r.t. `m` (when it requires grad) equal plain autograd's through `apply_adapter_ref`. `impl`: None
+    takes the bmm form on every device (one row per session: the grouped kernel only adds work, and measured 0.77x
+    end to end on 64 adapting mLSTM sessions); "triton" forces the kernel with index = arange(B) (tests).
     """
 
     def __init__(self, m: torch.Tensor, *, impl: str | None = None) -> None:
         self.m = m
-        self.impl = resolve_impl(impl, m)
-        self._plan = _plan(torch.arange(m.shape[0], device=m.device), m.shape[0]) if self.impl == "triton" else None
+        self.impl = "reference" if impl is None else resolve_impl(impl, m)
+        self._plan = _rows(torch.arange(m.shape[0], device=m.device), m.shape[0]) if self.impl == "triton" else None
         self._track = m.requires_grad and torch.is_grad_enabled()
         if self._track:
             self._tape = _Tape(self._plan)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.adapter import AdapterSteps
+from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
@@ -254,8 +254,7 @@ class CharTransformer(LanguageModel):
             if collect:
                 layer_outs.append(x)
             if i == self.site_layer and mats is not None:
-                op = AdapterSteps(mats)  # h' = h + M h once per position
-                x = torch.stack([op(x_t) for x_t in x.unbind(1)], dim=1)  # (B, m, D)
+                x = apply_adapter_positions(x, mats)  # (B, m, D) h' = h + M h at every position, one bmm
         new["mask"] = valid[:, m:]
         new["tok"] = torch.cat([st["tok"], tokens], 1)[:, m:]
         return x, layer_outs, new

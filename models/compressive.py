@@ -60,9 +60,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.adapter import AdapterSteps
+from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
-from kernels.compress import compress_memory
+from kernels.compress import compress_memory, fixed_memory_update
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
 __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
@@ -342,7 +342,7 @@ class CompressiveTransformer(LanguageModel):
         n_f, n_c = self.fills(seen)
         done = (seen % S) + m == S  # (B,) rows whose segment completes with this piece
         n_ev = torch.where(done, (seen + m - Nm).clamp(0, S), 0)  # (B,) evicted slots, a multiple of c
-        any_done, evicting = bool(done.any()), bool((n_ev > 0).any())
+        evicting = bool((n_ev > 0).any())
         # [cmem ; mem] with each part's valid slots made contiguous at the right end (padding first)
         o = torch.arange(L, device=x.device).view(1, L)
         src = torch.where(o >= L - n_f.view(B, 1), o, o - (Lf - n_f).view(B, 1)).clamp(min=0)  # (B, L)
@@ -354,15 +354,11 @@ class CompressiveTransformer(LanguageModel):
         for i, block in enumerate(self.layers):
             mem, cmem = st[f"mem{i}"], st[f"cmem{i}"]
             ctx = torch.cat([cmem, mem], 1).gather(1, src.unsqueeze(-1).expand(B, L, D))  # (B, L, D)
-            ext = torch.cat([mem, x.detach()], 1)  # (B, Lf+m, D) memories are stop-gradient
+            x_in = x.detach()  # (B, m, D) memories are stop-gradient
             x = block(x, ctx, key_lengths, sinus)
-            if not any_done:
-                new[f"mem{i}"], new[f"cmem{i}"] = ext[:, m:], cmem
-            else:
-                kept = F.pad(ext[:, Lf + m - Nm :], (0, 0, Lf - Nm, 0))  # (B, Lf, D) the newest n_m, zeros first
-                new[f"mem{i}"] = torch.where(done.view(B, 1, 1), kept, ext[:, m:])
-                new[f"cmem{i}"] = cmem
+            comp = None
             if evicting:
+                ext = torch.cat([mem, x_in], 1)  # (B, Lf+m, D)
                 win = ext[:, m - 1 : m - 1 + S]  # (B, S, D) the S slots before the kept n_m; the last n_ev valid
                 seg = ext[:, Lf + m - S :]  # (B, S, D) the completing segment's inputs
                 usage = None
@@ -375,12 +371,10 @@ class CompressiveTransformer(LanguageModel):
                     comp = block.compressor(win, usage)  # (B, S/c, D)
                 if train_f:
                     losses.append(block.recon_loss(seg, win, comp, n_ev, c))
-                n = S // c
-                ok = torch.arange(n, device=x.device).view(1, n, 1) >= n - (n_ev // c).view(B, 1, 1)
-                comp = comp.detach() * ok  # (B, S/c, D) the LM loss gives f no gradient
-                grown = torch.cat([cmem, comp], 1)[:, -cfg.cmem_len :]  # (B, n_cm, D) oldest drop
-                new[f"cmem{i}"] = torch.where((n_ev > 0).view(B, 1, 1), grown, cmem)
+                comp = comp.detach()  # the LM loss gives f no gradient
+            # FIFO (kernels op: one launch on a GPU): mem <- [mem ; x][m:], cut to the newest n_m where the segment
+            # completed; cmem <- [cmem ; comp][-n_cm:] with comp's first S/c - n_ev/c slots zeroed, where n_ev > 0
+            new[f"mem{i}"], new[f"cmem{i}"] = fixed_memory_update(mem, x_in, done, cmem, comp, n_ev // c, mem_len=Nm)
             if i == self.site_layer and mats is not None:
-                op = AdapterSteps(mats)  # h' = h + M h once per position
-                x = torch.stack([op(x_t) for x_t in x.unbind(1)], dim=1)  # (B, m, D)
+                x = apply_adapter_positions(x, mats)  # (B, m, D) h' = h + M h at every position, one bmm
         return x, new, torch.stack(losses).sum() if losses else None

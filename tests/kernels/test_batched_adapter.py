@@ -8,7 +8,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.adapter import AdapterSteps, apply_adapter, apply_adapter_ref, batched_adapter, batched_adapter_ref
+import kernels.adapter as adapter_module
+from kernels.adapter import (
+    AdapterSteps,
+    apply_adapter,
+    apply_adapter_positions,
+    apply_adapter_ref,
+    batched_adapter,
+    batched_adapter_ref,
+)
 from tests.kernels._tolerance import assert_kernel_close
 
 
@@ -48,9 +56,14 @@ def _run(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], h: torch.Tens
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["scan", "sorted"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("H", "A"), [(21, 13), (19, 19)])
-def test_batched_adapter_forward_backward(H: int, A: int, dtype: torch.dtype, kdev: torch.device) -> None:
+def test_batched_adapter_forward_backward(H: int, A: int, dtype: torch.dtype, path: str, kdev: torch.device,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both kernel paths: the index scan, and rows sorted by session (forced by a zero scan limit)."""
+    if path == "sorted":
+        monkeypatch.setattr(adapter_module, "_SCAN_LIMIT", 0)
     g = torch.Generator().manual_seed(A)
     S = 9
     index = _index(g)
@@ -123,6 +136,28 @@ def test_apply_adapter_and_steps_on_the_kernel(kdev: torch.device) -> None:
                                    atol=1e-5)
 
 
+@pytest.mark.interpreter
+def test_batched_adapter_long_sessions(kdev: torch.device) -> None:
+    """Many rows per session (chunks of 64 rows, rows split over programs): two sessions, 150 rows, H > A."""
+    g = torch.Generator().manual_seed(5)
+    N, H, A, S = 150, 40, 17, 2
+    index = torch.randint(0, S, (N,), generator=g)
+    h, m, up = torch.randn(N, H, generator=g), 0.3 * torch.randn(S, A, A, generator=g), torch.randn(N, H, generator=g)
+    kernel = _run(lambda a, b: batched_adapter(a, b, index.to(kdev), impl="triton"), h.to(kdev), m.to(kdev),
+                  up.to(kdev))
+    want = (_naive(h, m, index), *_naive_grads(h, m, index, up))
+    for got, w in zip(kernel, want, strict=True):
+        torch.testing.assert_close(got.cpu(), w, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the launch without an autograd node
+        torch.testing.assert_close(batched_adapter(h.to(kdev), m.to(kdev), index.to(kdev), impl="triton").cpu(),
+                                   want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_adapter_steps_default_is_bmm() -> None:
+    """One row per session takes the bmm form by default (the grouped kernel only when forced)."""
+    assert AdapterSteps(torch.zeros(3, 2, 2)).impl == "reference"
+
+
 def test_batched_adapter_refuses_bad_shapes() -> None:
     h, m = torch.zeros(4, 6), torch.zeros(3, 5, 5)
     with pytest.raises(ValueError, match="does not fit"):
@@ -151,3 +186,26 @@ def test_batched_adapter_on_cuda(dtype: torch.dtype) -> None:
     steps = AdapterSteps(m[:64].float().requires_grad_(True), impl="triton")
     ref = apply_adapter_ref(h[:64].float(), m[:64].float())
     torch.testing.assert_close(steps(h[:64].float()), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_apply_adapter_positions_equals_a_loop_over_positions() -> None:
+    """The transformers' site (one bmm over all positions) against AdapterSteps position by position: values, grad M
+    and grad x."""
+    g = torch.Generator().manual_seed(6)
+    B, T, H, k = 3, 5, 9, 6
+    x0, up = torch.randn(B, T, H, generator=g), torch.randn(B, T, H, generator=g)
+    m0 = 0.3 * torch.randn(B, k, k, generator=g)
+
+    def run(positions: bool) -> tuple[torch.Tensor, ...]:
+        x, m = x0.clone().requires_grad_(True), m0.clone().requires_grad_(True)
+        if positions:
+            out = apply_adapter_positions(x, m)
+        else:
+            op = AdapterSteps(m)
+            out = torch.stack([op(x_t) for x_t in x.unbind(1)], dim=1)
+        (out * up).sum().backward()
+        assert x.grad is not None and m.grad is not None
+        return out.detach(), x.grad, m.grad
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = ("fp16", "bf16", "fp32")
 INDEX_POINTERS = {"count_ptr", "len_ptr", "rows_ptr", "tile_sess_ptr", "tile_lo_ptr", "tile_hi_ptr", "starts_ptr",
-                  "ends_ptr"}  # int64 tensors; every other pointer holds the data's dtype
+                  "ends_ptr", "idx_ptr", "nnew_ptr"}  # int64 tensors; every other pointer holds the data's dtype
 
 
 def compile_all() -> None:
@@ -31,11 +31,18 @@ def compile_all() -> None:
     from kernels import adapter, compress
 
     kernels = [
-        (compress._compress_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 0}),
-        (compress._compress_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 1}),
-        (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 0}),
+        (compress._compress_kernel, {"RATE": 3, "BLOCK_J": 16, "BLOCK_D": 256, "MODE": 0}),
+        (compress._compress_kernel, {"RATE": 3, "BLOCK_J": 16, "BLOCK_D": 256, "MODE": 1}),
+        (compress._ring_conv_kernel, {"RATE": 3, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "HAS_BIAS": True}),
+        (compress._fixed_update_kernel, {"BLOCK_S": 16, "BLOCK_D": 256, "HAS_COMP": True}),
+        (compress._fixed_update_kernel, {"BLOCK_S": 16, "BLOCK_D": 256, "HAS_COMP": False}),
+        (compress._ring_conv_kernel, {"RATE": 3, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "HAS_BIAS": False}),
+        (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 512, "MODE": 0}),
         (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 1}),
         (compress._memory_update_kernel, {"RATE": 3, "BLOCK_C": 4, "BLOCK_D": 128, "MODE": 2}),
+        (adapter._adapter_scan_kernel, {"BLOCK_N": 16, "BLOCK_J": 64, "BLOCK_K": 64}),
+        (adapter._adapter_scan_kernel, {"BLOCK_N": 64, "BLOCK_J": 64, "BLOCK_K": 64}),
+        (adapter._adapter_scan_grad_m_kernel, {"BLOCK_N": 16, "BLOCK_J": 64, "BLOCK_K": 64}),
         (adapter._batched_adapter_kernel, {"BLOCK_N": 16, "BLOCK_J": 64, "BLOCK_K": 64}),
         (adapter._adapter_grad_m_kernel, {"BLOCK_N": 32, "BLOCK_J": 64, "BLOCK_K": 64}),
     ]
@@ -44,7 +51,8 @@ def compile_all() -> None:
             params = inspect.signature(lazy.fn).parameters
             consts = {**constexprs, **({"IEEE": dtype == "fp32"} if "IEEE" in params else {})}
             sig = {name: "constexpr" if name in consts else
-                   ("*i64" if name in INDEX_POINTERS else f"*{dtype}") if name.endswith("_ptr") else "i32"
+                   ("*i64" if name in INDEX_POINTERS else "*i1" if name == "done_ptr" else f"*{dtype}")
+                   if name.endswith("_ptr") else "i32"
                    for name in params}
             src = ASTSource(triton.jit(lazy.fn), sig, constexprs=consts)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))

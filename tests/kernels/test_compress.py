@@ -1,12 +1,19 @@
-"""kernels.compress: compress_memory, MemoryRing and memory_update_ref against the reference and against naive
-implementations written here (a loop over runs; a per-row list of every input ever appended)."""
+"""kernels.compress: compress_memory, MemoryRing, memory_update_ref and fixed_memory_update against the reference
+and against naive implementations written here (a loop over runs; a per-row list of every input ever appended)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.compress import MemoryRing, compress_memory, compress_memory_ref, memory_update_ref
+from kernels.compress import (
+    MemoryRing,
+    compress_memory,
+    compress_memory_ref,
+    fixed_memory_update,
+    fixed_memory_update_ref,
+    memory_update_ref,
+)
 from tests.kernels._tolerance import assert_kernel_close
 
 DTYPES = [torch.float32, torch.float16]
@@ -252,3 +259,71 @@ def test_compress_and_ring_on_cuda(mode: str, dtype: torch.dtype) -> None:
                         impl=impl)
     views = {key: ring.view()[0] for key, ring in rings.items()}
     assert_kernel_close(views["triton", dtype], views["reference", torch.float64], views["reference", dtype], "ring")
+
+
+def _naive_fixed_update(mem: torch.Tensor, x: torch.Tensor, done: list[bool], cmem: torch.Tensor,
+                        comp: torch.Tensor | None, n_new: list[int], mem_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row with Python lists of slots: append x, drop the oldest m; a done row keeps its newest mem_len (zeros
+    before); a row with n_new > 0 appends the window's n slots (the first n - n_new zeroed) to cmem, keeps K."""
+    L, K = mem.shape[1], cmem.shape[1]
+    mems, cmems = [], []
+    for b in range(mem.shape[0]):
+        slots = (list(mem[b]) + list(x[b]))[x.shape[1]:]
+        if done[b]:
+            slots = [torch.zeros_like(s) if j < L - mem_len else s for j, s in enumerate(slots)]
+        mems.append(torch.stack(slots))
+        c = list(cmem[b])
+        if comp is not None and n_new[b] > 0:
+            n = comp.shape[1]
+            c = (c + [torch.zeros_like(s) if q < n - n_new[b] else s for q, s in enumerate(comp[b])])[-K:]
+        cmems.append(torch.stack(c))
+    return torch.stack(mems), torch.stack(cmems)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("L", "m", "mem_len", "K", "n"), [(9, 4, 6, 5, 3), (9, 9, 9, 2, 4), (17, 1, 12, 7, 7)])
+def test_fixed_memory_update(L: int, m: int, mem_len: int, K: int, n: int, dtype: torch.dtype, impl: str,
+                             kdev: torch.device) -> None:
+    """The model's fixed-shape update (cmem shorter than the window included) against the per-row naive update."""
+    g = torch.Generator().manual_seed(L + m)
+    B, D = 4, 37
+    mem, x, cmem = (torch.randn(B, k, D, generator=g).to(dtype) for k in (L, m, K))
+    comp = torch.randn(B, n, D, generator=g).to(dtype)
+    done, n_new = [True, False, True, False], [n, 0, 1, 2]
+    dev = kdev if impl == "triton" else torch.device("cpu")
+    args = [t.to(dev) for t in (mem, x, torch.tensor(done), cmem)]
+    for c in (comp, None):
+        got = fixed_memory_update(*args, None if c is None else c.to(dev), torch.tensor(n_new).to(dev),
+                                  mem_len=mem_len, impl=impl)
+        want = _naive_fixed_update(mem, x, done, cmem, c, n_new, mem_len)
+        for a, w in zip(got, want, strict=True):
+            assert a.dtype == dtype
+            assert torch.equal(a.cpu(), w), "a copy: exact"
+
+
+def test_fixed_memory_update_keeps_gradients_on_the_reference() -> None:
+    mem, x = torch.randn(2, 5, 3), torch.randn(2, 2, 3, requires_grad=True)
+    new_mem, _ = fixed_memory_update(mem, x, torch.tensor([True, False]), torch.zeros(2, 4, 3), None,
+                                     torch.zeros(2, dtype=torch.long), mem_len=4)
+    new_mem.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.ones(2, 2, 3))
+    torch.testing.assert_close(fixed_memory_update_ref(mem, x.detach(), torch.tensor([True, False]),
+                                                       torch.zeros(2, 4, 3), None, torch.zeros(2, dtype=torch.long),
+                                                       mem_len=4)[0], new_mem.detach())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fixed_memory_update_on_cuda(dtype: torch.dtype) -> None:
+    """The model's update at a realistic size (n_m 512 + S - 1 slots, D 512) equals the reference exactly."""
+    g = torch.Generator().manual_seed(0)
+    B, L, m, K, n, D = 8, 767, 256, 384, 85, 512
+    mem, x, cmem, comp = (torch.randn(B, k, D, generator=g).to("cuda", dtype) for k in (L, m, K, n))
+    done = torch.arange(B, device="cuda") % 2 == 0
+    n_new = torch.randint(0, n + 1, (B,), generator=g).cuda()
+    got = fixed_memory_update(mem, x, done, cmem, comp, n_new, mem_len=512, impl="triton")
+    want = fixed_memory_update_ref(mem, x, done, cmem, comp, n_new, mem_len=512)
+    for a, w in zip(got, want, strict=True):
+        assert torch.equal(a, w)
