@@ -17,28 +17,19 @@ batch, head) runs the online softmax over the key tiles a tile can see (tiles wh
 the causal edge are never visited; only the tiles that straddle an edge are masked), fp32 accumulation, and saves
 the log-sum-exp. The positional term is computed by distance, in the tile: the tile's distances form one range of
 BLOCK_M + BLOCK_N - 1 values, so (q + v_bias) R_range^T is one small matmul, and entry (i, j) picks its column
-d(i, j) with a gather along the tile's diagonals; no (Lq, Lk) bias exists in memory. With square tiles the forward
-computes only the lower half of each range (the upper half is the previous key tile's lower half), so the positional
-matmul costs what the content one does. The gathers lower to warp shuffles (about BLOCK_W / 32 per element, the
-rows of a tile each in one warp), which is why the rel kernels run 8 warps. The backward recomputes the
-probabilities from the log-sum-exp in three kernels: dq (one program per query tile; it also writes
-delta = rowsum(dO o O) for the other two, and per-tile row sums of dq's content and positional parts, whose sums
-over batch and tiles are du and dv_bias); dk, dv (one per key tile); and dr, by tile diagonals: square tiles with
-one (query tile - key tile) share one distance range, so one program per (diagonal, head, batch group) sums
-dS-by-distance times (q + v_bias) over its tiles in registers and writes it once; the launcher adds the overlapping
-halves of neighbouring diagonals (no atomics).
+d(i, j) with a gather along the tile's diagonals; no (Lq, Lk) bias exists in memory. The backward recomputes the
+probabilities from the log-sum-exp: one kernel per key tile for dk, dv; one per query tile for dq, whose
+positional part scatters dS back into the distance range, giving dq's r-term and dr (fp32 atomics) from the same
+tile. du and dv_bias are the sums over batch and queries of dq's content and positional parts.
 
 Known limits:
 - head dims 16, 32, 64, 128; float32, float16, bfloat16 on CUDA (the CPU interpreter: float32 and float16 only,
   it mis-handles bfloat16 dots); q, k, v, r, u, v_bias share one dtype and device. float32 runs full-precision
-  (IEEE) dots, not TF32. The positional scores (q + v_bias) . r[d] are rounded to the inputs' dtype before the
-  gather, as the reference's matmul rounds them.
-- the backward with rel recomputes the scores in all three kernels (the dr kernel included): about 3.5x the
-  matmul work of a plain FlashAttention-2 backward.
+  (IEEE) dots, not TF32.
+- dr is summed with fp32 atomics: its last bits vary run to run (the other gradients are deterministic).
 - a row with no visible key (key_lengths[b] < Lq, against the contract) gives NaN, as the reference does.
-- block sizes are fixed per kernel, head dim and Lq (`_block_sizes`, chosen for Hopper from the compiled code:
-  few or no register spills at D <= 64; not tuned by timing, no autotuning); decoding (Lq = 1) runs one 16-row
-  tile per (batch, head), with no split over the keys. The dr kernel's batch split assumes about 132 SMs.
+- block sizes are fixed per head dim (no autotuning, not yet timed on a GPU); decoding (Lq = 1) runs one 16-row
+  tile per (batch, head), with no split over the keys.
 - Triton is imported at the first launch, and TRITON_INTERPRET is read then: one process runs the kernels either
   interpreted or compiled, not both.
 - the reference builds the (Lq, Lk) score matrix (the Triton kernel does not).
@@ -168,16 +159,6 @@ def _on_diagonals(pw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @_jit
-def _on_two_halves(p_lo, p_hi, BLOCK: tl.constexpr):
-    """Square tiles: the distance range as two (BLOCK, BLOCK) halves, p_lo for t < BLOCK and p_hi for t >= BLOCK ->
-    (BLOCK, BLOCK) by key, as `_on_diagonals` of their concatenation (two gathers from half as many columns: the
-    same shuffles per element)."""
-    t = tl.arange(0, BLOCK)[:, None] - tl.arange(0, BLOCK)[None, :] + (BLOCK - 1)
-    low = t < BLOCK
-    return tl.where(low, tl.gather(p_lo, tl.where(low, t, 0), 1), tl.gather(p_hi, tl.where(low, 0, t - BLOCK), 1))
-
-
-@_jit
 def _to_distances(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """ds (BLOCK_M, BLOCK_N) by key -> (BLOCK_M, BLOCK_W) by distance: g[ii, t] = ds[ii, ii - t + BLOCK_N - 1]
     (zero where that key is outside the tile); the adjoint of `_on_diagonals`."""
@@ -223,27 +204,14 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if HAS_REL and BLOCK_M == BLOCK_N:
-        # square tiles: the next key tile's distances are this one's shifted down by BLOCK_N, so the upper half of
-        # its range is this tile's lower half: one (BLOCK_M, BLOCK_N) matmul per tile instead of (BLOCK_M, BLOCK_W)
-        r_hi = _rel_rows(r_base, srl, Lk - Lq + start_m - first + 1, Lk, offs_d, BLOCK_N)  # first tile's upper half
-        p_hi = tl.dot(qv, tl.trans(r_hi), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_N)
     for start_n in range(first, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N) (q + u) . k
         if HAS_REL:
-            d0 = Lk - Lq + start_m - start_n - (BLOCK_N - 1)
-            if BLOCK_M == BLOCK_N:
-                r_lo = _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_N)  # (BLOCK_N, D)
-                p_lo = tl.dot(qv, tl.trans(r_lo), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_N)
-                s += _on_two_halves(p_lo, p_hi, BLOCK_N).to(tl.float32)  # + (q + v) . r[d]
-                p_hi = p_lo
-            else:
-                rw = _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W)
-                pw = tl.dot(qv, tl.trans(rw), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_W) by distance
-                s += _on_diagonals(pw, BLOCK_M, BLOCK_N).to(tl.float32)  # + (q + v) . r[d]
+            rw = _rel_rows(r_base, srl, Lk - Lq + start_m - start_n - (BLOCK_N - 1), Lk, offs_d, BLOCK_W)
+            s += _on_diagonals(tl.dot(qv, tl.trans(rw), input_precision=PREC), BLOCK_M, BLOCK_N)  # + (q + v) . r[d]
         s = s * qk_scale
         if (start_n < full0) | (start_n >= full1):
             s = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), s, float("-inf"))
@@ -260,15 +228,13 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE,
 
 
 @_jit
-def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, O, DQ, UVP,
+def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DQ, DQR, DR,
                                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, srl, srh, sdb, sdh, sdm,
                                     H, Lq, Lk, qk_scale, scale,
                                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_W: tl.constexpr, HAS_REL: tl.constexpr, HAS_KL: tl.constexpr,
                                     PREC: tl.constexpr):
-    """Backward over the key tiles of one query tile -> DELTA (B, H, Lq) = rowsum(dO o O) (FlashAttention-2's
-    preprocessing, read by the other two kernels after this one), DQ (B, H, Lq, D) in q's dtype, and with rel UVP
-    (B * query tiles, 2, H, D): the tile's row sums of dq's content part (-> du) and positional part (-> dv_bias)."""
+    """Backward over the key tiles of one query tile -> DQ (content part), DQR (positional part), atomics into DR."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -278,11 +244,8 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, O, DQ
     rows = offs_m[:, None] < Lq
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=rows, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=rows, other=0.0)
-    out = bh * Lq * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
-    o = tl.load(O + out, mask=rows, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # (BLOCK_M,)
-    tl.store(DELTA + bh * Lq + offs_m, delta, mask=offs_m < Lq)
     lse = tl.load(LSE + bh * Lq + offs_m, mask=offs_m < Lq, other=float("inf"))  # padded rows: p = 0
+    delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
     qu, qv = _biased(q, U, VB, h, offs_d, HEAD_D, HAS_REL)
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
@@ -294,11 +257,11 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, O, DQ
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
+        d0 = Lk - Lq + start_m - start_n - (BLOCK_N - 1)
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_REL:
-            rw = _rel_rows(r_base, srl, Lk - Lq + start_m - start_n - (BLOCK_N - 1), Lk, offs_d, BLOCK_W)
-            pw = tl.dot(qv, tl.trans(rw), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_W)
-            s += _on_diagonals(pw, BLOCK_M, BLOCK_N).to(tl.float32)
+            rw = _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W)  # (BLOCK_W, D)
+            s += _on_diagonals(tl.dot(qv, tl.trans(rw), input_precision=PREC), BLOCK_M, BLOCK_N)
         p = tl.exp2(s * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if (start_n < full0) | (start_n >= full1):
             p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
@@ -308,11 +271,14 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, O, DQ
         if HAS_REL:
             g = _to_distances(ds, BLOCK_M, BLOCK_N, BLOCK_W).to(k.dtype)  # (BLOCK_M, BLOCK_W) dS by distance
             dqr += tl.dot(g, rw, input_precision=PREC)
-    tl.store(DQ + out, ((dq + dqr) * scale).to(DQ.dtype.element_ty), mask=rows)
-    if HAS_REL:  # rows past Lq hold zeros
-        part = UVP + ((b * tl.num_programs(0) + tl.program_id(0)) * 2 * H + h) * HEAD_D + offs_d
-        tl.store(part, tl.sum(dq, 0) * scale)
-        tl.store(part + H * HEAD_D, tl.sum(dqr, 0) * scale)
+            dr = tl.dot(tl.trans(g), qv, input_precision=PREC) * scale  # (BLOCK_W, D) sum_i dS(i, d) (q_i + v)
+            dist = d0 + tl.arange(0, BLOCK_W)
+            tl.atomic_add(DR + dist[:, None].to(tl.int64) * (H * HEAD_D) + h * HEAD_D + offs_d[None, :], dr,
+                          mask=(dist[:, None] >= 0) & (dist[:, None] < Lk))
+    out = bh * Lq * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
+    tl.store(DQ + out, dq * scale, mask=rows)
+    if HAS_REL:
+        tl.store(DQR + out, dqr * scale, mask=rows)
 
 
 @_jit
@@ -359,8 +325,7 @@ def _memory_attention_bwd_dkdv_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DK,
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_REL:
             rw = _rel_rows(r_base, srl, Lk - Lq + start_m - start_n - (BLOCK_N - 1), Lk, offs_d, BLOCK_W)
-            pw = tl.dot(qv, tl.trans(rw), input_precision=PREC).to(q.dtype)  # (BLOCK_M, BLOCK_W)
-            s += _on_diagonals(pw, BLOCK_M, BLOCK_N).to(tl.float32)
+            s += _on_diagonals(tl.dot(qv, tl.trans(rw), input_precision=PREC), BLOCK_M, BLOCK_N)
         p = tl.exp2(s * qk_scale - lse[:, None])
         if (start_m < full0) | (start_m >= full1):
             p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
@@ -371,70 +336,6 @@ def _memory_attention_bwd_dkdv_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DK,
     out = bh * Lk * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=cols)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols)
-
-
-@_jit
-def _memory_attention_bwd_dr_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DRP,
-                                    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, srl, srh, sdb, sdh, sdm,
-                                    B, H, Lq, Lk, qk_scale, scale, batch_per_program,
-                                    HEAD_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
-                                    HAS_KL: tl.constexpr, PREC: tl.constexpr):
-    """dr by tile diagonals: square BLOCK x BLOCK tiles with one m - n (query tile m, key tile n) share one distance
-    range of BLOCK_W = 2 * BLOCK rows (d0 .. d0 + 2 BLOCK - 2, the last row empty), so one program per (diagonal,
-    head, batch group) sums dS by distance times (q + v_bias) over the diagonal's tiles in registers and writes it
-    once -> DRP (batch groups, diagonals, BLOCK_W, H, D) fp32; the launcher adds the overlapping halves of
-    neighbouring diagonals (no atomics: dr is deterministic)."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    grp = tl.program_id(2)
-    n_m = tl.cdiv(Lq, BLOCK)
-    n_n = tl.cdiv(Lk, BLOCK)
-    diag = c - (n_n - 1)  # m - n
-    d0 = Lk - Lq + diag * BLOCK - (BLOCK - 1)
-    offs_d = tl.arange(0, HEAD_D)
-    rw = _rel_rows(R + h * srh, srl, d0, Lk, offs_d, BLOCK_W)  # (BLOCK_W, D), the diagonal's distances
-    u = tl.load(U + h * HEAD_D + offs_d).to(tl.float32)
-    vb = tl.load(VB + h * HEAD_D + offs_d).to(tl.float32)
-    # query tiles m with key tile n = m - diag in range; none if the diagonal lies past the causal edge
-    m_lo = tl.maximum(diag, 0)
-    m_hi = tl.minimum(n_m, diag + n_n)
-    m_hi = tl.where(-diag * BLOCK > Lk - Lq + BLOCK - 1, m_lo, m_hi)
-    acc = tl.zeros([BLOCK_W, HEAD_D], tl.float32)
-    b_end = tl.minimum(B, (grp + 1) * batch_per_program)
-    for b in range(grp * batch_per_program, b_end):
-        lo = 0
-        if HAS_KL:
-            lo = tl.maximum(Lk - tl.load(KL + b), 0)
-        b64 = tl.cast(b, tl.int64)
-        q_base = Q + b64 * sqb + h * sqh
-        do_base = DO + b64 * sdb + h * sdh
-        k_base = K + b64 * skb + h * skh
-        v_base = V + b64 * svb + h * svh
-        row0 = (b64 * H + h) * Lq
-        for m in range(tl.maximum(m_lo, diag + lo // BLOCK), m_hi):  # key tiles wholly in the padding skipped
-            offs_m = m * BLOCK + tl.arange(0, BLOCK)
-            offs_n = (m - diag) * BLOCK + tl.arange(0, BLOCK)
-            rows = offs_m[:, None] < Lq
-            q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=rows, other=0.0)  # (BLOCK, D)
-            do = tl.load(do_base + offs_m[:, None] * sdm + offs_d[None, :], mask=rows, other=0.0)
-            lse = tl.load(LSE + row0 + offs_m, mask=offs_m < Lq, other=float("inf"))
-            delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < Lq, other=0.0)
-            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
-            qu = (q.to(tl.float32) + u[None, :]).to(q.dtype)
-            qv = (q.to(tl.float32) + vb[None, :]).to(q.dtype)
-            s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK, BLOCK)
-            pw = tl.dot(qv, tl.trans(rw), input_precision=PREC).to(q.dtype)  # (BLOCK, BLOCK_W)
-            s += _on_diagonals(pw, BLOCK, BLOCK).to(tl.float32)
-            p = tl.exp2(s * qk_scale - lse[:, None])
-            p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            g = _to_distances(ds, BLOCK, BLOCK, BLOCK_W).to(q.dtype)  # (BLOCK, BLOCK_W) dS by distance
-            acc += tl.dot(tl.trans(g), qv, input_precision=PREC)  # (BLOCK_W, D)
-    offs_w = tl.arange(0, BLOCK_W)
-    part = DRP + ((grp * tl.num_programs(0) + c) * BLOCK_W + offs_w[:, None]).to(tl.int64) * (H * HEAD_D)
-    tl.store(part + h * HEAD_D + offs_d[None, :], acc * scale)
 
 
 # -- launchers -------------------------------------------------------------------------------------------------------
@@ -470,32 +371,14 @@ def _triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: 
     return None
 
 
-def _block_sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str = "fwd"
-                 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel "fwd", "dq", "dkdv" or "dr" (square BLOCK_N tiles).
-
-    On a GPU (picked for Hopper from the compiled SASS: few or no register spills, few shuffles): the positional
-    term's distance range is BLOCK_M + BLOCK_N - 1 rows padded to a power of two (128 for 32 x 64 tiles; the
-    forward's square tiles compute half of it per tile). Its gathers are warp-local shuffles, about BLOCK_W / 32 per
-    element when each warp owns whole rows, so the rel kernels run 8 warps (with 4, a 64 x 64 tile spills registers
-    and shuffles twice as much). Without rel the forward takes FlashAttention-2's 128 x 64 tiles with 8 warps once
-    there are enough query rows (Lq >= 256) to fill the GPU. The interpreter gets small tiles (its cost is per
-    element, and small tiles exercise the tile edges on small test shapes)."""
+def _block_sizes(D: int, Lq: int, is_cuda: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter gets small tiles (its cost is per element, and
+    small tiles exercise the tile edges on small test shapes)."""
     if not is_cuda:
         return 16, 16, 4, 1
-    if kernel == "dr":
-        return (32, 32, 8, 2) if D <= 64 else (16, 16, 4, 2)
-    if Lq <= 16:  # decoding: one 16-row tile
-        return 16, 64 if D <= 64 else 32, 4, 3 if kernel == "fwd" else 2
-    if D > 64:
-        if kernel == "fwd":
-            return ((128, 64, 8, 2) if Lq >= 256 else (64, 32, 4, 2)) if not rel else (64, 64, 8, 2)
-        return (32, 32, 8, 2) if rel else (64, 32, 8, 2)
-    if kernel == "fwd":
-        if rel:
-            return 64, 64, 8, 3
-        return (128, 64, 8, 3) if Lq >= 256 else (64, 64, 4, 3)
-    return (32, 64, 8, 2) if rel else (64, 64, 8, 2)
+    block_m = 16 if Lq <= 16 else 64
+    block_n = 64 if D <= 64 else 32
+    return block_m, block_n, 4 if D <= 64 else 8, 2
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -514,7 +397,7 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
     r, u, vb = rel if rel is not None else (q, q, q)  # placeholders: never read without rel
     kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
     triton = _triton()
-    bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, "fwd")
+    bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda)
     _memory_attention_kernel[(triton.cdiv(Lq, bm), B * H)](
         q, k, v, r, u, vb, kl, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -526,22 +409,6 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
     return out, lse
 
 
-def _dr_from_diagonals(drp: torch.Tensor, Lq: int, Lk: int, Lr: int, T: int) -> torch.Tensor:
-    """drp (groups, C, 2T, H, D): diagonal c's sums for distances d0(c) + t, d0(c) = Lk - Lq + (c - nN + 1) T - T + 1
-    with nN = cdiv(Lk, T) -> (Lr, H, D) fp32. Row t + T of diagonal c and row t of c + 1 are one distance: add the
-    halves, flatten, slice."""
-    part = drp.sum(0) if drp.shape[0] > 1 else drp[0]  # (C, 2T, H, D)
-    C, _, H, D = part.shape
-    edge = part.new_zeros((1, T, H, D))
-    by_block = torch.cat([part[:, :T], edge]) + torch.cat([edge, part[:, T:]])  # (C + 1, T, H, D)
-    off = (-(-Lk // T) - 1) * T - (Lk - Lq) + T - 1  # flat row of distance 0
-    dr = by_block.reshape((C + 1) * T, H, D)[off : off + Lk]  # (Lk, H, D)
-    return dr if Lr == Lk else torch.cat([dr, dr.new_zeros((Lr - Lk, H, D))])
-
-
-_SM_COUNT_GUESS = 132  # H100 / H200 SXM; only sizes the dr kernel's batch split
-
-
 def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, rel: Rel | None, key_lengths: torch.Tensor | None,
                           scale: float) -> tuple[torch.Tensor | None, ...]:
@@ -549,54 +416,31 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     do = _last_dim_contiguous(do)
-    dq = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)  # (B, H, Lq, D)
-    dk = torch.empty((B, H, Lk, D), dtype=k.dtype, device=q.device)  # (B, H, Lk, D)
-    dv = torch.empty((B, H, Lk, D), dtype=v.dtype, device=q.device)
+    dq = torch.zeros((B, H, Lq, D), dtype=torch.float32, device=q.device)  # (B, H, Lq, D) content part
+    dqr = torch.zeros_like(dq) if rel is not None else dq  # (B, H, Lq, D) positional part
+    dk = torch.zeros((B, H, Lk, D), dtype=k.dtype, device=q.device)  # (B, H, Lk, D)
+    dv = torch.zeros((B, H, Lk, D), dtype=v.dtype, device=q.device)
     r, u, vb = rel if rel is not None else (q, q, q)
-    if dq.numel() == 0:
-        dk.zero_()
-        dv.zero_()
-        if rel is None:
-            return dq, dk, dv, None, None, None
-        return dq, dk, dv, torch.zeros_like(r), torch.zeros_like(u), torch.zeros_like(vb)
-    triton = _triton()
-    delta = torch.empty_like(lse)  # (B, H, Lq) rowsum(dO o O), written by the dq kernel
-    kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
-    common = (r, u, vb, kl, do, lse, delta)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1),
-               do.stride(0), do.stride(1), do.stride(2))
-    scales = (scale * math.log2(math.e), scale)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    flags = dict(HEAD_D=D, HAS_KL=key_lengths is not None, PREC=prec)
-
-    def meta(kernel: str) -> tuple[int, int, dict[str, Any]]:
-        bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, kernel)
-        return bm, bn, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1),
-                            HAS_REL=rel is not None, num_warps=warps, num_stages=stages, **flags)
-
-    bm, _, dq_meta = meta("dq")
-    n_m = triton.cdiv(Lq, bm)
-    uvp = torch.empty((B * n_m, 2, H, D), dtype=torch.float32, device=q.device) if rel is not None else lse
-    _memory_attention_bwd_dq_kernel[(n_m, B * H)](q, k, v, *common, out, dq, uvp, *strides, H, Lq, Lk, *scales,
-                                                  **dq_meta)
-    _, bn, dkdv_meta = meta("dkdv")
-    _memory_attention_bwd_dkdv_kernel[(triton.cdiv(Lk, bn), B * H)](q, k, v, *common, dk, dv, *strides, H, Lq, Lk,
-                                                                     *scales, **dkdv_meta)
+    dr = torch.zeros((r.shape[0], H, D), dtype=torch.float32, device=q.device) if rel is not None else dq
+    if dq.numel() != 0:
+        delta = (do.float() * out.float()).sum(-1)  # (B, H, Lq) rowsum(dO o O), FlashAttention-2 preprocessing
+        kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
+        triton = _triton()
+        bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda)
+        common = (r, u, vb, kl, do, lse, delta)
+        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1),
+                   do.stride(0), do.stride(1), do.stride(2), H, Lq, Lk, scale * math.log2(math.e), scale)
+        meta = dict(HEAD_D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1),
+                    HAS_REL=rel is not None, HAS_KL=key_lengths is not None,
+                    PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        _memory_attention_bwd_dq_kernel[(triton.cdiv(Lq, bm), B * H)](q, k, v, *common, dq, dqr, dr, *strides, **meta)
+        _memory_attention_bwd_dkdv_kernel[(triton.cdiv(Lk, bn), B * H)](q, k, v, *common, dk, dv, *strides, **meta)
     if rel is None:
-        return dq, dk, dv, None, None, None
-    _, T, warps, stages = _block_sizes(D, Lq, q.is_cuda, True, "dr")  # square T x T tiles
-    C = triton.cdiv(Lq, T) + triton.cdiv(Lk, T) - 1  # tile diagonals
-    groups = max(1, min(B, (2 * _SM_COUNT_GUESS) // (C * H)))  # batch groups: enough programs to fill the GPU
-    per = triton.cdiv(B, groups)
-    groups = triton.cdiv(B, per)
-    drp = torch.empty((groups, C, 2 * T, H, D), dtype=torch.float32, device=q.device)
-    _memory_attention_bwd_dr_kernel[(C, H, groups)](
-        q, k, v, *common, drp, *strides, B, H, Lq, Lk, *scales, per, BLOCK=T, BLOCK_W=2 * T, num_warps=warps,
-        num_stages=stages, **flags)
-    dr = _dr_from_diagonals(drp, Lq, Lk, r.shape[0], T)
-    uv = uvp.sum(0)  # (2, H, D): du, dv_bias
-    return dq, dk, dv, dr.to(r.dtype), uv[0].to(u.dtype), uv[1].to(vb.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None
+    du = dq.sum((0, 2)).to(u.dtype)  # (H, D): d score / d u = d score / d q through the content term
+    dvb = dqr.sum((0, 2)).to(vb.dtype)  # (H, D): likewise through the positional term
+    return (dq + dqr).to(q.dtype), dk, dv, dr.to(r.dtype), du, dvb
 
 
 class _MemoryAttention(torch.autograd.Function):

@@ -158,23 +158,8 @@ def test_forward_and_gradients_match(Lq: int, Lk: int, D: int, rel: bool, key_le
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32)], ids=["tall-tiles", "wide-tiles"])
 def test_unequal_tiles(blocks: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     # BLOCK_M != BLOCK_N: the distance range (BLOCK_M + BLOCK_N - 1 rows, padded to 64) and the tile-skip bounds
-    monkeypatch.setattr(attention, "_block_sizes", lambda *args, **kw: (*blocks, 4, 1))
+    monkeypatch.setattr(attention, "_block_sizes", lambda D, Lq, is_cuda: (*blocks, 4, 1))
     _compare(37, 113, 16, True, [50, 113], torch.float32)
-
-
-@interpreted
-@pytest.mark.parametrize(("Lq", "Lk", "D", "rel", "key_lengths", "dtype"), [
-    pytest.param(100, 200, 64, True, [200, 120], torch.float16, id="rel-d64"),  # square forward tiles, dr by 32
-    pytest.param(300, 330, 64, False, [330, 310], torch.float32, id="plain-128x64"),
-    pytest.param(1, 70, 64, True, [1, 40], torch.float32, id="decode-rel"),
-    pytest.param(40, 100, 128, True, [100, 50], torch.float32, id="rel-d128"),
-])
-def test_gpu_tile_sizes(Lq: int, Lk: int, D: int, rel: bool, key_lengths: list[int], dtype: torch.dtype,
-                        monkeypatch: pytest.MonkeyPatch) -> None:
-    # the tiles, warps and kernels' paths the launcher picks on a GPU, run in the interpreter
-    gpu = attention._block_sizes
-    monkeypatch.setattr(attention, "_block_sizes", lambda D, Lq, is_cuda, *a: gpu(D, Lq, True, *a))
-    _compare(Lq, Lk, D, rel, key_lengths, dtype)
 
 
 @interpreted

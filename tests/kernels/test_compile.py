@@ -60,13 +60,13 @@ def compile_all() -> None:
     compile_attention()
 
 
-ATTENTION_FP32 = {"LSE", "DELTA", "UVP", "DRP"}  # float32 buffers; KL is int32; the other capitals hold the dtype
+ATTENTION_FP32 = {"LSE", "DELTA", "DQ", "DQR", "DR"}  # float32 buffers; KL is int32; the other capitals hold the dtype
 ATTENTION_FLOATS = {"qk_scale", "scale"}
 
 
 def compile_attention() -> None:
     """kernels.attention: every kernel at the launcher's GPU tiles, with rel and key_lengths in each dtype, and in
-    float16 also without rel (forward 128 x 64 tiles), decoding (Lq = 1) and head dim 128."""
+    float16 also without rel, decoding (Lq = 1) and head dim 128."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -75,22 +75,17 @@ def compile_attention() -> None:
 
     attention._triton()  # binds tl, wraps the kernels
     kernels = {"fwd": attention._memory_attention_kernel, "dq": attention._memory_attention_bwd_dq_kernel,
-               "dkdv": attention._memory_attention_bwd_dkdv_kernel, "dr": attention._memory_attention_bwd_dr_kernel}
+               "dkdv": attention._memory_attention_bwd_dkdv_kernel}
     for dtype in DTYPES:
         cases = [(64, 512, True, True)]  # D, Lq, rel, key_lengths
         if dtype == "fp16":
-            cases += [(64, 512, False, False), (64, 1, True, False), (128, 256, True, True), (128, 256, False, True)]
+            cases += [(64, 512, False, False), (64, 1, True, False), (128, 256, True, True)]
         for D, Lq, rel, kl in cases:
-            for which, kernel in kernels.items():
-                if which == "dr" and not rel:
-                    continue
-                bm, bn, warps, stages = attention._block_sizes(D, Lq, True, rel, which)
+            for kernel in kernels.values():
+                bm, bn, warps, stages = attention._block_sizes(D, Lq, True)
                 params = inspect.signature(kernel.fn).parameters
-                consts = {"HEAD_D": D, "HAS_KL": kl, "PREC": "ieee" if dtype == "fp32" else "tf32"}
-                if which == "dr":
-                    consts.update(BLOCK=bn, BLOCK_W=2 * bn)
-                else:
-                    consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1), HAS_REL=rel)
+                consts = {"HEAD_D": D, "HAS_KL": kl, "PREC": "ieee" if dtype == "fp32" else "tf32", "BLOCK_M": bm,
+                          "BLOCK_N": bn, "BLOCK_W": triton.next_power_of_2(bm + bn - 1), "HAS_REL": rel}
                 sig = {name: "constexpr" if name in consts else "*fp32" if name in ATTENTION_FP32 else
                        "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
                        "fp32" if name in ATTENTION_FLOATS else "i32" for name in params}
