@@ -29,8 +29,12 @@ from models.base import Adapter, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.registry import REGISTRY, build_model, config_from_dict
-from models.sampling import SamplingParams, generate
-from models.scoring import BOS
+from tests._families import (
+    assert_greedy_generation_equals_recomputation,
+    create_session,
+    observe_text,
+    served,
+)
 from tests._training import repetitive, sparse_bits_on_repeats, train_on_test_data
 from trainer.config import make_config
 
@@ -160,16 +164,7 @@ def test_rows_at_different_fills_batch_like_each_alone() -> None:
 def test_generation_with_the_cache_equals_recomputation() -> None:
     """Greedy generation (one position per byte through the cache) is the argmax of a fresh forward over the whole
     text each time, past several slides of the window."""
-    model = _model()
-    prompt = b"It is a "
-    greedy = "".join(generate(model, prompt, SamplingParams(max_tokens=30, temperature=0)))
-    ctx, expected = [BOS, *prompt], []
-    for _ in range(30):
-        with torch.no_grad():
-            nxt = int(model(torch.tensor([ctx]), model.init_state(1)).logits[0, -1].argmax())
-        expected.append(nxt)
-        ctx.append(nxt)
-    assert greedy == bytes(expected).decode("utf-8", errors="replace")
+    assert_greedy_generation_equals_recomputation(_model())
 
 
 # -- trained: checkpoint, statistics, dynamic evaluation, server ------------------------------------------
@@ -229,24 +224,14 @@ def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
 
 @pytest.fixture(scope="module")
 def client(trained: tuple[Path, Any]) -> Iterator[TestClient]:
-    from server.app import create_app
-    from server.settings import Settings
-
-    app = create_app(Settings(checkpoint=trained[0], precision="float32", max_wait_ms=100))
-    with TestClient(app) as c:
+    with served(trained[0]) as c:
         yield c
 
 
 def test_session_observes_suggests_and_generates(client: TestClient) -> None:
-    r = client.post("/v1/sessions", json={"adaptation": {"lr": 0.03, "decay": 0.0}})
-    assert r.status_code == 201, r.text
-    sid = r.json()["id"]
+    sid = create_session(client, adaptation={"lr": 0.03, "decay": 0.0})["id"]
     text = repetitive(100, seed=9).decode()
-    seen = []
-    for _ in range(3):
-        r = client.post(f"/v1/sessions/{sid}/observe", json={"text": text})
-        assert r.status_code == 200, r.text
-        seen.append(r.json())
+    seen = [observe_text(client, sid, text) for _ in range(3)]
     # the window (12 bytes) cannot see the repeat; the adapter learns it (RMS steps: lr 0.03 suits this model)
     assert seen[2]["bits"] < seen[0]["bits"] and seen[2]["bits"] < 0.9 * seen[2]["static_bits"], seen
     r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "a tru", "k": 3, "n_chars": 3})

@@ -30,6 +30,12 @@ from models.registry import REGISTRY, build_model, config_from_dict
 from models.sampling import SamplingParams, generate
 from models.scoring import BOS, score_bytes
 from models.suggest import advance, suggest
+from tests._families import (
+    assert_greedy_generation_equals_recomputation,
+    create_session,
+    observe_text,
+    served,
+)
 from tests._training import repetitive, sparse_bits_on_repeats, train_on_test_data
 from trainer.config import make_config
 from trainer.train import evaluate_bpb
@@ -389,16 +395,7 @@ def test_adapter_zero_is_no_adapter_and_row_b_touches_only_row_b() -> None:
 def test_generation_through_the_state_equals_recomputation() -> None:
     """Greedy generation (one byte a call, memories carried and compressed) is the argmax of a fresh forward over
     the whole text each time."""
-    model = _model()
-    prompt = b"It is a "
-    greedy = "".join(generate(model, prompt, SamplingParams(max_tokens=30, temperature=0)))
-    ctx, expected = [BOS, *prompt], []
-    for _ in range(30):
-        with torch.no_grad():
-            nxt = int(model(torch.tensor([ctx]), model.init_state(1)).logits[0, -1].argmax())
-        expected.append(nxt)
-        ctx.append(nxt)
-    assert greedy == bytes(expected).decode("utf-8", errors="replace")
+    assert_greedy_generation_equals_recomputation(_model())
 
 
 def test_checkpoint_round_trip(tmp_path: Path) -> None:
@@ -508,24 +505,8 @@ def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
 
 @pytest.fixture(scope="module")
 def client(trained: tuple[Path, Any]) -> Iterator[TestClient]:
-    from server.app import create_app
-    from server.settings import Settings
-
-    app = create_app(Settings(checkpoint=trained[0], precision="float32", max_wait_ms=100, suggest_budget_ms=0))
-    with TestClient(app) as c:
+    with served(trained[0], suggest_budget_ms=0) as c:
         yield c
-
-
-def _create(client: TestClient, **body: Any) -> dict[str, Any]:
-    r = client.post("/v1/sessions", json=body)
-    assert r.status_code == 201, r.text
-    return dict(r.json())
-
-
-def _observe(client: TestClient, sid: str, text: str) -> dict[str, Any]:
-    r = client.post(f"/v1/sessions/{sid}/observe", json={"text": text})
-    assert r.status_code == 200, r.text
-    return dict(r.json())
 
 
 def _exported(client: TestClient, sid: str) -> tuple[State, Adapter, int, bytes]:
@@ -539,9 +520,9 @@ def _exported(client: TestClient, sid: str) -> tuple[State, Adapter, int, bytes]
 
 
 def test_session_adapts_scores_suggests_and_generates(client: TestClient, ckpt: Checkpoint) -> None:
-    sid = _create(client, adaptation={"lr": 0.03, "decay": 0.0})["id"]
+    sid = create_session(client, adaptation={"lr": 0.03, "decay": 0.0})["id"]
     text = repetitive(100, seed=9).decode()
-    seen = [_observe(client, sid, text) for _ in range(3)]
+    seen = [observe_text(client, sid, text) for _ in range(3)]
     assert seen[2]["bits"] < seen[0]["bits"] and seen[2]["bits"] < 0.9 * seen[2]["static_bits"], seen
     assert seen[0]["static_bits"] == pytest.approx(score_bytes(ckpt.model, text.encode()).bits, rel=1e-5)
     state, adapter, last, _ = _exported(client, sid)
@@ -565,7 +546,7 @@ def test_session_adapts_scores_suggests_and_generates(client: TestClient, ckpt: 
 
 
 def test_session_memory_survives_export_and_import(client: TestClient) -> None:
-    source = _create(client, initial_text=TEXT)  # 108 bytes: memories full, compressed slots in use
+    source = create_session(client, initial_text=TEXT)  # 108 bytes: memories full, compressed slots in use
     state, _, _, blob = _exported(client, source["id"])
     assert int(state.tensors["seen"]) == len(TEXT)
     assert all(bool(state.tensors[f"cmem{i}"].abs().sum(-1).gt(0).any()) for i in range(3))
@@ -574,27 +555,23 @@ def test_session_memory_survives_export_and_import(client: TestClient) -> None:
     assert put.status_code == 200, put.text
     again, _, _, _ = _exported(client, target)
     _assert_states_close(again, state, rtol=0, atol=0)
-    a, b = _observe(client, target, MORE), _observe(client, source["id"], MORE)
+    a, b = observe_text(client, target, MORE), observe_text(client, source["id"], MORE)
     assert a["bits"] == b["bits"] and a["updates"] == b["updates"]
 
 
 def test_session_memory_survives_the_redis_store(trained: tuple[Path, Any], tmp_path: Path) -> None:
     """A session written to Redis by one server is read back by the next, memories and all, and continues the
     same evaluation as the library's."""
-    from server.app import create_app
-    from server.settings import Settings
     from tests.server.conftest import run_redis
 
     with run_redis(tmp_path) as url:
-        settings = Settings(checkpoint=trained[0], precision="float32", max_wait_ms=100,
-                            session_store=url)  # type: ignore[arg-type]
-        with TestClient(create_app(settings)) as c:
-            created = _create(c, initial_text=TEXT[:60])
+        with served(trained[0], session_store=url) as c:
+            created = create_session(c, initial_text=TEXT[:60])
             sid = created["id"]
             state, adapter, _, _ = _exported(c, sid)
-        with TestClient(create_app(settings)) as c:  # a restarted server on the same Redis
+        with served(trained[0], session_store=url) as c:  # a restarted server on the same Redis
             restored, restored_adapter, _, _ = _exported(c, sid)
-            after = _observe(c, sid, MORE)
+            after = observe_text(c, sid, MORE)
     _assert_states_close(restored, state, rtol=0, atol=0)
     assert int(restored.tensors["seen"]) == 60  # the stream's BOS and the first 59 bytes
     torch.testing.assert_close(restored_adapter.mats["resid"], adapter.mats["resid"], rtol=0, atol=0)

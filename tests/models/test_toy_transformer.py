@@ -30,6 +30,7 @@ from models.sampling import SamplingParams, generate
 from models.scoring import BOS, score_bytes
 from models.suggest import advance, is_word_char, suggest
 from models.tokenizer import ByteTokenizer
+from tests._families import create_session, observe_text, served
 from tests._training import repetitive, sparse_bits_on_repeats, train_on_test_data
 from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
 from trainer.config import make_config
@@ -397,37 +398,21 @@ def test_keysim_with_sparse_adaptation_is_evaluate(ckpt: Checkpoint) -> None:
 
 @pytest.fixture(scope="module")
 def client(trained: tuple[Path, Any]) -> Iterator[TestClient]:
-    from server.app import create_app
-    from server.settings import Settings
-
-    app = create_app(Settings(checkpoint=trained[0], precision="float32", max_wait_ms=100))
-    with TestClient(app) as c:
+    with served(trained[0]) as c:
         yield c
 
 
-def _create(client: TestClient, **body: Any) -> dict[str, Any]:
-    r = client.post("/v1/sessions", json=body)
-    assert r.status_code == 201, r.text
-    return dict(r.json())
-
-
-def _observe(client: TestClient, sid: str, text: str) -> dict[str, Any]:
-    r = client.post(f"/v1/sessions/{sid}/observe", json={"text": text})
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
 def test_session_bits_on_repeated_text_drop(client: TestClient, ckpt: Checkpoint) -> None:
-    sid = _create(client, adaptation={"lr": 0.5, "decay": 0.0})["id"]
+    sid = create_session(client, adaptation={"lr": 0.5, "decay": 0.0})["id"]
     text = repetitive(100, seed=9).decode()
-    first, second, third = (_observe(client, sid, text) for _ in range(3))
+    first, second, third = (observe_text(client, sid, text) for _ in range(3))
     assert third["bits"] < 0.9 * third["static_bits"], (third, first)
     assert third["bits"] < first["bits"]
     assert first["static_bits"] == pytest.approx(score_bytes(ckpt.model, text.encode()).bits, rel=1e-5)
 
 
 def test_session_export_import_round_trip(client: TestClient) -> None:
-    source = _create(client, initial_text=TEXT)
+    source = create_session(client, initial_text=TEXT)
     blob = client.get(f"/v1/sessions/{source['id']}/state")
     assert blob.status_code == 200, blob.text
     target = "imported-toy-session-0123456789"
@@ -435,7 +420,7 @@ def test_session_export_import_round_trip(client: TestClient) -> None:
                      headers={"content-type": "application/octet-stream"})
     assert put.status_code == 200, put.text
     assert put.json()["stats"] == source["stats"]
-    a, b = _observe(client, target, "a single man"), _observe(client, source["id"], "a single man")
+    a, b = observe_text(client, target, "a single man"), observe_text(client, source["id"], "a single man")
     assert a["bits"] == b["bits"] and a["updates"] == b["updates"]
 
 
@@ -452,7 +437,7 @@ def _exported(client: TestClient, sid: str) -> tuple[State, Adapter, int]:
 
 def test_session_suggest_and_generate_use_the_sessions_state_and_adapter(client: TestClient,
                                                                          ckpt: Checkpoint) -> None:
-    sid = _create(client, initial_text=TEXT, adaptation={"lr": 0.5})["id"]
+    sid = create_session(client, initial_text=TEXT, adaptation={"lr": 0.5})["id"]
     state, adapter, last = _exported(client, sid)
     assert set(state.tensors) == set(ckpt.model.init_state(1).tensors) and adapter.mats["resid"].abs().sum() > 0
     r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "a tru", "k": 3, "n_chars": 3})
@@ -475,12 +460,12 @@ def test_session_suggest_and_generate_use_the_sessions_state_and_adapter(client:
 
 def test_two_sessions_batched_equal_each_alone(client: TestClient) -> None:
     texts = [TEXT, repetitive(77, seed=4).decode()]
-    alone = [_observe(client, _create(client)["id"], t) for t in texts]
-    ids = [_create(client)["id"] for _ in texts]
+    alone = [observe_text(client, create_session(client)["id"], t) for t in texts]
+    ids = [create_session(client)["id"] for _ in texts]
     engine = client.app.state.engine  # type: ignore[attr-defined]
     before = dict(engine.stats.batch_rows)
     with ThreadPoolExecutor(2) as pool:
-        together = list(pool.map(lambda it: _observe(client, *it), zip(ids, texts, strict=True)))
+        together = list(pool.map(lambda it: observe_text(client, *it), zip(ids, texts, strict=True)))
     after = engine.stats.batch_rows
     for a, b in zip(alone, together, strict=True):
         assert b["bits"] == pytest.approx(a["bits"], rel=1e-5)
