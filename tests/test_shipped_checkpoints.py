@@ -1,39 +1,97 @@
-"""The shipped default checkpoint: present, within its size budget, loadable, and a real model."""
+"""The shipped checkpoints (the default mLSTM and one per transformer family): present, within their size budgets,
+loadable, real models, and served by a real `adaptlm serve` from the repository as cloned."""
+
+from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from models.checkpoint import CHECKPOINT_FILES, load_checkpoint
 from models.scoring import score_bytes
+from server.launch import free_port, stop, wait_ready
 
-DEFAULT = Path(__file__).resolve().parent.parent / "checkpoints" / "default"
-DATA = Path(__file__).resolve().parent / "data"
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+# name -> (architecture, size budget in bytes, its adaptation site's statistics key)
+SHIPPED = {
+    "default": ("mlstm", 20 * 1024 * 1024, "adapter.h"),
+    "char-transformer": ("char-transformer", 10 * 1024 * 1024, "adapter.resid"),
+    "compressive": ("compressive", 10 * 1024 * 1024, "adapter.resid"),
+}
+ENGLISH = b"The quick brown fox jumps over the lazy dog, and the dog, being lazy, did not mind it at all.\n"
 
 
-def test_default_checkpoint_is_complete_and_small() -> None:
-    for name in CHECKPOINT_FILES:
-        assert (DEFAULT / name).is_file(), name
-    size = sum(p.stat().st_size for p in DEFAULT.iterdir() if p.is_file())
-    assert size <= 20 * 1024 * 1024
+@pytest.mark.parametrize("name", SHIPPED)
+def test_checkpoint_is_complete_and_within_its_budget(name: str) -> None:
+    path = CHECKPOINTS / name
+    for file in CHECKPOINT_FILES:
+        assert (path / file).is_file(), file
+    assert sum(p.stat().st_size for p in path.iterdir() if p.is_file()) <= SHIPPED[name][1]
+    assert json.loads((path / "config.json").read_text())["model"]["arch"] == SHIPPED[name][0]
 
 
-def test_default_checkpoint_scores_english_well() -> None:
-    ck = load_checkpoint(DEFAULT)
-    meta = json.loads((DEFAULT / "config.json").read_text())
+@pytest.mark.parametrize("name", SHIPPED)
+def test_checkpoint_scores_english_well(name: str) -> None:
+    ck = load_checkpoint(CHECKPOINTS / name)
+    meta = json.loads((CHECKPOINTS / name / "config.json").read_text())
     assert meta["metrics"]["valid_bpb"] <= 2.2
     assert "Validation bits per byte" in ck.card
-    # an excerpt it was not trained on (Sense and Sensibility was in its training mix: pick a non-Austen line)
-    text = b"The quick brown fox jumps over the lazy dog, and the dog, being lazy, did not mind it at all.\n"
-    english = score_bytes(ck.model, text).bits_per_byte
+    # an excerpt none was trained on (Sense and Sensibility was in the training mix: a non-Austen line)
+    english = score_bytes(ck.model, ENGLISH).bits_per_byte
     noise = score_bytes(ck.model, bytes(range(256)) * 2).bits_per_byte
     assert english < 3.0
     assert noise > english + 3.0
 
 
-@pytest.mark.parametrize("key", ["param.w_m.v", "adapter.h"])
-def test_default_checkpoint_has_gradient_statistics(key: str) -> None:
-    ck = load_checkpoint(DEFAULT)
+@pytest.mark.parametrize("name", SHIPPED)
+def test_checkpoint_has_gradient_statistics(name: str) -> None:
+    ck = load_checkpoint(CHECKPOINTS / name)
+    key = SHIPPED[name][2]
     assert key in ck.stats
     assert float(ck.stats[key].min()) >= 0 and float(ck.stats[key].max()) > 0
+    params = [k for k in ck.stats if k.startswith("param.")]
+    assert params and all(float(ck.stats[k].min()) >= 0 for k in params)
+    assert not [k for k in params if k.startswith("param.aux.")]  # training-only heads never adapt
+
+
+@pytest.mark.parametrize("name", ["char-transformer", "compressive"])
+def test_adaptlm_serve_runs_the_shipped_transformer(name: str, tmp_path: Path) -> None:
+    """`adaptlm serve --checkpoint checkpoints/<family>` as a user starts it: scoring, streaming generation, a
+    session that adapts and suggests, its state exported."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(CHECKPOINTS / name),
+                                 "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                env=os.environ | {"ADAPTLM_DEVICE": "cpu"})
+    try:
+        assert wait_ready(url, proc, time.monotonic() + 120), log.read_text()[-3000:]
+        with httpx.Client(base_url=url, timeout=60) as client:
+            models = client.get("/v1/models").json()["data"]
+            assert models[0]["id"] == name
+            score = client.post("/v1/score", json={"text": ENGLISH.decode()}).json()
+            assert score["bits_per_byte"] < 3.0
+            with client.stream("POST", "/v1/generate", json={"prompt": "It was a ", "max_tokens": 24, "stream": True,
+                                                            "temperature": 0}) as stream:
+                assert stream.status_code == 200
+                body = "".join(stream.iter_text())
+            assert "data:" in body
+            sid = client.post("/v1/sessions", json={}).json()["id"]
+            text = "Dear Mr Zorblax, thank you for the report. " * 6
+            first = client.post(f"/v1/sessions/{sid}/observe", json={"text": text}).json()
+            assert first["updates"] > 0
+            again = client.post(f"/v1/sessions/{sid}/observe", json={"text": text}).json()
+            assert again["bits_per_byte"] < first["bits_per_byte"]  # the repeat is predicted better
+            suggested = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "Dear Mr Zor"}).json()
+            assert suggested["prefix"] == "Zor" and suggested["completions"]
+            state = client.get(f"/v1/sessions/{sid}/state")
+            assert state.status_code == 200 and len(state.content) > 1000
+    finally:
+        stop(proc)
