@@ -4,7 +4,8 @@
 
 Columns: inference parameters; the checkpoint's size on disk; training tokens/s (the median of its train.jsonl,
 measured where it was trained, which the model card names); bits per byte of the held-out book (static, whole
-context carried: `evaluate_bpb` with 8 streams), and of 64 pieces of 128 bytes each scored from a cold start; scoring tokens/s at batch 32; generation latency (ms a byte,
+context carried: `evaluate_bpb` with 8 streams), and of 64 pieces of 128 bytes each scored from a cold start;
+scoring tokens/s at batch 32; generation latency (ms a byte,
 batch 1, greedy, after a 256-byte prompt); suggestion latency (ms a `suggest` call on a 256-byte context: word
 completions and next characters); a session's state in bytes (`State.row_bytes`) and its sparse adapter in bytes
 (float32 k x k at the checkpoint's dyneval.json size).
@@ -114,7 +115,8 @@ def main() -> None:
     device = resolve_device(args.device)
     text = Path(args.text).read_bytes()[: args.bytes]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_line()
-    print(f"# architectures side by side on {device.type} ({where}); text {Path(args.text).name}, {len(text):,} bytes")
+    print(f"# architectures side by side on {device.type} ({where}); text {Path(args.text).name}, "
+          f"{len(text):,} bytes")
     print("| checkpoint | arch | parameters | disk MB | train tok/s | bits/byte | cold 128 B bits/byte "
           "| score tok/s (32 streams) "
           "| generate ms/byte | suggest ms | session state bytes | sparse adapter bytes |")
@@ -128,7 +130,8 @@ def main() -> None:
             continue
         rows.append(r)
         print(f"| {r['checkpoint']} | {r['arch']} | {r['params']:,} | {r['disk_mb']:.1f} "
-              f"| {_fmt(r['train_tok_s'], ',.0f')} | {r['bpb']:.4f} | {r['cold_bpb']:.4f} | {r['score_tok_s']:,.0f} | {r['gen_ms']:.2f} "
+              f"| {_fmt(r['train_tok_s'], ',.0f')} | {r['bpb']:.4f} | {r['cold_bpb']:.4f} | {r['score_tok_s']:,.0f} "
+              f"| {r['gen_ms']:.2f} "
               f"| {r['suggest_ms']:.1f} | {r['state_bytes']:,} | {r['adapter_bytes']:,} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "rows": rows}, indent=1) + "\n")

@@ -6,8 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 DATA = Path(__file__).resolve().parent / "data"
+
+# Without CUDA the Triton kernels run in Triton's CPU interpreter. Triton fixes interpreted or compiled for the
+# process when `triton.language` is first imported, which any earlier test may cause (torch itself can import
+# triton), so the variable is set here, before any test module is imported. With CUDA the kernels compile for real.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 # Servers under test (in-process and subprocesses, which inherit this) run in float32 unless a test asks for
 # bfloat16: most tests compare the server's numbers with the library's exactly. The bf16 path has its own tests.
@@ -39,8 +46,6 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests need a CUDA device: skipped (with the reason) where there is none, so the default run stays
     green on a CPU-only machine; on a GPU machine `pytest -m gpu` runs them."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
