@@ -10,6 +10,43 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 
+def random_tokens(n: int, batch: int = 1, seed: int = 0) -> Any:
+    """(batch, n) random bytes from a seeded generator."""
+    import torch
+
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_states_close(a: Any, b: Any, **tol: float) -> None:
+    """Two `State`s hold the same tensors: integer and boolean ones (positions, fills, masks, bytes) exactly, floating
+    ones within `tol` (torch.testing.assert_close's rtol/atol)."""
+    import torch
+
+    assert a.tensors.keys() == b.tensors.keys()
+    for k, v in a.tensors.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, b.tensors[k], **tol)  # type: ignore[arg-type]
+        else:
+            assert torch.equal(v, b.tensors[k]), k
+
+
+def assert_rows_batch_like_each_alone(model: Any, fills: tuple[int, ...] = (3, 11, 12, 25)) -> None:
+    """Rows whose states come from histories of different lengths (`fills` bytes), run as one batch, give each row's
+    logits and state as if it ran alone."""
+    import torch
+
+    from models.base import State
+
+    with torch.no_grad():
+        states = [model(random_tokens(n, seed=n), model.init_state(1)).state for n in fills]
+        x = random_tokens(9, batch=len(fills), seed=9)
+        batched = model(x, State.stack(states))
+        for r, st in enumerate(states):
+            alone = model(x[r : r + 1], st)
+            torch.testing.assert_close(batched.logits[r : r + 1], alone.logits, rtol=1e-5, atol=1e-5)
+            assert_states_close(batched.state.select(r), alone.state, rtol=1e-5, atol=1e-6)
+
+
 def assert_greedy_generation_equals_recomputation(model: Any, prompt: bytes = b"It is a ", n: int = 30) -> None:
     """Greedy generation of n bytes after `prompt` (one byte a call, through the model's state) equals the argmax of
     a fresh forward over the whole text (BOS, prompt, bytes so far) at each step."""

@@ -25,12 +25,13 @@ from models.adaptation import (
     evaluate,
     evaluate_many,
 )
-from models.base import Adapter, State
+from models.base import Adapter
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.registry import REGISTRY, build_model, config_from_dict
 from tests._families import (
     assert_greedy_generation_equals_recomputation,
+    assert_rows_batch_like_each_alone,
     create_session,
     observe_text,
     served,
@@ -150,15 +151,9 @@ def test_state_carried_across_pieces_equals_one_forward(cuts: list[int]) -> None
 
 
 def test_rows_at_different_fills_batch_like_each_alone() -> None:
-    """Sessions with different histories slide at different times; a batch of them equals each row alone."""
-    model = _model()
-    with torch.no_grad():
-        states = [model(_tokens(n, seed=n), model.init_state(1)).state for n in (3, 11, 12, 25)]
-        x = _tokens(9, batch=4, seed=9)
-        batched = model(x, State.stack(states))
-        for r, st in enumerate(states):
-            alone = model(x[r : r + 1], st)
-            torch.testing.assert_close(batched.logits[r : r + 1], alone.logits, rtol=1e-5, atol=1e-5)
+    """Sessions with different histories slide at different times; a batch of them equals each row alone, state
+    included."""
+    assert_rows_batch_like_each_alone(_model())
 
 
 def test_generation_with_the_cache_equals_recomputation() -> None:

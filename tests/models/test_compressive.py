@@ -32,6 +32,8 @@ from models.scoring import BOS, score_bytes
 from models.suggest import advance, suggest
 from tests._families import (
     assert_greedy_generation_equals_recomputation,
+    assert_rows_batch_like_each_alone,
+    assert_states_close,
     create_session,
     observe_text,
     served,
@@ -79,15 +81,6 @@ def _run(model: CompressiveTransformer, x: torch.Tensor, cuts: list[int], state:
             state, start = out.state, cut
             parts.append(out.logits)
     return torch.cat(parts, 1), state
-
-
-def _assert_states_close(a: State, b: State, **tol: float) -> None:
-    assert a.tensors.keys() == b.tensors.keys()
-    for k, v in a.tensors.items():
-        if v.dtype == torch.long:
-            assert torch.equal(v, b.tensors[k]), k
-        else:
-            torch.testing.assert_close(v, b.tensors[k], **tol)  # type: ignore[arg-type]
 
 
 def _record_inputs(model: CompressiveTransformer) -> tuple[list[list[torch.Tensor]], list[Any]]:
@@ -363,19 +356,12 @@ def test_pieces_with_the_state_equal_one_forward(mode: str, cuts: list[int]) -> 
         whole = model(x, model.init_state(2), adapter)
         logits, state = _run(model, x, cuts, adapter=adapter)
     torch.testing.assert_close(logits, whole.logits, rtol=1e-5, atol=1e-5)
-    _assert_states_close(state, whole.state, rtol=1e-5, atol=1e-6)
+    assert_states_close(state, whole.state, rtol=1e-5, atol=1e-6)
 
 
 def test_rows_at_different_fills_batch_like_each_alone() -> None:
-    model = _model()
-    with torch.no_grad():
-        states = [model(_tokens(n, seed=n), model.init_state(1)).state for n in (3, 11, 12, 25)]
-        x = _tokens(9, batch=4, seed=9)
-        batched = model(x, State.stack(states))
-        for r, st in enumerate(states):
-            alone = model(x[r : r + 1], st)
-            torch.testing.assert_close(batched.logits[r : r + 1], alone.logits, rtol=1e-5, atol=1e-5)
-            _assert_states_close(batched.state.select(r), alone.state, rtol=1e-5, atol=1e-6)
+    """Sessions at different fills of their memories batch together; each row equals itself alone, state included."""
+    assert_rows_batch_like_each_alone(_model())
 
 
 def test_adapter_zero_is_no_adapter_and_row_b_touches_only_row_b() -> None:
@@ -416,7 +402,7 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
         served, sb = _run(loaded.model, x, [13])
     torch.testing.assert_close(served, frozen, rtol=0, atol=0)
     torch.testing.assert_close(copy, trainable, rtol=0, atol=0)
-    _assert_states_close(sb, sa, rtol=0, atol=0)
+    assert_states_close(sb, sa, rtol=0, atol=0)
 
 
 # -- trained: training, checkpoint, statistics, dynamic evaluation --------------------------------------------
@@ -497,7 +483,7 @@ def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
         np.testing.assert_allclose(res.logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(res.adapted["resid"], alone.adapted["resid"], rtol=1e-4, atol=1e-6)
         assert res.state is not None and alone.state is not None
-        _assert_states_close(res.state, alone.state, rtol=1e-4, atol=1e-5)
+        assert_states_close(res.state, alone.state, rtol=1e-4, atol=1e-5)
 
 
 # -- served: sessions over HTTP, export/import, Redis ---------------------------------------------------------
@@ -554,7 +540,7 @@ def test_session_memory_survives_export_and_import(client: TestClient) -> None:
     put = client.put(f"/v1/sessions/{target}/state", content=blob, headers={"content-type": "application/octet-stream"})
     assert put.status_code == 200, put.text
     again, _, _, _ = _exported(client, target)
-    _assert_states_close(again, state, rtol=0, atol=0)
+    assert_states_close(again, state, rtol=0, atol=0)
     a, b = observe_text(client, target, MORE), observe_text(client, source["id"], MORE)
     assert a["bits"] == b["bits"] and a["updates"] == b["updates"]
 
@@ -572,7 +558,7 @@ def test_session_memory_survives_the_redis_store(trained: tuple[Path, Any], tmp_
         with served(trained[0], session_store=url) as c:  # a restarted server on the same Redis
             restored, restored_adapter, _, _ = _exported(c, sid)
             after = observe_text(c, sid, MORE)
-    _assert_states_close(restored, state, rtol=0, atol=0)
+    assert_states_close(restored, state, rtol=0, atol=0)
     assert int(restored.tensors["seen"]) == 60  # the stream's BOS and the first 59 bytes
     torch.testing.assert_close(restored_adapter.mats["resid"], adapter.mats["resid"], rtol=0, atol=0)
     from trainer.evaluation import config_for

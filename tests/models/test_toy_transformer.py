@@ -30,7 +30,7 @@ from models.sampling import SamplingParams, generate
 from models.scoring import BOS, score_bytes
 from models.suggest import advance, is_word_char, suggest
 from models.tokenizer import ByteTokenizer
-from tests._families import create_session, observe_text, served
+from tests._families import assert_states_close, create_session, observe_text, served
 from tests._training import repetitive, sparse_bits_on_repeats, train_on_test_data
 from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
 from trainer.config import make_config
@@ -52,15 +52,6 @@ def _model(seed: int = 0, **overrides: Any) -> ToyTransformer:
 
 def _tokens(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _assert_states_close(a: State, b: State, **tol: float) -> None:
-    assert a.tensors.keys() == b.tensors.keys()
-    for k, v in a.tensors.items():
-        if v.dtype == torch.bool:
-            assert torch.equal(v, b.tensors[k]), k
-        else:
-            torch.testing.assert_close(v, b.tensors[k], **tol)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +111,7 @@ def test_state_carried_across_pieces_equals_one_forward(cuts: list[int]) -> None
         state, start = out.state, cut
         logits.append(out.logits)
     torch.testing.assert_close(torch.cat(logits, 1), whole.logits, rtol=1e-5, atol=1e-5)
-    _assert_states_close(state, whole.state, rtol=1e-5, atol=1e-6)
+    assert_states_close(state, whole.state, rtol=1e-5, atol=1e-6)
     assert bool(state.tensors["mask"].all())  # 45 > context: every slot is in use
 
 
@@ -145,13 +136,13 @@ def test_stack_and_select_of_memories_of_different_lengths() -> None:
     stacked = State.stack([short, b])
     assert stacked.tensors["mask"].shape[1:] == b.tensors["mask"].shape[1:]  # left-padded to the longest
     assert stacked.tensors["mask"][0].sum() == 9
-    _assert_states_close(stacked.select(1), b, rtol=0, atol=0)
+    assert_states_close(stacked.select(1), b, rtol=0, atol=0)
     nxt = _tokens(6, batch=2, seed=3)
     together = model(nxt, stacked)
     for row, state in enumerate([a, b]):
         alone = model(nxt[row : row + 1], state)
         torch.testing.assert_close(together.logits[row : row + 1], alone.logits, rtol=1e-5, atol=1e-6)
-        _assert_states_close(together.state.select(row), alone.state, rtol=1e-5, atol=1e-6)
+        assert_states_close(together.state.select(row), alone.state, rtol=1e-5, atol=1e-6)
 
 
 def test_adapter_zero_is_no_adapter_and_row_b_touches_only_row_b() -> None:
@@ -316,7 +307,7 @@ def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
         np.testing.assert_allclose(res.logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(res.adapted["resid"], alone.adapted["resid"], rtol=1e-4, atol=1e-6)
         assert res.state is not None and alone.state is not None
-        _assert_states_close(res.state, alone.state, rtol=1e-4, atol=1e-5)
+        assert_states_close(res.state, alone.state, rtol=1e-4, atol=1e-5)
 
 
 def _job(model: ToyTransformer, text: bytes, k: int, lr: float) -> TextJob:
@@ -338,7 +329,7 @@ def test_batch_step_across_jobs_with_different_adapter_sizes_equals_each_alone(c
             batch_step(ckpt.model, [alone], 10)
         for a, b in zip(job.rows, alone.rows, strict=True):
             torch.testing.assert_close(torch.cat(a.logprobs), torch.cat(b.logprobs), rtol=1e-5, atol=1e-5)
-            _assert_states_close(a.state, b.state, rtol=1e-4, atol=1e-5)
+            assert_states_close(a.state, b.state, rtol=1e-4, atol=1e-5)
             assert (a.mats is None) == (b.mats is None)
             if a.mats is not None and b.mats is not None:
                 assert a.mats["resid"].shape == (spec[1], spec[1])
@@ -386,7 +377,7 @@ def test_keysim_with_sparse_adaptation_is_evaluate(ckpt: Checkpoint) -> None:
     assert s.adapter is not None
     torch.testing.assert_close(s.adapter.mats["resid"][0], ref.adapted["resid"], rtol=1e-4, atol=1e-6)
     assert ref.state is not None
-    _assert_states_close(s.state, ref.state, rtol=1e-4, atol=1e-5)
+    assert_states_close(s.state, ref.state, rtol=1e-4, atol=1e-5)
     words = s.suggest("a tru", 3)
     assert words and all(_valid_completion("tru", w, 24) for w in words)
     cursor = advance(ckpt.model, s.state, bytes([message.encode()[-1]]) + b"a tru", s.adapter)
