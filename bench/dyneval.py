@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--no-batched", action="store_true", help="leave out the batched-streams table")
     args = ap.parse_args()
     ck = load_checkpoint(args.checkpoint)
-    n_params = sum(p.numel() for p in ck.model.parameters())
+    training_only = set(ck.model.training_only_parameters())  # never read at inference (zero-filled if not shipped)
+    n_params = sum(p.numel() for n, p in ck.model.named_parameters() if n not in training_only)
     site = max(site.dim for site in ck.model.adaptation_sites())
     sizes = [int(s) for s in args.sizes.split(",") if s and int(s) <= site]  # sizes beyond the site do not exist
     print(f"# dynamic evaluation, {ck.name} ({n_params:,} parameters): {machine_line()}")

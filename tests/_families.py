@@ -47,6 +47,47 @@ def assert_rows_batch_like_each_alone(model: Any, fills: tuple[int, ...] = (3, 1
             assert_states_close(batched.state.select(r), alone.state, rtol=1e-5, atol=1e-6)
 
 
+def input_dependence(model: Any, T: int) -> list[list[bool]]:
+    """Row t: for each input s < T, whether output t's logits have a nonzero gradient with respect to input s. The T
+    input bytes are distinct, so a probe added to the embedding of byte value x_s is input s, wherever the model
+    embeds it (a window's re-encoding included)."""
+    import torch
+
+    x = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:T].view(1, T)
+    probe = torch.zeros(256, model.config.d_model, requires_grad=True)
+    hook = model.embed.register_forward_hook(lambda _m, inp, out: out + probe[inp[0]])
+    try:
+        out = model(x, model.init_state(1))
+    finally:
+        hook.remove()
+    rows = []
+    for t in range(T):
+        (grad,) = torch.autograd.grad(out.logits[0, t].sum(), probe, retain_graph=True)
+        rows.append((grad[x[0]].abs().sum(1) > 0).tolist())  # (T,) whether output t depends on input s
+    return rows
+
+
+def assert_evaluate_many_equals_each_text_alone(model: Any) -> None:
+    """Batched sparse dynamic evaluation (3 streams for 5 texts, segments ending at different times) equals each text
+    alone: log-probabilities, adapters and final states."""
+    import numpy as np
+    import torch
+
+    from models.adaptation import DynEvalConfig, evaluate, evaluate_many
+    from tests._training import repetitive
+
+    text = b"It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want"
+    texts = [repetitive(57, seed=1), text, repetitive(13, seed=2), b"x", repetitive(90, seed=3)]
+    cfg = DynEvalConfig(mode="sparse", rule="sgd", lr=0.3, segment=10, adapter_units=20)
+    for res, one in zip(evaluate_many(model, texts, cfg, max_streams=3), texts, strict=True):
+        alone = evaluate(model, one, cfg)
+        assert res.bytes == len(one)
+        np.testing.assert_allclose(res.logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(res.adapted["resid"], alone.adapted["resid"], rtol=1e-4, atol=1e-6)
+        assert res.state is not None and alone.state is not None
+        assert_states_close(res.state, alone.state, rtol=1e-4, atol=1e-5)
+
+
 def assert_greedy_generation_equals_recomputation(model: Any, prompt: bytes = b"It is a ", n: int = 30) -> None:
     """Greedy generation of n bytes after `prompt` (one byte a call, through the model's state) equals the argmax of
     a fresh forward over the whole text (BOS, prompt, bytes so far) at each step."""

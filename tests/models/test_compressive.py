@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load as safetensors_load
 
 from kernels.compress import compress_memory_ref
-from models.adaptation import DynEvalConfig, evaluate, evaluate_many
+from models.adaptation import DynEvalConfig, evaluate
 from models.base import Adapter, State
 from models.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from models.compressive import COMPRESSIONS, CompressiveConfig, CompressiveTransformer
@@ -31,10 +31,12 @@ from models.sampling import SamplingParams, generate
 from models.scoring import BOS, score_bytes
 from models.suggest import advance, suggest
 from tests._families import (
+    assert_evaluate_many_equals_each_text_alone,
     assert_greedy_generation_equals_recomputation,
     assert_rows_batch_like_each_alone,
     assert_states_close,
     create_session,
+    input_dependence,
     observe_text,
     served,
 )
@@ -115,19 +117,9 @@ def test_causal_gradient_of_output_t_wrt_later_inputs_is_zero(training: bool) ->
     are stop-gradient, so the gradient reaches exactly the inputs s <= t of t's own segment. The bytes are distinct,
     so a probe added to the embedding of byte x_s is input s."""
     model = _model(compression="conv").train(training)
-    T = 31  # 5 segments of 6 and one byte: evictions at 12, 18, 24, 30
-    x = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:T].view(1, T)
-    probe = torch.zeros(256, model.config.d_model, requires_grad=True)
-    hook = model.embed.register_forward_hook(lambda _m, inp, out: out + probe[inp[0]])
-    try:
-        out = model(x, model.init_state(1))
-    finally:
-        hook.remove()
-    S = model.config.segment
-    for t in range(T):
-        (grad,) = torch.autograd.grad(out.logits[0, t].sum(), probe, retain_graph=True)
-        seen = grad[x[0]].abs().sum(1) > 0  # (T,) whether output t depends on input s through the gradient
-        assert seen.tolist() == [t // S * S <= s <= t for s in range(T)], t
+    T, S = 31, model.config.segment  # 5 segments of 6 and one byte: evictions at 12, 18, 24, 30
+    for t, seen in enumerate(input_dependence(model, T)):
+        assert seen == [t // S * S <= s <= t for s in range(T)], t
 
 
 @pytest.mark.parametrize("mode", COMPRESSIONS)
@@ -475,15 +467,7 @@ def test_full_dynamic_evaluation_learns_and_leaves_the_compressor(ckpt: Checkpoi
 
 def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
     """Batched sparse dynamic evaluation: rows whose segments end at different times equal each text alone."""
-    texts = [repetitive(57, seed=1), TEXT.encode(), repetitive(13, seed=2), b"x", repetitive(90, seed=3)]
-    cfg = DynEvalConfig(mode="sparse", rule="sgd", lr=0.3, segment=10, adapter_units=20)
-    for res, text in zip(evaluate_many(ckpt.model, texts, cfg, max_streams=3), texts, strict=True):
-        alone = evaluate(ckpt.model, text, cfg)
-        assert res.bytes == len(text)
-        np.testing.assert_allclose(res.logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(res.adapted["resid"], alone.adapted["resid"], rtol=1e-4, atol=1e-6)
-        assert res.state is not None and alone.state is not None
-        assert_states_close(res.state, alone.state, rtol=1e-4, atol=1e-5)
+    assert_evaluate_many_equals_each_text_alone(ckpt.model)
 
 
 # -- served: sessions over HTTP, export/import, Redis ---------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load as safetensors_load
 
-from models.adaptation import DynEvalConfig, Row, TextJob, UpdateRule, batch_step, evaluate, evaluate_many
+from models.adaptation import DynEvalConfig, Row, TextJob, UpdateRule, batch_step, evaluate
 from models.base import Adapter, Output, State
 from models.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from models.keysim import ModelSuggester
@@ -30,7 +30,13 @@ from models.sampling import SamplingParams, generate
 from models.scoring import BOS, score_bytes
 from models.suggest import advance, is_word_char, suggest
 from models.tokenizer import ByteTokenizer
-from tests._families import assert_states_close, create_session, observe_text, served
+from tests._families import (
+    assert_evaluate_many_equals_each_text_alone,
+    assert_states_close,
+    create_session,
+    observe_text,
+    served,
+)
 from tests._training import repetitive, sparse_bits_on_repeats, train_on_test_data
 from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
 from trainer.config import make_config
@@ -298,16 +304,7 @@ def test_sparse_dynamic_evaluation_lowers_the_bits_of_a_repetitive_text(ckpt: Ch
 
 
 def test_evaluate_many_equals_each_text_alone(ckpt: Checkpoint) -> None:
-    texts = [repetitive(57, seed=1), TEXT.encode(), repetitive(13, seed=2), b"x", repetitive(90, seed=3)]
-    cfg = DynEvalConfig(mode="sparse", rule="sgd", lr=0.3, segment=10, adapter_units=20)
-    batched = evaluate_many(ckpt.model, texts, cfg, max_streams=3)
-    for text, res in zip(texts, batched, strict=True):
-        alone = evaluate(ckpt.model, text, cfg)
-        assert res.bytes == len(text)
-        np.testing.assert_allclose(res.logprobs, alone.logprobs, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(res.adapted["resid"], alone.adapted["resid"], rtol=1e-4, atol=1e-6)
-        assert res.state is not None and alone.state is not None
-        assert_states_close(res.state, alone.state, rtol=1e-4, atol=1e-5)
+    assert_evaluate_many_equals_each_text_alone(ckpt.model)
 
 
 def _job(model: ToyTransformer, text: bytes, k: int, lr: float) -> TextJob:
