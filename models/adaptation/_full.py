@@ -8,7 +8,6 @@ and the keyboard simulator (`models.keysim`) both step a `FullStream`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -17,12 +16,11 @@ from models.adaptation._cache import NeuralCache
 from models.adaptation._config import DynEvalConfig
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import finite_rows
-from models.adaptation._step import DIVERGED_BITS
-from models.base import LanguageModel, State
+from models.adaptation._step import usable_rows
+from models.base import LanguageModel, Output, State
 
 __all__ = ["FullStream", "adapted_parameter_names"]
 
-LN2 = math.log(2.0)
 
 
 def adapted_parameter_names(model: LanguageModel, config: DynEvalConfig) -> list[str]:
@@ -78,14 +76,17 @@ class FullStream:
 
     def reset(self) -> None:
         """Back to the unadapted weights and the initial state: a fresh stream, without copying the model again."""
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(self.theta_g[n])
+        self._restore_weights()
         self.state = self.model.init_state(1)
         self.cache = NeuralCache(self._cache_config) if self._cache_config else None
         self.skipped = 0
         self.updates = 0
         self.resets = 0
+
+    def _restore_weights(self) -> None:
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.theta_g[n])
 
     @property
     def params_adapted(self) -> int:
@@ -98,20 +99,19 @@ class FullStream:
     def adapted(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
+    def _score(self, x: torch.Tensor, y: torch.Tensor) -> tuple[Output, torch.Tensor, torch.Tensor]:
+        out = self.model(x, self.state)
+        log_dist = self.model.log_probs(out)  # (1, t, V)
+        return out, log_dist, log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (1, t)
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x, y: (1, t) inputs and targets -> log p(y) (t,) scored before this segment's update."""
         with torch.inference_mode(False), torch.enable_grad():
-            out = self.model(x, self.state)
-            log_dist = self.model.log_probs(out)  # (1, t, V)
-            lp = log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (1, t)
-            if self.updates and not bool(torch.isfinite(lp).all() and -lp.mean() / LN2 <= DIVERGED_BITS):
-                with torch.no_grad():  # diverged: back to the unadapted weights, and score the segment under them
-                    for n, p in self.params.items():
-                        p.copy_(self.theta_g[n])
+            out, log_dist, lp = self._score(x, y)
+            if self.updates and not bool(usable_rows(lp, lp.new_tensor([lp.shape[1]]))[0]):
+                self._restore_weights()  # diverged: back to the unadapted weights, and score the segment under them
                 self.resets += 1
-                out = self.model(x, self.state)
-                log_dist = self.model.log_probs(out)
-                lp = log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+                out, log_dist, lp = self._score(x, y)
             # a weight the segment's loss does not reach (a compressor trained by its own loss only) gets zero
             found = torch.autograd.grad(-lp.mean(), list(self.params.values()), allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for g, p in zip(found, self.params.values(), strict=True)]

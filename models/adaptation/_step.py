@@ -31,7 +31,7 @@ from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import score_step, sparse_step
 from models.base import Adapter, LanguageModel, State
 
-__all__ = ["DIVERGED_BITS", "STATIC_SEGMENT", "Row", "RuleCache", "TextJob", "batch_step"]
+__all__ = ["DIVERGED_BITS", "STATIC_SEGMENT", "Row", "RuleCache", "TextJob", "batch_step", "usable_rows"]
 
 STATIC_SEGMENT = 1024  # rows that only score take no steps: long segments, fewer calls
 DIVERGED_BITS = 64.0  # mean bits per token over a segment beyond which an adapter counts as diverged
@@ -95,6 +95,13 @@ def _to(values: list[int], device: torch.device) -> torch.Tensor:
 def _stacked_adapter(rows: Sequence[Row]) -> Adapter | None:
     return Adapter.stack_padded([Adapter({s: m.unsqueeze(0) for s, m in row.mats.items()})
                                  if row.mats is not None else None for row in rows])
+
+
+def usable_rows(logprobs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: a row's scores are usable, finite and on average no worse than DIVERGED_BITS a token over its
+    `lengths` (B,) scored tokens (logprobs (B, T), zero beyond each row's length). The divergence guard's test."""
+    bits = -logprobs.sum(1) / lengths.clamp(min=1).to(logprobs.dtype) / math.log(2.0)  # (B,) mean bits a token
+    return torch.isfinite(logprobs).all(1) & (bits <= DIVERGED_BITS)
 
 
 def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rules: RuleCache | None = None) -> int:
@@ -161,8 +168,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             new_state[i] = scored.state.select(j)
         keep_dist(keep, scored.log_dist, scored.hidden)
     # the guard's one read back from the device a step: per row, are its scores usable, and was its update refused?
-    bits = -logprobs.sum(1) / length_t.clamp(min=1).to(logprobs.dtype) / math.log(2.0)  # (B,) mean bits a token
-    usable_t = torch.isfinite(logprobs).all(1) & (bits <= DIVERGED_BITS)  # (B,)
+    usable_t = usable_rows(logprobs, length_t)  # (B,)
     usable, failed = torch.stack([usable_t, failed_t]).tolist()
     b = 0
     for job in jobs:
