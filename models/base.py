@@ -121,9 +121,15 @@ def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
 
 @dataclass
 class Adapter:
-    """Per-row adaptation matrices, one per site: `mats[site] : (B, k, k)` acting on the first k units."""
+    """Per-row adaptation matrices, one per site: `mats[site] : (B, k, k)` acting on the first k units.
+
+    `copy`, when given, is what else the rows' sessions learned: their copy models' statistics (models/copymodel.py),
+    one row per session, and `copy_index` (B,) the session of each row (None: all rows read row 0). Only
+    `models.copymodel.CopyMixed` reads them; the matrices' operations below leave them out."""
 
     mats: dict[str, torch.Tensor]
+    copy: State | None = None
+    copy_index: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:

@@ -27,6 +27,7 @@ from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import eval_mode, sparse_rule
 from models.adaptation._step import STATIC_SEGMENT, Row, RuleCache, TextJob, batch_step
 from models.base import LanguageModel, State
+from models.copymodel import CopyModel
 from models.tokenizer import ByteTokenizer
 
 __all__ = ["EvalResult", "adapted_parameter_names", "evaluate", "evaluate_many", "split_documents"]
@@ -73,19 +74,21 @@ def split_documents(text: bytes, separator: bytes | None) -> list[bytes]:
 
 
 def _batched_streams(model: LanguageModel, docs: Sequence[bytes], config: DynEvalConfig,
-                     rule: UpdateRule | None, sites: dict[str, int], tokenizer: ByteTokenizer) -> list[_Stream]:
+                     rule: UpdateRule | None, sites: dict[str, int], tokenizer: ByteTokenizer,
+                     copy: CopyModel | None = None) -> list[_Stream]:
     """Static or sparse evaluation of B streams at once, through `batch_step`; a finished text leaves the batch."""
     ref = next(model.parameters())
     jobs = []
     for doc in docs:
         inputs, targets = tokenizer.stream(doc, None, ref.device)
         mats = {s: torch.zeros(k, k, dtype=ref.dtype, device=ref.device) for s, k in sites.items()} if rule else None
-        row = Row(model.init_state(1), mats, rule, NeuralCache(config.cache) if config.cache else None)
+        row = Row(model.init_state(1), mats, rule, NeuralCache(config.cache) if config.cache else None,
+                  copy.init_state(1, ref.device) if copy is not None else None)
         jobs.append(TextJob(inputs, targets, [row]))
     segment = config.segment if rule is not None else STATIC_SEGMENT
     rules = RuleCache()
     while running := [job for job in jobs if not job.done]:
-        batch_step(model, running, segment, rules)
+        batch_step(model, running, segment, rules, copy)
     out = []
     for job in jobs:
         row = job.rows[0]
@@ -95,8 +98,9 @@ def _batched_streams(model: LanguageModel, docs: Sequence[bytes], config: DynEva
 
 def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalConfig | None = None, *,
                   stats: Mapping[str, torch.Tensor] | None = None, max_streams: int = 64,
-                  tokenizer: ByteTokenizer | None = None) -> list[EvalResult]:
-    """Score each text independently under `config` (static, full or sparse).
+                  tokenizer: ByteTokenizer | None = None, copy: CopyModel | None = None) -> list[EvalResult]:
+    """Score each text independently under `config` (static, full or sparse), with `copy` (a copy model,
+    models/copymodel.py) mixed into every stream's scores when given.
 
     `stats` are a checkpoint's MS_g statistics ("param.<name>", "adapter.<site>"), needed by the RMS rules.
     Sparse and static run up to `max_streams` streams in one batch; full runs one stream at a time.
@@ -122,7 +126,7 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
     with torch.inference_mode(False), eval_mode(model):
         if config.mode == "full":
             streams = []
-            full = FullStream(model, config, stats)  # one private copy of the weights, reset for each text
+            full = FullStream(model, config, stats, copy)  # one private copy of the weights, reset for each text
             for doc in docs:
                 full.reset()
                 inputs, targets = tokenizer.stream(doc, None, ref.device)
@@ -139,7 +143,7 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
                 state_bytes = params_adapted * ref.element_size()
             streams = []
             for g in range(0, len(docs), max_streams):
-                streams += _batched_streams(model, docs[g : g + max_streams], config, rule, sites, tokenizer)
+                streams += _batched_streams(model, docs[g : g + max_streams], config, rule, sites, tokenizer, copy)
     seconds = time.perf_counter() - t0
     results = []
     for i in range(len(texts)):

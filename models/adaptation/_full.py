@@ -18,6 +18,7 @@ from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import finite_rows
 from models.adaptation._step import usable_rows
 from models.base import LanguageModel, Output, State
+from models.copymodel import CopyModel
 
 __all__ = ["FullStream", "adapted_parameter_names"]
 
@@ -58,7 +59,7 @@ class FullStream:
     again under them."""
 
     def __init__(self, model: LanguageModel, config: DynEvalConfig,
-                 stats: Mapping[str, torch.Tensor] | None = None) -> None:
+                 stats: Mapping[str, torch.Tensor] | None = None, copy: CopyModel | None = None) -> None:
         self.names = adapted_parameter_names(model, config)
         self.model = model.trainable_copy()
         params = dict(self.model.named_parameters())
@@ -72,6 +73,7 @@ class FullStream:
                     if f"param.{n}" in stats}
         self.rule = UpdateRule(config, self.names, ms_g)
         self._cache_config = config.cache
+        self.copy_model = copy  # mixed into the scores (models/copymodel.py); the weights learn from their own
         self.reset()
 
     def reset(self) -> None:
@@ -79,6 +81,7 @@ class FullStream:
         self._restore_weights()
         self.state = self.model.init_state(1)
         self.cache = NeuralCache(self._cache_config) if self._cache_config else None
+        self.copy = self.copy_model.init_state(1, next(self.model.parameters()).device) if self.copy_model else None
         self.skipped = 0
         self.updates = 0
         self.resets = 0
@@ -118,6 +121,9 @@ class FullStream:
         if self.cache is not None:
             assert out.hidden is not None, "the neural cache needs Output.hidden"
             lp = self.cache.mix(log_dist.detach(), out.hidden, y).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        elif self.copy_model is not None and self.copy is not None:
+            mixed, self.copy = self.copy_model.mix(log_dist.detach(), x, self.copy)
+            lp = mixed.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         old = {n: p.detach() for n, p in self.params.items()}
         new = self.rule.step(old, dict(zip(self.params, grads, strict=True)), self.theta_g)
         state: State = out.state.detach()

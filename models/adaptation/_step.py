@@ -30,6 +30,7 @@ from models.adaptation._cache import NeuralCache
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import score_step, sparse_step
 from models.base import Adapter, LanguageModel, State
+from models.copymodel import CopyModel
 
 __all__ = ["DIVERGED_BITS", "STATIC_SEGMENT", "Row", "RuleCache", "TextJob", "batch_step", "usable_rows"]
 
@@ -45,6 +46,7 @@ class Row:
     mats: dict[str, torch.Tensor] | None = None  # site -> (k, k)
     rule: UpdateRule | None = None
     cache: NeuralCache | None = None  # the neural cache (ALGORITHMS.md §4) mixed into this row's scores
+    copy: State | None = None  # batch 1: the row's copy model (models/copymodel.py), mixed into its scores; learns
     logprobs: list[torch.Tensor] = field(default_factory=list)  # (t,) per segment, natural log
     updates: int = 0
     dropped: int = 0  # updates the non-finite guard refused
@@ -104,8 +106,11 @@ def usable_rows(logprobs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logprobs).all(1) & (bits <= DIVERGED_BITS)
 
 
-def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rules: RuleCache | None = None) -> int:
-    """Advance every job by one segment (`segment` tokens) in one batched call; -> rows in the batch."""
+def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rules: RuleCache | None = None,
+               copy: CopyModel | None = None) -> int:
+    """Advance every job by one segment (`segment` tokens) in one batched call; -> rows in the batch. Rows with a
+    `copy` state score under the network mixed with `copy` (all such rows in one call), which learns the segment;
+    the adapters learn from the network's own scores, so that without a copy model a row is exactly as before."""
     rows = [row for job in jobs for row in job.rows]
     spans = [min(segment, job.targets.numel() - job.pos) for job in jobs]  # this step's tokens of each job
     lengths = [t for job, t in zip(jobs, spans, strict=True) for _ in job.rows]
@@ -134,11 +139,17 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     failed_t = torch.zeros(len(rows), dtype=torch.bool, device=ref.device)  # (B,) updates the guard refused
     cached: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # batch row -> (log_dist, hidden) (1, n, .)
 
+    if any(row.copy is not None for row in rows) and copy is None:
+        raise ValueError("rows with a copy-model state need the copy model")
+
     def keep_dist(index: list[int], log_dist: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
         for j, i in enumerate(index):
             if rows[i].cache is not None:
                 assert log_dist is not None and hidden is not None, "the neural cache needs Output.hidden"
                 cached[i] = (log_dist[j : j + 1], hidden[j : j + 1])
+            elif rows[i].copy is not None:
+                assert log_dist is not None
+                cached[i] = (log_dist[j : j + 1], None)
 
     if learn:
         part = [rows[i] for i in learn]
@@ -160,7 +171,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     if keep:
         part = [rows[i] for i in keep]
         index = _to(keep, ref.device)
-        with_dist = any(row.cache is not None for row in part)
+        with_dist = any(row.cache is not None or row.copy is not None for row in part)
         scored = score_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]),
                             _stacked_adapter(part), keep_dist=with_dist, row_lengths=[lengths[i] for i in keep])
         logprobs[index] = scored.logprobs.to(logprobs.dtype)
@@ -170,6 +181,17 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     # the guard's one read back from the device a step: per row, are its scores usable, and was its update refused?
     usable_t = usable_rows(logprobs, length_t)  # (B,)
     usable, failed = torch.stack([usable_t, failed_t]).tolist()
+    # the copy-model rows, mixed in one call (their new states are kept only where the segment stands, below)
+    copied = [i for i, row in enumerate(rows) if row.copy is not None]
+    mixed_copy: dict[int, tuple[torch.Tensor, State]] = {}
+    if copied:
+        assert copy is not None
+        index = _to(copied, ref.device)
+        log_net = torch.cat([cached[i][0] for i in copied])  # (b, n, V)
+        mixed, after = copy.mix(log_net, x[index], State.stack([c for i in copied if (c := rows[i].copy) is not None]),
+                                mask[index])
+        picked = mixed.gather(-1, y[index].unsqueeze(-1)).squeeze(-1)  # (b, n)
+        mixed_copy = {i: (picked[j], after.select(j)) for j, i in enumerate(copied)}
     b = 0
     for job in jobs:
         mine = range(b, b + len(job.rows))
@@ -192,6 +214,9 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
                 assert hid is not None
                 mixed = row.cache.mix(log_dist[:, :t], hid, yi)  # (1, t, V)
                 lp = mixed.gather(-1, yi.unsqueeze(-1))[0, :, 0].to(logprobs.dtype)
+            elif row.copy is not None:
+                lp = mixed_copy[i][0][:t].to(logprobs.dtype)
+                row.copy = mixed_copy[i][1]
             row.logprobs.append(lp)
             row.state = new_state[i]
             if row.rule is not None and row.mats is not None:

@@ -1,0 +1,338 @@
+"""A per-session copy model mixed with the network: learns an exact repeat after one sighting (issue 15).
+
+Gradient steps on weights learn a new style slowly; a context model learns a header, a signature or an
+identifier the first time it repeats. The best compressors (PPM's order-k statistics, PAQ's match model and its
+context mixing) and predictive keyboards combine both; this module gives every session both.
+
+History: the last `window` bytes the stream has read, the newest last (older bytes are forgotten, oldest first: the
+memory per stream is fixed, 2 x window bytes plus the mixer). For each byte j of the history, `match[j]` is how
+many bytes before j agree with the bytes just read (capped below 256); reading x updates it for every j at once
+(the recurrence of a suffix match, vectorised over the history and the batch):
+
+    match'[j] = [hist[j - 1] == x] * (1 + match[j - 1])
+
+Predictions of the next byte, from the history as it is before that byte:
+- counts of order k = 0..K: n_k[b] = #{j : match[j] >= k, hist[j] = b}, what followed the last k bytes each time
+  they occurred (order 0: the history's byte counts): PPM's statistics without its escapes, exact;
+- the match model: the byte after the most recent of the longest matches, l = max_j match[j] bytes long.
+
+Mixer (log-linear, a product of experts; PAQ mixes bit predictions in the logistic domain, this is the same at the
+level of bytes), one weight vector per bucket c(l) of the match length, learned online from the stream's own text:
+
+    f = [log p_net, log(n_0 + a), log(n_1 + a), ..., log(n_K + a), onehot(match prediction)]     (F, V)
+    log p_mix = log_softmax(w[c(l)] . f)
+    after the byte y is read:   w[c] <- w[c] - lr (E_{p_mix}[f] - f[y])        (the gradient of -log p_mix(y))
+
+A count feature without any occurrence is log(a) for every byte, a constant the softmax ignores: an unseen context
+leaves the network alone. w = (1, 0, ..., 0) is p_mix = p_net; sessions start from the checkpoint's prior
+(dyneval.json "copy" "weights", learned on held-out personal text by `python -m bench.copy_defaults`).
+
+Score, then update: the prediction at position t reads only the inputs up to t; the history and the mixer learn a
+byte when it arrives as the next input, so a call's last prediction waits in the state (`feat`, `bucket`) for the
+next call's first input, and outputs depend only on the stream, not on how calls cut it.
+
+Two paths. `mix` (observing and scoring a session's text) learns: history, counts and mixer weights change with
+every byte. `CopyMixed` (sampling, the keyboard's word search) reads a session's history and mixer without changing
+them (`Adapter.copy`: the search's branches share one session's, as they share its adapter M): a hypothetical
+continuation moves only its own `match` array.
+
+Layout (batch B, window W, V = 256, F = K + 3 features, NB buckets): `hist` (B, W) uint8, `match` (B, W) uint8,
+`fill` (B,) int64 bytes held, `uni` (B, V) float32 order-0 counts, `weights` (B, NB, F) float32, `feat` (B, F, V)
+float32 the pending prediction's features, `bucket` (B,) int64 its weight set (-1: nothing pending). Work per byte
+and row: a few passes over the W bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from models.base import Adapter, LanguageModel, Output, Site, State
+
+__all__ = ["BUCKET_EDGES", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "merge_state", "split_state"]
+
+# match-length buckets: the mixer's weight set for a match of l bytes is the last edge <= l (0: no match)
+BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+PREFIX = "copy."  # names of the copy model's tensors in a merged state
+STATS = ("hist", "fill", "uni", "weights")  # what the frozen path reads of a session (Adapter.copy)
+_CAP = 200  # match lengths are clamped to this every _CLAMP_EVERY bytes, so a uint8 never wraps
+_CLAMP_EVERY = 50
+_UNI_LIMIT = float(1 << 20)  # order-0 counts are halved past this total
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """The copy model's settings (dyneval.json "copy"); `weights` the mixer's prior (NB x F nested lists)."""
+
+    window: int = 16384  # bytes of history
+    orders: int = 6  # K
+    alpha: float = 0.0625  # a: count smoothing inside the log
+    lr: float = 0.02  # the mixer's step
+    weights: tuple[tuple[float, ...], ...] | None = None  # None: (1, 0, ..., 0) in every bucket
+
+    def __post_init__(self) -> None:
+        for name, (lo, hi) in {"window": (64, 1 << 22), "orders": (1, 64)}.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"copy {name} must be a whole number in [{lo}, {hi}], not {value!r}")
+        for name in ("alpha", "lr"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or value < 0 or (name == "alpha" and value == 0):
+                raise ValueError(f"copy {name} must be a finite number {'> 0' if name == 'alpha' else '>= 0'}, "
+                                 f"not {value!r}")
+        if self.weights is not None:
+            rows, shape = self.weights, (len(BUCKET_EDGES), self.features)
+            numbers = [v for r in rows for v in r]
+            if len(rows) != shape[0] or any(len(r) != shape[1] for r in rows) or not all(
+                    isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
+                raise ValueError(f"copy weights must be {shape[0]} x {shape[1]} finite numbers")
+
+    @property
+    def features(self) -> int:
+        return self.orders + 3
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CopyConfig:
+        """From dyneval.json's "copy" section; keys that name no setting (notes, provenance) are ignored."""
+        if not isinstance(data, dict):
+            raise ValueError("the copy section must be an object")
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if isinstance(known.get("weights"), list):
+            try:
+                known["weights"] = tuple(tuple(r) for r in known["weights"])
+            except TypeError:
+                raise ValueError("copy weights must be a list of lists of numbers") from None
+        for key in ("window", "orders"):
+            if isinstance(known.get(key), float) and known[key].is_integer():
+                known[key] = int(known[key])
+        return cls(**known)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"window": self.window, "orders": self.orders, "alpha": self.alpha, "lr": self.lr}
+        if self.weights is not None:
+            out["weights"] = [list(r) for r in self.weights]
+        return out
+
+
+def split_state(state: State) -> tuple[State, State | None]:
+    """A merged state -> (the network's part, the copy model's part or None)."""
+    net = {k: v for k, v in state.tensors.items() if not k.startswith(PREFIX)}
+    copy = {k[len(PREFIX):]: v for k, v in state.tensors.items() if k.startswith(PREFIX)}
+    return State(net), State(copy) if copy else None
+
+
+def merge_state(net: State, copy: State | None) -> State:
+    """The network's state and the copy model's in one (its tensors prefixed `copy.`)."""
+    if copy is None:
+        return net
+    return State({**net.tensors, **{PREFIX + k: v for k, v in copy.tensors.items()}})
+
+
+class CopyModel:
+    """The copy model and mixer of one configuration (module docstring); per-stream state in a `State`."""
+
+    def __init__(self, config: CopyConfig, vocab_size: int = 256) -> None:
+        if vocab_size > 256:
+            raise ValueError("the copy model reads bytes: a vocabulary of at most 256 tokens")
+        self.config = config
+        self.vocab = vocab_size
+        lut = torch.zeros(256, dtype=torch.long)
+        for i, edge in enumerate(BUCKET_EDGES):
+            lut[edge:] = i
+        self._bucket_of = lut  # match length -> weight set
+        if config.weights is not None:
+            self._prior = torch.tensor(config.weights, dtype=torch.float32)  # (NB, F)
+        else:
+            self._prior = torch.zeros(len(BUCKET_EDGES), config.features)
+            self._prior[:, 0] = 1.0
+
+    def init_state(self, batch: int, device: torch.device | str = "cpu") -> State:
+        c = self.config
+        W, V, Fn, NB = c.window, self.vocab, c.features, len(BUCKET_EDGES)
+        return State({
+            "hist": torch.zeros(batch, W, dtype=torch.uint8, device=device),
+            "match": torch.zeros(batch, W, dtype=torch.uint8, device=device),
+            "fill": torch.zeros(batch, dtype=torch.long, device=device),
+            "uni": torch.zeros(batch, V, device=device),
+            "weights": self._prior.to(device).expand(batch, NB, Fn).clone(),
+            "feat": torch.zeros(batch, Fn, V, device=device),
+            "bucket": torch.full((batch,), -1, dtype=torch.long, device=device),
+        })
+
+    def check_state(self, state: State) -> None:
+        """ValueError unless `state` has this model's layout and values it could have made (an import is user
+        input: an index out of range would fail later, inside a batch of other sessions)."""
+        ref = self.init_state(1)
+        if set(state.tensors) != set(ref.tensors):
+            raise ValueError(f"copy-model state tensors {sorted(state.tensors)}, expected {sorted(ref.tensors)}")
+        for name, want in ref.tensors.items():
+            got = state.tensors[name]
+            if got.dtype != want.dtype or tuple(got.shape[1:]) != tuple(want.shape[1:]):
+                raise ValueError(f"copy-model state {name!r}: {got.dtype} {tuple(got.shape)}, expected {want.dtype} "
+                                 f"(B, {', '.join(map(str, want.shape[1:]))})")
+        t = state.tensors
+        if not all(bool(torch.isfinite(t[k]).all()) for k in ("uni", "weights", "feat")):
+            raise ValueError("copy-model state is not finite")
+        if bool((t["fill"] < 0).any() | (t["fill"] > self.config.window).any() | (t["uni"] < 0).any()
+                | (t["match"] > _CAP + _CLAMP_EVERY).any()
+                | (t["bucket"] < -1).any() | (t["bucket"] >= len(BUCKET_EDGES)).any()):
+            raise ValueError("copy-model state out of range")
+
+    # -- the two paths ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def mix(self, log_net: torch.Tensor, inputs: torch.Tensor, state: State,
+            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        """Score and learn. log_net (B, T, V) the network's log-probabilities after each input, inputs (B, T), mask
+        (B, T) True on a prefix of each row -> (log p_mix (B, T, V) float32, the state after each row's last real
+        input). Padding positions get log_net and change nothing."""
+        T = log_net.shape[1]
+        out = log_net.float().clone()  # (B, T, V)
+        if mask is None or bool(mask.all()):
+            groups = [(None, T)]
+        else:  # right-padded rows: the rows of each length run together (usually one length)
+            lengths = mask.sum(1)
+            groups = [((lengths == n).nonzero().squeeze(1), int(n)) for n in lengths.unique().tolist() if n > 0]
+        s = dict(state.tensors)
+        for rows, n in groups:
+            part = s if rows is None else {k: v[rows] for k, v in s.items()}
+            mixed, part = self._learn(part, inputs[:, :n] if rows is None else inputs[rows, :n],
+                                      out[:, :n] if rows is None else out[rows, :n])
+            if rows is None:
+                out[:, :n], s = mixed, part
+            else:
+                out[rows, :n] = mixed
+                s = {k: v.index_copy(0, rows, part[k]) for k, v in s.items()}
+        return out, State(s)
+
+    def _learn(self, s: dict[str, torch.Tensor], inputs: torch.Tensor,
+               lp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`mix` over rows of one length: inputs (B, T), lp (B, T, V)."""
+        c = self.config
+        B, T = inputs.shape
+        W = c.window
+        rows = torch.arange(B, device=inputs.device)
+        x8 = inputs.to(torch.uint8)  # (B, T)
+        ext = torch.cat([s["hist"], x8], 1)  # (B, W + T): the history of step t is ext[:, t + 1 : t + 1 + W]
+        match, fill, uni, weights = s["match"], s["fill"], s["uni"].clone(), s["weights"].clone()
+        feat, bucket = s["feat"], s["bucket"]
+        out = torch.empty_like(lp)
+        slots = torch.arange(W, device=inputs.device)
+        for t in range(T):
+            x = inputs[:, t]
+            # 1. the mixer learns from its pending prediction, whose target x now is
+            pending = bucket >= 0  # (B,)
+            if bool(pending.any()):
+                b = bucket.clamp(min=0)
+                w = weights[rows, b]  # (B, F)
+                p = torch.softmax(torch.einsum("bf,bfv->bv", w, feat), -1)  # (B, V)
+                grad = torch.einsum("bfv,bv->bf", feat, p) - feat[rows, :, x]  # (B, F) E_p[f] - f[y]
+                weights[rows, b] = w - c.lr * grad * pending.unsqueeze(1).to(grad.dtype)
+            # 2. x joins the history: old slot j is the byte before new slot j (module docstring's recurrence)
+            old = ext[:, t : t + W]  # (B, W)
+            eq = old == x8[:, t : t + 1]  # (B, W)
+            if bool((fill < W).any()) and bool((x == 0).any()):  # empty slots hold 0: only a NUL byte could match
+                eq &= slots.unsqueeze(0) >= (W - fill).unsqueeze(1)
+            if t % _CLAMP_EVERY == 0:
+                match = match.clamp(max=_CAP)
+            match = (match + 1) * eq  # (B, W) uint8
+            full = (fill >= W).to(uni.dtype)  # (B,) the oldest byte leaves
+            uni[rows, old[:, 0].long()] -= full
+            uni[rows, x] += 1
+            fill = (fill + 1).clamp(max=W)
+            # 3. predict the next byte
+            feat, bucket = self._features(ext[:, t + 1 : t + 1 + W], match, uni, lp[:, t])
+            out[:, t] = self._mixture(weights[rows, bucket], feat)
+        if bool((uni.sum(1) > _UNI_LIMIT).any()):
+            uni = torch.where(uni.sum(1, keepdim=True) > _UNI_LIMIT, uni / 2, uni)
+        return out, {"hist": ext[:, T:].contiguous(), "match": match, "fill": fill, "uni": uni, "weights": weights,
+                     "feat": feat, "bucket": bucket}
+
+    @torch.no_grad()
+    def mix_frozen(self, log_net: torch.Tensor, inputs: torch.Tensor, match: torch.Tensor, stats: State,
+                   index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score without learning: row b reads the history and mixer of `stats` row index[b] (rows share a
+        session's) and moves only its own `match` (B, W). log_net (B, T, V), inputs (B, T) -> (log p_mix (B, T, V)
+        float32, match after the inputs). The history does not take the inputs, so a match's candidates stay the
+        session's bytes: match'[j] = [hist[j - 1] == x] (1 + match[j - 1])."""
+        out = log_net.float().clone()  # (B, T, V)
+        st = stats.tensors
+        hist = st["hist"] if bool((index == torch.arange(index.numel(), device=index.device)).all()) \
+            and st["hist"].shape[0] == index.numel() else st["hist"][index]  # (B, W)
+        uni, weights = st["uni"][index], st["weights"][index]
+        x8 = inputs.to(torch.uint8)
+        rows = torch.arange(inputs.shape[0], device=inputs.device)
+        for t in range(inputs.shape[1]):
+            step = (match.clamp(max=_CAP) + 1) * (hist == x8[:, t : t + 1])  # (B, W) for the successor slots
+            match = torch.cat([torch.zeros_like(step[:, :1]), step[:, :-1]], 1)
+            feat, bucket = self._features(hist, match, uni, out[:, t])
+            out[:, t] = self._mixture(weights[rows, bucket], feat)
+        return out, match
+
+    def _features(self, hist: torch.Tensor, match: torch.Tensor, uni: torch.Tensor,
+                  lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hist, match (B, W), uni (B, V), the network's lp (B, V) -> (features (B, F, V), bucket (B,))."""
+        c = self.config
+        B, W = hist.shape
+        K, V = c.orders, self.vocab
+        r, j = match.nonzero(as_tuple=True)  # (n,) slots that follow an occurrence of the last byte
+        length = match[r, j].long()  # (n,)
+        counts = torch.zeros(B, K + 1, V, dtype=lp.dtype, device=hist.device)  # (B, K+1, V) by order, capped at K
+        counts.index_put_((r, length.clamp(max=K), hist[r, j].long()), torch.ones_like(length, dtype=lp.dtype),
+                          accumulate=True)
+        n = counts.flip(1).cumsum(1).flip(1)[:, 1:]  # (B, K, V) n_k = occurrences of order >= k
+        best = torch.full((B,), -1, dtype=torch.long, device=hist.device)
+        best = best.scatter_reduce(0, r, length * W + j, "amax")  # (B,) the longest match, the most recent of them
+        ell = torch.where(best >= 0, best // W, 0)  # (B,)
+        pred = hist[torch.arange(B, device=hist.device), (best % W).clamp(min=0)].long()  # (B,)
+        onehot = F.one_hot(pred, V).to(lp.dtype) * (ell > 0).unsqueeze(1).to(lp.dtype)  # (B, V)
+        a = c.alpha
+        feat = torch.cat([lp.unsqueeze(1), torch.log(uni + a).unsqueeze(1), torch.log(n + a),
+                          onehot.unsqueeze(1)], 1)  # (B, F, V)
+        return feat, self._bucket_of.to(hist.device)[ell.clamp(max=255)]
+
+    @staticmethod
+    def _mixture(w: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """w (B, F), feat (B, F, V) -> log p_mix (B, V)."""
+        return torch.log_softmax(torch.einsum("bf,bfv->bv", w, feat), -1)
+
+
+class CopyMixed(LanguageModel):
+    """The network with a session's copy model mixed in, for sampling and the keyboard's word search: it reads the
+    sessions' statistics (`Adapter.copy`, one row per session; `Adapter.copy_index` the session of each row) and
+    never changes them; each row's state carries its own `copy.match` besides the network's."""
+
+    def __init__(self, base: LanguageModel, copy: CopyModel) -> None:
+        super().__init__()
+        self.base = base
+        self.copy = copy
+        self.config = base.config
+        self.frozen = base.frozen
+
+    def init_state(self, batch: int) -> State:
+        ref = next(self.base.parameters())
+        match = torch.zeros(batch, self.copy.config.window, dtype=torch.uint8, device=ref.device)
+        return merge_state(self.base.init_state(batch), State({"match": match}))
+
+    def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
+        net_state, copy_state = split_state(state)
+        out = self.base(tokens, net_state, adapter)
+        if copy_state is None or adapter is None or adapter.copy is None:  # no copy model: the network alone
+            return out
+        B = tokens.shape[0]
+        index = adapter.copy_index if adapter.copy_index is not None else torch.zeros(
+            B, dtype=torch.long, device=tokens.device)
+        mixed, match = self.copy.mix_frozen(self.base.log_probs(out), tokens, copy_state.tensors["match"],
+                                            adapter.copy, index)
+        return Output(logits=mixed, state=merge_state(out.state, State({"match": match})), hidden=out.hidden)
+
+    def adaptation_sites(self) -> list[Site]:
+        return self.base.adaptation_sites()
+
+    def log_probs(self, output: Output) -> torch.Tensor:
+        return torch.log_softmax(output.logits.float(), -1)  # the network's logits, or log p_mix unchanged
