@@ -1,39 +1,66 @@
-"""A session's word cache for keyboard suggestions (ALGORITHMS.md §9 and §4): counts of the words, and of the
-pairs of consecutive words, that the session has observed, mixed into the model's word completions.
+"""A session's word cache for keyboard suggestions (ALGORITHMS.md §9 and §4): counts of the words, pairs and
+triples of consecutive words that the session has observed, and its last words in order, mixed into the model's
+word completions.
 
 Sparse adaptation learns a user's repeated words (names, jargon, headers) slowly, a few gradient steps at a time;
 a predictive-text engine with online learning (Presage's user n-gram and recency predictors) suggests a word it
-has seen once. The cache does that here, as the neural cache (§4) does for bytes, at the level of words:
+has seen once. The cache does that here, as the neural cache (§4) does for bytes, at the level of words, and
+trusts itself as far as the session's evidence for the context goes:
 
-    p(w | context, prefix) = (1 - lam) p_model(w | context) + lam p_cache(w | previous word, prefix)
+    p(w) = (1 - weight conf) p_model(w | context) + weight s(w)
 
-- p_model is the model's probability that the typed word continues as w and then ends (`models.suggest`); a
-  word the model's search did not return counts 0 there (its model probability is below the k-th completion's);
-- p_cache(w | prev, prefix) = (c(prev, w) + beta p_uni(w | prefix)) / (c(prev, .) + beta), over the cached words
-  that extend `prefix` (by at least one character and at most `max_chars`), where c(prev, .) sums the pair
-  counts of those words and p_uni(w | prefix) = c(w) / (sum of c over those words): the previous word's
-  continuations first, backed off to the words' own frequencies (an interpolated bigram, beta = 1);
-- lam = `weight` when some cached word extends the prefix, else 0 (the model alone).
+(`weight` the session's `cache_weight`, the most the cache can weigh) over the cached words w that extend the
+typed `prefix` (by at least one character and at most `max_chars`) and the model's completions
+(`models.suggest`: the probability that the typed word continues as w and then ends; a word the model's search
+did not return counts 0 there). With u v the two words before the typed one (each only if only spaces follow
+it; punctuation or a line break starts afresh), each order n has a context (n = 3: u v, n = 2: v, n = 1: none),
+counts c_n(w) of w after it (triples, pairs; words for n = 1), C_n their sum over the words that extend the
+prefix and T_n how many of those have c_n(w) > 0. Witten-Bell smoothing (Witten & Bell 1991, in the
+interpolated form of Chen & Goodman 1999, with beta scaling T_n) gives each order its evidence, the chance that
+the next word is one the context was followed by before, and interpolates the orders trigram first:
 
-Words are split as `models.suggest` splits them (runs of letters, marks, numbers and apostrophes); a pair is two
-words with only spaces between them (punctuation or a line break starts afresh). A word cut by the end of an
-observed text is held until the next text says whether it goes on. The cache is bounded: past `max_words`
-words (or pairs), the least frequent half is dropped. It is plain data (counts), serialised as JSON with the
-session (`to_dict` / `from_dict`).
+    m_n = C_n / (C_n + beta T_n)  (0 when C_n = 0),     q_n(w) = c_n(w) / C_n
+    s(w) = m_3 q_3(w) + (1 - m_3) [m_2 q_2(w) + (1 - m_2) gamma m_1 q_1(w)]
+    conf = m_3 + (1 - m_3) [m_2 + (1 - m_2) gamma m_1]  (= the sum of s)
+
+- where Witten-Bell backs off to unseen words, the rest (1 - weight conf) goes to the model;
+- gamma (0.25) discounts the unigram level: that a word is frequent in the session says little about what
+  follows an unseen context, and the model knows better. So the cache weighs close to `weight` after a pair or
+  triple seen several times (m -> 1), a little over half of it after one seen once (m = 1/2), and under
+  gamma `weight` when only the words' own frequencies support the candidates;
+- q_1 also promotes recent words (Presage's recency predictor, an exponential decay):
+  q_1(w) = (1 - rho) c(w) / C_1 + rho p_rec(w), p_rec(w) proportional to the sum over w's places among the last
+  `max_recent` observed words of exp(-d / tau), d the words observed since (0 for the last); rho = 0.5,
+  tau = 32 words, beta = 1. Where no recent word extends the prefix, q_1 is the frequencies alone.
+
+`candidates` gives p_cache(w) = s(w) / conf and `estimate` also conf; `mix` mixes p_cache at lam = weight conf
+(`mix_completions`), which is the equation above.
+
+Words are split as `models.suggest` splits them (runs of letters, marks, numbers and apostrophes); a pair (a
+triple) is two (three) words with only spaces between them. A word cut by the end of an observed text is held
+until the next text says whether it goes on. The cache is bounded: past `max_words` words (or pairs, or
+triples), the least frequent half of that table is dropped; the recent words are the last `max_recent`. It is
+plain data, serialised as JSON with the session (`to_dict` / `from_dict`, which also reads the older format
+without triples and recent words).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from models.suggest import APOSTROPHES, Completion, is_word_char, split_word
 
-__all__ = ["WordCache", "mix_completions", "previous_word"]
+__all__ = ["WordCache", "mix_completions", "previous_word", "previous_words"]
 
-_PAIR = "\t"  # joins the two words of a pair key (never part of a word)
+_SEP = "\t"  # joins the words of a pair or triple key (never part of a word)
+BETA = 1.0  # Witten-Bell: how much a context's distinct followers count against its evidence
+GAMMA = 0.25  # the unigram level's trust against the model (module docstring)
+RHO = 0.5  # the share of recency in the unigram level
+TAU = 32.0  # the recency decay, in words
 
 
 def _tokens(text: str) -> Iterable[tuple[bool, str]]:
@@ -68,23 +95,43 @@ def _has_utf8(text: str) -> bool:
     return True
 
 
-def previous_word(before: str) -> str | None:
-    """The word just before the word being typed, if only spaces separate them (`before` is the context up to
-    the typed prefix)."""
+def previous_words(before: str) -> tuple[str | None, str | None]:
+    """(u, v): the two words before the word being typed, v the nearer, each only if only spaces separate it from
+    the next (`before` is the context up to the typed prefix); None where there is none."""
     pieces = list(_tokens(before))
-    if len(pieces) >= 2 and pieces[-2][0] and not pieces[-1][0] and set(pieces[-1][1]) <= {" "}:
-        return _clean(pieces[-2][1]) or None
-    return None
+    found: list[str | None] = []
+    end = len(pieces)
+    while len(found) < 2 and end >= 2 and pieces[end - 2][0] and not pieces[end - 1][0] \
+            and set(pieces[end - 1][1]) <= {" "}:
+        word = _clean(pieces[end - 2][1])
+        if not word:
+            break
+        found.append(word)
+        end -= 2
+    found += [None, None]
+    return found[1], found[0]
+
+
+def previous_word(before: str) -> str | None:
+    """The word just before the word being typed, if only spaces separate them (`previous_words`' v)."""
+    return previous_words(before)[1]
 
 
 @dataclass
 class WordCache:
-    max_words: int = 2048
+    max_words: int = 2048  # per table (words, pairs, triples)
     words: dict[str, int] = field(default_factory=dict)
-    pairs: dict[str, int] = field(default_factory=dict)  # "prev\tword" -> count
+    pairs: dict[str, int] = field(default_factory=dict)  # "v\tw" -> count
     last: str | None = None  # the last complete word, if a pair may still start from it
     pending: str = ""  # a word cut by the end of the last text
+    triples: dict[str, int] = field(default_factory=dict)  # "u\tv\tw" -> count
+    before_last: str | None = None  # the word before `last`, if a triple may still start from them
+    recent: list[str] = field(default_factory=list)  # the last max_recent observed words, oldest first
+    max_recent: int = 256
+    # derived, rebuilt after an observe when first needed
     _sorted: list[str] | None = field(default=None, repr=False, compare=False)
+    _after: dict[str, dict[str, int]] | None = field(default=None, repr=False, compare=False)
+    _recency: dict[str, float] | None = field(default=None, repr=False, compare=False)
     _nbytes: int | None = field(default=None, repr=False, compare=False)
 
     def observe(self, text: str) -> None:
@@ -98,30 +145,34 @@ class WordCache:
         for is_word, piece in pieces:
             if not is_word:
                 if set(piece) - {" "}:  # punctuation, a line break: no pair across it
-                    self.last = None
+                    self.last = self.before_last = None
                 continue
             word = _clean(piece)
             if not word:
                 continue
             self.words[word] = self.words.get(word, 0) + 1
             if self.last is not None:
-                key = self.last + _PAIR + word
+                key = self.last + _SEP + word
                 self.pairs[key] = self.pairs.get(key, 0) + 1
-            self.last = word
-        self._sorted = None
-        self._nbytes = None
+                if self.before_last is not None:
+                    key = self.before_last + _SEP + key
+                    self.triples[key] = self.triples.get(key, 0) + 1
+            self.before_last, self.last = self.last, word
+            self.recent.append(word)
+        if len(self.recent) > self.max_recent:
+            del self.recent[: len(self.recent) - self.max_recent]
+        self._sorted = self._after = self._recency = self._nbytes = None
         self._prune()
 
     def _prune(self) -> None:
-        for table in (self.words, self.pairs):
+        for table in (self.words, self.pairs, self.triples):
             if len(table) > self.max_words:
                 keep = sorted(table.items(), key=lambda kv: -kv[1])[: self.max_words // 2]
                 table.clear()
                 table.update(keep)
 
-    def candidates(self, prefix: str, previous: str | None, max_chars: int) -> dict[str, float]:
-        """p_cache(w | previous, prefix) of every cached word that extends `prefix` by 1..max_chars characters
-        (module docstring); empty if there is none."""
+    def _extending(self, prefix: str, max_chars: int) -> list[str]:
+        """The cached words that extend `prefix` by 1..max_chars characters (a bisection of the sorted words)."""
         if self._sorted is None:
             self._sorted = sorted(self.words)
         i = bisect.bisect_left(self._sorted, prefix)
@@ -131,65 +182,128 @@ class WordCache:
             if 0 < len(word) - len(prefix) <= max_chars:
                 found.append(word)
             i += 1
+        return found
+
+    def _followers(self, context: str) -> dict[str, int]:
+        """c(context, w) for the words seen after `context` ("v" or "u\\tv"), indexed once per observe so that a
+        keystroke reads a context's few followers instead of looking up every candidate."""
+        if self._after is None:
+            self._after = {}
+            for table in (self.pairs, self.triples):
+                for key, count in table.items():
+                    ctx, word = key.rsplit(_SEP, 1)
+                    self._after.setdefault(ctx, {})[word] = count
+        return self._after.get(context, {})
+
+    def _recent_weights(self) -> dict[str, float]:
+        """sum over a word's places among the recent words of exp(-d / tau), d = 0 for the last."""
+        if self._recency is None:
+            self._recency = {}
+            n = len(self.recent)
+            for i, word in enumerate(self.recent):
+                self._recency[word] = self._recency.get(word, 0.0) + math.exp(-(n - 1 - i) / TAU)
+        return self._recency
+
+    def estimate(self, prefix: str, previous: str | None, max_chars: int,
+                 earlier: str | None = None) -> tuple[dict[str, float], float]:
+        """(p_cache, conf) after the words `earlier` `previous` for every cached word that extends `prefix` by
+        1..max_chars characters (module docstring); ({}, 0) if there is none."""
+        found = self._extending(prefix, max_chars)
         if not found:
-            return {}
-        total = sum(self.words[w] for w in found)
-        uni = {w: self.words[w] / total for w in found}
-        if previous is None:
-            return uni
-        pair = {w: self.pairs.get(previous + _PAIR + w, 0) for w in found}
-        seen = sum(pair.values())
-        return {w: (pair[w] + uni[w]) / (seen + 1) for w in found}  # beta = 1
+            return {}, 0.0
+        lo, hi = len(prefix), len(prefix) + max_chars
+
+        def extends(word: str) -> bool:
+            return lo < len(word) <= hi and word.startswith(prefix) and word in self.words
+
+        def level(context: str | None) -> tuple[float, dict[str, int], int]:
+            """(m_n, c_n of the candidates that followed `context`, C_n)"""
+            seen = {} if context is None else {w: c for w, c in self._followers(context).items() if extends(w)}
+            total = sum(seen.values())
+            return (total / (total + BETA * len(seen)) if total else 0.0), seen, total
+
+        m2, seen2, total2 = level(previous)
+        m3, seen3, total3 = level(None if previous is None or earlier is None else earlier + _SEP + previous)
+        total1 = sum(self.words[w] for w in found)
+        m1 = total1 / (total1 + BETA * len(found))
+        conf = m3 + (1 - m3) * (m2 + (1 - m2) * GAMMA * m1)
+        uni = (1 - m3) * (1 - m2) * GAMMA * m1 / conf  # the unigram level's share of p_cache
+        recent = {w: r for w, r in self._recent_weights().items() if extends(w)}  # at most max_recent words
+        rho = RHO if recent else 0.0  # no recent word extends the prefix: the frequencies alone
+        a, b = uni * (1 - rho) / total1, uni * rho / (sum(recent.values()) or 1.0)
+        cached = {w: a * self.words[w] + b * recent.get(w, 0.0) for w in found}
+        for share, seen, total in ((1 - m3) * m2 / conf, seen2, total2), (m3 / conf, seen3, total3):
+            for w, c in seen.items():
+                cached[w] += share * c / total
+        return cached, conf
+
+    def candidates(self, prefix: str, previous: str | None, max_chars: int,
+                   earlier: str | None = None) -> dict[str, float]:
+        """p_cache(w | earlier previous, prefix) of every cached word that extends `prefix` by 1..max_chars
+        characters (module docstring); empty if there is none."""
+        return self.estimate(prefix, previous, max_chars, earlier)[0]
 
     def mix(self, completions: list[Completion], context: str, weight: float, k: int,
             max_chars: int) -> list[Completion]:
         """The model's `completions` of the word being typed at the end of `context`, with this cache mixed in at
-        `weight` (module docstring): the k best."""
+        most at `weight` (lam = weight conf, module docstring): the k best."""
         if weight <= 0:
             return completions[:k]
         before, prefix = split_word(context)
-        return mix_completions(completions, self.candidates(prefix, previous_word(before), max_chars), weight, k)
+        earlier, previous = previous_words(before)
+        cached, conf = self.estimate(prefix, previous, max_chars, earlier)
+        return mix_completions(completions, cached, weight * conf, k)
 
     @property
     def nbytes(self) -> int:
-        """A rough size in memory: a dict entry and a short string per word and per pair. Kept until the next
-        observe: the session store asks on every write."""
+        """A rough size in memory: a dict entry and a short string per word, pair and triple, a list entry and a
+        string per recent word. Kept until the next observe: the session store asks on every write."""
         if self._nbytes is None:
-            self._nbytes = sum(100 + len(k) for k in self.words) + sum(100 + len(k) for k in self.pairs)
+            self._nbytes = sum(100 + len(k) for table in (self.words, self.pairs, self.triples) for k in table) \
+                + sum(60 + len(w) for w in self.recent)
         return self._nbytes
 
     def copy(self) -> WordCache:
-        return WordCache(self.max_words, dict(self.words), dict(self.pairs), self.last, self.pending)
+        return WordCache(self.max_words, dict(self.words), dict(self.pairs), self.last, self.pending,
+                         dict(self.triples), self.before_last, list(self.recent), self.max_recent)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"words": self.words, "pairs": self.pairs, "last": self.last, "pending": self.pending}
+        return {"words": self.words, "pairs": self.pairs, "triples": self.triples, "last": self.last,
+                "before_last": self.before_last, "pending": self.pending, "recent": self.recent}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], max_words: int = 2048) -> WordCache:
-        """The inverse of `to_dict`; raises ValueError on anything else, including a word `observe` could not have
-        counted (a session blob is user input: a lone surrogate restored here would fail every suggestion after)."""
+    def from_dict(cls, data: Mapping[str, Any], max_words: int = 2048, max_recent: int = 256) -> WordCache:
+        """The inverse of `to_dict` (a cache saved before triples and recent words existed reads as one without
+        them); raises ValueError on anything else, including a word `observe` could not have counted (a session
+        blob is user input: a lone surrogate restored here would fail every suggestion after)."""
         if not isinstance(data, Mapping):
             raise ValueError("a word cache is an object")
-        words, pairs = data.get("words", {}), data.get("pairs", {})
-        last, pending = data.get("last"), data.get("pending", "")
-        ok = isinstance(words, dict) and isinstance(pairs, dict) and (last is None or _is_word(last)) \
-            and isinstance(pending, str) and _is_piece(pending)
-        for table in (words, pairs) if ok else ():
+        tables = data.get("words", {}), data.get("pairs", {}), data.get("triples", {})
+        last, before_last = data.get("last"), data.get("before_last")
+        pending, recent = data.get("pending", ""), data.get("recent", [])
+        ok = all(isinstance(table, dict) for table in tables) and (last is None or _is_word(last)) \
+            and (before_last is None or (last is not None and _is_word(before_last))) \
+            and isinstance(pending, str) and _is_piece(pending) \
+            and isinstance(recent, list) and all(_is_word(w) for w in recent)
+        for n, table in enumerate(tables, 1) if ok else ():
             ok = ok and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
+                            and len(key := k.split(_SEP)) == n and all(_is_word(w) for w in key)
                             for k, v in table.items())
-        ok = ok and all(_is_word(w) for w in words) and all(
-            len(pair := key.split(_PAIR)) == 2 and all(_is_word(w) for w in pair) for key in pairs)
         if not ok:
             raise ValueError("not a word cache")
-        cache = cls(max_words=max_words, words=dict(words), pairs=dict(pairs), last=last, pending=pending)
+        words, pairs, triples = (dict(table) for table in tables)
+        cache = cls(max_words=max_words, words=words, pairs=pairs, last=last, pending=pending, triples=triples,
+                    before_last=before_last, recent=recent[max(0, len(recent) - max_recent):],
+                    max_recent=max_recent)
         cache._prune()
         return cache
 
 
 def mix_completions(completions: list[Completion], cached: Mapping[str, float], weight: float,
                     k: int) -> list[Completion]:
-    """The k best words under (1 - lam) p_model + lam p_cache (module docstring); `completions` are the model's
-    (whole words, the typed prefix included) and `cached` p_cache of the cached words."""
+    """The k best words under (1 - lam) p_model + lam p_cache with lam = `weight` (`WordCache.mix` passes
+    weight conf, module docstring); `completions` are the model's (whole words, the typed prefix included) and
+    `cached` p_cache of the cached words."""
     if not cached or weight <= 0:
         return completions[:k]
     mixed = {c.text: (1 - weight) * c.prob for c in completions}

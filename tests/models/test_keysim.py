@@ -89,7 +89,7 @@ def test_full_dynamic_evaluation_suggests_from_the_adapted_weights(ckpt) -> None
 
 
 def test_the_word_cache_is_mixed_in_as_a_session_mixes_it(ckpt) -> None:  # type: ignore[no-untyped-def]
-    from models.wordcache import WordCache, mix_completions
+    from models.wordcache import WordCache
 
     plain, cached = ModelSuggester(ckpt.model), ModelSuggester(ckpt.model, cache_weight=0.5)
     for s in (plain, cached):
@@ -99,7 +99,7 @@ def test_the_word_cache_is_mixed_in_as_a_session_mixes_it(ckpt) -> None:  # type
     words.observe(TEXT + "universally universal unique\n")
     cursor = advance(ckpt.model, plain.state, b"\nThe un")
     model = suggest(ckpt.model, cursor, "The un", k=3, n_chars=0).completions
-    expected = mix_completions(model, words.candidates("un", "The", 24), 0.5, 3)
+    expected = words.mix(model, "The un", 0.5, 3, 24)
     assert cached.suggest("The un", 3) == [c.text for c in expected]
     assert "universally" in cached.suggest("The un", 3)  # seen twice: the cache puts it first
     assert plain.suggest("The un", 3) == [c.text for c in model]

@@ -1,5 +1,6 @@
-"""The session word cache: counting words and pairs across observed texts, p_cache by hand, mixing with the
-model's completions, bounds, serialisation."""
+"""The session word cache: counting words, pairs, triples and recent words across observed texts, p_cache and its
+confidence by hand, the orders and recency ranking as the evidence says, mixing with the model's completions
+(the unigram fallback no longer outranks the model), bounds, serialisation (the old format included)."""
 
 from __future__ import annotations
 
@@ -8,44 +9,120 @@ import json
 import pytest
 
 from models.suggest import Completion
-from models.wordcache import WordCache, mix_completions, previous_word
+from models.wordcache import GAMMA, WordCache, mix_completions, previous_word, previous_words
 
 
-def test_counts_words_and_pairs_across_texts() -> None:
+def test_counts_words_pairs_and_triples_across_texts() -> None:
     cache = WordCache()
     cache.observe("the meter at hpl. the met")  # "met" may go on: held
     assert cache.words == {"the": 2, "meter": 1, "at": 1, "hpl": 1}
     assert cache.pairs == {"the\tmeter": 1, "meter\tat": 1, "at\thpl": 1}  # no pair across the full stop
-    assert cache.pending == "met"
+    assert cache.triples == {"the\tmeter\tat": 1, "meter\tat\thpl": 1}
+    assert cache.recent == ["the", "meter", "at", "hpl", "the"] and cache.pending == "met"
     cache.observe("er reads 'ok'\nnew line")
     assert cache.words["meter"] == 2 and cache.words["ok"] == 1 and "met" not in cache.words
     assert cache.pairs["the\tmeter"] == 2 and cache.pairs["meter\treads"] == 1
+    assert cache.triples["the\tmeter\treads"] == 1 and cache.triples["meter\treads\tok"] == 1
     assert "ok\tnew" not in cache.pairs and cache.words["new"] == 1  # no pair across the line break
+    assert not any(key.startswith(("reads\tok\t", "ok\tnew")) for key in cache.triples)
     assert cache.pending == "line" and "line" not in cache.words and "new\tline" not in cache.pairs
     cache.observe(" ends")
     assert cache.words["line"] == 1 and cache.pairs["new\tline"] == 1 and cache.pending == "ends"
+    assert cache.recent[-3:] == ["ok", "new", "line"] and (cache.before_last, cache.last) == ("new", "line")
+    cache.observe(" here, now")
+    assert cache.triples["new\tline\tends"] == 1 and cache.triples["line\tends\there"] == 1
+    assert "ends\there\tnow" not in cache.triples and cache.pairs.get("here\tnow") is None
 
 
-def test_p_cache_by_hand() -> None:
-    cache = WordCache()
+def test_p_cache_and_confidence_by_hand() -> None:
+    cache = WordCache(max_recent=0)  # no recency: the unigram level is the frequencies alone
     cache.observe("hpl meter. hpl meter. hpl method. the metal. ")
-    # words extending "met": meter 2, method 1, metal 1 -> p_uni = 1/2, 1/4, 1/4
-    assert cache.candidates("met", None, 24) == pytest.approx({"meter": 0.5, "method": 0.25, "metal": 0.25})
-    # after "hpl": pairs meter 2, method 1, metal 0 (3 in all): (c + p_uni) / (3 + 1)
-    assert cache.candidates("met", "hpl", 24) == pytest.approx(
-        {"meter": (2 + 0.5) / 4, "method": (1 + 0.25) / 4, "metal": 0.25 / 4})
-    assert sum(cache.candidates("met", "hpl", 24).values()) == pytest.approx(1.0)
-    assert cache.candidates("met", "unknown", 24) == pytest.approx(cache.candidates("met", None, 24))
+    # words extending "met": meter 2, method 1, metal 1 (4 in all, 3 kinds): m1 = 4 / (4 + 3)
+    m1 = 4 / 7
+    p, conf = cache.estimate("met", None, 24)
+    assert p == pytest.approx({"meter": 0.5, "method": 0.25, "metal": 0.25}) and conf == pytest.approx(GAMMA * m1)
+    # after "hpl": pairs meter 2, method 1 (3 in all, 2 kinds): m2 = 3 / 5, q2 = 2/3, 1/3, 0
+    m2 = 3 / 5
+    conf2 = m2 + (1 - m2) * GAMMA * m1
+    s = {"meter": m2 * 2 / 3 + (1 - m2) * GAMMA * m1 * 0.5, "method": m2 / 3 + (1 - m2) * GAMMA * m1 * 0.25,
+         "metal": (1 - m2) * GAMMA * m1 * 0.25}
+    p, conf = cache.estimate("met", "hpl", 24)
+    assert conf == pytest.approx(conf2) and p == pytest.approx({w: v / conf2 for w, v in s.items()})
+    assert sum(p.values()) == pytest.approx(1.0) and cache.candidates("met", "hpl", 24) == p
+    assert cache.estimate("met", "unknown", 24) == cache.estimate("met", None, 24)  # an unseen context: unigram
+    assert cache.estimate("met", "hpl", 24, earlier="x") == cache.estimate("met", "hpl", 24)  # unseen triple
     assert cache.candidates("meter", None, 24) == {}  # a completion adds at least one character
     assert set(cache.candidates("m", None, 4)) == {"meter", "metal"}  # at most max_chars added
-    assert cache.candidates("x", None, 24) == {}
+    assert cache.estimate("x", None, 24) == ({}, 0.0)
+    # a triple: "see hpl" once, followed by metal
+    cache.observe("see hpl metal. ")
+    m1, m2, m3 = 5 / 8, 4 / 7, 1 / 2  # words: meter 2, method 1, metal 2; after hpl: 2, 1, 1; after see hpl: metal 1
+    conf3 = m3 + (1 - m3) * (m2 + (1 - m2) * GAMMA * m1)
+    p, conf = cache.estimate("met", "hpl", 24, earlier="see")
+    assert conf == pytest.approx(conf3)
+    assert p["metal"] == pytest.approx((m3 + (1 - m3) * (m2 / 4 + (1 - m2) * GAMMA * m1 * 2 / 5)) / conf3)
 
 
-def test_previous_word() -> None:
-    assert previous_word("see the hpl ") == "hpl"
-    assert previous_word("see the hpl  ") == "hpl"
-    assert previous_word("see the hpl. ") is None
-    assert previous_word("") is None and previous_word("hpl\n") is None
+def test_trigram_beats_bigram_beats_unigram_when_evidence_says_so() -> None:
+    cache = WordCache()
+    cache.observe("see the report. see the report. send the file. send the file. send the file. ")
+    # words: the 5, file 3, send 3, report 2, see 2; after "the": file 3, report 2; after "see the": report 2
+    def top(previous: str | None, earlier: str | None = None) -> str:
+        p = cache.candidates("", previous, 24, earlier)
+        return max(p, key=lambda w: p[w])
+    assert top(None) == top("unseen") == "the"  # no context seen: the most frequent word
+    assert top("the") == top("the", earlier="unseen") == "file"  # the bigram
+    assert top("the", earlier="see") == "report"  # the trigram
+    tri, bi, uni = (cache.estimate("", "the", 24, "see")[1], cache.estimate("", "the", 24)[1],
+                    cache.estimate("", None, 24)[1])
+    assert 1 > tri > bi > 0.5 > GAMMA >= uni > 0  # more evidence, more weight against the model
+    # a pair seen many times weighs nearly the whole weight; seen once, about half
+    once, many = WordCache(), WordCache()
+    once.observe("the report. ")
+    for _ in range(20):
+        many.observe("the report. ")
+    assert once.estimate("", "the", 24)[1] == pytest.approx(0.5 + 0.5 * GAMMA * 0.5)
+    assert many.estimate("", "the", 24)[1] > 0.95
+
+
+def test_recency_ranks_a_recent_word_above_an_older_one_of_equal_counts() -> None:
+    filler = " ".join(f"w{i}" for i in range(40))
+    for first, second in (("apple", "apricot"), ("apricot", "apple")):
+        cache = WordCache()
+        cache.observe(f"{first} {filler} {second} ")
+        p = cache.candidates("ap", None, 24)
+        assert cache.words[first] == cache.words[second] == 1 and p[second] > p[first]
+    cache = WordCache(max_recent=8)  # bounded: only the last 8 words
+    cache.observe(f"apple {filler} apricot ")
+    assert cache.recent == [f"w{i}" for i in range(33, 40)] + ["apricot"]
+    p = cache.candidates("ap", None, 24)
+    assert p["apricot"] > p["apple"]
+
+
+def test_the_unigram_fallback_does_not_outrank_the_models_words() -> None:
+    """Issue 15: after "Thank you for the report. ", typing "I will send you the " offered "report", "Thank", "for":
+    the words' own frequencies, mixed in at a fixed 0.5, beat every word the model expected after "the"."""
+    model = [Completion("report", 0.02), Completion("best", 0.05), Completion("file", 0.04), Completion("same", 0.03)]
+    cache = WordCache()
+    cache.observe("Thank you for the report. ")
+    mixed = cache.mix(model, "I will send you the ", 0.5, 3, 24)
+    assert not {"Thank", "for"} & {c.text for c in mixed}
+    assert [c.text for c in mixed] == ["report", "best", "file"]  # "report" was seen after "the"
+    p, conf = cache.estimate("", "the", 24, earlier="you")
+    assert mixed == mix_completions(model, p, 0.5 * conf, 3) and conf < 1
+    # no cached pair: the cache weighs at most GAMMA of the weight and the model's order stands
+    mixed = cache.mix(model, "I will send you a ", 0.5, 3, 24)
+    assert cache.estimate("", "a", 24)[1] <= GAMMA
+    assert [c.text for c in mixed] == ["best", "file", "report"]  # "report" from 0.02 to above "same" (recent)
+    assert cache.mix(model, "I will send you the ", 0.0, 2, 24) == model[:2]  # weight 0: the model alone
+
+
+def test_previous_words() -> None:
+    assert previous_word("see the hpl ") == "hpl" and previous_words("see the hpl ") == ("the", "hpl")
+    assert previous_words("see the hpl  ") == ("the", "hpl")
+    assert previous_words("see. hpl ") == (None, "hpl") and previous_words("hpl ") == (None, "hpl")
+    assert previous_word("see the hpl. ") is None and previous_words("see the hpl. ") == (None, None)
+    assert previous_word("") is None and previous_word("hpl\n") is None and previous_words("hpl") == (None, None)
 
 
 def test_mixing() -> None:
@@ -59,16 +136,33 @@ def test_mixing() -> None:
 
 
 def test_bounded_and_serialised() -> None:
-    cache = WordCache(max_words=8)
-    cache.observe(" ".join(f"w{i}" for i in range(20)) + " w1 w1 w2 ")
-    assert len(cache.words) <= 8 and cache.words["w1"] == 3 and cache.words["w2"] == 2
-    again = WordCache.from_dict(json.loads(json.dumps(cache.to_dict())), max_words=8)
-    assert again.to_dict() == cache.to_dict()
-    assert again.candidates("w", None, 24) == cache.candidates("w", None, 24)
+    cache = WordCache(max_words=8, max_recent=16)
+    cache.observe(" ".join(f"w{i}" for i in range(20)) + " w1 w1 w2 w1 w1 w2 ")
+    assert len(cache.words) <= 8 and cache.words["w1"] == 5 and cache.words["w2"] == 3
+    assert len(cache.pairs) <= 8 and cache.pairs["w1\tw1"] == 2 and len(cache.triples) <= 8
+    assert cache.triples["w1\tw1\tw2"] == 2 and len(cache.recent) == 16
+    again = WordCache.from_dict(json.loads(json.dumps(cache.to_dict())), max_words=8, max_recent=16)
+    assert again.to_dict() == cache.to_dict() and again.copy().to_dict() == cache.to_dict()
+    assert again.estimate("w", "w1", 24, earlier="w1") == cache.estimate("w", "w1", 24, earlier="w1")
+    assert WordCache.from_dict(cache.to_dict(), max_recent=4).recent == cache.recent[-4:]
     for bad in ({"words": {"a": -1}}, {"words": {"a": True}}, {"words": []}, {"pairs": {"a\tb": 1.5}},
-                {"last": 3}, {"pending": None}):
+                {"last": 3}, {"pending": None}, {"words": {"a\tb": 1}}, {"pairs": {"a": 1}},
+                {"triples": {"a\tb": 1}}, {"triples": {"a\tb\t.": 1}}, {"triples": []},
+                {"recent": "a"}, {"recent": ["a", "\ud800"]}, {"recent": ["'a"]},
+                {"before_last": "a"}, {"last": "b", "before_last": 3}):
         with pytest.raises(ValueError):
             WordCache.from_dict(bad)
+
+
+def test_a_cache_in_the_old_format_imports() -> None:
+    """A session exported before triples and recent words existed still imports, and goes on counting."""
+    old = {"words": {"the": 2, "meter": 1}, "pairs": {"the\tmeter": 1}, "last": "the", "pending": "me"}
+    cache = WordCache.from_dict(json.loads(json.dumps(old)))
+    assert cache.triples == {} and cache.recent == [] and cache.before_last is None
+    assert cache.candidates("me", "the", 24) == pytest.approx({"meter": 1.0})
+    cache.observe("ter reads ")
+    assert cache.words["meter"] == 2 and cache.pairs["the\tmeter"] == 2 and cache.triples == {"the\tmeter\treads": 1}
+    assert cache.recent == ["meter", "reads"]
 
 
 def test_a_cache_that_is_not_an_object_is_refused() -> None:

@@ -21,8 +21,8 @@ from safetensors.torch import load
 from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
 from models.scoring import BOS, score_bytes
-from models.suggest import Completion, advance, split_word
-from models.wordcache import WordCache, mix_completions, previous_word
+from models.suggest import Completion, advance
+from models.wordcache import WordCache
 from server.engine import AdaptationConfig, Session
 from server.engine._suggest import SUGGEST_BATCH, CursorCache, SuggestJob, SuggestRounds, run_suggestions
 from server.settings import Settings
@@ -359,9 +359,10 @@ def test_a_keystroke_no_search_foresaw_feeds_only_itself(ckpt: Any) -> None:
 
 
 def test_the_word_cache_mixes_observed_words_into_the_completions(client: httpx.Client) -> None:
-    """With cache_weight lam, a completion's probability is (1 - lam) p_model + lam p_cache over the words the
-    session observed (models/wordcache.py): a word seen once is offered at once. Two sessions that read the same
-    text without adapting (lr 0) differ only in the cache."""
+    """With cache_weight w, a completion's probability is (1 - lam) p_model + lam p_cache over the words the
+    session observed, lam = w times the cache's evidence for the context (models/wordcache.py): a word seen
+    after the same words is offered at once. Two sessions that read the same text without adapting (lr 0) differ
+    only in the cache."""
     text = "the zorblax meter. the zorblax method. the zorblax meter. "
     cached = create(client, initial_text=text, adaptation={"lr": 0.0, "cache_weight": 0.5})
     plain = create(client, initial_text=text, adaptation={"lr": 0.0, "cache_weight": 0.0})
@@ -370,8 +371,7 @@ def test_the_word_cache_mixes_observed_words_into_the_completions(client: httpx.
         model = [Completion(w["text"], w["prob"]) for w in suggest(client, plain, context=context, k=3)["completions"]]
         words = WordCache()
         words.observe(text)
-        before, prefix = split_word(context)
-        expected = mix_completions(model, words.candidates(prefix, previous_word(before), 24), 0.5, 3)
+        expected = words.mix(model, context, 0.5, 3, 24)
         got = suggest(client, cached, context=context, k=3)["completions"]
         assert [w["text"] for w in got] == [c.text for c in expected]
         assert [w["prob"] for w in got] == pytest.approx([c.prob for c in expected], rel=1e-6)
