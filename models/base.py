@@ -77,6 +77,9 @@ class State:
         """The inverse of `to_tensors`: the tensors whose name starts with `prefix`."""
         return State({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
 
+    def batch_device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
     def detach(self) -> State:
         return State({k: v.detach() for k, v in self.tensors.items()})
 

@@ -59,8 +59,7 @@ __all__ = ["BUCKET_EDGES", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "mer
 BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 PREFIX = "copy."  # names of the copy model's tensors in a merged state
 STATS = ("hist", "fill", "uni", "weights")  # what the frozen path reads of a session (Adapter.copy)
-_CAP = 200  # match lengths are clamped to this every _CLAMP_EVERY bytes, so a uint8 never wraps
-_CLAMP_EVERY = 50
+_CAP = 254  # match lengths stop growing here (a uint8)
 _UNI_LIMIT = float(1 << 20)  # order-0 counts are halved past this total
 
 
@@ -179,7 +178,7 @@ class CopyModel:
         if not all(bool(torch.isfinite(t[k]).all()) for k in ("uni", "weights", "feat")):
             raise ValueError("copy-model state is not finite")
         if bool((t["fill"] < 0).any() | (t["fill"] > self.config.window).any() | (t["uni"] < 0).any()
-                | (t["match"] > _CAP + _CLAMP_EVERY).any()
+                | (t["match"] > _CAP + 1).any()
                 | (t["bucket"] < -1).any() | (t["bucket"] >= len(BUCKET_EDGES)).any()):
             raise ValueError("copy-model state out of range")
 
@@ -197,7 +196,7 @@ class CopyModel:
             groups = [(None, T)]
         else:  # right-padded rows: the rows of each length run together (usually one length)
             lengths = mask.sum(1)
-            groups = [((lengths == n).nonzero().squeeze(1), int(n)) for n in lengths.unique().tolist() if n > 0]
+            groups = [((lengths == n).nonzero().squeeze(1), int(n)) for n in torch.unique(lengths).tolist() if n > 0]
         s = dict(state.tensors)
         for rows, n in groups:
             part = s if rows is None else {k: v[rows] for k, v in s.items()}
@@ -238,9 +237,7 @@ class CopyModel:
             eq = old == x8[:, t : t + 1]  # (B, W)
             if bool((fill < W).any()) and bool((x == 0).any()):  # empty slots hold 0: only a NUL byte could match
                 eq &= slots.unsqueeze(0) >= (W - fill).unsqueeze(1)
-            if t % _CLAMP_EVERY == 0:
-                match = match.clamp(max=_CAP)
-            match = (match + 1) * eq  # (B, W) uint8
+            match = (match.clamp(max=_CAP) + 1) * eq  # (B, W) uint8, never wrapping
             full = (fill >= W).to(uni.dtype)  # (B,) the oldest byte leaves
             uni[rows, old[:, 0].long()] -= full
             uni[rows, x] += 1
@@ -262,9 +259,11 @@ class CopyModel:
         session's bytes: match'[j] = [hist[j - 1] == x] (1 + match[j - 1])."""
         out = log_net.float().clone()  # (B, T, V)
         st = stats.tensors
-        hist = st["hist"] if bool((index == torch.arange(index.numel(), device=index.device)).all()) \
-            and st["hist"].shape[0] == index.numel() else st["hist"][index]  # (B, W)
-        uni, weights = st["uni"][index], st["weights"][index]
+        B = inputs.shape[0]
+        if st["hist"].shape[0] == 1:  # one session's rows (a word search): views, no copies
+            hist, uni, weights = (st[k].expand(B, *st[k].shape[1:]) for k in ("hist", "uni", "weights"))
+        else:
+            hist, uni, weights = st["hist"][index], st["uni"][index], st["weights"][index]  # (B, W), ...
         x8 = inputs.to(torch.uint8)
         rows = torch.arange(inputs.shape[0], device=inputs.device)
         for t in range(inputs.shape[1]):
@@ -323,7 +322,7 @@ class CopyMixed(LanguageModel):
         net_state, copy_state = split_state(state)
         out = self.base(tokens, net_state, adapter)
         if copy_state is None or adapter is None or adapter.copy is None:  # no copy model: the network alone
-            return out
+            return Output(logits=out.logits, state=merge_state(out.state, copy_state), hidden=out.hidden)
         B = tokens.shape[0]
         index = adapter.copy_index if adapter.copy_index is not None else torch.zeros(
             B, dtype=torch.long, device=tokens.device)

@@ -141,7 +141,8 @@ def _rows(adapter: Adapter | None, batch: int) -> Adapter | None:
     """A batch-1 adapter repeated for `batch` rows (a view: the same M for every branch)."""
     if adapter is None or adapter.batch == batch:
         return adapter
-    return Adapter({k: m.expand(batch, -1, -1) for k, m in adapter.mats.items()})  # (B, k, k)
+    return Adapter({k: m.expand(batch, -1, -1) for k, m in adapter.mats.items()},  # (B, k, k)
+                   copy=adapter.copy)  # every row reads the one session's copy model
 
 
 @torch.no_grad()
@@ -186,13 +187,18 @@ def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | N
     if all(a is None for a in adapters):
         return None
     given = [a for a in adapters if a is not None]
+    index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+    copies = [a.copy for a in adapters if a is not None and a.copy is not None]
+    copy = State.stack(copies) if len(copies) == len(adapters) else None  # copy models: one row per adapter
     if len(given) == len(adapters) and len({tuple(m.shape for m in a.mats.values()) for a in given}) == 1:
-        return Adapter.stack([Adapter({k: m.expand(n, -1, -1) for k, m in a.mats.items()})
-                              for a, n in zip(given, rows, strict=True)])
+        stacked = Adapter.stack([Adapter({k: m.expand(n, -1, -1) for k, m in a.mats.items()})
+                                 for a, n in zip(given, rows, strict=True)])
+        return Adapter(stacked.mats, copy=copy, copy_index=index.to(copy.batch_device()) if copy else None) \
+            if copy is not None else stacked
     padded = Adapter.stack_padded(adapters)  # one row each, zero-padded to the largest size
     assert padded is not None
-    index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
-    return Adapter({k: m.index_select(0, index.to(m.device)) for k, m in padded.mats.items()})
+    mats = {k: m.index_select(0, index.to(m.device)) for k, m in padded.mats.items()}
+    return Adapter(mats, copy=copy, copy_index=index.to(copy.batch_device()) if copy is not None else None)
 
 
 @dataclass(eq=False, slots=True)

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from models.copymodel import CopyConfig
+
 __all__ = ["EVAL_MODES", "MODES", "RULES", "CacheConfig", "DynEvalConfig", "DynEvalSettings"]
 
 MODES = ("static", "full", "sparse")
@@ -158,6 +160,13 @@ class DynEvalSettings(Mapping[str, Any]):
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight <= 1:
             raise ValueError(f"the session section's cache_weight must be a number in [0, 1], not {weight!r}")
         self.cache_weight = float(weight)  # the word cache's weight in keyboard suggestions
+        # the sessions' copy model (models/copymodel.py): on when the checkpoint has the section (the shipped ones
+        # do: `python -m bench.copy_defaults` writes it); absent, null or false: off
+        section = self._raw.get("copy")
+        try:
+            self.copy = CopyConfig.from_dict(section) if section not in (None, False) else None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"section 'copy': {e}") from None
 
     def __getitem__(self, key: str) -> Any:
         return self._raw[key]

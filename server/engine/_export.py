@@ -19,6 +19,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from models.base import Adapter, State
+from models.copymodel import CopyConfig, CopyModel
 from models.wordcache import WordCache
 from server.engine._errors import SessionImportError
 from server.engine._session import AdaptationConfig, Session, SessionStats
@@ -40,13 +41,16 @@ def export_session(session: Session, model_hash: str) -> bytes:
     tensors = {f"state.{k}": _plain(v) for k, v in session.state.tensors.items()}
     tensors |= {f"static.{k}": _plain(v) for k, v in session.static_state.tensors.items()}
     tensors |= {f"adapter.{k}": _plain(v) for k, v in session.adapter.mats.items()}
+    if session.copy is not None:
+        tensors |= {f"copy.{k}": _plain(v) for k, v in session.copy.tensors.items()}
     meta = {
         "ttl_s": session.ttl_s, "created": session.created, "last_byte": session.last_token,
         "config": dataclasses.asdict(session.config), "stats": dataclasses.asdict(session.stats),
         "words": session.words.to_dict(),
     }
     return save_tensors(tensors, metadata={"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION),
-                                           "model_hash": model_hash, "session": json.dumps(meta)})
+                                           "model_hash": model_hash,
+                                           "session": json.dumps(meta, ensure_ascii=False)})
 
 
 def _header_metadata(blob: bytes) -> dict[str, str]:
@@ -131,10 +135,28 @@ def import_session(blob: bytes, *, model_hash: str, template: Session) -> tuple[
     state = take("state", template.state.tensors, state_shapes)
     static = take("static", template.static_state.tensors, state_shapes)
     mats = take("adapter", template.adapter.mats, {k: (1, size, size) for k in template.adapter.mats})
+    copy = template.copy  # an export without a copy model (older, or from a server without one) starts one afresh
+    given = {k[len("copy."):]: tensors.pop(k) for k in [k for k in tensors if k.startswith("copy.")]}
+    if given and template.copy is not None:
+        try:
+            copy = State({k: v.to(template.copy.tensors[k].device) if k in template.copy.tensors else v
+                          for k, v in given.items()})
+            if copy.batch != 1:
+                raise ValueError("a session's copy model has one row")
+            _check_copy(copy, template.copy)
+        except ValueError as e:
+            raise SessionImportError(f"the export's copy model is not valid: {e}") from None
     if tensors:
         raise SessionImportError(f"the export holds unexpected tensors: {', '.join(sorted(tensors)[:5])}")
     ttl = _finite_number(info, "ttl_s")
     session = dataclasses.replace(template, ttl_s=ttl if ttl > 0 else template.ttl_s, config=config,
                                   state=State(state), static_state=State(static), last_token=last_token,
-                                  adapter=Adapter(mats), stats=stats, words=words)
+                                  adapter=Adapter(mats), stats=stats, words=words, copy=copy)
     return session, config
+
+
+def _check_copy(copy: State, template: State) -> None:
+    """ValueError unless `copy` has the template's layout and values a copy model could have made."""
+    window = template.tensors["hist"].shape[1]
+    orders = template.tensors["weights"].shape[2] - 3
+    CopyModel(CopyConfig(window=window, orders=orders)).check_state(copy)

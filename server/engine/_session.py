@@ -11,7 +11,10 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+import torch
+
 from models.base import Adapter, State
+from models.copymodel import STATS, merge_state
 from models.wordcache import WordCache
 
 __all__ = ["AdaptationConfig", "Session", "SessionStats", "new_session_id"]
@@ -71,12 +74,30 @@ class Session:
     adapter: Adapter  # mats[site]: (1, k, k)
     stats: SessionStats = field(default_factory=SessionStats)
     words: WordCache = field(default_factory=WordCache)  # the observed words; replaced, never changed in place
+    copy: State | None = None  # batch 1: the copy model of what it observed (models/copymodel.py); None: off
+
+    def view_state(self) -> State:
+        """The state that sampling and the keyboard search continue from: the network's, with the copy model's
+        match lengths (`models.copymodel.CopyMixed`)."""
+        if self.copy is None:
+            return self.state
+        return merge_state(self.state, State({"match": self.copy.tensors["match"]}))
+
+    def adapter_with_copy(self) -> Adapter:
+        """The adapter, carrying the copy model's statistics for `models.copymodel.CopyMixed` (sampling and the
+        keyboard search read the session through it)."""
+        if self.copy is None:
+            return self.adapter
+        return Adapter(self.adapter.mats, copy=State({k: self.copy.tensors[k] for k in STATS}))
 
     @property
     def nbytes(self) -> int:
         """Bytes the session holds: its tensors, and an estimate for its word cache."""
-        tensors = [*self.state.tensors.values(), *self.static_state.tensors.values(), *self.adapter.mats.values()]
-        return sum(t.numel() * t.element_size() for t in tensors) + self.words.nbytes
+        tensors: list[torch.Tensor] = [*self.state.tensors.values(), *self.static_state.tensors.values(),
+                                       *self.adapter.mats.values()]
+        if self.copy is not None:
+            tensors += self.copy.tensors.values()
+        return int(sum(t.numel() * t.element_size() for t in tensors)) + self.words.nbytes
 
     def expires_at(self) -> float:
         return self.last_used + self.ttl_s

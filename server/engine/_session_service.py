@@ -15,8 +15,9 @@ import math
 import time
 
 from models.adaptation import DynEvalConfig, UpdateRule, sparse_rule
-from models.base import Adapter
+from models.base import Adapter, LanguageModel
 from models.checkpoint import Checkpoint
+from models.copymodel import CopyMixed, CopyModel
 from server.engine._errors import (
     EngineUnavailable,
     InvalidSessionSettings,
@@ -48,9 +49,17 @@ class SessionService:
     def load(self, ckpt: Checkpoint, limits: SessionLimits | None, why: str, base: DynEvalConfig | None) -> None:
         """The checkpoint is loaded: bind the store to it (the store may restore its sessions now)."""
         self._ckpt, self._limits, self._why, self.base = ckpt, limits, why, base
+        # the sessions' copy model: the checkpoint's settings (dyneval.json "copy"), on by default
+        config = ckpt.dyneval.copy
+        self.copy_model = CopyModel(config, ckpt.tokenizer.vocab_size) if config is not None and limits else None
         self.store.bind(ckpt.model_hash, self.template())
 
     # -- settings --------------------------------------------------------------------------------------
+
+    def suggest_model(self) -> LanguageModel:
+        """The model the keyboard search runs: the network, mixed with each session's copy model when on."""
+        model = self._checkpoint().model
+        return CopyMixed(model, self.copy_model) if self.copy_model is not None else model
 
     def limits(self) -> SessionLimits:
         """The checkpoint's session settings; raises SessionsUnavailable if it cannot adapt sessions."""
@@ -119,7 +128,8 @@ class SessionService:
         return Session(id=session_id, owner=owner, created=now, last_used=now, ttl_s=ttl_s, config=config,
                        state=model.init_state(1), static_state=model.init_state(1),
                        last_token=self._checkpoint().tokenizer.bos,
-                       adapter=Adapter.zeros(sites, 1, dtype=ref.dtype, device=ref.device))
+                       adapter=Adapter.zeros(sites, 1, dtype=ref.dtype, device=ref.device),
+                       copy=self.copy_model.init_state(1, ref.device) if self.copy_model is not None else None)
 
     def template(self) -> Session:
         """A fresh session of this model, for a store to read sessions back into (tensor layouts, device)."""

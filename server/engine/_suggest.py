@@ -121,7 +121,7 @@ class CursorCache:
         plan = self.plan(session, context)
         if isinstance(plan, Cursor):
             return plan
-        return self.put(session, context, advance(model, plan.state, plan.inputs, session.adapter))
+        return self.put(session, context, advance(model, plan.state, plan.inputs, session.adapter_with_copy()))
 
     def plan(self, session: Session, context: bytes) -> Cursor | Feed:
         """The cached cursor after the session's text and `context`, or what must be fed to make it (from the
@@ -139,7 +139,7 @@ class CursorCache:
             entry.cursors.move_to_end(inputs)
             return entry.cursors[base]
         self.fed += len(inputs) - len(base)
-        state = entry.cursors[base].state if base else session.state
+        state = entry.cursors[base].state if base else session.view_state()
         return Feed(state, inputs[len(base):])
 
     def put(self, session: Session, context: bytes, cursor: Cursor) -> Cursor:
@@ -207,7 +207,8 @@ class SuggestRounds:
             if isinstance(plan, Cursor):
                 job.cursor = plan
         if feeds:
-            made = advance_many(self.model, [(plan.state, plan.inputs, job.session.adapter) for job, plan in feeds])
+            made = advance_many(self.model, [(plan.state, plan.inputs, job.session.adapter_with_copy())
+                                             for job, plan in feeds])
             for (job, _), cursor in zip(feeds, made, strict=True):
                 job.cursor = self.cache.put(job.session, job.context.encode("utf-8"), cursor)
         for job in jobs:
@@ -237,7 +238,7 @@ class SuggestRounds:
             return None, done
         requests = [(job, job.request) for job in self.active if job.request is not None]
         sizes = [len(tokens) for _, (_, tokens) in requests]
-        adapter = row_adapters([job.session.adapter for job, _ in requests], sizes)
+        adapter = row_adapters([job.session.adapter_with_copy() for job, _ in requests], sizes)
         state, logprobs = step(self.model, State.stack([s for _, (s, _) in requests]),
                                [t for _, (_, tokens) in requests for t in tokens], adapter)
         start = 0
@@ -299,7 +300,7 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
     cache.put(job.session, context, job.cursor)
     try:
         found = job.search.result()
-        chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter, classes=job.search.classes)
+        chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter_with_copy(), classes=job.search.classes)
         if job.session.config.cache_weight > 0:  # the session's word cache, mixed in (models/wordcache.py)
             mixed = job.session.words.mix(found.completions, job.context, job.session.config.cache_weight, job.k,
                                           job.max_chars)

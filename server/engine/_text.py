@@ -100,7 +100,7 @@ class TextExecutor:
             else:
                 mats = {k: m[0] for k, m in session.adapter.mats.items()}  # (k, k)
                 rule = self._sessions.rule(session.config) if work.mode == "observe" else None
-                rows = [Row(session.state, mats, rule)]
+                rows = [Row(session.state, mats, rule, copy=session.copy)]
                 if work.mode == "observe":
                     rows.append(Row(session.static_state))
                 last = session.last_token
@@ -138,7 +138,7 @@ class TextExecutor:
         config = self._sessions.base or DynEvalConfig(mode="static")
         try:
             rows = batch_step(self._ckpt.model, [t.job for t in stepping if t.job is not None], config.segment,
-                              self._stacked)
+                              self._stacked, self._sessions.copy_model)
         except Exception as e:
             log.exception("a batched step failed; failing its %d items", len(stepping))
             for work in stepping:
@@ -193,7 +193,7 @@ class TextExecutor:
                 old, last_used=time.time(), state=_owned(main.state), static_state=_owned(shadow.state),
                 last_token=self._ckpt.tokenizer.last_token(work.data),
                 adapter=Adapter({k: m.unsqueeze(0).clone() for k, m in main.mats.items()}),
-                stats=stats, words=words)
+                stats=stats, words=words, copy=_owned(main.copy) if main.copy is not None else None)
             if not self._sessions.store.update(session):
                 raise SessionNotFound(session.id)  # deleted while it was being observed
         return TextScore(bits=bits, bytes=len(work.data), logprobs=lp.tolist() if work.logprobs else None,

@@ -1,0 +1,162 @@
+"""The copy model (models/copymodel.py): learns an exact repeat after one sighting, scores before it learns,
+depends only on the stream, keeps fixed memory, and mixes into sessions' scores and searches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.base import Adapter, State
+from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMixed, CopyModel, merge_state
+from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
+
+V = 256
+
+
+def uniform(B: int, T: int) -> torch.Tensor:
+    return torch.full((B, T, V), -math.log(V))  # (B, T, V) a network that knows nothing
+
+
+def run(model: CopyModel, data: bytes, cuts: list[int] | None = None) -> tuple[torch.Tensor, State]:
+    """log p_mix of every byte of `data` (each predicted from the bytes before it, as a stream starting with BOS
+    '\\n'), feeding the stream in pieces cut at `cuts`."""
+    x = torch.tensor([10, *data[:-1]]).unsqueeze(0)  # (1, T) inputs
+    y = torch.tensor(list(data))
+    state, out, start = model.init_state(1), [], 0
+    for end in [*(cuts or []), len(data)]:
+        mixed, state = model.mix(uniform(1, end - start), x[:, start:end], state)
+        out.append(mixed[0].gather(1, y[start:end, None])[:, 0])
+        start = end
+    return torch.cat(out), state
+
+
+def bits(lp: torch.Tensor) -> float:
+    return -float(lp.sum()) / math.log(2)
+
+
+def test_an_exact_repeat_is_learned_after_one_sighting() -> None:
+    g = torch.Generator().manual_seed(0)
+    block = bytes(torch.randint(0, 256, (300,), generator=g).tolist())
+    lp, _ = run(CopyModel(CopyConfig(window=1024)), block + block)
+    first, second = bits(lp[:300]) / 300, bits(lp[300:]) / 300
+    assert first > 7.5  # random bytes: nothing to copy yet (a uniform network is 8 bits)
+    assert second < 2.0  # the repeat costs a fraction of it: the match model and the counts found it
+    assert bits(lp[320:]) / 280 < 1.0  # and once the mixer has learned to trust a long match, far less
+
+
+def test_a_byte_is_scored_before_anything_learns_from_it() -> None:
+    """Changing a byte changes no earlier prediction, and the prediction of a byte never depends on itself (a peek
+    would give the changed byte a higher probability at its own position)."""
+    text = b"the cat sat on the mat. the cat sat on the mat. the cat"
+    model = CopyModel(CopyConfig(window=256))
+    base, _ = run(model, text)
+    for i in (5, 30, len(text) - 1):
+        changed = text[:i] + b"#" + text[i + 1:]
+        other, _ = run(model, changed)
+        torch.testing.assert_close(other[:i], base[:i], rtol=0, atol=0)  # everything before i is identical
+        # what position i predicted is the same distribution; "#" was never seen, so it gets no copy bonus
+        assert other[i] <= -math.log(V) + 0.5
+
+
+def test_outputs_and_state_depend_only_on_the_stream_not_on_the_cuts() -> None:
+    text = (b"abracadabra, abracadabra! " * 12)[:250]
+    model = CopyModel(CopyConfig(window=128, lr=0.05))
+    whole, s1 = run(model, text)
+    for cuts in ([1], [7, 8, 100], list(range(3, 250, 17))):
+        pieces, s2 = run(model, text, cuts)
+        torch.testing.assert_close(pieces, whole, rtol=0, atol=1e-6)
+        for k, v in s1.tensors.items():
+            torch.testing.assert_close(s2.tensors[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+def test_memory_is_fixed_and_old_bytes_are_forgotten() -> None:
+    """Past `window` bytes the state keeps its size, and a block seen only before the window is not copied."""
+    g = torch.Generator().manual_seed(1)
+    block = bytes(torch.randint(0, 256, (100,), generator=g).tolist())
+    filler = bytes(torch.randint(0, 256, (300,), generator=g).tolist())
+    model = CopyModel(CopyConfig(window=256))
+    size = model.init_state(1).row_bytes
+    lp, state = run(model, block + filler + block)
+    assert state.row_bytes == size and int(state.tensors["fill"][0]) == 256
+    assert bits(lp[400:]) / 100 > 7.0  # forgotten: the second block costs what the first did
+    lp, _ = run(CopyModel(CopyConfig(window=512)), block + filler + block)
+    assert bits(lp[400:]) / 100 < 2.5  # within the window it is copied
+
+
+def test_the_default_prior_without_learning_is_the_network() -> None:
+    g = torch.Generator().manual_seed(2)
+    log_net = torch.log_softmax(torch.randn(2, 40, V, generator=g), -1)  # (2, 40, V)
+    x = torch.randint(0, V, (2, 40), generator=g)
+    model = CopyModel(CopyConfig(window=64, lr=0.0))
+    mixed, _ = model.mix(log_net, x, model.init_state(2))
+    torch.testing.assert_close(mixed, log_net, rtol=0, atol=1e-5)
+
+
+def test_rows_of_a_batch_equal_each_alone_padding_included() -> None:
+    g = torch.Generator().manual_seed(3)
+    texts = [b"hello hello hello", b"abcabcabcabcabcabcabc", b"xyxyxy"]
+    model = CopyModel(CopyConfig(window=64, lr=0.05))
+    T = max(len(t) for t in texts)
+    x = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.bool)
+    for i, t in enumerate(texts):
+        x[i, : len(t)] = torch.tensor(list(t))
+        mask[i, : len(t)] = True
+    log_net = torch.log_softmax(torch.randn(3, T, V, generator=g), -1)
+    mixed, state = model.mix(log_net, x, model.init_state(3), mask)
+    for i, t in enumerate(texts):
+        alone, s = model.mix(log_net[i : i + 1, : len(t)], x[i : i + 1, : len(t)], model.init_state(1))
+        torch.testing.assert_close(mixed[i, : len(t)], alone[0], rtol=0, atol=1e-6)
+        for k, v in s.tensors.items():
+            torch.testing.assert_close(state.tensors[k][i : i + 1], v, rtol=0, atol=1e-6, msg=k)
+
+
+def test_the_frozen_path_copies_without_learning() -> None:
+    """CopyMixed (the keyboard search, sampling) reads a session's history and mixer without changing them: a
+    branch that repeats an earlier phrase gets its continuation predicted, and the statistics stay as they were."""
+    toy = ToyTransformer(ToyTransformerConfig()).freeze()
+    copy = CopyModel(CopyConfig(window=256, lr=0.05))
+    text = b"please send the quarterly report to accounting. " * 3
+    x = torch.tensor([10, *text]).unsqueeze(0)
+    log_net = toy.log_probs(toy(x, toy.init_state(1)))
+    _, learned = copy.mix(log_net, x, copy.init_state(1))
+    stats = State({k: learned.tensors[k] for k in ("hist", "fill", "uni", "weights")})
+    before = {k: v.clone() for k, v in stats.tensors.items()}
+    mixed = CopyMixed(toy, copy)
+    state = merge_state(toy.init_state(1), State({"match": learned.tensors["match"]}))
+    prompt = torch.tensor([list(b"please send the quarterly re")])
+    zero = Adapter.zeros({site.name: 4 for site in toy.adaptation_sites()}, 1)
+    out = mixed(prompt, state, Adapter(zero.mats, copy=stats))
+    lp = mixed.log_probs(out)[0, -1]  # after "...quarterly re": "p" (report) is the copy's prediction
+    plain = toy.log_probs(toy(prompt, toy.init_state(1)))[0, -1]
+    assert float(lp[ord("p")]) > math.log(0.5) > float(plain[ord("p")])
+    for k, v in stats.tensors.items():
+        assert torch.equal(v, before[k]), k
+    # without a session's statistics the mixed model is the network
+    alone = mixed(prompt, state, zero)
+    torch.testing.assert_close(mixed.log_probs(alone)[0, -1], plain, rtol=0, atol=1e-5)
+
+
+def test_config_and_state_checks() -> None:
+    with pytest.raises(ValueError, match="window"):
+        CopyConfig(window=0)
+    with pytest.raises(ValueError, match="lr"):
+        CopyConfig(lr=float("nan"))
+    with pytest.raises(ValueError, match="weights"):
+        CopyConfig(weights=((1.0,),))
+    config = CopyConfig(window=128, orders=3)
+    assert CopyConfig.from_dict({**config.to_dict(), "note": "kept by the caller"}) == config
+    prior = tuple(tuple(float(i == 0) for i in range(config.features)) for _ in BUCKET_EDGES)
+    assert CopyConfig.from_dict(CopyConfig(window=128, orders=3, weights=prior).to_dict()).weights == prior
+    model = CopyModel(config)
+    good = model.init_state(1)
+    model.check_state(good)
+    for name, value in (("fill", torch.tensor([-1])), ("bucket", torch.tensor([99])),
+                        ("weights", torch.full_like(good.tensors["weights"], math.inf))):
+        bad = State({**good.tensors, name: value})
+        with pytest.raises(ValueError):
+            model.check_state(bad)
+    with pytest.raises(ValueError, match="tensors"):
+        model.check_state(State({k: v for k, v in good.tensors.items() if k != "hist"}))
