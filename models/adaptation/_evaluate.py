@@ -158,6 +158,7 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
 
 
 def evaluate(model: LanguageModel, text: bytes, config: DynEvalConfig | None = None, *,
-             stats: Mapping[str, torch.Tensor] | None = None, tokenizer: ByteTokenizer | None = None) -> EvalResult:
+             stats: Mapping[str, torch.Tensor] | None = None, tokenizer: ByteTokenizer | None = None,
+             copy: CopyModel | None = None) -> EvalResult:
     """Score one text under `config`; see `evaluate_many`."""
-    return evaluate_many(model, [text], config, stats=stats, tokenizer=tokenizer)[0]
+    return evaluate_many(model, [text], config, stats=stats, tokenizer=tokenizer, copy=copy)[0]

@@ -1,0 +1,98 @@
+"""Sessions with a copy model (models/copymodel.py), over HTTP on a real server: a checkpoint whose dyneval.json has
+a "copy" section gives every session one; observes score under the mixture and learn it, exports carry it, and
+the keyboard offers a word the session has seen once that the network alone would never produce."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from models.adaptation import evaluate
+from models.checkpoint import load_checkpoint
+from models.copymodel import CopyConfig, CopyModel
+from server.settings import Settings
+
+COPY = CopyConfig(window=2048)
+TEXT = "Please forward the zqvx ledger to Marguerite Oyelaran-Whitcombe before Tuesday. "
+
+
+@pytest.fixture(scope="module")
+def copy_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("copy") / "tiny-copy"
+    shutil.copytree(tiny_checkpoint, path)
+    dyneval = json.loads((path / "dyneval.json").read_text())
+    (path / "dyneval.json").write_text(json.dumps({**dyneval, "copy": COPY.to_dict()}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def copy_client(copy_checkpoint: Path, serve_app: Any) -> Iterator[httpx.Client]:
+    with serve_app(Settings(checkpoint=copy_checkpoint, suggest_budget_ms=0)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def post(client: httpx.Client, path: str, **body: Any) -> dict[str, Any]:
+    r = client.post(path, json=body)
+    assert r.status_code in (200, 201), r.text
+    return dict(r.json())
+
+
+def test_a_session_learns_an_exact_repeat_at_once(copy_client: httpx.Client, client: httpx.Client,
+                                                  copy_checkpoint: Path) -> None:
+    with_copy = post(copy_client, "/v1/sessions")
+    without = post(client, "/v1/sessions")  # the same tiny checkpoint, no copy section
+    assert with_copy["state_bytes"] > without["state_bytes"] + 2 * COPY.window
+    first = post(copy_client, f"/v1/sessions/{with_copy['id']}/observe", text=TEXT)
+    again = post(copy_client, f"/v1/sessions/{with_copy['id']}/observe", text=TEXT)
+    post(client, f"/v1/sessions/{without['id']}/observe", text=TEXT)
+    plain = post(client, f"/v1/sessions/{without['id']}/observe", text=TEXT)
+    assert again["bits_per_byte"] < 0.5 * first["bits_per_byte"]  # seen once: copied
+    assert again["bits_per_byte"] < 0.5 * plain["bits_per_byte"]  # the adapter alone learns it far more slowly
+    # the observe's bits are the offline evaluation's with the same copy model (score, then update; BOS first)
+    ckpt = load_checkpoint(copy_checkpoint)
+    reference = evaluate(ckpt.model, (TEXT + TEXT).encode(), ckpt.dyneval.session, stats=ckpt.stats,
+                         copy=CopyModel(COPY))
+    assert first["bits"] + again["bits"] == pytest.approx(reference.bits, rel=1e-4)
+    assert again["static_bits"] == pytest.approx(plain["static_bits"], rel=1e-5)  # static: the network alone
+
+
+def test_export_and_import_carry_the_copy_model(copy_client: httpx.Client) -> None:
+    sid = post(copy_client, "/v1/sessions")["id"]
+    post(copy_client, f"/v1/sessions/{sid}/observe", text=TEXT)
+    blob = copy_client.get(f"/v1/sessions/{sid}/state").content
+    r = copy_client.put("/v1/sessions/imported-session-0001/state", content=blob)
+    assert r.status_code in (200, 201), r.text
+    probe = TEXT[:40]
+    a = post(copy_client, "/v1/score", text=probe, session_id=sid)
+    b = post(copy_client, "/v1/score", text=probe, session_id="imported-session-0001")
+    assert a["bits"] == pytest.approx(b["bits"], rel=1e-6)
+    fresh = post(copy_client, "/v1/sessions")["id"]
+    c = post(copy_client, "/v1/score", text=probe, session_id=fresh)
+    assert a["bits"] < 0.7 * c["bits"]  # what it observed is in the import: the repeat is cheap
+    # a tampered copy model is refused with the one error shape, and the server keeps serving
+    bad = blob.replace(b'"copy.fill"', b'"copy.fxll"')
+    r = copy_client.put("/v1/sessions/tampered-session-0001/state", content=bad)
+    assert r.status_code == 422 and "copy" in r.json()["error"]["message"], r.text
+
+
+def test_the_keyboard_offers_a_word_seen_once(copy_client: httpx.Client, client: httpx.Client) -> None:
+    """'zqvx' is no word the tiny model knows; once the session has seen it (twice: the mixer starts from the
+    network alone here, and learns to trust a long match on the second sighting; a checkpoint's learned prior
+    trusts it from the start) its search completes it. The word cache is off (cache_weight 0 on the tiny
+    checkpoint): the byte-level copy model alone does it."""
+    for c, name in ((copy_client, "copy"), (client, "plain")):
+        sid = post(c, "/v1/sessions")["id"]
+        post(c, f"/v1/sessions/{sid}/observe", text=TEXT + TEXT)
+        words = [w["text"] for w in post(c, f"/v1/sessions/{sid}/suggest", context="Please forward the zq",
+                                         k=3)["completions"]]
+        if name == "copy":
+            assert words and words[0] == "zqvx"
+        else:
+            assert "zqvx" not in words
