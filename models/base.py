@@ -175,7 +175,25 @@ class Adapter:
                 padded[b : b + m.shape[0], : m.shape[1], : m.shape[2]] = m
                 b += m.shape[0]
             out[site] = padded
-        return Adapter(out)
+        copy, index = Adapter.stack_copies(adapters, [a.batch if a is not None else 1 for a in adapters])
+        return Adapter(out, copy=copy, copy_index=index)
+
+    @staticmethod
+    def stack_copies(adapters: Sequence[Adapter | None], rows: Sequence[int]
+                     ) -> tuple[State | None, torch.Tensor | None]:
+        """The copy models of `adapters` (batch 1 each) in one batch, and the copy row of each of the rows[i] rows
+        of adapter i (-1: that adapter has none, its rows read the network alone). (None, None) if none has one."""
+        copies = [a.copy for a in adapters if a is not None and a.copy is not None]
+        if not copies:
+            return None, None
+        index, n = [], 0
+        for a, r in zip(adapters, rows, strict=True):
+            if a is not None and a.copy is not None:
+                index += [n] * r
+                n += 1
+            else:
+                index += [-1] * r
+        return State.stack(copies), torch.tensor(index, device=copies[0].batch_device())
 
 
 @dataclass

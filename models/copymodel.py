@@ -254,12 +254,14 @@ class CopyModel:
     def mix_frozen(self, log_net: torch.Tensor, inputs: torch.Tensor, match: torch.Tensor, stats: State,
                    index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Score without learning: row b reads the history and mixer of `stats` row index[b] (rows share a
-        session's) and moves only its own `match` (B, W). log_net (B, T, V), inputs (B, T) -> (log p_mix (B, T, V)
-        float32, match after the inputs). The history does not take the inputs, so a match's candidates stay the
-        session's bytes: match'[j] = [hist[j - 1] == x] (1 + match[j - 1])."""
+        session's; -1: no copy model, the row gets log_net) and moves only its own `match` (B, W). log_net (B, T, V),
+        inputs (B, T) -> (log p_mix (B, T, V) float32, match after the inputs). The history does not take the
+        inputs, so a match's candidates stay the session's bytes: match'[j] = [hist[j - 1] == x] (1 + match[j - 1])."""
         out = log_net.float().clone()  # (B, T, V)
         st = stats.tensors
         B = inputs.shape[0]
+        alone = index < 0  # (B,) rows without a copy model
+        index = index.clamp(min=0)
         if st["hist"].shape[0] == 1:  # one session's rows (a word search): views, no copies
             hist, uni, weights = (st[k].expand(B, *st[k].shape[1:]) for k in ("hist", "uni", "weights"))
         else:
@@ -271,6 +273,8 @@ class CopyModel:
             match = torch.cat([torch.zeros_like(step[:, :1]), step[:, :-1]], 1)
             feat, bucket = self._features(hist, match, uni, out[:, t])
             out[:, t] = self._mixture(weights[rows, bucket], feat)
+        if bool(alone.any()):
+            out = torch.where(alone.view(-1, 1, 1), log_net.float(), out)
         return out, match
 
     def _features(self, hist: torch.Tensor, match: torch.Tensor, uni: torch.Tensor,

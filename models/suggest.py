@@ -187,18 +187,16 @@ def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | N
     if all(a is None for a in adapters):
         return None
     given = [a for a in adapters if a is not None]
-    index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
-    copies = [a.copy for a in adapters if a is not None and a.copy is not None]
-    copy = State.stack(copies) if len(copies) == len(adapters) else None  # copy models: one row per adapter
+    copy, copy_index = Adapter.stack_copies(adapters, rows)  # the sessions' copy models, one row each
     if len(given) == len(adapters) and len({tuple(m.shape for m in a.mats.values()) for a in given}) == 1:
         stacked = Adapter.stack([Adapter({k: m.expand(n, -1, -1) for k, m in a.mats.items()})
                                  for a, n in zip(given, rows, strict=True)])
-        return Adapter(stacked.mats, copy=copy, copy_index=index.to(copy.batch_device()) if copy else None) \
-            if copy is not None else stacked
+        return Adapter(stacked.mats, copy=copy, copy_index=copy_index)
     padded = Adapter.stack_padded(adapters)  # one row each, zero-padded to the largest size
     assert padded is not None
+    index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
     mats = {k: m.index_select(0, index.to(m.device)) for k, m in padded.mats.items()}
-    return Adapter(mats, copy=copy, copy_index=index.to(copy.batch_device()) if copy is not None else None)
+    return Adapter(mats, copy=copy, copy_index=copy_index)
 
 
 @dataclass(eq=False, slots=True)

@@ -264,7 +264,7 @@ class Engine:
                 self._scheduler.run({
                     "generate": GenerationExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
                     "text": TextExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
-                    "suggest": SuggestExecutor(self.sessions.suggest_model(), self.sessions, self._stats,
+                    "suggest": SuggestExecutor(self.sessions.session_model(), self.sessions, self._stats,
                                                tokenizer=model.ckpt.tokenizer),
                     "call": CallExecutor(),
                 })

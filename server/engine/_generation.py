@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from models.base import Adapter, State
+from models.base import Adapter, LanguageModel, State
 from models.checkpoint import Checkpoint
 from models.sampling import FinishReason, SamplingParams, Stepper, top_logprobs
 from models.scoring import BOS
@@ -172,14 +172,14 @@ class GenerationJob(Work):
         self._send(_Failed(error))
         super().fail(error)
 
-    def start(self, ckpt: Checkpoint, stats: EngineStats, *, state: State | None = None, last_token: int = BOS,
+    def start(self, model: LanguageModel, stats: EngineStats, *, state: State | None = None, last_token: int = BOS,
               adapter: Adapter | None = None) -> bool:
         """Prefill, continuing from `state` (whose next input is `last_token`) with `adapter`, or from the
         initial state after the BOS byte; returns True when there is nothing left to do."""
         if self._params is None and not self._prompt_logprobs:
             self._finish_all_unstarted()
             return True
-        first = Stepper(ckpt.model, self._params or SamplingParams(), state=state, last_byte=last_token,
+        first = Stepper(model, self._params or SamplingParams(), state=state, last_byte=last_token,
                         adapter=adapter)
         k = self._logprobs or 0
         scored = first.prefill(self.prompt, logprobs=k if self._prompt_logprobs else None)
@@ -253,8 +253,11 @@ class GenerationExecutor:
             start: dict[str, Any] = {}
             if job.session_id is not None:
                 session = self._sessions.get(job.session_id, job.owner)
-                start = {"state": session.state, "last_token": session.last_token, "adapter": session.adapter}
-            done = job.start(self._ckpt, self._stats, **start)
+                start = {"state": session.view_state(), "last_token": session.last_token,
+                         "adapter": session.adapter_with_copy()}
+            # the network mixed with the session's copy model, when sessions have one (models/copymodel.py); every
+            # generation runs the one model, so that all of them step in one batch
+            done = job.start(self._sessions.session_model(), self._stats, **start)
         except Exception as e:
             job.fail(e)
             return

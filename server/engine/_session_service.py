@@ -44,6 +44,8 @@ class SessionService:
         self._limits: SessionLimits | None = None
         self._why = ""
         self.base: DynEvalConfig | None = None  # the checkpoint's sparse settings, which the rules derive from
+        self.copy_model: CopyModel | None = None  # the sessions' copy model, when the checkpoint has one
+        self._mixed: CopyMixed | None = None
         self._rules: dict[tuple[float, float, int], UpdateRule] = {}
 
     def load(self, ckpt: Checkpoint, limits: SessionLimits | None, why: str, base: DynEvalConfig | None) -> None:
@@ -52,14 +54,20 @@ class SessionService:
         # the sessions' copy model: the checkpoint's settings (dyneval.json "copy"), on by default
         config = ckpt.dyneval.copy
         self.copy_model = CopyModel(config, ckpt.tokenizer.vocab_size) if config is not None and limits else None
+        self._mixed = None
         self.store.bind(ckpt.model_hash, self.template())
 
     # -- settings --------------------------------------------------------------------------------------
 
-    def suggest_model(self) -> LanguageModel:
-        """The model the keyboard search runs: the network, mixed with each session's copy model when on."""
+    def session_model(self) -> LanguageModel:
+        """The model that sampling and the keyboard search run (one object, so that all generations batch): the
+        network, mixed with each session's copy model when sessions have one."""
         model = self._checkpoint().model
-        return CopyMixed(model, self.copy_model) if self.copy_model is not None else model
+        if self.copy_model is None:
+            return model
+        if self._mixed is None or self._mixed.base is not model:
+            self._mixed = CopyMixed(model, self.copy_model)
+        return self._mixed
 
     def limits(self) -> SessionLimits:
         """The checkpoint's session settings; raises SessionsUnavailable if it cannot adapt sessions."""

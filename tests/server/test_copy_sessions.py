@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +97,18 @@ def test_the_keyboard_offers_a_word_seen_once(copy_client: httpx.Client, client:
             assert words and words[0] == "zqvx"
         else:
             assert "zqvx" not in words
+
+
+def test_generation_continues_a_repeat_and_batches_with_static_generations(copy_client: httpx.Client) -> None:
+    """Sampling reads the session's copy model too (greedy: the repeat's next bytes), and a generation without a
+    session, running in the same batched steps, is the network's alone."""
+    sid = post(copy_client, "/v1/sessions")["id"]
+    post(copy_client, f"/v1/sessions/{sid}/observe", text=TEXT + TEXT)
+    prompt = "Please forward the zq"
+    static = post(copy_client, "/v1/generate", prompt=prompt, max_tokens=8, temperature=0.0)["text"]
+    with ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(post, copy_client, "/v1/generate", prompt=prompt, max_tokens=8, temperature=0.0,
+                            **({"session_id": sid} if i % 2 == 0 else {})) for i in range(4)]
+        texts = [r.result()["text"] for r in runs]
+    assert texts[0] == texts[2] and texts[0].startswith("vx ledge")
+    assert texts[1] == texts[3] == static and not static.startswith("vx")
