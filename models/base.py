@@ -136,7 +136,8 @@ class Adapter:
 
     @property
     def batch(self) -> int:
-        return next(iter(self.mats.values())).shape[0]
+        """Rows; an adapter with no matrices (only a copy model, full dynamic evaluation's) counts as one."""
+        return next(iter(self.mats.values())).shape[0] if self.mats else 1
 
     @staticmethod
     def zeros(sites: dict[str, int], batch: int, dtype: torch.dtype = torch.float32,

@@ -324,7 +324,7 @@ class CopyMixed(LanguageModel):
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         net_state, copy_state = split_state(state)
-        out = self.base(tokens, net_state, adapter)
+        out = self.base(tokens, net_state, adapter if adapter is not None and adapter.mats else None)
         if copy_state is None or adapter is None or adapter.copy is None:  # no copy model: the network alone
             return Output(logits=out.logits, state=merge_state(out.state, copy_state), hidden=out.hidden)
         B = tokens.shape[0]

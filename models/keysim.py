@@ -37,6 +37,7 @@ from models.adaptation import (
     sparse_rule,
 )
 from models.base import Adapter, LanguageModel, State
+from models.copymodel import STATS, CopyMixed, CopyModel, merge_state
 from models.suggest import Cursor, advance, suggest
 from models.tokenizer import ByteTokenizer
 from models.wordcache import WordCache
@@ -50,7 +51,8 @@ class ModelSuggester:
 
     def __init__(self, model: LanguageModel, config: DynEvalConfig | None = None, *,
                  stats: Mapping[str, torch.Tensor] | None = None, max_chars: int = 24,
-                 cache_weight: float = 0.0, tokenizer: ByteTokenizer | None = None) -> None:
+                 cache_weight: float = 0.0, tokenizer: ByteTokenizer | None = None,
+                 copy: CopyModel | None = None) -> None:
         if not 0 <= cache_weight <= 1:
             raise ValueError(f"cache_weight must be in [0, 1], not {cache_weight}")
         self.model = model.eval()  # no dropout in what it suggests
@@ -65,7 +67,9 @@ class ModelSuggester:
         self.fed = 0  # tokens fed to the model by suggestions (the cursor cache's work)
         self._cursor: tuple[bytes, Cursor] | None = None  # (context bytes, the model after them)
         self._full: FullStream | None = None
+        self._mixed: CopyMixed | None = None
         self._rules = RuleCache()
+        self.copy = copy  # a copy model mixed into scores and suggestions, as a session with one
         mode = self.config.mode
         rule = None
         mats = None
@@ -73,8 +77,9 @@ class ModelSuggester:
             sites, rule = sparse_rule(model, self.config, stats)
             mats = {s: torch.zeros(k, k, dtype=ref.dtype, device=ref.device) for s, k in sites.items()}
         elif mode == "full":
-            self._full = FullStream(model, self.config, stats)  # a private copy of the weights adapts
-        self._row = Row(model.init_state(1), mats, rule)  # static and sparse: the stream, as a server session's
+            self._full = FullStream(model, self.config, stats, copy)  # a private copy of the weights adapts
+        # static and sparse: the stream, as a server session's
+        self._row = Row(model.init_state(1), mats, rule, copy=copy.init_state(1, ref.device) if copy else None)
 
     @property
     def updates(self) -> int:
@@ -88,16 +93,31 @@ class ModelSuggester:
 
     @property
     def _forward(self) -> LanguageModel:
-        return self._full.model if self._full is not None else self.model
+        model = self._full.model if self._full is not None else self.model
+        if self.copy is None:
+            return model
+        if self._mixed is None or self._mixed.base is not model:
+            self._mixed = CopyMixed(model, self.copy)
+        return self._mixed
+
+    @property
+    def _copy_state(self) -> State | None:
+        return self._full.copy if self._full is not None else self._row.copy
 
     @property
     def adapter(self) -> Adapter | None:
         mats = self._row.mats
-        return Adapter({s: m.unsqueeze(0) for s, m in mats.items()}) if mats is not None else None
+        copy = self._copy_state
+        stats = State({k: copy.tensors[k] for k in STATS}) if copy is not None else None
+        if mats is None:
+            return Adapter({}, copy=stats) if stats is not None else None
+        return Adapter({s: m.unsqueeze(0) for s, m in mats.items()}, copy=stats)
 
     @property
     def state(self) -> State:
-        return self._full.state if self._full is not None else self._row.state
+        state = self._full.state if self._full is not None else self._row.state
+        copy = self._copy_state
+        return merge_state(state, State({"match": copy.tensors["match"]})) if copy is not None else state
 
     # -- the Suggester protocol ---------------------------------------------------------------------------
 
@@ -133,7 +153,7 @@ class ModelSuggester:
             job = TextJob(inputs, targets, [self._row])
             segment = self.config.segment if self.config.mode == "sparse" else STATIC_SEGMENT
             while not job.done:
-                batch_step(self.model, [job], segment, self._rules)
+                batch_step(self.model, [job], segment, self._rules, self.copy)
             self._row.logprobs.clear()  # only the stream's state and adapter are kept
         self.last = self.tokenizer.last_token(data)
         self._cursor = None

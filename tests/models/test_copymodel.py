@@ -4,12 +4,15 @@ depends only on the stream, keeps fixed memory, and mixes into sessions' scores 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from models.base import Adapter, State
+from models.checkpoint import load_checkpoint
 from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMixed, CopyModel, merge_state
+from models.keysim import ModelSuggester
 from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
 
 V = 256
@@ -160,3 +163,19 @@ def test_config_and_state_checks() -> None:
             model.check_state(bad)
     with pytest.raises(ValueError, match="tensors"):
         model.check_state(State({k: v for k, v in good.tensors.items() if k != "hist"}))
+
+
+@pytest.mark.parametrize("mode", ["static", "sparse", "full"])
+def test_the_keyboard_simulator_suggests_with_the_copy_model(tiny_checkpoint: Path, mode: str) -> None:
+    """The in-process simulator (bench.keyboard's "full + copy" row) mixes the copy model into its scores and its
+    word search in every mode, as a server session does; without it, the made-up word is never offered."""
+    ckpt = load_checkpoint(tiny_checkpoint)
+    config = None if mode == "static" else ckpt.dyneval.config("dynamic" if mode == "full" else "sparse")
+    text = "Please forward the zqvx ledger to accounting before Tuesday.\n"
+    found = {}
+    for copy in (None, CopyModel(CopyConfig(window=1024))):
+        sim = ModelSuggester(ckpt.model, config, stats=ckpt.stats, copy=copy)
+        for _ in range(3):  # the mixer starts from the network alone here (no learned prior): it learns to trust
+            sim.observe(text)  # the copy model as the text repeats
+        found[copy is not None] = sim.suggest("Please forward the zq", 3)
+    assert found[True][:1] == ["zqvx"] and "zqvx" not in found[False]
