@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.copy_scan import compiled, scan, scan_frozen
 from models.base import Adapter, LanguageModel, Output, Site, State
 
 __all__ = ["BUCKET_EDGES", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "merge_state", "split_state"]
@@ -78,6 +79,8 @@ class CopyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"copy {name} must be a whole number in [{lo}, {hi}], not {value!r}")
+        if self.window % 8:
+            raise ValueError(f"copy window must be a multiple of 8 (the scan reads 8 slots at once), not {self.window}")
         for name in ("alpha", "lr"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
@@ -192,6 +195,9 @@ class CopyModel:
         input). Padding positions get log_net and change nothing."""
         T = log_net.shape[1]
         out = log_net.float().clone()  # (B, T, V)
+        fused = compiled() if log_net.device.type == "cpu" else None
+        if fused is not None:  # the same step as `_learn`, fused into one numba kernel (kernels/copy_scan.py)
+            return self._learn_fused(fused[0], state, inputs, out, mask)
         if mask is None or bool(mask.all()):
             groups = [(None, T)]
         else:  # right-padded rows: the rows of each length run together (usually one length)
@@ -209,6 +215,20 @@ class CopyModel:
                 s = {k: v.index_copy(0, rows, part[k]) for k, v in s.items()}
         return out, State(s)
 
+    def _learn_fused(self, kernel: Any, state: State, inputs: torch.Tensor, out: torch.Tensor,
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, State]:
+        c, s = self.config, state.tensors
+        B, T = inputs.shape
+        lengths = mask.sum(1) if mask is not None else torch.full((B,), T, dtype=torch.long)
+        new = {k: v.clone().contiguous() for k, v in s.items() if k != "hist"}
+        ext = torch.cat([s["hist"], inputs.to(torch.uint8)], 1).contiguous()  # (B, W + T)
+        hist = torch.empty_like(s["hist"])
+        lp = out.clone()
+        kernel(ext.numpy(), lengths.numpy(), new["match"].numpy(), new["fill"].numpy(), new["uni"].numpy(),
+               new["weights"].numpy(), new["feat"].numpy(), new["bucket"].numpy(), lp.numpy(), out.numpy(),
+               hist.numpy(), c.orders, c.alpha, c.lr, self._bucket_of.numpy(), _UNI_LIMIT)
+        return out, State({"hist": hist, **new})
+
     def _learn(self, s: dict[str, torch.Tensor], inputs: torch.Tensor,
                lp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`mix` over rows of one length: inputs (B, T), lp (B, T, V)."""
@@ -218,10 +238,9 @@ class CopyModel:
         rows = torch.arange(B, device=inputs.device)
         x8 = inputs.to(torch.uint8)  # (B, T)
         ext = torch.cat([s["hist"], x8], 1)  # (B, W + T): the history of step t is ext[:, t + 1 : t + 1 + W]
-        match, fill, uni, weights = s["match"], s["fill"], s["uni"].clone(), s["weights"].clone()
+        match, fill, uni, weights = s["match"].clone(), s["fill"], s["uni"].clone(), s["weights"].clone()
         feat, bucket = s["feat"], s["bucket"]
         out = torch.empty_like(lp)
-        slots = torch.arange(W, device=inputs.device)
         for t in range(T):
             x = inputs[:, t]
             # 1. the mixer learns from its pending prediction, whose target x now is
@@ -232,18 +251,15 @@ class CopyModel:
                 p = torch.softmax(torch.einsum("bf,bfv->bv", w, feat), -1)  # (B, V)
                 grad = torch.einsum("bfv,bv->bf", feat, p) - feat[rows, :, x]  # (B, F) E_p[f] - f[y]
                 weights[rows, b] = w - c.lr * grad * pending.unsqueeze(1).to(grad.dtype)
-            # 2. x joins the history: old slot j is the byte before new slot j (module docstring's recurrence)
-            old = ext[:, t : t + W]  # (B, W)
-            eq = old == x8[:, t : t + 1]  # (B, W)
-            if bool((fill < W).any()) and bool((x == 0).any()):  # empty slots hold 0: only a NUL byte could match
-                eq &= slots.unsqueeze(0) >= (W - fill).unsqueeze(1)
-            match = (match.clamp(max=_CAP) + 1) * eq  # (B, W) uint8, never wrapping
+            # 2. x joins the history: the match recurrence over the old window, in place (kernels.copy_scan); the
+            # empty slots of a history still filling never match
+            counts, best = scan(ext, t, match, x, (W - fill).clamp(min=0), c.orders)
             full = (fill >= W).to(uni.dtype)  # (B,) the oldest byte leaves
-            uni[rows, old[:, 0].long()] -= full
+            uni[rows, ext[:, t].long()] -= full
             uni[rows, x] += 1
             fill = (fill + 1).clamp(max=W)
             # 3. predict the next byte
-            feat, bucket = self._features(ext[:, t + 1 : t + 1 + W], match, uni, lp[:, t])
+            feat, bucket = self._features(ext[:, t + 1 : t + 1 + W], counts, best, uni, lp[:, t])
             out[:, t] = self._mixture(weights[rows, bucket], feat)
         if bool((uni.sum(1) > _UNI_LIMIT).any()):
             uni = torch.where(uni.sum(1, keepdim=True) > _UNI_LIMIT, uni / 2, uni)
@@ -259,45 +275,49 @@ class CopyModel:
         inputs, so a match's candidates stay the session's bytes: match'[j] = [hist[j - 1] == x] (1 + match[j - 1])."""
         out = log_net.float().clone()  # (B, T, V)
         st = stats.tensors
+        fused = compiled() if log_net.device.type == "cpu" else None
+        if fused is not None:  # the loop below fused into one numba kernel (kernels/copy_scan.py)
+            match = match.clone().contiguous()
+            fused[1](st["hist"].contiguous().numpy(), index.contiguous().numpy(), match.numpy(),
+                     inputs.to(torch.uint8).contiguous().numpy(), log_net.float().contiguous().numpy(), out.numpy(),
+                     st["uni"].contiguous().numpy(), st["weights"].contiguous().numpy(), self.config.orders,
+                     self.config.alpha, self._bucket_of.numpy())
+            return out, match
         B = inputs.shape[0]
         alone = index < 0  # (B,) rows without a copy model
         index = index.clamp(min=0)
-        if st["hist"].shape[0] == 1:  # one session's rows (a word search): views, no copies
-            hist, uni, weights = (st[k].expand(B, *st[k].shape[1:]) for k in ("hist", "uni", "weights"))
-        else:
-            hist, uni, weights = st["hist"][index], st["uni"][index], st["weights"][index]  # (B, W), ...
-        x8 = inputs.to(torch.uint8)
-        rows = torch.arange(inputs.shape[0], device=inputs.device)
+        hist = st["hist"]  # (S, W), read through index
+        uni, weights = st["uni"][index], st["weights"][index]  # (B, V), (B, NB, F)
+        match = match.clone()  # the caller's (a cursor's) stays as it was
+        rows = torch.arange(B, device=inputs.device)
         for t in range(inputs.shape[1]):
-            step = (match.clamp(max=_CAP) + 1) * (hist == x8[:, t : t + 1])  # (B, W) for the successor slots
-            match = torch.cat([torch.zeros_like(step[:, :1]), step[:, :-1]], 1)
-            feat, bucket = self._features(hist, match, uni, out[:, t])
+            counts, best = scan_frozen(hist, index, match, inputs[:, t], self.config.orders)
+            cand = hist[index[rows], (best % hist.shape[1]).clamp(min=0)]  # (B,) the match's next byte
+            feat, bucket = self._features(None, counts, best, uni, out[:, t], cand)
             out[:, t] = self._mixture(weights[rows, bucket], feat)
         if bool(alone.any()):
             out = torch.where(alone.view(-1, 1, 1), log_net.float(), out)
         return out, match
 
-    def _features(self, hist: torch.Tensor, match: torch.Tensor, uni: torch.Tensor,
-                  lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hist, match (B, W), uni (B, V), the network's lp (B, V) -> (features (B, F, V), bucket (B,))."""
-        c = self.config
-        B, W = hist.shape
-        K, V = c.orders, self.vocab
-        r, j = match.nonzero(as_tuple=True)  # (n,) slots that follow an occurrence of the last byte
-        length = match[r, j].long()  # (n,)
-        counts = torch.zeros(B, K + 1, V, dtype=lp.dtype, device=hist.device)  # (B, K+1, V) by order, capped at K
-        counts.index_put_((r, length.clamp(max=K), hist[r, j].long()), torch.ones_like(length, dtype=lp.dtype),
-                          accumulate=True)
-        n = counts.flip(1).cumsum(1).flip(1)[:, 1:]  # (B, K, V) n_k = occurrences of order >= k
-        best = torch.full((B,), -1, dtype=torch.long, device=hist.device)
-        best = best.scatter_reduce(0, r, length * W + j, "amax")  # (B,) the longest match, the most recent of them
+    def _features(self, hist: torch.Tensor | None, counts: torch.Tensor, best: torch.Tensor, uni: torch.Tensor,
+                  lp: torch.Tensor, pred: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scan's counts by exact level (B, K+1, V) and best match (B,) (kernels.copy_scan), uni (B, V), the
+        network's lp (B, V), and the match's next byte `pred` (B,) or the history (B, W) to read it from ->
+        (features (B, F, V), bucket (B,))."""
+        V = self.vocab
+        B = counts.shape[0]
+        counts, best = counts.to(lp.device, lp.dtype), best.to(lp.device)
+        n = counts.flip(1).cumsum(1).flip(1)[:, 1:, :V]  # (B, K, V) n_k = occurrences of order >= k
+        W = self.config.window
         ell = torch.where(best >= 0, best // W, 0)  # (B,)
-        pred = hist[torch.arange(B, device=hist.device), (best % W).clamp(min=0)].long()  # (B,)
-        onehot = F.one_hot(pred, V).to(lp.dtype) * (ell > 0).unsqueeze(1).to(lp.dtype)  # (B, V)
-        a = c.alpha
+        if pred is None:
+            assert hist is not None
+            pred = hist[torch.arange(B, device=hist.device), (best % W).clamp(min=0)]
+        onehot = F.one_hot(pred.long(), V).to(lp.dtype) * (ell > 0).unsqueeze(1).to(lp.dtype)  # (B, V)
+        a = self.config.alpha
         feat = torch.cat([lp.unsqueeze(1), torch.log(uni + a).unsqueeze(1), torch.log(n + a),
                           onehot.unsqueeze(1)], 1)  # (B, F, V)
-        return feat, self._bucket_of.to(hist.device)[ell.clamp(max=255)]
+        return feat, self._bucket_of.to(lp.device)[ell.clamp(max=255)]
 
     @staticmethod
     def _mixture(w: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:

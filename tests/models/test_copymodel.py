@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from kernels.copy_scan import compiled
 from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
 from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMixed, CopyModel, merge_state
@@ -179,3 +181,42 @@ def test_the_keyboard_simulator_suggests_with_the_copy_model(tiny_checkpoint: Pa
             sim.observe(text)  # the copy model as the text repeats
         found[copy is not None] = sim.suggest("Please forward the zq", 3)
     assert found[True][:1] == ["zqvx"] and "zqvx" not in found[False]
+
+
+def test_the_fused_kernel_equals_the_pytorch_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with numba the step runs as one kernel (kernels/copy_scan.py); the PyTorch code is its reference
+    (and the path on other devices): same scores, same state, learning and frozen, with padding."""
+    if compiled() is None:
+        pytest.skip("numba is not installed: the reference is the only path")
+    g = torch.Generator().manual_seed(4)
+    text = (b"one two three, one two three; four five six. one two three four five six! " * 4)
+    B, T, W = 3, 60, 128
+    model = CopyModel(CopyConfig(window=W, orders=4, lr=0.05))
+    log_net = torch.log_softmax(torch.randn(B, T, V, generator=g), -1)
+    x = torch.tensor([list(text[i * 17 : i * 17 + T]) for i in range(B)])
+    mask = torch.arange(T).unsqueeze(0) < torch.tensor([[T], [T - 7], [T]])
+
+    def both(fn: Any) -> tuple[Any, Any]:
+        fast = fn()
+        monkeypatch.setattr("models.copymodel.compiled", lambda: None)
+        ref = fn()
+        monkeypatch.undo()
+        return fast, ref
+
+    state = model.init_state(B)
+    for start in (0, 20, 40):  # three calls: the history fills, then slides past the window
+        cut = slice(start, start + 20)
+        (fast, s_fast), (ref, s_ref) = both(lambda c=cut, s=state: model.mix(log_net[:, c], x[:, c], s, mask[:, c]))
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+        for k, v in s_ref.tensors.items():
+            torch.testing.assert_close(s_fast.tensors[k], v, rtol=1e-5, atol=1e-5, msg=k)
+        state = s_ref
+    stats = State({k: state.tensors[k] for k in ("hist", "fill", "uni", "weights")})
+    index = torch.tensor([2, -1, 0, 0])
+    match = state.tensors["match"][index.clamp(min=0)]
+    branch = torch.tensor([list(b"one t"), list(b"five "), list(b"xyz o"), list(b"three")])
+    lp = torch.log_softmax(torch.randn(4, 5, V, generator=g), -1)
+    (fast, m_fast), (ref, m_ref) = both(lambda: model.mix_frozen(lp, branch, match, stats, index))
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(m_fast[index >= 0], m_ref[index >= 0])  # a row without a copy model: its match is unused
+    torch.testing.assert_close(fast[1], lp[1], rtol=0, atol=0)  # index -1: the network alone
