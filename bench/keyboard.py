@@ -1,8 +1,10 @@
 """Keystroke savings against Presage: our default model (static, sparse session adaptation over HTTP, full dynamic
 evaluation in-process) and Presage (an n-gram predictor built from the same training text, without and with
 learning), all typed by the same simulator (clients/keysim.py: Presage's KSR definition, 3 suggestions). The
-sessions run as served (sparse adapter and the session word cache, models/wordcache.py) and with the word cache
-off; full dynamic evaluation runs without and with the same word cache.
+sessions run as served (sparse adapter, the copy model when the checkpoint has one, models/copymodel.py, and the
+session word cache, models/wordcache.py), without the word cache, and without the copy model (a copy of the
+checkpoint without dyneval.json's "copy" section); full dynamic evaluation runs without and with the word cache,
+and with the copy model and the word cache.
 
     python -m bench.keyboard [--texts emails,sms] [--systems presage,presage-learn,static,sparse,...]
                              [--limit-bytes N] [--warmup-bytes N] [--out runs/keyboard] [--force]
@@ -47,10 +49,12 @@ SYSTEMS = {
     "presage": "Presage, no learning",
     "presage-learn": "Presage, learning",
     "static": "ours, static (HTTP)",
-    "sparse-nocache": "ours, session adapter only (HTTP, word cache off)",
-    "sparse": "ours, session as served: adapter + word cache (HTTP)",
+    "sparse-nocache": "ours, session without the word cache: adapter + copy model (HTTP)",
+    "sparse-nocopy": "ours, session without the copy model: adapter + word cache (HTTP)",
+    "sparse": "ours, session as served: adapter + copy model + word cache (HTTP)",
     "full": "ours, full dynamic evaluation (in-process)",
     "full-cache": "ours, full dynamic evaluation + word cache (in-process)",
+    "full-copy": "ours, full dynamic evaluation + copy model + word cache (in-process)",
 }
 K = 3
 PAST_CHARS = 400  # of observed text in Presage's past stream (it reads the last few words)
@@ -214,15 +218,23 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
 
         ckpt = load_checkpoint(args.checkpoint)
         config = config_for("dynamic", ckpt.dyneval)
-        cache = float(ckpt.dyneval.get("session", {}).get("cache_weight", 0.0)) if system == "full-cache" else 0.0
-        record.update({"lr": config.lr, "decay": config.decay, "rule": config.rule, "cache_weight": cache})
-        suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, cache_weight=cache)
+        from models.copymodel import CopyModel
+
+        cache = ckpt.dyneval.cache_weight if system in ("full-cache", "full-copy") else 0.0
+        copy = CopyModel(ckpt.dyneval.copy) if system == "full-copy" and ckpt.dyneval.copy is not None else None
+        record.update({"lr": config.lr, "decay": config.decay, "rule": config.rule, "cache_weight": cache,
+                       "copy": copy is not None})
+        suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, cache_weight=cache, copy=copy)
         result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
     else:
         # static: the adapter stays zero (lr 0) and no word cache; the sessions: the server's defaults
-        lr, cache = {"static": (0.0, 0.0), "sparse": (None, None), "sparse-nocache": (None, 0.0)}[system]
+        lr, cache = {"static": (0.0, 0.0), "sparse": (None, None), "sparse-nocache": (None, 0.0),
+                     "sparse-nocopy": (None, None)}[system]
         log = args.out / f"{name}.{system}.server.log"
-        with serve(str(args.checkpoint), log) as url, Client(url, timeout=600) as client, \
+        checkpoint = args.checkpoint
+        if system in ("static", "sparse-nocopy"):  # the session without its copy model
+            checkpoint = without_copy(args.checkpoint, args.out / "checkpoint-nocopy")
+        with serve(str(checkpoint), log) as url, Client(url, timeout=600) as client, \
                 SessionSuggester(client, lr=lr, cache_weight=cache) as suggester:
             info = suggester.session.info
             assert info is not None
@@ -232,6 +244,16 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
     record.update(result.summary())
     record["seconds"] = time.perf_counter() - t0
     return record
+
+
+def without_copy(checkpoint: Path, out: Path) -> Path:
+    """A copy of `checkpoint` whose dyneval.json has no "copy" section: its sessions run without the copy model."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(checkpoint, out)
+    dyneval = json.loads((out / "dyneval.json").read_text())
+    dyneval.pop("copy", None)
+    (out / "dyneval.json").write_text(json.dumps(dyneval, indent=2))
+    return out
 
 
 def table(out: Path, names: list[str]) -> None:
