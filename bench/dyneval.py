@@ -142,6 +142,8 @@ def main() -> None:
         tps = sum(speed[name]) / len(speed[name])
         frac = state[name] / 4 / n_params  # bytes against the float32 parameters' bytes
         print(f"| {name} | {state[name]:,} | {100 * frac:.2f}% | {tps:,.0f} | {static_speed / tps:.2f}x |")
+    if args.no_batched:
+        return
     print()
     # batched sparse adaptation: B independent streams in one batch vs the same streams one at a time
     text = (SHARED / TEXTS["book"][1]).read_bytes()
@@ -149,7 +151,7 @@ def main() -> None:
     print(f"| streams | batched tokens/s | one at a time tokens/s | speed-up | ({args.stream_bytes} bytes each, "
           f"H={cfg.adapter_units}) |")
     print("| ---: | ---: | ---: | ---: | --- |")
-    for b in [] if args.no_batched else [int(s) for s in args.streams.split(",") if s]:
+    for b in [int(s) for s in args.streams.split(",") if s]:
         texts = [text[j * args.stream_bytes : (j + 1) * args.stream_bytes] for j in range(b)]
         t0 = time.perf_counter()
         evaluate_many(ck.model, texts, cfg, stats=ck.stats, max_streams=b)
