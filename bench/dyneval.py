@@ -3,8 +3,13 @@ on several texts, next to xz -9e and 7-Zip PPMd; adapted state per stream; speed
 
     python -m bench.dyneval [--checkpoint DIR] [--limit 100000] [--texts book,spanish,...]
                             [--sizes 64,128,256,512] [--streams 1,8,32,128] [--plot docs/img/dyneval.png]
+                            [--copy] [--modes static,session,session+copy,...]
 
-Every mode uses the checkpoint's tuned settings (dyneval.json); run `adaptlm tune` first.
+Every mode uses the checkpoint's tuned settings (dyneval.json); run `adaptlm tune` first. Modes (columns): static,
+cache, full, sparse (one column per adapter size), session (sparse with the "session" settings, as sessions are
+served), and static+copy, session+copy, full+copy: the same with the copy model (models/copymodel.py, dyneval.json
+"copy", `python -m bench.copy_defaults`) mixed in. `--copy` adds session and the three copy modes to the default
+columns; `--modes` picks the columns.
 7-Zip comes from Debian's p7zip-full (`apt-get install p7zip-full`); without it that column is "n/a".
 """
 
@@ -19,9 +24,10 @@ import time
 from pathlib import Path
 
 from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
-from models.adaptation import evaluate_many
-from models.checkpoint import load_checkpoint
-from trainer.evaluation import config_for, loss_curve, plot_curves, run_eval
+from models.adaptation import DynEvalConfig, evaluate_many
+from models.checkpoint import Checkpoint, load_checkpoint
+from models.copymodel import CopyConfig, CopyModel
+from trainer.evaluation import config_for, loss_curve, plot_curves
 
 TEXTS = {
     "book": ("unseen book (chesterton-brown)", "gutenberg/chesterton-brown.txt"),
@@ -30,6 +36,32 @@ TEXTS = {
     "code": ("C code (linux.valid)", "code/linux.valid.txt"),
     "enwik8": ("enwik8 (Wikipedia XML)", "enwik8/enwik8.head950k"),
 }
+MODES = ("static", "cache", "full", "sparse", "session", "static+copy", "session+copy", "full+copy")
+DEFAULT_MODES = "static,cache,full,sparse"
+COPY_MODES = "session,static+copy,session+copy,full+copy"
+
+
+def copy_config(ck: Checkpoint) -> CopyConfig:
+    """The checkpoint's copy-model settings (dyneval.json "copy"), the defaults where it has none."""
+    section = ck.dyneval.get("copy")
+    return CopyConfig.from_dict(section) if section else CopyConfig()
+
+
+def columns(ck: Checkpoint, modes: list[str], sizes: list[int]) -> list[tuple[str, DynEvalConfig, bool]]:
+    """-> (header, settings, with the copy model) for each column."""
+    out = []
+    for mode in modes:
+        base, copy = mode.removesuffix("+copy"), mode.endswith("+copy")
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        if base == "sparse":
+            out += [(f"sparse H={k}", config_for("sparse", ck.dyneval, adapter_units=k), False) for k in sizes]
+        elif base == "session":
+            out.append((mode.replace("+", " + "), ck.dyneval.session, copy))
+        else:
+            name = "dynamic" if base == "full" else base  # `adaptlm eval`'s name for full dynamic evaluation
+            out.append((mode.replace("+", " + "), config_for(name, ck.dyneval), copy))
+    return out
 
 
 def xz_bpb(data: bytes) -> float:
@@ -57,6 +89,8 @@ def main() -> None:
     ap.add_argument("--stream-bytes", type=int, default=2000)
     ap.add_argument("--plot", help="PNG of loss against position on the first text")
     ap.add_argument("--no-batched", action="store_true", help="leave out the batched-streams table")
+    ap.add_argument("--copy", action="store_true", help=f"add the columns {COPY_MODES}")
+    ap.add_argument("--modes", help=f"the columns, from {', '.join(MODES)} (default {DEFAULT_MODES})")
     args = ap.parse_args()
     ck = load_checkpoint(args.checkpoint)
     training_only = set(ck.model.training_only_parameters())  # never read at inference (zero-filled if not shipped)
@@ -64,9 +98,16 @@ def main() -> None:
     site = max(site.dim for site in ck.model.adaptation_sites())
     sizes = [int(s) for s in args.sizes.split(",") if s and int(s) <= site]  # sizes beyond the site do not exist
     print(f"# dynamic evaluation, {ck.name} ({n_params:,} parameters): {machine_line()}")
-    print(f"settings: {ck.dyneval}")
+    modes = (args.modes or DEFAULT_MODES + ("," + COPY_MODES if args.copy else "")).split(",")
+    cols = columns(ck, [m for m in modes if m], sizes)
+    copy = CopyModel(copy_config(ck), ck.config.vocab_size) if any(c for _, _, c in cols) else None
+    copy_bytes = sum(t.numel() * t.element_size() for t in copy.init_state(1).tensors.values()) if copy else 0
+    print(f"settings: { {k: v for k, v in ck.dyneval.items() if k != 'copy'} }")
+    print(f"session: {ck.dyneval.session}")
+    if copy is not None:
+        print(f"copy: {copy.config.to_dict() | {'weights': 'prior' if copy.config.weights else 'none'}}")
     print()
-    head = ["static", "cache", "dynamic"] + [f"sparse H={k}" for k in sizes]
+    head = [name for name, _, _ in cols]
     print("| text | xz -9e | PPMd o8 | " + " | ".join(head) + " |")
     print("| --- | ---: | ---: | " + " | ".join("---:" for _ in head) + " |")
     speed: dict[str, list[float]] = {}
@@ -75,19 +116,20 @@ def main() -> None:
         label, rel = TEXTS[key]
         data = (SHARED / rel).read_bytes()[: args.limit]
         cells, curves = [], {}
-        static_bpb = 0.0
-        runs = [("static", {}), ("cache", {}), ("dynamic", {})] + [("sparse", {"adapter_units": k}) for k in sizes]
-        for name, (mode, kw) in zip(head, runs, strict=True):
-            rec, res = run_eval(ck, data, mode, **kw)
-            bpb = rec["bits_per_byte"]
-            if mode == "static":
+        static_bpb = None
+        for name, cfg, with_copy in cols:
+            res = evaluate_many(ck.model, [data], cfg, stats=ck.stats, tokenizer=ck.tokenizer,
+                                copy=copy if with_copy else None)[0]
+            bpb = res.bits_per_byte
+            if name == "static":
                 static_bpb = bpb
+            if static_bpb is None or name == "static":
                 cells.append(f"{bpb:.3f}")
             else:
                 cells.append(f"{bpb:.3f} ({100 * (static_bpb - bpb) / static_bpb:+.1f}%)")
-            speed.setdefault(name, []).append(rec["tokens_per_s"])
-            state[name] = rec["state_bytes"]
-            if i == 0 and name in ("static", "cache", "dynamic", f"sparse H={sizes[-1]}"):
+            speed.setdefault(name, []).append(res.bytes / max(res.seconds, 1e-9))
+            state[name] = res.state_bytes + (copy_bytes if with_copy else 0)
+            if i == 0:
                 curves[name] = loss_curve(res.logprobs, 2000)
         print(f"| {label} | {xz_bpb(data):.3f} | {ppmd_bpb(data):.3f} | " + " | ".join(cells) + " |", flush=True)
         if i == 0 and args.plot:
@@ -95,11 +137,13 @@ def main() -> None:
     print()
     print("| mode | adapted state per stream (bytes) | vs model parameters | tokens/s (mean) | time vs static |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    static_speed = sum(speed["static"]) / len(speed["static"])
+    static_speed = sum(speed["static"]) / len(speed["static"]) if "static" in speed else float("nan")
     for name in head:
         tps = sum(speed[name]) / len(speed[name])
-        frac = state[name] / 4 / n_params
+        frac = state[name] / 4 / n_params  # bytes against the float32 parameters' bytes
         print(f"| {name} | {state[name]:,} | {100 * frac:.2f}% | {tps:,.0f} | {static_speed / tps:.2f}x |")
+    if args.no_batched:
+        return
     print()
     # batched sparse adaptation: B independent streams in one batch vs the same streams one at a time
     text = (SHARED / TEXTS["book"][1]).read_bytes()
@@ -107,7 +151,7 @@ def main() -> None:
     print(f"| streams | batched tokens/s | one at a time tokens/s | speed-up | ({args.stream_bytes} bytes each, "
           f"H={cfg.adapter_units}) |")
     print("| ---: | ---: | ---: | ---: | --- |")
-    for b in [] if args.no_batched else [int(s) for s in args.streams.split(",") if s]:
+    for b in [int(s) for s in args.streams.split(",") if s]:
         texts = [text[j * args.stream_bytes : (j + 1) * args.stream_bytes] for j in range(b)]
         t0 = time.perf_counter()
         evaluate_many(ck.model, texts, cfg, stats=ck.stats, max_streams=b)
