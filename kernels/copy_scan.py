@@ -171,29 +171,55 @@ def _kernels() -> tuple[Any, Any, Any, Any] | None:
         F = feat.shape[1]
         counts = np.zeros((orders + 1, 256), dtype=np.float64)
         z = np.empty(V, dtype=np.float32)
+        p = np.empty(V, dtype=np.float64)
+        occ = np.empty(W, dtype=np.int32)  # this step's matching slots
+        prev = np.empty(W, dtype=np.int32)  # the last step's (the only nonzero slots of match)
+        vals = np.empty(W, dtype=np.uint8)
         for b in range(B):
+            row = match[b]
+            n_prev = 0
+            for j in range(W):  # branch-free: every slot is written, the count moves on a nonzero one
+                prev[n_prev] = j
+                n_prev += row[j] != 0
             for t in range(lengths[b]):
                 x = ext[b, W + t]
                 # 1. the mixer learns from its pending prediction
                 bk = bucket[b]
                 if bk >= 0:
                     _mix_row(weights[b, bk], feat[b], z)
+                    for v in range(V):
+                        p[v] = np.exp(z[v])
                     for f in range(F):
                         e = 0.0
                         for v in range(V):
-                            e += feat[b, f, v] * np.exp(z[v])
+                            e += feat[b, f, v] * p[v]
                         weights[b, bk, f] -= lr * (e - feat[b, f, x])
-                # 2. the scan: the recurrence branch-free (vectorised), then only the matching slots, 8 at a time
-                start = W - fill[b]
-                row = match[b]
+                # 2. the scan: the slots whose byte is x (one branch-free pass), then only those: the recurrence,
+                # the counts and the longest match; the last step's nonzero slots are cleared by their list
+                start = max(W - fill[b], 0)
                 old = ext[b, t : t + W]
-                for j in range(W):
-                    m = row[j]
-                    m = m if m < CAP else np.uint8(CAP)
-                    row[j] = m + np.uint8(1) if old[j] == x else np.uint8(0)
-                for j in range(max(start, 0)):
-                    row[j] = 0
-                top = _count(row, ext[b, t + 1 : t + 1 + W], orders, counts)
+                n = 0
+                for j in range(start, W):
+                    occ[n] = j
+                    n += old[j] == x
+                for i in range(n):
+                    m = row[occ[i]]
+                    vals[i] = (m if m < CAP else CAP) + 1
+                for i in range(n_prev):
+                    row[prev[i]] = 0
+                counts[:, :] = 0.0
+                top = -1
+                cand = ext[b, t + 1 : t + 1 + W]
+                for i in range(n):
+                    j = occ[i]
+                    m = vals[i]
+                    row[j] = m
+                    counts[m if m < orders else orders, cand[j]] += 1.0
+                    key = np.int64(m) * W + j
+                    if key > top:
+                        top = key
+                occ, prev = prev, occ
+                n_prev = n
                 if fill[b] >= W:
                     uni[b, ext[b, t]] -= 1.0
                 uni[b, x] += 1.0
@@ -221,7 +247,9 @@ def _kernels() -> tuple[Any, Any, Any, Any] | None:
         V = lp.shape[2]
         counts = np.zeros((orders + 1, 256), dtype=np.float64)
         feat = np.empty((F, V), dtype=np.float32)
-        tmp = np.empty(W, dtype=np.uint8)
+        occ = np.empty(W, dtype=np.int32)
+        prev = np.empty(W, dtype=np.int32)
+        vals = np.empty(W, dtype=np.uint8)
         for b in range(B):
             row = index[b]
             if row < 0:  # no copy model: the network alone
@@ -229,17 +257,35 @@ def _kernels() -> tuple[Any, Any, Any, Any] | None:
                     for v in range(V):
                         out[b, t, v] = lp[b, t, v]
                 continue
+            mrow = match[b]
+            hrow = hist[row]
+            n_prev = 0
+            for j in range(W):
+                prev[n_prev] = j
+                n_prev += mrow[j] != 0
             for t in range(T):
                 x = inputs[b, t]
-                mrow = match[b]
-                hrow = hist[row]
-                for j in range(W - 1):  # the successor slots, from the old matches (vectorised)
-                    m = mrow[j]
-                    m = m if m < CAP else np.uint8(CAP)
-                    tmp[j] = m + np.uint8(1) if hrow[j] == x else np.uint8(0)
-                mrow[0] = 0
-                mrow[1:] = tmp[: W - 1]
-                top = _count(mrow, hist[row], orders, counts)
+                n = 0
+                for j in range(W - 1):  # slots j whose byte is x: their successors j + 1 match
+                    occ[n] = j + 1
+                    n += hrow[j] == x
+                for i in range(n):
+                    m = mrow[occ[i] - 1]
+                    vals[i] = (m if m < CAP else CAP) + 1
+                for i in range(n_prev):
+                    mrow[prev[i]] = 0
+                counts[:, :] = 0.0
+                top = -1
+                for i in range(n):
+                    j = occ[i]
+                    m = vals[i]
+                    mrow[j] = m
+                    counts[m if m < orders else orders, hrow[j]] += 1.0
+                    key = np.int64(m) * W + j
+                    if key > top:
+                        top = key
+                occ, prev = prev, occ
+                n_prev = n
                 ell = top // W if top >= 0 else 0
                 cand = hist[row, top % W] if top >= 0 else 0
                 _features(cand, top, ell, counts, uni[row], lp[b, t], alpha, feat)
