@@ -6,13 +6,17 @@ For each stream b and history slot j, the suffix-match recurrence and what it pr
     counts[b, min(match'[j], K), cand[j]] += 1                 for match'[j] > 0 (orders 1..K by exact level)
     best[b] = max_j match'[j] * W + j                          the longest match, the most recent of them
 
-`scan_ref` is the PyTorch reference (any device; the CPU path without numba); `scan` runs a numba kernel on CPU
-tensors (one pass, no intermediate tensors: about 4x faster than the reference on a batch of full histories) and
-falls back to the reference elsewhere. Layout: `ext` (B, W + T) uint8 with the history of this step at
-[t + 1, t + 1 + W) and the one before at [t, t + W) (the learning path's sliding window), or, frozen (the
-history does not take x, the match moves one slot: `match'[j] = [hist[j-1] == x](1 + match[j-1])`), `hist`
-(S, W) read through `index` (B,). `match` (B, W) uint8 is updated in place; `valid_from` (B,) the first slot
-holding a byte (a history still filling has empty slots before it, which never match).
+`scan_ref` and `scan_frozen_ref` are the PyTorch reference of one byte (any device; models/copymodel.py builds its
+reference step on them). `compiled()` gives two numba kernels that run a whole segment of a batch on CPU tensors,
+the copy model's step fused (mixer update, scan, counts, features, mixture): `learn_segment` and `frozen_segment`.
+Their scan finds the slots whose byte is x with one vectorised compare and touches only those (the last step's
+nonzero slots are cleared from their list), and log(count + alpha) comes from a table: about 25 us a byte and
+stream with a 32 KB window, against ~500 us for the reference (tests/models/test_copymodel.py checks them against
+it). Layout: `ext` (B, W + T) uint8 with the history of step t at [t + 1, t + 1 + W) and the one before at
+[t, t + W) (the learning path's sliding window), or, frozen (the history does not take x, the match moves one
+slot: `match'[j] = [hist[j-1] == x](1 + match[j-1])`), `hist` (S, W) read through `index` (B,). `match` (B, W)
+uint8 is updated in place; `valid_from` (B,) the first slot holding a byte (a history still filling has empty
+slots before it, which never match).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["compiled", "scan", "scan_frozen", "scan_frozen_ref", "scan_ref"]
+__all__ = ["compiled", "scan_frozen_ref", "scan_ref"]
 
 CAP = 254
 
@@ -63,50 +67,12 @@ def _predict_ref(cand: torch.Tensor, match: torch.Tensor, orders: int) -> tuple[
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any, Any] | None:
+def _kernels() -> tuple[Any, Any] | None:
     """The numba kernels, compiled at first use (cached on disk); None without numba."""
     try:
         import numba  # noqa: PLC0415 (optional: the reference serves without it)
     except ImportError:
         return None
-
-    @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def learn(ext, t, match, x, valid_from, orders, counts, best):  # type: ignore[no-untyped-def]
-        B, W = match.shape
-        for b in range(B):
-            xb = x[b]
-            top = -1
-            for j in range(W):
-                m = 0
-                if ext[b, t + j] == xb and j >= valid_from[b]:
-                    m = min(match[b, j], CAP) + 1
-                    lev = m if m < orders else orders
-                    counts[b, lev, ext[b, t + 1 + j]] += 1.0
-                    key = m * W + j
-                    if key > top:
-                        top = key
-                match[b, j] = m
-            best[b] = top
-
-    @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def frozen(hist, index, match, x, orders, counts, best):  # type: ignore[no-untyped-def]
-        B, W = match.shape
-        for b in range(B):
-            row = index[b]
-            xb = x[b]
-            top = -1
-            for j in range(W - 1, 0, -1):  # downwards: match[j - 1] is still the old one when match[j] is made
-                m = 0
-                if hist[row, j - 1] == xb:
-                    m = min(match[b, j - 1], CAP) + 1
-                    lev = m if m < orders else orders
-                    counts[b, lev, hist[row, j]] += 1.0
-                    key = m * W + j
-                    if key > top:
-                        top = key
-                match[b, j] = m
-            match[b, 0] = 0
-            best[b] = top
 
     @numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
     def _mix_row(w, feat, out_row):  # type: ignore[no-untyped-def]
@@ -127,49 +93,31 @@ def _kernels() -> tuple[Any, Any, Any, Any] | None:
             out_row[v] -= lse
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def _features(cand, match_best, ell, counts, uni, lp_row, alpha, feat):  # type: ignore[no-untyped-def]
+    def _features(cand, ell, counts, uni, lp_row, alpha, logtab, run, feat):  # type: ignore[no-untyped-def]
+        """logtab[c] = log(c + alpha) for the whole counts c <= W (a table: 7 x 256 logs a byte were half the
+        time of a step)."""
         K1, V = counts.shape[0], lp_row.shape[0]
         for v in range(V):
             feat[0, v] = lp_row[v]
             feat[1, v] = np.log(uni[v] + alpha)
-        run = np.zeros(V, dtype=np.float64)
+            run[v] = 0
         for k in range(K1 - 1, 0, -1):  # n_k = occurrences of order >= k
             for v in range(V):
                 run[v] += counts[k, v]
-                feat[1 + k, v] = np.log(run[v] + alpha)
+                feat[1 + k, v] = logtab[run[v]]
         for v in range(V):
             feat[K1 + 1, v] = 0.0
         if ell > 0:
             feat[K1 + 1, cand] = 1.0
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def _count(match_row, cand, orders, counts):  # type: ignore[no-untyped-def]
-        """counts[min(m, K), cand[j]] += 1 over the slots with m = match_row[j] > 0, skipping 8 empty slots at a
-        time; -> the longest match's key, m * W + j of the most recent (-1: none)."""
-        W = match_row.shape[0]
-        counts[:, :] = 0.0
-        top = -1
-        words = match_row.view(np.uint64)
-        for i in range(W // 8):
-            if words[i] == 0:
-                continue
-            for j in range(8 * i, 8 * i + 8):
-                m = match_row[j]
-                if m > 0:
-                    lev = m if m < orders else orders
-                    counts[lev, cand[j]] += 1.0
-                    key = np.int64(m) * W + j
-                    if key > top:
-                        top = key
-        return top
-
-    @numba.njit(cache=True, nogil=True, boundscheck=False)
     def learn_segment(ext, lengths, match, fill, uni, weights, feat, bucket, lp, out, hist_out, orders, alpha, lr,
-                      lut, uni_limit):  # type: ignore[no-untyped-def]
+                      lut, uni_limit, logtab):  # type: ignore[no-untyped-def]
         B, W = match.shape
         V = lp.shape[2]
         F = feat.shape[1]
-        counts = np.zeros((orders + 1, 256), dtype=np.float64)
+        counts = np.zeros((orders + 1, 256), dtype=np.int64)
+        run = np.zeros(256, dtype=np.int64)
         z = np.empty(V, dtype=np.float32)
         p = np.empty(V, dtype=np.float64)
         occ = np.empty(W, dtype=np.int32)  # this step's matching slots
@@ -198,23 +146,23 @@ def _kernels() -> tuple[Any, Any, Any, Any] | None:
                 # the counts and the longest match; the last step's nonzero slots are cleared by their list
                 start = max(W - fill[b], 0)
                 old = ext[b, t : t + W]
-                n = 0
-                for j in range(start, W):
-                    occ[n] = j
-                    n += old[j] == x
+                hits = np.flatnonzero(old[start:] == x)  # a vectorised compare
+                n = hits.shape[0]
                 for i in range(n):
-                    m = row[occ[i]]
+                    j = hits[i] + start
+                    occ[i] = j
+                    m = row[j]
                     vals[i] = (m if m < CAP else CAP) + 1
                 for i in range(n_prev):
                     row[prev[i]] = 0
-                counts[:, :] = 0.0
+                counts[:, :] = 0
                 top = -1
                 cand = ext[b, t + 1 : t + 1 + W]
                 for i in range(n):
                     j = occ[i]
                     m = vals[i]
                     row[j] = m
-                    counts[m if m < orders else orders, cand[j]] += 1.0
+                    counts[m if m < orders else orders, cand[j]] += 1
                     key = np.int64(m) * W + j
                     if key > top:
                         top = key
@@ -227,7 +175,7 @@ def _kernels() -> tuple[Any, Any, Any, Any] | None:
                 # 3. predict the next byte
                 ell = top // W if top >= 0 else 0
                 cand = ext[b, t + 1 + (top % W)] if top >= 0 else 0
-                _features(cand, top, ell, counts, uni[b], lp[b, t], alpha, feat[b])
+                _features(cand, ell, counts, uni[b], lp[b, t], alpha, logtab, run, feat[b])
                 bucket[b] = lut[min(ell, 255)]
                 _mix_row(weights[b, bucket[b]], feat[b], out[b, t])
             total = 0.0
@@ -240,15 +188,15 @@ def _kernels() -> tuple[Any, Any, Any, Any] | None:
                 hist_out[b, j] = ext[b, lengths[b] + j]
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def frozen_segment(hist, index, match, inputs, lp, out, uni, weights, orders, alpha, lut):  # type: ignore[no-untyped-def]
+    def frozen_segment(hist, index, match, inputs, lp, out, uni, weights, orders, alpha, lut, logtab):  # type: ignore[no-untyped-def]
         B, W = match.shape
         T = inputs.shape[1]
         F = weights.shape[2]
         V = lp.shape[2]
-        counts = np.zeros((orders + 1, 256), dtype=np.float64)
+        counts = np.zeros((orders + 1, 256), dtype=np.int64)
+        run = np.zeros(256, dtype=np.int64)
         feat = np.empty((F, V), dtype=np.float32)
         occ = np.empty(W, dtype=np.int32)
-        prev = np.empty(W, dtype=np.int32)
         vals = np.empty(W, dtype=np.uint8)
         for b in range(B):
             row = index[b]
@@ -259,75 +207,35 @@ def _kernels() -> tuple[Any, Any, Any, Any] | None:
                 continue
             mrow = match[b]
             hrow = hist[row]
-            n_prev = 0
-            for j in range(W):
-                prev[n_prev] = j
-                n_prev += mrow[j] != 0
             for t in range(T):
                 x = inputs[b, t]
-                n = 0
-                for j in range(W - 1):  # slots j whose byte is x: their successors j + 1 match
-                    occ[n] = j + 1
-                    n += hrow[j] == x
+                hits = np.flatnonzero(hrow[: W - 1] == x)  # slots whose byte is x (a vectorised compare)
+                n = hits.shape[0]
                 for i in range(n):
-                    m = mrow[occ[i] - 1]
+                    j = hits[i]
+                    occ[i] = j + 1  # their successors match
+                    m = mrow[j]
                     vals[i] = (m if m < CAP else CAP) + 1
-                for i in range(n_prev):
-                    mrow[prev[i]] = 0
-                counts[:, :] = 0.0
+                mrow[:] = 0
+                counts[:, :] = 0
                 top = -1
                 for i in range(n):
                     j = occ[i]
                     m = vals[i]
                     mrow[j] = m
-                    counts[m if m < orders else orders, hrow[j]] += 1.0
+                    counts[m if m < orders else orders, hrow[j]] += 1
                     key = np.int64(m) * W + j
                     if key > top:
                         top = key
-                occ, prev = prev, occ
-                n_prev = n
                 ell = top // W if top >= 0 else 0
                 cand = hist[row, top % W] if top >= 0 else 0
-                _features(cand, top, ell, counts, uni[row], lp[b, t], alpha, feat)
+                _features(cand, ell, counts, uni[row], lp[b, t], alpha, logtab, run, feat)
                 _mix_row(weights[row, lut[min(ell, 255)]], feat, out[b, t])
 
-    return learn, frozen, learn_segment, frozen_segment
-
-
-def _fast(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" for t in tensors) and _kernels() is not None
-
-
-def scan(ext: torch.Tensor, t: int, match: torch.Tensor, x: torch.Tensor, valid_from: torch.Tensor,
-         orders: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`scan_ref`, by the numba kernel on CPU tensors."""
-    if not _fast(ext, match) or not match.is_contiguous():
-        return scan_ref(ext, t, match, x, valid_from, orders)
-    kernels = _kernels()
-    assert kernels is not None
-    B = match.shape[0]
-    counts = np.zeros((B, orders + 1, 256), dtype=np.float32)
-    best = np.empty(B, dtype=np.int64)
-    kernels[0](ext.numpy(), t, match.numpy(), x.to(torch.uint8).numpy(), valid_from.numpy(), orders, counts, best)
-    return torch.from_numpy(counts), torch.from_numpy(best)
-
-
-def scan_frozen(hist: torch.Tensor, index: torch.Tensor, match: torch.Tensor, x: torch.Tensor,
-                orders: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`scan_frozen_ref`, by the numba kernel on CPU tensors; -> (counts, best) over hist[index[b]]."""
-    if not _fast(hist, match) or not match.is_contiguous() or not hist.is_contiguous():
-        return scan_frozen_ref(hist, index, match, x, orders)
-    kernels = _kernels()
-    assert kernels is not None
-    B = match.shape[0]
-    counts = np.zeros((B, orders + 1, 256), dtype=np.float32)
-    best = np.empty(B, dtype=np.int64)
-    kernels[1](hist.numpy(), index.numpy(), match.numpy(), x.to(torch.uint8).numpy(), orders, counts, best)
-    return torch.from_numpy(counts), torch.from_numpy(best)
+    return learn_segment, frozen_segment
 
 
 def compiled() -> tuple[Any, Any] | None:
     """The whole-segment kernels (`learn_segment`, `frozen_segment`: the copy model's step fused, for CPU tensors;
     models/copymodel.py calls them and keeps its PyTorch code as the reference), or None without numba."""
-    kernels = _kernels()
-    return (kernels[2], kernels[3]) if kernels is not None else None
+    return _kernels()

@@ -48,10 +48,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.copy_scan import compiled, scan, scan_frozen
+from kernels.copy_scan import compiled, scan_frozen_ref, scan_ref
 from models.base import Adapter, LanguageModel, Output, Site, State
 
 __all__ = ["BUCKET_EDGES", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "merge_state", "split_state"]
@@ -147,6 +148,8 @@ class CopyModel:
         for i, edge in enumerate(BUCKET_EDGES):
             lut[edge:] = i
         self._bucket_of = lut  # match length -> weight set
+        # log(c + alpha) of every whole count c <= window, for the fused kernels
+        self._logtab = np.log(np.arange(config.window + 1, dtype=np.float64) + config.alpha).astype(np.float32)
         if config.weights is not None:
             self._prior = torch.tensor(config.weights, dtype=torch.float32)  # (NB, F)
         else:
@@ -226,7 +229,7 @@ class CopyModel:
         lp = out.clone()
         kernel(ext.numpy(), lengths.numpy(), new["match"].numpy(), new["fill"].numpy(), new["uni"].numpy(),
                new["weights"].numpy(), new["feat"].numpy(), new["bucket"].numpy(), lp.numpy(), out.numpy(),
-               hist.numpy(), c.orders, c.alpha, c.lr, self._bucket_of.numpy(), _UNI_LIMIT)
+               hist.numpy(), c.orders, c.alpha, c.lr, self._bucket_of.numpy(), _UNI_LIMIT, self._logtab)
         return out, State({"hist": hist, **new})
 
     def _learn(self, s: dict[str, torch.Tensor], inputs: torch.Tensor,
@@ -253,7 +256,7 @@ class CopyModel:
                 weights[rows, b] = w - c.lr * grad * pending.unsqueeze(1).to(grad.dtype)
             # 2. x joins the history: the match recurrence over the old window, in place (kernels.copy_scan); the
             # empty slots of a history still filling never match
-            counts, best = scan(ext, t, match, x, (W - fill).clamp(min=0), c.orders)
+            counts, best = scan_ref(ext, t, match, x, (W - fill).clamp(min=0), c.orders)
             full = (fill >= W).to(uni.dtype)  # (B,) the oldest byte leaves
             uni[rows, ext[:, t].long()] -= full
             uni[rows, x] += 1
@@ -281,7 +284,7 @@ class CopyModel:
             fused[1](st["hist"].contiguous().numpy(), index.contiguous().numpy(), match.numpy(),
                      inputs.to(torch.uint8).contiguous().numpy(), log_net.float().contiguous().numpy(), out.numpy(),
                      st["uni"].contiguous().numpy(), st["weights"].contiguous().numpy(), self.config.orders,
-                     self.config.alpha, self._bucket_of.numpy())
+                     self.config.alpha, self._bucket_of.numpy(), self._logtab)
             return out, match
         B = inputs.shape[0]
         alone = index < 0  # (B,) rows without a copy model
@@ -291,7 +294,7 @@ class CopyModel:
         match = match.clone()  # the caller's (a cursor's) stays as it was
         rows = torch.arange(B, device=inputs.device)
         for t in range(inputs.shape[1]):
-            counts, best = scan_frozen(hist, index, match, inputs[:, t], self.config.orders)
+            counts, best = scan_frozen_ref(hist, index, match, inputs[:, t], self.config.orders)
             cand = hist[index[rows], (best % hist.shape[1]).clamp(min=0)]  # (B,) the match's next byte
             feat, bucket = self._features(None, counts, best, uni, out[:, t], cand)
             out[:, t] = self._mixture(weights[rows, bucket], feat)
