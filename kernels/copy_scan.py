@@ -75,7 +75,7 @@ def _kernels() -> tuple[Any, Any] | None:
         return None
 
     @numba.njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-    def _mix_row(w, feat, out_row):  # type: ignore[no-untyped-def]
+    def _mix_row(w, feat, out_row):
         """out_row[v] = log_softmax(w . feat)[v]."""
         F, V = feat.shape
         top = -np.inf
@@ -93,7 +93,7 @@ def _kernels() -> tuple[Any, Any] | None:
             out_row[v] -= lse
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def _features(cand, ell, counts, uni, lp_row, alpha, logtab, run, feat):  # type: ignore[no-untyped-def]
+    def _features(cand, ell, counts, uni, lp_row, alpha, logtab, run, feat):
         """logtab[c] = log(c + alpha) for the whole counts c <= W (a table: 7 x 256 logs a byte were half the
         time of a step)."""
         K1, V = counts.shape[0], lp_row.shape[0]
@@ -112,7 +112,7 @@ def _kernels() -> tuple[Any, Any] | None:
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
     def learn_segment(ext, lengths, match, fill, uni, weights, feat, bucket, lp, out, hist_out, orders, alpha, lr,
-                      lut, uni_limit, logtab):  # type: ignore[no-untyped-def]
+                      lut, uni_limit, logtab):
         B, W = match.shape
         V = lp.shape[2]
         F = feat.shape[1]
@@ -188,7 +188,7 @@ def _kernels() -> tuple[Any, Any] | None:
                 hist_out[b, j] = ext[b, lengths[b] + j]
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def frozen_segment(hist, index, match, inputs, lp, out, uni, weights, orders, alpha, lut, logtab):  # type: ignore[no-untyped-def]
+    def frozen_segment(hist, index, match, inputs, lp, out, uni, weights, orders, alpha, lut, logtab):
         B, W = match.shape
         T = inputs.shape[1]
         F = weights.shape[2]
