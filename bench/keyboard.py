@@ -233,7 +233,7 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
         log = args.out / f"{name}.{system}.server.log"
         checkpoint = args.checkpoint
         if system in ("static", "sparse-nocopy"):  # the session without its copy model
-            checkpoint = without_copy(args.checkpoint, args.out / "checkpoint-nocopy")
+            checkpoint = without_copy(args.checkpoint, args.out / f"checkpoint-nocopy-{name}-{system}")
         with serve(str(checkpoint), log) as url, Client(url, timeout=600) as client, \
                 SessionSuggester(client, lr=lr, cache_weight=cache) as suggester:
             info = suggester.session.info

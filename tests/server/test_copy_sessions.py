@@ -112,3 +112,20 @@ def test_generation_continues_a_repeat_and_batches_with_static_generations(copy_
         texts = [r.result()["text"] for r in runs]
     assert texts[0] == texts[2] and texts[0].startswith("vx ledge")
     assert texts[1] == texts[3] == static and not static.startswith("vx")
+
+
+def test_a_session_s_copy_model_lives_in_redis_across_servers(copy_checkpoint: Path, serve_app: Any,
+                                                               redis_url: str) -> None:
+    """Two servers on one Redis: a session observed on one scores the repeat as cheaply on the other (its copy
+    model travels in the stored blob), and after both restart."""
+    settings = Settings(checkpoint=copy_checkpoint, session_store=redis_url, suggest_budget_ms=0)
+    with serve_app(settings) as a, httpx.Client(base_url=a.url, timeout=60) as ca:
+        sid = post(ca, "/v1/sessions")["id"]
+        post(ca, f"/v1/sessions/{sid}/observe", text=TEXT)
+        here = post(ca, "/v1/score", text=TEXT, session_id=sid)["bits"]
+        with serve_app(settings) as b, httpx.Client(base_url=b.url, timeout=60) as cb:
+            assert post(cb, "/v1/score", text=TEXT, session_id=sid)["bits"] == pytest.approx(here, rel=1e-6)
+            fresh = post(cb, "/v1/sessions")["id"]
+            assert here < 0.6 * post(cb, "/v1/score", text=TEXT, session_id=fresh)["bits"]
+    with serve_app(settings) as c, httpx.Client(base_url=c.url, timeout=60) as cc:
+        assert post(cc, "/v1/score", text=TEXT, session_id=sid)["bits"] == pytest.approx(here, rel=1e-6)
