@@ -111,6 +111,23 @@ def _kernels() -> tuple[Any, Any] | None:
             feat[K1 + 1, cand] = 1.0
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def _place(row, occ, vals, n, cand, orders, counts):
+        """Write the new match lengths vals[i] at slots occ[i] of `row`, count each slot's byte cand[j] at its order
+        (capped at K), and return the longest match's key, m * W + j of the most recent (-1: none)."""
+        W = row.shape[0]
+        counts[:, :] = 0
+        top = -1
+        for i in range(n):
+            j = occ[i]
+            m = vals[i]
+            row[j] = m
+            counts[m if m < orders else orders, cand[j]] += 1
+            key = np.int64(m) * W + j
+            if key > top:
+                top = key
+        return top
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
     def learn_segment(ext, lengths, match, fill, uni, weights, feat, bucket, lp, out, hist_out, orders, alpha, lr,
                       lut, uni_limit, logtab):
         B, W = match.shape
@@ -155,17 +172,7 @@ def _kernels() -> tuple[Any, Any] | None:
                     vals[i] = (m if m < CAP else CAP) + 1
                 for i in range(n_prev):
                     row[prev[i]] = 0
-                counts[:, :] = 0
-                top = -1
-                cand = ext[b, t + 1 : t + 1 + W]
-                for i in range(n):
-                    j = occ[i]
-                    m = vals[i]
-                    row[j] = m
-                    counts[m if m < orders else orders, cand[j]] += 1
-                    key = np.int64(m) * W + j
-                    if key > top:
-                        top = key
+                top = _place(row, occ, vals, n, ext[b, t + 1 : t + 1 + W], orders, counts)
                 occ, prev = prev, occ
                 n_prev = n
                 if fill[b] >= W:
@@ -217,16 +224,7 @@ def _kernels() -> tuple[Any, Any] | None:
                     m = mrow[j]
                     vals[i] = (m if m < CAP else CAP) + 1
                 mrow[:] = 0
-                counts[:, :] = 0
-                top = -1
-                for i in range(n):
-                    j = occ[i]
-                    m = vals[i]
-                    mrow[j] = m
-                    counts[m if m < orders else orders, hrow[j]] += 1
-                    key = np.int64(m) * W + j
-                    if key > top:
-                        top = key
+                top = _place(mrow, occ, vals, n, hrow, orders, counts)
                 ell = top // W if top >= 0 else 0
                 cand = hist[row, top % W] if top >= 0 else 0
                 _features(cand, ell, counts, uni[row], lp[b, t], alpha, logtab, run, feat)
