@@ -129,3 +129,12 @@ def test_a_session_s_copy_model_lives_in_redis_across_servers(copy_checkpoint: P
             assert here < 0.6 * post(cb, "/v1/score", text=TEXT, session_id=fresh)["bits"]
     with serve_app(settings) as c, httpx.Client(base_url=c.url, timeout=60) as cc:
         assert post(cc, "/v1/score", text=TEXT, session_id=sid)["bits"] == pytest.approx(here, rel=1e-6)
+
+
+def test_reset_forgets_the_copy_model(copy_client: httpx.Client) -> None:
+    sid = post(copy_client, "/v1/sessions")["id"]
+    fresh = post(copy_client, "/v1/score", text=TEXT, session_id=sid)["bits"]
+    post(copy_client, f"/v1/sessions/{sid}/observe", text=TEXT)
+    assert post(copy_client, "/v1/score", text=TEXT, session_id=sid)["bits"] < 0.6 * fresh
+    post(copy_client, f"/v1/sessions/{sid}/reset")
+    assert post(copy_client, "/v1/score", text=TEXT, session_id=sid)["bits"] == pytest.approx(fresh, rel=1e-6)
