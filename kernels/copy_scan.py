@@ -13,10 +13,11 @@ Their scan finds the slots whose byte is x with one vectorised compare and touch
 nonzero slots are cleared from their list), and log(count + alpha) comes from a table: about 25 us a byte and
 stream with a 32 KB window, against ~500 us for the reference (tests/models/test_copymodel.py checks them against
 it). Layout: `ext` (B, W + T) uint8 with the history of step t at [t + 1, t + 1 + W) and the one before at
-[t, t + W) (the learning path's sliding window), or, frozen (the history does not take x, the match moves one
-slot: `match'[j] = [hist[j-1] == x](1 + match[j-1])`), `hist` (S, W) read through `index` (B,). `match` (B, W)
-uint8 is updated in place; `valid_from` (B,) the first slot holding a byte (a history still filling has empty
-slots before it, which never match).
+[t, t + W) (the learning path's sliding window), `match` (B, W) uint8 updated in place, `valid_from` (B,) the first
+slot holding a byte (a history still filling has empty slots before it, which never match); or, frozen (the
+history does not take x), `hist` (S, W) and `fill` (S,) read through `index` (B,), and per row only the last bytes
+it read, `ctx` (B, C) with `ctxlen` (B,) of them real: the match of the slot after each slot j whose byte is x is
+1 + the bytes before j that agree with the bytes read before x.
 """
 
 from __future__ import annotations
@@ -44,15 +45,29 @@ def scan_ref(ext: torch.Tensor, t: int, match: torch.Tensor, x: torch.Tensor, va
     return _predict_ref(new, match, orders)
 
 
-def scan_frozen_ref(hist: torch.Tensor, index: torch.Tensor, match: torch.Tensor, x: torch.Tensor,
-                    orders: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frozen step (module docstring): rows read hist[index[b]]; `match` replaced in place."""
-    rows = hist[index] if hist.shape[0] != index.numel() or bool((index != torch.arange(
-        index.numel(), device=index.device)).any()) else hist  # (B, W)
-    eq = torch.logical_not(rows ^ x.to(torch.uint8).unsqueeze(1))  # (B, W)
-    step = (match.clamp(max=CAP) + 1).mul_(eq.view(torch.uint8))  # (B, W) for the successor slots
-    match.copy_(torch.cat([torch.zeros_like(step[:, :1]), step[:, :-1]], 1))
-    return _predict_ref(rows, match, orders)
+def scan_frozen_ref(hist: torch.Tensor, fill: torch.Tensor, index: torch.Tensor, ctx: torch.Tensor,
+                    ctxlen: torch.Tensor, orders: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frozen step (module docstring), after x joined `ctx` (B, C) (its last byte; `ctxlen` (B,) bytes of it are
+    real): rows read hist[index[b]] (S, W); the match of the slot after each slot j whose byte is x is 1 + the
+    bytes before j that agree with the bytes read before x. -> (counts (B, K+1, 256) float32, best (B,) int64)."""
+    rows = hist[index]  # (B, W)
+    B, W = rows.shape
+    C = ctx.shape[1]
+    start = (W - fill[index]).clamp(min=0)  # (B,)
+    slots = torch.arange(W, device=hist.device)
+    x = ctx[:, -1:]  # (B, 1)
+    hit = (rows == x) & (slots >= start.unsqueeze(1)) & (slots < W - 1)  # (B, W)
+    r, j = hit.nonzero(as_tuple=True)  # (n,)
+    back = torch.arange(1, C, device=hist.device)  # (C-1,) how far back
+    pos = j.unsqueeze(1) - back  # (n, C-1)
+    agree = (rows[r.unsqueeze(1), pos.clamp(min=0)] == ctx[r.unsqueeze(1), C - 1 - back]) \
+        & (pos >= start[r].unsqueeze(1)) & (back < ctxlen[r].unsqueeze(1))  # (n, C-1)
+    m = 1 + agree.long().cumprod(1).sum(1)  # (n,)
+    counts = torch.zeros(B, orders + 1, 256, device=hist.device)  # (B, K+1, 256)
+    counts.index_put_((r, m.clamp(max=orders), rows[r, j + 1].long()), torch.ones_like(m, dtype=counts.dtype),
+                      accumulate=True)
+    best = torch.full((B,), -1, dtype=torch.long, device=hist.device)
+    return counts, best.scatter_reduce(0, r, m * W + j + 1, "amax")
 
 
 def _predict_ref(cand: torch.Tensor, match: torch.Tensor, orders: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,9 +210,10 @@ def _kernels() -> tuple[Any, Any] | None:
                 hist_out[b, j] = ext[b, lengths[b] + j]
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def frozen_segment(hist, index, match, inputs, lp, out, uni, weights, orders, alpha, lut, logtab):
-        B, W = match.shape
-        T = inputs.shape[1]
+    def frozen_segment(hist, fill, index, ctx, ctxlen, inputs, lp, out, uni, weights, orders, alpha, lut, logtab):
+        B, T = inputs.shape
+        W = hist.shape[1]
+        C = ctx.shape[1]
         F = weights.shape[2]
         V = lp.shape[2]
         counts = np.zeros((orders + 1, 256), dtype=np.int64)
@@ -205,6 +221,7 @@ def _kernels() -> tuple[Any, Any] | None:
         feat = np.empty((F, V), dtype=np.float32)
         occ = np.empty(W, dtype=np.int32)
         vals = np.empty(W, dtype=np.uint8)
+        scratch = np.zeros(W, dtype=np.uint8)  # _place writes the lengths here; a branch keeps none
         for b in range(B):
             row = index[b]
             if row < 0:  # no copy model: the network alone
@@ -212,21 +229,29 @@ def _kernels() -> tuple[Any, Any] | None:
                     for v in range(V):
                         out[b, t, v] = lp[b, t, v]
                 continue
-            mrow = match[b]
             hrow = hist[row]
+            start = W - fill[row]
+            c = ctx[b]
             for t in range(T):
                 x = inputs[b, t]
-                hits = np.flatnonzero(hrow[: W - 1] == x)  # slots whose byte is x (a vectorised compare)
+                for i in range(C - 1):
+                    c[i] = c[i + 1]
+                c[C - 1] = x
+                ctxlen[b] = min(ctxlen[b] + 1, C)
+                n_ctx = ctxlen[b]
+                lo = max(start, 0)
+                hits = np.flatnonzero(hrow[lo : W - 1] == x)  # slots whose byte is x; their successors match
                 n = hits.shape[0]
                 for i in range(n):
-                    j = hits[i]
-                    occ[i] = j + 1  # their successors match
-                    m = mrow[j]
-                    vals[i] = (m if m < CAP else CAP) + 1
-                mrow[:] = 0
-                top = _place(mrow, occ, vals, n, hrow, orders, counts)
+                    j = hits[i] + lo
+                    occ[i] = j + 1
+                    m = 1  # then backwards: the bytes before slot j against the bytes read before x
+                    while m < n_ctx and j - m >= lo and hrow[j - m] == c[C - 1 - m]:
+                        m += 1
+                    vals[i] = m
+                top = _place(scratch, occ, vals, n, hrow, orders, counts)
                 ell = top // W if top >= 0 else 0
-                cand = hist[row, top % W] if top >= 0 else 0
+                cand = hrow[top % W] if top >= 0 else 0
                 _features(cand, ell, counts, uni[row], lp[b, t], alpha, logtab, run, feat)
                 _mix_row(weights[row, lut[min(ell, 255)]], feat, out[b, t])
 

@@ -34,7 +34,10 @@ next call's first input, and outputs depend only on the stream, not on how calls
 Two paths. `mix` (observing and scoring a session's text) learns: history, counts and mixer weights change with
 every byte. `CopyMixed` (sampling, the keyboard's word search) reads a session's history and mixer without changing
 them (`Adapter.copy`: the search's branches share one session's, as they share its adapter M): a hypothetical
-continuation moves only its own `match` array.
+continuation keeps only the last 254 bytes it read (`branch_view`), and the match of each slot whose predecessor is
+the new byte is measured backwards against them (the same lengths: a match is the common suffix of the history
+before a slot and what was read; only at the window's oldest edge, whose earlier bytes are gone, can it be
+shorter). A branch of the search costs 254 bytes, not a window.
 
 Layout (batch B, window W, V = 256, F = K + 3 features, NB buckets): `hist` (B, W) uint8, `match` (B, W) uint8,
 `fill` (B,) int64 bytes held, `uni` (B, V) float32 order-0 counts, `weights` (B, NB, F) float32, `feat` (B, F, V)
@@ -55,13 +58,15 @@ import torch.nn.functional as F
 from kernels.copy_scan import compiled, scan_frozen_ref, scan_ref
 from models.base import Adapter, LanguageModel, Output, Site, State
 
-__all__ = ["BUCKET_EDGES", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "merge_state", "split_state"]
+__all__ = ["BUCKET_EDGES", "CONTEXT", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "branch_view", "merge_state",
+           "split_state"]
 
 # match-length buckets: the mixer's weight set for a match of l bytes is the last edge <= l (0: no match)
 BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 PREFIX = "copy."  # names of the copy model's tensors in a merged state
 STATS = ("hist", "fill", "uni", "weights")  # what the frozen path reads of a session (Adapter.copy)
 _CAP = 254  # match lengths stop growing here (a uint8)
+CONTEXT = 254  # bytes a CopyMixed row keeps of what it read: its longest match
 _UNI_LIMIT = float(1 << 20)  # order-0 counts are halved past this total
 
 
@@ -127,6 +132,13 @@ def split_state(state: State) -> tuple[State, State | None]:
     net = {k: v for k, v in state.tensors.items() if not k.startswith(PREFIX)}
     copy = {k[len(PREFIX):]: v for k, v in state.tensors.items() if k.startswith(PREFIX)}
     return State(net), State(copy) if copy else None
+
+
+def branch_view(copy: State) -> State:
+    """What `CopyMixed` carries per row of a stream whose copy-model state is `copy` (the learning path's): the last
+    CONTEXT bytes it read and how many of them are real."""
+    hist, fill = copy.tensors["hist"], copy.tensors["fill"]
+    return State({"ctx": hist[:, -CONTEXT:].contiguous(), "ctxlen": fill.clamp(max=CONTEXT)})
 
 
 def merge_state(net: State, copy: State | None) -> State:
@@ -270,37 +282,40 @@ class CopyModel:
                      "feat": feat, "bucket": bucket}
 
     @torch.no_grad()
-    def mix_frozen(self, log_net: torch.Tensor, inputs: torch.Tensor, match: torch.Tensor, stats: State,
-                   index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix_frozen(self, log_net: torch.Tensor, inputs: torch.Tensor, ctx: torch.Tensor, ctxlen: torch.Tensor,
+                   stats: State, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Score without learning: row b reads the history and mixer of `stats` row index[b] (rows share a
-        session's; -1: no copy model, the row gets log_net) and moves only its own `match` (B, W). log_net (B, T, V),
-        inputs (B, T) -> (log p_mix (B, T, V) float32, match after the inputs). The history does not take the
-        inputs, so a match's candidates stay the session's bytes: match'[j] = [hist[j - 1] == x] (1 + match[j - 1])."""
+        session's; -1: no copy model, the row gets log_net), and keeps only the last bytes it read, `ctx` (B, C)
+        with `ctxlen` (B,) of them real (a keyboard branch costs C bytes, not a window). The history does not take
+        the inputs: the match of the slot after each slot whose byte is x is measured backwards against ctx.
+        log_net (B, T, V), inputs (B, T) -> (log p_mix (B, T, V) float32, ctx, ctxlen after the inputs)."""
         out = log_net.float().clone()  # (B, T, V)
         st = stats.tensors
+        ctx, ctxlen = ctx.clone().contiguous(), ctxlen.clone().contiguous()  # a cursor's own stay as they were
         fused = compiled() if log_net.device.type == "cpu" else None
         if fused is not None:  # the loop below fused into one numba kernel (kernels/copy_scan.py)
-            match = match.clone().contiguous()
-            fused[1](st["hist"].contiguous().numpy(), index.contiguous().numpy(), match.numpy(),
-                     inputs.to(torch.uint8).contiguous().numpy(), log_net.float().contiguous().numpy(), out.numpy(),
-                     st["uni"].contiguous().numpy(), st["weights"].contiguous().numpy(), self.config.orders,
-                     self.config.alpha, self._bucket_of.numpy(), self._logtab)
-            return out, match
+            fused[1](st["hist"].contiguous().numpy(), st["fill"].contiguous().numpy(), index.contiguous().numpy(),
+                     ctx.numpy(), ctxlen.numpy(), inputs.to(torch.uint8).contiguous().numpy(),
+                     log_net.float().contiguous().numpy(), out.numpy(), st["uni"].contiguous().numpy(),
+                     st["weights"].contiguous().numpy(), self.config.orders, self.config.alpha,
+                     self._bucket_of.numpy(), self._logtab)
+            return out, ctx, ctxlen
         B = inputs.shape[0]
         alone = index < 0  # (B,) rows without a copy model
         index = index.clamp(min=0)
         hist = st["hist"]  # (S, W), read through index
         uni, weights = st["uni"][index], st["weights"][index]  # (B, V), (B, NB, F)
-        match = match.clone()  # the caller's (a cursor's) stays as it was
         rows = torch.arange(B, device=inputs.device)
         for t in range(inputs.shape[1]):
-            counts, best = scan_frozen_ref(hist, index, match, inputs[:, t], self.config.orders)
+            ctx = torch.cat([ctx[:, 1:], inputs[:, t : t + 1].to(torch.uint8)], 1)  # (B, C)
+            ctxlen = (ctxlen + 1).clamp(max=ctx.shape[1])
+            counts, best = scan_frozen_ref(hist, st["fill"], index, ctx, ctxlen, self.config.orders)
             cand = hist[index[rows], (best % hist.shape[1]).clamp(min=0)]  # (B,) the match's next byte
             feat, bucket = self._features(None, counts, best, uni, out[:, t], cand)
             out[:, t] = self._mixture(weights[rows, bucket], feat)
         if bool(alone.any()):
             out = torch.where(alone.view(-1, 1, 1), log_net.float(), out)
-        return out, match
+        return out, ctx, ctxlen
 
     def _features(self, hist: torch.Tensor | None, counts: torch.Tensor, best: torch.Tensor, uni: torch.Tensor,
                   lp: torch.Tensor, pred: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +346,8 @@ class CopyModel:
 class CopyMixed(LanguageModel):
     """The network with a session's copy model mixed in, for sampling and the keyboard's word search: it reads the
     sessions' statistics (`Adapter.copy`, one row per session; `Adapter.copy_index` the session of each row) and
-    never changes them; each row's state carries its own `copy.match` besides the network's."""
+    never changes them; each row's state carries the last bytes it read (`copy.ctx`, `copy.ctxlen`: `branch_view`)
+    besides the network's."""
 
     def __init__(self, base: LanguageModel, copy: CopyModel) -> None:
         super().__init__()
@@ -342,8 +358,9 @@ class CopyMixed(LanguageModel):
 
     def init_state(self, batch: int) -> State:
         ref = next(self.base.parameters())
-        match = torch.zeros(batch, self.copy.config.window, dtype=torch.uint8, device=ref.device)
-        return merge_state(self.base.init_state(batch), State({"match": match}))
+        return merge_state(self.base.init_state(batch), State({
+            "ctx": torch.zeros(batch, CONTEXT, dtype=torch.uint8, device=ref.device),
+            "ctxlen": torch.zeros(batch, dtype=torch.long, device=ref.device)}))
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         net_state, copy_state = split_state(state)
@@ -353,9 +370,10 @@ class CopyMixed(LanguageModel):
         B = tokens.shape[0]
         index = adapter.copy_index if adapter.copy_index is not None else torch.zeros(
             B, dtype=torch.long, device=tokens.device)
-        mixed, match = self.copy.mix_frozen(self.base.log_probs(out), tokens, copy_state.tensors["match"],
-                                            adapter.copy, index)
-        return Output(logits=mixed, state=merge_state(out.state, State({"match": match})), hidden=out.hidden)
+        mixed, ctx, ctxlen = self.copy.mix_frozen(self.base.log_probs(out), tokens, copy_state.tensors["ctx"],
+                                                  copy_state.tensors["ctxlen"], adapter.copy, index)
+        return Output(logits=mixed, state=merge_state(out.state, State({"ctx": ctx, "ctxlen": ctxlen})),
+                      hidden=out.hidden)
 
     def adaptation_sites(self) -> list[Site]:
         return self.base.adaptation_sites()

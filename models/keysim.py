@@ -37,7 +37,7 @@ from models.adaptation import (
     sparse_rule,
 )
 from models.base import Adapter, LanguageModel, State
-from models.copymodel import STATS, CopyMixed, CopyModel, merge_state
+from models.copymodel import STATS, CopyMixed, CopyModel, branch_view, merge_state
 from models.suggest import Cursor, advance, suggest
 from models.tokenizer import ByteTokenizer
 from models.wordcache import WordCache
@@ -117,7 +117,7 @@ class ModelSuggester:
     def state(self) -> State:
         state = self._full.state if self._full is not None else self._row.state
         copy = self._copy_state
-        return merge_state(state, State({"match": copy.tensors["match"]})) if copy is not None else state
+        return merge_state(state, branch_view(copy)) if copy is not None else state
 
     # -- the Suggester protocol ---------------------------------------------------------------------------
 

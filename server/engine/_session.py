@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.base import Adapter, State
-from models.copymodel import STATS, merge_state
+from models.copymodel import STATS, branch_view, merge_state
 from models.wordcache import WordCache
 
 __all__ = ["AdaptationConfig", "Session", "SessionStats", "new_session_id"]
@@ -77,11 +77,11 @@ class Session:
     copy: State | None = None  # batch 1: the copy model of what it observed (models/copymodel.py); None: off
 
     def view_state(self) -> State:
-        """The state that sampling and the keyboard search continue from: the network's, with the copy model's
-        match lengths (`models.copymodel.CopyMixed`)."""
+        """The state that sampling and the keyboard search continue from: the network's, with the last bytes the
+        copy model read (`models.copymodel.CopyMixed`)."""
         if self.copy is None:
             return self.state
-        return merge_state(self.state, State({"match": self.copy.tensors["match"]}))
+        return merge_state(self.state, branch_view(self.copy))
 
     def adapter_with_copy(self) -> Adapter:
         """The adapter, carrying the copy model's statistics for `models.copymodel.CopyMixed` (sampling and the

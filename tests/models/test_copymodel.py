@@ -13,7 +13,7 @@ import torch
 from kernels.copy_scan import compiled
 from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
-from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMixed, CopyModel, merge_state
+from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMixed, CopyModel, branch_view, merge_state
 from models.keysim import ModelSuggester
 from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
 
@@ -130,7 +130,7 @@ def test_the_frozen_path_copies_without_learning() -> None:
     stats = State({k: learned.tensors[k] for k in ("hist", "fill", "uni", "weights")})
     before = {k: v.clone() for k, v in stats.tensors.items()}
     mixed = CopyMixed(toy, copy)
-    state = merge_state(toy.init_state(1), State({"match": learned.tensors["match"]}))
+    state = merge_state(toy.init_state(1), branch_view(learned))
     prompt = torch.tensor([list(b"please send the quarterly re")])
     zero = Adapter.zeros({site.name: 4 for site in toy.adaptation_sites()}, 1)
     out = mixed(prompt, state, Adapter(zero.mats, copy=stats))
@@ -213,10 +213,11 @@ def test_the_fused_kernel_equals_the_pytorch_reference(monkeypatch: pytest.Monke
         state = s_ref
     stats = State({k: state.tensors[k] for k in ("hist", "fill", "uni", "weights")})
     index = torch.tensor([2, -1, 0, 0])
-    match = state.tensors["match"][index.clamp(min=0)]
+    view = branch_view(state.select(index.clamp(min=0)))
     branch = torch.tensor([list(b"one t"), list(b"five "), list(b"xyz o"), list(b"three")])
     lp = torch.log_softmax(torch.randn(4, 5, V, generator=g), -1)
-    (fast, m_fast), (ref, m_ref) = both(lambda: model.mix_frozen(lp, branch, match, stats, index))
+    (fast, c_fast, n_fast), (ref, c_ref, n_ref) = both(
+        lambda: model.mix_frozen(lp, branch, view.tensors["ctx"], view.tensors["ctxlen"], stats, index))
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(m_fast[index >= 0], m_ref[index >= 0])  # a row without a copy model: its match is unused
+    assert torch.equal(c_fast[index >= 0], c_ref[index >= 0]) and torch.equal(n_fast[index >= 0], n_ref[index >= 0])
     torch.testing.assert_close(fast[1], lp[1], rtol=0, atol=0)  # index -1: the network alone
