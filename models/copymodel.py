@@ -181,6 +181,18 @@ class CopyModel:
             "bucket": torch.full((batch,), -1, dtype=torch.long, device=device),
         })
 
+    def warm_up(self, device: torch.device | str = "cpu") -> None:
+        """Run both paths once on one byte: on a CPU this compiles the numba kernels (about 2 s each the first time
+        on a machine, then read from numba's cache), which a server does at start-up rather than in its first
+        observe and first keystroke."""
+        state = self.init_state(1, device)
+        lp = torch.full((1, 1, self.vocab), -math.log(self.vocab), device=device)
+        x = torch.zeros(1, 1, dtype=torch.long, device=device)
+        _, state = self.mix(lp, x, state)
+        view = branch_view(state)
+        self.mix_frozen(lp, x, view.tensors["ctx"], view.tensors["ctxlen"], State({k: state.tensors[k] for k in STATS}),
+                        torch.zeros(1, dtype=torch.long, device=device))
+
     def check_state(self, state: State) -> None:
         """ValueError unless `state` has this model's layout and values it could have made (an import is user
         input: an index out of range would fail later, inside a batch of other sessions)."""

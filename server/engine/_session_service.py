@@ -54,6 +54,8 @@ class SessionService:
         # the sessions' copy model: the checkpoint's settings (dyneval.json "copy"), on by default
         config = ckpt.dyneval.copy
         self.copy_model = CopyModel(config, ckpt.tokenizer.vocab_size) if config is not None and limits else None
+        if self.copy_model is not None:
+            self.copy_model.warm_up(ckpt.device)  # its kernels compile here, not in the first request
         self._mixed = None
         self.store.bind(ckpt.model_hash, self.template())
 
