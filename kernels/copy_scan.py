@@ -9,10 +9,12 @@ For each stream b and history slot j, the suffix-match recurrence and what it pr
 `scan_ref` and `scan_frozen_ref` are the PyTorch reference of one byte (any device; models/copymodel.py builds its
 reference step on them). `compiled()` gives two numba kernels that run a whole segment of a batch on CPU tensors,
 the copy model's step fused (mixer update, scan, counts, features, mixture): `learn_segment` and `frozen_segment`.
-Their scan finds the slots whose byte is x with one vectorised compare and touches only those (the last step's
-nonzero slots are cleared from their list), and log(count + alpha) comes from a table: about 25 us a byte and
-stream with a 32 KB window, against ~500 us for the reference (tests/models/test_copymodel.py checks them against
-it). Layout: `ext` (B, W + T) uint8 with the history of step t at [t + 1, t + 1 + W) and the one before at
+The learning scan finds the slots whose byte is x with one vectorised compare and touches only those (the last
+step's nonzero slots are cleared from their list), and log(count + alpha) comes from a table: about 25 us a byte
+and stream with a 32 KB window, against ~500 us for the reference (tests/models/test_copymodel.py checks them
+against it). The frozen scan, run for every branch of a keyboard search, reads the history through an index of
+its slots by byte pair (`build_index`, made once per search) and touches only the slots that match 2 bytes or
+more. Layout: `ext` (B, W + T) uint8 with the history of step t at [t + 1, t + 1 + W) and the one before at
 [t, t + W) (the learning path's sliding window), `match` (B, W) uint8 updated in place, `valid_from` (B,) the first
 slot holding a byte (a history still filling has empty slots before it, which never match); or, frozen (the
 history does not take x), `hist` (S, W) and `fill` (S,) read through `index` (B,), and per row only the last bytes
@@ -82,7 +84,7 @@ def _predict_ref(cand: torch.Tensor, match: torch.Tensor, orders: int) -> tuple[
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any] | None:
+def _kernels() -> tuple[Any, Any, Any] | None:
     """The numba kernels, compiled at first use (cached on disk); None without numba."""
     try:
         import numba  # noqa: PLC0415 (optional: the reference serves without it)
@@ -210,7 +212,33 @@ def _kernels() -> tuple[Any, Any] | None:
                 hist_out[b, j] = ext[b, lengths[b] + j]
 
     @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def frozen_segment(hist, fill, index, ctx, ctxlen, inputs, lp, out, uni, weights, orders, alpha, lut, logtab):
+    def build_index(hist, fill, off, pos):
+        """Each history's slots p >= 1 holding a byte, grouped by the pair (hist[p-1], hist[p]): the slots of pair
+        key k = 256 a + c are pos[s, off[s, k] : off[s, k + 1]], oldest first (a counting sort)."""
+        S, W = hist.shape
+        cursor = np.empty(off.shape[1] - 1, dtype=np.int32)
+        for s in range(S):
+            o = off[s]
+            o[:] = 0
+            h = hist[s]
+            for p in range(W - fill[s] + 1, W):
+                o[np.int32(h[p - 1]) * 256 + h[p] + 1] += 1
+            for k in range(1, o.shape[0]):
+                o[k] += o[k - 1]
+            cursor[:] = o[:-1]
+            for p in range(W - fill[s] + 1, W):
+                k = np.int32(h[p - 1]) * 256 + h[p]
+                pos[s, cursor[k]] = p
+                cursor[k] += 1
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False)
+    def frozen_segment(hist, fill, off, pos, index, ctx, ctxlen, inputs, lp, out, uni, weights, orders, alpha, lut,
+                       logtab):
+        """The frozen step through the pair index (`build_index`): a slot j whose byte is x has a match of 1 or
+        more; its successor's byte c is counted by the pair (x, c) in one lookup, so order 1 and up costs 256
+        reads, not a pass over the window. A match of 2 or more needs hist[j-1] == the byte read before x: those
+        slots are the pair (that byte, x), the only ones measured backwards. The counts by exact level are then
+        level 1 = pairs (x, c) - the longer matches that predict c."""
         B, T = inputs.shape
         W = hist.shape[1]
         C = ctx.shape[1]
@@ -219,9 +247,6 @@ def _kernels() -> tuple[Any, Any] | None:
         counts = np.zeros((orders + 1, 256), dtype=np.int64)
         run = np.zeros(256, dtype=np.int64)
         feat = np.empty((F, V), dtype=np.float32)
-        occ = np.empty(W, dtype=np.int32)
-        vals = np.empty(W, dtype=np.uint8)
-        scratch = np.zeros(W, dtype=np.uint8)  # _place writes the lengths here; a branch keeps none
         for b in range(B):
             row = index[b]
             if row < 0:  # no copy model: the network alone
@@ -230,7 +255,8 @@ def _kernels() -> tuple[Any, Any] | None:
                         out[b, t, v] = lp[b, t, v]
                 continue
             hrow = hist[row]
-            start = W - fill[row]
+            o = off[row]
+            lo = max(W - fill[row], 0)
             c = ctx[b]
             for t in range(T):
                 x = inputs[b, t]
@@ -239,26 +265,42 @@ def _kernels() -> tuple[Any, Any] | None:
                 c[C - 1] = x
                 ctxlen[b] = min(ctxlen[b] + 1, C)
                 n_ctx = ctxlen[b]
-                lo = max(start, 0)
-                hits = np.flatnonzero(hrow[lo : W - 1] == x)  # slots whose byte is x; their successors match
-                n = hits.shape[0]
-                for i in range(n):
-                    j = hits[i] + lo
-                    occ[i] = j + 1
-                    m = 1  # then backwards: the bytes before slot j against the bytes read before x
-                    while m < n_ctx and j - m >= lo and hrow[j - m] == c[C - 1 - m]:
-                        m += 1
-                    vals[i] = m
-                top = _place(scratch, occ, vals, n, hrow, orders, counts)
+                counts[:, :] = 0
+                top = -1
+                last = -1  # the most recent slot after an x (a match of 1)
+                base = np.int32(x) * 256
+                for cc in range(256):  # slots j with hist[j] = x and hist[j + 1] = cc, as successors p = j + 1
+                    a, z = o[base + cc], o[base + cc + 1]
+                    counts[1, cc] = z - a
+                    if z > a and pos[row, z - 1] > last:
+                        last = pos[row, z - 1]
+                if n_ctx >= 2:  # the slots j with hist[j - 1] = the byte before x and hist[j] = x, j <= W - 2
+                    k = np.int32(c[C - 2]) * 256 + x
+                    for i in range(o[k], o[k + 1]):
+                        j = pos[row, i]
+                        if j > W - 2:
+                            continue
+                        m = 2
+                        while m < n_ctx and j - m >= lo and hrow[j - m] == c[C - 1 - m]:
+                            m += 1
+                        cand = hrow[j + 1]
+                        counts[1, cand] -= 1
+                        counts[m if m < orders else orders, cand] += 1
+                        key = np.int64(m) * W + j + 1
+                        if key > top:
+                            top = key
+                if top < 0 and last >= 0:
+                    top = np.int64(W) + last
                 ell = top // W if top >= 0 else 0
                 cand = hrow[top % W] if top >= 0 else 0
                 _features(cand, ell, counts, uni[row], lp[b, t], alpha, logtab, run, feat)
                 _mix_row(weights[row, lut[min(ell, 255)]], feat, out[b, t])
 
-    return learn_segment, frozen_segment
+    return learn_segment, frozen_segment, build_index
 
 
-def compiled() -> tuple[Any, Any] | None:
+def compiled() -> tuple[Any, Any, Any] | None:
     """The whole-segment kernels (`learn_segment`, `frozen_segment`: the copy model's step fused, for CPU tensors;
-    models/copymodel.py calls them and keeps its PyTorch code as the reference), or None without numba."""
+    models/copymodel.py calls them and keeps its PyTorch code as the reference) and the pair index the frozen one
+    reads (`build_index`), or None without numba."""
     return _kernels()

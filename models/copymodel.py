@@ -58,13 +58,14 @@ import torch.nn.functional as F
 from kernels.copy_scan import compiled, scan_frozen_ref, scan_ref
 from models.base import Adapter, LanguageModel, Output, Site, State
 
-__all__ = ["BUCKET_EDGES", "CONTEXT", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "branch_view", "merge_state",
-           "split_state"]
+__all__ = ["BUCKET_EDGES", "CONTEXT", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "branch_view", "frozen_stats",
+           "merge_state", "split_state"]
 
 # match-length buckets: the mixer's weight set for a match of l bytes is the last edge <= l (0: no match)
 BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 PREFIX = "copy."  # names of the copy model's tensors in a merged state
 STATS = ("hist", "fill", "uni", "weights")  # what the frozen path reads of a session (Adapter.copy)
+PAIRS = ("pairs_off", "pairs_pos")  # and, on a CPU with numba, the history's index by byte pair (`frozen_stats`)
 _CAP = 254  # match lengths stop growing here (a uint8)
 CONTEXT = 254  # bytes a CopyMixed row keeps of what it read: its longest match
 _UNI_LIMIT = float(1 << 20)  # order-0 counts are halved past this total
@@ -141,6 +142,22 @@ def branch_view(copy: State) -> State:
     return State({"ctx": hist[:, -CONTEXT:].contiguous(), "ctxlen": fill.clamp(max=CONTEXT)})
 
 
+def frozen_stats(copy: State) -> State:
+    """What the frozen path (`CopyModel.mix_frozen`, `CopyMixed`) reads of copy states: STATS, and where the fused
+    kernel serves (CPU tensors, numba) the history's slots indexed by the byte pair that ends at each, which the
+    kernel needs. Built in one pass over the window (~0.2 ms for 32 KB; 384 KB while it lives), so a keyboard
+    search or a generation builds it once and each of its steps reads only the slots that can match."""
+    stats = {k: copy.tensors[k] for k in STATS}
+    fused = compiled() if stats["hist"].device.type == "cpu" else None
+    if fused is None:
+        return State(stats)
+    hist, fill = stats["hist"].contiguous(), stats["fill"].contiguous()
+    off = torch.empty(hist.shape[0], 256 * 256 + 1, dtype=torch.int32)
+    pos = torch.zeros(hist.shape, dtype=torch.int32)
+    fused[2](hist.numpy(), fill.numpy(), off.numpy(), pos.numpy())
+    return State({**stats, "pairs_off": off, "pairs_pos": pos})
+
+
 def merge_state(net: State, copy: State | None) -> State:
     """The network's state and the copy model's in one (its tensors prefixed `copy.`)."""
     if copy is None:
@@ -190,7 +207,7 @@ class CopyModel:
         x = torch.zeros(1, 1, dtype=torch.long, device=device)
         _, state = self.mix(lp, x, state)
         view = branch_view(state)
-        self.mix_frozen(lp, x, view.tensors["ctx"], view.tensors["ctxlen"], State({k: state.tensors[k] for k in STATS}),
+        self.mix_frozen(lp, x, view.tensors["ctx"], view.tensors["ctxlen"], frozen_stats(state),
                         torch.zeros(1, dtype=torch.long, device=device))
 
     def check_state(self, state: State) -> None:
@@ -300,13 +317,18 @@ class CopyModel:
         session's; -1: no copy model, the row gets log_net), and keeps only the last bytes it read, `ctx` (B, C)
         with `ctxlen` (B,) of them real (a keyboard branch costs C bytes, not a window). The history does not take
         the inputs: the match of the slot after each slot whose byte is x is measured backwards against ctx.
+        `stats` comes from `frozen_stats` (built here when it lacks the pair index the fused kernel reads).
         log_net (B, T, V), inputs (B, T) -> (log p_mix (B, T, V) float32, ctx, ctxlen after the inputs)."""
         out = log_net.float().clone()  # (B, T, V)
         st = stats.tensors
         ctx, ctxlen = ctx.clone().contiguous(), ctxlen.clone().contiguous()  # a cursor's own stay as they were
         fused = compiled() if log_net.device.type == "cpu" else None
         if fused is not None:  # the loop below fused into one numba kernel (kernels/copy_scan.py)
-            fused[1](st["hist"].contiguous().numpy(), st["fill"].contiguous().numpy(), index.contiguous().numpy(),
+            if not all(k in st for k in PAIRS):
+                st = frozen_stats(stats).tensors
+            fused[1](st["hist"].contiguous().numpy(), st["fill"].contiguous().numpy(),
+                     st["pairs_off"].contiguous().numpy(), st["pairs_pos"].contiguous().numpy(),
+                     index.contiguous().numpy(),
                      ctx.numpy(), ctxlen.numpy(), inputs.to(torch.uint8).contiguous().numpy(),
                      log_net.float().contiguous().numpy(), out.numpy(), st["uni"].contiguous().numpy(),
                      st["weights"].contiguous().numpy(), self.config.orders, self.config.alpha,

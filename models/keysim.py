@@ -37,7 +37,7 @@ from models.adaptation import (
     sparse_rule,
 )
 from models.base import Adapter, LanguageModel, State
-from models.copymodel import STATS, CopyMixed, CopyModel, branch_view, merge_state
+from models.copymodel import CopyMixed, CopyModel, branch_view, frozen_stats, merge_state
 from models.suggest import Cursor, advance, suggest
 from models.tokenizer import ByteTokenizer
 from models.wordcache import WordCache
@@ -108,7 +108,7 @@ class ModelSuggester:
     def adapter(self) -> Adapter | None:
         mats = self._row.mats
         copy = self._copy_state
-        stats = State({k: copy.tensors[k] for k in STATS}) if copy is not None else None
+        stats = frozen_stats(copy) if copy is not None else None
         if mats is None:
             return Adapter({}, copy=stats) if stats is not None else None
         return Adapter({s: m.unsqueeze(0) for s, m in mats.items()}, copy=stats)

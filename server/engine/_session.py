@@ -8,13 +8,14 @@ new one and writes it back, so a reader always sees a consistent snapshot.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass, field
 
 import torch
 
 from models.base import Adapter, State
-from models.copymodel import STATS, branch_view, merge_state
+from models.copymodel import branch_view, frozen_stats, merge_state
 from models.wordcache import WordCache
 
 __all__ = ["AdaptationConfig", "Session", "SessionStats", "new_session_id"]
@@ -83,12 +84,18 @@ class Session:
             return self.state
         return merge_state(self.state, branch_view(self.copy))
 
+    @functools.cached_property
+    def _frozen_copy(self) -> State | None:
+        # a Session is never changed in place (an observe makes a new one), so what it indexes cannot go stale
+        return frozen_stats(self.copy) if self.copy is not None else None
+
     def adapter_with_copy(self) -> Adapter:
         """The adapter, carrying the copy model's statistics for `models.copymodel.CopyMixed` (sampling and the
-        keyboard search read the session through it)."""
-        if self.copy is None:
+        keyboard search read the session through it; their index is built once per Session object, so once per
+        request, and shared by every round of its search)."""
+        if self._frozen_copy is None:
             return self.adapter
-        return Adapter(self.adapter.mats, copy=State({k: self.copy.tensors[k] for k in STATS}))
+        return Adapter(self.adapter.mats, copy=self._frozen_copy)
 
     @property
     def nbytes(self) -> int:

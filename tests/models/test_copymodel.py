@@ -13,7 +13,7 @@ import torch
 from kernels.copy_scan import compiled
 from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
-from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMixed, CopyModel, branch_view, merge_state
+from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMixed, CopyModel, branch_view, frozen_stats, merge_state
 from models.keysim import ModelSuggester
 from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
 
@@ -221,3 +221,36 @@ def test_the_fused_kernel_equals_the_pytorch_reference(monkeypatch: pytest.Monke
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(c_fast[index >= 0], c_ref[index >= 0]) and torch.equal(n_fast[index >= 0], n_ref[index >= 0])
     torch.testing.assert_close(fast[1], lp[1], rtol=0, atol=0)  # index -1: the network alone
+
+
+@pytest.mark.parametrize("orders", [1, 2, 6])
+def test_the_pair_indexed_frozen_kernel_equals_the_reference(monkeypatch: pytest.MonkeyPatch, orders: int) -> None:
+    """The frozen kernel reads the history through its byte-pair index (frozen_stats): on a small alphabet (long and
+    many matches), histories still filling and past their window, several sessions in one batch and branches with
+    short and long contexts, it gives the reference's scores and contexts."""
+    if compiled() is None:
+        pytest.skip("numba is not installed: the reference is the only path")
+    g = torch.Generator().manual_seed(orders)
+    W, T = 96, 9
+    model = CopyModel(CopyConfig(window=W, orders=orders, lr=0.05))
+    text = bytes(b"ab c"[i] for i in torch.randint(0, 4, (400,), generator=g).tolist())
+    sessions = []
+    for n in (40, 95, 300):  # filling, nearly full, slid past the window
+        _, s = model.mix(uniform(1, n), torch.tensor([list(text[:n])]), model.init_state(1))
+        sessions.append(s)
+    state = State.stack(sessions)
+    stats = frozen_stats(state)
+    assert set(stats.tensors) > {"hist", "fill", "uni", "weights"}  # the index is there, and is what is read
+    index = torch.tensor([0, 1, 2, 2, 1, 0, -1])
+    view = branch_view(state.select(index.clamp(min=0)))
+    ctx, ctxlen = view.tensors["ctx"].clone(), view.tensors["ctxlen"].clone()
+    ctxlen[3], ctxlen[4] = 0, 1  # a branch that knows nothing before its inputs, one that knows one byte
+    branch = torch.randint(0, 4, (7, T), generator=g).apply_(lambda i: b"ab c"[i])
+    lp = torch.log_softmax(torch.randn(7, T, V, generator=g), -1)
+    fast, c_fast, n_fast = model.mix_frozen(lp, branch, ctx, ctxlen, stats, index)
+    monkeypatch.setattr("models.copymodel.compiled", lambda: None)
+    ref, c_ref, n_ref = model.mix_frozen(lp, branch, ctx, ctxlen, frozen_stats(state), index)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    has = index >= 0  # (a row without a copy model keeps no context)
+    assert torch.equal(c_fast[has], c_ref[has]) and torch.equal(n_fast[has], n_ref[has])
+    assert not torch.allclose(fast[:6], lp[:6], atol=1e-3)  # the copy model does change the scores
