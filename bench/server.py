@@ -6,7 +6,9 @@
    POST /v1/sessions/{id}/suggest {context: the message so far, k: 3} after every keystroke, one request
    outstanding per typist. Typists keep a human pace: a key every `--key-interval-ms` (200 ms: 60 words a
    minute), their phases spread at random; a key whose previous answer is late is sent when the answer
-   arrives. `--key-interval-ms 0` is the saturated server (the next key as soon as the answer comes).
+   arrives. `--key-interval-ms 0` is the saturated server (the next key as soon as the answer comes). Sessions
+   are fresh unless `--history-bytes N`: each typist's session first observes N characters of other e-mails (so
+   its adapter and copy model have something to go on, as a returning user's do).
 2. observe: bytes adapted per second by 32 sessions observing distinct 2 KB slices at once, on a server with
    `max_batch=1` and then on one with the default `max_batch` (64). `max_batch` counts rows and an observe takes
    two (the session's, adapted, and its unadapted shadow for the static bits): 64 runs all 32 observes in one
@@ -20,6 +22,7 @@
    back (a keystroke can wait for a text step: while someone types the engine keeps them to 32 rows).
 
     python -m bench.server [--checkpoint DIR] [--only suggest|observe|emails|mixed] [--typists 1,10,50]
+                           [--history-bytes N]
                            [--keystrokes 200] [--key-interval-ms 200] [--repeats 1] [--suggest-budget-ms 50]
                            [--sessions 32] [--observe-bytes 2048] [--rounds 1]
                            [--max-batch 1,64] [--precision auto[,float32]] [--max-seconds 1800] [--emails 60]
@@ -102,8 +105,10 @@ async def text_rows(url: str) -> tuple[float, float]:
 
 
 async def typist(sdk: AsyncClient, http: httpx.AsyncClient, messages: list[str], keystrokes: int, interval: float,
-                 start: asyncio.Barrier, deadline: float, latencies: list[float], seed: int) -> None:
+                 start: asyncio.Barrier, deadline: float, latencies: list[float], seed: int, history: str = "") -> None:
     session = await sdk.create_session()
+    for i in range(0, len(history), 4096):  # what this user wrote before (its session adapts, its copy model reads)
+        (await http.post(f"/v1/sessions/{session.id}/observe", json={"text": history[i : i + 4096]})).raise_for_status()
     path = f"/v1/sessions/{session.id}/suggest"
     (await http.post(path, json={"context": "", "k": 3})).raise_for_status()  # warm-up: connection, first step
     await start.wait()
@@ -124,8 +129,9 @@ async def typist(sdk: AsyncClient, http: httpx.AsyncClient, messages: list[str],
 
 
 async def suggest_level(url: str, typists: int, messages: list[str], keystrokes: int, interval: float,
-                        max_seconds: float) -> tuple[list[float], float]:
-    """-> (latency of every timed request in seconds, wall seconds of the timed typing)."""
+                        max_seconds: float, histories: list[str] | None = None) -> tuple[list[float], float]:
+    """-> (latency of every timed request in seconds, wall seconds of the timed typing). Typist i's session first
+    observes histories[i] (none: a fresh session)."""
     latencies: list[float] = []
     limits = httpx.Limits(max_connections=typists, max_keepalive_connections=typists)
     # The SDK has no suggest() yet (clients/_calls.py marks where it goes): sessions through it, keystrokes raw.
@@ -134,7 +140,8 @@ async def suggest_level(url: str, typists: int, messages: list[str], keystrokes:
         start = asyncio.Barrier(typists + 1)
         deadline = time.monotonic() + max_seconds
         tasks = [asyncio.create_task(typist(sdk, http, messages[i::typists], keystrokes, interval, start, deadline,
-                                            latencies, seed=i)) for i in range(typists)]
+                                            latencies, seed=i, history=histories[i] if histories else ""))
+                 for i in range(typists)]
         async with asyncio.timeout(max_seconds + 300):  # a typist that failed before the barrier leaves it short
             await start.wait()  # every typist has its session and a warm connection
             t0 = time.perf_counter()
@@ -147,8 +154,13 @@ def bench_suggest(args: argparse.Namespace, log: Path) -> None:
     messages = [mail[i:i + SUGGEST_MAX_CONTEXT] for mail in emails(args.messages)
                 for i in range(0, len(mail), SUGGEST_MAX_CONTEXT)]
     pace = f"a key every {args.key_interval_ms:g} ms" if args.key_interval_ms > 0 else "saturated (no pause)"
+    # a typist's history: e-mails from the far end of the file (not the ones typed), a different slice each
+    rest = "\n\n".join(reversed(emails(args.messages)))
+    hb = args.history_bytes
+    histories = [rest[i * hb : (i + 1) * hb] for i in range(max(args.typists))] if hb > 0 else None
+    history = f"each session first observes {hb:,} characters of other e-mails" if hb > 0 else "fresh sessions"
     print(f"\n## suggest latency: k=3, up to {args.keystrokes} keystrokes per typist, {pace}, one request "
-          f"outstanding each; server time budget {args.suggest_budget_ms:g} ms")
+          f"outstanding each; server time budget {args.suggest_budget_ms:g} ms; {history}")
     print("| typists | requests | p50 ms | p99 ms | mean ms | requests/s | inexact (budget cut) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with serve(args.checkpoint, log, suggest_budget_ms=args.suggest_budget_ms, precision=args.precision[0]) as url:
@@ -156,7 +168,8 @@ def bench_suggest(args: argparse.Namespace, log: Path) -> None:
             for _ in range(args.repeats if n < max(args.typists) or len(args.typists) == 1 else 1):
                 cut0 = suggest_cut(url)
                 latencies, seconds = asyncio.run(suggest_level(url, n, messages, args.keystrokes,
-                                                               args.key_interval_ms / 1000, args.max_seconds))
+                                                               args.key_interval_ms / 1000, args.max_seconds,
+                                                               histories))
                 ms = 1000 * np.asarray(latencies)
                 p50, p99 = np.percentile(ms, [50, 99])
                 cut = (suggest_cut(url) - cut0) / len(ms)
@@ -348,6 +361,8 @@ def main() -> None:
     ap.add_argument("--typists", type=ints, default=[1, 10, 50], help="concurrency levels of the suggest part")
     ap.add_argument("--keystrokes", type=int, default=200, help="timed keystrokes per typist")
     ap.add_argument("--key-interval-ms", type=float, default=200.0, help="a typist's pace (0: saturate the server)")
+    ap.add_argument("--history-bytes", type=int, default=0,
+                    help="suggest: characters each typist's session observes before typing (0: fresh sessions)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each suggest level but the largest (a minute's p99 moves with the machine's noise)")
     ap.add_argument("--suggest-budget-ms", type=float, default=Settings.model_fields["suggest_budget_ms"].default,

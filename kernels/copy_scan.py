@@ -265,6 +265,10 @@ def _kernels() -> tuple[Any, Any, Any] | None:
                 c[C - 1] = x
                 ctxlen[b] = min(ctxlen[b] + 1, C)
                 n_ctx = ctxlen[b]
+                if fill[row] == 0:  # an empty history has no evidence: the network alone
+                    for v in range(V):
+                        out[b, t, v] = lp[b, t, v]
+                    continue
                 counts[:, :] = 0
                 top = -1
                 last = -1  # the most recent slot after an x (a match of 1)

@@ -314,8 +314,10 @@ class CopyModel:
     def mix_frozen(self, log_net: torch.Tensor, inputs: torch.Tensor, ctx: torch.Tensor, ctxlen: torch.Tensor,
                    stats: State, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Score without learning: row b reads the history and mixer of `stats` row index[b] (rows share a
-        session's; -1: no copy model, the row gets log_net), and keeps only the last bytes it read, `ctx` (B, C)
-        with `ctxlen` (B,) of them real (a keyboard branch costs C bytes, not a window). The history does not take
+        session's; -1: no copy model, the row gets log_net, as it does from a session that has read nothing: the
+        prior's no-match weights would flatten the network's distribution, and widen a keyboard search, on no
+        evidence), and keeps only the last bytes it read, `ctx` (B, C) with `ctxlen` (B,) of them real (a keyboard
+        branch costs C bytes, not a window). The history does not take
         the inputs: the match of the slot after each slot whose byte is x is measured backwards against ctx.
         `stats` comes from `frozen_stats` (built here when it lacks the pair index the fused kernel reads).
         log_net (B, T, V), inputs (B, T) -> (log p_mix (B, T, V) float32, ctx, ctxlen after the inputs)."""
@@ -335,7 +337,7 @@ class CopyModel:
                      self._bucket_of.numpy(), self._logtab)
             return out, ctx, ctxlen
         B = inputs.shape[0]
-        alone = index < 0  # (B,) rows without a copy model
+        alone = (index < 0) | (st["fill"][index.clamp(min=0)] == 0)  # (B,) no copy model, or it has read nothing
         index = index.clamp(min=0)
         hist = st["hist"]  # (S, W), read through index
         uni, weights = st["uni"][index], st["weights"][index]  # (B, V), (B, NB, F)

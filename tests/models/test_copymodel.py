@@ -234,19 +234,19 @@ def test_the_pair_indexed_frozen_kernel_equals_the_reference(monkeypatch: pytest
     W, T = 96, 9
     model = CopyModel(CopyConfig(window=W, orders=orders, lr=0.05))
     text = bytes(b"ab c"[i] for i in torch.randint(0, 4, (400,), generator=g).tolist())
-    sessions = []
+    sessions = [model.init_state(1)]  # one that has read nothing: the network alone
     for n in (40, 95, 300):  # filling, nearly full, slid past the window
         _, s = model.mix(uniform(1, n), torch.tensor([list(text[:n])]), model.init_state(1))
         sessions.append(s)
     state = State.stack(sessions)
     stats = frozen_stats(state)
     assert set(stats.tensors) > {"hist", "fill", "uni", "weights"}  # the index is there, and is what is read
-    index = torch.tensor([0, 1, 2, 2, 1, 0, -1])
+    index = torch.tensor([1, 2, 3, 3, 2, 1, -1, 0])
     view = branch_view(state.select(index.clamp(min=0)))
     ctx, ctxlen = view.tensors["ctx"].clone(), view.tensors["ctxlen"].clone()
     ctxlen[3], ctxlen[4] = 0, 1  # a branch that knows nothing before its inputs, one that knows one byte
-    branch = torch.randint(0, 4, (7, T), generator=g).apply_(lambda i: b"ab c"[i])
-    lp = torch.log_softmax(torch.randn(7, T, V, generator=g), -1)
+    branch = torch.randint(0, 4, (8, T), generator=g).apply_(lambda i: b"ab c"[i])
+    lp = torch.log_softmax(torch.randn(8, T, V, generator=g), -1)
     fast, c_fast, n_fast = model.mix_frozen(lp, branch, ctx, ctxlen, stats, index)
     monkeypatch.setattr("models.copymodel.compiled", lambda: None)
     ref, c_ref, n_ref = model.mix_frozen(lp, branch, ctx, ctxlen, frozen_stats(state), index)
@@ -254,3 +254,4 @@ def test_the_pair_indexed_frozen_kernel_equals_the_reference(monkeypatch: pytest
     has = index >= 0  # (a row without a copy model keeps no context)
     assert torch.equal(c_fast[has], c_ref[has]) and torch.equal(n_fast[has], n_ref[has])
     assert not torch.allclose(fast[:6], lp[:6], atol=1e-3)  # the copy model does change the scores
+    assert torch.equal(fast[6:], lp[6:]) and torch.equal(ref[6:], lp[6:])  # not without one, nor from nothing read
