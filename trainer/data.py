@@ -1,4 +1,5 @@
-"""Byte streams for truncated BPTT: each batch row is one contiguous stream through the corpus."""
+"""Token streams for truncated BPTT: each batch row is one contiguous stream through the corpus (its bytes, or the
+token ids a word tokenizer made of it)."""
 
 from __future__ import annotations
 
@@ -40,14 +41,19 @@ class ByteStreams:
     distributed run together see exactly the rows one process with batch B sees.
     """
 
-    def __init__(self, data: bytes, batch: int, bptt: int, shard: tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, data: bytes | torch.Tensor, batch: int, bptt: int, shard: tuple[int, int] = (0, 1)) -> None:
+        """`data`: the corpus's bytes, or its token ids (T,) int64."""
         row = len(data) // batch
+        unit = "bytes" if isinstance(data, bytes) else "tokens"
         if row < bptt + 1:
-            raise ValueError(f"corpus of {len(data)} bytes is too small for {batch} streams of {bptt + 1} bytes")
+            raise ValueError(f"corpus of {len(data)} {unit} is too small for {batch} streams of {bptt + 1} {unit}")
         rank, world = shard
         if batch % world:
             raise ValueError(f"{batch} streams cannot be shared equally by {world} processes")
-        flat = torch.frombuffer(bytearray(data[: row * batch]), dtype=torch.uint8)
+        if isinstance(data, bytes):
+            flat = torch.frombuffer(bytearray(data[: row * batch]), dtype=torch.uint8)
+        else:
+            flat = data[: row * batch]
         share = batch // world
         self.rows = flat.view(batch, row)[rank * share : (rank + 1) * share].long()  # (B / world, L)
         self.bptt = bptt
