@@ -153,6 +153,8 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
         tokenizer = tokenizer_from_dict(meta.pop("tokenizer", None))
     except ValueError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from None
+    if not isinstance(tokenizer, ByteTokenizer):  # word tokenizers exist (issue 13); nothing serves them yet
+        raise CheckpointError(f"{cfg_path}: the {tokenizer.kind} tokenizer is not supported by the loader yet")
     if tokenizer.vocab_size != config.vocab_size:
         raise CheckpointError(f"{cfg_path}: the {tokenizer.kind} tokenizer has {tokenizer.vocab_size} tokens, "
                               f"the model {config.vocab_size}")

@@ -1,8 +1,10 @@
-"""Tokenizers, saved with a checkpoint (config.json "tokenizer"). Today: bytes (token ids are byte values 0..255).
+"""Tokenizers, saved with a checkpoint (config.json "tokenizer"): bytes (token ids are byte values 0..255), and words
+(models/word_tokenizer.py: a vocabulary built from training text, saved in config.json).
 
 Everything that turns text into model inputs asks the tokenizer: the ids of a text, the token that starts a
 stream (`bos`), the bytes each token stands for (`token_bytes`, which the suggestion search and the keyboard
-simulator use to tell word characters from word ends). A word-level tokenizer is a later class here.
+simulator use to tell word characters from word ends). Each kind builds itself from what `to_dict` wrote
+(`from_dict`); `tokenizer_from_dict` picks the kind.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ByteTokenizer", "Tokenizer", "tokenizer_from_dict"]
+from models.word_tokenizer import WordTokenizer
+
+__all__ = ["ByteTokenizer", "Tokenizer", "WordTokenizer", "tokenizer_from_dict"]
 
 # Every text is scored after this context byte, so its first byte is predicted too (a newline is the most
 # common document start in the training text).
@@ -33,7 +37,12 @@ class ByteTokenizer:
         return hash(repr(self.to_dict()))
 
     def to_dict(self) -> dict[str, Any] | str:
-        return self.kind  # a kind with settings (a word vocabulary) will write an object
+        return self.kind  # a kind with settings (a word vocabulary) writes an object
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | str) -> ByteTokenizer:
+        """The inverse of `to_dict` (no settings: the name, or any object of this kind)."""
+        return cls()
 
     def encode(self, data: str | bytes) -> list[int]:
         if isinstance(data, str):
@@ -73,16 +82,16 @@ class ByteTokenizer:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
-Tokenizer = ByteTokenizer  # the interface every tokenizer implements (one kind today)
+Tokenizer = ByteTokenizer | WordTokenizer  # the kinds; each implements the interface above
 
-_KINDS: dict[str, type[ByteTokenizer]] = {"bytes": ByteTokenizer}
+_KINDS: dict[str, type[ByteTokenizer] | type[WordTokenizer]] = {"bytes": ByteTokenizer, "words": WordTokenizer}
 
 
-def tokenizer_from_dict(data: Mapping[str, Any] | str | None) -> ByteTokenizer:
-    """A checkpoint's tokenizer: {"kind": ...}, or its kind's name alone (None: bytes)."""
+def tokenizer_from_dict(data: Mapping[str, Any] | str | None) -> Tokenizer:
+    """A checkpoint's tokenizer: {"kind": ..., its settings}, or its kind's name alone (None: bytes)."""
     if data is not None and not isinstance(data, str | Mapping):
         raise ValueError(f"tokenizer must be an object or a name, not {data!r}")
     kind = data if isinstance(data, str) else (data or {}).get("kind", "bytes")
     if kind not in _KINDS:
         raise ValueError(f"unknown tokenizer {kind!r}; known: {', '.join(sorted(_KINDS))}")
-    return _KINDS[kind]()
+    return _KINDS[kind].from_dict(data if data is not None else kind)

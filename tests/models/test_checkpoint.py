@@ -8,6 +8,7 @@ import torch
 
 from models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from models.mlstm import MLSTM, MLSTMConfig
+from models.word_tokenizer import WordTokenizer
 
 
 @pytest.fixture
@@ -140,4 +141,13 @@ def test_an_unknown_tokenizer_is_refused(saved: tuple[MLSTM, Path]) -> None:
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "tokenizer": "sentencepiece"}))
     with pytest.raises(CheckpointError, match="unknown tokenizer 'sentencepiece'"):
+        load_checkpoint(path)
+
+
+def test_a_word_tokenizer_is_refused_until_the_loader_supports_one(saved: tuple[MLSTM, Path]) -> None:
+    _, path = saved
+    config = json.loads((path / "config.json").read_text())
+    vocab = WordTokenizer.build(["a b c\n"]).to_dict()
+    (path / "config.json").write_text(json.dumps({**config, "tokenizer": vocab}))
+    with pytest.raises(CheckpointError, match="words tokenizer is not supported"):
         load_checkpoint(path)

@@ -1,0 +1,210 @@
+"""Word-level tokenizer (issue 13): a vocabulary built from training text, most frequent first, saved with the
+checkpoint (config.json "tokenizer": {"kind": "words", "split": ..., "vocab": [...]}).
+
+Tokenisation rule (**decision**; lossless, in the spirit of GPT-2's pre-tokeniser). Text is cut, left to right, into
+tokens that are each an optional single leading space followed by a body:
+
+    token = " "? body | other whitespace
+    body  = a word: a run of word characters (str.isalnum or "_", Python's `\\w`: any script, digits included),
+            with inner apostrophes kept ("don't", "l'homme"),                            split="words" (raw text)
+          | one punctuation or symbol character (anything else that is not whitespace: "." "," "(" "—" "🙂")
+          | any run of non-whitespace characters,                     instead of the two above: split="whitespace"
+                                                                      (pre-tokenised corpora: PTB, WikiText)
+          | "\\n" (end of line, <eos>)
+          | "<unk>" (so that decoded text, and corpora that spell unknown words so, encode back to <unk>)
+    other whitespace = a run of spaces, tabs, "\\r" ... (no newline) that is not the one space before a body
+
+Case is kept. The vocabulary holds the token strings themselves, the leading space included: " the" (after a space)
+and "the" (at a line's start, after "(" ...) are different entries. Joining the token strings gives the text back,
+so decode(encode(text)) == text for every text whose tokens are all in the vocabulary (every token of the training
+text is, unless `max_size` / `min_count` dropped it). An unknown token becomes `<unk>`, keeping its spacing: " <unk>"
+if it had the leading space, "<unk>" if not; it decodes to that literal text (" zyzzyva" -> " <unk>"), which encodes
+back to the same id.
+
+Ids: 0 "\\n" (<eos>, also `bos`: every stream starts as if after a newline, as the byte tokenizer's), 1 " \\n" (a line
+ending after a space: WikiText's lines end in " \\n"; one token, so a line counts its words + 1), 2 "<unk>",
+3 " <unk>"; then every other token by count in the training text, most frequent first (the adaptive input and softmax
+cut the vocabulary into frequency bands by id), ties by the token string (code point order): deterministic.
+
+Scoring: word-level results are per token, every punctuation mark and end of line included (the PTB / WikiText
+convention); `size(text)` gives the tokens and the UTF-8 bytes of a text, so that a scorer reports bits per word =
+bits / tokens and bits per byte = bits / bytes (ALGORITHMS.md §10). Bits per byte compare with a byte model only on
+text without <unk>: an unknown token is predicted as a class, not spelt.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["SPLITS", "TextSize", "WordTokenizer"]
+
+EOS, SPACE_EOS, UNK, SPACE_UNK = "\n", " \n", "<unk>", " <unk>"
+_SPECIALS = (EOS, SPACE_EOS, UNK, SPACE_UNK)  # ids 0..3
+_UNK_ID, _SPACE_UNK_ID = 2, 3
+
+# other whitespace leaves its last space to a body that follows (a word, punctuation or a newline)
+_TAIL = r"|\n|<unk>)|[^\S\n]+(?= [\S\n])|[^\S\n]+"
+SPLITS: dict[str, re.Pattern[str]] = {
+    "words": re.compile(r" ?(?:<unk>|\w+(?:['’]\w+)*|[^\w\s]" + _TAIL),
+    "whitespace": re.compile(r" ?(?:\S+" + _TAIL),
+}
+
+
+class TextSize(NamedTuple):
+    """What a text is worth to a scorer: its tokens (the words of bits per word) and its UTF-8 bytes."""
+
+    tokens: int
+    bytes: int
+
+
+class WordTokenizer:
+    """Text in, word ids out; `vocab[i]` is the text of token i (module docstring for the rule)."""
+
+    kind = "words"
+    bos = 0  # "\n": the token before a stream's first one
+    eos = 0
+    unk = _UNK_ID
+
+    def __init__(self, vocab: Sequence[str], split: str = "words") -> None:
+        if split not in SPLITS:
+            raise ValueError(f"word tokenizer: unknown split {split!r}; known: {', '.join(sorted(SPLITS))}")
+        if tuple(vocab[: len(_SPECIALS)]) != _SPECIALS:
+            raise ValueError(f"word tokenizer: the vocabulary must start with {list(_SPECIALS)!r}, "
+                             f"not {list(vocab[: len(_SPECIALS)])!r}")
+        pattern = SPLITS[split]
+        ids: dict[str, int] = {}
+        for i, token in enumerate(vocab):
+            if not isinstance(token, str):
+                raise ValueError(f"word tokenizer: vocabulary entry {i} is {token!r}, not a string")
+            if token in ids:
+                raise ValueError(f"word tokenizer: {token!r} is in the vocabulary twice (ids {ids[token]} and {i})")
+            if pattern.findall(token) != [token]:
+                raise ValueError(f"word tokenizer: vocabulary entry {i} {token!r} is not one token "
+                                 f"under split {split!r}")
+            ids[token] = i
+        self.split = split
+        self.vocab: tuple[str, ...] = tuple(vocab)
+        self._ids = ids
+        self._pattern = pattern
+        self._bytes = [t.encode("utf-8") for t in self.vocab]
+
+    # -- building and saving --------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, texts: Iterable[str] | str, max_size: int | None = None, min_count: int = 1,
+              split: str = "words") -> WordTokenizer:
+        """The vocabulary of `texts` (each tokenised on its own): the 4 specials, then every token seen at least
+        `min_count` times, most frequent first (ties by string), cut to `max_size` entries in all (specials
+        included)."""
+        if split not in SPLITS:
+            raise ValueError(f"word tokenizer: unknown split {split!r}; known: {', '.join(sorted(SPLITS))}")
+        if max_size is not None and max_size < len(_SPECIALS):
+            raise ValueError(f"word tokenizer: max_size must be at least {len(_SPECIALS)} (the specials), "
+                             f"not {max_size}")
+        if min_count < 1:
+            raise ValueError(f"word tokenizer: min_count must be at least 1, not {min_count}")
+        if isinstance(texts, str):
+            texts = [texts]
+        counts: Counter[str] = Counter()
+        for text in texts:
+            counts.update(SPLITS[split].findall(text))
+        ranked = sorted((t for t, c in counts.items() if c >= min_count and t not in _SPECIALS),
+                        key=lambda t: (-counts[t], t))
+        words = list(_SPECIALS) + ranked
+        return cls(words if max_size is None else words[:max_size], split)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "split": self.split, "vocab": list(self.vocab)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | str) -> WordTokenizer:
+        """The inverse of `to_dict`; ValueError says what is wrong with a bad one."""
+        if not isinstance(data, Mapping):
+            raise ValueError("word tokenizer: needs an object with its vocabulary, not the name alone")
+        if data.get("kind") != cls.kind:
+            raise ValueError(f"word tokenizer: kind must be {cls.kind!r}, not {data.get('kind')!r}")
+        unknown = set(data) - {"kind", "split", "vocab"}
+        if unknown:
+            raise ValueError(f"word tokenizer: unknown fields {sorted(unknown)!r}")
+        vocab = data.get("vocab")
+        if not isinstance(vocab, list):
+            raise ValueError(f"word tokenizer: 'vocab' must be a list of token strings, not {type(vocab).__name__}")
+        split = data.get("split", "words")
+        if not isinstance(split, str):
+            raise ValueError(f"word tokenizer: 'split' must be a name, not {split!r}")
+        return cls(vocab, split)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WordTokenizer) and other.split == self.split and other.vocab == self.vocab
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.split, self.vocab))
+
+    def __repr__(self) -> str:
+        return f"WordTokenizer(split={self.split!r}, vocab_size={self.vocab_size})"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    # -- text -> ids ---------------------------------------------------------------------------------------------
+
+    def tokens(self, data: str | bytes) -> list[str]:
+        """The token strings of a text (before the vocabulary is asked); "".join(...) gives the text back. Bytes
+        are read as UTF-8, an invalid sequence as U+FFFD."""
+        if isinstance(data, bytes):
+            data = data.decode("utf-8", errors="replace")
+        return self._pattern.findall(data)
+
+    def encode(self, data: str | bytes) -> list[int]:
+        ids = self._ids
+        return [ids.get(t, _SPACE_UNK_ID if _spaced_body(t) else _UNK_ID) for t in self.tokens(data)]
+
+    def encode_tensor(self, data: str | bytes, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.tensor(self.encode(data), dtype=torch.long, device=device)  # (T,)
+
+    def stream(self, data: str | bytes, last_token: int | None = None,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """-> inputs, targets (T,): every token of `data` is predicted, the first one from `last_token` (the
+        stream's previous input; None: `bos`, a stream's start)."""
+        targets = self.encode_tensor(data, device)  # (T,)
+        first = targets.new_tensor([self.bos if last_token is None else last_token])
+        return torch.cat([first, targets[:-1]]), targets
+
+    def last_token(self, data: bytes) -> int:
+        """The token a stream continues from after `data` (non-empty): the last token of `data` as it stands (a
+        word cut short is taken as the shorter word; callers continue streams at token boundaries). Only the
+        last line is tokenised again: every newline ends a token."""
+        start = data.rfind(b"\n", 0, len(data) - 1) + 1  # a line ending in "\n" is tokenised with that line
+        return self.encode(data[start:])[-1]
+
+    def size(self, data: str | bytes) -> TextSize:
+        """Tokens and UTF-8 bytes of a text: bits per word = bits / tokens, bits per byte = bits / bytes."""
+        raw = data if isinstance(data, bytes) else data.encode("utf-8")
+        return TextSize(tokens=len(self.tokens(data)), bytes=len(raw))
+
+    # -- ids -> text -----------------------------------------------------------------------------------------
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for, its leading space included (b" the"); <unk>: b"<unk>" or b" <unk>"."""
+        return self._bytes[token]
+
+    def decode_bytes(self, ids: list[int] | torch.Tensor) -> bytes:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return b"".join(self._bytes[i] for i in ids)
+
+    def decode(self, ids: list[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return "".join(self.vocab[i] for i in ids)
+
+
+def _spaced_body(token: str) -> bool:
+    """Whether a token is the one space before a body (" word"), not a run of other whitespace."""
+    return len(token) > 1 and token[0] == " " and not token[1].isspace()

@@ -1,0 +1,132 @@
+import json
+
+import pytest
+import torch
+
+from models.tokenizer import ByteTokenizer, WordTokenizer, tokenizer_from_dict
+from models.word_tokenizer import TextSize
+
+TEXTS = [
+    "The cat sat on the mat. The dog didn't.\n",
+    "  Indented line,\twith a tab;  two spaces (and brackets)!\n\nblank line above \n",
+    "naïve café — 日本語 🙂 l'homme ... end",
+    "no newline at the end, the the the",
+]
+SPECIALS = ["\n", " \n", "<unk>", " <unk>"]
+
+
+def test_vocabulary_in_frequency_order_ties_by_string() -> None:
+    tok = WordTokenizer.build(["a b b c c c\n a"])
+    # specials first, then " c" x3, then " b" x2, then the ties " a" and "a" (1 each) in code point order
+    assert list(tok.vocab) == SPECIALS + [" c", " b", " a", "a"]
+    assert tok.vocab_size == 8
+    assert tok.encode("a b c\n") == [7, 5, 4, 0]
+    # the order does not depend on the order of the texts
+    assert WordTokenizer.build(["x y y", "z z z"]).vocab == WordTokenizer.build(["z z z", "x y y"]).vocab
+
+
+@pytest.mark.parametrize("split", ["words", "whitespace"])
+def test_round_trip_in_vocabulary_text(split: str) -> None:
+    tok = WordTokenizer.build(TEXTS, split=split)
+    for text in TEXTS + ["\n".join(TEXTS), "The cat sat on the the the mat.\n"]:
+        ids = tok.encode(text)
+        assert tok.unk not in ids and 3 not in ids
+        assert tok.decode(ids) == text
+        assert tok.decode_bytes(ids) == text.encode("utf-8")
+        assert tok.decode(tok.encode_tensor(text)) == text
+        assert tok.encode(text.encode("utf-8")) == ids  # bytes in: read as UTF-8
+
+
+def test_words_split_rule() -> None:
+    tok = WordTokenizer.build(TEXTS)
+    assert tok.tokens("The dog didn't.\n") == ["The", " dog", " didn't", ".", "\n"]
+    assert tok.tokens("a  b \n\tc...") == ["a", " ", " b", " \n", "\t", "c", ".", ".", "."]
+    assert tok.tokens("café—日本語 🙂") == ["café", "—", "日本語", " 🙂"]
+    # pre-tokenised corpora: a token is whatever lies between spaces; "<unk>" is one token in both
+    assert tok.tokens(" a <unk> b-c") == [" a", " <unk>", " b", "-", "c"]
+    ws = WordTokenizer.build(TEXTS, split="whitespace")
+    assert ws.tokens(" a <unk> b-c @-@ d \n") == [" a", " <unk>", " b-c", " @-@", " d", " \n"]
+
+
+def test_unknown_words_become_unk_keeping_their_space() -> None:
+    tok = WordTokenizer.build(["the cat sat\n"])
+    ids = tok.encode("the dog sat zzz\nqq")
+    assert ids == [tok.encode("the")[0], 3, tok.encode(" sat")[0], 3, 0, 2]
+    assert tok.decode(ids) == "the <unk> sat <unk>\n<unk>"
+    assert tok.encode(tok.decode(ids)) == ids  # the decoded text encodes back to the same ids
+    assert tok.token_bytes(2) == b"<unk>" and tok.token_bytes(3) == b" <unk>"
+    assert tok.encode("\t\t") == [2]  # unknown whitespace has no leading space
+
+
+def test_token_bytes_stream_last_token_and_size() -> None:
+    tok = WordTokenizer.build(TEXTS)
+    cat = tok.encode(" cat")[0]
+    assert tok.token_bytes(cat) == b" cat"
+    assert tok.token_bytes(0) == b"\n" and tok.bos == 0
+    assert tok.token_bytes(tok.encode(" 日本語")[0]) == " 日本語".encode()
+    inputs, targets = tok.stream("The cat sat")
+    assert targets.tolist() == tok.encode("The cat sat")
+    assert inputs.tolist() == [0] + targets.tolist()[:-1]
+    inputs, _ = tok.stream(" on", last_token=cat)
+    assert inputs.tolist() == [cat] and inputs.dtype == torch.long
+    assert tok.last_token(b"The cat") == cat
+    assert tok.last_token(b"first line\nThe cat sat on the mat.") == tok.encode(".")[0]
+    assert tok.last_token(b"x\nblank line above \n") == 1  # " \n"
+    assert tok.last_token(b"The cat\n") == 0
+    assert tok.size("The cat sat.\n") == TextSize(tokens=5, bytes=13)
+    assert tok.size("café") == TextSize(tokens=1, bytes=5)
+    assert tok.size(b"") == TextSize(0, 0) and tok.encode_tensor("").shape == (0,)
+
+
+def test_max_size_and_min_count_cut_the_vocabulary() -> None:
+    text = "a a a a b b b c c d\n"
+    full = WordTokenizer.build([text])
+    assert list(full.vocab[4:]) == [" a", " b", " c", " d", "a"]  # " " sorts before "a"
+    assert list(WordTokenizer.build([text], max_size=6).vocab) == SPECIALS + [" a", " b"]
+    assert list(WordTokenizer.build([text], min_count=2).vocab) == SPECIALS + [" a", " b", " c"]
+    assert list(WordTokenizer.build([text], max_size=4).vocab) == SPECIALS
+    cut = WordTokenizer.build([text], min_count=3)
+    assert cut.decode(cut.encode(text)) == "<unk> a a a b b b <unk> <unk> <unk>\n"
+    with pytest.raises(ValueError, match="max_size"):
+        WordTokenizer.build([text], max_size=3)
+    with pytest.raises(ValueError, match="min_count"):
+        WordTokenizer.build([text], min_count=0)
+
+
+def test_to_dict_round_trip_through_json() -> None:
+    tok = WordTokenizer.build(TEXTS, max_size=30)
+    data = json.loads(json.dumps(tok.to_dict()))  # what config.json holds
+    assert data["kind"] == "words" and data["vocab"][:4] == SPECIALS
+    back = tokenizer_from_dict(data)
+    assert isinstance(back, WordTokenizer)
+    assert back == tok and hash(back) == hash(tok)
+    assert back != WordTokenizer.build(TEXTS, max_size=31)
+    assert back != WordTokenizer.build(TEXTS, max_size=30, split="whitespace")
+    assert back != ByteTokenizer()
+
+
+def test_byte_tokenizer_still_built_from_its_dict() -> None:
+    for data in (None, "bytes", {"kind": "bytes"}, {}):
+        tok = tokenizer_from_dict(data)
+        assert isinstance(tok, ByteTokenizer) and tok == ByteTokenizer()
+        assert tok.to_dict() == "bytes"
+        assert tok.decode(tok.encode("héllo")) == "héllo"
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ("words", "needs an object"),
+    ({"kind": "words"}, "'vocab' must be a list"),
+    ({"kind": "words", "vocab": "abc"}, "'vocab' must be a list"),
+    ({"kind": "words", "vocab": [" a", "\n"]}, "must start with"),
+    ({"kind": "words", "vocab": SPECIALS + [" a", " a"]}, "twice"),
+    ({"kind": "words", "vocab": SPECIALS + [" a b"]}, "not one token"),
+    ({"kind": "words", "vocab": SPECIALS + [""]}, "not one token"),
+    ({"kind": "words", "vocab": SPECIALS + [3]}, "not a string"),
+    ({"kind": "words", "vocab": SPECIALS, "split": "bpe"}, "unknown split"),
+    ({"kind": "words", "vocab": SPECIALS, "lower": True}, "unknown fields"),
+    ({"kind": "sentencepiece"}, "unknown tokenizer"),
+    (["words"], "must be an object or a name"),
+])
+def test_invalid_dicts_raise_value_error(data: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tokenizer_from_dict(data)  # type: ignore[arg-type]
