@@ -263,3 +263,30 @@ def test_trainable_copy_and_state_dict_have_no_shared_tensors() -> None:
     with torch.no_grad():
         torch.testing.assert_close(copy(x, copy.init_state(1)).logits,
                                    model.eval()(x, model.init_state(1)).logits, rtol=0, atol=0)
+
+
+def test_checkpoint_round_trip_and_dynamic_evaluation(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from models.adaptation import DynEvalConfig, evaluate
+    from models.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    model = AWDLSTM(AWDLSTMConfig(vocab_size=256, emb_size=8, hidden_size=12, adapt_layers=(0, -1))).eval()
+    save_checkpoint(Path(str(tmp_path)), model)  # tied weights: each tensor stored once
+    ckpt = load_checkpoint(Path(str(tmp_path)), expect_arch="awd-lstm")
+    x = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ckpt.model(x, ckpt.model.init_state(1)).logits,
+                                   model(x, model.init_state(1)).logits, rtol=1e-6, atol=1e-6)
+    text = bytes(range(60, 90)) * 2
+    static = evaluate(ckpt.model, text, DynEvalConfig(mode="static"))
+    sparse = evaluate(ckpt.model, text, DynEvalConfig(mode="sparse", rule="sgd", lr=0.5, segment=5))
+    full = evaluate(model, text, DynEvalConfig(mode="full", rule="sgd", lr=0.5, segment=5, layers_from=2))
+    assert sparse.params_adapted == 12 * 12 + 8 * 8  # both sites, whole width
+    assert full.params_adapted == sum(p.numel() for n, p in model.named_parameters()
+                                      if n.startswith("layers.2.") or n == "decoder_bias")
+    # the first segment is scored before any update: equal there, different after
+    torch.testing.assert_close(sparse.logprobs[:5], static.logprobs[:5], rtol=0, atol=1e-5)
+    assert abs(sparse.logprobs[5:] - static.logprobs[5:]).max() > 1e-4
+    assert abs(full.logprobs[5:] - static.logprobs[5:]).max() > 1e-4
