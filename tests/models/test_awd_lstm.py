@@ -18,6 +18,13 @@ def _model(**kw: object) -> AWDLSTM:
     return AWDLSTM(AWDLSTMConfig(**fields)).double()  # type: ignore[arg-type]
 
 
+def _raw(model: AWDLSTM, layer: int) -> torch.Tensor:
+    """The raw recurrent weight U of a layer."""
+    w = model.layers[layer].weight_hh_raw
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
 def _tokens(B: int, T: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
@@ -26,7 +33,7 @@ def test_registered_and_config_round_trips_through_json() -> None:
     assert REGISTRY["awd-lstm"] == (AWDLSTMConfig, AWDLSTM)
     cfg = AWDLSTMConfig(vocab_size=V, emb_size=E, hidden_size=H, adapt_layers=(0, -1))
     back = config_from_dict(json.loads(json.dumps(cfg.to_dict())))
-    assert back == cfg and isinstance(back.adapt_layers, tuple) and hash(back) == hash(cfg)  # type: ignore[attr-defined]
+    assert back == cfg and isinstance(back.adapt_layers, tuple) and hash(back) == hash(cfg)
     assert isinstance(build_model(back), AWDLSTM)
     with pytest.raises(ValueError):
         AWDLSTM(AWDLSTMConfig(wdrop=1.0))
@@ -67,7 +74,7 @@ def test_tied_weights_share_storage_and_last_layer_is_embedding_sized() -> None:
     assert model.decoder_weight is None
     assert model.output_weight() is model.embed.weight
     assert model.output_weight().data_ptr() == model.embed.weight.data_ptr()
-    assert model.sizes == [H, H, E] and model.layers[2].weight_hh_raw.shape == (4 * E, E)
+    assert model.sizes == [H, H, E] and _raw(model, 2).shape == (4 * E, E)
     names = [n for n, _ in model.named_parameters()]
     assert "embed.weight" in names and not any(n.startswith("decoder_weight") for n in names)
     # a gradient from the decoder reaches the embedding: a token never seen at the input still gets one
@@ -99,7 +106,7 @@ def test_dropconnect_one_mask_per_forward_shared_over_steps(monkeypatch: pytest.
     for layer in range(3):
         steps = first[layer * T:(layer + 1) * T]
         assert all(torch.equal(w, steps[0]) for w in steps)  # the same effective weight at every step
-        raw = model.layers[layer].weight_hh_raw
+        raw = _raw(model, layer)
         kept = steps[0] != 0
         frac = kept.double().mean().item()
         assert 0.3 < frac < 0.7
@@ -109,12 +116,12 @@ def test_dropconnect_one_mask_per_forward_shared_over_steps(monkeypatch: pytest.
     same.load_state_dict(model.state_dict())
     with torch.no_grad():
         for layer in range(3):
-            same.layers[layer].weight_hh_raw.copy_(first[layer * T])
+            _raw(same, layer).copy_(first[layer * T])
         torch.testing.assert_close(same(x, same.init_state(2)).logits, out.logits.detach(), rtol=0, atol=1e-12)
     # gradients reach the raw weights, zero where the mask dropped them
     out.logits.sum().backward()
     for layer in range(3):
-        g = model.layers[layer].weight_hh_raw.grad
+        g = _raw(model, layer).grad
         assert g is not None and g.abs().sum() > 0
         assert torch.all(g[first[layer * T] == 0] == 0)
     # a second forward draws another mask
@@ -126,7 +133,7 @@ def test_dropconnect_one_mask_per_forward_shared_over_steps(monkeypatch: pytest.
     model.eval()
     with torch.no_grad():
         model(x, model.init_state(2))
-    assert all(w is model.layers[i // T].weight_hh_raw for i, w in enumerate(seen))
+    assert all(w is _raw(model, i // T) for i, w in enumerate(seen))
 
 
 def test_locked_dropout_mask_shared_over_time() -> None:
@@ -134,7 +141,7 @@ def test_locked_dropout_mask_shared_over_time() -> None:
     x = torch.rand(3, 8, 16, dtype=torch.float64) + 0.5  # no zeros of its own
     y = locked_dropout(x, 0.5, training=True)
     ratio = y / x  # (B, T, D) in {0, 2}
-    assert set(ratio.unique().tolist()) == {0.0, 2.0}
+    assert set(torch.unique(ratio).tolist()) == {0.0, 2.0}
     assert torch.equal(ratio, ratio[:, :1].expand_as(ratio))  # one mask per sequence
     assert not torch.equal(ratio[0], ratio[1])  # each row its own
     assert locked_dropout(x, 0.5, training=False) is x
@@ -176,7 +183,7 @@ def test_causal() -> None:
     model = _model(**NO_DROP).eval()
     T = 6
     x = _tokens(1, T)
-    emb = model.embed(x).detach().requires_grad_(True)
+    emb: torch.Tensor = model.embed(x).detach().requires_grad_(True)
 
     def embed_probe(tokens: torch.Tensor) -> torch.Tensor:
         return emb
