@@ -209,3 +209,58 @@ def test_bptt_chunks_tile_the_stream_with_rescaled_lr() -> None:
     assert all(scale == n / 70 for _, n, scale in chunks)
     assert all(n >= 5 for _, n, _ in chunks[:-1])
     assert chunks == list(bptt_chunks(1000, 70, random.Random(1)))  # seeded: reproducible
+
+
+def test_awd_lstm_learns_under_ntasgd_with_variable_bptt() -> None:
+    """The pieces together, as train.py will wire them: variable-length chunks, AR/TAR through `loss`, clipping,
+    SGD at lr * seq_len / bptt, the trigger on the validation loss, evaluation with the average, fine-tuning."""
+    from models.awd_lstm import AWDLSTM, AWDLSTMConfig
+
+    torch.manual_seed(0)
+    model = AWDLSTM(AWDLSTMConfig(vocab_size=7, emb_size=8, hidden_size=16, layers=2, dropout=0.1, dropouth=0.1,
+                                  dropouti=0.1, dropoute=0.0, wdrop=0.2, alpha=0.1, beta=0.1)).train()
+    stream = torch.arange(400).remainder(7).view(1, -1)  # (1, N) 0 1 2 ... 6 0 1 ...: each token predicts the next
+    valid = stream[:, :50]
+    nt = NTASGD(model, lr=20.0, nonmono=3, interval=20)
+
+    def valid_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            out = model(valid[:, :-1], model.init_state(1))
+            loss = float(model.loss(out, valid[:, 1:]))
+        model.train()
+        return loss
+
+    def epoch(rng: random.Random) -> None:
+        state = model.init_state(1)
+        for start, n, scale in bptt_chunks(stream.shape[1], 20, rng, std=2.0, min_len=3):
+            out = model(stream[:, start:start + n], state)
+            state = out.state.detach()
+            nt.zero_grad()
+            model.loss(out, stream[:, start + 1:start + 1 + n]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            nt.step(scale)
+            if nt.check_due():
+                with nt.averaged():
+                    nt.check(valid_loss())
+
+    # one thread: with a model this small several threads contend and the test takes 10x longer (tests/_training.py)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = valid_loss()  # ~ ln 7
+        rng = random.Random(0)
+        for _ in range(6):
+            epoch(rng)
+        assert len(nt.logs) >= 5
+        with nt.averaged():
+            trained = valid_loss()
+        assert trained < 0.5 * first, (first, trained)
+        nt.restart()  # fine-tuning: averaging from here on
+        epoch(rng)
+        tuned = nt.averaged_state_dict()
+        with nt.averaged():
+            assert all(torch.equal(p, tuned[k]) for k, p in model.named_parameters())
+            assert valid_loss() < 0.5 * first
+    finally:
+        torch.set_num_threads(threads)
