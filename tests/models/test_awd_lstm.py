@@ -297,3 +297,11 @@ def test_checkpoint_round_trip_and_dynamic_evaluation(tmp_path: object) -> None:
     torch.testing.assert_close(sparse.logprobs[:5], static.logprobs[:5], rtol=0, atol=1e-5)
     assert abs(sparse.logprobs[5:] - static.logprobs[5:]).max() > 1e-4
     assert abs(full.logprobs[5:] - static.logprobs[5:]).max() > 1e-4
+
+
+def test_rows_batch_like_each_alone() -> None:
+    from tests._families import assert_rows_batch_like_each_alone
+
+    torch.manual_seed(0)
+    model = AWDLSTM(AWDLSTMConfig(vocab_size=256, emb_size=8, hidden_size=12, layers=2)).eval()
+    assert_rows_batch_like_each_alone(model)
