@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from models.awd_lstm import AWDLSTM, AWDLSTMConfig
 from models.base import LanguageModel, ModelConfig
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.compressive import CompressiveConfig, CompressiveTransformer
@@ -16,6 +17,7 @@ REGISTRY: dict[str, tuple[type[ModelConfig], type[LanguageModel]]] = {
     "mlstm": (MLSTMConfig, MLSTM),
     "char-transformer": (CharTransformerConfig, CharTransformer),
     "compressive": (CompressiveConfig, CompressiveTransformer),
+    "awd-lstm": (AWDLSTMConfig, AWDLSTM),
 }
 
 
