@@ -194,7 +194,25 @@ class Adapter:
                 n += 1
             else:
                 index += [-1] * r
-        return State.stack(copies), torch.tensor(index, device=copies[0].batch_device())
+        return _stacked(copies), torch.tensor(index, device=copies[0].batch_device())
+
+
+_LAST_STACK: list[tuple[list[State], State]] = []  # the last stack of copy states, with the states it was made of
+
+
+def _stacked(copies: list[State]) -> State:
+    """`State.stack(copies)`, reused while the same state objects are stacked again (a keyboard search stacks its
+    sessions' copy statistics, ~420 KB each with their index, every round; the rounds of one search stack the same
+    ones). One state is its own stack. The states are never changed in place (a session's observe makes new ones),
+    and the memo holds them, so identity is enough."""
+    if len(copies) == 1:
+        return copies[0]
+    last = _LAST_STACK[0] if _LAST_STACK else None
+    if last is not None and len(last[0]) == len(copies) and all(a is b for a, b in zip(last[0], copies, strict=True)):
+        return last[1]
+    stacked = State.stack(copies)
+    _LAST_STACK[:] = [(list(copies), stacked)]
+    return stacked
 
 
 @dataclass
