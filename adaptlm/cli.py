@@ -80,11 +80,18 @@ def cmd_score(args: argparse.Namespace) -> int:
 
     data = _read_text_arg(args.file)
     ckpt = _load(args.checkpoint, args.device)
-    result = score_bytes(ckpt.model, data)
+    result = score_bytes(ckpt.model, data, tokenizer=ckpt.tokenizer)
+    record = {"bits_per_byte": result.bits_per_byte, "bytes": result.bytes, "bits": result.bits}
+    words = ckpt.tokenizer.kind != "bytes"  # a word model: per word too (ALGORITHMS.md §10)
+    if words:
+        record.update({"tokens": result.tokens, "bits_per_word": result.bits_per_token,
+                       "perplexity": 2.0 ** result.bits_per_token})
     if args.json:
-        print(json.dumps({"bits_per_byte": result.bits_per_byte, "bytes": result.bytes, "bits": result.bits}))
+        print(json.dumps(record))
     else:
-        print(f"{result.bits_per_byte:.4f} bits per byte ({result.bytes} bytes, {result.bits:.1f} bits)")
+        per_word = f", {result.bits_per_token:.4f} bits per word, perplexity {2.0 ** result.bits_per_token:.2f}" \
+            if words else ""
+        print(f"{result.bits_per_byte:.4f} bits per byte{per_word} ({result.bytes} bytes, {result.bits:.1f} bits)")
     return 0
 
 

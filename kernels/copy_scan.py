@@ -294,7 +294,7 @@ def _kernels() -> tuple[Any, Any, Any] | None:
                         if key > top:
                             top = key
                 if top < 0 and last >= 0:
-                    top = np.int64(W) + last
+                    top = W + last
                 ell = top // W if top >= 0 else 0
                 cand = hrow[top % W] if top >= 0 else 0
                 _features(cand, ell, counts, uni[row], lp[b, t], alpha, logtab, run, feat)

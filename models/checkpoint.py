@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from models.adaptation import DynEvalSettings
 from models.base import LanguageModel, ModelConfig
 from models.registry import build_model, config_from_dict
-from models.tokenizer import ByteTokenizer, tokenizer_from_dict
+from models.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_dict
 
 __all__ = ["CHECKPOINT_FILES", "Checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint"]
 
@@ -52,7 +52,7 @@ class Checkpoint:
     model_hash: str  # sha256 of model.safetensors: ties sessions and exports to these weights
     path: Path | None = None
     card: str = field(default="", repr=False)
-    tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
 
     @property
     def device(self) -> torch.device:
@@ -74,7 +74,7 @@ def _sha256(path: Path) -> str:
 def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[str, torch.Tensor] | None = None,
                     dyneval: Mapping[str, Any] | None = None, meta: dict[str, Any] | None = None,
                     card: str = "", weights_dtype: torch.dtype = torch.float32,
-                    stats_dtype: torch.dtype = torch.float32, tokenizer: ByteTokenizer | None = None,
+                    stats_dtype: torch.dtype = torch.float32, tokenizer: Tokenizer | None = None,
                     training_only: bool = True) -> Path:
     """Write every checkpoint file; files are written to temporary names and renamed into place. `training_only`
     False leaves the training-only parameters (and their statistics) out (module docstring)."""
@@ -153,8 +153,6 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
         tokenizer = tokenizer_from_dict(meta.pop("tokenizer", None))
     except ValueError as e:
         raise CheckpointError(f"{cfg_path}: {e}") from None
-    if not isinstance(tokenizer, ByteTokenizer):  # word tokenizers exist (issue 13); nothing serves them yet
-        raise CheckpointError(f"{cfg_path}: the {tokenizer.kind} tokenizer is not supported by the loader yet")
     if tokenizer.vocab_size != config.vocab_size:
         raise CheckpointError(f"{cfg_path}: the {tokenizer.kind} tokenizer has {tokenizer.vocab_size} tokens, "
                               f"the model {config.vocab_size}")

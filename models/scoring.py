@@ -1,4 +1,5 @@
-"""Scoring: log-probabilities and bits per byte of a byte string under a model."""
+"""Scoring: log-probabilities and bits per byte of a byte string under a model (and bits per word, for a model
+whose tokenizer reads words)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.base import Adapter, LanguageModel, State
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["BOS", "ScoreResult", "score_bytes"]
 
@@ -20,24 +21,37 @@ BOS = ByteTokenizer.bos
 @dataclass
 class ScoreResult:
     bits: float
-    bytes: int
-    logprobs: list[float] | None = field(default=None)  # natural-log probability of each byte
+    bytes: int  # UTF-8 bytes of the text
+    logprobs: list[float] | None = field(default=None)  # natural-log probability of each token (byte, or word)
     state: State | None = field(default=None, repr=False)
+    tokens: int = 0  # tokens scored (0: as many as bytes)
 
     @property
     def bits_per_byte(self) -> float:
         return self.bits / self.bytes if self.bytes else float("nan")
 
+    @property
+    def bits_per_token(self) -> float:
+        """Bits per word for a word model (ALGORITHMS.md §10; perplexity = 2 ** this)."""
+        n = self.tokens or self.bytes
+        return self.bits / n if n else float("nan")
+
 
 @torch.no_grad()
 def score_bytes(model: LanguageModel, data: bytes, *, logprobs: bool = False, state: State | None = None,
-                last_byte: int = BOS, adapter: Adapter | None = None, chunk: int = 1024) -> ScoreResult:
-    """Score `data` as one stream (batch 1), continuing from `state` whose last input byte is
-    `last_byte`; with no state, from the model's initial state after the BOS byte."""
+                last_byte: int = BOS, adapter: Adapter | None = None, chunk: int = 1024,
+                tokenizer: Tokenizer | None = None) -> ScoreResult:
+    """Score `data` as one stream (batch 1), continuing from `state` whose last input token is
+    `last_byte`; with no state, from the model's initial state after the tokenizer's start token (a byte model's
+    BOS byte)."""
     if not data:
         raise ValueError("empty text: nothing to score")
-    inputs, ids = ByteTokenizer().stream(data, last_byte, next(model.parameters()).device)  # (T,) predicts ids
-    return _score(model, inputs, ids, state or model.init_state(1), adapter, logprobs, chunk)
+    tokenizer = tokenizer or ByteTokenizer()
+    start = last_byte if state is not None or tokenizer.kind == "bytes" else tokenizer.bos
+    inputs, ids = tokenizer.stream(data, start, next(model.parameters()).device)  # (T,) predicts ids
+    result = _score(model, inputs, ids, state or model.init_state(1), adapter, logprobs, chunk)
+    result.bytes, result.tokens = len(data), int(ids.numel())
+    return result
 
 
 def _score(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, state: State,

@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["ARCH_PRESETS", "DTYPES", "PRECISIONS", "PRESETS", "SCHEDULES", "TrainConfig", "load_config_file",
-           "make_config"]
+__all__ = ["ARCH_PRESETS", "DTYPES", "OPTIMIZERS", "PRECISIONS", "PRESETS", "SCHEDULES", "TrainConfig",
+           "load_config_file", "make_config"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PRECISIONS = ("fp32", "bf16", "auto")
 SCHEDULES = ("linear", "cosine")
+OPTIMIZERS = ("adam", "ntasgd")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,21 @@ class TrainConfig:
     # scored text does (0: rows are reset only at an epoch's start)
     reset_prob: float = 0.0
     stats_dtype: str = "float32"  # dtype of stats.safetensors (bfloat16 keeps fp32's range)
+    # the tokenizer: {} bytes; {"kind": "words", "split": "words" | "whitespace", "max_size": N, "min_count": n} a
+    # word vocabulary built from the training text (models/word_tokenizer.py), its size the model's vocab_size
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    # "adam" (warm-up and the schedule above), or "ntasgd": the AWD-LSTM's SGD at the constant lr with averaging
+    # switched on by the non-monotone trigger over `nonmono` validations (ALGORITHMS.md §5, trainer/ntasgd.py; the
+    # logging interval is valid_every steps); checkpoints then keep the averaged weights
+    optimizer: str = "adam"
+    weight_decay: float = 0.0  # L2 of the ntasgd SGD (the AWD-LSTM's 1.2e-6)
+    nonmono: int = 5
+    # ntasgd: steps of the fine-tuning restart after max_steps (averaging restarted from the averaged weights, until
+    # the same trigger fires again; AWD-LSTM sec. 5)
+    finetune_steps: int = 0
+    # each step's sequence length drawn around bptt (p = 0.95 bptt, else bptt / 2, then N(., 5)) and the learning
+    # rate scaled by length / bptt (AWD-LSTM sec. 4.1); False: fixed chunks of bptt
+    variable_bptt: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,6 +138,18 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "reset_prob": 0.064, "valid_every": 500, "valid_bytes": 200_000, "valid_streams": 64,
             "stats_batches": 100, "stats_batch_size": 32, "log_every": 50,
             "weights_dtype": "float16", "stats_dtype": "bfloat16", "ship_training_only": False,
+        },
+    },
+    "awd-lstm": {
+        # seconds on a CPU: for tests and smoke runs; a word vocabulary of the training text's 2,000 commonest tokens,
+        # NT-ASGD (trigger over 2 validations) with variable-length BPTT, the paper's clip
+        "tiny": {
+            "model": {"emb_size": 16, "hidden_size": 32, "layers": 2, "dropout": 0.1, "dropouth": 0.1,
+                      "dropouti": 0.1, "dropoute": 0.0, "wdrop": 0.2},
+            "tokenizer": {"kind": "words", "split": "words", "max_size": 2000},
+            "optimizer": "ntasgd", "lr": 5.0, "nonmono": 2, "variable_bptt": True, "clip": 0.25,
+            "batch_size": 8, "bptt": 20, "max_steps": 60, "valid_every": 20, "valid_streams": 4,
+            "stats_batches": 4, "stats_batch_size": 8, "stats_segment": 10, "log_every": 20,
         },
     },
     "compressive": {
@@ -219,6 +247,16 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
             raise ValueError(f"{name} must be positive")
     if cfg.warmup_steps < 0:
         raise ValueError("warmup_steps must be >= 0")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {cfg.optimizer!r}")
+    if cfg.optimizer != "ntasgd" and (cfg.finetune_steps or cfg.weight_decay):
+        raise ValueError("finetune_steps and weight_decay are settings of the ntasgd optimizer")
+    if cfg.finetune_steps < 0 or cfg.nonmono < 0 or cfg.weight_decay < 0:
+        raise ValueError("finetune_steps, nonmono and weight_decay must be >= 0")
+    kind = cfg.tokenizer.get("kind", "bytes")
+    if kind not in ("bytes", "words") or set(cfg.tokenizer) - {"kind", "split", "max_size", "min_count"}:
+        raise ValueError(f"tokenizer must be {{}} (bytes) or {{'kind': 'words', 'split', 'max_size', 'min_count'}}, "
+                         f"not {cfg.tokenizer!r}")
     if cfg.batch_size % cfg.accumulate:
         raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of accumulate ({cfg.accumulate})")
     return cfg

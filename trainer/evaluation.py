@@ -29,9 +29,12 @@ def run_eval(ckpt: Checkpoint, data: bytes, mode: str, **overrides: Any) -> tupl
     record: dict[str, Any] = {
         "mode": mode, "bits_per_byte": result.bits_per_byte, "bytes": result.bytes, "bits": result.bits,
         "params_adapted": result.params_adapted, "state_bytes": result.state_bytes,
-        "seconds": result.seconds, "tokens_per_s": result.bytes / max(result.seconds, 1e-9),
+        "seconds": result.seconds, "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
         "skipped_updates": result.skipped_updates, "adapter_resets": result.adapter_resets,
     }
+    if ckpt.tokenizer.kind != "bytes":  # a word model: per word too (ALGORITHMS.md §10)
+        record.update({"tokens": result.tokens, "bits_per_word": result.bits_per_token,
+                       "perplexity": 2.0 ** result.bits_per_token})
     if cfg.mode != "static":
         record.update({"rule": cfg.rule, "lr": cfg.lr, "decay": cfg.decay, "eps": cfg.eps, "segment": cfg.segment})
     if cfg.mode == "sparse":

@@ -78,8 +78,8 @@ class NTASGD:
                     avg = self._avg[name]
                     avg.add_(p.detach() - avg, alpha=1.0 / self._count)  # running mean of w_T .. w_k
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def check_due(self) -> bool:
         """Whether this step ends a logging interval (Algorithm 1 line 4: mod(k, L) = 0, counted after the step)."""

@@ -21,7 +21,7 @@ from trainer.data import ByteStreams
 __all__ = ["gradient_stats"]
 
 
-def gradient_stats(model: LanguageModel, data: bytes, *, batches: int, batch_size: int, segment: int,
+def gradient_stats(model: LanguageModel, data: bytes | torch.Tensor, *, batches: int, batch_size: int, segment: int,
                    adapter_units: int = 0, group: Group | None = None) -> dict[str, torch.Tensor]:
     """-> {"param.<name>": MS_g, "adapter.<site>": MS_g of M (k, k)} for every parameter but the training-only ones
     (auxiliary heads: dynamic evaluation's loss never reaches them) and every site.

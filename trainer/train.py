@@ -1,6 +1,12 @@
-"""The training loop: truncated BPTT over byte streams, Adam with warm-up then linear or cosine decay, gradient
-accumulation, best-checkpoint keeping, resumable, JSON-lines log, and MS_g statistics at the end (ALGORITHMS.md
-§1-3, §7's schedule).
+"""The training loop: truncated BPTT over byte streams (or a word tokenizer's ids), Adam with warm-up then linear
+or cosine decay (or the AWD-LSTM's NT-ASGD with variable-length BPTT), gradient accumulation, best-checkpoint
+keeping, resumable, JSON-lines log, and MS_g statistics at the end (ALGORITHMS.md §1-3, §5, §7's schedule).
+
+Word models (`tokenizer` {"kind": "words", ...}): the vocabulary is built from the training text (the same text
+builds the same vocabulary, so a resumed run rebuilds it), the model's vocab_size is its size, and validation
+reports bits per byte of the raw text (bits per word x words / bytes, so word and byte models compare) besides
+perplexity. NT-ASGD (`optimizer` "ntasgd", trainer/ntasgd.py): SGD at the constant lr; each validation is a check
+of the non-monotone trigger, and once averaging is on the model is validated and saved with the averaged weights.
 
 Gradient accumulation (`accumulate` = A): the batch's B rows are split into A micro-batches of B / A rows, each
 carrying its own rows' state, and the optimizer steps once on the sum of their losses / A: the same gradient as
@@ -25,6 +31,7 @@ import contextlib
 import json
 import math
 import platform
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,14 +46,15 @@ from models.base import LanguageModel, State
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.precision import native_bf16
 from models.registry import build_model, config_from_dict
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import ByteTokenizer, Tokenizer, WordTokenizer
 from trainer._dist import Group, current
 from trainer.config import DTYPES, TrainConfig
 from trainer.data import ByteStreams, read_bytes, read_corpus
+from trainer.ntasgd import NTASGD, sample_seq_len
 from trainer.stats import gradient_stats
 
-__all__ = ["StepResult", "TrainResult", "default_dyneval", "evaluate_bpb", "lr_at", "train", "train_precision",
-           "train_step"]
+__all__ = ["StepResult", "TrainResult", "default_dyneval", "evaluate_bpb", "lr_at", "make_tokenizer", "train",
+           "train_precision", "train_step"]
 
 LN2 = math.log(2.0)
 
@@ -98,11 +106,11 @@ def _tf32(device: torch.device) -> Iterator[None]:
 
 
 @torch.no_grad()
-def evaluate_bpb(model: LanguageModel, data: bytes, streams: int = 16, chunk: int = 1000,
+def evaluate_bpb(model: LanguageModel, data: bytes | torch.Tensor, streams: int = 16, chunk: int = 1000,
                  precision: str = "fp32") -> float:
-    """Bits per byte of `data` split into `streams` contiguous rows (state carried along each row). Under bf16 the
-    figure is the served one: a frozen copy takes the model's inference path (the mLSTM keeps its output layer in
-    float32 there; the training model under autocast would not)."""
+    """Bits per byte of `data` split into `streams` contiguous rows (state carried along each row); given token ids
+    (T,), bits per token. Under bf16 the figure is the served one: a frozen copy takes the model's inference path
+    (the mLSTM keeps its output layer in float32 there; the training model under autocast would not)."""
     precision = train_precision(precision, next(model.parameters()).device)
     if precision == "bf16" and not model.frozen:
         model = model.trainable_copy().freeze()
@@ -149,8 +157,17 @@ def lr_at(cfg: TrainConfig, step: int, seconds: float = 0.0) -> float:
     return cfg.lr + (cfg.lr_final - cfg.lr) * frac  # linear decay (thesis ch. 3 training setup)
 
 
+def make_tokenizer(cfg: TrainConfig, text: bytes) -> Tokenizer:
+    """The run's tokenizer: bytes, or a word vocabulary built from the training text (`cfg.tokenizer`)."""
+    settings = dict(cfg.tokenizer)
+    if settings.pop("kind", "bytes") == "bytes":
+        return ByteTokenizer()
+    return WordTokenizer.build(text.decode("utf-8", errors="replace"), max_size=settings.get("max_size"),
+                               min_count=settings.get("min_count", 1), split=settings.get("split", "words"))
+
+
 def _reset_rows(model: LanguageModel, cfg: TrainConfig, step: int, chunk: torch.Tensor, state: State,
-                group: Group) -> tuple[torch.Tensor, State]:
+                group: Group, bos: int = ByteTokenizer.bos) -> tuple[torch.Tensor, State]:
     """Rows that start afresh at this chunk (`reset_prob`): a fresh state, and the stream-start token as first input.
     Drawn for the whole batch from (seed, step), each process taking its rows: the same rows however many processes
     train, and after a resume."""
@@ -161,17 +178,18 @@ def _reset_rows(model: LanguageModel, cfg: TrainConfig, step: int, chunk: torch.
         return chunk, state
     rows = rows.to(chunk.device)
     chunk = chunk.clone()
-    chunk[rows, 0] = ByteTokenizer.bos  # what a new stream's first byte follows (models/tokenizer.py)
+    chunk[rows, 0] = bos  # what a new stream's first token follows (models/tokenizer.py)
     return chunk, model.init_state(share).where(rows, state)
 
 
-def train_step(model: LanguageModel, opt: torch.optim.Optimizer, chunk: torch.Tensor, state: State, *,
+def train_step(model: LanguageModel, opt: torch.optim.Optimizer | NTASGD, chunk: torch.Tensor, state: State, *,
                accumulate: int = 1, clip: float = 1.0, precision: str = "fp32",
-               net: torch.nn.Module | None = None) -> StepResult:
+               net: torch.nn.Module | None = None, lr_scale: float = 1.0) -> StepResult:
     """One optimizer step on `chunk` (B, T + 1) from `state` (B rows), in `accumulate` micro-batches of rows
     (module docstring). `net` is what runs the forward (a DistributedDataParallel wrapper; default `model`): it
     synchronises the gradients once, on the last micro-batch. The scalars stay on the device (no
-    synchronisation)."""
+    synchronisation). `lr_scale` is NT-ASGD's learning-rate factor for this step (variable-length BPTT; an
+    optimizer's own learning rate is set by the caller)."""
     net = net if net is not None else model
     B = chunk.shape[0]
     if B % accumulate:
@@ -200,7 +218,10 @@ def train_step(model: LanguageModel, opt: torch.optim.Optimizer, chunk: torch.Te
         del output, loss  # this micro-batch's activations go before the next one's
     # the gradients are already averaged over processes, so this is the global norm
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
+    if isinstance(opt, NTASGD):
+        opt.step(lr_scale)
+    else:
+        opt.step()
     return StepResult(total, nll, gnorm, states[0] if accumulate == 1 else State.stack(states))
 
 
@@ -216,8 +237,9 @@ def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     return states
 
 
-def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam, state: dict[str, torch.Tensor],
-                        info: dict[str, Any], rngs: list[dict[str, torch.Tensor]] | None = None) -> None:
+def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam | NTASGD,
+                        state: dict[str, torch.Tensor], info: dict[str, Any],
+                        rngs: list[dict[str, torch.Tensor]] | None = None) -> None:
     """Resumable state without pickle: tensors in safetensors, scalars in JSON.
 
     `state` is the hidden state of the whole batch (every process's rows, in rank order) and `rngs` every
@@ -225,7 +247,12 @@ def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam,
     path.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
+    if isinstance(opt, NTASGD):  # SGD without momentum keeps nothing; NT-ASGD its counters, logs and average
+        nt = opt.state_dict()
+        tensors.update({f"ntasgd.avg.{n}": a for n, a in (nt.pop("average") or {}).items()})
+        nt.pop("optimizer")
+        info["ntasgd"] = nt
+    for p, st in (opt.state.items() if not isinstance(opt, NTASGD) else ()):
         n = names[id(p)]
         tensors[f"opt.{n}.exp_avg"] = st["exp_avg"]
         tensors[f"opt.{n}.exp_avg_sq"] = st["exp_avg_sq"]
@@ -239,9 +266,10 @@ def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam,
     (path / "trainer_state.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
-def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam, group: Group | None = None,
+def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam | NTASGD, group: Group | None = None,
                         device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """-> (this process's rows of the hidden state, info); restores the weights, Adam and this process's RNG."""
+    """-> (this process's rows of the hidden state, info); restores the weights, the optimizer (Adam's moments, or
+    NT-ASGD's counters and average) and this process's RNG."""
     group = group or Group()
     state_file, info_file = path / "trainer_state.safetensors", path / "trainer_state.json"
     if not state_file.is_file() or not info_file.is_file():
@@ -253,8 +281,13 @@ def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam,
         raise ValueError(f"{path}: saved by {saved_world} process(es); resume it with {saved_world}, "
                          f"not {group.world} (each process restores its own random generator)")
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    if isinstance(opt, NTASGD):
+        if "ntasgd" not in info:
+            raise ValueError(f"{path}: saved by a run with another optimizer than ntasgd")
+        avg = {k[len("ntasgd.avg."):]: v for k, v in tensors.items() if k.startswith("ntasgd.avg.")}
+        opt.load_state_dict({**info["ntasgd"], "average": avg or None, "optimizer": opt.optimizer.state_dict()})
     for n, p in model.named_parameters():
-        if f"opt.{n}.exp_avg" in tensors:
+        if f"opt.{n}.exp_avg" in tensors and not isinstance(opt, NTASGD):
             opt.state[p] = {"step": torch.tensor(info["opt_steps"][n]),
                             "exp_avg": tensors[f"opt.{n}.exp_avg"].to(p.device),
                             "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"].to(p.device)}
@@ -322,8 +355,19 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     group.share(cfg.stats_batch_size, "stats_batch_size")  # fail now, not after training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.optimizer == "ntasgd" and (group.world > 1 or cfg.accumulate > 1):
+        raise ValueError("the ntasgd optimizer runs in one process, without accumulate")
     torch.manual_seed(cfg.seed)
-    model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model})
+    train_bytes = read_corpus(data_paths)
+    valid_bytes = read_bytes(valid_path) if valid_path else b""
+    valid_slice = valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else valid_bytes
+    tokenizer = make_tokenizer(cfg, train_bytes)
+    words = tokenizer.kind != "bytes"
+    # a word model sees ids; its validation figure is still bits per byte of the raw text (module docstring)
+    train_data: bytes | torch.Tensor = tokenizer.encode_tensor(train_bytes) if words else train_bytes
+    valid_data: bytes | torch.Tensor = tokenizer.encode_tensor(valid_slice) if words else valid_slice
+    model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model,
+                                  **({"vocab_size": tokenizer.vocab_size} if words else {})})
     model = build_model(model_cfg).to(device)
     model.train()
     net: torch.nn.Module = model
@@ -335,18 +379,25 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=bool(model.training_only_parameters()))
-    train_bytes = read_corpus(data_paths)
-    valid_bytes = read_bytes(valid_path) if valid_path else b""
-    valid_slice = valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else valid_bytes
-    streams = ByteStreams(train_bytes, cfg.batch_size, cfg.bptt, shard=(group.rank, group.world))
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    streams = ByteStreams(train_data, cfg.batch_size, cfg.bptt, shard=(group.rank, group.world))
+    opt: torch.optim.Adam | NTASGD
+    if cfg.optimizer == "ntasgd":
+        opt = NTASGD(model, lr=cfg.lr, nonmono=cfg.nonmono, interval=cfg.valid_every, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    nt = opt if isinstance(opt, NTASGD) else None
+
+    def valid_bpb(data: bytes | torch.Tensor, nbytes: int, streams: int) -> float:
+        """Bits per byte of the validation text (a word model: its bits per word x words / bytes)."""
+        per_token = evaluate_bpb(model, data, streams, precision=precision)
+        return per_token * len(data) / nbytes if words else per_token
     log_path = out / "train.jsonl"
     last = out / "last"
-    step, best, elapsed = 0, math.inf, 0.0
+    step, best, elapsed, pos = 0, math.inf, 0.0, 0
     hidden: dict[str, torch.Tensor] | None = None
     if resume:
         hidden, info = _load_trainer_state(last, model, opt, group, device)
-        step, best, elapsed = info["step"], info["best_valid_bpb"], info["seconds"]
+        step, best, elapsed, pos = info["step"], info["best_valid_bpb"], info["seconds"], info.get("bptt_pos", 0)
     if group.main:
         out.mkdir(parents=True, exist_ok=True)
     log_file = log_path.open("a", encoding="utf-8") if group.main else None
@@ -366,7 +417,7 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
 
     def save_best(valid_bpb: float) -> None:
         meta = {**meta_base, "metrics": {"valid_bpb_slice": valid_bpb, "step": step}}
-        save_checkpoint(out, model, meta=meta, card="# (training in progress)\n")
+        save_checkpoint(out, model, meta=meta, card="# (training in progress)\n", tokenizer=tokenizer)
 
     state = model.init_state(local_batch) if hidden is None else type(model.init_state(1))(
         {k: v.to(device) for k, v in hidden.items()})
@@ -375,21 +426,39 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     t0 = time.monotonic() - elapsed
     window_t, window_tokens = time.monotonic(), 0
     stop_reason = "max_steps"
-    while step < cfg.max_steps:
-        chunk, new_epoch = streams.chunk(step)
+    total_steps = cfg.max_steps + (cfg.finetune_steps if nt is not None else 0)
+    while step < total_steps:
+        if nt is not None and cfg.finetune_steps and step == cfg.max_steps and not nt.finetuning:
+            nt.restart()  # the fine-tuning restart (AWD-LSTM sec. 5): ASGD again from the averaged weights
+            log({"step": step, "finetune": True})
+        if nt is not None and nt.finished:
+            stop_reason = "finetune_converged"
+            break
+        scale = 1.0
+        if cfg.variable_bptt:  # AWD-LSTM sec. 4.1: the length drawn from (seed, step), so a resume draws the same
+            length = sample_seq_len(cfg.bptt, random.Random(cfg.seed * 1_000_003 + step),
+                                    max_len=streams.rows.shape[1] - 1)
+            if pos + length + 1 > streams.rows.shape[1]:
+                pos = 0
+            chunk, new_epoch = streams.rows[:, pos : pos + length + 1], pos == 0
+            pos += length
+            scale = length / cfg.bptt
+        else:
+            chunk, new_epoch = streams.chunk(step)
         chunk = chunk.to(device, non_blocking=True)
         if new_epoch:
             state = model.init_state(local_batch)
         elif cfg.reset_prob:
-            chunk, state = _reset_rows(model, cfg, step, chunk, state, group)
+            chunk, state = _reset_rows(model, cfg, step, chunk, state, group, tokenizer.bos)
         seconds = time.monotonic() - t0
-        lr = lr_at(cfg, step, seconds)
-        for param_group in opt.param_groups:
-            param_group["lr"] = lr
+        lr = cfg.lr * scale if nt is not None else lr_at(cfg, step, seconds) * scale
+        if not isinstance(opt, NTASGD):  # NT-ASGD sets its own (the constant lr x scale, in train_step)
+            for param_group in opt.param_groups:
+                param_group["lr"] = lr
         model.set_training_progress(progress_at(cfg, step, seconds))  # schedules of auxiliary losses
         # loss and norm are read at logging: no sync a step
         result = train_step(model, opt, chunk, state, accumulate=cfg.accumulate, clip=cfg.clip, precision=precision,
-                            net=net)
+                            net=net, lr_scale=scale)
         state = result.state
         step += 1
         window_tokens += chunk[:, 1:].numel() * group.world
@@ -412,20 +481,29 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         time_up = bool(cfg.max_minutes) and (time.monotonic() - t0) > cfg.max_minutes * 60
         if cfg.max_minutes:
             time_up = group.any(time_up, device)  # every process stops after the same step
-        if valid_slice and (step % cfg.valid_every == 0 or step == cfg.max_steps or time_up):
+        if valid_slice and (step % cfg.valid_every == 0 or step in (cfg.max_steps, total_steps) or time_up):
             hidden_parts = group.gather({k: v.detach().cpu() for k, v in state.tensors.items()})
             rngs = group.gather(_rng_states(device))
             if group.main:
-                vbpb = evaluate_bpb(model, valid_slice, cfg.valid_streams, precision=precision)
-                improved = vbpb < best
-                if improved:
-                    best = vbpb
-                    save_best(vbpb)
-                log({"step": step, "valid_bpb": vbpb, "best_valid_bpb": best, "seconds": time.monotonic() - t0})
+                # NT-ASGD: validated, and kept, with the averaged weights once averaging is on
+                with nt.averaged() if nt is not None else contextlib.nullcontext():
+                    vbpb = valid_bpb(valid_data, len(valid_slice), cfg.valid_streams)
+                    improved = vbpb < best
+                    if improved:
+                        best = vbpb
+                        save_best(vbpb)
+                record = {"step": step, "valid_bpb": vbpb, "best_valid_bpb": best}
+                if words:
+                    record["valid_ppl"] = 2.0 ** (vbpb * len(valid_slice) / len(valid_data))
+                if nt is not None:
+                    if nt.check(vbpb) and not nt.finetuning:
+                        record["averaging_from_step"] = step
+                    record["averaging"] = nt.averaging
+                log({**record, "seconds": time.monotonic() - t0})
                 whole = {k: torch.cat([part[k] for part in hidden_parts]) for k in hidden_parts[0]}  # (B, ...)
                 _save_trainer_state(last, model, opt, whole,
                                     {"step": step, "best_valid_bpb": best, "seconds": time.monotonic() - t0,
-                                     "world_size": group.world, "config": cfg.to_dict()}, rngs)
+                                     "world_size": group.world, "config": cfg.to_dict(), "bptt_pos": pos}, rngs)
             group.barrier()  # the others wait for rank 0's validation and files
         if time_up:
             stop_reason = "max_minutes"
@@ -442,7 +520,7 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     with torch.no_grad():  # everything below is measured on the weights as shipped
         for p in best_model.parameters():
             p.copy_(p.to(weights_dtype).to(p.dtype))
-    stats = gradient_stats(best_model, train_bytes, batches=cfg.stats_batches, batch_size=cfg.stats_batch_size,
+    stats = gradient_stats(best_model, train_data, batches=cfg.stats_batches, batch_size=cfg.stats_batch_size,
                            segment=cfg.stats_segment, adapter_units=cfg.adapter_units, group=group)
     if not group.main:
         group.barrier()  # rank 0 validates and writes the checkpoint
@@ -455,13 +533,21 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     if group.world > 1:
         machine += f", {group.world} processes ({device.type})"
     if valid_bytes:
-        metrics["valid_bpb"] = evaluate_bpb(best_model, valid_bytes, cfg.valid_streams)
+        whole_valid = tokenizer.encode_tensor(valid_bytes) if words else valid_bytes
+        per_token = evaluate_bpb(best_model, whole_valid, cfg.valid_streams)
+        metrics["valid_bpb"] = per_token * len(whole_valid) / len(valid_bytes) if words else per_token
         metrics["valid_streams"] = cfg.valid_streams
+        if words:
+            metrics.update({"valid_bits_per_word": per_token, "valid_perplexity": 2.0 ** per_token,
+                            "valid_words": len(whole_valid)})
+    if nt is not None:
+        metrics["averaging_from_step"] = nt.switched_at
     meta = {
         **meta_base,
         "metrics": metrics,
         "training": {
             "data": [Path(p).name for p in data_paths], "train_bytes": len(train_bytes),
+            **({"train_words": len(train_data), "vocab_size": tokenizer.vocab_size} if words else {}),
             "valid": Path(valid_path).name if valid_path else None, "valid_bytes": len(valid_bytes),
             "steps": step, "seconds": seconds, "machine": machine, "device": device.type, "precision": precision,
             "torch": torch.__version__,
@@ -470,7 +556,7 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     card = _model_card(cfg, {**meta, "model_config": cfg.model}, model)
     save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=default_dyneval(cfg, stats),
                     weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype],
-                    training_only=cfg.ship_training_only)
+                    training_only=cfg.ship_training_only, tokenizer=tokenizer)
     log({"done": True, "steps": step, "seconds": seconds, **metrics})
     assert log_file is not None
     log_file.close()

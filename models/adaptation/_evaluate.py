@@ -28,7 +28,7 @@ from models.adaptation._sparse import eval_mode, sparse_rule
 from models.adaptation._step import STATIC_SEGMENT, Row, RuleCache, TextJob, batch_step
 from models.base import LanguageModel, State
 from models.copymodel import CopyModel
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["EvalResult", "adapted_parameter_names", "evaluate", "evaluate_many", "split_documents"]
 
@@ -39,8 +39,8 @@ LN2 = math.log(2.0)
 class EvalResult:
     mode: str
     bits: float
-    bytes: int
-    logprobs: np.ndarray  # (bytes,) float64: natural-log probability of each byte
+    bytes: int  # UTF-8 bytes of the text (bits per byte of the raw text compare models of any tokenizer)
+    logprobs: np.ndarray  # (tokens,) float64: natural-log probability of each token (a byte model's: each byte)
     params_adapted: int  # scalars that adapt (per stream)
     state_bytes: int  # bytes of adapted state per stream: full, the adapted weights; sparse, the M matrices
     seconds: float  # wall time of the whole call (shared by every text of an `evaluate_many` batch)
@@ -51,8 +51,18 @@ class EvalResult:
     state: State | None = field(default=None, repr=False)  # final recurrent state (batch 1)
 
     @property
+    def tokens(self) -> int:
+        """Tokens scored: a byte model's bytes, a word model's words (punctuation and ends of line included)."""
+        return int(self.logprobs.size)
+
+    @property
     def bits_per_byte(self) -> float:
         return self.bits / self.bytes if self.bytes else float("nan")
+
+    @property
+    def bits_per_token(self) -> float:
+        """Bits per word for a word model (ALGORITHMS.md §10); perplexity is 2 ** this."""
+        return self.bits / self.tokens if self.tokens else float("nan")
 
 
 @dataclass
@@ -74,7 +84,7 @@ def split_documents(text: bytes, separator: bytes | None) -> list[bytes]:
 
 
 def _batched_streams(model: LanguageModel, docs: Sequence[bytes], config: DynEvalConfig,
-                     rule: UpdateRule | None, sites: dict[str, int], tokenizer: ByteTokenizer,
+                     rule: UpdateRule | None, sites: dict[str, int], tokenizer: Tokenizer,
                      copy: CopyModel | None = None) -> list[_Stream]:
     """Static or sparse evaluation of B streams at once, through `batch_step`; a finished text leaves the batch."""
     ref = next(model.parameters())
@@ -98,7 +108,7 @@ def _batched_streams(model: LanguageModel, docs: Sequence[bytes], config: DynEva
 
 def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalConfig | None = None, *,
                   stats: Mapping[str, torch.Tensor] | None = None, max_streams: int = 64,
-                  tokenizer: ByteTokenizer | None = None, copy: CopyModel | None = None) -> list[EvalResult]:
+                  tokenizer: Tokenizer | None = None, copy: CopyModel | None = None) -> list[EvalResult]:
     """Score each text independently under `config` (static, full or sparse), with `copy` (a copy model,
     models/copymodel.py) mixed into every stream's scores when given.
 
@@ -149,7 +159,7 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
     for i in range(len(texts)):
         mine = [s for s, o in zip(streams, owner, strict=True) if o == i]
         lp = torch.cat([s.logprobs for s in mine]).double().cpu().numpy()
-        results.append(EvalResult(mode=config.mode, bits=-float(lp.sum()) / LN2, bytes=lp.size, logprobs=lp,
+        results.append(EvalResult(mode=config.mode, bits=-float(lp.sum()) / LN2, bytes=len(texts[i]), logprobs=lp,
                                   params_adapted=params_adapted, state_bytes=state_bytes, seconds=seconds,
                                   skipped_updates=sum(s.skipped for s in mine),
                                   adapter_resets=sum(s.resets for s in mine), adapted=mine[-1].adapted,
@@ -158,7 +168,7 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
 
 
 def evaluate(model: LanguageModel, text: bytes, config: DynEvalConfig | None = None, *,
-             stats: Mapping[str, torch.Tensor] | None = None, tokenizer: ByteTokenizer | None = None,
+             stats: Mapping[str, torch.Tensor] | None = None, tokenizer: Tokenizer | None = None,
              copy: CopyModel | None = None) -> EvalResult:
     """Score one text under `config`; see `evaluate_many`."""
     return evaluate_many(model, [text], config, stats=stats, tokenizer=tokenizer, copy=copy)[0]

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from models.precision import PRECISIONS, inference_precision
 from models.sampling import SamplingParams
 from models.suggest import Suggestions
+from models.tokenizer import ByteTokenizer
 from server.engine._errors import EngineUnavailable
 from server.engine._generation import GenerationExecutor, GenerationJob, GenerationStream
 from server.engine._loading import ModelInfo, SessionLimits, load_model
@@ -259,13 +260,15 @@ class Engine:
             return
         self._scheduler.open()
         loaded.set_result(model.info)
+        tokenizer = model.ckpt.tokenizer
+        assert isinstance(tokenizer, ByteTokenizer), "load_model refuses other tokenizers (word models: issue 13)"
         try:
             with inference_precision(model.info.precision, model.device):  # thread-local: this thread's work
                 self._scheduler.run({
                     "generate": GenerationExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
                     "text": TextExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
                     "suggest": SuggestExecutor(self.sessions.session_model(), self.sessions, self._stats,
-                                               tokenizer=model.ckpt.tokenizer),
+                                               tokenizer=tokenizer),
                     "call": CallExecutor(),
                 })
         finally:

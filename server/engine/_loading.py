@@ -10,7 +10,7 @@ import torch
 
 from kernels import kernel_implementation
 from models.adaptation import DynEvalConfig
-from models.checkpoint import Checkpoint, load_checkpoint
+from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from models.device import resolve_device
 from models.precision import resolve_precision
 
@@ -59,6 +59,9 @@ def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     """Load the checkpoint at `path` onto `device` (models/device.py; "auto": CUDA when present); raises
     CheckpointError on a bad one, ValueError on a device that is not here. `precision` may be "auto"."""
     ckpt = load_checkpoint(path, device=resolve_device(device))
+    if ckpt.tokenizer.kind != "bytes":  # issue 13: the engine's text, sessions and keyboard read bytes today
+        raise CheckpointError(f"{path}: a {ckpt.tokenizer.kind}-level model (tokenizer {ckpt.tokenizer.kind!r}) is "
+                              f"not served yet; `adaptlm score` and `adaptlm eval` read it")
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
     # the process's choice (kernels/_dispatch.py); a model on the CPU runs the reference whatever it is

@@ -144,10 +144,17 @@ def test_an_unknown_tokenizer_is_refused(saved: tuple[MLSTM, Path]) -> None:
         load_checkpoint(path)
 
 
-def test_a_word_tokenizer_is_refused_until_the_loader_supports_one(saved: tuple[MLSTM, Path]) -> None:
+def test_a_word_tokenizer_is_loaded_and_must_fit_the_model(saved: tuple[MLSTM, Path]) -> None:
+    """config.json's word vocabulary comes back as the checkpoint's tokenizer; one whose size is not the model's
+    vocabulary is refused, naming both sizes."""
     _, path = saved
     config = json.loads((path / "config.json").read_text())
     vocab = WordTokenizer.build(["a b c\n"]).to_dict()
     (path / "config.json").write_text(json.dumps({**config, "tokenizer": vocab}))
-    with pytest.raises(CheckpointError, match="words tokenizer is not supported"):
+    with pytest.raises(CheckpointError, match=r"words tokenizer has 7 tokens, the model 256"):
         load_checkpoint(path)
+    words = [f"w{i}" for i in range(256 - 4)]  # 4 specials + 252 words: the byte model's 256 ids
+    fitting = WordTokenizer.build([" ".join(words) + "\n"], split="whitespace")
+    assert fitting.vocab_size == 256
+    (path / "config.json").write_text(json.dumps({**config, "tokenizer": fitting.to_dict()}))
+    assert load_checkpoint(path).tokenizer == fitting

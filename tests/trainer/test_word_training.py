@@ -1,0 +1,98 @@
+"""The trainer's word-level path (issue 13): a word vocabulary built from the training text, the AWD-LSTM trained
+with NT-ASGD and variable-length BPTT, the checkpoint carrying its tokenizer, and scoring that reports bits per word
+and perplexity beside bits per byte of the raw text."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from models.adaptation import DynEvalConfig, evaluate
+from models.checkpoint import load_checkpoint
+from models.word_tokenizer import WordTokenizer
+from trainer.config import make_config
+from trainer.train import evaluate_bpb, train
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+DATA = ROOT / "tests" / "data"
+TRAIN, VALID = DATA / "train.txt", DATA / "valid.txt"
+
+
+@pytest.fixture(scope="module")
+def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("awd") / "ck"
+    train(make_config("tiny", {"arch": "awd-lstm"}), [TRAIN], out, valid_path=VALID, progress=False)
+    return out
+
+
+def test_a_word_model_trains_and_its_checkpoint_keeps_the_vocabulary(word_checkpoint: Path) -> None:
+    ck = load_checkpoint(word_checkpoint)
+    tok = ck.tokenizer
+    assert isinstance(tok, WordTokenizer) and tok.vocab_size == 2000 == ck.model.config.vocab_size
+    # the vocabulary is the training text's, most frequent first
+    counts = WordTokenizer.build(TRAIN.read_text(encoding="utf-8"))
+    assert tok.to_dict()["vocab"][4:50] == counts.to_dict()["vocab"][4:50]
+    metrics = ck.meta["metrics"]
+    valid = VALID.read_bytes()
+    words = len(tok.encode(valid))
+    assert metrics["valid_words"] == words
+    assert metrics["valid_perplexity"] == pytest.approx(2 ** metrics["valid_bits_per_word"])
+    assert metrics["valid_bpb"] == pytest.approx(metrics["valid_bits_per_word"] * words / len(valid))
+    untrained = math.log2(tok.vocab_size)
+    assert metrics["valid_bits_per_word"] < untrained - 1.5  # it learned the commonest words (uniform: 10.97)
+    log = [json.loads(line) for line in (word_checkpoint / "train.jsonl").read_text().splitlines()]
+    checks = [r for r in log if "valid_bpb" in r and "done" not in r]
+    assert len(checks) == 3 and all("averaging" in r and "valid_ppl" in r for r in checks)
+    # MS_g for the sparse site of the last layer (the default site; tied, so embedding-sized: 16), over word ids
+    assert ck.stats["adapter.h1"].shape == (16, 16) and float(ck.stats["adapter.h1"].sum()) > 0
+
+
+def test_scoring_a_word_model_reports_words_and_bytes(word_checkpoint: Path) -> None:
+    text = VALID.read_text(encoding="utf-8")[:3000]
+    r = subprocess.run([sys.executable, "-m", "adaptlm", "score", "--checkpoint", str(word_checkpoint), "--json", "-"],
+                       input=text.encode(), capture_output=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    out: dict[str, Any] = json.loads(r.stdout)
+    ck = load_checkpoint(word_checkpoint)
+    assert out["tokens"] == len(ck.tokenizer.encode(text)) and out["bytes"] == len(text.encode())
+    assert out["bits_per_word"] == pytest.approx(out["bits"] / out["tokens"])
+    assert out["bits_per_byte"] == pytest.approx(out["bits"] / out["bytes"])
+    assert out["perplexity"] == pytest.approx(2 ** out["bits_per_word"])
+    # the same figure as the trainer's validation (one stream here, 4 there: close, not equal)
+    ids = ck.tokenizer.encode_tensor(text)
+    assert out["bits_per_word"] == pytest.approx(evaluate_bpb(ck.model, ids, streams=1), rel=0.05)
+
+
+def test_dynamic_evaluation_adapts_a_word_model(word_checkpoint: Path) -> None:
+    ck = load_checkpoint(word_checkpoint)
+    text = (VALID.read_bytes()[:2500]) * 2  # a repeat: adaptation must lower the second copy's cost
+    static = evaluate(ck.model, text, DynEvalConfig(mode="static"), tokenizer=ck.tokenizer)
+    assert static.tokens == len(ck.tokenizer.encode(text)) and static.bytes == len(text)
+    for mode, lr in (("sparse", 1e-2), ("full", 1e-3)):
+        adapted = evaluate(ck.model, text, DynEvalConfig(mode=mode, rule="sgd", lr=lr, segment=10), stats=ck.stats,
+                           tokenizer=ck.tokenizer)
+        assert adapted.tokens == static.tokens
+        assert adapted.bits < static.bits, mode
+
+
+def test_the_server_refuses_a_word_model_with_a_clear_error(word_checkpoint: Path) -> None:
+    from models.checkpoint import CheckpointError
+    from server.engine._loading import load_model
+
+    with pytest.raises(CheckpointError, match="words-level model .* is not served yet"):
+        load_model(word_checkpoint, "float32")
+
+
+def test_word_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="tokenizer must be"):
+        make_config("tiny", {"arch": "awd-lstm", "tokenizer": {"kind": "sentencepiece"}})
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        make_config("tiny", {"arch": "awd-lstm", "optimizer": "lamb"})
+    with pytest.raises(ValueError, match="settings of the ntasgd optimizer"):
+        make_config("tiny", {"finetune_steps": 10})
