@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from models.adaptation import DynEvalConfig, evaluate
 from models.checkpoint import load_checkpoint
@@ -96,3 +97,31 @@ def test_word_settings_are_checked() -> None:
         make_config("tiny", {"arch": "awd-lstm", "optimizer": "lamb"})
     with pytest.raises(ValueError, match="settings of the ntasgd optimizer"):
         make_config("tiny", {"finetune_steps": 10})
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_ntasgd_run_resumes_exactly(tmp_path: Path) -> None:
+    """NT-ASGD's counters, logs and average, and variable-length BPTT's position, are part of the trainer's state:
+    a run stopped after its second validation and resumed ends with the weights of one that never stopped. The
+    trigger (nonmono 0: the first validation worse than the best so far) is made to fire on the way by a high lr."""
+    cfg = make_config("tiny", {"arch": "awd-lstm", "nonmono": 0, "lr": 40.0, "max_steps": 60, "valid_every": 10,
+                               "finetune_steps": 20, "valid_bytes": 4000})
+
+    def stop_at_40(record: dict[str, Any]) -> None:
+        if record.get("step") == 40 and "valid_bpb" in record:
+            raise _Interrupt
+
+    whole_log: list[dict[str, Any]] = []
+    train(cfg, [TRAIN], tmp_path / "whole", valid_path=VALID, progress=False, on_log=whole_log.append)
+    with pytest.raises(_Interrupt):
+        train(cfg, [TRAIN], tmp_path / "resumed", valid_path=VALID, progress=False, on_log=stop_at_40)
+    train(cfg, [TRAIN], tmp_path / "resumed", valid_path=VALID, progress=False, resume=True)
+    assert any("averaging_from_step" in r for r in whole_log)  # the trigger fired, so the average was resumed too
+    assert any(r.get("finetune") for r in whole_log)
+    whole, resumed = load_checkpoint(tmp_path / "whole").model.state_dict(), \
+        load_checkpoint(tmp_path / "resumed").model.state_dict()
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), k
