@@ -192,11 +192,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if ckpt.path is None:
         raise UsageError("checkpoint has no directory to write dyneval.json into")
     dyneval = dict(ckpt.dyneval)
-    sections = {"both": ["full", "sparse"], "full": ["full"], "sparse": ["sparse"]}[args.mode]
+    sections = {"both": ["full", "sparse"], "full": ["full"], "sparse": ["sparse"], "cache": []}[args.mode]
     results: dict[str, Any] = {}
     from models.adaptation import evaluate
 
-    static = evaluate(ckpt.model, data, config_for("static", dyneval), stats=ckpt.stats).bits_per_byte
+    static = evaluate(ckpt.model, data, config_for("static", dyneval), stats=ckpt.stats,
+                      tokenizer=ckpt.tokenizer).bits_per_byte
+    if args.mode == "cache":  # the neural cache's theta and lambda at a window, on the static model
+        from trainer.tune import tune_cache
+
+        if args.cache_window < 1:
+            raise UsageError("--cache-window must be positive")
+        cache, trials = tune_cache(ckpt.model, data, args.cache_window, tokenizer=ckpt.tokenizer,
+                                   on_trial=lambda t: print(f"cache: theta={t['theta']:.3g} lambda={t['lam']:.3g}"
+                                                            f" -> {t['bits_per_byte']:.4f}", file=sys.stderr))
+        entry = {"window": cache.window, "theta": cache.theta, "lam": cache.lam,
+                 "valid_bpb": min(t["bits_per_byte"] for t in trials), "valid_static_bpb": static,
+                 "trials": len(trials)}
+        dyneval["cache"] = results["cache"] = entry
     for section in sections:
         layers = {"layers_from": args.layers_from} if section == "full" else {}
         try:
@@ -204,7 +217,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
         best, trials = tune_mode(ckpt.model, ckpt.stats, data, base, lr_start=args.lr_start,
-                                 max_trials=args.max_trials,
+                                 max_trials=args.max_trials, tokenizer=ckpt.tokenizer,
                                  on_trial=lambda t, s=section: print(f"{s}: lr={t['lr']:.3g} decay={t['decay']:.3g}"
                                                                      f" -> {t['bits_per_byte']:.4f}", file=sys.stderr))
         best_bpb = min(t["bits_per_byte"] for t in trials)
@@ -617,7 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--checkpoint")
     u.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     u.add_argument("--valid", required=True)
-    u.add_argument("--mode", choices=["both", "full", "sparse"], default="both")
+    u.add_argument("--mode", choices=["both", "full", "sparse", "cache"], default="both",
+                   help="cache: the neural cache's theta and lambda at --cache-window, for the eval modes with +cache")
+    u.add_argument("--cache-window", type=int, default=2000, help="cache mode: the window (tokens) tuned at")
     u.add_argument("--bytes", type=int, default=20_000, help="tune on the first N bytes of the validation text")
     u.add_argument("--segment", type=int)
     u.add_argument("--lr-start", type=float, default=1e-5)

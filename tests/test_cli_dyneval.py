@@ -62,3 +62,24 @@ def test_tune_writes_tuned_settings(tiny_checkpoint: Path, tmp_path: Path) -> No
     rec = json.loads(run("eval", "--checkpoint", str(ck), str(DATA / "valid.txt"), "--limit", "1500",
                          "--mode", "sparse", "--json").stdout)
     assert rec["lr"] == pytest.approx(sparse["lr"]) and rec["bits_per_byte"] == pytest.approx(sparse["valid_bpb"])
+
+
+def test_tune_cache_writes_the_neural_cache_settings(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`adaptlm tune --mode cache`: a grid of theta and lambda at the window; the best is written as the "cache"
+    section (with what it measured), and `eval --mode cache` then scores with it: the tuned figure, no worse than
+    static (lambda 0 is on the grid)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, ck)
+    r = run("tune", "--checkpoint", str(ck), "--valid", str(DATA / "valid.txt"), "--bytes", "1200",
+            "--mode", "cache", "--cache-window", "300")
+    assert r.returncode == 0, r.stderr
+    cache = json.loads((ck / "dyneval.json").read_text())["cache"]
+    assert cache["window"] == 300 and cache["trials"] == 21
+    assert cache["valid_bpb"] <= cache["valid_static_bpb"]
+    rec = json.loads(run("eval", "--checkpoint", str(ck), str(DATA / "valid.txt"), "--limit", "1200",
+                         "--mode", "cache", "--json").stdout)
+    assert (rec["cache_window"], rec["cache_theta"], rec["cache_lambda"]) == (300, cache["theta"], cache["lam"])
+    assert rec["bits_per_byte"] == pytest.approx(cache["valid_bpb"])
+    r = run("tune", "--checkpoint", str(ck), "--valid", str(DATA / "valid.txt"), "--mode", "cache",
+            "--cache-window", "0")
+    assert r.returncode == 2 and "--cache-window must be positive" in r.stderr

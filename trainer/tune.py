@@ -1,8 +1,10 @@
-"""Tuning dynamic evaluation on validation text (thesis sec. 4.5): the learning rate first, then the decay.
+"""Tuning dynamic evaluation on validation text (thesis sec. 4.5): the learning rate first, then the decay; and the
+neural cache's theta and lambda at a window (ALGORITHMS.md §4: the AWD-LSTM paper tunes them on validation data).
 
 The thesis raises eta from a low value by x1.2 until validation stops improving. To spend fewer
 trials we first bracket the best eta with x2 steps from `lr_start`, then walk x1.2 up from half the
 bracketed best until validation stops improving; then lambda is chosen from a grid at that eta.
+The cache is a grid (`tune_cache`): every (theta, lambda) of THETA_GRID x LAMBDA_GRID on the static model.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ from typing import Any
 
 import torch
 
-from models.adaptation import DynEvalConfig, evaluate
+from models.adaptation import CacheConfig, DynEvalConfig, evaluate
 from models.base import LanguageModel
+from models.tokenizer import Tokenizer
 
-__all__ = ["DECAY_GRID", "tune_mode"]
+__all__ = ["DECAY_GRID", "LAMBDA_GRID", "THETA_GRID", "tune_cache", "tune_mode"]
 
 DECAY_GRID = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+THETA_GRID = (0.1, 0.3, 1.0, 3.0)
+LAMBDA_GRID = (0.02, 0.05, 0.1, 0.2, 0.3)
 
 
 def tune_mode(model: LanguageModel, stats: dict[str, torch.Tensor], data: bytes, base: DynEvalConfig, *,
-              lr_start: float = 1e-5, max_trials: int = 40,
+              lr_start: float = 1e-5, max_trials: int = 40, tokenizer: Tokenizer | None = None,
               on_trial: Callable[[dict[str, Any]], None] | None = None) -> tuple[DynEvalConfig, list[dict[str, Any]]]:
     """-> (best config, every trial as {"lr", "decay", "bits_per_byte", "seconds"})."""
     trials: list[dict[str, Any]] = []
@@ -33,7 +38,7 @@ def tune_mode(model: LanguageModel, stats: dict[str, torch.Tensor], data: bytes,
         key = (round(cfg.lr, 12), round(cfg.decay, 12))
         if key not in scored:
             t0 = time.perf_counter()
-            bpb = evaluate(model, data, cfg, stats=stats).bits_per_byte
+            bpb = evaluate(model, data, cfg, stats=stats, tokenizer=tokenizer).bits_per_byte
             scored[key] = (cfg, bpb)
             trial = {"lr": cfg.lr, "decay": cfg.decay, "bits_per_byte": bpb, "seconds": time.perf_counter() - t0}
             trials.append(trial)
@@ -61,3 +66,27 @@ def tune_mode(model: LanguageModel, stats: dict[str, torch.Tensor], data: bytes,
             break
         score(replace(at_lr, decay=decay))
     return best(), trials
+
+
+def tune_cache(model: LanguageModel, data: bytes, window: int, *, tokenizer: Tokenizer | None = None,
+               thetas: tuple[float, ...] = THETA_GRID, lambdas: tuple[float, ...] = LAMBDA_GRID,
+               on_trial: Callable[[dict[str, Any]], None] | None = None) -> tuple[CacheConfig, list[dict[str, Any]]]:
+    """The neural cache's (theta, lambda) at `window` by a grid on the static model -> (best, every trial as
+    {"window", "theta", "lam", "bits_per_byte", "seconds"}); lambda 0 (the model alone) is the first trial, so the
+    best is never worse than no cache."""
+    trials: list[dict[str, Any]] = []
+    best: tuple[float, CacheConfig] | None = None
+    grid = [(thetas[0], 0.0)] + [(t, lam) for t in thetas for lam in lambdas]
+    for theta, lam in grid:
+        cache = CacheConfig(window=window, theta=theta, lam=lam)
+        t0 = time.perf_counter()
+        bpb = evaluate(model, data, DynEvalConfig(mode="static", cache=cache), tokenizer=tokenizer).bits_per_byte
+        trial = {"window": window, "theta": theta, "lam": lam, "bits_per_byte": bpb,
+                 "seconds": time.perf_counter() - t0}
+        trials.append(trial)
+        if on_trial:
+            on_trial(trial)
+        if best is None or bpb < best[0]:
+            best = (bpb, cache)
+    assert best is not None
+    return best[1], trials

@@ -197,8 +197,9 @@ class DynEvalSettings(Mapping[str, Any]):
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(EVAL_MODES)}")
         inner, name, cache = EVAL_MODES[mode]
         base = self._section(name)
-        if cache:
-            base["cache"] = self._section("cache")
+        if cache:  # its settings; the rest of the section is what `adaptlm tune --mode cache` measured
+            fields = {f.name for f in dataclasses.fields(CacheConfig)}
+            base["cache"] = {k: v for k, v in self._section("cache").items() if k in fields}
         else:
             base.pop("cache", None)
         given = {k: v for k, v in overrides.items() if v is not None}

@@ -125,3 +125,29 @@ def test_an_interrupted_ntasgd_run_resumes_exactly(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "resumed").model.state_dict()
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
+
+
+def test_adaptlm_tune_and_eval_work_on_a_word_model(word_checkpoint: Path, tmp_path: Path) -> None:
+    """The neural cache over words (window in words) and sparse dynamic evaluation, tuned and evaluated by the CLI;
+    eval reports bits per word and perplexity."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(word_checkpoint, ck)
+    valid = str(VALID)
+    for mode in ("cache", "sparse"):
+        r = subprocess.run([sys.executable, "-m", "adaptlm", "tune", "--checkpoint", str(ck), "--valid", valid,
+                            "--bytes", "3000", "--mode", mode, "--cache-window", "200", "--max-trials", "6"],
+                           capture_output=True, cwd=ROOT, timeout=300)
+        assert r.returncode == 0, r.stderr.decode()
+    dyneval = json.loads((ck / "dyneval.json").read_text())
+    assert dyneval["cache"]["valid_bpb"] <= dyneval["cache"]["valid_static_bpb"]
+    r = subprocess.run([sys.executable, "-m", "adaptlm", "eval", "--checkpoint", str(ck), valid, "--limit", "3000",
+                        "--mode", "static,cache,sparse", "--json"], capture_output=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    by_mode = {rec["mode"]: rec for rec in json.loads(r.stdout)}  # one record per mode
+    assert set(by_mode) == {"static", "cache", "sparse"}
+    for rec in by_mode.values():
+        assert rec["perplexity"] == pytest.approx(2 ** rec["bits_per_word"])
+        assert rec["bits_per_byte"] == pytest.approx(rec["bits"] / rec["bytes"])
+    assert by_mode["cache"]["bits_per_byte"] == pytest.approx(dyneval["cache"]["valid_bpb"])
