@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["add_train_arguments", "config_from_args"]
 
 # trainable architectures (models/registry.py), named without importing torch
-_ARCHS = ("mlstm", "char-transformer", "compressive")
+_ARCHS = ("mlstm", "char-transformer", "compressive", "awd-lstm")
 _FLAGS = ("max_steps", "max_minutes", "batch_size", "bptt", "lr", "seed", "threads")
 
 
@@ -21,7 +21,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The training flags, on `p`."""
     p.add_argument("--arch", choices=list(_ARCHS), default=None)
     p.add_argument("--preset", choices=["tiny", "default", "small", "gpu"], default=None,
-                   help="tiny, default (mlstm); tiny, small, gpu (char-transformer): trainer/config.py")
+                   help="tiny, default (mlstm); tiny, small, gpu (char-transformer, compressive); tiny (awd-lstm): "
+                        "trainer/config.py")
     p.add_argument("--config", help="JSON or TOML file of training settings")
     p.add_argument("--data", nargs="+", required=True, help="training text files")
     p.add_argument("--valid", help="validation text file")
