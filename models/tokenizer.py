@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from models._streams import StreamMixin
 from models.word_tokenizer import WordTokenizer
 
 __all__ = ["ByteTokenizer", "Tokenizer", "WordTokenizer", "tokenizer_from_dict"]
@@ -23,7 +24,7 @@ __all__ = ["ByteTokenizer", "Tokenizer", "WordTokenizer", "tokenizer_from_dict"]
 _NEWLINE = 0x0A
 
 
-class ByteTokenizer:
+class ByteTokenizer(StreamMixin):
     """Any bytes in, the same bytes out; token ids are byte values."""
 
     kind = "bytes"
@@ -55,14 +56,6 @@ class ByteTokenizer:
         if not data:
             return torch.zeros(0, dtype=torch.long, device=device)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device).long()  # (T,)
-
-    def stream(self, data: str | bytes, last_token: int | None = None,
-               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """-> inputs, targets (T,): every token of `data` is predicted, the first one from `last_token` (the
-        stream's previous input; None: `bos`, a stream's start)."""
-        targets = self.encode_tensor(data, device)  # (T,)
-        first = targets.new_tensor([self.bos if last_token is None else last_token])
-        return torch.cat([first, targets[:-1]]), targets
 
     def last_token(self, data: bytes) -> int:
         """The token a stream continues from after `data` (non-empty)."""

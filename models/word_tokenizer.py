@@ -41,6 +41,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from models._streams import StreamMixin
+
 __all__ = ["SPLITS", "TextSize", "WordTokenizer"]
 
 EOS, SPACE_EOS, UNK, SPACE_UNK = "\n", " \n", "<unk>", " <unk>"
@@ -62,7 +64,7 @@ class TextSize(NamedTuple):
     bytes: int
 
 
-class WordTokenizer:
+class WordTokenizer(StreamMixin):
     """Text in, word ids out; `vocab[i]` is the text of token i (module docstring for the rule)."""
 
     kind = "words"
@@ -167,14 +169,6 @@ class WordTokenizer:
 
     def encode_tensor(self, data: str | bytes, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.tensor(self.encode(data), dtype=torch.long, device=device)  # (T,)
-
-    def stream(self, data: str | bytes, last_token: int | None = None,
-               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """-> inputs, targets (T,): every token of `data` is predicted, the first one from `last_token` (the
-        stream's previous input; None: `bos`, a stream's start)."""
-        targets = self.encode_tensor(data, device)  # (T,)
-        first = targets.new_tensor([self.bos if last_token is None else last_token])
-        return torch.cat([first, targets[:-1]]), targets
 
     def last_token(self, data: bytes) -> int:
         """The token a stream continues from after `data` (non-empty): the last token of `data` as it stands (a
