@@ -107,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     ckpt = _load(args.checkpoint, args.device)
     out = sys.stdout
-    for piece in generate(ckpt.model, args.prompt.encode("utf-8"), params):
+    for piece in generate(ckpt.model, args.prompt.encode("utf-8"), params, tokenizer=ckpt.tokenizer):
         out.write(piece)
         out.flush()
     out.write("\n")

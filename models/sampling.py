@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from models.base import Adapter, LanguageModel, State
-from models.scoring import BOS
+from models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "FinishReason", "SamplingParams", "Step", "Stepper", "TextDecoder", "TopLogprobs", "filter_logits",
@@ -147,8 +147,11 @@ class Stepper:
     """
 
     def __init__(self, model: LanguageModel, params: SamplingParams, *, state: State | None = None,
-                 last_byte: int = BOS, adapter: Adapter | None = None) -> None:
+                 last_byte: int | None = None, adapter: Adapter | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.model = model
+        # a byte model's tokens are bytes; a word model's are its vocabulary's words (their text is what decodes)
+        self.tokenizer = tokenizer or ByteTokenizer()
         self.params = params
         self.adapter = adapter
         self.device = next(model.parameters()).device
@@ -158,7 +161,7 @@ class Stepper:
         else:
             self._generator.seed()
         self._state = state if state is not None else model.init_state(1)
-        self._last_byte = last_byte
+        self._last_byte = self.tokenizer.bos if last_byte is None else last_byte  # the token the prompt follows
         self._logits: torch.Tensor | None = None  # (V,) log-probs of the next byte, once prefilled (model.log_probs)
         self.decoder = TextDecoder(params.stop)
         self.tokens = 0  # bytes sampled so far
@@ -170,7 +173,8 @@ class Stepper:
         byte's log-probability and the top k at its position (the first byte's is conditioned on the BOS byte)."""
         if self._logits is not None:
             raise RuntimeError("prefill runs once")
-        context = torch.tensor([self._last_byte, *prompt], dtype=torch.long, device=self.device)  # (T+1,)
+        ids = self.tokenizer.encode_tensor(prompt, self.device)  # (T,)
+        context = torch.cat([ids.new_tensor([self._last_byte]), ids])  # (T+1,) the token before, then the prompt
         scored = TopLogprobs() if logprobs is not None else None
         state = self._state
         for start in range(0, context.numel(), chunk):
@@ -187,7 +191,7 @@ class Stepper:
         if self._logits is None or self.tokens:
             raise RuntimeError("fork after prefill and before the first step")
         other = Stepper(self.model, params, state=State({k: v.clone() for k, v in self._state.tensors.items()}),
-                        adapter=self.adapter)
+                        adapter=self.adapter, tokenizer=self.tokenizer)
         other._logits = self._logits
         return other
 
@@ -203,7 +207,7 @@ class Stepper:
         offset = self.decoder.chars
         self.tokens += 1
         last = self.tokens == self.params.max_tokens
-        text = self.decoder.push(bytes([token]), final=last)
+        text = self.decoder.push(self.tokenizer.token_bytes(token), final=last)
         if self.decoder.stopped:
             self.finish_reason = "stop"
         elif last:
@@ -248,7 +252,8 @@ class Stepper:
 
 
 def generate(model: LanguageModel, prompt: bytes, params: SamplingParams, *, state: State | None = None,
-             last_byte: int = BOS, adapter: Adapter | None = None) -> Iterator[str]:
+             last_byte: int | None = None, adapter: Adapter | None = None,
+             tokenizer: Tokenizer | None = None) -> Iterator[str]:
     """Yield decoded text pieces of the continuation of `prompt` (invalid UTF-8 becomes U+FFFD).
 
     Stops after max_tokens bytes or when a stop string appears (the stop string is not yielded).
@@ -256,7 +261,7 @@ def generate(model: LanguageModel, prompt: bytes, params: SamplingParams, *, sta
     was_training = model.training
     model.eval()
     try:
-        stepper = Stepper(model, params, state=state, last_byte=last_byte, adapter=adapter)
+        stepper = Stepper(model, params, state=state, last_byte=last_byte, adapter=adapter, tokenizer=tokenizer)
         stepper.prefill(prompt)
         while stepper.finish_reason is None:
             if text := stepper.step().text:

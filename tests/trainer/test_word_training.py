@@ -151,3 +151,24 @@ def test_adaptlm_tune_and_eval_work_on_a_word_model(word_checkpoint: Path, tmp_p
         assert rec["perplexity"] == pytest.approx(2 ** rec["bits_per_word"])
         assert rec["bits_per_byte"] == pytest.approx(rec["bits"] / rec["bytes"])
     assert by_mode["cache"]["bits_per_byte"] == pytest.approx(dyneval["cache"]["valid_bpb"])
+
+
+def test_a_word_model_generates_words(word_checkpoint: Path) -> None:
+    """Sampling reads the checkpoint's tokenizer: max_tokens counts words, the text is the sampled words' own text,
+    and a seed repeats it (CLI and library alike)."""
+    from models.sampling import SamplingParams, Stepper
+
+    ck = load_checkpoint(word_checkpoint)
+    stepper = Stepper(ck.model.eval(), SamplingParams(max_tokens=12, temperature=1.0, seed=3), tokenizer=ck.tokenizer)
+    stepper.prefill(b"It was a")
+    steps = []
+    while stepper.finish_reason is None:
+        steps.append(stepper.step())
+    assert len(steps) == 12 and stepper.finish_reason == "length"
+    text = "".join(s.text for s in steps)
+    assert text == ck.tokenizer.decode([s.token for s in steps])
+    cmd = [sys.executable, "-m", "adaptlm", "generate", "--checkpoint", str(word_checkpoint), "--prompt", "It was a",
+           "--max-tokens", "12", "--seed", "3", "--temperature", "1.0"]
+    r = subprocess.run(cmd, capture_output=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode() == text + "\n"  # the CLI ends its output with a newline
