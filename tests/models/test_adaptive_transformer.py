@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from models.adaptation import DynEvalConfig, evaluate
 from models.adaptive_transformer import AdaptiveTransformer, AdaptiveTransformerConfig, resolve_cutoffs
 from models.base import Adapter, Output
 from models.checkpoint import load_checkpoint, save_checkpoint
@@ -281,3 +282,17 @@ def test_tiny_preset_trains_end_to_end(trained: Path) -> None:
     assert metrics["valid_bits_per_word"] < before - 2.0  # perplexity down by more than 4x
     assert evaluate_bpb(model, ids, streams=4) == pytest.approx(metrics["valid_bits_per_word"], rel=1e-4)
     assert ck.stats["adapter.resid"].shape == (32, 32) and float(ck.stats["adapter.resid"].sum()) > 0
+
+
+def test_dynamic_evaluation_adapts_through_the_adaptive_softmax(trained: Path) -> None:
+    """Sparse (logits rebuilt without hidden states: gathered from the log-probabilities) and full dynamic evaluation
+    (gradients through the full distribution) lower the cost of a repeated text."""
+    ck = load_checkpoint(trained)
+    text = VALID.read_bytes()[:2500] * 2
+    static = evaluate(ck.model, text, DynEvalConfig(mode="static"), tokenizer=ck.tokenizer)
+    assert static.tokens == len(ck.tokenizer.encode(text))
+    for mode, lr in (("sparse", 1e-2), ("full", 1e-3)):
+        adapted = evaluate(ck.model, text, DynEvalConfig(mode=mode, rule="sgd", lr=lr, segment=10), stats=ck.stats,
+                           tokenizer=ck.tokenizer)
+        assert adapted.tokens == static.tokens
+        assert adapted.bits < static.bits, mode
