@@ -43,7 +43,9 @@ Registered in models/registry.py as "char-transformer".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,7 @@ from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
-__all__ = ["CharTransformer", "CharTransformerConfig"]
+__all__ = ["BlockConfig", "CharTransformer", "CharTransformerConfig", "append_blocks", "slide_windows"]
 
 TRAINING_ONLY_PREFIX = "aux."
 
@@ -75,8 +77,26 @@ class CharTransformerConfig(ModelConfig):
     aux_two_ahead: bool = True  # the byte-two-ahead losses
 
 
+class BlockConfig(Protocol):
+    """What a block reads of its model's config (this model's and models/adaptive_transformer.py's)."""
+
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_head(self) -> int: ...
+    @property
+    def d_ff(self) -> int: ...
+    @property
+    def dropout(self) -> float: ...
+
+
+# append(tokens (B, m), state, fill n (B,), adapter mats or None, collect) -> (B, m, D), block outputs, new state
+AppendFn = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None, bool],
+                    tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]]
+
+
 class _Block(nn.Module):
-    def __init__(self, cfg: CharTransformerConfig) -> None:
+    def __init__(self, cfg: BlockConfig) -> None:
         super().__init__()
         D = cfg.d_model
         self.n_head = cfg.n_head
@@ -197,32 +217,11 @@ class CharTransformer(LanguageModel):
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: tok, mask (B, C), k{l}, v{l} (B, C, D); adapter: mats["resid"] (B, k, k)."""
-        B, T = tokens.shape
         C, S, N = self.config.context, self.stride, self.config.n_layer
-        st = dict(state.tensors)
         mats = adapter.mats["resid"] if adapter is not None else None
         collect = self.training and bool(self.aux_weights())
-        outs: list[list[torch.Tensor]] = [[] for _ in range(N)]  # per block, its outputs over the chunk's pieces
-        finals = []
-        n = st["mask"].sum(1)  # (B,) the fill of each row's window
-        i = 0
-        while i < T:
-            full = n == C
-            if bool(full.any()):  # slide those rows' windows by S: re-encode their newest C-S bytes from position 0
-                rows = full.nonzero()[:, 0]
-                sub = {k: v[rows] for k, v in st.items()}
-                fresh = self.init_state(len(rows)).tensors
-                _, _, new = self._append(sub["tok"][:, S:], fresh, torch.zeros_like(rows),
-                                         mats[rows] if mats is not None else None, collect=False)
-                st = {k: v.index_copy(0, rows, new[k]) for k, v in st.items()}
-                n = n.masked_fill(full, C - S)
-            m = min(T - i, int((C - n).min()))
-            x, layer_outs, st = self._append(tokens[:, i : i + m], st, n, mats, collect)
-            finals.append(x)
-            for acc, o in zip(outs, layer_outs, strict=False):
-                acc.append(o)
-            n = n + m
-            i += m
+        finals, outs, st = slide_windows(tokens, dict(state.tensors), C, S, N, self._append, self.init_state, mats,
+                                         collect)
         x = torch.cat(finals, 1) if finals else self.embed(tokens)  # (B, T, D)
         hidden = self.ln_f(x)  # (B, T, D)
         logits = self.head(hidden)  # (B, T, V)
@@ -237,27 +236,9 @@ class CharTransformer(LanguageModel):
         """Append m bytes to windows of fill n (B,), n + m <= C: tokens (B, m) take positions n..n+m-1.
         -> the last block's output (adapted if the site is there) (B, m, D), each block's output (if `collect`),
         the new state (the oldest m slots, all empty, drop off)."""
-        B, m = tokens.shape
-        dev = tokens.device
-        pos = n.view(B, 1) + torch.arange(m, device=dev).view(1, m)  # (B, m)
-        valid = torch.cat([st["mask"], st["mask"].new_ones(B, m)], 1)  # (B, C+m)
-        key_lengths = n + m  # (B,) the cache is right-aligned: its last n slots, then the chunk
         x = self.embed(tokens)  # (B, m, D)
-        new: dict[str, torch.Tensor] = {}
-        layer_outs = []
-        for i, block in enumerate(self.blocks):
-            x = x + self.pos[i][pos]  # (B, m, D) this layer's positional embedding (paper: per-layer)
-            mk, mv = st[f"k{i}"], st[f"v{i}"]
-            x, k, v = block(x, mk, mv, key_lengths)
-            new[f"k{i}"] = torch.cat([mk, k], 1)[:, m:]  # (B, C, D)
-            new[f"v{i}"] = torch.cat([mv, v], 1)[:, m:]
-            if collect:
-                layer_outs.append(x)
-            if i == self.site_layer and mats is not None:
-                x = apply_adapter_positions(x, mats)  # (B, m, D) h' = h + M h at every position, one bmm
-        new["mask"] = valid[:, m:]
-        new["tok"] = torch.cat([st["tok"], tokens], 1)[:, m:]
-        return x, layer_outs, new
+        return append_blocks(self.blocks, x, tokens, st, n, mats, self.site_layer, collect,
+                             lambda i, pos: self.pos[i][pos])  # paper: a positional embedding per layer
 
     def _aux_losses(self, tokens: torch.Tensor, layer_outs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Weighted auxiliary losses from each block's output (B, T, D); targets are the chunk's later inputs."""
@@ -276,3 +257,66 @@ class CharTransformer(LanguageModel):
             out[name] = w * F.cross_entropy(logits.float().flatten(0, 1), tokens[:, ahead:].flatten())
         return out
 
+
+
+def slide_windows(tokens: torch.Tensor, st: dict[str, torch.Tensor], context: int, stride: int, n_layer: int,
+                  append: AppendFn, init_state: Callable[[int], State], mats: torch.Tensor | None, collect: bool
+                  ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """The sliding window of the module docstring, shared with models/adaptive_transformer.py: tokens (B, T) into
+    windows of `context` C with state `st` (tok, mask, k{l}, v{l}), each full window slid by `stride` S (its newest
+    C-S tokens re-encoded from position 0 by `append`). -> the last block's outputs of each piece (B, m_j, D), each
+    block's outputs per piece (if `collect`), the new state."""
+    T = tokens.shape[1]
+    C, S = context, stride
+    outs: list[list[torch.Tensor]] = [[] for _ in range(n_layer)]  # per block, its outputs over the chunk's pieces
+    finals = []
+    n = st["mask"].sum(1)  # (B,) the fill of each row's window
+    i = 0
+    while i < T:
+        full = n == C
+        if bool(full.any()):  # slide those rows' windows by S: re-encode their newest C-S tokens from position 0
+            rows = full.nonzero()[:, 0]
+            sub = {k: v[rows] for k, v in st.items()}
+            fresh = init_state(len(rows)).tensors
+            _, _, new = append(sub["tok"][:, S:], fresh, torch.zeros_like(rows),
+                               mats[rows] if mats is not None else None, False)
+            st = {k: v.index_copy(0, rows, new[k]) for k, v in st.items()}
+            n = n.masked_fill(full, C - S)
+        m = min(T - i, int((C - n).min()))
+        x, layer_outs, st = append(tokens[:, i : i + m], st, n, mats, collect)
+        finals.append(x)
+        for acc, o in zip(outs, layer_outs, strict=False):
+            acc.append(o)
+        n = n + m
+        i += m
+    return finals, outs, st
+
+
+def append_blocks(blocks: nn.ModuleList, x: torch.Tensor, tokens: torch.Tensor, st: dict[str, torch.Tensor],
+                  n: torch.Tensor, mats: torch.Tensor | None, site_layer: int, collect: bool,
+                  layer_input: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Append m tokens to windows of fill n (B,), n + m <= C: x (B, m, D) their embeddings, tokens (B, m) taking
+    positions n..n+m-1; `layer_input(l, pos)` (B, m, D), if given, is added to block l's input (pos (B, m)).
+    -> the last block's output (adapted if the site `site_layer` is there) (B, m, D), each block's output (if
+    `collect`), the new state (the oldest m slots, all empty, drop off)."""
+    B, m = tokens.shape
+    pos = n.view(B, 1) + torch.arange(m, device=tokens.device).view(1, m)  # (B, m)
+    valid = torch.cat([st["mask"], st["mask"].new_ones(B, m)], 1)  # (B, C+m)
+    key_lengths = n + m  # (B,) the cache is right-aligned: its last n slots, then the chunk
+    new: dict[str, torch.Tensor] = {}
+    layer_outs = []
+    for i, block in enumerate(blocks):
+        if layer_input is not None:
+            x = x + layer_input(i, pos)  # (B, m, D)
+        mk, mv = st[f"k{i}"], st[f"v{i}"]
+        x, k, v = block(x, mk, mv, key_lengths)
+        new[f"k{i}"] = torch.cat([mk, k], 1)[:, m:]  # (B, C, D)
+        new[f"v{i}"] = torch.cat([mv, v], 1)[:, m:]
+        if collect:
+            layer_outs.append(x)
+        if i == site_layer and mats is not None:
+            x = apply_adapter_positions(x, mats)  # (B, m, D) h' = h + M h at every position, one bmm
+    new["mask"] = valid[:, m:]
+    new["tok"] = torch.cat([st["tok"], tokens], 1)[:, m:]
+    return x, layer_outs, new

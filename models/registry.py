@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from models.adaptive_transformer import AdaptiveTransformer, AdaptiveTransformerConfig
 from models.awd_lstm import AWDLSTM, AWDLSTMConfig
 from models.base import LanguageModel, ModelConfig
 from models.char_transformer import CharTransformer, CharTransformerConfig
@@ -18,6 +19,7 @@ REGISTRY: dict[str, tuple[type[ModelConfig], type[LanguageModel]]] = {
     "char-transformer": (CharTransformerConfig, CharTransformer),
     "compressive": (CompressiveConfig, CompressiveTransformer),
     "awd-lstm": (AWDLSTMConfig, AWDLSTM),
+    "adaptive-transformer": (AdaptiveTransformerConfig, AdaptiveTransformer),
 }
 
 

@@ -152,6 +152,18 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "stats_batches": 4, "stats_batch_size": 8, "stats_segment": 10, "log_every": 20,
         },
     },
+    "adaptive-transformer": {
+        # seconds on a CPU: for tests and smoke runs; the awd-lstm tiny's vocabulary (2,000 commonest tokens), bands
+        # of 200 / 400 / 1,400 words of dimension 32 / 8 / 2, tied; a window of 32 words, Adam with cosine decay
+        "tiny": {
+            "model": {"d_model": 32, "n_layer": 2, "n_head": 2, "d_ff": 64, "context": 32, "cutoffs": [0.1, 0.3],
+                      "dropout": 0.1},
+            "tokenizer": {"kind": "words", "split": "words", "max_size": 2000},
+            "batch_size": 8, "bptt": 20, "lr": 3e-3, "lr_final": 1e-3, "warmup_steps": 5, "schedule": "cosine",
+            "max_steps": 60, "valid_every": 20, "valid_streams": 4,
+            "stats_batches": 4, "stats_batch_size": 8, "stats_segment": 10, "log_every": 20,
+        },
+    },
     "compressive": {
         # seconds on a CPU: for tests and smoke runs (segments of 32 = bptt; 32 fine + 16 compressed slots at c = 2)
         "tiny": {
