@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["add_train_arguments", "config_from_args"]
 
 # trainable architectures (models/registry.py), named without importing torch
-_ARCHS = ("mlstm", "char-transformer", "compressive", "awd-lstm")
+_ARCHS = ("mlstm", "char-transformer", "compressive", "awd-lstm", "adaptive-transformer")
 _FLAGS = ("max_steps", "max_minutes", "batch_size", "bptt", "lr", "seed", "threads")
 
 
