@@ -3,8 +3,12 @@ scoring, the neural cache, and sparse and full dynamic evaluation, in domain (PT
 (WikiText-2 valid scored by a PTB-trained model). PTB and WikiText are research-only: the checkpoints this reads are
 trained under runs/ and never shipped.
 
-    python -m bench.words --checkpoints runs/ptb/sgd,runs/ptb/ntasgd [--tune-bytes 60000] [--words 20000]
-                          [--modes static,cache,sparse,full]
+    python -m bench.words --checkpoints runs/ptb/ntasgd,runs/ptb/adaptive [--tune-bytes 60000] [--words 20000]
+                          [--modes static,cache,sparse,full] [--last-iterate]
+
+`--last-iterate` also scores each checkpoint's last training iterate (the weights in `<checkpoint>/last/`, which the
+trainer keeps to resume): for an NT-ASGD run that is the plain SGD trajectory (averaging never changes the
+iterates), so the two rows compare SGD with NT-ASGD on one run.
 
 Settings, tuned per checkpoint on the first `--tune-bytes` of PTB valid (`adaptlm tune` in this process): the cache's
 theta and lambda at a window of 500 words (`tune_cache`), and the sparse and full learning rates and decays
@@ -19,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
+
+from safetensors.torch import load_file
 
 from bench._common import SHARED, machine_line
 from models.adaptation import CacheConfig, DynEvalConfig, evaluate
@@ -63,12 +70,20 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=20_000)
     ap.add_argument("--max-trials", type=int, default=8)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["static", "cache", "sparse", "full"])
+    ap.add_argument("--last-iterate", action="store_true", help="also score the run's last iterate (SGD's)")
     args = ap.parse_args()
     print(f"# word models: {machine_line()}")
     ptb = (SHARED / PTB_VALID).read_bytes()
     wt2 = (SHARED / WT2_VALID).read_bytes()
-    for path in args.checkpoints:
+    runs = [(path, False) for path in args.checkpoints]
+    if args.last_iterate:
+        runs += [(path, True) for path in args.checkpoints]
+    for path, last in runs:
         ck = load_checkpoint(path)
+        if last:  # the trainer's resumable weights: the iterate, not the average
+            weights = load_file(str(Path(path) / "last" / "trainer_state.safetensors"))
+            ck.model.load_state_dict({k[6:]: v for k, v in weights.items() if k.startswith("model.")})
+            path = f"{path} (last iterate)"
         tok = ck.tokenizer
         if not isinstance(tok, WordTokenizer):
             raise SystemExit(f"{path}: not a word model")
