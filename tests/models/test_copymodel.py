@@ -255,3 +255,18 @@ def test_the_pair_indexed_frozen_kernel_equals_the_reference(monkeypatch: pytest
     assert torch.equal(c_fast[has], c_ref[has]) and torch.equal(n_fast[has], n_ref[has])
     assert not torch.allclose(fast[:6], lp[:6], atol=1e-3)  # the copy model does change the scores
     assert torch.equal(fast[6:], lp[6:]) and torch.equal(ref[6:], lp[6:])  # not without one, nor from nothing read
+
+
+def test_a_search_stacks_its_sessions_copy_statistics_once() -> None:
+    """The rounds of a keyboard search stack the same sessions' statistics: the second stack of the same states is
+    the first one (not a new 420 KB a session), a different set is stacked anew, and one session is its own."""
+    model = CopyModel(CopyConfig(window=64))
+    a, b = (Adapter({}, copy=frozen_stats(model.init_state(1))) for _ in range(2))
+    first, index = Adapter.stack_copies([a, b], [2, 3])
+    assert index is not None and index.tolist() == [0, 0, 1, 1, 1]
+    again, _ = Adapter.stack_copies([a, b], [1, 1])
+    assert again is first
+    other, _ = Adapter.stack_copies([b, a], [1, 1])
+    assert other is not first and other.tensors["hist"].shape == (2, 64)
+    alone, _ = Adapter.stack_copies([a], [4])
+    assert alone is a.copy
