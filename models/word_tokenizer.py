@@ -177,6 +177,30 @@ class WordTokenizer(StreamMixin):
         start = data.rfind(b"\n", 0, len(data) - 1) + 1  # a line ending in "\n" is tokenised with that line
         return self.encode(data[start:])[-1]
 
+    def split_stable(self, data: bytes) -> tuple[bytes, bytes]:
+        """Cut text that arrives in pieces (a session's observes) -> (stable, pending): the tokens of `stable` are
+        those of any text that continues it, so they can be scored now; `pending` waits for what follows (the last
+        word, which may go on, and the gap before it, whose split depends on what follows; an incomplete UTF-8
+        character). The cut is after the last newline or before the last run of other whitespace, whichever is
+        later: no token spans a newline, and a word, a punctuation mark or <unk> ends where whitespace begins.
+        tokens(stable) + tokens(pending + rest) == tokens(stable + pending + rest) for every rest (tested)."""
+        end = len(data)
+        for back in range(1, min(4, len(data)) + 1):  # a multi-byte character cut short stays pending
+            lead = data[-back]
+            if lead & 0xC0 != 0x80:  # the last character's first byte
+                need = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4
+                end = len(data) - back if need > back else len(data)
+                break
+        text = data[:end].decode("utf-8", errors="replace")
+        cut = len(text)
+        while cut > 0 and not text[cut - 1].isspace():  # the last word (or mark) may still go on
+            cut -= 1
+        if cut > 0 and text[cut - 1] != "\n":  # a gap before it: its split depends on what follows
+            while cut > 0 and text[cut - 1].isspace() and text[cut - 1] != "\n":
+                cut -= 1
+        stable = text[:cut].encode("utf-8")
+        return stable, data[len(stable):]
+
     def size(self, data: str | bytes) -> TextSize:
         """Tokens and UTF-8 bytes of a text: bits per word = bits / tokens, bits per byte = bits / bytes."""
         raw = data if isinstance(data, bytes) else data.encode("utf-8")

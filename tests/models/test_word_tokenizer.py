@@ -130,3 +130,28 @@ def test_byte_tokenizer_still_built_from_its_dict() -> None:
 def test_invalid_dicts_raise_value_error(data: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         tokenizer_from_dict(data)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("split", ["words", "whitespace"])
+def test_text_in_pieces_tokenizes_as_a_whole(split: str) -> None:
+    """split_stable: whatever follows, the stable part's tokens are the whole text's first tokens, so a session can
+    score them now and keep the pending rest for its next piece; cut anywhere, even inside a character."""
+    texts = ["Don't stop  the   music.\nIt's 5 o'clock,\tsaid  l'homme ",
+             "  leading gap\n\n  two\u00a0spaces  \u3000ideographic\r\nend",
+             "naïve café — 🙂 emoji <unk> <unk>x <un\n"]
+    tok = WordTokenizer.build(texts, split=split)
+    for text in texts:
+        data = text.encode("utf-8")
+        whole = tok.tokens(data)
+        for i in range(len(data) + 1):
+            stable, pending = tok.split_stable(data[:i])
+            assert stable + pending == data[:i]
+            first = tok.tokens(stable)
+            assert first == whole[: len(first)], (text, i)
+            assert first + tok.tokens(pending + data[i:]) == whole, (text, i)
+        stable, pending = tok.split_stable(data)
+        if data.endswith(b"\n"):
+            assert pending == b""
+    assert tok.split_stable(b"one two") == (b"one", b" two")
+    assert tok.split_stable(b"one two\n") == (b"one two\n", b"")
+    assert tok.split_stable(b"caf\xc3") == (b"", b"caf\xc3")
