@@ -32,7 +32,10 @@ UNKNOWN = " zyzzyva"  # not in the vocabulary: one " <unk>" token
 @pytest.fixture(scope="module")
 def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("awd") / "ck"
-    train(make_config("tiny", {"arch": "awd-lstm"}), [TRAIN], out, valid_path=VALID, progress=False)
+    # a few steps on one thread (all threads on a busy machine take minutes): enough to beat a uniform guess
+    overrides = {"arch": "awd-lstm", "max_steps": 20, "valid_every": 20, "valid_bytes": 4000, "threads": 1,
+                 "stats_batches": 1}
+    train(make_config("tiny", overrides), [TRAIN], out, valid_path=VALID, progress=False)
     return out
 
 
