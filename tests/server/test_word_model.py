@@ -19,6 +19,7 @@ from models.checkpoint import Checkpoint, load_checkpoint
 from models.sampling import SamplingParams, Stepper
 from models.scoring import score_bytes
 from models.word_tokenizer import WordTokenizer
+from server.engine._loading import load_model
 from server.settings import Settings
 from trainer.config import make_config
 from trainer.train import train
@@ -70,6 +71,13 @@ def library_generation(ckpt: Checkpoint, prompt: str, params: SamplingParams) ->
         ids.append(step.token)
         logits.append(step.logits)
     return "".join(text), ids, logits
+
+
+def test_a_word_checkpoint_loads_without_sessions(word_checkpoint: Path) -> None:
+    loaded = load_model(word_checkpoint, "float32", "cpu")
+    assert isinstance(loaded.info.tokenizer, WordTokenizer) and loaded.info.tokenizer == loaded.ckpt.tokenizer
+    assert loaded.info.sessions is None and loaded.base is None
+    assert "sessions need a byte-level model" in loaded.info.sessions_unavailable
 
 
 def test_models_say_the_tokenizer_and_vocabulary(client: httpx.Client, reference: Checkpoint) -> None:
