@@ -19,16 +19,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    WithJsonSchema,
-    field_validator,
-    model_serializer,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -99,6 +90,11 @@ class RequestModel(BaseModel):
         return value
 
 
+def _absent(value: object) -> bool:
+    """An optional response field that is left out, not sent as null, when it has no value."""
+    return value is None
+
+
 class ScoreRequest(RequestModel):
     text: str = Field(min_length=1, strict=True, description="Text to score, as its UTF-8 bytes.")
     logprobs: bool = Field(default=False, strict=True, description="Also return each token's natural-log probability "
@@ -123,23 +119,13 @@ class ScoreResponse(BaseModel):
     nonfinite_reset: bool = Field(default=False, description="The non-finite guard refused an adapter update (or "
                                                              "reset the adapter): the session kept its last good "
                                                              "values.")
-    # a word-level model only (absent for a byte-level one, whose tokens are the bytes)
-    tokens: int | None = Field(default=None, description="Word-level model only: the text's tokens (words, "
-                                                         "punctuation, ends of line), the words of bits_per_word.")
-    bits_per_word: float | None = Field(default=None, description="Word-level model only: bits / tokens.")
-    perplexity: float | None = Field(default=None, description="Word-level model only: 2 ** bits_per_word.")
-
-    @model_serializer(mode="wrap")
-    def _word_fields_only_for_words(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # a byte-level model's answer stays what it was before word models were served: no null word fields
-        data: dict[str, Any] = handler(self)
-        for name in _WORD_FIELDS:
-            if data.get(name, 0) is None:
-                del data[name]
-        return data
-
-
-_WORD_FIELDS = ("tokens", "bits_per_word", "perplexity")
+    # a word-level model only: absent for a byte-level one (whose tokens are the bytes), whose answer stays as it was
+    tokens: int | None = Field(default=None, exclude_if=_absent, description=(
+        "Word-level model only: the text's tokens (words, punctuation, ends of line), the words of bits_per_word."))
+    bits_per_word: float | None = Field(default=None, exclude_if=_absent,
+                                        description="Word-level model only: bits / tokens.")
+    perplexity: float | None = Field(default=None, exclude_if=_absent,
+                                     description="Word-level model only: 2 ** bits_per_word.")
 
 
 FinishReason = Literal["length", "stop"]  # length: max_tokens tokens were generated; stop: a stop string appeared
