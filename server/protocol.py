@@ -90,9 +90,15 @@ class RequestModel(BaseModel):
         return value
 
 
+def _absent(value: object) -> bool:
+    """An optional response field that is left out, not sent as null, when it has no value."""
+    return value is None
+
+
 class ScoreRequest(RequestModel):
     text: str = Field(min_length=1, strict=True, description="Text to score, as its UTF-8 bytes.")
-    logprobs: bool = Field(default=False, strict=True, description="Also return each byte's natural-log probability.")
+    logprobs: bool = Field(default=False, strict=True, description="Also return each token's natural-log probability "
+                                                                   "(a byte; a word model's word: GET /v1/models).")
     session_id: SessionId | None = Field(default=None, description="Score the text as the continuation of this "
                                                                    "session's stream, under its adapter.")
     adapt: bool = Field(default=False, strict=True,
@@ -105,14 +111,24 @@ class ScoreResponse(BaseModel):
     bits: float = Field(description="Total information content of the text, in bits.")
     bytes: int = Field(description="Length of the text in UTF-8 bytes.")
     bits_per_byte: float = Field(description="bits / bytes.")
-    logprobs: list[float] | None = Field(default=None, description="Natural-log probability of each byte, if asked.")
+    logprobs: list[float] | None = Field(default=None, description=(
+        "Natural-log probability of each token, if asked: one entry per token of the model's tokenizer (GET "
+        "/v1/models `tokenizer`): a byte for a byte-level model; for a word-level model a word, a punctuation "
+        "character, an end of line or a run of other whitespace, with its one leading space (`tokens` entries)."))
     session_id: str | None = Field(default=None, description="The session it was scored under, if any.")
     nonfinite_reset: bool = Field(default=False, description="The non-finite guard refused an adapter update (or "
                                                              "reset the adapter): the session kept its last good "
                                                              "values.")
+    # a word-level model only: absent for a byte-level one (whose tokens are the bytes), whose answer stays as it was
+    tokens: int | None = Field(default=None, exclude_if=_absent, description=(
+        "Word-level model only: the text's tokens (words, punctuation, ends of line), the words of bits_per_word."))
+    bits_per_word: float | None = Field(default=None, exclude_if=_absent,
+                                        description="Word-level model only: bits / tokens.")
+    perplexity: float | None = Field(default=None, exclude_if=_absent,
+                                     description="Word-level model only: 2 ** bits_per_word.")
 
 
-FinishReason = Literal["length", "stop"]  # length: max_tokens bytes were generated; stop: a stop string appeared
+FinishReason = Literal["length", "stop"]  # length: max_tokens tokens were generated; stop: a stop string appeared
 # A stop string: generation ends where it first appears, and the text ends before it.
 StopString = Annotated[str, Field(min_length=1, strict=True)]
 
@@ -120,13 +136,15 @@ StopString = Annotated[str, Field(min_length=1, strict=True)]
 class GenerateRequest(RequestModel):
     prompt: str = Field(strict=True, description="Text to continue, as its UTF-8 bytes; may be empty.")
     max_tokens: int | None = Field(default=None, ge=1, strict=True,
-                                   description="Most bytes to generate (at most the server's limit); "
-                                               "default 200, or the server's limit if lower.")
+                                   description="Most tokens to generate (bytes; a word model's words: GET "
+                                               "/v1/models `tokenizer`), at most the server's limit; default 200, "
+                                               "or the server's limit if lower.")
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False, strict=True,
-                               description="0: always the most likely byte.")
-    top_k: int = Field(default=0, ge=0, strict=True, description="Sample among the k most likely bytes; 0: off.")
+                               description="0: always the most likely token.")
+    top_k: int = Field(default=0, ge=0, strict=True, description="Sample among the k most likely tokens; 0: off.")
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False, strict=True,
-                         description="Nucleus sampling: the smallest set of bytes whose probability reaches top_p.")
+                         description="Nucleus sampling: the smallest set of tokens whose probability reaches "
+                                     "top_p.")
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED, strict=True,
                              description="The same seed and parameters give the same text.")
     stop: list[StopString] = Field(default_factory=list, max_length=4,
@@ -141,8 +159,9 @@ class GenerateRequest(RequestModel):
 
 
 class Usage(BaseModel):
-    prompt_tokens: int = Field(description="Prompt length in bytes (a token is a byte).")
-    completion_tokens: int = Field(description="Bytes generated, stop strings included.")
+    prompt_tokens: int = Field(description="Prompt length in the model's tokens (GET /v1/models `tokenizer`: bytes, "
+                                           "or a word model's words).")
+    completion_tokens: int = Field(description="Tokens generated, stop strings included.")
     total_tokens: int
 
 
@@ -218,8 +237,10 @@ class CompletionRequest(RequestModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """One entry per token (a byte, shown decoded with errors="replace": bytes of a multibyte character are
-    each U+FFFD). `text_offset` is the index in `text` of the character the byte starts or continues."""
+    """One entry per token of the model (GET /v1/models `tokenizer`): a byte, shown decoded with errors="replace"
+    (bytes of a multibyte character are each U+FFFD); or a word model's word, punctuation character, end of line or
+    whitespace run, shown as its vocabulary entry with its leading space (an unknown prompt word: "<unk>").
+    `text_offset` is the index in `text` of the character the token starts or continues."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -366,6 +387,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(description="Unix time the weights were written.")
     owned_by: str = "adaptlm"
+    tokenizer: str = Field(default="bytes", description=(
+        "What a token is: `bytes` (token ids are byte values) or `words` (a vocabulary of words, punctuation and "
+        "ends of line, each with its one leading space). Token counts (`max_tokens`, usage, logprobs) count these."))
+    vocab_size: int = Field(default=256, description="Tokens in the model's vocabulary.")
 
 
 class ModelList(BaseModel):

@@ -162,12 +162,12 @@ class Engine:
     def generate(self, prompt: bytes, params: SamplingParams | None, *, n: int = 1, logprobs: int | None = None,
                  prompt_logprobs: bool = False, session_id: str | None = None, owner: str | None = None,
                  adapt: bool = False) -> GenerationStream:
-        """Start `n` continuations of `prompt` (from the initial state after the BOS byte, or from `session_id`'s
+        """Start `n` continuations of `prompt` (from the initial state after the BOS token, or from `session_id`'s
         state and adapter); call on the event loop, which then receives the events: `PromptScored` first if
         `prompt_logprobs`, then each sequence's `Token`s and its `Finished`. Sequence i > 0 uses seed + i.
 
         `params` None generates nothing (prompt log-probabilities only). `logprobs` = k adds to each sampled
-        byte its log-probability and the k most likely bytes (and to each prompt byte, with `prompt_logprobs`).
+        token its log-probability and the k most likely tokens (and to each prompt token, with `prompt_logprobs`).
         The session is not changed, unless `adapt`: once the generation ends, it observes the prompt and
         sequence 0's bytes (thesis sec. 4.3: generate with fixed weights, then adapt on what was generated).
         """
@@ -261,14 +261,18 @@ class Engine:
         self._scheduler.open()
         loaded.set_result(model.info)
         tokenizer = model.ckpt.tokenizer
-        assert isinstance(tokenizer, ByteTokenizer), "load_model refuses other tokenizers (word models: issue 13)"
+        # the keyboard search reads one byte a token; a word model has no sessions, so no suggestions reach it, and
+        # the executor refuses any that would (word suggestions: issue 13)
+        byte_tokenizer = tokenizer if isinstance(tokenizer, ByteTokenizer) else None
         try:
             with inference_precision(model.info.precision, model.device):  # thread-local: this thread's work
                 self._scheduler.run({
                     "generate": GenerationExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
                     "text": TextExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
                     "suggest": SuggestExecutor(self.sessions.session_model(), self.sessions, self._stats,
-                                               tokenizer=tokenizer),
+                                               tokenizer=byte_tokenizer,
+                                               refuse="" if byte_tokenizer else "keyboard suggestions need a "
+                                               "byte-level model for now (word suggestions: issue 13)"),
                     "call": CallExecutor(),
                 })
         finally:

@@ -26,7 +26,7 @@ import torch
 from models.base import Adapter, LanguageModel, State
 from models.checkpoint import Checkpoint
 from models.sampling import FinishReason, SamplingParams, Stepper, top_logprobs
-from models.scoring import BOS
+from models.tokenizer import ByteTokenizer, Tokenizer
 from server.engine._errors import SessionNotFound
 from server.engine._scheduler import Scheduler
 from server.engine._session_service import SessionService
@@ -43,24 +43,26 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TokenLogprob:
     logprob: float  # natural log, under the raw (temperature 1, unfiltered) distribution
-    top: tuple[tuple[int, float], ...]  # the k most likely bytes `(id, logprob)`, most likely first
+    top: tuple[tuple[int, float], ...]  # the k most likely tokens `(id, logprob)`, most likely first
 
 
 @dataclass(frozen=True)
 class PromptScored:
-    """Sent first, when prompt log-probabilities were asked for: one entry per prompt byte."""
+    """Sent first, when prompt log-probabilities were asked for: one entry per prompt token (`tokens`, the model's
+    ids: bytes, or a word model's words)."""
 
     logprobs: tuple[TokenLogprob, ...]
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Token:
-    """One sampled byte of sequence `index`."""
+    """One sampled token of sequence `index` (a byte, or a word model's word)."""
 
     index: int
     token: int
-    text: str  # text that became safe to send with this byte (may be empty: a partial character, a held stop)
-    offset: int  # index in the sequence's generated text of the character this byte starts or continues
+    text: str  # text that became safe to send with this token (may be empty: a partial character, a held stop)
+    offset: int  # index in the sequence's generated text of the character this token starts or continues
     logprob: TokenLogprob | None
     time: float  # time.perf_counter() when it was sampled
 
@@ -72,8 +74,9 @@ class Finished:
     index: int
     finish_reason: FinishReason
     completion_tokens: int
-    first_token_seconds: float | None  # from submission to the first sampled byte
+    first_token_seconds: float | None  # from submission to the first sampled token
     seconds: float  # from submission to the end
+    prompt_tokens: int = 0  # the prompt's tokens (the model's: bytes, or words)
 
 
 @dataclass(frozen=True)
@@ -133,13 +136,13 @@ class GenerationStream:
 
 class GenerationJob(Work):
     """`n` sequences from one prompt, advanced by the worker thread: `start` prefills the prompt once (the
-    sequences fork its state), then each `sample` samples one byte of every unfinished sequence, which the
+    sequences fork its state), then each `sample` samples one token of every unfinished sequence, which the
     executor then feeds to the model together with every other job's. Its caller reads `stream`; its future
     is resolved when it ends.
 
     `params` None: no generation, only the prompt (its log-probabilities, if asked for). With `session_id`,
     it starts from that session's state and adapter; with `adapt`, it then has the session observe the prompt
-    and sequence 0's bytes (`generated`).
+    and the bytes of sequence 0's tokens (`generated`).
     """
 
     kind = "generate"
@@ -152,7 +155,9 @@ class GenerationJob(Work):
         self._loop = loop
         self.prompt = prompt
         self.adapt = adapt
-        self.generated = bytearray()  # with `adapt`: sequence 0's sampled bytes
+        self.generated = bytearray()  # with `adapt`: the bytes of sequence 0's sampled tokens
+        self.tokenizer: Tokenizer = ByteTokenizer()  # what a token is: the executor gives it the checkpoint's
+        self.prompt_tokens = 0  # once started
         self.failed = False
         self._params = params
         self._n = n
@@ -172,21 +177,24 @@ class GenerationJob(Work):
         self._send(_Failed(error))
         super().fail(error)
 
-    def start(self, model: LanguageModel, stats: EngineStats, *, state: State | None = None, last_token: int = BOS,
-              adapter: Adapter | None = None) -> bool:
+    def start(self, model: LanguageModel, stats: EngineStats, *, state: State | None = None,
+              last_token: int | None = None, adapter: Adapter | None = None) -> bool:
         """Prefill, continuing from `state` (whose next input is `last_token`) with `adapter`, or from the
-        initial state after the BOS byte; returns True when there is nothing left to do."""
+        initial state after the tokenizer's BOS token; returns True when there is nothing left to do."""
+        ids = self.tokenizer.encode_tensor(self.prompt)  # (T,) on the CPU: only counted and listed
+        self.prompt_tokens = int(ids.numel())
         if self._params is None and not self._prompt_logprobs:
             self._finish_all_unstarted()
             return True
         first = Stepper(model, self._params or SamplingParams(), state=state, last_byte=last_token,
-                        adapter=adapter)
+                        adapter=adapter, tokenizer=self.tokenizer)
         k = self._logprobs or 0
         scored = first.prefill(self.prompt, logprobs=k if self._prompt_logprobs else None)
-        stats.prompt_tokens += len(self.prompt)
+        stats.prompt_tokens += self.prompt_tokens
         if scored is not None:
             self._send(PromptScored(tuple(TokenLogprob(lp, tuple(top))
-                                          for lp, top in zip(scored.logprobs, scored.top, strict=True))))
+                                          for lp, top in zip(scored.logprobs, scored.top, strict=True)),
+                                    tuple(ids.tolist())))
         if self._params is None:
             self._finish_all_unstarted()
             return True
@@ -200,7 +208,7 @@ class GenerationJob(Work):
     def _finish_all_unstarted(self) -> None:
         seconds = time.perf_counter() - self.stream.submitted
         for i in range(self._n):
-            self._send(Finished(i, "length", 0, None, seconds))
+            self._send(Finished(i, "length", 0, None, seconds, self.prompt_tokens))
 
     @property
     def finished(self) -> bool:
@@ -208,8 +216,8 @@ class GenerationJob(Work):
         return not self._steppers
 
     def sample(self, stats: EngineStats) -> list[tuple[Stepper, int]]:
-        """Sample one byte of every unfinished sequence (no model call) and send its events; -> the sequences
-        that go on, with their byte, for the engine to feed (`Stepper.feed_many`, all jobs in one forward)."""
+        """Sample one token of every unfinished sequence (no model call) and send its events; -> the sequences
+        that go on, with their token, for the engine to feed (`Stepper.feed_many`, all jobs in one forward)."""
         feeds = []
         for i, stepper in list(self._steppers.items()):
             step = stepper.sample()
@@ -217,7 +225,7 @@ class GenerationJob(Work):
             self._first_token.setdefault(i, now)
             stats.generated_tokens += 1
             if i == 0 and self.adapt:
-                self.generated.append(step.token)
+                self.generated += self.tokenizer.token_bytes(step.token)
             logprob = None
             if self._logprobs is not None:
                 target = torch.tensor([step.token], device=step.logits.device)  # (1,)
@@ -228,14 +236,14 @@ class GenerationJob(Work):
                 del self._steppers[i]
                 submitted = self.stream.submitted
                 self._send(Finished(i, stepper.finish_reason, stepper.tokens, self._first_token[i] - submitted,
-                                    now - submitted))
+                                    now - submitted, self.prompt_tokens))
             else:
                 feeds.append((stepper, step.token))
         return feeds
 
 
 class GenerationExecutor:
-    """The running generations, one byte of each per step."""
+    """The running generations, one token of each per step."""
 
     rows = 0
 
@@ -251,6 +259,7 @@ class GenerationExecutor:
         """Prefill (on its own); a job with nothing more to do ends here."""
         try:
             start: dict[str, Any] = {}
+            job.tokenizer = self._ckpt.tokenizer
             if job.session_id is not None:
                 session = self._sessions.get(job.session_id, job.owner)
                 start = {"state": session.view_state(), "last_token": session.last_token,
@@ -270,7 +279,7 @@ class GenerationExecutor:
         self._stats.active = len(self._jobs)
 
     def step(self) -> None:
-        """One byte of every running generation: sampled per sequence, fed to the model in one batched forward."""
+        """One token of every running generation: sampled per sequence, fed to the model in one batched forward."""
         running: list[GenerationJob] = []
         feeds: list[tuple[GenerationJob, Stepper, int]] = []
         for job in self._jobs:

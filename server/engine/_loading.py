@@ -3,16 +3,17 @@ dyneval.json allows (`SessionLimits`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kernels import kernel_implementation
 from models.adaptation import DynEvalConfig
-from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from models.checkpoint import Checkpoint, load_checkpoint
 from models.device import resolve_device
 from models.precision import resolve_precision
+from models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["Loaded", "ModelInfo", "SessionLimits", "load_model", "session_settings"]
 
@@ -42,6 +43,8 @@ class ModelInfo:
     precision: str = "float32"  # what "auto" resolved to on this device (a metric label)
     sessions: SessionLimits | None = None  # None: this checkpoint cannot adapt sessions
     sessions_unavailable: str = ""  # why not
+    # what a token is: bytes (ids are byte values) or words (models/word_tokenizer.py); its ids' texts and counts
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,9 @@ class Loaded:
 
 def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     """Load the checkpoint at `path` onto `device` (models/device.py; "auto": CUDA when present); raises
-    CheckpointError on a bad one, ValueError on a device that is not here. `precision` may be "auto"."""
+    CheckpointError on a bad one, ValueError on a device that is not here. `precision` may be "auto". A word
+    model (tokenizer kind "words") loads for the stateless surfaces; `session_settings` says why it has no sessions."""
     ckpt = load_checkpoint(path, device=resolve_device(device))
-    if ckpt.tokenizer.kind != "bytes":  # issue 13: the engine's text, sessions and keyboard read bytes today
-        raise CheckpointError(f"{path}: a {ckpt.tokenizer.kind}-level model (tokenizer {ckpt.tokenizer.kind!r}) is "
-                              f"not served yet; `adaptlm score` and `adaptlm eval` read it")
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
     # the process's choice (kernels/_dispatch.py); a model on the CPU runs the reference whatever it is
@@ -69,13 +70,18 @@ def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime), path=path,
                      kernel=kernel, precision=resolve_precision(
                          precision, ckpt.device, bf16_model=ckpt.model.bf16_inference),
-                     sessions=limits, sessions_unavailable=why)
+                     sessions=limits, sessions_unavailable=why, tokenizer=ckpt.tokenizer)
     return Loaded(ckpt, info, base)
 
 
 def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalConfig | None, str]:
     """The checkpoint's sparse settings and what limits them, or why sessions cannot work with it; and the
     sparse settings themselves once they are known valid for this model (text steps use their segment)."""
+    if ckpt.tokenizer.kind != "bytes":
+        # a session continues its stream from observed text a keystroke at a time, and its keyboard search and word
+        # cache read bytes: a word model's would need incremental tokenization at word boundaries (issue 13)
+        return None, None, f"sessions need a byte-level model for now (this is a {ckpt.tokenizer.kind}-level " \
+                           "model; word sessions: issue 13)"
     # "session": serving defaults for users' own text, when the checkpoint has them; else "sparse",
     # the settings tuned on the validation book (in-domain text wants far smaller steps)
     base = ckpt.dyneval.session  # parsed and validated with the checkpoint

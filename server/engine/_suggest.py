@@ -43,6 +43,7 @@ from models.suggest import (
     step,
 )
 from models.tokenizer import ByteTokenizer
+from server.engine._errors import SessionsUnavailable
 from server.engine._session import Session
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
@@ -334,8 +335,9 @@ class SuggestExecutor:
     rows = 0
 
     def __init__(self, model: LanguageModel, sessions: SessionService, stats: EngineStats, *,
-                 tokenizer: ByteTokenizer | None = None) -> None:
+                 tokenizer: ByteTokenizer | None = None, refuse: str = "") -> None:
         self._sessions, self._stats = sessions, stats
+        self._refuse = refuse  # why this model has no suggestions (SessionsUnavailable); "": it has
         tokenizer = tokenizer or ByteTokenizer()
         self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer), min_prob=SUGGEST_MIN_PROB,
                                      batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
@@ -349,6 +351,8 @@ class SuggestExecutor:
 
     def start(self, work: Suggest) -> None:
         try:
+            if self._refuse:
+                raise SessionsUnavailable(self._refuse)
             session = self._sessions.get(work.target, work.owner)
         except Exception as e:
             work.fail(e)

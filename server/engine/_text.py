@@ -42,15 +42,21 @@ class TextScore:
     """A text's bits under the model (static) or under a session, each segment scored before any update."""
 
     bits: float
-    bytes: int
-    logprobs: list[float] | None = None  # natural log, per byte, if asked for
+    bytes: int  # UTF-8 bytes of the text
+    logprobs: list[float] | None = None  # natural log, per token (a byte, or a word model's word), if asked for
     static_bits: float | None = None  # adapting work: the same text under the unadapted model
     updates: int = 0  # adapter updates applied
     nonfinite_reset: bool = False  # the non-finite guard refused an update or reset the adapter
+    tokens: int = 0  # tokens scored (the model's: bytes, or a word model's words)
 
     @property
     def bits_per_byte(self) -> float:
         return self.bits / self.bytes if self.bytes else float("nan")
+
+    @property
+    def bits_per_token(self) -> float:
+        """Bits per word for a word model (perplexity = 2 ** this)."""
+        return self.bits / self.tokens if self.tokens else float("nan")
 
 
 class Text(Work):
@@ -198,7 +204,7 @@ class TextExecutor:
                 raise SessionNotFound(session.id)  # deleted while it was being observed
         return TextScore(bits=bits, bytes=len(work.data), logprobs=lp.tolist() if work.logprobs else None,
                          static_bits=static_bits, updates=main.updates,
-                         nonfinite_reset=bool(main.dropped or main.resets))
+                         nonfinite_reset=bool(main.dropped or main.resets), tokens=int(lp.numel()))
 
 
 def _owned(state: State) -> State:

@@ -17,4 +17,5 @@ router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_
 @router.get("/models", response_model=ModelList)
 async def list_models(engine: EngineDep) -> ModelList:
     info = engine.info
-    return ModelList(data=[ModelCard(id=info.name, created=info.created)])
+    return ModelList(data=[ModelCard(id=info.name, created=info.created, tokenizer=info.tokenizer.kind,
+                                     vocab_size=info.tokenizer.vocab_size)])

@@ -39,13 +39,14 @@ async def create_generation(body: GenerateRequest, ctx: Context) -> GenerateResp
         raise UnprocessableEntityError("adapt_while_generating: adapting needs a session_id",
                                        param="adapt_while_generating", code="session_required")
     if body.session_id is not None:
+        ctx.engine.session_limits()  # a model without sessions (a word model) says so, rather than "not found"
         # a 404 now, rather than in the stream (off the event loop: the store may do I/O)
         await asyncio.to_thread(ctx.engine.get_session, body.session_id, ctx.owner, touch=False)
     stream = ctx.engine.generate(prompt, params, session_id=body.session_id, owner=ctx.owner,
                                  adapt=body.adapt_while_generating)
     if body.stream:
-        return sse_response(_events(stream, len(prompt), ctx))
-    response = await run_unless_disconnected(ctx.request, _collect(stream, len(prompt)))
+        return sse_response(_events(stream, ctx))
+    response = await run_unless_disconnected(ctx.request, _collect(stream))
     return response if response is not None else Response(status_code=499)  # nginx's "client closed request"
 
 
@@ -54,7 +55,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
-async def _collect(stream: GenerationStream, prompt_tokens: int) -> GenerateResponse:
+async def _collect(stream: GenerationStream) -> GenerateResponse:
     parts: list[str] = []
     done: Finished | None = None
     async with stream:
@@ -65,10 +66,10 @@ async def _collect(stream: GenerationStream, prompt_tokens: int) -> GenerateResp
                 done = event
     assert done is not None
     return GenerateResponse(text="".join(parts), finish_reason=done.finish_reason,
-                            usage=_usage(prompt_tokens, done.completion_tokens))
+                            usage=_usage(done.prompt_tokens, done.completion_tokens))
 
 
-async def _events(stream: GenerationStream, prompt_tokens: int, ctx: Context) -> AsyncIterator[bytes]:
+async def _events(stream: GenerationStream, ctx: Context) -> AsyncIterator[bytes]:
     timer = StreamTimer(ctx.metrics, ctx.route, stream.submitted)
     async with stream:
         try:
@@ -80,7 +81,8 @@ async def _events(stream: GenerationStream, prompt_tokens: int, ctx: Context) ->
                     timings = Timings(first_token_seconds=event.first_token_seconds or 0.0,
                                       total_seconds=event.seconds)
                     yield sse(GenerateDone(finish_reason=event.finish_reason,
-                                           usage=_usage(prompt_tokens, event.completion_tokens), timings=timings))
+                                           usage=_usage(event.prompt_tokens, event.completion_tokens),
+                                           timings=timings))
         except Exception as exc:
             yield sse(error_event(exc, ctx.request))
 

@@ -22,6 +22,13 @@ async def create_score(body: ScoreRequest, ctx: Context) -> ScoreResponse | Resp
     if result is None:
         return Response(status_code=499)  # nginx's "client closed request"
     ctx.metrics.scored_bytes.labels(ctx.metrics.model).inc(result.bytes)
-    return ScoreResponse(model=ctx.engine.info.name, bits=result.bits, bytes=result.bytes,
-                         bits_per_byte=result.bits_per_byte, logprobs=result.logprobs, session_id=body.session_id,
-                         nonfinite_reset=result.nonfinite_reset)
+    info = ctx.engine.info
+    if info.tokenizer.kind == "bytes":
+        return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes,
+                             bits_per_byte=result.bits_per_byte, logprobs=result.logprobs, session_id=body.session_id,
+                             nonfinite_reset=result.nonfinite_reset)
+    # a word model: per word too (ALGORITHMS.md §10), as `adaptlm score --json` reports it
+    return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=result.bits_per_byte,
+                         logprobs=result.logprobs, session_id=body.session_id, nonfinite_reset=result.nonfinite_reset,
+                         tokens=result.tokens, bits_per_word=result.bits_per_token,
+                         perplexity=2.0 ** result.bits_per_token)

@@ -40,7 +40,8 @@ def test_models_in_openai_shape(client: httpx.Client, tiny_checkpoint: Path) -> 
     body = r.json()
     assert body["object"] == "list"
     [card] = body["data"]
-    assert set(card) == {"id", "object", "created", "owned_by"}
+    assert set(card) == {"id", "object", "created", "owned_by", "tokenizer", "vocab_size"}
+    assert card["tokenizer"] == "bytes" and card["vocab_size"] == 256
     assert card["id"] == tiny_checkpoint.name
     assert card["object"] == "model"
     assert isinstance(card["created"], int) and card["created"] > 0
@@ -55,6 +56,7 @@ def test_score_matches_score_bytes(client: httpx.Client, reference: Any, text: s
     assert body["bytes"] == len(data)
     assert body["bits_per_byte"] == pytest.approx(body["bits"] / body["bytes"], rel=1e-12)
     assert len(body["logprobs"]) == len(data)
+    assert set(body) == {"model", "bits", "bytes", "bits_per_byte", "logprobs", "session_id", "nonfinite_reset"}
     expected = score_bytes(reference, data, logprobs=True)
     # float32 on both sides, but not the same kernels (the server batches and pads): a few ulps apart on any CPU
     assert body["bits"] == pytest.approx(expected.bits, rel=1e-6)

@@ -82,14 +82,6 @@ def test_dynamic_evaluation_adapts_a_word_model(word_checkpoint: Path) -> None:
         assert adapted.bits < static.bits, mode
 
 
-def test_the_server_refuses_a_word_model_with_a_clear_error(word_checkpoint: Path) -> None:
-    from models.checkpoint import CheckpointError
-    from server.engine._loading import load_model
-
-    with pytest.raises(CheckpointError, match="words-level model .* is not served yet"):
-        load_model(word_checkpoint, "float32")
-
-
 def test_word_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="tokenizer must be"):
         make_config("tiny", {"arch": "awd-lstm", "tokenizer": {"kind": "sentencepiece"}})

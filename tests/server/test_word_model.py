@@ -1,0 +1,184 @@
+"""Serving a word-level checkpoint (issue 13): the tiny AWD-LSTM trained here, served for the stateless surfaces
+(score, generate, completions, models) with word counts and texts, and refusing sessions and keyboard suggestions
+with the one error shape."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from models.checkpoint import Checkpoint, load_checkpoint
+from models.sampling import SamplingParams, Stepper
+from models.scoring import score_bytes
+from models.word_tokenizer import WordTokenizer
+from server.engine._loading import load_model
+from server.settings import Settings
+from trainer.config import make_config
+from trainer.train import train
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+TRAIN, VALID = DATA / "train.txt", DATA / "valid.txt"
+PROMPT = "It was the "
+UNKNOWN = " zyzzyva"  # not in the vocabulary: one " <unk>" token
+
+
+@pytest.fixture(scope="module")
+def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("awd") / "ck"
+    # a few steps on one thread (all threads on a busy machine take minutes): enough to beat a uniform guess
+    overrides = {"arch": "awd-lstm", "max_steps": 20, "valid_every": 20, "valid_bytes": 4000, "threads": 1,
+                 "stats_batches": 1}
+    train(make_config("tiny", overrides), [TRAIN], out, valid_path=VALID, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(word_checkpoint: Path) -> Checkpoint:
+    ckpt = load_checkpoint(word_checkpoint)
+    ckpt.model.eval()
+    assert isinstance(ckpt.tokenizer, WordTokenizer)
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def words_url(word_checkpoint: Path, serve_app: Any) -> Iterator[str]:
+    with serve_app(Settings(checkpoint=word_checkpoint, suggest_budget_ms=0)) as live:
+        yield live.url
+
+
+@pytest.fixture
+def client(words_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=words_url, timeout=60) as c:
+        yield c
+
+
+def library_generation(ckpt: Checkpoint, prompt: str, params: SamplingParams) -> tuple[str, list[int], list[Any]]:
+    """What models.sampling gives for the same checkpoint, prompt and parameters: text, token ids, logits."""
+    stepper = Stepper(ckpt.model, params, tokenizer=ckpt.tokenizer)
+    stepper.prefill(prompt.encode("utf-8"))
+    text, ids, logits = [], [], []
+    while stepper.finish_reason is None:
+        step = stepper.step()
+        text.append(step.text)
+        ids.append(step.token)
+        logits.append(step.logits)
+    return "".join(text), ids, logits
+
+
+def test_a_word_checkpoint_loads_without_sessions(word_checkpoint: Path) -> None:
+    loaded = load_model(word_checkpoint, "float32", "cpu")
+    assert isinstance(loaded.info.tokenizer, WordTokenizer) and loaded.info.tokenizer == loaded.ckpt.tokenizer
+    assert loaded.info.sessions is None and loaded.base is None
+    assert "sessions need a byte-level model" in loaded.info.sessions_unavailable
+
+
+def test_models_say_the_tokenizer_and_vocabulary(client: httpx.Client, reference: Checkpoint) -> None:
+    [card] = client.get("/v1/models").json()["data"]
+    assert card["tokenizer"] == "words" and card["vocab_size"] == reference.tokenizer.vocab_size == 2000
+
+
+def test_score_reports_words_and_bytes_as_the_library(client: httpx.Client, reference: Checkpoint) -> None:
+    text = VALID.read_text(encoding="utf-8")[:700] + UNKNOWN + " café.\n"
+    data = text.encode("utf-8")
+    r = client.post("/v1/score", json={"text": text, "logprobs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = reference.tokenizer.encode(text)
+    assert body["bytes"] == len(data) and body["tokens"] == len(ids) < len(data)
+    expected = score_bytes(reference.model, data, logprobs=True, tokenizer=reference.tokenizer)  # adaptlm score's
+    assert expected.tokens == len(ids)
+    assert body["bits"] == pytest.approx(expected.bits, rel=1e-5)
+    assert body["bits_per_byte"] == pytest.approx(body["bits"] / len(data), rel=1e-12)
+    assert body["bits_per_word"] == pytest.approx(body["bits"] / len(ids), rel=1e-12)
+    assert body["bits_per_word"] == pytest.approx(expected.bits_per_token, rel=1e-5)
+    assert body["perplexity"] == pytest.approx(2 ** body["bits_per_word"], rel=1e-12)
+    assert body["perplexity"] < reference.tokenizer.vocab_size  # trained: better than a uniform guess
+    assert expected.logprobs is not None and len(body["logprobs"]) == len(ids)  # one per word, not per byte
+    assert body["logprobs"] == pytest.approx(expected.logprobs, rel=1e-4, abs=1e-4)
+    assert -sum(body["logprobs"]) / math.log(2) == pytest.approx(body["bits"], rel=1e-6)
+
+
+def test_generate_is_the_library_stepper_with_max_tokens_words(client: httpx.Client, reference: Checkpoint) -> None:
+    params = SamplingParams(max_tokens=12, seed=7)
+    text, ids, _ = library_generation(reference, PROMPT, params)
+    r = client.post("/v1/generate", json={"prompt": PROMPT, "max_tokens": 12, "seed": 7})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["text"] == text == reference.tokenizer.decode(ids)  # the words' own text, not bytes of ids
+    assert body["finish_reason"] == "length"
+    prompt_tokens = len(reference.tokenizer.encode(PROMPT))
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12,
+                             "total_tokens": prompt_tokens + 12}
+    assert len(text.encode("utf-8")) > 12  # words, several bytes each
+
+
+def test_streaming_generation_equals_the_whole(client: httpx.Client, parse_sse: Any) -> None:
+    request = {"prompt": PROMPT, "max_tokens": 10, "seed": 3, "temperature": 0.8, "stop": ["."]}
+    whole = client.post("/v1/generate", json=request).json()
+    with client.stream("POST", "/v1/generate", json={**request, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(e) for e in parse_sse(r.iter_lines())]
+    assert "".join(e["text"] for e in events[:-1]) == whole["text"]
+    assert events[-1]["finish_reason"] == whole["finish_reason"] and events[-1]["usage"] == whole["usage"]
+
+
+def test_completions_count_words_and_give_their_texts(client: httpx.Client, reference: Checkpoint) -> None:
+    tok = reference.tokenizer
+    text, ids, logits = library_generation(reference, PROMPT, SamplingParams(max_tokens=8, seed=5))
+    r = client.post("/v1/completions", json={"model": reference.name, "prompt": PROMPT, "max_tokens": 8, "seed": 5,
+                                             "logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    [choice] = body["choices"]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    prompt_tokens = len(tok.encode(PROMPT))
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 8, "total_tokens": prompt_tokens + 8}
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.vocab[i] for i in ids]
+    assert lp["text_offset"] == list(itertools.accumulate([0] + [len(tok.vocab[i]) for i in ids[:-1]]))
+    for token, logits_, chosen, top in zip(ids, logits, lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        logp = torch.log_softmax(logits_.float(), dim=-1)
+        assert chosen == pytest.approx(float(logp[token]), abs=1e-4)
+        best = torch.topk(logp, 2).indices.tolist()
+        assert set(top) == {tok.vocab[i] for i in [*best, token]}
+
+
+def test_completions_echo_scores_the_prompt_by_words(client: httpx.Client, reference: Checkpoint) -> None:
+    tok = reference.tokenizer
+    prompt = "It was the best" + UNKNOWN + " of times."
+    r = client.post("/v1/completions", json={"model": reference.name, "prompt": prompt, "max_tokens": 0, "echo": True,
+                                             "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    [choice] = body["choices"]
+    ids = tok.encode(prompt)
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt and body["usage"]["prompt_tokens"] == len(ids)
+    assert lp["tokens"] == [tok.vocab[i] for i in ids] and " <unk>" in lp["tokens"]
+    # offsets into the prompt as sent: after the unknown word they count its own letters, not "<unk>"'s
+    assert lp["text_offset"] == list(itertools.accumulate([0] + [len(t) for t in tok.tokens(prompt)[:-1]]))
+    expected = score_bytes(reference.model, prompt.encode("utf-8"), logprobs=True, tokenizer=tok)
+    assert expected.logprobs is not None
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(expected.logprobs[1:], abs=1e-4)
+
+
+def test_sessions_and_suggestions_are_refused_with_the_reason(client: httpx.Client, assert_error: Any) -> None:
+    session_id = "a" * 20
+    for r in (client.post("/v1/sessions", json={}),
+              client.post(f"/v1/sessions/{session_id}/suggest", json={"context": "It was the be"}),
+              client.post("/v1/score", json={"text": "It was", "session_id": session_id}),
+              client.post("/v1/generate", json={"prompt": "It was", "session_id": session_id})):
+        error = assert_error(r, 503, "service_unavailable_error")
+        assert error["code"] == "sessions_unavailable"
+        assert "byte-level model" in error["message"] and "issue 13" in error["message"]
+    # the stateless surfaces still work after the refusals
+    assert client.post("/v1/score", json={"text": "It was"}).status_code == 200
