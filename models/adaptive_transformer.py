@@ -58,7 +58,7 @@ from torch import nn
 
 from models.adaptive import AdaptiveInput, AdaptiveSoftmax
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
-from models.char_transformer import _Block, append_blocks, slide_windows
+from models.char_transformer import _Block, append_blocks, resid_site, slide_windows, window_state
 
 __all__ = ["AdaptiveTransformer", "AdaptiveTransformerConfig", "resolve_cutoffs", "sinusoids"]
 
@@ -185,18 +185,10 @@ class AdaptiveTransformer(LanguageModel):
         return self.config.n_layer
 
     def init_state(self, batch: int) -> State:
-        p = self.ln_f.weight
-        C, D = self.config.context, self.config.d_model
-        tensors = {"mask": torch.zeros(batch, C, dtype=torch.bool, device=p.device),
-                   "tok": torch.zeros(batch, C, dtype=torch.long, device=p.device)}
-        for i in range(self.config.n_layer):
-            tensors[f"k{i}"] = torch.zeros(batch, C, D, dtype=p.dtype, device=p.device)
-            tensors[f"v{i}"] = torch.zeros(batch, C, D, dtype=p.dtype, device=p.device)
-        return State(tensors)
+        return window_state(batch, self.config.context, self.config.d_model, self.config.n_layer, self.ln_f.weight)
 
     def adaptation_sites(self) -> list[Site]:
-        return [Site("resid", self.config.d_model, layer=self.config.adapt_layer, per_step=False,
-                     units=self.config.adapter_units)]
+        return [resid_site(self.config.d_model, self.config.adapt_layer, self.config.adapter_units)]
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: tok, mask (B, C), k{l}, v{l} (B, C, D); adapter: mats["resid"] (B, k, k).

@@ -55,7 +55,8 @@ from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
-__all__ = ["BlockConfig", "CharTransformer", "CharTransformerConfig", "append_blocks", "slide_windows"]
+__all__ = ["BlockConfig", "CharTransformer", "CharTransformerConfig", "append_blocks", "resid_site", "slide_windows",
+           "window_state"]
 
 TRAINING_ONLY_PREFIX = "aux."
 
@@ -202,18 +203,10 @@ class CharTransformer(LanguageModel):
         return out
 
     def init_state(self, batch: int) -> State:
-        p = self.embed.weight
-        C, D = self.config.context, self.config.d_model
-        tensors = {"mask": torch.zeros(batch, C, dtype=torch.bool, device=p.device),
-                   "tok": torch.zeros(batch, C, dtype=torch.long, device=p.device)}
-        for i in range(self.config.n_layer):
-            tensors[f"k{i}"] = torch.zeros(batch, C, D, dtype=p.dtype, device=p.device)
-            tensors[f"v{i}"] = torch.zeros(batch, C, D, dtype=p.dtype, device=p.device)
-        return State(tensors)
+        return window_state(batch, self.config.context, self.config.d_model, self.config.n_layer, self.embed.weight)
 
     def adaptation_sites(self) -> list[Site]:
-        return [Site("resid", self.config.d_model, layer=self.config.adapt_layer, per_step=False,
-                     units=self.config.adapter_units)]
+        return [resid_site(self.config.d_model, self.config.adapt_layer, self.config.adapter_units)]
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: tok, mask (B, C), k{l}, v{l} (B, C, D); adapter: mats["resid"] (B, k, k)."""
@@ -257,6 +250,22 @@ class CharTransformer(LanguageModel):
             out[name] = w * F.cross_entropy(logits.float().flatten(0, 1), tokens[:, ahead:].flatten())
         return out
 
+
+
+def window_state(batch: int, context: int, d_model: int, n_layer: int, ref: torch.Tensor) -> State:
+    """An empty window (module docstring): tok, mask (B, C) and every layer's k{l}, v{l} (B, C, D), on `ref`'s
+    device and dtype."""
+    tensors = {"mask": torch.zeros(batch, context, dtype=torch.bool, device=ref.device),
+               "tok": torch.zeros(batch, context, dtype=torch.long, device=ref.device)}
+    for i in range(n_layer):
+        tensors[f"k{i}"] = torch.zeros(batch, context, d_model, dtype=ref.dtype, device=ref.device)
+        tensors[f"v{i}"] = torch.zeros(batch, context, d_model, dtype=ref.dtype, device=ref.device)
+    return State(tensors)
+
+
+def resid_site(d_model: int, layer: int, units: int) -> Site:
+    """The sparse site h' = h + M h on the residual stream after block `layer` (thesis §4.6 on a transformer)."""
+    return Site("resid", d_model, layer=layer, per_step=False, units=units)
 
 
 def slide_windows(tokens: torch.Tensor, st: dict[str, torch.Tensor], context: int, stride: int, n_layer: int,
