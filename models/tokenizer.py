@@ -61,6 +61,11 @@ class ByteTokenizer(StreamMixin):
         """The token a stream continues from after `data` (non-empty)."""
         return data[-1]
 
+    def split_stable(self, data: bytes) -> tuple[bytes, bytes]:
+        """(stable, pending) of text arriving in pieces (`WordTokenizer.split_stable`): a byte is its own token, so
+        every byte is stable and nothing waits."""
+        return data, b""
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for."""
         return bytes([token])

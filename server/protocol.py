@@ -304,13 +304,21 @@ class ObserveRequest(RequestModel):
 
 
 class ObserveResponse(BaseModel):
-    """A text's cost under the session, each segment scored before the session adapted on it."""
+    """A text's cost under the session, each segment scored before the session adapted on it. A word model's
+    session scores the words whose tokens are settled: the session's pending text and this text, up to the last
+    word, which may go on and stays pending (with the gap before it); `bits`, `bytes` and `tokens` are of what this
+    call scored. A byte model's session scores the text as sent."""
 
-    bits: float
-    bytes: int
-    bits_per_byte: float
+    bits: float = Field(description="Bits of the text scored in this call (a word session: its pending text and "
+                                    "this one, but for the new pending tail).")
+    bytes: int = Field(description="UTF-8 bytes scored in this call (0: a word session's text only grew its "
+                                   "pending word).")
+    bits_per_byte: float | None = Field(description="bits / bytes; null when nothing was scored.")
     static_bits: float = Field(description="The same text's bits under the unadapted model (same context).")
-    static_bits_per_byte: float
+    static_bits_per_byte: float | None = Field(description="static_bits / bytes; null when nothing was scored.")
+    tokens: int = Field(default=0, description="Tokens scored: bytes, or a word model's words.")
+    pending_bytes: int = Field(default=0, description="Bytes the session holds pending after this call (a word "
+                                                      "model's unfinished last word; always 0 for bytes).")
     updates: int = Field(description="Adapter updates applied (one per segment).")
     nonfinite_reset: bool = Field(description="The non-finite guard refused an update (or reset the adapter); the "
                                               "session kept its last good values.")

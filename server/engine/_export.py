@@ -1,12 +1,16 @@
 """The session export format: a versioned, pickle-free blob (safetensors bytes of the state, shadow state and
 adapter, with JSON metadata in the safetensors header), tagged with the checkpoint's weights hash.
 
-The metadata keeps the key `last_byte` for the session's next input token (`Session.last_token`): exports
-written before the record's rename, and by servers that have not been updated, read the same.
+The metadata keeps the key `last_byte` for the session's next input token (`Session.last_token`: a byte, or a word
+model's token id): exports written before the record's rename, and by servers that have not been updated, read the
+same. `pending` (base64) is a word session's observed text not yet scored (`Session.pending`); an export without it
+(a byte session's, or an older one) has none.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import math
@@ -20,6 +24,7 @@ from safetensors.torch import save as save_tensors
 
 from models.base import Adapter, State
 from models.copymodel import CopyConfig, CopyModel
+from models.tokenizer import ByteTokenizer, Tokenizer
 from models.wordcache import WordCache
 from server.engine._errors import SessionImportError
 from server.engine._session import AdaptationConfig, Session, SessionStats
@@ -48,6 +53,8 @@ def export_session(session: Session, model_hash: str) -> bytes:
         "config": dataclasses.asdict(session.config), "stats": dataclasses.asdict(session.stats),
         "words": session.words.to_dict(),
     }
+    if session.pending:
+        meta["pending"] = base64.b64encode(session.pending).decode("ascii")
     return save_tensors(tensors, metadata={"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION),
                                            "model_hash": model_hash,
                                            "session": json.dumps(meta, ensure_ascii=False)})
@@ -77,9 +84,11 @@ def _finite_number(data: Mapping[str, Any], key: str) -> float:
     return float(value)
 
 
-def import_session(blob: bytes, *, model_hash: str, template: Session) -> tuple[Session, AdaptationConfig]:
+def import_session(blob: bytes, *, model_hash: str, template: Session,
+                   tokenizer: Tokenizer | None = None) -> tuple[Session, AdaptationConfig]:
     """Read an `export_session` blob into a session shaped like `template` (a fresh session of this model:
-    its id, owner, clock times and tensor layouts are kept). -> the session and the config the blob asks for,
+    its id, owner, clock times and tensor layouts are kept), its next token and pending text checked against the
+    model's `tokenizer` (None: bytes). -> the session and the config the blob asks for,
     which the caller must check against its limits before storing. Raises SessionImportError: `conflict`
     when the blob comes from other weights, otherwise because it is not a valid export."""
     meta = _header_metadata(blob)
@@ -108,9 +117,14 @@ def import_session(blob: bytes, *, model_hash: str, template: Session) -> tuple[
         words = WordCache.from_dict(info.get("words") or {})
     except ValueError:
         raise SessionImportError("the export's word cache is not valid") from None
+    tokenizer = tokenizer or ByteTokenizer()
     last_token = info.get("last_byte")
-    if isinstance(last_token, bool) or not isinstance(last_token, int) or not 0 <= last_token < 256:
-        raise SessionImportError("the export's 'last_byte' is not a byte")
+    if isinstance(last_token, bool) or not isinstance(last_token, int) \
+            or not 0 <= last_token < tokenizer.vocab_size:
+        raise SessionImportError("the export's 'last_byte' is not a byte" if tokenizer.kind == "bytes" else
+                                 f"the export's 'last_byte' is not a token id of this model (0 to "
+                                 f"{tokenizer.vocab_size - 1})")
+    pending = _pending(info.get("pending", ""), tokenizer)
     counts = {}
     for key in ("bytes_observed", "updates", "nonfinite_resets"):
         value = st.get(key)
@@ -151,8 +165,23 @@ def import_session(blob: bytes, *, model_hash: str, template: Session) -> tuple[
     ttl = _finite_number(info, "ttl_s")
     session = dataclasses.replace(template, ttl_s=ttl if ttl > 0 else template.ttl_s, config=config,
                                   state=State(state), static_state=State(static), last_token=last_token,
-                                  adapter=Adapter(mats), stats=stats, words=words, copy=copy)
+                                  adapter=Adapter(mats), stats=stats, words=words, copy=copy, pending=pending)
     return session, config
+
+
+def _pending(value: Any, tokenizer: Tokenizer) -> bytes:
+    """The export's pending text: base64 of what the tokenizer leaves pending (nothing is stable in it)."""
+    if not isinstance(value, str):
+        raise SessionImportError("the export's 'pending' is not a string")
+    try:
+        pending = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise SessionImportError("the export's 'pending' is not base64") from None
+    if pending and tokenizer.split_stable(pending)[0]:
+        raise SessionImportError("the export's 'pending' holds text that a session would have scored (a byte "
+                                 "model's session has none; a word model's, at most the last word and the gap "
+                                 "before it)")
+    return pending
 
 
 def _check_copy(copy: State, template: State) -> None:

@@ -178,9 +178,11 @@ class GenerationJob(Work):
         super().fail(error)
 
     def start(self, model: LanguageModel, stats: EngineStats, *, state: State | None = None,
-              last_token: int | None = None, adapter: Adapter | None = None) -> bool:
+              last_token: int | None = None, adapter: Adapter | None = None, prefix: bytes = b"") -> bool:
         """Prefill, continuing from `state` (whose next input is `last_token`) with `adapter`, or from the
-        initial state after the tokenizer's BOS token; returns True when there is nothing left to do."""
+        initial state after the tokenizer's BOS token; returns True when there is nothing left to do. `prefix` (a
+        word session's pending text) is prefilled before the prompt: its tokens are in the prompt log-probs, not in
+        the prompt's token count."""
         ids = self.tokenizer.encode_tensor(self.prompt)  # (T,) on the CPU: only counted and listed
         self.prompt_tokens = int(ids.numel())
         if self._params is None and not self._prompt_logprobs:
@@ -189,12 +191,12 @@ class GenerationJob(Work):
         first = Stepper(model, self._params or SamplingParams(), state=state, last_byte=last_token,
                         adapter=adapter, tokenizer=self.tokenizer)
         k = self._logprobs or 0
-        scored = first.prefill(self.prompt, logprobs=k if self._prompt_logprobs else None)
+        scored = first.prefill(prefix + self.prompt, logprobs=k if self._prompt_logprobs else None)
         stats.prompt_tokens += self.prompt_tokens
         if scored is not None:
             self._send(PromptScored(tuple(TokenLogprob(lp, tuple(top))
                                           for lp, top in zip(scored.logprobs, scored.top, strict=True)),
-                                    tuple(ids.tolist())))
+                                    tuple(self.tokenizer.encode(prefix + self.prompt) if prefix else ids.tolist())))
         if self._params is None:
             self._finish_all_unstarted()
             return True
@@ -262,8 +264,9 @@ class GenerationExecutor:
             job.tokenizer = self._ckpt.tokenizer
             if job.session_id is not None:
                 session = self._sessions.get(job.session_id, job.owner)
+                # a word session's pending text (its last word, perhaps unfinished) comes before the prompt
                 start = {"state": session.view_state(), "last_token": session.last_token,
-                         "adapter": session.adapter_with_copy()}
+                         "adapter": session.adapter_with_copy(), "prefix": session.pending}
             # the network mixed with the session's copy model, when sessions have one (models/copymodel.py); every
             # generation runs the one model, so that all of them step in one batch
             done = job.start(self._sessions.session_model(), self._stats, **start)

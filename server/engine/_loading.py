@@ -61,7 +61,8 @@ class Loaded:
 def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     """Load the checkpoint at `path` onto `device` (models/device.py; "auto": CUDA when present); raises
     CheckpointError on a bad one, ValueError on a device that is not here. `precision` may be "auto". A word
-    model (tokenizer kind "words") loads for the stateless surfaces; `session_settings` says why it has no sessions."""
+    model (tokenizer kind "words") has sessions too: they keep the observed text whose words may still change pending
+    (`server/engine/_text.py`)."""
     ckpt = load_checkpoint(path, device=resolve_device(device))
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
@@ -77,11 +78,6 @@ def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
 def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalConfig | None, str]:
     """The checkpoint's sparse settings and what limits them, or why sessions cannot work with it; and the
     sparse settings themselves once they are known valid for this model (text steps use their segment)."""
-    if ckpt.tokenizer.kind != "bytes":
-        # a session continues its stream from observed text a keystroke at a time, and its keyboard search and word
-        # cache read bytes: a word model's would need incremental tokenization at word boundaries (issue 13)
-        return None, None, f"sessions need a byte-level model for now (this is a {ckpt.tokenizer.kind}-level " \
-                           "model; word sessions: issue 13)"
     # "session": serving defaults for users' own text, when the checkpoint has them; else "sparse",
     # the settings tuned on the validation book (in-domain text wants far smaller steps)
     base = ckpt.dyneval.session  # parsed and validated with the checkpoint

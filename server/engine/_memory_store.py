@@ -13,6 +13,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+from models.tokenizer import Tokenizer
 from server.engine._errors import SessionImportError, SessionStoreFull
 from server.engine._export import export_session, import_session
 from server.engine._session import Session
@@ -119,10 +120,10 @@ class MemorySessionStore(SessionStore):
         with self._lock:
             return StoreStats(sessions=len(self._sessions), bytes=self._bytes, evictions=dict(self._evictions))
 
-    def bind(self, model_hash: str, template: Session) -> None:
+    def bind(self, model_hash: str, template: Session, tokenizer: Tokenizer | None = None) -> None:
         self._model_hash = model_hash
         if self.snapshot is not None and self.snapshot.exists():
-            self._restore(self.snapshot, model_hash, template)
+            self._restore(self.snapshot, model_hash, template, tokenizer)
 
     def close(self) -> None:
         """Write the snapshot, if there is one to write (without a path the sessions end with the process)."""
@@ -147,7 +148,7 @@ class MemorySessionStore(SessionStore):
         os.replace(tmp, path)
         log.info("wrote %d sessions to %s", len(sessions), path)
 
-    def _restore(self, path: Path, model_hash: str, template: Session) -> None:
+    def _restore(self, path: Path, model_hash: str, template: Session, tokenizer: Tokenizer | None) -> None:
         """Read a snapshot back; a snapshot of other weights, or one that cannot be read, is left alone (and
         said so in the log): the server starts without those sessions rather than not at all."""
         now, kept, skipped = self._clock(), 0, 0
@@ -163,7 +164,7 @@ class MemorySessionStore(SessionStore):
                 for entry in index["sessions"]:  # least recently used first, so the LRU order comes back
                     try:
                         session, _ = import_session(z.read(entry["member"]), model_hash=model_hash,
-                                                    template=template)
+                                                    template=template, tokenizer=tokenizer)
                         owner = entry["owner"]
                         if owner is not None and not isinstance(owner, str):
                             raise TypeError("an owner is a string or null")

@@ -51,6 +51,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
+from models.tokenizer import Tokenizer
 from server.engine._errors import SessionImportError, SessionStoreFull, SessionStoreUnavailable
 from server.engine._export import export_session, import_session
 from server.engine._session import Session
@@ -211,6 +212,7 @@ class _Bound:
     template: Session
     keys: tuple[str, str, str, str, str]  # lru, exp, size, bytes, pins
     ns: str
+    tokenizer: Tokenizer | None = None  # None: bytes
 
 
 class RedisSessionStore(SessionStore):
@@ -247,10 +249,10 @@ class RedisSessionStore(SessionStore):
 
     # -- the interface -----------------------------------------------------------------------------
 
-    def bind(self, model_hash: str, template: Session) -> None:
+    def bind(self, model_hash: str, template: Session, tokenizer: Tokenizer | None = None) -> None:
         ns = f"adaptlm:{{{model_hash[:16]}}}"
         keys = (f"{ns}:lru", f"{ns}:exp", f"{ns}:size", f"{ns}:bytes", f"{ns}:pins")
-        self._bound = _Bound(model_hash, template, keys, ns)
+        self._bound = _Bound(model_hash, template, keys, ns, tokenizer)
         with self._errors("connect to"):
             self._redis.ping()
             self._measure_skew()
@@ -262,7 +264,8 @@ class RedisSessionStore(SessionStore):
         blob, stored_owner, created, last_used, ttl = fields
         bound = self._binding()
         try:
-            session, _ = import_session(blob, model_hash=bound.model_hash, template=bound.template)
+            session, _ = import_session(blob, model_hash=bound.model_hash, template=bound.template,
+                                        tokenizer=bound.tokenizer)
         except SessionImportError as e:
             log.error("session %s in Redis cannot be read (%s); treating it as absent", session_id[:8], e)
             return None

@@ -76,6 +76,9 @@ class Session:
     stats: SessionStats = field(default_factory=SessionStats)
     words: WordCache = field(default_factory=WordCache)  # the observed words; replaced, never changed in place
     copy: State | None = None  # batch 1: the copy model of what it observed (models/copymodel.py); None: off
+    # observed text not yet scored: the tail whose tokens may still change with what follows
+    # (`WordTokenizer.split_stable`); always empty for a byte model, whose every byte is a token
+    pending: bytes = b""
 
     def view_state(self) -> State:
         """The state that sampling and the keyboard search continue from: the network's, with the last bytes the
@@ -104,7 +107,7 @@ class Session:
                                        *self.adapter.mats.values()]
         if self.copy is not None:
             tensors += self.copy.tensors.values()
-        return int(sum(t.numel() * t.element_size() for t in tensors)) + self.words.nbytes
+        return int(sum(t.numel() * t.element_size() for t in tensors)) + self.words.nbytes + len(self.pending)
 
     def expires_at(self) -> float:
         return self.last_used + self.ttl_s

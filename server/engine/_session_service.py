@@ -57,7 +57,7 @@ class SessionService:
         if self.copy_model is not None:
             self.copy_model.warm_up(ckpt.device)  # its kernels compile here, not in the first request
         self._mixed = None
-        self.store.bind(ckpt.model_hash, self.template())
+        self.store.bind(ckpt.model_hash, self.template(), ckpt.tokenizer)
 
     # -- settings --------------------------------------------------------------------------------------
 
@@ -180,7 +180,9 @@ class SessionService:
         if self.store.get(session_id, owner, touch=False) is None and self.store.contains(session_id):
             raise SessionNotFound(session_id)  # another owner's: not ours to replace, nor to reveal
         template = self.fresh(session_id, owner, self._ttl_s, self._defaults())
-        session, config = import_session(blob, model_hash=self._checkpoint().model_hash, template=template)
+        ckpt = self._checkpoint()
+        session, config = import_session(blob, model_hash=ckpt.model_hash, template=template,
+                                         tokenizer=ckpt.tokenizer)
         session = dataclasses.replace(session, ttl_s=min(session.ttl_s, self._max_ttl_s))
         try:
             self.check(config)

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from models.tokenizer import Tokenizer
 from server.engine._session import Session
 
 __all__ = ["SessionStore", "StoreStats"]
@@ -64,10 +65,11 @@ class SessionStore(ABC):
     def stats(self) -> StoreStats: ...
 
     @abstractmethod
-    def bind(self, model_hash: str, template: Session) -> None:
-        """Called by the engine once its checkpoint is loaded, before any other call: the weights' hash and a
-        fresh session of the model (its tensor layouts, dtype and device). A store that serialises sessions
-        needs both to read them back; it may also check here that it is reachable (SessionStoreUnavailable)."""
+    def bind(self, model_hash: str, template: Session, tokenizer: Tokenizer | None = None) -> None:
+        """Called by the engine once its checkpoint is loaded, before any other call: the weights' hash, a
+        fresh session of the model (its tensor layouts, dtype and device) and its tokenizer (None: bytes; what a
+        session's next token and pending text may be). A store that serialises sessions needs them to read them
+        back; it may also check here that it is reachable (SessionStoreUnavailable)."""
 
     @abstractmethod
     def close(self) -> None:

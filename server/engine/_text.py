@@ -3,8 +3,14 @@ that reads all running texts segment by segment in one batched step (`models.ada
 offline evaluation and the keyboard simulator run too).
 
 A text reads its session when it starts and writes it back when it is done (an observe: the new state, shadow
-state, adapter, next token, statistics and word cache); a text whose caller went away stops between two
+state, adapter, next token, pending text, statistics and word cache); a text whose caller went away stops between two
 segments, and its session stays as it was.
+
+A word model's session keeps `pending` text (`WordTokenizer.split_stable`: the last word, which may go on, and the
+gap before it). An observe scores and adapts on the tokens of the stable part of pending + text, continuing from the
+session's last token, and keeps the rest pending: its score is of that stable part (its bytes and tokens; none at
+all when it is empty: the text only grew the pending word). A session's score without adaptation ("peek") scores
+pending + text, the text taken as complete. A byte model's session has nothing pending: both read the text as sent.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class TextScore:
     updates: int = 0  # adapter updates applied
     nonfinite_reset: bool = False  # the non-finite guard refused an update or reset the adapter
     tokens: int = 0  # tokens scored (the model's: bytes, or a word model's words)
+    pending_bytes: int = 0  # an observe of a word session: bytes left pending after it
 
     @property
     def bits_per_byte(self) -> float:
@@ -70,6 +77,8 @@ class Text(Work):
         self.data, self.mode, self.logprobs, self.create = data, mode, logprobs, create
         self.job: TextJob | None = None  # its rows, once started
         self.session: Session | None = None  # the record it started from
+        self.scored = data  # the text whose tokens it scores (a word session: with the pending text; stable part)
+        self.pending = b""  # an observe: the session's pending text after it
 
     @property
     def rows(self) -> int:
@@ -110,13 +119,19 @@ class TextExecutor:
                 if work.mode == "observe":
                     rows.append(Row(session.static_state))
                 last = session.last_token
-            inputs, targets = self._ckpt.tokenizer.stream(work.data, last, ref.device)
+                work.scored = session.pending + work.data
+                if work.mode == "observe":
+                    work.scored, work.pending = self._ckpt.tokenizer.split_stable(work.scored)
+            inputs, targets = self._ckpt.tokenizer.stream(work.scored, last, ref.device)
         except Exception as e:
             work.fail(e)
             return
-        work.job = TextJob(inputs, targets, rows)
         work.session = session
+        work.job = TextJob(inputs[: targets.numel()], targets, rows)
         self._scheduler.claim(work.session_id)
+        if not work.scored:  # an observe that only grew the pending word: nothing to score
+            self.finish(work)
+            return
         self._texts.append(work)
 
     def step(self) -> None:
@@ -179,32 +194,34 @@ class TextExecutor:
         """The text's score; an observe's session is written back."""
         assert work.job is not None
         main = work.job.rows[0]
-        lp = torch.cat(main.logprobs)  # (T,)
+        lp = torch.cat(main.logprobs) if main.logprobs else torch.zeros(0)  # (T,)
         bits = -float(lp.double().sum()) / LN2
         static_bits = None
         self._stats.nonfinite_resets += main.dropped + main.resets
         if work.mode == "observe":
             assert work.session is not None and main.mats is not None
             shadow = work.job.rows[1]
-            static_bits = -shadow.total_logprob() / LN2
+            static_bits = -shadow.total_logprob() / LN2 if shadow.logprobs else 0.0
             self._stats.updates += main.updates
             old = work.session
-            stats = SessionStats(bytes_observed=old.stats.bytes_observed + len(work.data),
+            stats = SessionStats(bytes_observed=old.stats.bytes_observed + len(work.scored),
                                  updates=old.stats.updates + main.updates,
                                  nonfinite_resets=old.stats.nonfinite_resets + main.dropped + main.resets,
                                  bits=old.stats.bits + bits, static_bits=old.stats.static_bits + static_bits)
             words = old.words.copy()  # copied: the stored record may be read meanwhile
-            words.observe(work.data.decode("utf-8", errors="ignore"))
+            words.observe(work.scored.decode("utf-8", errors="ignore"))
             session = dataclasses.replace(
                 old, last_used=time.time(), state=_owned(main.state), static_state=_owned(shadow.state),
-                last_token=self._ckpt.tokenizer.last_token(work.data),
+                last_token=self._ckpt.tokenizer.last_token(work.scored) if work.scored else old.last_token,
+                pending=work.pending,
                 adapter=Adapter({k: m.unsqueeze(0).clone() for k, m in main.mats.items()}),
                 stats=stats, words=words, copy=_owned(main.copy) if main.copy is not None else None)
             if not self._sessions.store.update(session):
                 raise SessionNotFound(session.id)  # deleted while it was being observed
-        return TextScore(bits=bits, bytes=len(work.data), logprobs=lp.tolist() if work.logprobs else None,
+        return TextScore(bits=bits, bytes=len(work.scored), logprobs=lp.tolist() if work.logprobs else None,
                          static_bits=static_bits, updates=main.updates,
-                         nonfinite_reset=bool(main.dropped or main.resets), tokens=int(lp.numel()))
+                         nonfinite_reset=bool(main.dropped or main.resets), tokens=int(lp.numel()),
+                         pending_bytes=len(work.pending))
 
 
 def _owned(state: State) -> State:

@@ -37,9 +37,12 @@ STATE_MEDIA_TYPE = "application/octet-stream"
 
 def observed(result: TextScore) -> ObserveResponse:
     static = result.static_bits if result.static_bits is not None else float("nan")
-    return ObserveResponse(bits=result.bits, bytes=result.bytes, bits_per_byte=result.bits_per_byte,
-                           static_bits=static, static_bits_per_byte=static / result.bytes, updates=result.updates,
-                           nonfinite_reset=result.nonfinite_reset)
+    scored = result.bytes > 0
+    return ObserveResponse(bits=result.bits, bytes=result.bytes,
+                           bits_per_byte=result.bits_per_byte if scored else None, static_bits=static,
+                           static_bits_per_byte=static / result.bytes if scored else None, updates=result.updates,
+                           nonfinite_reset=result.nonfinite_reset, tokens=result.tokens,
+                           pending_bytes=result.pending_bytes)
 
 
 def session_response(session: Session, ctx: Context, result: TextScore | None = None) -> SessionResponse:

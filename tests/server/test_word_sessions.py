@@ -1,0 +1,151 @@
+"""Sessions of a word-level checkpoint (issue 13): observed text is scored up to its last word, which stays pending
+until what follows settles its tokens; pending text is part of the session (export, import, Redis, reset)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from models.word_tokenizer import WordTokenizer
+from server.engine._export import _header_metadata
+from server.settings import Settings
+
+VALID = Path(__file__).resolve().parent.parent / "data" / "valid.txt"
+TEXT = VALID.read_text(encoding="utf-8")[:600]
+
+
+@pytest.fixture(scope="module")
+def tok(word_checkpoint: Path) -> WordTokenizer:
+    tokenizer = WordTokenizer.from_dict(json.loads((word_checkpoint / "config.json").read_text())["tokenizer"])
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def words_url(word_checkpoint: Path, serve_app: Any) -> Iterator[str]:
+    with serve_app(Settings(checkpoint=word_checkpoint, suggest_budget_ms=0)) as live:
+        yield live.url
+
+
+@pytest.fixture
+def client(words_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=words_url, timeout=60) as c:
+        yield c
+
+
+def new(client: httpx.Client, **settings: Any) -> str:
+    r = client.post("/v1/sessions", json=settings)
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def observe(client: httpx.Client, sid: str, text: str) -> dict[str, Any]:
+    r = client.post(f"/v1/sessions/{sid}/observe", json={"text": text})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def exported(client: httpx.Client, sid: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    blob = client.get(f"/v1/sessions/{sid}/state").content
+    return load_tensors(blob), json.loads(_header_metadata(blob)["session"])
+
+
+def test_observe_in_pieces_equals_observe_at_once(client: httpx.Client, tok: WordTokenizer) -> None:
+    sid = new(client)
+    segment = client.get(f"/v1/sessions/{sid}").json()["adaptation"]["segment"]
+    data = TEXT.encode("utf-8")
+    # a cut inside a word whose stable part is a whole number of segments (each request's segments start afresh)
+    cut = next(p for p in range(len(data) - 1, 0, -1) if data[p - 1 : p + 1].isalpha()
+               and len(tok.tokens(tok.split_stable(data[:p])[0])) % segment == 0
+               and len(tok.tokens(tok.split_stable(data[:p])[0])) > 0)
+    first = observe(client, sid, data[:cut].decode())
+    assert first["pending_bytes"] > 0 and first["bytes"] + first["pending_bytes"] == cut
+    assert first["tokens"] == len(tok.tokens(tok.split_stable(data[:cut])[0]))
+    second = observe(client, sid, data[cut:].decode())
+    whole = new(client)
+    once = observe(client, whole, TEXT)
+    stable, pending = tok.split_stable(data)
+    assert once["bytes"] == len(stable) and once["pending_bytes"] == len(pending) == second["pending_bytes"]
+    assert first["bytes"] + second["bytes"] == once["bytes"] and first["tokens"] + second["tokens"] == once["tokens"]
+    assert first["bits"] + second["bits"] == pytest.approx(once["bits"], rel=1e-4)
+    assert first["static_bits"] + second["static_bits"] == pytest.approx(once["static_bits"], rel=1e-4)
+    assert first["updates"] + second["updates"] == once["updates"] > 0
+    (a, meta_a), (b, meta_b) = exported(client, sid), exported(client, whole)
+    assert meta_a["pending"] == meta_b["pending"] == base64.b64encode(pending).decode()
+    assert meta_a["last_byte"] == meta_b["last_byte"] == tok.encode(stable)[-1]
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+def test_an_observe_that_only_grows_the_word_scores_nothing(client: httpx.Client) -> None:
+    sid = new(client)
+    first = observe(client, sid, "It was the be")
+    assert first["bytes"] == len("It was the") and first["pending_bytes"] == len(" be") and first["tokens"] == 3
+    grown = observe(client, sid, "s")
+    assert grown == {**grown, "bits": 0.0, "bytes": 0, "tokens": 0, "bits_per_byte": None, "updates": 0,
+                     "static_bits_per_byte": None, "pending_bytes": len(" bes")}
+    done = observe(client, sid, "t of")
+    assert done["bytes"] == len(" best") and done["pending_bytes"] == len(" of")
+    body = client.get(f"/v1/sessions/{sid}").json()
+    assert body["stats"]["bytes_observed"] == len("It was the best")
+
+
+def test_a_session_adapts_on_repeated_text(client: httpx.Client) -> None:
+    sid = new(client)
+    text = TEXT[:300] + "\n"
+    first, again = observe(client, sid, text), observe(client, sid, text)
+    assert again["bytes"] == first["bytes"] and again["bits"] < first["bits"]
+
+
+def test_score_and_generation_continue_after_the_pending_text(client: httpx.Client, tok: WordTokenizer) -> None:
+    typed, whole = new(client), new(client)
+    observe(client, typed, "It was the be")
+    observe(client, whole, "It was the b")  # the same stable text, another part of the word pending
+    score = client.post("/v1/score", json={"text": "st of times.", "session_id": typed}).json()
+    same = client.post("/v1/score", json={"text": "est of times.", "session_id": whole}).json()
+    assert score["bits"] == pytest.approx(same["bits"], rel=1e-5) and score["tokens"] == same["tokens"] == 4
+    one = client.post("/v1/generate", json={"prompt": "st", "session_id": typed, "max_tokens": 6, "seed": 2}).json()
+    two = client.post("/v1/generate", json={"prompt": "est", "session_id": whole, "max_tokens": 6,
+                                            "seed": 2}).json()
+    assert one["text"] == two["text"] and one["usage"]["completion_tokens"] == 6
+
+
+def test_pending_text_is_exported_imported_and_reset(client: httpx.Client, assert_error: Any) -> None:
+    sid = new(client)
+    observe(client, sid, "It was the be")
+    blob = client.get(f"/v1/sessions/{sid}/state").content
+    copy = "c" * 32
+    r = client.put(f"/v1/sessions/{copy}/state", content=blob, headers={"content-type": "application/octet-stream"})
+    assert r.status_code in (200, 201), r.text
+    assert exported(client, copy)[1]["pending"] == base64.b64encode(b" be").decode()
+    assert observe(client, copy, "st of")["bits"] == pytest.approx(observe(client, sid, "st of")["bits"], rel=1e-5)
+    # a pending text that holds settled words is refused, as is a next token outside the vocabulary
+    tensors, meta = load_tensors(blob), json.loads(_header_metadata(blob)["session"])
+    header = _header_metadata(blob)
+    for bad in ({"pending": base64.b64encode(b"two words").decode()}, {"pending": "not base64!"},
+                {"last_byte": 10**6}):
+        forged = save_tensors(tensors, metadata={**header, "session": json.dumps({**meta, **bad})})
+        r = client.put(f"/v1/sessions/{'d' * 32}/state", content=forged,
+                       headers={"content-type": "application/octet-stream"})
+        assert "pending" in assert_error(r, 422, "validation_error")["message"] or "last_byte" in r.text
+    assert client.post(f"/v1/sessions/{sid}/reset").status_code == 200
+    assert "pending" not in exported(client, sid)[1]
+    assert observe(client, sid, "st")["pending_bytes"] == 2  # "st" alone: a word at the start of the text
+
+
+def test_pending_text_survives_a_redis_round_trip(word_checkpoint: Path, serve_app: Any, redis_url: str) -> None:
+    with serve_app(Settings(checkpoint=word_checkpoint, session_store=redis_url)) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as c:
+        sid = new(c)
+        observe(c, sid, "It was the be")
+        assert exported(c, sid)[1]["pending"] == base64.b64encode(b" be").decode()
+        assert observe(c, sid, "st of")["bytes"] == len(" best")
