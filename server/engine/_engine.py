@@ -34,6 +34,7 @@ from models.precision import PRECISIONS, inference_precision
 from models.sampling import SamplingParams
 from models.suggest import Suggestions
 from models.tokenizer import ByteTokenizer
+from models.word_tokenizer import WordTokenizer
 from server.engine._errors import EngineUnavailable
 from server.engine._generation import GenerationExecutor, GenerationJob, GenerationStream
 from server.engine._loading import ModelInfo, SessionLimits, load_model
@@ -261,8 +262,7 @@ class Engine:
         self._scheduler.open()
         loaded.set_result(model.info)
         tokenizer = model.ckpt.tokenizer
-        # the keyboard search reads one byte a token; a word model has no sessions, so no suggestions reach it, and
-        # the executor refuses any that would (word suggestions: issue 13)
+        # the keyboard search reads one byte a token; a word model's suggestions are its next-word distribution
         byte_tokenizer = tokenizer if isinstance(tokenizer, ByteTokenizer) else None
         try:
             with inference_precision(model.info.precision, model.device):  # thread-local: this thread's work
@@ -271,8 +271,7 @@ class Engine:
                     "text": TextExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
                     "suggest": SuggestExecutor(self.sessions.session_model(), self.sessions, self._stats,
                                                tokenizer=byte_tokenizer,
-                                               refuse="" if byte_tokenizer else "keyboard suggestions need a "
-                                               "byte-level model for now (word suggestions: issue 13)"),
+                                               words=tokenizer if isinstance(tokenizer, WordTokenizer) else None),
                     "call": CallExecutor(),
                 })
         finally:

@@ -31,7 +31,9 @@ import torch
 
 from models.base import LanguageModel, State
 from models.suggest import (
+    Completion,
     Cursor,
+    NextChar,
     Suggestions,
     TokenClasses,
     WordSearch,
@@ -43,6 +45,7 @@ from models.suggest import (
     step,
 )
 from models.tokenizer import ByteTokenizer
+from models.word_tokenizer import WordTokenizer
 from server.engine._errors import SessionsUnavailable
 from server.engine._session import Session
 from server.engine._session_service import SessionService
@@ -313,6 +316,56 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
     job.result = Suggestions(found.prefix, found.completions, chars, found.expansions, found.model_calls, found.exact)
 
 
+@torch.no_grad()
+def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Session, context: str, *, k: int,
+                     n_chars: int) -> Suggestions:
+    """A word model's keyboard suggestions: one model step from the session (its text, then its pending text and
+    the stable part of `context`: `WordTokenizer.split_stable`) gives the next word's distribution; the
+    completions are the k most probable vocabulary entries that start with the typed part (the pending tail: the
+    word being typed with the single space before it, as the tokenizer writes a word after a space), special
+    tokens (end of line, <unk>) left out. `prefix` and each completion's `text` are the word without that space.
+    `next_chars`: the characters that would follow the typed part, each with the summed probability of the
+    entries that continue with it (no entry extends the typed part: none). No word cache and no search: a word is
+    one token, so the ranking is exact (`exact` is always true)."""
+    stable, typed = tokenizer.split_stable(session.pending + context.encode("utf-8"))
+    parts = tokenizer.tokens(typed)
+    if len(parts) > 1:  # a gap the last word's single space is taken from ("  wo": "  " is settled before " wo")
+        stable += "".join(parts[:-1]).encode("utf-8")
+        typed = parts[-1].encode("utf-8")
+    ids = [session.last_token, *tokenizer.encode(stable)]
+    device = next(model.parameters()).device
+    out = model(torch.tensor([ids], dtype=torch.long, device=device), session.view_state(),
+                session.adapter_with_copy())
+    logprobs = model.log_probs(out)[0, -1].double().cpu()  # (V,)
+    first = 4  # ids 0-3: "\n", " \n", "<unk>", " <unk>"
+    matching = [i for i in range(first, tokenizer.vocab_size) if tokenizer.token_bytes(i).startswith(typed)]
+    ranked = sorted(matching, key=lambda i: -float(logprobs[i]))
+    space = typed.startswith(b" ")
+
+    def word(data: bytes) -> str:
+        return (data[1:] if space else data).decode("utf-8", errors="ignore")
+
+    completions = [Completion(word(tokenizer.token_bytes(i)), math.exp(float(logprobs[i]))) for i in ranked[:k]]
+    chars: dict[str, float] = {}
+    typed_text = typed.decode("utf-8", errors="strict") if _whole_utf8(typed) else None
+    if typed_text is not None and n_chars > 0:
+        for i in matching:
+            entry = tokenizer.vocab[i]
+            if len(entry) > len(typed_text):
+                char = entry[len(typed_text)]
+                chars[char] = chars.get(char, 0.0) + math.exp(float(logprobs[i]))
+    next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
+    return Suggestions(word(typed), completions, next_, expansions=0, model_calls=1, exact=True)
+
+
+def _whole_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 class Suggest(Work):
     """Keyboard suggestions for the session `target`. `session_id` stays None: a suggestion does not wait for
     its session's turn."""
@@ -335,9 +388,10 @@ class SuggestExecutor:
     rows = 0
 
     def __init__(self, model: LanguageModel, sessions: SessionService, stats: EngineStats, *,
-                 tokenizer: ByteTokenizer | None = None, refuse: str = "") -> None:
+                 tokenizer: ByteTokenizer | None = None, refuse: str = "", words: WordTokenizer | None = None) -> None:
         self._sessions, self._stats = sessions, stats
         self._refuse = refuse  # why this model has no suggestions (SessionsUnavailable); "": it has
+        self._model, self._words = model, words  # a word model: `word_suggestions`, answered at once
         tokenizer = tokenizer or ByteTokenizer()
         self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer), min_prob=SUGGEST_MIN_PROB,
                                      batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
@@ -354,6 +408,10 @@ class SuggestExecutor:
             if self._refuse:
                 raise SessionsUnavailable(self._refuse)
             session = self._sessions.get(work.target, work.owner)
+            if self._words is not None:
+                work.future.set_result(word_suggestions(self._model, self._words, session, work.context,
+                                                        k=work.k, n_chars=work.n_chars))
+                return
         except Exception as e:
             work.fail(e)
             return

@@ -155,12 +155,3 @@ def test_completions_echo_scores_the_prompt_by_words(client: httpx.Client, refer
     assert expected.logprobs is not None
     assert lp["token_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx(expected.logprobs[1:], abs=1e-4)
-
-
-def test_suggestions_are_refused_with_the_reason(client: httpx.Client, assert_error: Any) -> None:
-    session_id = client.post("/v1/sessions", json={}).json()["id"]
-    r = client.post(f"/v1/sessions/{session_id}/suggest", json={"context": "It was the be"})
-    error = assert_error(r, 503, "service_unavailable_error")
-    assert error["code"] == "sessions_unavailable" and "issue 13" in error["message"]
-    # the stateless surfaces still work after the refusal
-    assert client.post("/v1/score", json={"text": "It was"}).status_code == 200

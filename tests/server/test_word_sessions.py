@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from models.checkpoint import load_checkpoint
 from models.word_tokenizer import WordTokenizer
 from server.engine._export import _header_metadata
 from server.settings import Settings
@@ -149,3 +151,39 @@ def test_pending_text_survives_a_redis_round_trip(word_checkpoint: Path, serve_a
         observe(c, sid, "It was the be")
         assert exported(c, sid)[1]["pending"] == base64.b64encode(b" be").decode()
         assert observe(c, sid, "st of")["bytes"] == len(" best")
+
+
+def library_next_word(word_checkpoint: Path, stable: str, prefix: str) -> list[tuple[str, float]]:
+    """The next-word distribution after `stable` (from the stream's start), restricted to entries starting with
+    `prefix`, specials left out, most probable first: computed with the library alone."""
+    ckpt = load_checkpoint(word_checkpoint)
+    ckpt.model.eval()
+    tok = ckpt.tokenizer
+    assert isinstance(tok, WordTokenizer)
+    with torch.no_grad():
+        ids = torch.tensor([[tok.bos, *tok.encode(stable)]])
+        lp = ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0, -1].double()
+    entries = [(tok.vocab[i], math.exp(float(lp[i]))) for i in range(4, tok.vocab_size)
+               if tok.vocab[i].startswith(prefix)]
+    return sorted(entries, key=lambda e: -e[1])
+
+
+def test_suggestions_are_the_next_words_with_the_typed_prefix(client: httpx.Client, word_checkpoint: Path) -> None:
+    sid = new(client)
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "It was the b", "k": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = library_next_word(word_checkpoint, "It was the", " b")
+    assert body["prefix"] == "b" and len(body["completions"]) == 3
+    assert [c["text"] for c in body["completions"]] == [w[1:] for w, _ in expected[:3]]
+    assert [c["prob"] for c in body["completions"]] == pytest.approx([p for _, p in expected[:3]], rel=1e-4)
+    assert all(c["char"] and c["prob"] > 0 for c in body["next_chars"])
+    # the session's pending text counts: " b" typed into the session, "e" in the context
+    observe(client, sid, "It was the b")
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "e", "k": 10})
+    assert r.status_code == 200, r.text
+    words = [c["text"] for c in r.json()["completions"]]
+    assert r.json()["prefix"] == "be" and words and all(w.startswith("be") for w in words)
+    # no vocabulary word starts so: no completions
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "qqxz"})
+    assert r.status_code == 200 and r.json()["completions"] == [] and r.json()["next_chars"] == []
