@@ -71,7 +71,7 @@ class Session:
     config: AdaptationConfig
     state: State  # batch 1: the state after every observed byte but the last
     static_state: State  # the same, under the unadapted model
-    last_token: int  # the next input token (a byte): the last observed byte, or scoring.BOS at the start
+    last_token: int  # the next input token (a byte, or a word id): the last one scored, or the BOS at the start
     adapter: Adapter  # mats[site]: (1, k, k)
     stats: SessionStats = field(default_factory=SessionStats)
     words: WordCache = field(default_factory=WordCache)  # the observed words; replaced, never changed in place
