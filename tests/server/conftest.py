@@ -231,3 +231,16 @@ def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  "stats_batches": 1}
     train(make_config("tiny", overrides), [DATA / "train.txt"], out, valid_path=DATA / "valid.txt", progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def words_url(word_checkpoint: Path) -> Iterator[str]:
+    """A server of the word checkpoint (no suggestion time budget: tests compare exact answers)."""
+    with serve(Settings(checkpoint=word_checkpoint, suggest_budget_ms=0)) as live:
+        yield live.url
+
+
+@pytest.fixture
+def words_client(words_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=words_url, timeout=60) as c:
+        yield c

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from models.sampling import SamplingParams, Stepper
 from models.scoring import score_bytes
 from models.word_tokenizer import WordTokenizer
 from server.engine._loading import load_model
-from server.settings import Settings
 
 VALID = Path(__file__).resolve().parent.parent / "data" / "valid.txt"
 PROMPT = "It was the "
@@ -35,16 +33,9 @@ def reference(word_checkpoint: Path) -> Checkpoint:
     return ckpt
 
 
-@pytest.fixture(scope="module")
-def words_url(word_checkpoint: Path, serve_app: Any) -> Iterator[str]:
-    with serve_app(Settings(checkpoint=word_checkpoint, suggest_budget_ms=0)) as live:
-        yield live.url
-
-
 @pytest.fixture
-def client(words_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=words_url, timeout=60) as c:
-        yield c
+def client(words_client: httpx.Client) -> httpx.Client:
+    return words_client  # the word checkpoint's server (conftest.py), under the name these tests use
 
 
 def library_generation(ckpt: Checkpoint, prompt: str, params: SamplingParams) -> tuple[str, list[int], list[Any]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +30,9 @@ def tok(word_checkpoint: Path) -> WordTokenizer:
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def words_url(word_checkpoint: Path, serve_app: Any) -> Iterator[str]:
-    with serve_app(Settings(checkpoint=word_checkpoint, suggest_budget_ms=0)) as live:
-        yield live.url
-
-
 @pytest.fixture
-def client(words_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=words_url, timeout=60) as c:
-        yield c
+def client(words_client: httpx.Client) -> httpx.Client:
+    return words_client  # the word checkpoint's server (conftest.py), under the name these tests use
 
 
 def new(client: httpx.Client, **settings: Any) -> str:
