@@ -179,3 +179,22 @@ def test_suggestions_are_the_next_words_with_the_typed_prefix(client: httpx.Clie
     # no vocabulary word starts so: no completions
     r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "qqxz"})
     assert r.status_code == 200 and r.json()["completions"] == [] and r.json()["next_chars"] == []
+
+
+def test_the_keyboard_simulator_types_against_a_word_model(words_url: str, word_checkpoint: Path,
+                                                           tmp_path: Path) -> None:
+    """`adaptlm keyboard-sim --url` types through word sessions and word completions; in-process (--checkpoint) it
+    runs the byte search, so a word checkpoint there is a usage error (exit 2), not a traceback."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent.parent
+    text = tmp_path / "messages.txt"
+    text.write_text("She was not the first to come. She was the last.\n\nHe said it was so.\n", encoding="utf-8")
+    base = [sys.executable, "-m", "adaptlm", "keyboard-sim", "--text", str(text), "--json"]
+    r = subprocess.run([*base, "--url", words_url, "--adapt"], capture_output=True, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    result = json.loads(r.stdout)
+    assert 0.0 <= result["ksr"] < 1.0 and result["chars"] > 50
+    r = subprocess.run([*base, "--checkpoint", str(word_checkpoint)], capture_output=True, cwd=root, timeout=300)
+    assert r.returncode == 2 and "needs a byte-level model" in r.stderr.decode() and b"Traceback" not in r.stderr
