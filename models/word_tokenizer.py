@@ -34,6 +34,7 @@ text without <unk>: an unknown token is predicted as a class, not spelt.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -94,6 +95,9 @@ class WordTokenizer(StreamMixin):
         self._ids = ids
         self._pattern = pattern
         self._bytes = [t.encode("utf-8") for t in self.vocab]
+        # the words (not the special tokens) in byte order, for a prefix's range by bisection (`with_prefix`)
+        self._sorted = sorted(range(len(_SPECIALS), len(self.vocab)), key=self._bytes.__getitem__)
+        self._sorted_bytes = [self._bytes[i] for i in self._sorted]
 
     # -- building and saving --------------------------------------------------------------------------------
 
@@ -207,6 +211,13 @@ class WordTokenizer(StreamMixin):
         return TextSize(tokens=len(self.tokens(data)), bytes=len(raw))
 
     # -- ids -> text -----------------------------------------------------------------------------------------
+
+    def with_prefix(self, prefix: bytes) -> list[int]:
+        """The ids of the vocabulary's words (special tokens left out) whose bytes start with `prefix`, in byte
+        order: two bisections of the sorted vocabulary, not a pass over it (a keyboard asks at every keystroke)."""
+        lo = bisect.bisect_left(self._sorted_bytes, prefix)
+        hi = bisect.bisect_left(self._sorted_bytes, prefix + b"\xff")  # 0xff is in no UTF-8 text: past every match
+        return self._sorted[lo:hi]
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for, its leading space included (b" the"); <unk>: b"<unk>" or b" <unk>"."""

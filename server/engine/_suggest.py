@@ -337,8 +337,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     out = model(torch.tensor([ids], dtype=torch.long, device=device), session.view_state(),
                 session.adapter_with_copy())
     logprobs = model.log_probs(out)[0, -1].double().cpu()  # (V,)
-    first = 4  # ids 0-3: "\n", " \n", "<unk>", " <unk>"
-    matching = [i for i in range(first, tokenizer.vocab_size) if tokenizer.token_bytes(i).startswith(typed)]
+    matching = tokenizer.with_prefix(typed)  # the words (no end of line, no <unk>) that continue the typed part
     ranked = sorted(matching, key=lambda i: -float(logprobs[i]))
     space = typed.startswith(b" ")
 

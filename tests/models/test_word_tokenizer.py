@@ -155,3 +155,12 @@ def test_text_in_pieces_tokenizes_as_a_whole(split: str) -> None:
     assert tok.split_stable(b"one two") == (b"one", b" two")
     assert tok.split_stable(b"one two\n") == (b"one two\n", b"")
     assert tok.split_stable(b"caf\xc3") == (b"", b"caf\xc3")
+
+
+def test_words_with_a_prefix_are_found_by_bisection() -> None:
+    tok = WordTokenizer.build(["so the then there they them a an and\nthe\nThe ok. <unk> caf\u00e9 cafe"])
+    for prefix in (b"", b" th", b" the", b"the", b" thx", b" caf", b" caf\xc3", b"\n"):
+        expected = sorted((i for i in range(4, tok.vocab_size) if tok.token_bytes(i).startswith(prefix)),
+                          key=tok.token_bytes)
+        assert tok.with_prefix(prefix) == expected, prefix
+    assert [tok.vocab[i] for i in tok.with_prefix(b" the")] == [" the", " them", " then", " there", " they"]
