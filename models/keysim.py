@@ -70,6 +70,7 @@ class ModelSuggester:
         self._mixed: CopyMixed | None = None
         self._rules = RuleCache()
         self.copy = copy  # a copy model mixed into scores and suggestions, as a session with one
+        self._frozen: tuple[State, State] | None = None  # (copy state, its frozen_stats)
         mode = self.config.mode
         rule = None
         mats = None
@@ -108,7 +109,11 @@ class ModelSuggester:
     def adapter(self) -> Adapter | None:
         mats = self._row.mats
         copy = self._copy_state
-        stats = frozen_stats(copy) if copy is not None else None
+        stats = None
+        if copy is not None:  # indexed once per copy state (a learning step makes a new one), not per keystroke
+            if self._frozen is None or self._frozen[0] is not copy:
+                self._frozen = (copy, frozen_stats(copy))
+            stats = self._frozen[1]
         if mats is None:
             return Adapter({}, copy=stats) if stats is not None else None
         return Adapter({s: m.unsqueeze(0) for s, m in mats.items()}, copy=stats)
