@@ -217,14 +217,15 @@ class SessionSuggester:
     """A server session (the SDK): suggestions under the session; `observe` sends the message to the session
     (`POST /v1/sessions/{id}/observe`), which adapts on it; with `lr=0` the adapter stays zero (the update
     rules then change nothing) and the session is the static model reading the text as context; `cache_weight`
-    is the weight of the session's word cache in its suggestions (0: the model alone). Use it as a context
-    manager (the session is deleted at the end)."""
+    is the weight of the session's word cache in its suggestions (0: the model alone); `neural_cache` mixes the
+    neural cache into its predictions (None: the server's default). Use it as a context manager (the session is
+    deleted at the end)."""
 
     def __init__(self, client: Client, *, lr: float | None = None, decay: float | None = None,
                  adapter_size: int | None = None, cache_weight: float | None = None,
-                 max_chars: int | None = None) -> None:
+                 max_chars: int | None = None, neural_cache: bool | None = None) -> None:
         self.session: Session = client.create_session(lr=lr, decay=decay, adapter_size=adapter_size,
-                                                      cache_weight=cache_weight)
+                                                      cache_weight=cache_weight, neural_cache=neural_cache)
         self.max_chars = max_chars
 
     def suggest(self, context: str, k: int) -> list[str]:

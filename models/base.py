@@ -128,11 +128,15 @@ class Adapter:
 
     `copy`, when given, is what else the rows' sessions learned: their copy models' statistics (models/copymodel.py),
     one row per session, and `copy_index` (B,) the session of each row (None: all rows read row 0). Only
-    `models.copymodel.CopyMixed` reads them; the matrices' operations below leave them out."""
+    `models.copymodel.CopyMixed` reads them; the matrices' operations below leave them out. `cache` and
+    `cache_index` are the same for the sessions' neural caches (their memories of (hidden state, next token) pairs,
+    `models.adaptation.NeuralCache.to_state`), which only `models.adaptation.CacheMixed` reads."""
 
     mats: dict[str, torch.Tensor]
     copy: State | None = None
     copy_index: torch.Tensor | None = None
+    cache: State | None = None
+    cache_index: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -176,42 +180,51 @@ class Adapter:
                 padded[b : b + m.shape[0], : m.shape[1], : m.shape[2]] = m
                 b += m.shape[0]
             out[site] = padded
-        copy, index = Adapter.stack_copies(adapters, [a.batch if a is not None else 1 for a in adapters])
-        return Adapter(out, copy=copy, copy_index=index)
+        return Adapter(out).with_sessions(adapters, [a.batch if a is not None else 1 for a in adapters])
+
+    def with_sessions(self, adapters: Sequence[Adapter | None], rows: Sequence[int]) -> Adapter:
+        """These matrices, with the copy models and neural caches of `adapters` (`stack_copies`), whose adapter i
+        stands for rows[i] consecutive rows."""
+        copy, copy_index = Adapter.stack_copies(adapters, rows)
+        cache, cache_index = Adapter.stack_copies(adapters, rows, "cache")
+        return Adapter(self.mats, copy=copy, copy_index=copy_index, cache=cache, cache_index=cache_index)
 
     @staticmethod
-    def stack_copies(adapters: Sequence[Adapter | None], rows: Sequence[int]
+    def stack_copies(adapters: Sequence[Adapter | None], rows: Sequence[int], kind: str = "copy"
                      ) -> tuple[State | None, torch.Tensor | None]:
-        """The copy models of `adapters` (batch 1 each) in one batch, and the copy row of each of the rows[i] rows
-        of adapter i (-1: that adapter has none, its rows read the network alone). (None, None) if none has one."""
-        copies = [a.copy for a in adapters if a is not None and a.copy is not None]
-        if not copies:
+        """The copy models (`kind` "copy") or neural caches ("cache") of `adapters` (batch 1 each) in one batch, and
+        the row of each of the rows[i] rows of adapter i (-1: that adapter has none, its rows read the network
+        alone). (None, None) if none has one. Neural caches of different lengths are left-padded (`State.stack`:
+        the padding's `valid` is False)."""
+        given = [a for a in adapters if a is not None and getattr(a, kind) is not None]
+        if not given:
             return None, None
         index, n = [], 0
         for a, r in zip(adapters, rows, strict=True):
-            if a is not None and a.copy is not None:
+            if a is not None and getattr(a, kind) is not None:
                 index += [n] * r
                 n += 1
             else:
                 index += [-1] * r
-        return _stacked(copies), torch.tensor(index, device=copies[0].batch_device())
+        states = [getattr(a, kind) for a in given]
+        return _stacked(kind, states), torch.tensor(index, device=states[0].batch_device())
 
 
-_LAST_STACK: list[tuple[list[State], State]] = []  # the last stack of copy states, with the states it was made of
+_LAST_STACK: dict[str, tuple[list[State], State]] = {}  # per kind, the last stack, with the states it was made of
 
 
-def _stacked(copies: list[State]) -> State:
+def _stacked(kind: str, copies: list[State]) -> State:
     """`State.stack(copies)`, reused while the same state objects are stacked again (a keyboard search stacks its
     sessions' copy statistics, ~420 KB each with their index, every round; the rounds of one search stack the same
     ones). One state is its own stack. The states are never changed in place (a session's observe makes new ones),
     and the memo holds them, so identity is enough."""
     if len(copies) == 1:
         return copies[0]
-    last = _LAST_STACK[0] if _LAST_STACK else None
+    last = _LAST_STACK.get(kind)
     if last is not None and len(last[0]) == len(copies) and all(a is b for a, b in zip(last[0], copies, strict=True)):
         return last[1]
     stacked = State.stack(copies)
-    _LAST_STACK[:] = [(list(copies), stacked)]
+    _LAST_STACK[kind] = (list(copies), stacked)
     return stacked
 
 

@@ -142,7 +142,7 @@ def _rows(adapter: Adapter | None, batch: int) -> Adapter | None:
     if adapter is None or adapter.batch == batch:
         return adapter
     return Adapter({k: m.expand(batch, -1, -1) for k, m in adapter.mats.items()},  # (B, k, k)
-                   copy=adapter.copy)  # every row reads the one session's copy model
+                   copy=adapter.copy, cache=adapter.cache)  # every row reads the one session's copy model, cache
 
 
 @torch.no_grad()
@@ -187,16 +187,15 @@ def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | N
     if all(a is None for a in adapters):
         return None
     given = [a for a in adapters if a is not None]
-    copy, copy_index = Adapter.stack_copies(adapters, rows)  # the sessions' copy models, one row each
     if len(given) == len(adapters) and len({tuple(m.shape for m in a.mats.values()) for a in given}) == 1:
         stacked = Adapter.stack([Adapter({k: m.expand(n, -1, -1) for k, m in a.mats.items()})
                                  for a, n in zip(given, rows, strict=True)])
-        return Adapter(stacked.mats, copy=copy, copy_index=copy_index)
+        return stacked.with_sessions(adapters, rows)  # the sessions' copy models and caches, one row each
     padded = Adapter.stack_padded(adapters)  # one row each, zero-padded to the largest size
     assert padded is not None
     index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
     mats = {k: m.index_select(0, index.to(m.device)) for k, m in padded.mats.items()}
-    return Adapter(mats, copy=copy, copy_index=copy_index)
+    return Adapter(mats).with_sessions(adapters, rows)
 
 
 @dataclass(eq=False, slots=True)

@@ -278,6 +278,11 @@ class AdaptationParams(RequestModel):
     cache_weight: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False, strict=True,
                                        description="Weight of the session's word cache (the words it observed) "
                                                    "mixed into keyboard suggestions; 0 turns it off.")
+    neural_cache: bool | None = Field(default=None, strict=True,
+                                      description="Mix the neural cache (Grave et al. 2017: the session's recent "
+                                                  "hidden states and the tokens that followed them) into every "
+                                                  "prediction of the session, with the checkpoint's window, theta "
+                                                  "and lambda; it takes the copy model's place.")
 
 
 class AdaptationSettings(BaseModel):
@@ -288,6 +293,7 @@ class AdaptationSettings(BaseModel):
     eps: float
     segment: int = Field(description="Bytes scored per update.")
     cache_weight: float = Field(default=0.0, description="Weight of the word cache in keyboard suggestions.")
+    neural_cache: bool = Field(default=False, description="Whether the session mixes in the neural cache.")
 
 
 class SessionCreateRequest(RequestModel):

@@ -7,6 +7,11 @@ Layout: log_dist (B, T, V) model log-probabilities, hidden (B, T, H) the final h
 output layer, targets / mask (B, T). Each row is its own stream with its own memory; masked positions
 (padding) are never stored and never counted in the window. A position with an empty cache (the first
 of a stream) gets p_model unchanged.
+
+Sessions (the server): a session's memory is kept between its texts as a State (`to_state` / `from_state`: "keys"
+(1, L, H), "values" (1, L), "valid" (1, L), L <= window). Observing its text runs `mix`, which learns; sampling
+and the keyboard's search read it through `CacheMixed` (`read_memory`), which never changes it: a hypothetical
+continuation is predicted from the pairs the session observed, not from its own.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import math
 import torch
 
 from models.adaptation._config import CacheConfig
+from models.base import Adapter, LanguageModel, Output, Site, State
 
-__all__ = ["NeuralCache"]
+__all__ = ["CacheMixed", "NeuralCache", "read_memory"]
 
 
 class NeuralCache:
@@ -42,7 +48,7 @@ class NeuralCache:
         Position t sees the pairs of every earlier position (memory and this chunk), never its own."""
         cfg = self.config
         B, T, H = hidden.shape
-        hidden = hidden.detach()
+        hidden = hidden.detach().to(torch.promote_types(hidden.dtype, torch.float32))  # bf16 under autocast: fp32
         if mask is None:
             mask = torch.ones(B, T, dtype=torch.bool, device=hidden.device)
         if self.keys is None or self.values is None or self.valid is None:
@@ -62,11 +68,7 @@ class NeuralCache:
         scores = cfg.theta * torch.bmm(hidden, keys.transpose(1, 2))  # (B, T, L+T)
         scores = scores.masked_fill(~allowed, -math.inf)
         has = (q_before > 0).unsqueeze(2)  # (B, T, 1) some earlier pair exists, so the window is not empty
-        weights = torch.where(has, torch.softmax(scores, -1), 0.0).to(log_dist.dtype)  # (B, T, L+T)
-        p_cache = log_dist.new_zeros(log_dist.shape).scatter_add_(
-            2, values.unsqueeze(1).expand(B, T, L + T), weights)  # (B, T, V)
-        lam = has.to(log_dist.dtype) * cfg.lam  # (B, T, 1)
-        mixed = torch.logaddexp(torch.log1p(-lam) + log_dist, torch.log(lam * p_cache))  # (B, T, V)
+        mixed = _mixture(log_dist, scores, values, has, cfg.lam)
         # keep the last `window` valid pairs of each row: a stable sort puts them last, in order
         if L + T > cfg.window and bool(valid.all()):
             keys, values, valid = keys[:, -cfg.window:], values[:, -cfg.window:], valid[:, -cfg.window:]
@@ -76,3 +78,84 @@ class NeuralCache:
             values, valid = values.gather(1, order), valid.gather(1, order)
         self.keys, self.values, self.valid = keys, values, valid
         return mixed
+
+    def to_state(self) -> State | None:
+        """The memory of a one-row cache, to keep between a session's texts (None: nothing stored yet)."""
+        if self.keys is None or self.values is None or self.valid is None:
+            return None
+        return State({"keys": self.keys, "values": self.values, "valid": self.valid})
+
+    @classmethod
+    def from_state(cls, config: CacheConfig, state: State | None) -> NeuralCache:
+        """A cache that goes on from a memory `to_state` gave (None: an empty one). The memory is not copied:
+        `mix` makes new tensors, never writes into these."""
+        cache = cls(config)
+        if state is not None:
+            cache.keys, cache.values, cache.valid = (state.tensors["keys"], state.tensors["values"],
+                                                     state.tensors["valid"])
+        return cache
+
+
+def _mixture(log_dist: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, has: torch.Tensor,
+             lam: float) -> torch.Tensor:
+    """(1 - lam) p_model + lam p_cache (Grave et al. eq. 3; ALGORITHMS.md §4) in the log domain, where p_cache sums
+    softmax(scores) (B, T, S) over the slots whose next token (`values` (B, S)) is w; rows of `has` (B, T, 1) False
+    (an empty window) keep p_model."""
+    B, T, S = scores.shape
+    weights = torch.where(has, torch.softmax(scores, -1), 0.0).to(log_dist.dtype)  # (B, T, S)
+    p_cache = log_dist.new_zeros(log_dist.shape).scatter_add_(
+        2, values.unsqueeze(1).expand(B, T, S), weights)  # (B, T, V)
+    lam_t = has.to(log_dist.dtype) * lam  # (B, T, 1)
+    return torch.logaddexp(torch.log1p(-lam_t) + log_dist, torch.log(lam_t * p_cache))  # (B, T, V)
+
+
+@torch.no_grad()
+def read_memory(log_dist: torch.Tensor, hidden: torch.Tensor, memory: State, config: CacheConfig) -> torch.Tensor:
+    """log p (R, T, V) of the model mixed with one memory (`NeuralCache.to_state`, batch 1), read and not changed:
+    every position of the R rows sees every pair of the memory (and none of its own rows')."""
+    keys, values, valid = memory.tensors["keys"][0], memory.tensors["values"][0], memory.tensors["valid"][0]
+    R, T, _ = log_dist.shape
+    if not bool(valid.any()):
+        return log_dist
+    scores = config.theta * (hidden.to(keys.dtype) @ keys.t())  # (R, T, L)
+    scores = scores.masked_fill(~valid.view(1, 1, -1), -math.inf)
+    has = torch.ones(R, T, 1, dtype=torch.bool, device=log_dist.device)
+    return _mixture(log_dist, scores, values.unsqueeze(0).expand(R, -1), has, config.lam)
+
+
+class CacheMixed(LanguageModel):
+    """A model with its rows' sessions' neural caches mixed in, for sampling and the keyboard's word search: it reads
+    the memories (`Adapter.cache`, one row per session; `Adapter.cache_index` the session of each row, -1 none) and
+    never changes them. A row without a memory gets the inner model's output unchanged."""
+
+    def __init__(self, base: LanguageModel, config: CacheConfig) -> None:
+        super().__init__()
+        self.base = base
+        self.cache_config = config
+        self.config = base.config
+        self.frozen = base.frozen
+
+    def init_state(self, batch: int) -> State:
+        return self.base.init_state(batch)
+
+    def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
+        out: Output = self.base(tokens, state, adapter)
+        if adapter is None or adapter.cache is None:
+            return out
+        if out.hidden is None:
+            raise ValueError("the neural cache needs the model's hidden states (Output.hidden)")
+        log_dist = self.base.log_probs(out).float()  # (B, T, V)
+        B = tokens.shape[0]
+        index = adapter.cache_index.tolist() if adapter.cache_index is not None else [0] * B
+        mixed = log_dist
+        for s in sorted(set(index) - {-1}):
+            rows = [b for b in range(B) if index[b] == s]
+            part = read_memory(log_dist[rows], out.hidden[rows], adapter.cache.select(s), self.cache_config)
+            mixed = mixed.index_copy(0, torch.tensor(rows, device=log_dist.device), part) if len(rows) < B else part
+        return Output(logits=mixed, state=out.state, aux=out.aux, hidden=out.hidden)
+
+    def adaptation_sites(self) -> list[Site]:
+        return self.base.adaptation_sites()
+
+    def log_probs(self, output: Output) -> torch.Tensor:
+        return torch.log_softmax(output.logits.float(), -1)  # log p of the mixture, or the model's logits

@@ -160,6 +160,15 @@ class DynEvalSettings(Mapping[str, Any]):
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight <= 1:
             raise ValueError(f"the session section's cache_weight must be a number in [0, 1], not {weight!r}")
         self.cache_weight = float(weight)  # the word cache's weight in keyboard suggestions
+        # the neural cache a session may mix in (an option of the session, off unless the section says
+        # "neural_cache": true): the "cache" section's window, theta and lam (`adaptlm tune --mode cache`)
+        neural = section.get("neural_cache", False) if isinstance(section, Mapping) else False
+        if not isinstance(neural, bool):
+            raise ValueError(f"the session section's neural_cache must be true or false, not {neural!r}")
+        self.neural_cache = neural
+        cache = self.config("cache").cache
+        assert cache is not None
+        self.cache = cache
         # the sessions' copy model (models/copymodel.py): on when the checkpoint has the section (the shipped ones
         # do: `python -m bench.copy_defaults` writes it); absent, null or false: off
         section = self._raw.get("copy")

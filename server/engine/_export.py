@@ -48,6 +48,8 @@ def export_session(session: Session, model_hash: str) -> bytes:
     tensors |= {f"adapter.{k}": _plain(v) for k, v in session.adapter.mats.items()}
     if session.copy is not None:
         tensors |= {f"copy.{k}": _plain(v) for k, v in session.copy.tensors.items()}
+    if session.cache is not None:
+        tensors |= {f"cache.{k}": _plain(v) for k, v in session.cache.tensors.items()}
     meta = {
         "ttl_s": session.ttl_s, "created": session.created, "last_byte": session.last_token,
         "config": dataclasses.asdict(session.config), "stats": dataclasses.asdict(session.stats),
@@ -111,8 +113,12 @@ def import_session(blob: bytes, *, model_hash: str, template: Session,
     size = cfg.get("adapter_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise SessionImportError("the export's 'adapter_size' is not a positive integer")
+    neural = cfg.get("neural_cache", False)  # exports older than the session's neural cache have none
+    if not isinstance(neural, bool):
+        raise SessionImportError("the export's 'neural_cache' is not true or false")
     config = AdaptationConfig(lr=_finite_number(cfg, "lr"), decay=_finite_number(cfg, "decay"), adapter_size=size,
-                              cache_weight=_finite_number(cfg, "cache_weight") if "cache_weight" in cfg else 0.0)
+                              cache_weight=_finite_number(cfg, "cache_weight") if "cache_weight" in cfg else 0.0,
+                              neural_cache=neural)
     try:  # exports older than the word cache have none
         words = WordCache.from_dict(info.get("words") or {})
     except ValueError:
@@ -149,9 +155,11 @@ def import_session(blob: bytes, *, model_hash: str, template: Session,
     state = take("state", template.state.tensors, state_shapes)
     static = take("static", template.static_state.tensors, state_shapes)
     mats = take("adapter", template.adapter.mats, {k: (1, size, size) for k in template.adapter.mats})
-    copy = template.copy  # an export without a copy model (older, or from a server without one) starts one afresh
+    # an export without a copy model (older, or from a server without one) starts one afresh; a session with the
+    # neural cache has none
+    copy = template.copy if not neural else None
     given = {k[len("copy."):]: tensors.pop(k) for k in [k for k in tensors if k.startswith("copy.")]}
-    if given and template.copy is not None:
+    if given and copy is not None and template.copy is not None:
         try:
             copy = State({k: v.to(template.copy.tensors[k].device) if k in template.copy.tensors else v
                           for k, v in given.items()})
@@ -160,13 +168,42 @@ def import_session(blob: bytes, *, model_hash: str, template: Session,
             _check_copy(copy, template.copy)
         except ValueError as e:
             raise SessionImportError(f"the export's copy model is not valid: {e}") from None
+    cache = _cache(tensors, template.cache, tokenizer.vocab_size) if neural else None
     if tensors:
         raise SessionImportError(f"the export holds unexpected tensors: {', '.join(sorted(tensors)[:5])}")
     ttl = _finite_number(info, "ttl_s")
     session = dataclasses.replace(template, ttl_s=ttl if ttl > 0 else template.ttl_s, config=config,
                                   state=State(state), static_state=State(static), last_token=last_token,
-                                  adapter=Adapter(mats), stats=stats, words=words, copy=copy, pending=pending)
+                                  adapter=Adapter(mats), stats=stats, words=words, copy=copy, pending=pending,
+                                  cache=cache)
     return session, config
+
+
+def _cache(tensors: dict[str, torch.Tensor], template: State | None, vocab_size: int) -> State | None:
+    """The export's neural-cache memory ("cache.keys" (1, L, H) float32, "cache.values" (1, L) int64 token ids,
+    "cache.valid" (1, L) bool), popped from `tensors` and checked against the template's (its H); None if it has
+    none (a session that had observed nothing)."""
+    given = {k[len("cache."):]: tensors.pop(k) for k in [k for k in tensors if k.startswith("cache.")]}
+    if not given:
+        return None
+    if template is None:
+        raise SessionImportError("the export's neural cache cannot be read here (the model gives no hidden states)")
+    keys, values, valid = given.get("keys"), given.get("values"), given.get("valid")
+    if keys is None or values is None or valid is None or len(given) != 3:
+        raise SessionImportError("the export's neural cache needs exactly cache.keys, cache.values and cache.valid")
+    H = template.tensors["keys"].shape[2]
+    L = keys.shape[1] if keys.dim() == 3 else -1
+    if (keys.dtype != torch.float32 or keys.dim() != 3 or keys.shape[0] != 1 or keys.shape[2] != H
+            or values.dtype != torch.int64 or tuple(values.shape) != (1, L)
+            or valid.dtype != torch.bool or tuple(valid.shape) != (1, L)):
+        raise SessionImportError(f"the export's neural cache is not of shapes (1, L, {H}) float32, (1, L) int64 and "
+                                 "(1, L) bool (another model?)")
+    if not bool(torch.isfinite(keys).all()):
+        raise SessionImportError("the export's cache.keys holds non-finite values")
+    if L and not (0 <= int(values.min()) and int(values.max()) < vocab_size):
+        raise SessionImportError(f"the export's cache.values are not token ids of this model (0 to {vocab_size - 1})")
+    device = template.tensors["keys"].device
+    return State({"keys": keys.to(device), "values": values.to(device), "valid": valid.to(device)})
 
 
 def _pending(value: Any, tokenizer: Tokenizer) -> bytes:

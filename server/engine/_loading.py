@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kernels import kernel_implementation
-from models.adaptation import DynEvalConfig
+from models.adaptation import CacheConfig, DynEvalConfig
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.device import resolve_device
 from models.precision import resolve_precision
@@ -31,6 +31,8 @@ class SessionLimits:
     eps: float
     segment: int
     cache_weight: float = 0.0  # the word cache's weight in suggestions (dyneval.json "session" "cache_weight")
+    neural_cache: bool = False  # sessions mix in the neural cache unless they say (dyneval.json "session")
+    cache: CacheConfig = field(default_factory=CacheConfig)  # its window, theta, lam (dyneval.json "cache")
 
 
 @dataclass(frozen=True)
@@ -95,4 +97,5 @@ def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalCon
     default = min(base.adapter_units or min(s.adapter_size() for s in sites), units)
     return SessionLimits(lr=base.lr, decay=base.decay, adapter_size=default, max_adapter_size=units,
                          rule=base.rule, eps=base.eps, segment=base.segment,
-                         cache_weight=ckpt.dyneval.cache_weight), base, ""
+                         cache_weight=ckpt.dyneval.cache_weight, neural_cache=ckpt.dyneval.neural_cache,
+                         cache=ckpt.dyneval.cache), base, ""

@@ -37,6 +37,9 @@ class AdaptationConfig:
     decay: float
     adapter_size: int  # k: M is (k, k) on the first k units of every adaptation site
     cache_weight: float = 0.0  # lam of the word cache in keyboard suggestions (models/wordcache.py); 0: off
+    # the neural cache (ALGORITHMS.md §4, models/adaptation/_cache.py) mixed into every prediction of the session; it
+    # takes the copy model's place: a session remembers its own text by one of them
+    neural_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class Session:
     # observed text not yet scored: the tail whose tokens may still change with what follows
     # (`WordTokenizer.split_stable`); always empty for a byte model, whose every byte is a token
     pending: bytes = b""
+    # with `config.neural_cache`: the cache's memory of (hidden state, next token) pairs (`NeuralCache.to_state`;
+    # None until the session has observed a token)
+    cache: State | None = None
 
     def view_state(self) -> State:
         """The state that sampling and the keyboard search continue from: the network's, with the last bytes the
@@ -95,10 +101,11 @@ class Session:
     def adapter_with_copy(self) -> Adapter:
         """The adapter, carrying the copy model's statistics for `models.copymodel.CopyMixed` (sampling and the
         keyboard search read the session through it; their index is built once per Session object, so once per
-        request, and shared by every round of its search)."""
-        if self._frozen_copy is None:
+        request, and shared by every round of its search), or the neural cache's memory for
+        `models.adaptation.CacheMixed`."""
+        if self._frozen_copy is None and self.cache is None:
             return self.adapter
-        return Adapter(self.adapter.mats, copy=self._frozen_copy)
+        return Adapter(self.adapter.mats, copy=self._frozen_copy, cache=self.cache)
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +114,8 @@ class Session:
                                        *self.adapter.mats.values()]
         if self.copy is not None:
             tensors += self.copy.tensors.values()
+        if self.cache is not None:
+            tensors += self.cache.tensors.values()
         return int(sum(t.numel() * t.element_size() for t in tensors)) + self.words.nbytes + len(self.pending)
 
     def expires_at(self) -> float:

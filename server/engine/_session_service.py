@@ -14,8 +14,10 @@ import dataclasses
 import math
 import time
 
-from models.adaptation import DynEvalConfig, UpdateRule, sparse_rule
-from models.base import Adapter, LanguageModel
+import torch
+
+from models.adaptation import CacheMixed, DynEvalConfig, UpdateRule, sparse_rule
+from models.base import Adapter, LanguageModel, State
 from models.checkpoint import Checkpoint
 from models.copymodel import CopyMixed, CopyModel
 from server.engine._errors import (
@@ -45,7 +47,8 @@ class SessionService:
         self._why = ""
         self.base: DynEvalConfig | None = None  # the checkpoint's sparse settings, which the rules derive from
         self.copy_model: CopyModel | None = None  # the sessions' copy model, when the checkpoint has one
-        self._mixed: CopyMixed | None = None
+        self._mixed: LanguageModel | None = None
+        self._mixed_base: LanguageModel | None = None
         self._rules: dict[tuple[float, float, int], UpdateRule] = {}
 
     def load(self, ckpt: Checkpoint, limits: SessionLimits | None, why: str, base: DynEvalConfig | None) -> None:
@@ -57,18 +60,20 @@ class SessionService:
         if self.copy_model is not None:
             self.copy_model.warm_up(ckpt.device)  # its kernels compile here, not in the first request
         self._mixed = None
+        self._hidden = _hidden_size(ckpt) if limits is not None else None
         self.store.bind(ckpt.model_hash, self.template(), ckpt.tokenizer)
 
     # -- settings --------------------------------------------------------------------------------------
 
     def session_model(self) -> LanguageModel:
         """The model that sampling and the keyboard search run (one object, so that all generations batch): the
-        network, mixed with each session's copy model when sessions have one."""
+        network, mixed with each session's copy model when sessions have one, and with each session's neural cache
+        when it has one (a row without either gets the network alone)."""
         model = self._checkpoint().model
-        if self.copy_model is None:
-            return model
-        if self._mixed is None or self._mixed.base is not model:
-            self._mixed = CopyMixed(model, self.copy_model)
+        if self._mixed is None or self._mixed_base is not model:
+            inner: LanguageModel = CopyMixed(model, self.copy_model) if self.copy_model is not None else model
+            self._mixed = CacheMixed(inner, self._limits.cache) if self._limits is not None else inner
+            self._mixed_base = model
         return self._mixed
 
     def limits(self) -> SessionLimits:
@@ -80,13 +85,14 @@ class SessionService:
         return self._limits
 
     def config(self, *, lr: float | None = None, decay: float | None = None, adapter_size: int | None = None,
-               cache_weight: float | None = None) -> AdaptationConfig:
+               cache_weight: float | None = None, neural_cache: bool | None = None) -> AdaptationConfig:
         """The checkpoint's defaults for what is None, checked (InvalidSessionSettings)."""
         default = self._defaults()
         return self.check(AdaptationConfig(
             lr=default.lr if lr is None else lr, decay=default.decay if decay is None else decay,
             adapter_size=default.adapter_size if adapter_size is None else adapter_size,
-            cache_weight=default.cache_weight if cache_weight is None else cache_weight))
+            cache_weight=default.cache_weight if cache_weight is None else cache_weight,
+            neural_cache=default.neural_cache if neural_cache is None else neural_cache))
 
     def check(self, config: AdaptationConfig) -> AdaptationConfig:
         """`config` if this checkpoint can adapt with it; else InvalidSessionSettings."""
@@ -99,6 +105,9 @@ class SessionService:
         if not (math.isfinite(config.lr) and config.lr >= 0):
             raise InvalidSessionSettings("Input should be a finite number greater than or equal to 0", param="lr",
                                          code="greater_than_equal")
+        if config.neural_cache and self._hidden is None:
+            raise InvalidSessionSettings("this model gives no hidden states for a neural cache", param="neural_cache",
+                                         code="unsupported")
         for name in ("decay", "cache_weight"):
             value = getattr(config, name)
             if not (math.isfinite(value) and 0 <= value <= 1):
@@ -120,7 +129,7 @@ class SessionService:
     def _defaults(self) -> AdaptationConfig:
         limits = self.limits()
         return AdaptationConfig(lr=limits.lr, decay=limits.decay, adapter_size=limits.adapter_size,
-                                cache_weight=limits.cache_weight)
+                                cache_weight=limits.cache_weight, neural_cache=limits.neural_cache)
 
     # -- records ---------------------------------------------------------------------------------------
 
@@ -130,7 +139,8 @@ class SessionService:
         return self._ckpt
 
     def fresh(self, session_id: str, owner: str | None, ttl_s: float, config: AdaptationConfig) -> Session:
-        """A session at the start: the initial state after the BOS byte, M = 0."""
+        """A session at the start: the initial state after the BOS byte, M = 0; a copy model unless it keeps the
+        neural cache instead (whose memory starts empty)."""
         model = self._checkpoint().model
         ref = next(model.parameters())
         sites = {s.name: config.adapter_size for s in model.adaptation_sites()}
@@ -139,12 +149,23 @@ class SessionService:
                        state=model.init_state(1), static_state=model.init_state(1),
                        last_token=self._checkpoint().tokenizer.bos,
                        adapter=Adapter.zeros(sites, 1, dtype=ref.dtype, device=ref.device),
-                       copy=self.copy_model.init_state(1, ref.device) if self.copy_model is not None else None)
+                       copy=self.copy_model.init_state(1, ref.device)
+                       if self.copy_model is not None and not config.neural_cache else None)
 
     def template(self) -> Session:
-        """A fresh session of this model, for a store to read sessions back into (tensor layouts, device)."""
+        """A fresh session of this model, for a store to read sessions back into (tensor layouts, device; its
+        `cache` an empty memory of the neural cache, whose hidden size an import checks against)."""
         fresh = self.fresh("", None, self._ttl_s, AdaptationConfig(lr=0.0, decay=0.0, adapter_size=1))
-        return dataclasses.replace(fresh, created=0.0, last_used=0.0)
+        return dataclasses.replace(fresh, created=0.0, last_used=0.0, cache=self._empty_cache())
+
+    def _empty_cache(self) -> State | None:
+        """A neural cache's memory with no pairs (None: the model gives no hidden states)."""
+        if self._hidden is None:
+            return None
+        ref = next(self._checkpoint().model.parameters())
+        return State({"keys": torch.zeros(1, 0, self._hidden, device=ref.device),
+                      "values": torch.zeros(1, 0, dtype=torch.long, device=ref.device),
+                      "valid": torch.zeros(1, 0, dtype=torch.bool, device=ref.device)})
 
     def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session:
         """The session's last committed record (work in flight is not in it yet)."""
@@ -179,7 +200,8 @@ class SessionService:
         """(Worker.) Create or replace `session_id` from an export; its TTL is cut to the server's longest."""
         if self.store.get(session_id, owner, touch=False) is None and self.store.contains(session_id):
             raise SessionNotFound(session_id)  # another owner's: not ours to replace, nor to reveal
-        template = self.fresh(session_id, owner, self._ttl_s, self._defaults())
+        template = dataclasses.replace(self.fresh(session_id, owner, self._ttl_s, self._defaults()),
+                                       cache=self._empty_cache())
         ckpt = self._checkpoint()
         session, config = import_session(blob, model_hash=ckpt.model_hash, template=template,
                                          tokenizer=ckpt.tokenizer)
@@ -214,6 +236,15 @@ class SessionService:
                 self._rules.clear()
             self._rules[key] = rule
         return rule
+
+
+@torch.no_grad()
+def _hidden_size(ckpt: Checkpoint) -> int | None:
+    """H of the hidden states the model hands the output layer (`Output.hidden`), or None if it gives none."""
+    model = ckpt.model
+    ref = next(model.parameters())
+    out = model(torch.tensor([[ckpt.tokenizer.bos]], device=ref.device), model.init_state(1))
+    return int(out.hidden.shape[-1]) if out.hidden is not None else None
 
 
 def _over(limit: float, param: str) -> InvalidSessionSettings:

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from models.adaptation import DynEvalConfig, Row, RuleCache, TextJob, batch_step
+from models.adaptation import DynEvalConfig, NeuralCache, Row, RuleCache, TextJob, batch_step
 from models.base import Adapter, State
 from models.checkpoint import Checkpoint
 from server.engine._errors import SessionNotFound
@@ -115,7 +115,9 @@ class TextExecutor:
             else:
                 mats = {k: m[0] for k, m in session.adapter.mats.items()}  # (k, k)
                 rule = self._sessions.rule(session.config) if work.mode == "observe" else None
-                rows = [Row(session.state, mats, rule, copy=session.copy)]
+                cache = (NeuralCache.from_state(self._sessions.limits().cache, session.cache)
+                         if session.config.neural_cache else None)
+                rows = [Row(session.state, mats, rule, cache=cache, copy=session.copy)]
                 if work.mode == "observe":
                     rows.append(Row(session.static_state))
                 last = session.last_token
@@ -215,7 +217,9 @@ class TextExecutor:
                 last_token=self._ckpt.tokenizer.last_token(work.scored) if work.scored else old.last_token,
                 pending=work.pending,
                 adapter=Adapter({k: m.unsqueeze(0).clone() for k, m in main.mats.items()}),
-                stats=stats, words=words, copy=_owned(main.copy) if main.copy is not None else None)
+                stats=stats, words=words, copy=_owned(main.copy) if main.copy is not None else None,
+                cache=_owned(memory) if main.cache is not None and (memory := main.cache.to_state()) is not None
+                else old.cache)
             if not self._sessions.store.update(session):
                 raise SessionNotFound(session.id)  # deleted while it was being observed
         return TextScore(bits=bits, bytes=len(work.scored), logprobs=lp.tolist() if work.logprobs else None,

@@ -53,7 +53,8 @@ def session_response(session: Session, ctx: Context, result: TextScore | None = 
         expires_at=session.expires_at(), ttl_s=session.ttl_s,
         adaptation=AdaptationSettings(lr=session.config.lr, decay=session.config.decay,
                                       adapter_size=session.config.adapter_size, rule=limits.rule, eps=limits.eps,
-                                      segment=limits.segment, cache_weight=session.config.cache_weight),
+                                      segment=limits.segment, cache_weight=session.config.cache_weight,
+                                      neural_cache=session.config.neural_cache),
         state_bytes=session.nbytes,
         stats=SessionStatsBody(bytes_observed=st.bytes_observed, updates=st.updates,
                                nonfinite_resets=st.nonfinite_resets, bits=st.bits, bits_per_byte=st.bits_per_byte,
@@ -68,7 +69,7 @@ def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[AdaptationConfi
     p = body.adaptation or AdaptationParams()
     try:
         config = ctx.engine.sessions.config(lr=p.lr, decay=p.decay, adapter_size=p.adapter_size,
-                                            cache_weight=p.cache_weight)
+                                            cache_weight=p.cache_weight, neural_cache=p.neural_cache)
     except InvalidSessionSettings as e:
         raise _unprocessable(e, f"adaptation.{e.param}") from None
     try:

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.adaptation import CacheConfig, DynEvalConfig, NeuralCache, evaluate
+from models.adaptation import CacheConfig, CacheMixed, DynEvalConfig, NeuralCache, evaluate, read_memory
+from models.base import Adapter, LanguageModel, Output, Site, State
 from models.mlstm import MLSTM, MLSTMConfig
 
 
@@ -128,3 +129,100 @@ def test_cache_helps_on_a_repeat_in_every_mode(mode: str) -> None:
         return float(-res.logprobs[len(s):].sum() / len(s) / math.log(2))
 
     assert second(with_cache) < second(base) - 1.0
+
+
+# -- a session's memory: kept between texts, read by CacheMixed without change ------------------------------------
+
+
+def test_memory_kept_between_texts_goes_on_as_one_stream() -> None:
+    """Mixing a stream in two calls, the memory carried between them as a State, equals one call on the whole."""
+    cfg = CacheConfig(window=6, theta=0.7, lam=0.3)
+    g = torch.Generator().manual_seed(3)
+    T, V, H = 11, 9, 5
+    log_dist = torch.log_softmax(torch.randn(1, T, V, generator=g, dtype=torch.float64), -1)
+    hidden = torch.randn(1, T, H, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, V, (1, T), generator=g)
+    whole = NeuralCache(cfg).mix(log_dist, hidden, targets)
+    first = NeuralCache(cfg)
+    a = first.mix(log_dist[:, :4], hidden[:, :4], targets[:, :4])
+    memory = first.to_state()
+    assert memory is not None and memory.tensors["keys"].shape == (1, 4, H)
+    second = NeuralCache.from_state(cfg, memory)
+    b = second.mix(log_dist[:, 4:], hidden[:, 4:], targets[:, 4:])
+    torch.testing.assert_close(torch.cat([a, b], 1), whole)
+    assert second.keys is not None and second.keys.shape[1] == cfg.window  # the memory is cut to the window
+    assert memory.tensors["keys"].shape == (1, 4, H)  # and the stored one was not written into
+
+
+def test_reading_the_memory_predicts_as_the_next_observed_token_would() -> None:
+    """`read_memory` (sampling, suggestions) gives the distribution that observing one more token would score."""
+    cfg = CacheConfig(window=5, theta=1.3, lam=0.4)
+    g = torch.Generator().manual_seed(4)
+    T, V, H = 8, 7, 4
+    log_dist = torch.log_softmax(torch.randn(1, T, V, generator=g), -1)
+    hidden = torch.randn(1, T, H, generator=g)
+    targets = torch.randint(0, V, (1, T), generator=g)
+    cache = NeuralCache(cfg)
+    cache.mix(log_dist[:, :-1], hidden[:, :-1], targets[:, :-1])
+    memory = cache.to_state()
+    assert memory is not None
+    observed = NeuralCache.from_state(cfg, memory).mix(log_dist[:, -1:], hidden[:, -1:], targets[:, -1:])
+    read = read_memory(log_dist[:, -1:].expand(3, -1, -1), hidden[:, -1:].expand(3, -1, -1), memory, cfg)
+    for row in read:
+        torch.testing.assert_close(row, observed[0])
+    assert float(read[0].exp().sum()) == pytest.approx(1.0, abs=1e-5)
+    assert not torch.allclose(read[0], log_dist[0, -1:])  # the memory did change the prediction
+
+
+class _Toy(LanguageModel):
+    """A model whose hidden state is its input's embedding: enough for the cache to tell contexts apart."""
+
+    def __init__(self, V: int = 12, H: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = MLSTMConfig(hidden=H, embed_dim=H, vocab_size=V)  # a config it never reads
+        self.embed = torch.nn.Embedding(V, H)
+        self.head = torch.nn.Linear(H, V)
+
+    def init_state(self, batch: int) -> State:
+        return State({"n": torch.zeros(batch, 1)})
+
+    def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
+        h = self.embed(tokens)
+        return Output(logits=self.head(h), state=State({"n": state.tensors["n"] + tokens.shape[1]}), hidden=h)
+
+    def adaptation_sites(self) -> list[Site]:
+        return []
+
+
+def _memory(model: _Toy, tokens: list[int], cfg: CacheConfig) -> State:
+    x = torch.tensor([tokens[:-1]])
+    out = model(x, model.init_state(1))
+    cache = NeuralCache(cfg)
+    cache.mix(torch.log_softmax(out.logits, -1), out.hidden, torch.tensor([tokens[1:]]))
+    memory = cache.to_state()
+    assert memory is not None
+    return memory
+
+
+@torch.no_grad()
+def test_cache_mixed_reads_each_rows_session_and_leaves_the_others_alone() -> None:
+    model = _Toy().eval()
+    cfg = CacheConfig(window=50, theta=2.0, lam=0.5)
+    mixed = CacheMixed(model, cfg)
+    one, two = _memory(model, [1, 2, 3, 1, 2, 3, 1], cfg), _memory(model, [4, 5, 4, 5, 4, 5, 4, 5], cfg)
+    x = torch.tensor([[3], [4], [7], [3]])
+    plain = torch.log_softmax(model(x, model.init_state(4)).logits, -1)
+    adapter = Adapter({}, cache=State.stack([one, two]), cache_index=torch.tensor([0, 1, -1, 1]))
+    out = mixed(x, mixed.init_state(4), adapter)
+    lp = mixed.log_probs(out)
+    torch.testing.assert_close(lp[2], plain[2])  # no session: the model alone
+    h = model(x, model.init_state(4)).hidden
+    for row, memory in ((0, one), (1, two), (3, two)):
+        torch.testing.assert_close(lp[row], read_memory(plain[row : row + 1], h[row : row + 1], memory, cfg)[0])
+    assert int(lp[0, 0].argmax()) == 1  # after 3 the first session saw 1 every time
+    assert int(lp[1, 0].argmax()) == 5  # after 4 the second saw 5
+    # lambda = 0 is the model; no cache at all is the model's own output
+    zero = CacheMixed(model, dataclasses.replace(cfg, lam=0.0))
+    torch.testing.assert_close(zero.log_probs(zero(x, zero.init_state(4), adapter)), plain)
+    torch.testing.assert_close(mixed(x, mixed.init_state(4), Adapter({})).logits, model(x, model.init_state(4)).logits)
