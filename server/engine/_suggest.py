@@ -61,6 +61,7 @@ SUGGEST_MIN_PROB = 1e-3  # word completions: branches below this cumulative prob
 SUGGEST_BATCH = 8  # branches one suggestion expands per model step (8 measured fastest: docs/benchmarks.md)
 SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
 SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
+_CACHE_CANDIDATES = 64  # a word model's completions mixed with the session's word cache (the rest count 0)
 # A suggestion continues the session with at most the last SUGGEST_FEED_BYTES bytes of its context (`feed_window`):
 # a keystroke must not feed kilobytes on the worker (an 8 KB context took seconds outside the time budget, held
 # up all other work and grew the resident memory for good). The window starts at a multiple of the stride, so
@@ -318,15 +319,17 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
 
 @torch.no_grad()
 def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Session, context: str, *, k: int,
-                     n_chars: int) -> Suggestions:
+                     n_chars: int, max_chars: int) -> Suggestions:
     """A word model's keyboard suggestions: one model step from the session (its text, then its pending text and
     the stable part of `context`: `WordTokenizer.split_stable`) gives the next word's distribution; the
     completions are the k most probable vocabulary entries that start with the typed part (the pending tail: the
     word being typed with the single space before it, as the tokenizer writes a word after a space), special
     tokens (end of line, <unk>) left out. `prefix` and each completion's `text` are the word without that space.
     `next_chars`: the characters that would follow the typed part, each with the summed probability of the
-    entries that continue with it (no entry extends the typed part: none). No word cache and no search: a word is
-    one token, so the ranking is exact (`exact` is always true)."""
+    entries that continue with it (no entry extends the typed part: none). No search: a word is one token, so the
+    model's ranking is exact (`exact` is always true). The session's word cache (`cache_weight` > 0) is mixed in
+    as for a byte model (models/wordcache.py); it also offers the words the session typed that the vocabulary
+    lacks (a name, an address), which the model alone can only predict as <unk>."""
     stable, typed = tokenizer.split_stable(session.pending + context.encode("utf-8"))
     parts = tokenizer.tokens(typed)
     if len(parts) > 1:  # a gap the last word's single space is taken from ("  wo": "  " is settled before " wo")
@@ -344,7 +347,12 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     def word(data: bytes) -> str:
         return (data[1:] if space else data).decode("utf-8", errors="ignore")
 
-    completions = [Completion(word(tokenizer.token_bytes(i)), math.exp(float(logprobs[i]))) for i in ranked[:k]]
+    weight = session.config.cache_weight
+    # with the cache, more of the model's candidates: a cached word's own probability under the model counts
+    completions = [Completion(word(tokenizer.token_bytes(i)), math.exp(float(logprobs[i])))
+                   for i in ranked[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)]]
+    if weight > 0:
+        completions = session.words.mix(completions, context, weight, k, max_chars)
     chars: dict[str, float] = {}
     typed_text = typed.decode("utf-8", errors="strict") if _whole_utf8(typed) else None
     if typed_text is not None and n_chars > 0:
@@ -409,7 +417,7 @@ class SuggestExecutor:
             session = self._sessions.get(work.target, work.owner)
             if self._words is not None:
                 work.future.set_result(word_suggestions(self._model, self._words, session, work.context,
-                                                        k=work.k, n_chars=work.n_chars))
+                                                        k=work.k, n_chars=work.n_chars, max_chars=work.max_chars))
                 return
         except Exception as e:
             work.fail(e)

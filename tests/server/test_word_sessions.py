@@ -181,6 +181,23 @@ def test_suggestions_are_the_next_words_with_the_typed_prefix(client: httpx.Clie
     assert r.status_code == 200 and r.json()["completions"] == [] and r.json()["next_chars"] == []
 
 
+def test_the_word_cache_offers_a_typed_word_the_vocabulary_lacks(client: httpx.Client, tok: WordTokenizer) -> None:
+    text = "Please ask Zyxquorra about it.\nZyxquorra will know.\n"
+    assert tok.encode(" Zyxquorra")[0] == 3  # " <unk>": the model alone cannot spell it
+    cached, plain = new(client, adaptation={"cache_weight": 0.5}), new(client, adaptation={"cache_weight": 0.0})
+    for sid in (cached, plain):
+        observe(client, sid, text)
+    words = {}
+    for sid in (cached, plain):
+        r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "Then Zy", "k": 3})
+        assert r.status_code == 200, r.text
+        words[sid] = [c["text"] for c in r.json()["completions"]]
+    assert words[cached][0] == "Zyxquorra" and "Zyxquorra" not in words[plain]
+    # a word of the vocabulary the session used gains over the model's own ranking
+    r = client.post(f"/v1/sessions/{cached}/suggest", json={"context": "Please a", "k": 3})
+    assert r.json()["completions"][0]["text"] == "ask"
+
+
 def test_the_keyboard_simulator_types_against_a_word_model(words_url: str, word_checkpoint: Path,
                                                            tmp_path: Path) -> None:
     """`adaptlm keyboard-sim --url` types through word sessions and word completions; in-process (--checkpoint) it
