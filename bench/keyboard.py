@@ -6,8 +6,8 @@ session word cache, models/wordcache.py), without the word cache, and without th
 checkpoint without dyneval.json's "copy" section); full dynamic evaluation runs without and with the word cache,
 and with the copy model and the word cache.
 
-    python -m bench.keyboard [--texts emails,sms] [--systems presage,presage-learn,static,sparse,...]
-                             [--limit-bytes N] [--warmup-bytes N] [--out runs/keyboard] [--force]
+    python -m bench.keyboard [--checkpoint DIR] [--texts emails,sms] [--systems presage,presage-learn,static,...]
+                             [--limit-bytes N] [--warmup-bytes N] [--out runs/keyboard] [--force] [--table-only]
 
 Needs `make bench-deps` (Debian's presage and libpresage-data). Presage runs in this process through its C API
 (libpresage.so.1, ctypes): its past stream is the last 400 characters observed and the message typed so far;
@@ -17,8 +17,24 @@ text alone. Its n-gram database is built once with `text2ngram` (1-, 2- and 3-gr
 default checkpoint's training text (the Makefile's DEFAULT_TRAIN). `presage_simulator` itself is also run on
 each measured text with both configurations, as a cross-check of its own KSR figure (whitespace tokens).
 
-Each (text, system) result is written to OUT/<text>.<system>.json as it finishes and skipped on a later run
-(unless --force), so the run can be resumed; the table is printed from every result present.
+`--checkpoint DIR` measures our systems on another checkpoint (default: checkpoints/default). A word-level one
+(config.json's tokenizer of kind "words", models/word_tokenizer.py) is measured through its server only: "static"
+and "sparse" (its session as served: the adapter, and the copy model when its dyneval.json has one, or the neural
+cache when its "session" section turns it on; a word model's suggestions have no word cache). The in-process
+systems (full, full-cache, full-copy: the byte search of models/keysim.py) and the variants that switch off the
+word cache or keep it without the copy model (sparse-nocache, sparse-nocopy) are refused when asked for and
+skipped, with the reason, when only implied by the default --systems. Presage does not depend on the checkpoint
+and runs as with the default one.
+
+Each (text, system) result is written to OUT/<text>.<system>.json as it finishes (our systems on a checkpoint
+other than the default: OUT/<text>.<system>@<checkpoint directory's name>.json; Presage's are shared) and skipped
+on a later run (unless --force), so the run can be resumed; the table is printed from every result present, each
+of our rows naming its checkpoint when OUT holds results of more than one.
+
+e.g. a word model against the default's rows already in runs/keyboard:
+
+    OMP_NUM_THREADS=1 python -m bench.keyboard --checkpoint checkpoints/words --systems static,sparse --texts emails
+                                               --limit-bytes 20000 --warmup-bytes 30000
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +56,8 @@ from bench._common import DEFAULT_CHECKPOINT, ROOT, SHARED, machine_line
 from bench.server import serve
 from clients import Client
 from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
+from models.adaptation import DynEvalSettings
+from models.tokenizer import tokenizer_from_dict
 
 TEXTS = {  # name -> (label, file, bytes measured at its end)
     "emails": ("e-mails (enron-farmer-d)", "messages/enron-farmer-d.first2672.txt", 40_000),
@@ -56,6 +75,7 @@ SYSTEMS = {
     "full-cache": "ours, full dynamic evaluation + word cache (in-process)",
     "full-copy": "ours, full dynamic evaluation + copy model + word cache (in-process)",
 }
+WORD_SYSTEMS = ("static", "sparse")  # what a word model is measured on: its server (module docstring)
 K = 3
 PAST_CHARS = 400  # of observed text in Presage's past stream (it reads the last few words)
 
@@ -187,12 +207,77 @@ def presage_simulator_ksr(config: Path, text: str, out: Path) -> float | None:
     return float(found.group(1)) / 100
 
 
+# -- the checkpoint ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """The checkpoint our systems run: `tag` names its results (None: the default checkpoint, whose results keep
+    their names), `tokenizer` its tokenizer's kind, `copy` whether its sessions have a copy model."""
+
+    path: Path
+    tag: str | None
+    tokenizer: str
+    copy: bool
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def inspect_checkpoint(path: Path) -> CheckpointInfo:
+    """What the systems need to know of the checkpoint at `path`, from its JSON files (the weights stay on disk);
+    raises ValueError (or OSError) on a directory that is not one."""
+    resolved = path.resolve()
+    config = json.loads((resolved / "config.json").read_text(encoding="utf-8"))
+    dyneval = DynEvalSettings(json.loads((resolved / "dyneval.json").read_text(encoding="utf-8")))
+    tag = None if resolved == DEFAULT_CHECKPOINT.resolve() else resolved.name
+    return CheckpointInfo(resolved, tag, tokenizer_from_dict(config.get("tokenizer")).kind, dyneval.copy is not None)
+
+
+def refusal(system: str, ckpt: CheckpointInfo) -> str | None:
+    """Why `system` cannot measure `ckpt` (None: it can)."""
+    if ckpt.tokenizer == "bytes" or system.startswith("presage") or system in WORD_SYSTEMS:
+        return None
+    if system.startswith("full"):
+        return ("it runs the byte-level word search in this process (models/keysim.py); a word model is measured "
+                "through its server (static, sparse)")
+    # a word model's suggestions never mix in the word cache (server/engine/_suggest.py, word_suggestions)
+    return ("it varies the session's word cache, which a word model's suggestions do not have: the row would be "
+            "'sparse' again or the adapter alone")
+
+
+def choose_systems(given: str | None, ckpt: CheckpointInfo) -> tuple[list[str], dict[str, str]]:
+    """The systems to run, from --systems (None: all that `ckpt` can run) -> (systems, {left out: why}). Raises
+    ValueError for an unknown system, or one asked for by name that cannot measure `ckpt`."""
+    asked = [s for s in (given or ",".join(SYSTEMS)).split(",") if s]
+    unknown = [s for s in asked if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    why = {s: reason for s in asked if (reason := refusal(s, ckpt)) is not None}
+    if why and given is not None:
+        raise ValueError("; ".join(f"--systems {s} cannot measure {ckpt.name} (tokenizer {ckpt.tokenizer!r}): "
+                                   f"{reason}" for s, reason in why.items()))
+    return [s for s in asked if s not in why], why
+
+
+def result_path(out: Path, name: str, system: str, tag: str | None) -> Path:
+    """OUT/<text>.<system>.json for Presage and the default checkpoint; OUT/<text>.<system>@<tag>.json for our
+    systems on another checkpoint."""
+    if tag is None or system.startswith("presage"):
+        return out / f"{name}.{system}.json"
+    return out / f"{name}.{system}@{tag}.json"
+
+
 # -- the runs --------------------------------------------------------------------------------------------------
 
 
-def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Namespace,
+            ckpt: CheckpointInfo) -> dict[str, Any]:
     record: dict[str, Any] = {"text": name, "system": system, "measured_bytes": len(measured.encode("utf-8")),
                               "warmup_bytes": len(warm.encode("utf-8"))}
+    if not system.startswith("presage"):
+        record.update({"checkpoint": ckpt.name, "checkpoint_path": str(ckpt.path), "tokenizer": ckpt.tokenizer})
     t0 = time.perf_counter()
 
     def progress(result: KeysimResult) -> None:
@@ -216,30 +301,34 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
         from models.keysim import ModelSuggester
         from trainer.evaluation import config_for
 
-        ckpt = load_checkpoint(args.checkpoint)
-        config = config_for("dynamic", ckpt.dyneval)
+        loaded = load_checkpoint(ckpt.path)
+        config = config_for("dynamic", loaded.dyneval)
         from models.copymodel import CopyModel
 
-        cache = ckpt.dyneval.cache_weight if system in ("full-cache", "full-copy") else 0.0
-        copy = CopyModel(ckpt.dyneval.copy) if system == "full-copy" and ckpt.dyneval.copy is not None else None
+        cache = loaded.dyneval.cache_weight if system in ("full-cache", "full-copy") else 0.0
+        copy = CopyModel(loaded.dyneval.copy) if system == "full-copy" and loaded.dyneval.copy is not None else None
         record.update({"lr": config.lr, "decay": config.decay, "rule": config.rule, "cache_weight": cache,
                        "copy": copy is not None})
-        suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, cache_weight=cache, copy=copy)
+        suggester = ModelSuggester(loaded.model, config, stats=loaded.stats, cache_weight=cache, copy=copy)
         result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
     else:
-        # static: the adapter stays zero (lr 0) and no word cache; the sessions: the server's defaults
+        # static: the adapter stays zero (lr 0), no word cache, no neural cache; the sessions: the server's defaults
         lr, cache = {"static": (0.0, 0.0), "sparse": (None, None), "sparse-nocache": (None, 0.0),
                      "sparse-nocopy": (None, None)}[system]
-        log = args.out / f"{name}.{system}.server.log"
-        checkpoint = args.checkpoint
+        at = "" if ckpt.tag is None else f"@{ckpt.tag}"
+        log = args.out / f"{name}.{system}{at}.server.log"
+        checkpoint = ckpt.path
         if system in ("static", "sparse-nocopy"):  # the session without its copy model
-            checkpoint = without_copy(args.checkpoint, args.out / f"checkpoint-nocopy-{name}-{system}")
+            checkpoint = without_copy(ckpt.path, args.out / f"checkpoint-nocopy-{name}-{system}{at}")
         with serve(str(checkpoint), log) as url, Client(url, timeout=600) as client, \
-                SessionSuggester(client, lr=lr, cache_weight=cache) as suggester:
+                SessionSuggester(client, lr=lr, cache_weight=cache,
+                                 neural_cache=False if system == "static" else None) as suggester:
             info = suggester.session.info
             assert info is not None
+            neural = info.adaptation.neural_cache  # a session with the neural cache has no copy model
             record.update({"lr": info.adaptation.lr, "decay": info.adaptation.decay,
-                           "cache_weight": info.adaptation.cache_weight})
+                           "cache_weight": info.adaptation.cache_weight, "neural_cache": neural,
+                           "copy": ckpt.copy and checkpoint == ckpt.path and not neural})
             result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
     record.update(result.summary())
     record["seconds"] = time.perf_counter() - t0
@@ -256,21 +345,38 @@ def without_copy(checkpoint: Path, out: Path) -> Path:
     return out
 
 
+def row_label(system: str, r: dict[str, Any], checkpoint: str | None) -> str:
+    """The table's name of a result `r` of `system`; `checkpoint`: the name our rows carry (None: none)."""
+    label = SYSTEMS[system]
+    words = r.get("tokenizer", "bytes") != "bytes"
+    if words and system == "sparse":  # no word cache; the copy model or the neural cache if its checkpoint says
+        extra = " + copy model" if r.get("copy") else " + neural cache" if r.get("neural_cache") else ""
+        label = f"ours, session as served: adapter{extra} (HTTP)"
+    if checkpoint is not None and not system.startswith("presage"):
+        label = label.replace("ours", f"ours ({checkpoint}{', word model' if words else ''})", 1)
+    if system != "static" and r.get("lr"):
+        label += f" (lr {r['lr']:g})" if words else f" (lr {r['lr']:g}, cache {r.get('cache_weight', 0):g})"
+    return label
+
+
 def table(out: Path, names: list[str]) -> None:
     rows = []
     for name in names:
-        for system, label in SYSTEMS.items():
-            path = out / f"{name}.{system}.json"
-            if not path.exists():
-                continue
-            r = json.loads(path.read_text())
-            lr = f" (lr {r['lr']:g}, cache {r.get('cache_weight', 0):g})" if system != "static" and r.get("lr") \
-                else ""
-            sim = r.get("presage_simulator_ksr")
-            rows.append(f"| {TEXTS[name][0]} | {label}{lr} | {r['measured_bytes']:,} | {r['warmup_bytes']:,} "
-                        f"| {r['ksr']:.3f} | {r['top1_accuracy']:.3f} | {r['top3_accuracy']:.3f} "
-                        f"| {r['suggest_ms_p50']:.1f} | {r['suggest_ms_p99']:.1f} "
-                        f"| {'' if sim is None else f'{sim:.3f}'} |")
+        # the default checkpoint's results, then each other checkpoint's present in OUT (named after it)
+        tags = sorted({p.stem.rsplit("@", 1)[1] for p in out.glob(f"{name}.*@*.json")})
+        for tag in [None, *tags]:
+            for system in SYSTEMS:
+                path = result_path(out, name, system, tag)
+                if (tag is not None and system.startswith("presage")) or not path.exists():
+                    continue
+                r = json.loads(path.read_text())
+                # a table of one checkpoint reads as before; with several, every row of ours names its own
+                label = row_label(system, r, (tag or "default") if tags else None)
+                sim = r.get("presage_simulator_ksr")
+                rows.append(f"| {TEXTS[name][0]} | {label} | {r['measured_bytes']:,} | {r['warmup_bytes']:,} "
+                            f"| {r['ksr']:.3f} | {r['top1_accuracy']:.3f} | {r['top3_accuracy']:.3f} "
+                            f"| {r['suggest_ms_p50']:.1f} | {r['suggest_ms_p99']:.1f} "
+                            f"| {'' if sim is None else f'{sim:.3f}'} |")
     print("| text | system | bytes typed | warm-up bytes | KSR | top-1 | top-3 | suggest p50 ms | suggest p99 ms "
           "| presage_simulator KSR |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -279,9 +385,10 @@ def table(out: Path, names: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
+                    help="our systems' checkpoint (default: checkpoints/default); a word model runs static and sparse")
     ap.add_argument("--texts", default=",".join(TEXTS))
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", help=f"comma list (default: every one the checkpoint can run): {', '.join(SYSTEMS)}")
     ap.add_argument("--limit-bytes", type=int, help="type only the first N bytes of each measured part")
     ap.add_argument("--warmup-bytes", type=int,
                     help="observe at most the N bytes before the measured part (default: all of them)")
@@ -291,22 +398,34 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="run again what OUT already has")
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        ckpt = inspect_checkpoint(args.checkpoint)
+    except (OSError, ValueError) as e:
+        ap.error(f"--checkpoint {args.checkpoint}: not a checkpoint ({e})")
+    try:
+        systems, skipped = choose_systems(args.systems, ckpt)
+    except ValueError as e:
+        ap.error(str(e))
     names = [t for t in args.texts.split(",") if t]
-    print(f"# keyboard suggestions, k={K}, {Path(args.checkpoint).name}: {machine_line()}, "
+    if unknown := [t for t in names if t not in TEXTS]:
+        ap.error(f"unknown text(s) {', '.join(unknown)}; known: {', '.join(TEXTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"# keyboard suggestions, k={K}, {ckpt.name}: {machine_line()}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}", flush=True)
     if not args.table_only:
+        for system, reason in skipped.items():
+            print(f"skipping {system} on {ckpt.name} (tokenizer {ckpt.tokenizer!r}): {reason}", file=sys.stderr)
         for name in names:
             label, rel, last = TEXTS[name]
             warm, measured = split_text((SHARED / rel).read_bytes(), last_bytes=last, warmup_bytes=args.warmup_bytes,
                                         limit_bytes=args.limit_bytes)
-            for system in [s for s in args.systems.split(",") if s]:
-                path = args.out / f"{name}.{system}.json"
+            for system in systems:
+                path = result_path(args.out, name, system, ckpt.tag)
                 if path.exists() and not args.force:
                     continue
                 print(f"{name}/{system}: typing {len(measured.encode()):,} bytes after {len(warm.encode()):,} "
                       "observed", file=sys.stderr, flush=True)
-                record = run_one(name, system, warm, measured, args)
+                record = run_one(name, system, warm, measured, args, ckpt)
                 path.write_text(json.dumps(record, indent=1) + "\n")
                 print(f"{name}/{system}: KSR {record['ksr']:.4f}, top-3 {record['top3_accuracy']:.4f}, "
                       f"{record['seconds']:.0f} s", file=sys.stderr, flush=True)

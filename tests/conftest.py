@@ -43,6 +43,20 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny AWD-LSTM word checkpoint (issue 13), trained here: shared by the word-model tests (server, bench)."""
+    from trainer.config import make_config
+    from trainer.train import train
+
+    out = tmp_path_factory.mktemp("awd") / "ck"
+    # a few steps on one thread (all threads on a busy machine take minutes): enough to beat a uniform guess
+    overrides = {"arch": "awd-lstm", "max_steps": 20, "valid_every": 20, "valid_bytes": 4000, "threads": 1,
+                 "stats_batches": 1}
+    train(make_config("tiny", overrides), [DATA / "train.txt"], out, valid_path=DATA / "valid.txt", progress=False)
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests need a CUDA device: skipped (with the reason) where there is none, so the default run stays
     green on a CPU-only machine; on a GPU machine `pytest -m gpu` runs them."""

@@ -27,10 +27,6 @@ from fastapi import FastAPI
 
 from server.app import create_app, uvicorn_options
 from server.settings import Settings
-from trainer.config import make_config
-from trainer.train import train
-
-DATA = Path(__file__).resolve().parent.parent / "data"
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -220,17 +216,6 @@ def redis_url(redis_server: str) -> str:
 def start_redis(tmp_path_factory: pytest.TempPathFactory) -> RunRedisFn:
     """`with start_redis() as url:` a redis-server of its own (for tests that stop it)."""
     return lambda: run_redis(tmp_path_factory.mktemp("redis-own"))
-
-
-@pytest.fixture(scope="session")
-def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny AWD-LSTM word checkpoint (issue 13), trained here: shared by the word-model tests."""
-    out = tmp_path_factory.mktemp("awd") / "ck"
-    # a few steps on one thread (all threads on a busy machine take minutes): enough to beat a uniform guess
-    overrides = {"arch": "awd-lstm", "max_steps": 20, "valid_every": 20, "valid_bytes": 4000, "threads": 1,
-                 "stats_batches": 1}
-    train(make_config("tiny", overrides), [DATA / "train.txt"], out, valid_path=DATA / "valid.txt", progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")

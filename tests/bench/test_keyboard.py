@@ -1,0 +1,100 @@
+"""`python -m bench.keyboard` with a checkpoint other than the default: which systems a word model runs, where its
+results go (beside the default's, not over them), and a word checkpoint measured end to end through its server on
+a tiny text (tests/data, so no ../shared; no Presage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench._common import DEFAULT_CHECKPOINT
+from bench.keyboard import SYSTEMS, CheckpointInfo, choose_systems, inspect_checkpoint, result_path
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "data"
+
+BYTES = CheckpointInfo(DEFAULT_CHECKPOINT, None, "bytes", True)
+WORDS = CheckpointInfo(Path("/x/words"), "words", "words", False)
+
+
+def test_a_byte_checkpoint_runs_every_system_and_keeps_the_default_file_names(tmp_path: Path) -> None:
+    assert choose_systems(None, BYTES) == (list(SYSTEMS), {})
+    assert choose_systems("full,sparse-nocopy", BYTES) == (["full", "sparse-nocopy"], {})
+    assert result_path(tmp_path, "emails", "sparse", None) == tmp_path / "emails.sparse.json"
+    assert result_path(tmp_path, "emails", "sparse", "words") == tmp_path / "emails.sparse@words.json"
+    assert result_path(tmp_path, "sms", "presage-learn", "words") == tmp_path / "sms.presage-learn.json"
+    with pytest.raises(ValueError, match="unknown system"):
+        choose_systems("static,nope", BYTES)
+
+
+def test_a_word_checkpoint_runs_static_and_sparse_and_presage() -> None:
+    systems, skipped = choose_systems(None, WORDS)
+    assert systems == ["presage", "presage-learn", "static", "sparse"]
+    assert set(skipped) == {"sparse-nocache", "sparse-nocopy", "full", "full-cache", "full-copy"}
+    assert all(reason for reason in skipped.values())
+    assert choose_systems("presage,static,sparse", WORDS) == (["presage", "static", "sparse"], {})
+    for asked in ("full", "static,full-copy", "sparse-nocache", "sparse-nocopy"):
+        with pytest.raises(ValueError, match="cannot measure words"):
+            choose_systems(asked, WORDS)
+
+
+def test_the_checkpoint_is_read_from_its_json_files(word_checkpoint: Path) -> None:
+    assert inspect_checkpoint(DEFAULT_CHECKPOINT) == CheckpointInfo(DEFAULT_CHECKPOINT.resolve(), None, "bytes", True)
+    words = inspect_checkpoint(word_checkpoint)
+    assert (words.tag, words.tokenizer, words.copy) == (word_checkpoint.name, "words", False)
+    assert words.name == word_checkpoint.name
+
+
+def keyboard(shared: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_SHARED": str(shared)}
+    return subprocess.run([sys.executable, "-m", "bench.keyboard", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600)
+
+
+def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path, tmp_path: Path) -> None:
+    # the "emails" text: over 40 KB (the part measured is its last 40 KB), of the held-out book
+    shared = tmp_path / "shared"
+    (shared / "data" / "messages").mkdir(parents=True)
+    (shared / "data" / "messages" / "enron-farmer-d.first2672.txt").write_bytes((DATA / "valid.txt").read_bytes() * 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    # a result of the default checkpoint already there: kept, and its row named in the table beside the word model's
+    default = {"text": "emails", "system": "static", "measured_bytes": 1000, "warmup_bytes": 300, "ksr": 0.25,
+               "top1_accuracy": 0.1, "top3_accuracy": 0.2, "suggest_ms_p50": 1.0, "suggest_ms_p99": 2.0, "lr": 0.0}
+    (out / "emails.static.json").write_text(json.dumps(default))
+    base = ["--checkpoint", str(word_checkpoint), "--texts", "emails", "--out", str(out)]
+
+    r = keyboard(shared, *base, "--systems", "static,sparse", "--limit-bytes", "400", "--warmup-bytes", "300")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "emails.static.json").read_text()) == default
+    tag = word_checkpoint.name
+    records = {s: json.loads((out / f"emails.{s}@{tag}.json").read_text()) for s in ("static", "sparse")}
+    for system, rec in records.items():
+        assert rec["system"] == system and rec["checkpoint"] == tag and rec["tokenizer"] == "words"
+        assert rec["checkpoint_path"] == str(word_checkpoint.resolve())
+        assert rec["copy"] is False and rec["neural_cache"] is False  # the tiny checkpoint has neither
+        assert 300 <= rec["measured_bytes"] <= 400 and 200 <= rec["warmup_bytes"] <= 300
+        assert rec["chars"] == rec["measured_bytes"] and rec["words"] > 40  # ASCII text
+        assert rec["observed_chars"] == rec["measured_bytes"] + rec["warmup_bytes"]
+        assert rec["typed"] + rec["selections"] <= rec["chars"] and rec["suggest_calls"] >= rec["words"]
+        assert 0 < rec["ksr"] < 1  # its commonest words are offered
+        assert rec["ksr"] == pytest.approx(1 - (rec["typed"] + rec["selections"]) / rec["chars"])
+        assert 0 <= rec["top1_accuracy"] <= rec["top3_accuracy"] <= 1
+    assert records["static"]["lr"] == 0 and records["sparse"]["lr"] > 0
+    table = r.stdout.splitlines()
+    assert table[0].startswith(f"# keyboard suggestions, k=3, {tag}: ")
+    rows = [line.split(" | ")[1] for line in table if line.startswith("| e-mails")]
+    assert rows == ["ours (default), static (HTTP)", f"ours ({tag}, word model), static (HTTP)",
+                    f"ours ({tag}, word model), session as served: adapter (HTTP) (lr {records['sparse']['lr']:g})"]
+
+    # asked for by name, an in-process system is refused before anything runs (exit 2, argparse's one line)
+    r = keyboard(shared, *base, "--systems", "static,full")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"--systems full cannot measure {tag} (tokenizer 'words')" in r.stderr
+    assert sorted(p.name for p in out.glob("*.json")) == sorted(
+        ["emails.static.json", f"emails.static@{tag}.json", f"emails.sparse@{tag}.json"])
