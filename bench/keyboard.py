@@ -71,11 +71,14 @@ SYSTEMS = {
     "sparse-nocache": "ours, session without the word cache: adapter + copy model (HTTP)",
     "sparse-nocopy": "ours, session without the copy model: adapter + word cache (HTTP)",
     "sparse": "ours, session as served: adapter + copy model + word cache (HTTP)",
+    "sparse-neural": "ours, session with the neural cache in the copy model's place: adapter + neural cache + word "
+                     "cache (HTTP)",
     "full": "ours, full dynamic evaluation (in-process)",
     "full-cache": "ours, full dynamic evaluation + word cache (in-process)",
     "full-copy": "ours, full dynamic evaluation + copy model + word cache (in-process)",
 }
-WORD_SYSTEMS = ("static", "sparse")  # what a word model is measured on: its server (module docstring)
+# what a word model is measured on: its server (module docstring); it has no copy model to leave out
+WORD_SYSTEMS = ("static", "sparse", "sparse-nocache", "sparse-neural")
 K = 3
 PAST_CHARS = 400  # of observed text in Presage's past stream (it reads the last few words)
 
@@ -242,9 +245,7 @@ def refusal(system: str, ckpt: CheckpointInfo) -> str | None:
     if system.startswith("full"):
         return ("it runs the byte-level word search in this process (models/keysim.py); a word model is measured "
                 "through its server (static, sparse)")
-    # a word model's suggestions never mix in the word cache (server/engine/_suggest.py, word_suggestions)
-    return ("it varies the session's word cache, which a word model's suggestions do not have: the row would be "
-            "'sparse' again or the adapter alone")
+    return "it leaves out the session's copy model, which a word model does not have: the row would be 'sparse' again"
 
 
 def choose_systems(given: str | None, ckpt: CheckpointInfo) -> tuple[list[str], dict[str, str]]:
@@ -314,15 +315,16 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
     else:
         # static: the adapter stays zero (lr 0), no word cache, no neural cache; the sessions: the server's defaults
         lr, cache = {"static": (0.0, 0.0), "sparse": (None, None), "sparse-nocache": (None, 0.0),
-                     "sparse-nocopy": (None, None)}[system]
+                     "sparse-nocopy": (None, None), "sparse-neural": (None, None)}[system]
+        # the neural cache: off for the static row, on for sparse-neural, else the checkpoint's default
+        neural_cache = {"static": False, "sparse-neural": True}.get(system)
         at = "" if ckpt.tag is None else f"@{ckpt.tag}"
         log = args.out / f"{name}.{system}{at}.server.log"
         checkpoint = ckpt.path
         if system in ("static", "sparse-nocopy"):  # the session without its copy model
             checkpoint = without_copy(ckpt.path, args.out / f"checkpoint-nocopy-{name}-{system}{at}")
         with serve(str(checkpoint), log) as url, Client(url, timeout=600) as client, \
-                SessionSuggester(client, lr=lr, cache_weight=cache,
-                                 neural_cache=False if system == "static" else None) as suggester:
+                SessionSuggester(client, lr=lr, cache_weight=cache, neural_cache=neural_cache) as suggester:
             info = suggester.session.info
             assert info is not None
             neural = info.adaptation.neural_cache  # a session with the neural cache has no copy model
@@ -349,9 +351,12 @@ def row_label(system: str, r: dict[str, Any], checkpoint: str | None) -> str:
     """The table's name of a result `r` of `system`; `checkpoint`: the name our rows carry (None: none)."""
     label = SYSTEMS[system]
     words = r.get("tokenizer", "bytes") != "bytes"
-    if words and system == "sparse":  # no word cache; the copy model or the neural cache if its checkpoint says
-        extra = " + copy model" if r.get("copy") else " + neural cache" if r.get("neural_cache") else ""
-        label = f"ours, session as served: adapter{extra} (HTTP)"
+    if words and system.startswith("sparse"):  # no copy model; the neural cache and the word cache as it says
+        extra = (" + neural cache" if r.get("neural_cache") else "") + (" + word cache" if r.get("cache_weight")
+                                                                         else "")
+        served = "as served" if system == "sparse" else "with the neural cache" if system == "sparse-neural" else \
+            "without the word cache"
+        label = f"ours, session {served}: adapter{extra} (HTTP)"
     if checkpoint is not None and not system.startswith("presage"):
         label = label.replace("ours", f"ours ({checkpoint}{', word model' if words else ''})", 1)
     if system != "static" and r.get("lr"):

@@ -32,13 +32,13 @@ def test_a_byte_checkpoint_runs_every_system_and_keeps_the_default_file_names(tm
         choose_systems("static,nope", BYTES)
 
 
-def test_a_word_checkpoint_runs_static_and_sparse_and_presage() -> None:
+def test_a_word_checkpoint_runs_its_server_systems_and_presage() -> None:
     systems, skipped = choose_systems(None, WORDS)
-    assert systems == ["presage", "presage-learn", "static", "sparse"]
-    assert set(skipped) == {"sparse-nocache", "sparse-nocopy", "full", "full-cache", "full-copy"}
+    assert systems == ["presage", "presage-learn", "static", "sparse-nocache", "sparse", "sparse-neural"]
+    assert set(skipped) == {"sparse-nocopy", "full", "full-cache", "full-copy"}
     assert all(reason for reason in skipped.values())
     assert choose_systems("presage,static,sparse", WORDS) == (["presage", "static", "sparse"], {})
-    for asked in ("full", "static,full-copy", "sparse-nocache", "sparse-nocopy"):
+    for asked in ("full", "static,full-copy", "sparse-nocopy"):
         with pytest.raises(ValueError, match="cannot measure words"):
             choose_systems(asked, WORDS)
 
