@@ -4,6 +4,7 @@ until what follows settles its tokens; pending text is part of the session (expo
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 from pathlib import Path
@@ -111,6 +112,27 @@ def test_score_and_generation_continue_after_the_pending_text(client: httpx.Clie
     two = client.post("/v1/generate", json={"prompt": "est", "session_id": whole, "max_tokens": 6,
                                             "seed": 2}).json()
     assert one["text"] == two["text"] and one["usage"]["completion_tokens"] == 6
+
+
+def test_completions_echo_offsets_count_from_the_prompt_after_the_pending_text(client: httpx.Client,
+                                                                               tok: WordTokenizer) -> None:
+    sid = new(client)
+    observe(client, sid, "It was the be")  # " be" stays pending: the prompt finishes its word
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    prompt = "st of times."
+    r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 0, "echo": True,
+                                             "logprobs": 0, "user": sid})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    [choice] = body["choices"]
+    lp = choice["logprobs"]
+    tokens = tok.tokens(" be" + prompt)  # the first token is the pending word and the prompt's start
+    assert lp["tokens"] == [t if tok.encode(t)[0] >= 4 else tok.vocab[tok.encode(t)[0]] for t in tokens]
+    assert body["usage"]["prompt_tokens"] == len(tokens) and choice["text"] == prompt
+    # each later token's offset is where it starts in the prompt as sent; the first one starts before it: 0
+    starts = list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]]))
+    assert lp["text_offset"] == [max(0, s - len(" be")) for s in starts]
+    assert [prompt[o:] for o in lp["text_offset"][1:]] == ["".join(tokens[i:]) for i in range(1, len(tokens))]
 
 
 def test_pending_text_is_exported_imported_and_reset(client: httpx.Client, assert_error: Any) -> None:
