@@ -40,12 +40,17 @@ class NeuralCache:
         if self.keys is not None and self.values is not None and self.valid is not None:
             self.keys, self.values, self.valid = self.keys[rows], self.values[rows], self.valid[rows]
 
-    @torch.no_grad()
     def mix(self, log_dist: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
             mask: torch.Tensor | None = None) -> torch.Tensor:
         """-> log p (B, T, V) of the mixture at every position; then remembers this chunk's pairs.
 
-        Position t sees the pairs of every earlier position (memory and this chunk), never its own."""
+        Position t sees the pairs of every earlier position (memory and this chunk), never its own. In float32 (or
+        float64) under any autocast: the scores h_t . h_i are exponentiated."""
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            return self._mix(log_dist, hidden, targets, mask)
+
+    def _mix(self, log_dist: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
         cfg = self.config
         B, T, H = hidden.shape
         hidden = hidden.detach().to(torch.promote_types(hidden.dtype, torch.float32))  # bf16 under autocast: fp32
@@ -109,10 +114,15 @@ def _mixture(log_dist: torch.Tensor, scores: torch.Tensor, values: torch.Tensor,
     return torch.logaddexp(torch.log1p(-lam_t) + log_dist, torch.log(lam_t * p_cache))  # (B, T, V)
 
 
-@torch.no_grad()
 def read_memory(log_dist: torch.Tensor, hidden: torch.Tensor, memory: State, config: CacheConfig) -> torch.Tensor:
     """log p (R, T, V) of the model mixed with one memory (`NeuralCache.to_state`, batch 1), read and not changed:
-    every position of the R rows sees every pair of the memory (and none of its own rows')."""
+    every position of the R rows sees every pair of the memory (and none of its own rows'). In float32 under any
+    autocast, as `NeuralCache.mix`."""
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        return _read_memory(log_dist, hidden, memory, config)
+
+
+def _read_memory(log_dist: torch.Tensor, hidden: torch.Tensor, memory: State, config: CacheConfig) -> torch.Tensor:
     keys, values, valid = memory.tensors["keys"][0], memory.tensors["values"][0], memory.tensors["valid"][0]
     R, T, _ = log_dist.shape
     if not bool(valid.any()):
