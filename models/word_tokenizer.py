@@ -35,6 +35,7 @@ text without <unk>: an unknown token is predicted as a class, not spelt.
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -218,6 +219,28 @@ class WordTokenizer(StreamMixin):
         lo = bisect.bisect_left(self._sorted_bytes, prefix)
         hi = bisect.bisect_left(self._sorted_bytes, prefix + b"\xff")  # 0xff is in no UTF-8 text: past every match
         return self._sorted[lo:hi]
+
+    def token_id(self, token: bytes) -> int | None:
+        """The id of the vocabulary entry whose bytes are `token` exactly (b" the"), or None."""
+        try:
+            return self._ids.get(token.decode("utf-8"))
+        except UnicodeDecodeError:
+            return None
+
+    def first_char_probs(self, probs: torch.Tensor) -> dict[str, float]:
+        """A next-token distribution `probs` (V,) summed by the entries' first character: the chance that the next
+        character is c (" " for " the", "." for "."). `<unk>` without a space counts for no character: the unknown
+        word's first letter is unknown."""
+        chars, index = self._first_chars
+        sums = torch.zeros(len(chars) + 1, dtype=probs.dtype).index_add_(0, index, probs.cpu())
+        return {c: float(p) for c, p in zip(chars, sums[1:].tolist(), strict=True) if p > 0}
+
+    @functools.cached_property
+    def _first_chars(self) -> tuple[list[str], torch.Tensor]:
+        """The entries' distinct first characters, and each entry's position among them + 1 (0: none, `<unk>`)."""
+        chars = sorted({t[0] for i, t in enumerate(self.vocab) if i != _UNK_ID})
+        at = {c: j + 1 for j, c in enumerate(chars)}
+        return chars, torch.tensor([0 if i == _UNK_ID else at[t[0]] for i, t in enumerate(self.vocab)])
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for, its leading space included (b" the"); <unk>: b"<unk>" or b" <unk>"."""

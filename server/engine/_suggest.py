@@ -326,7 +326,9 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     word being typed with the single space before it, as the tokenizer writes a word after a space), special
     tokens (end of line, <unk>) left out. `prefix` and each completion's `text` are the word without that space.
     `next_chars`: the characters that would follow the typed part, each with the summed probability of the
-    entries that continue with it (no entry extends the typed part: none). No search: a word is one token, so the
+    entries that continue with it, plus, when the typed part is itself an entry, its probability times that of each
+    first character of the token after it (a second model step: " " for a next word, "," ...). No search: a word
+    is one token, so the
     model's ranking is exact (`exact` is always true). The session's word cache (`cache_weight` > 0) is mixed in
     as for a byte model (models/wordcache.py); it also offers the words the session typed that the vocabulary
     lacks (a name, an address), which the model alone can only predict as <unk>."""
@@ -354,6 +356,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     if weight > 0:
         completions = session.words.mix(completions, context, weight, k, max_chars)
     chars: dict[str, float] = {}
+    calls = 1
     typed_text = typed.decode("utf-8", errors="strict") if _whole_utf8(typed) else None
     if typed_text is not None and n_chars > 0:
         for i in matching:
@@ -361,8 +364,16 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
             if len(entry) > len(typed_text):
                 char = entry[len(typed_text)]
                 chars[char] = chars.get(char, 0.0) + math.exp(float(logprobs[i]))
+        whole = tokenizer.token_id(typed) if typed else None
+        if whole is not None:  # the typed part may end here: then the next token's first character follows
+            after = model(torch.tensor([[whole]], dtype=torch.long, device=device), out.state,
+                          session.adapter_with_copy())
+            ended = math.exp(float(logprobs[whole]))
+            for char, p in tokenizer.first_char_probs(model.log_probs(after)[0, -1].double().exp()).items():
+                chars[char] = chars.get(char, 0.0) + ended * p
+            calls += 1
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
-    return Suggestions(word(typed), completions, next_, expansions=0, model_calls=1, exact=True)
+    return Suggestions(word(typed), completions, next_, expansions=0, model_calls=calls, exact=True)
 
 
 def _whole_utf8(data: bytes) -> bool:

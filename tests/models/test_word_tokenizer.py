@@ -164,3 +164,18 @@ def test_words_with_a_prefix_are_found_by_bisection() -> None:
                           key=tok.token_bytes)
         assert tok.with_prefix(prefix) == expected, prefix
     assert [tok.vocab[i] for i in tok.with_prefix(b" the")] == [" the", " them", " then", " there", " they"]
+
+
+def test_a_next_token_distribution_by_first_character() -> None:
+    tok = WordTokenizer.build("the cat, the hat.\nA cat sat.\n")
+    assert tok.token_id(b" cat") == tok.encode(" cat")[0] and tok.token_id(b" dog") is None
+    assert tok.token_id(b"\xff") is None
+    probs = torch.softmax(torch.randn(tok.vocab_size, dtype=torch.float64), 0)
+    by_char = tok.first_char_probs(probs)
+    expected: dict[str, float] = {}
+    for i, entry in enumerate(tok.vocab):
+        if entry != "<unk>":  # an unknown word's first letter is unknown
+            expected[entry[0]] = expected.get(entry[0], 0.0) + float(probs[i])
+    assert by_char == pytest.approx(expected)
+    assert sum(by_char.values()) == pytest.approx(1 - float(probs[2]))
+    assert {" ", "\n", ",", ".", "t", "A"} <= set(by_char)

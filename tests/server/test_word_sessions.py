@@ -203,6 +203,32 @@ def test_suggestions_are_the_next_words_with_the_typed_prefix(client: httpx.Clie
     assert r.status_code == 200 and r.json()["completions"] == [] and r.json()["next_chars"] == []
 
 
+def test_next_chars_count_the_typed_word_ending_by_what_follows_it(client: httpx.Client, word_checkpoint: Path,
+                                                                   tok: WordTokenizer) -> None:
+    """After " the" (itself a word, and the start of " they", " then", ...): the chance of each next character is
+    that of the longer words going on with it, plus p(" the") times that of the next token starting with it."""
+    sid = new(client, adaptation={"cache_weight": 0.0})
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "It was the", "n_chars": 32})
+    assert r.status_code == 200, r.text
+    got = {c["char"]: c["prob"] for c in r.json()["next_chars"]}
+    ckpt = load_checkpoint(word_checkpoint)
+    ckpt.model.eval()
+    with torch.no_grad():
+        ids = torch.tensor([[tok.bos, *tok.encode("It was"), tok.encode(" the")[0]]])
+        lp = ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0].double()
+    p_word, after = math.exp(float(lp[-2, ids[0, -1]])), lp[-1].exp()
+    expected: dict[str, float] = {}
+    for w, p in library_next_word(word_checkpoint, "It was", " the"):
+        if len(w) > 4:
+            expected[w[4]] = expected.get(w[4], 0.0) + p
+    for i in range(tok.vocab_size):
+        if i != 2:  # "<unk>" without a space: its first letter is unknown
+            expected[tok.vocab[i][0]] = expected.get(tok.vocab[i][0], 0.0) + p_word * float(after[i])
+    best = sorted(expected.items(), key=lambda cp: -cp[1])[:32]
+    assert list(got) == [c for c, _ in best] and " " in got  # the word ending, then a space
+    assert list(got.values()) == pytest.approx([p for _, p in best], rel=1e-4)
+
+
 def test_the_word_cache_offers_a_typed_word_the_vocabulary_lacks(client: httpx.Client, tok: WordTokenizer) -> None:
     text = "Please ask Zyxquorra about it.\nZyxquorra will know.\n"
     assert tok.encode(" Zyxquorra")[0] == 3  # " <unk>": the model alone cannot spell it
