@@ -3,6 +3,10 @@ stream, score-then-update, for each (eta, lambda), on held-out personal text (th
 the keyboard benchmark uses the file's last 20 KB) and on in-domain prose that adaptation must not hurt.
 
     python -m bench.session_defaults [--checkpoint DIR] [--lrs 4e-5,1e-4,2e-4,5e-4] [--decays 0,1e-3,1e-2]
+                                     [--adapter-size 256] [--cache]
+
+`--cache` adds, for each setting, the same sessions with the neural cache (the checkpoint's dyneval.json "cache"
+section: `adaptlm tune --mode cache`), as a session with `neural_cache` runs it; and the cache alone (static + cache).
 """
 
 from __future__ import annotations
@@ -30,20 +34,32 @@ def main() -> None:
     ap.add_argument("--lrs", type=floats, default=[4e-5, 1e-4, 2e-4, 5e-4])
     ap.add_argument("--decays", type=floats, default=[0.0, 1e-3, 1e-2])
     ap.add_argument("--adapter-size", type=int, default=256)
+    ap.add_argument("--cache", action="store_true", help="also with the neural cache (dyneval.json 'cache')")
     args = ap.parse_args()
     ck = load_checkpoint(args.checkpoint)
     data = {name: (SHARED / rel).read_bytes()[a:b] for name, (rel, a, b) in TEXTS.items()}
     static = {name: run_eval(ck, text, "static")[0]["bits_per_byte"] for name, text in data.items()}
+    modes = ["sparse", "sparse+cache"] if args.cache else ["sparse"]
+    cols = [(n, m) for n in data for m in modes]
+    label = {"sparse": "", "sparse+cache": " +cache"}
     print(f"# session defaults grid, {ck.name}, sparse H={args.adapter_size}: {machine_line()}")
-    print("| eta | lambda | " + " | ".join(f"{n} bpb | {n} gain" for n in data) + " |")
-    print("| ---: | ---: | " + " | ".join("---: | ---:" for _ in data) + " |")
-    print("| static | | " + " | ".join(f"{static[n]:.3f} | " for n in data) + " |", flush=True)
+    if args.cache:
+        print(f"# neural cache: {ck.dyneval.cache}")
+    print("| eta | lambda | " + " | ".join(f"{n}{label[m]} bpb | gain" for n, m in cols) + " |")
+    print("| ---: | ---: | " + " | ".join("---: | ---:" for _ in cols) + " |")
+    print("| static | | " + " | ".join(f"{static[n]:.3f} | " if m == "sparse" else
+                                      "{:.3f} | {:+.1f}%".format(*_gain(run_eval(ck, data[n], "cache")[0], static[n]))
+                                      for n, m in cols) + " |", flush=True)
     for lr, decay in itertools.product(args.lrs, args.decays):
         cells = []
-        for name, text in data.items():
-            bpb = run_eval(ck, text, "sparse", lr=lr, decay=decay, adapter_units=args.adapter_size)[0]["bits_per_byte"]
-            cells.append(f"{bpb:.3f} | {100 * (1 - bpb / static[name]):+.1f}%")
+        for name, mode in cols:
+            record = run_eval(ck, data[name], mode, lr=lr, decay=decay, adapter_units=args.adapter_size)[0]
+            cells.append("{:.3f} | {:+.1f}%".format(*_gain(record, static[name])))
         print(f"| {lr:g} | {decay:g} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _gain(record: dict[str, float], static: float) -> tuple[float, float]:
+    return record["bits_per_byte"], 100 * (1 - record["bits_per_byte"] / static)
 
 
 if __name__ == "__main__":
