@@ -71,14 +71,13 @@ SYSTEMS = {
     "sparse-nocache": "ours, session without the word cache: adapter + copy model (HTTP)",
     "sparse-nocopy": "ours, session without the copy model: adapter + word cache (HTTP)",
     "sparse": "ours, session as served: adapter + copy model + word cache (HTTP)",
-    "sparse-neural": "ours, session with the neural cache in the copy model's place: adapter + neural cache + word "
-                     "cache (HTTP)",
+    "sparse-noneural": "ours, session without the neural cache (HTTP)",
     "full": "ours, full dynamic evaluation (in-process)",
     "full-cache": "ours, full dynamic evaluation + word cache (in-process)",
     "full-copy": "ours, full dynamic evaluation + copy model + word cache (in-process)",
 }
 # what a word model is measured on: its server (module docstring); it has no copy model to leave out
-WORD_SYSTEMS = ("static", "sparse", "sparse-nocache", "sparse-neural")
+WORD_SYSTEMS = ("static", "sparse", "sparse-nocache", "sparse-noneural")
 K = 3
 PAST_CHARS = 400  # of observed text in Presage's past stream (it reads the last few words)
 
@@ -315,9 +314,9 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
     else:
         # static: the adapter stays zero (lr 0), no word cache, no neural cache; the sessions: the server's defaults
         lr, cache = {"static": (0.0, 0.0), "sparse": (None, None), "sparse-nocache": (None, 0.0),
-                     "sparse-nocopy": (None, None), "sparse-neural": (None, None)}[system]
-        # the neural cache: off for the static row, on for sparse-neural, else the checkpoint's default
-        neural_cache = {"static": False, "sparse-neural": True}.get(system)
+                     "sparse-nocopy": (None, None), "sparse-noneural": (None, None)}[system]
+        # the neural cache: off for the static row and sparse-noneural, else the checkpoint's default
+        neural_cache = False if system in ("static", "sparse-noneural") else None
         at = "" if ckpt.tag is None else f"@{ckpt.tag}"
         log = args.out / f"{name}.{system}{at}.server.log"
         checkpoint = ckpt.path
@@ -354,8 +353,8 @@ def row_label(system: str, r: dict[str, Any], checkpoint: str | None) -> str:
     if words and system.startswith("sparse"):  # no copy model; the neural cache and the word cache as it says
         extra = (" + neural cache" if r.get("neural_cache") else "") + (" + word cache" if r.get("cache_weight")
                                                                          else "")
-        served = "as served" if system == "sparse" else "with the neural cache" if system == "sparse-neural" else \
-            "without the word cache"
+        served = "as served" if system == "sparse" else "without the neural cache" if system == "sparse-noneural" \
+            else "without the word cache"
         label = f"ours, session {served}: adapter{extra} (HTTP)"
     if checkpoint is not None and not system.startswith("presage"):
         label = label.replace("ours", f"ours ({checkpoint}{', word model' if words else ''})", 1)

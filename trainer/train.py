@@ -309,21 +309,32 @@ def _model_card(cfg: TrainConfig, meta: dict[str, Any], model: LanguageModel) ->
     n_params = sum(p.numel() for p in model.parameters())
     n_aux = sum(p.numel() for n, p in model.named_parameters() if n in training_only)
     batch = f"{cfg.batch_size} streams" + (f" in {cfg.accumulate} micro-batches" if cfg.accumulate > 1 else "")
+    words = cfg.tokenizer.get("kind") == "words"
+    unit = "tokens" if words else "bytes"
+    optimizer = (f"NT-ASGD: SGD {cfg.lr}" + (f", averaging from step {m['averaging_from_step']}"
+                                            if m.get("averaging_from_step") is not None else ", never averaged")
+                 if cfg.optimizer == "ntasgd" else f"Adam {cfg.lr} -> {cfg.lr_final} ({schedule})")
     lines = [
-        f"# {meta['name']}: byte-level {cfg.arch}", "",
+        f"# {meta['name']}: {'word' if words else 'byte'}-level {cfg.arch}", "",
         f"- Architecture: {cfg.arch} {json.dumps(meta['model_config'], sort_keys=True)}",
         f"- Parameters: {n_params:,}" + (f" ({n_params - n_aux:,} for inference; {n_aux:,} in training-only heads,"
                                           f" {'shipped' if cfg.ship_training_only else 'not shipped'})"
                                           if n_aux else ""),
         f"- Training data: {', '.join(t['data'])} ({t['train_bytes']:,} bytes)",
         f"- Validation: {t['valid'] or '(none)'} ({t['valid_bytes']:,} bytes)",
-        f"- Steps: {t['steps']} x {batch} x {cfg.bptt} bytes; Adam {cfg.lr} -> {cfg.lr_final}"
-        f" ({schedule}), clip {cfg.clip}, {t.get('precision', cfg.precision)}",
+        *([f"- Tokenizer: words (models/word_tokenizer.py), split {cfg.tokenizer.get('split', 'words')!r}, "
+           f"{getattr(model.config, 'vocab_size', 0):,} entries (the training text's commonest tokens, in "
+           "config.json)"] if words else []),
+        f"- Steps: {t['steps']} x {batch} x {cfg.bptt} {unit}; {optimizer}, clip {cfg.clip},"
+        f" {t.get('precision', cfg.precision)}",
         f"- Training time: {t['seconds'] / 60:.1f} min on {t['machine']}",
         f"- Stored as: weights {cfg.weights_dtype}, statistics {cfg.stats_dtype} (loaded as float32)",
         f"- Validation bits per byte (best checkpoint, whole validation file): {m.get('valid_bpb', float('nan')):.4f}",
+        *([f"- Validation perplexity (per token, every punctuation mark and end of line counted): "
+           f"{m['valid_perplexity']:.1f} ({m['valid_bits_per_word']:.3f} bits per word, {m['valid_words']:,} tokens)"]
+          if words and "valid_perplexity" in m else []),
         f"- MS_g statistics: {cfg.stats_batches} training batches of {cfg.stats_batch_size} x {cfg.stats_segment}"
-        " bytes, for every weight and the adapter matrix at M = 0", "",
+        f" {unit}, for every weight and the adapter matrix at M = 0", "",
         "Trained by `adaptlm train`; the full training configuration is in `config.json`.", "",
     ]
     return "\n".join(lines)

@@ -34,7 +34,7 @@ def test_a_byte_checkpoint_runs_every_system_and_keeps_the_default_file_names(tm
 
 def test_a_word_checkpoint_runs_its_server_systems_and_presage() -> None:
     systems, skipped = choose_systems(None, WORDS)
-    assert systems == ["presage", "presage-learn", "static", "sparse-nocache", "sparse", "sparse-neural"]
+    assert systems == ["presage", "presage-learn", "static", "sparse-nocache", "sparse", "sparse-noneural"]
     assert set(skipped) == {"sparse-nocopy", "full", "full-cache", "full-copy"}
     assert all(reason for reason in skipped.values())
     assert choose_systems("presage,static,sparse", WORDS) == (["presage", "static", "sparse"], {})
