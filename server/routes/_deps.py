@@ -115,7 +115,16 @@ def work_router(prefix: str, tag: str) -> APIRouter:
                                                  ServiceUnavailableError))
 
 
+# One server-sent event, as a client's parser reads it (OpenAPI 3.2 describes an event stream by its events): `data`
+# is the JSON object of the route's stream (server/protocol.py), or OpenAI's "[DONE]" at the end of a completion's.
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}},
+}
+
+
 def event_stream_responses(description: str) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entry of a route that answers JSON or, with `stream: true`, server-sent events (FastAPI adds the
     JSON body of `response_model` beside it)."""
-    return {200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}}}

@@ -68,3 +68,15 @@ def test_every_operation_answers_as_its_schema_says(fuzzed: str) -> None:
     print(json.dumps({"operations": len(counts), "examples": sum(counts.values()), "failures": len(failures),
                       "per_operation": dict(counts)}))
     assert not failures, "\n\n".join(f"{k}: {v}" for k, v in failures.items())
+
+
+def test_streams_answer_as_their_schema_says(fuzzed: str) -> None:
+    """The event streams, asked for explicitly (whether the generated examples reach a 200 stream depends on the
+    schema's shape): each event is an object with its `data`, as OpenAPI describes an event stream."""
+    schema = schemathesis.openapi.from_url(f"{fuzzed}/openapi.json")
+    model = httpx.get(f"{fuzzed}/v1/models").json()["data"][0]["id"]
+    for path, body in (("/v1/generate", {"prompt": "It", "max_tokens": 4, "stream": True}),
+                       ("/v1/completions", {"model": model, "prompt": "It", "max_tokens": 4, "stream": True})):
+        response = schema[path]["POST"].Case(body=body).call_and_validate(checks=CHECKS, timeout=60)
+        assert response.status_code == 200 and response.headers["content-type"][0].startswith("text/event-stream")
+        assert response.text.count("data:") >= 4
