@@ -57,8 +57,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.adaptive import AdaptiveInput, AdaptiveSoftmax
-from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
-from models.char_transformer import _Block, append_blocks, resid_site, slide_windows, window_state
+from models.base import Adapter, LanguageModel, ModelConfig, Output, State
+from models.char_transformer import WindowedTransformer, _Block, append_blocks, slide_windows, window_state
 
 __all__ = ["AdaptiveTransformer", "AdaptiveTransformerConfig", "resolve_cutoffs", "sinusoids"]
 
@@ -110,7 +110,7 @@ def sinusoids(pos: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return out.to(dtype)
 
 
-class AdaptiveTransformer(LanguageModel):
+class AdaptiveTransformer(WindowedTransformer, LanguageModel):
     config: AdaptiveTransformerConfig
 
     def __init__(self, config: AdaptiveTransformerConfig) -> None:
@@ -167,14 +167,6 @@ class AdaptiveTransformer(LanguageModel):
 
     # -- interface -----------------------------------------------------------------------------------------------
 
-    @property
-    def stride(self) -> int:
-        return self.config.stride or self.config.context // 2
-
-    @property
-    def site_layer(self) -> int:
-        return self.config.adapt_layer % self.config.n_layer
-
     def parameter_layer(self, name: str) -> int | None:
         """blocks.{i}.* -> i; the input side (adaptive input or embedding, the tied bands with it) -> -1; the final
         LN and the softmax's own parameters -> n_layer."""
@@ -186,9 +178,6 @@ class AdaptiveTransformer(LanguageModel):
 
     def init_state(self, batch: int) -> State:
         return window_state(batch, self.config.context, self.config.d_model, self.config.n_layer, self.ln_f.weight)
-
-    def adaptation_sites(self) -> list[Site]:
-        return [resid_site(self.config.d_model, self.config.adapt_layer, self.config.adapter_units)]
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: tok, mask (B, C), k{l}, v{l} (B, C, D); adapter: mats["resid"] (B, k, k).

@@ -55,8 +55,8 @@ from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
-__all__ = ["BlockConfig", "CharTransformer", "CharTransformerConfig", "append_blocks", "resid_site", "slide_windows",
-           "window_state"]
+__all__ = ["BlockConfig", "CharTransformer", "CharTransformerConfig", "WindowedTransformer", "append_blocks",
+           "resid_site", "slide_windows", "window_state"]
 
 TRAINING_ONLY_PREFIX = "aux."
 
@@ -89,6 +89,39 @@ class BlockConfig(Protocol):
     def d_ff(self) -> int: ...
     @property
     def dropout(self) -> float: ...
+
+
+class WindowConfig(BlockConfig, Protocol):
+    """What the sliding window and the adaptation site read of a windowed model's config."""
+
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def context(self) -> int: ...
+    @property
+    def stride(self) -> int: ...
+    @property
+    def adapt_layer(self) -> int: ...
+    @property
+    def adapter_units(self) -> int: ...
+
+
+class WindowedTransformer:
+    """The interface the two sliding-window transformers (this one and models/adaptive_transformer.py) share: the
+    window's stride, the block the site follows, and the site on the residual stream."""
+
+    config: WindowConfig
+
+    @property
+    def stride(self) -> int:
+        return self.config.stride or self.config.context // 2
+
+    @property
+    def site_layer(self) -> int:
+        return self.config.adapt_layer % self.config.n_layer
+
+    def adaptation_sites(self) -> list[Site]:
+        return [resid_site(self.config.d_model, self.config.adapt_layer, self.config.adapter_units)]
 
 
 # append(tokens (B, m), state, fill n (B,), adapter mats or None, collect) -> (B, m, D), block outputs, new state
@@ -130,7 +163,7 @@ def _classifier(cfg: CharTransformerConfig) -> nn.Module:
     return nn.Sequential(nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab_size))
 
 
-class CharTransformer(LanguageModel):
+class CharTransformer(WindowedTransformer, LanguageModel):
     config: CharTransformerConfig
 
     def __init__(self, config: CharTransformerConfig) -> None:
@@ -159,14 +192,6 @@ class CharTransformer(LanguageModel):
             nn.init.normal_(self.pos, std=0.02)
 
     # -- interface ---------------------------------------------------------------------------------------------
-
-    @property
-    def stride(self) -> int:
-        return self.config.stride or self.config.context // 2
-
-    @property
-    def site_layer(self) -> int:
-        return self.config.adapt_layer % self.config.n_layer
 
     def training_only_parameters(self) -> list[str]:
         """Names of the parameters inference never reads (kept in checkpoints so training can resume)."""
@@ -204,9 +229,6 @@ class CharTransformer(LanguageModel):
 
     def init_state(self, batch: int) -> State:
         return window_state(batch, self.config.context, self.config.d_model, self.config.n_layer, self.embed.weight)
-
-    def adaptation_sites(self) -> list[Site]:
-        return [resid_site(self.config.d_model, self.config.adapt_layer, self.config.adapter_units)]
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: tok, mask (B, C), k{l}, v{l} (B, C, D); adapter: mats["resid"] (B, k, k)."""
