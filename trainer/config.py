@@ -116,11 +116,13 @@ ARCH_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         # about 90 minutes on the 2-core CPU with one thread, like the default mLSTM (docs/benchmarks.md): 3.42M
         # inference parameters (6.8 MB in float16; the 0.46M of the training-only heads are not shipped), ~5,700
         # tokens/s in bf16 (this CPU has AVX-512 BF16: 2.4x its fp32 speed), so 13,000 steps x 2,048 bytes is ~27M
-        # bytes, ~2.8 epochs of the default's 9.6 MB; max_minutes is the wall stop
+        # bytes, ~2.8 epochs of the default's 9.6 MB; the schedules run on the budget clock (whichever of max_steps
+        # and max_minutes ends first)
         "small": {
             "model": {"d_model": 256, "n_layer": 4, "n_head": 4, "d_ff": 1024, "context": 128, "dropout": 0.05},
             "batch_size": 32, "bptt": 64, "lr": 1e-3, "lr_final": 2e-5, "warmup_steps": 200, "schedule": "cosine",
-            "max_steps": 12_000, "max_minutes": 90, "precision": "auto", "reset_prob": 0.032, "threads": 1,
+            "max_steps": 12_000, "max_minutes": 90, "schedule_clock": "budget", "precision": "auto",
+            "reset_prob": 0.032, "threads": 1,
             "valid_every": 500, "valid_bytes": 100_000, "valid_streams": 32,
             "stats_batches": 100, "stats_batch_size": 32, "log_every": 20,
             "weights_dtype": "float16", "stats_dtype": "bfloat16", "ship_training_only": False,
