@@ -31,6 +31,9 @@ layer `mem{l}` (B, n_m + S - 1, D) the fine memory incl. the pending bytes of th
 p = seen mod S, fine min(seen, n_m + p), compressed min(n_cm, max(0, seen - p - n_m) / c). Keys are assembled
 right-aligned and contiguous ([valid cmem ; valid mem ; current], padding first) for `key_lengths`.
 
+With `cmem_len` 0 there is no compressed memory and no f: evicted inputs are dropped, which is Transformer-XL's memory
+(the ablation "compressed memory against none at equal attention length" gives it mem_len = n_m + n_cm).
+
 Compression f (config `compression`, sec. 3.1): "max" / "mean" pooling and "conv" (kernel = stride = c, initialised
 as mean pooling) through `kernels.compress_memory`; "dilated": residual dilated 1-D convs (kernel 3, dilations
 1, 2, "same" zero padding inside the evicted window, GELU) then the strided conv; "most_used": keep the n/c evicted
@@ -81,7 +84,7 @@ class CompressiveConfig(ModelConfig):
     d_ff: int = 512
     segment: int = 48  # S, the grid on which memories are updated (paper enwik8: 768)
     mem_len: int = 48  # n_m (paper: 768)
-    cmem_len: int = 72  # n_cm (paper: 1152)
+    cmem_len: int = 72  # n_cm (paper: 1152); 0: no compressed memory, evicted inputs dropped (Transformer-XL)
     rate: int = 3  # c (paper: 3)
     compression: str = "conv"  # one of COMPRESSIONS (paper: conv + attention reconstruction, the best)
     recon_weight: float = 1.0  # weight of the attention-reconstruction loss (reaches only f)
@@ -174,7 +177,13 @@ class _Block(nn.Module):
         self.proj = nn.Linear(D, D)
         self.ln2 = nn.LayerNorm(D)
         self.mlp = nn.Sequential(nn.Linear(D, cfg.d_ff), nn.ReLU(), nn.Linear(cfg.d_ff, D))
-        self.compressor = _Compressor(cfg)
+        # f, absent without a compressed memory (cmem_len 0: no parameters that nothing reads)
+        self.compressor = _Compressor(cfg) if cfg.cmem_len else None
+
+    @property
+    def compressor_(self) -> _Compressor:
+        assert self.compressor is not None, "a model with cmem_len 0 compresses nothing"
+        return self.compressor
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, key_lengths: torch.Tensor,
                 sinus: torch.Tensor) -> torch.Tensor:
@@ -242,8 +251,8 @@ class CompressiveTransformer(LanguageModel):
             raise ValueError("d_model must be even and a multiple of n_head")
         if config.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}")
-        if c < 1 or config.segment % c or config.mem_len % c or config.mem_len < 1 or config.cmem_len < 1:
-            raise ValueError("segment and mem_len must be positive multiples of rate; cmem_len >= 1")
+        if c < 1 or config.segment % c or config.mem_len % c or config.mem_len < 1 or config.cmem_len < 0:
+            raise ValueError("segment and mem_len must be positive multiples of rate; cmem_len >= 0")
         if not -config.n_layer <= config.adapt_layer < config.n_layer:
             raise ValueError("adapt_layer must name a block")
         self.config = config
@@ -264,7 +273,7 @@ class CompressiveTransformer(LanguageModel):
     @property
     def trains_compressor(self) -> bool:
         """f has parameters (conv, dilated): the reconstruction loss trains them."""
-        return self.config.compression in ("conv", "dilated")
+        return self.config.cmem_len > 0 and self.config.compression in ("conv", "dilated")
 
     @property
     def site_layer(self) -> int:
@@ -323,7 +332,7 @@ class CompressiveTransformer(LanguageModel):
             if recon:
                 aux["recon"] = self.config.recon_weight * torch.stack(recon).mean()
             else:  # no eviction in this call: f still takes part in the graph (DDP expects every parameter used)
-                weights = [w.sum() for b in self.layers for w in b.compressor.parameters()]
+                weights = [w.sum() for b in self.layers for w in b.compressor_.parameters()]
                 aux["recon"] = 0.0 * torch.stack(weights).sum()
         return Output(logits=logits, state=State(st), aux=aux, hidden=hidden)
 
@@ -342,7 +351,7 @@ class CompressiveTransformer(LanguageModel):
         n_f, n_c = self.fills(seen)
         done = (seen % S) + m == S  # (B,) rows whose segment completes with this piece
         n_ev = torch.where(done, (seen + m - Nm).clamp(0, S), 0)  # (B,) evicted slots, a multiple of c
-        evicting = bool((n_ev > 0).any())
+        evicting = cfg.cmem_len > 0 and bool((n_ev > 0).any())  # without a compressed memory evictions drop
         # [cmem ; mem] with each part's valid slots made contiguous at the right end (padding first)
         o = torch.arange(L, device=x.device).view(1, L)
         src = torch.where(o >= L - n_f.view(B, 1), o, o - (Lf - n_f).view(B, 1)).clamp(min=0)  # (B, L)
@@ -362,13 +371,13 @@ class CompressiveTransformer(LanguageModel):
                 win = ext[:, m - 1 : m - 1 + S]  # (B, S, D) the S slots before the kept n_m; the last n_ev valid
                 seg = ext[:, Lf + m - S :]  # (B, S, D) the completing segment's inputs
                 usage = None
-                if block.compressor.mode == "most_used":
+                if block.compressor_.mode == "most_used":
                     with torch.no_grad():
                         w = ext[:, m - 1 :]  # (B, S + n_m, D): evicted, kept, the segment (its tail)
                         usage = block.usage(seg, w, Nm + n_ev)[:, :S]  # (B, S) sec. 3.1 "Most-used"
                         usage = usage.masked_fill(torch.arange(S, device=x.device) < S - n_ev.view(B, 1), -math.inf)
                 with torch.set_grad_enabled(train_f):
-                    comp = block.compressor(win, usage)  # (B, S/c, D)
+                    comp = block.compressor_(win, usage)  # (B, S/c, D)
                 if train_f:
                     losses.append(block.recon_loss(seg, win, comp, n_ev, c))
                 comp = comp.detach()  # the LM loss gives f no gradient

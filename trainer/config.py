@@ -39,6 +39,9 @@ class TrainConfig:
     # "budget" (the larger of step / max_steps and elapsed / max_minutes: the decay completes whichever budget ends
     # first, for a device whose speed is not known in advance; one process only)
     schedule_clock: str = "steps"
+    # what max_minutes and the budget clock count: "wall" (elapsed time) or "cpu" (this process's CPU time, all its
+    # threads: equal CPU budgets for runs that share a machine, e.g. several one-thread runs side by side)
+    time_clock: str = "wall"
     clip: float = 1.0  # global gradient-norm clip
     # "fp32", "bf16" (matmuls under CPU/GPU autocast; cell state in fp32) or "auto": bf16 where the device multiplies
     # it natively (a CUDA GPU with bf16; a CPU with AVX-512 BF16 or AMX), else fp32 (models.precision.native_bf16)
@@ -266,6 +269,8 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
         raise ValueError("reset_prob must be in [0, 1)")
     if cfg.schedule_clock not in ("steps", "budget"):
         raise ValueError(f"schedule_clock must be 'steps' or 'budget', not {cfg.schedule_clock!r}")
+    if cfg.time_clock not in ("wall", "cpu"):
+        raise ValueError(f"time_clock must be 'wall' or 'cpu', not {cfg.time_clock!r}")
     if cfg.schedule_clock == "budget" and not cfg.max_minutes:
         raise ValueError("schedule_clock 'budget' needs max_minutes")
     if cfg.schedule not in SCHEDULES:

@@ -327,7 +327,7 @@ def _model_card(cfg: TrainConfig, meta: dict[str, Any], model: LanguageModel) ->
            "config.json)"] if words else []),
         f"- Steps: {t['steps']} x {batch} x {cfg.bptt} {unit}; {optimizer}, clip {cfg.clip},"
         f" {t.get('precision', cfg.precision)}",
-        f"- Training time: {t['seconds'] / 60:.1f} min on {t['machine']}",
+        f"- Training time: {t['seconds'] / 60:.1f} {'CPU-' if cfg.time_clock == 'cpu' else ''}min on {t['machine']}",
         f"- Stored as: weights {cfg.weights_dtype}, statistics {cfg.stats_dtype} (loaded as float32)",
         f"- Validation bits per byte (best checkpoint, whole validation file): {m.get('valid_bpb', float('nan')):.4f}",
         *([f"- Validation perplexity (per token, every punctuation mark and end of line counted): "
@@ -434,8 +434,9 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         {k: v.to(device) for k, v in hidden.items()})
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and group.main), unit="step",
                dynamic_ncols=True)
-    t0 = time.monotonic() - elapsed
-    window_t, window_tokens = time.monotonic(), 0
+    clock = time.process_time if cfg.time_clock == "cpu" else time.monotonic  # elapsed "seconds", tokens/s
+    t0 = clock() - elapsed
+    window_t, window_tokens = clock(), 0
     stop_reason = "max_steps"
     total_steps = cfg.max_steps + (cfg.finetune_steps if nt is not None else 0)
     while step < total_steps:
@@ -461,7 +462,7 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
             state = model.init_state(local_batch)
         elif cfg.reset_prob:
             chunk, state = _reset_rows(model, cfg, step, chunk, state, group, tokenizer.bos)
-        seconds = time.monotonic() - t0
+        seconds = clock() - t0
         lr = cfg.lr * scale if nt is not None else lr_at(cfg, step, seconds) * scale
         if not isinstance(opt, NTASGD):  # NT-ASGD sets its own (the constant lr x scale, in train_step)
             for param_group in opt.param_groups:
@@ -475,7 +476,7 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         window_tokens += chunk[:, 1:].numel() * group.world
         bar.update(1)
         if step % cfg.log_every == 0:
-            now = time.monotonic()
+            now = clock()
             tps = window_tokens / max(1e-9, now - window_t)
             window_t, window_tokens = now, 0
             # the whole batch's mean losses: the next-byte loss (train_bpb) and, for a model with auxiliary losses,
@@ -489,7 +490,7 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
             log({**record, "lr": lr, "grad_norm": float(result.grad_norm),
                  "tokens_per_s": tps,
                  "seconds": now - t0})
-        time_up = bool(cfg.max_minutes) and (time.monotonic() - t0) > cfg.max_minutes * 60
+        time_up = bool(cfg.max_minutes) and (clock() - t0) > cfg.max_minutes * 60
         if cfg.max_minutes:
             time_up = group.any(time_up, device)  # every process stops after the same step
         if valid_slice and (step % cfg.valid_every == 0 or step in (cfg.max_steps, total_steps) or time_up):
@@ -510,17 +511,17 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
                     if nt.check(vbpb) and not nt.finetuning:
                         record["averaging_from_step"] = step
                     record["averaging"] = nt.averaging
-                log({**record, "seconds": time.monotonic() - t0})
+                log({**record, "seconds": clock() - t0})
                 whole = {k: torch.cat([part[k] for part in hidden_parts]) for k in hidden_parts[0]}  # (B, ...)
                 _save_trainer_state(last, model, opt, whole,
-                                    {"step": step, "best_valid_bpb": best, "seconds": time.monotonic() - t0,
+                                    {"step": step, "best_valid_bpb": best, "seconds": clock() - t0,
                                      "world_size": group.world, "config": cfg.to_dict(), "bptt_pos": pos}, rngs)
             group.barrier()  # the others wait for rank 0's validation and files
         if time_up:
             stop_reason = "max_minutes"
             break
     bar.close()
-    seconds = time.monotonic() - t0
+    seconds = clock() - t0
     if not valid_slice and group.main:
         save_best(math.nan)
     group.barrier()

@@ -105,7 +105,7 @@ def test_registered_config_round_trips_and_invalid_configs_are_refused() -> None
     tiny = make_config("tiny", {"arch": "compressive"})
     model = build_model(config_from_dict({"arch": tiny.arch, **tiny.model}))
     assert isinstance(model, CompressiveTransformer) and model.training_only_parameters() == []
-    for bad in ({"segment": 7}, {"mem_len": 8}, {"cmem_len": 0}, {"compression": "zip"}, {"adapt_layer": 2},
+    for bad in ({"segment": 7}, {"mem_len": 8}, {"cmem_len": -1}, {"compression": "zip"}, {"adapt_layer": 2},
                 {"n_head": 3}):
         with pytest.raises(ValueError):
             CompressiveTransformer(CompressiveConfig(**{**MODEL, **bad}))
@@ -235,6 +235,42 @@ def test_the_fifo_keeps_the_last_inputs_and_compresses_exactly_the_evicted_slots
             torch.testing.assert_close(cmem[:, Ncm - kept :], comp[:, -kept:], rtol=1e-5, atol=1e-6)
         assert bool((cmem[:, : Ncm - kept] == 0).all())
         assert state.tensors["seen"].tolist() == [n, n]
+
+
+@pytest.mark.parametrize("mode", ["conv", "max"])
+def test_without_a_compressed_memory_evictions_drop_and_nothing_compresses(mode: str) -> None:
+    """cmem_len 0 is Transformer-XL's memory: no f (no parameters), no compressed slots, the fine memory the last
+    inputs as ever; the same weights give the compressive model's logits exactly until its first compressed slot
+    is attended (the first n_m + S bytes), and different ones after; pieces equal one forward; no recon loss."""
+    none = _model(compression=mode, cmem_len=0)
+    assert all(b.compressor is None for b in none.blocks)
+    assert not any("compressor" in name for name, _ in none.named_parameters())
+    full = _model(compression=mode)
+    full.load_state_dict(none.state_dict(), strict=False)  # everything but f
+    S, Nm = none.config.segment, none.config.mem_len
+    n = 47
+    x = _tokens(n, batch=2)
+    inputs, hooks = _record_inputs(none)
+    try:
+        with torch.no_grad():
+            logits, state = _run(none, x, [1, 2, 9, 10, 20])
+    finally:
+        for h in hooks:
+            h.remove()
+    for i in range(none.config.n_layer):
+        assert state.tensors[f"cmem{i}"].shape == (2, 0, none.config.d_model)
+        fine = torch.cat(inputs[i], 1)[:, max(0, n // S * S - Nm) :]
+        mem = state.tensors[f"mem{i}"]
+        torch.testing.assert_close(mem[:, mem.shape[1] - fine.shape[1] :], fine, rtol=0, atol=0)
+    with torch.no_grad():
+        whole = none(x, none.init_state(2))
+        ref = full(x, full.init_state(2)).logits
+    torch.testing.assert_close(logits, whole.logits, rtol=1e-5, atol=1e-5)
+    first = (Nm // S + 1) * S  # the first segment end past n_m evicts: bytes before it never see a compressed slot
+    torch.testing.assert_close(whole.logits[:, :first], ref[:, :first], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(whole.logits[:, first:], ref[:, first:], atol=1e-4)
+    out = none.train()(x[:, :30], none.init_state(2))
+    assert "recon" not in out.aux and torch.isfinite(out.logits).all()
 
 
 def _usage_ref(block: Any, h: torch.Tensor, q_start: int, k_start: int, stop: int) -> torch.Tensor:

@@ -167,6 +167,33 @@ def test_budget_clock_ends_the_decay_with_whichever_budget_runs_out_first() -> N
         make_config(None, {"schedule_clock": "wall"})
 
 
+@pytest.mark.parametrize("time_clock", ["wall", "cpu"])
+def test_time_clock_counts_wall_or_this_process_cpu_time(tmp_path, time_clock: str) -> None:
+    """time_clock "cpu": max_minutes and the budget clock count this process's CPU time, so a run that waits (a
+    machine shared with other runs) gets the same budget; "wall" counts the waits. Each log record sleeps 0.3 s."""
+    import time
+
+    from trainer.train import train
+
+    cfg = make_config("tiny", {"max_steps": 8, "log_every": 1, "valid_every": 100, "time_clock": time_clock,
+                               "max_minutes": 10.0, "threads": 1, "stats_batches": 1, "stats_batch_size": 2})
+    records: list[dict] = []
+    t0 = time.monotonic()
+    train(cfg, [DATA / "train.txt"], tmp_path / "ck", progress=False,
+          on_log=lambda r: (records.append(r), time.sleep(0.3)))
+    wall = time.monotonic() - t0
+    seconds = [r["seconds"] for r in records if "train_bpb" in r]
+    assert len(seconds) == 8 and seconds == sorted(seconds)
+    slept = 0.3 * 7  # the sleeps between the first and the last step's record
+    if time_clock == "wall":
+        assert seconds[-1] - seconds[0] >= slept
+    else:
+        assert seconds[-1] - seconds[0] < slept / 2 < wall
+    assert ("CPU-min" in (tmp_path / "ck" / "MODEL_CARD.md").read_text()) == (time_clock == "cpu")
+    with pytest.raises(ValueError, match="time_clock"):
+        make_config(None, {"time_clock": "gpu"})
+
+
 def test_reset_rows_start_afresh_with_the_stream_start_token() -> None:
     """reset_prob: the drawn rows get a fresh state and the stream-start token as first input, the others keep
     theirs; the draw depends on (seed, step) only, so every process of a distributed run agrees on it."""
