@@ -2,13 +2,14 @@
 
     python -m bench.families [--checkpoints DIR ...] [--text FILE] [--bytes 100000] [--device auto] [--json PATH]
 
-Columns: inference parameters; the checkpoint's size on disk; training tokens/s (the median of its train.jsonl,
-measured where it was trained, which the model card names); bits per byte of the held-out book (static, whole
-context carried: `evaluate_bpb` with 8 streams), and of 64 pieces of 128 bytes each scored from a cold start;
-scoring tokens/s at batch 32; generation latency (ms a byte,
-batch 1, greedy, after a 256-byte prompt); suggestion latency (ms a `suggest` call on a 256-byte context: word
-completions and next characters); a session's state in bytes (`State.row_bytes`) and its sparse adapter in bytes
-(float32 k x k at the checkpoint's dyneval.json size).
+Columns: inference parameters; the checkpoint's size on disk; training minutes and tokens/s (from config.json and
+the median of its train.jsonl, measured where it was trained, which the model card names; CPU-minutes for a run on
+the "cpu" time clock); the validation bits per byte of its model card (the whole validation file); bits per byte of
+the held-out book (static, whole context carried: `evaluate_bpb` with 8 streams), and of 64 pieces of 128 bytes each
+scored from a cold start; scoring tokens/s at batch 32; generation latency (ms a byte, batch 1, greedy, after a
+256-byte prompt); suggestion latency (ms a `suggest` call on a 256-byte context: word completions and next
+characters); a session's state in bytes (`State.row_bytes`: in memory, caches included, and as exports and stores
+keep it, `State.persistent`) and its sparse adapter in bytes (float32 k x k at the checkpoint's dyneval.json size).
 
 The default text is the held-out book of the dynamic-evaluation benchmark (chesterton-brown, never trained on).
 """
@@ -54,6 +55,9 @@ def measure(path: Path, text: bytes, device: torch.device) -> dict[str, object]:
     row["params"] = sum(p.numel() for n, p in model.named_parameters() if n not in training_only)
     row["disk_mb"] = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
     row["train_tok_s"] = _train_tokens_per_s(path)
+    training = ck.meta.get("training", {})
+    row["train_min"] = training["seconds"] / 60 if "seconds" in training else None
+    row["valid_bpb"] = ck.meta.get("metrics", {}).get("valid_bpb")  # the card's: whole validation file
     row["bpb"] = evaluate_bpb(model, text, streams=8)
     # cold starts: 64 pieces of 128 bytes from the text, each scored from the initial state (a new session's, a
     # stateless /v1/score's), as one batch of independent streams
@@ -93,6 +97,7 @@ def measure(path: Path, text: bytes, device: torch.device) -> dict[str, object]:
     with torch.no_grad():
         out = model(torch.tensor([list(raw)], device=device), state)
     row["state_bytes"] = out.state.row_bytes
+    row["stored_state_bytes"] = out.state.persistent().row_bytes  # what exports and stores keep: no caches
     site = model.adaptation_sites()[0]
     k = site.adapter_size(int(ck.dyneval.get("sparse", {}).get("adapter_units", 0) or 0))
     row["adapter_bytes"] = 4 * k * k * len(model.adaptation_sites())
@@ -117,10 +122,10 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_line()
     print(f"# architectures side by side on {device.type} ({where}); text {Path(args.text).name}, "
           f"{len(text):,} bytes")
-    print("| checkpoint | arch | parameters | disk MB | train tok/s | bits/byte | cold 128 B bits/byte "
-          "| score tok/s (32 streams) "
-          "| generate ms/byte | suggest ms | session state bytes | sparse adapter bytes |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| checkpoint | arch | parameters | disk MB | train min | train tok/s | valid bits/byte (card) | bits/byte "
+          "| cold 128 B bits/byte | score tok/s (32 streams) "
+          "| generate ms/byte | suggest ms | session state bytes (in memory / stored) | sparse adapter bytes |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for path in args.checkpoints:
         try:
@@ -130,9 +135,10 @@ def main() -> None:
             continue
         rows.append(r)
         print(f"| {r['checkpoint']} | {r['arch']} | {r['params']:,} | {r['disk_mb']:.1f} "
-              f"| {_fmt(r['train_tok_s'], ',.0f')} | {r['bpb']:.4f} | {r['cold_bpb']:.4f} | {r['score_tok_s']:,.0f} "
-              f"| {r['gen_ms']:.2f} "
-              f"| {r['suggest_ms']:.1f} | {r['state_bytes']:,} | {r['adapter_bytes']:,} |")
+              f"| {_fmt(r['train_min'], '.1f')} | {_fmt(r['train_tok_s'], ',.0f')} | {_fmt(r['valid_bpb'], '.4f')} "
+              f"| {r['bpb']:.4f} | {r['cold_bpb']:.4f} | {r['score_tok_s']:,.0f} | {r['gen_ms']:.2f} "
+              f"| {r['suggest_ms']:.1f} | {r['state_bytes']:,} / {r['stored_state_bytes']:,} "
+              f"| {r['adapter_bytes']:,} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": where, "rows": rows}, indent=1) + "\n")
 

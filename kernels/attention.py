@@ -75,11 +75,14 @@ def memory_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, r
     else:
         r, u, vb = rel
         scores = (q + u.view(1, H, 1, D)) @ k.transpose(-1, -2)  # (B, H, Lq, Lk) content terms (a) + (c)
-        pos = (q + vb.view(1, H, 1, D)) @ r[:Lk].permute(1, 2, 0)  # (B, H, Lq, Lk) (b) + (d), by distance d
-        i = torch.arange(Lq, device=q.device).view(Lq, 1)
-        j = torch.arange(Lk, device=q.device).view(1, Lk)
-        dist = (Lk - Lq + i - j).clamp(min=0)  # (Lq, Lk) distance of key j from query i
-        scores = scores + pos.gather(-1, dist.expand(B, H, Lq, Lk))  # pick column d for entry (i, j)
+        if Lq == 1:  # decoding: key j is at distance Lk - 1 - j, so the distances reversed are the keys' order
+            scores = scores + (q + vb.view(1, H, 1, D)) @ r[:Lk].flip(0).permute(1, 2, 0)  # (B, H, 1, Lk)
+        else:
+            pos = (q + vb.view(1, H, 1, D)) @ r[:Lk].permute(1, 2, 0)  # (B, H, Lq, Lk) (b) + (d), by distance d
+            i = torch.arange(Lq, device=q.device).view(Lq, 1)
+            j = torch.arange(Lk, device=q.device).view(1, Lk)
+            dist = (Lk - Lq + i - j).clamp(min=0)  # (Lq, Lk) distance of key j from query i
+            scores = scores + pos.gather(-1, dist.expand(B, H, Lq, Lk))  # pick column d for entry (i, j)
     scores = scores * scale
     allowed = _allowed(Lq, Lk, key_lengths, q.device).unsqueeze(1)  # (B or 1, 1, Lq, Lk)
     scores = scores.masked_fill(~allowed, -math.inf)

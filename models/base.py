@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-__all__ = ["Adapter", "LanguageModel", "ModelConfig", "Output", "Site", "State"]
+__all__ = ["DERIVED", "Adapter", "LanguageModel", "ModelConfig", "Output", "Site", "State"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class Site:
         return min(requested or self.units or self.dim, self.dim)
 
 
+DERIVED = "memo."  # State tensors named so are caches a model can rebuild (`State.persistent`)
+
+
 @dataclass
 class State:
     """Recurrent state or memories; every tensor has the batch on dim 0.
@@ -67,6 +70,12 @@ class State:
     def row_bytes(self) -> int:
         """Bytes one row holds (what a session's state costs in memory; padding included)."""
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values()) if self.batch else 0
+
+    def persistent(self) -> State:
+        """Without its derived tensors, those named `memo.*`: caches the model rebuilds from the rest when they are
+        stale (the compressive model's keys and values). Exports and stores keep this; an import starts the derived
+        tensors afresh from a new state."""
+        return State({k: v for k, v in self.tensors.items() if not k.startswith(DERIVED)})
 
     def to_tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Flat, contiguous CPU tensors for serialisation (safetensors), names prefixed."""

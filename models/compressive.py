@@ -31,6 +31,18 @@ layer `mem{l}` (B, n_m + S - 1, D) the fine memory incl. the pending bytes of th
 p = seen mod S, fine min(seen, n_m + p), compressed min(n_cm, max(0, seen - p - n_m) / c). Keys are assembled
 right-aligned and contiguous ([valid cmem ; valid mem ; current], padding first) for `key_lengths`.
 
+Key/value cache (serving cost). A memory slot's keys and values depend only on the stored input and the layer's LN and
+K/V weights, so with frozen weights each slot is projected once, when it enters the memory (a compressed slot when it
+is compressed), and kept in the state beside the memory: `memo.kv_mem{l}` (B, n_m + S - 1, 2D) and
+`memo.kv_cmem{l}` (B, n_cm, 2D) in the memories' layout, with `memo.sig{l}` (B,) a fingerprint of the weights that
+made them (a fixed random projection of LN and K/V's parameters; NaN in a fresh state). A call then projects only its
+own bytes: one position of K/V a byte instead of n_cm + n_m + S. A layer projects its whole memory afresh, as without
+the cache, where a row's fingerprint differs from the current weights' (a fresh or imported state, weights changed by
+full dynamic evaluation, another model's state) and where the weights need a gradient (training; full dynamic
+evaluation's adapted layers: the memory's keys take part in their gradient); in training mode the cache is not kept.
+The `memo.` tensors are derived (`State.persistent`): exports and stores leave them out, an import starts them
+stale. They triple a session's state in memory.
+
 With `cmem_len` 0 there is no compressed memory and no f: evicted inputs are dropped, which is Transformer-XL's memory
 (the ablation "compressed memory against none at equal attention length" gives it mem_len = n_m + n_cm).
 
@@ -66,12 +78,24 @@ from torch import nn
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from kernels.compress import compress_memory, fixed_memory_update
-from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
+from models.base import DERIVED, Adapter, LanguageModel, ModelConfig, Output, Site, State
 
 __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
 
 COMPRESSIONS = ("conv", "mean", "max", "dilated", "most_used")
 _DILATIONS = (1, 2)
+_PROBES: dict[torch.device, torch.Tensor] = {}
+
+
+def _fingerprint(weights: list[torch.Tensor]) -> torch.Tensor:
+    """A float32 scalar that changes when any of `weights` changes: their dot product with a fixed uniform random
+    vector (this process's; fingerprints are never exported)."""
+    flat = torch.cat([w.detach().reshape(-1).float() for w in weights])
+    probe = _PROBES.get(flat.device)
+    if probe is None or probe.numel() < flat.numel():
+        probe = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0x5EED)).to(flat.device)
+        _PROBES[flat.device] = probe
+    return torch.dot(flat, probe[: flat.numel()])
 
 
 @dataclass(frozen=True)
@@ -98,6 +122,11 @@ def _sinusoid(length: int, dim: int, device: torch.device, dtype: torch.dtype) -
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))  # (dim/2,)
     ang = torch.arange(length, device=device, dtype=torch.float32).view(-1, 1) * inv  # (length, dim/2)
     return torch.cat([ang.sin(), ang.cos()], 1).to(dtype)  # (length, dim)
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, l, X) -> (B, n, X): zeros in front (the memories' layout: newest last)."""
+    return F.pad(t, (0, 0, n - t.shape[1], 0))
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -179,27 +208,61 @@ class _Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(D, cfg.d_ff), nn.ReLU(), nn.Linear(cfg.d_ff, D))
         # f, absent without a compressed memory (cmem_len 0: no parameters that nothing reads)
         self.compressor = _Compressor(cfg) if cfg.cmem_len else None
+        # the projected sinusoids by (device, dtype, autocast): W_{k,R}'s fingerprint and r (`positions`)
+        self._positions: dict[tuple[torch.device, torch.dtype, bool], tuple[float, torch.Tensor]] = {}
+        self.longest = cfg.cmem_len + cfg.mem_len + 2 * cfg.segment  # > any piece's keys (n_cm + n_m + S - 1 + S)
 
     @property
     def compressor_(self) -> _Compressor:
         assert self.compressor is not None, "a model with cmem_len 0 compresses nothing"
         return self.compressor
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, key_lengths: torch.Tensor,
-                sinus: torch.Tensor) -> torch.Tensor:
-        """x (B, m, D) the piece's inputs; ctx (B, L, D) [cmem ; mem] right-aligned; key_lengths (B,) valid keys of
-        [ctx ; x]; sinus (L + m, D) R[0..L+m-1] -> (B, m, D)."""
+    def project(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys and values of layer inputs (B, L, D) -> (B, L, 2D), [k ; v] on the last dim."""
+        return self.kv(self.ln1(keys))
+
+    def signature(self) -> torch.Tensor:
+        """The fingerprint of the weights `project` uses: a cached projection is stale when it changes."""
+        return _fingerprint([self.ln1.weight, self.ln1.bias, self.kv.weight, self.kv.bias])
+
+    def positions(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """r = W_{k,R} R[d] for d = 0..n-1 -> (n, H, Dh) (TXL sec. 3.3), like `like`'s device and dtype. Outside
+        training, and where W_{k,R} needs no gradient, projected once for the longest distance a piece can have and
+        sliced (R[d] does not depend on n), afresh when W_{k,R}'s fingerprint or the autocast setting changes."""
+        H, D = self.n_head, like.shape[-1]
+        if self.training or (torch.is_grad_enabled() and self.r_net.weight.requires_grad):
+            return self.r_net(_sinusoid(n, D, like.device, like.dtype)).view(n, H, D // H)
+        key = (like.device, like.dtype, torch.is_autocast_enabled(like.device.type))
+        sig = float(_fingerprint([self.r_net.weight]))
+        hit = self._positions.get(key)
+        if hit is None or hit[0] != sig or hit[1].shape[0] < n:
+            longest = max(n, self.longest)
+            r = self.r_net(_sinusoid(longest, D, like.device, like.dtype)).view(longest, H, D // H).detach()
+            hit = self._positions[key] = (sig, r)
+        return hit[1][:n]
+
+    def projects_with_grad(self) -> bool:
+        """The projection's weights need a gradient in this call (training, full dynamic evaluation)."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (*self.ln1.parameters(),
+                                                                         *self.kv.parameters()))
+
+    def forward(self, x: torch.Tensor, ctx_kv: torch.Tensor, key_lengths: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, m, D) the piece's inputs; ctx_kv (B, Lc, 2D) the keys and values of the memories' slots before
+        them; key_lengths (B,) valid keys of [ctx ; x], the last ones (None: all) -> (B, m, D), the piece's own keys
+        and values (B, m, 2D)."""
         B, m, D = x.shape
         H = self.n_head
-        h = self.ln1(torch.cat([ctx, x], 1))  # (B, L+m, D)
-        q = self.q(h[:, -m:])  # (B, m, D)
-        k, v = self.kv(h).chunk(2, -1)  # (B, L+m, D) each
-        r = self.r_net(sinus).view(-1, H, D // H)  # (L+m, H, Dh) W_{k,R} R_{i-j}, indexed by distance
+        h = self.ln1(x)  # (B, m, D)
+        q = self.q(h)  # (B, m, D)
+        kv_x = self.kv(h)  # (B, m, 2D)
+        k, v = torch.cat([ctx_kv.to(kv_x.dtype), kv_x], 1).chunk(2, -1)  # (B, Lc+m, D) each
+        r = self.positions(k.shape[1], x)  # (Lc+m, H, Dh) W_{k,R} R_{i-j}, indexed by distance
         att = memory_attention(_heads(q, H), _heads(k, H), _heads(v, H), rel=(r, self.u, self.v),
                                key_lengths=key_lengths)  # (B, H, m, Dh) TXL eq. terms (a)-(d), causal bottom-right
         p = self.dropout if self.training else 0.0
         x = x + F.dropout(self.proj(att.transpose(1, 2).reshape(B, m, D)), p)  # (B, m, D)
-        return x + F.dropout(self.mlp(self.ln2(x)), p)
+        return x + F.dropout(self.mlp(self.ln2(x)), p), kv_x
 
     def _frozen_qkv(self, seg: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries of seg (B, Lq, D) and keys/values of keys (B, Lk, D) with detached copies of this layer's weights
@@ -291,6 +354,10 @@ class CompressiveTransformer(LanguageModel):
         for i in range(self.config.n_layer):
             tensors[f"mem{i}"] = torch.zeros(batch, self.fine_slots, D, dtype=p.dtype, device=p.device)
             tensors[f"cmem{i}"] = torch.zeros(batch, self.config.cmem_len, D, dtype=p.dtype, device=p.device)
+            tensors[f"memo.kv_mem{i}"] = torch.zeros(batch, self.fine_slots, 2 * D, dtype=p.dtype, device=p.device)
+            tensors[f"memo.kv_cmem{i}"] = torch.zeros(batch, self.config.cmem_len, 2 * D, dtype=p.dtype,
+                                                      device=p.device)
+            tensors[f"memo.sig{i}"] = torch.full((batch,), math.nan, dtype=torch.float32, device=p.device)
         return State(tensors)
 
     def adaptation_sites(self) -> list[Site]:
@@ -312,6 +379,8 @@ class CompressiveTransformer(LanguageModel):
         S = self.config.segment
         st = dict(state.tensors)
         st["seen"] = st["seen"].clamp(min=0)  # an imported state is validated for shape and dtype only
+        if "memo.sig0" not in st:  # a persistent state (`State.persistent`): the cache starts stale
+            st.update({k: v for k, v in self.init_state(B).tensors.items() if k.startswith(DERIVED)})
         mats = adapter.mats["resid"] if adapter is not None else None
         p = self.config.dropout if self.training else 0.0
         x_all = F.dropout(self.embed(tokens), p)  # (B, T, D)
@@ -351,20 +420,54 @@ class CompressiveTransformer(LanguageModel):
         n_f, n_c = self.fills(seen)
         done = (seen % S) + m == S  # (B,) rows whose segment completes with this piece
         n_ev = torch.where(done, (seen + m - Nm).clamp(0, S), 0)  # (B,) evicted slots, a multiple of c
-        evicting = cfg.cmem_len > 0 and bool((n_ev > 0).any())  # without a compressed memory evictions drop
-        # [cmem ; mem] with each part's valid slots made contiguous at the right end (padding first)
-        o = torch.arange(L, device=x.device).view(1, L)
-        src = torch.where(o >= L - n_f.view(B, 1), o, o - (Lf - n_f).view(B, 1)).clamp(min=0)  # (B, L)
-        key_lengths = n_c + n_f + m  # (B,)
-        sinus = _sinusoid(L + m, D, x.device, x.dtype)  # (L+m, D) R[d], d = 0..L+m-1
+        closing = bool(done.any())
+        evicting = cfg.cmem_len > 0 and closing and bool((n_ev > 0).any())  # without a compressed memory: dropped
+
+        def fifo(fm: torch.Tensor, add: torch.Tensor, cm: torch.Tensor, comp: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            # FIFO (kernels op: one launch on a GPU): mem <- [mem ; x][m:], cut to the newest n_m where the segment
+            # completed; cmem <- [cmem ; comp][-n_cm:] with comp's first S/c - n_ev/c slots zeroed, where n_ev > 0.
+            # A piece that closes no row's segment only appends.
+            if not closing:
+                return torch.cat([fm, add], 1)[:, m:], cm
+            return fixed_memory_update(fm, add, done, cm, comp, n_ev // c, mem_len=Nm)
+        # keys [valid cmem ; valid mem ; the piece]: when every row has the same fills (one session; a suggestion's
+        # branches), the valid slots sliced; otherwise [cmem ; mem] with each row's valid slots made contiguous at
+        # the right end by a gather (padding first, masked by key_lengths)
+        uniform = B == 1 or bool((n_f == n_f[0]).all() and (n_c == n_c[0]).all())
+        if uniform:
+            nf, nc = int(n_f[0]), int(n_c[0])
+            key_lengths = None  # every key valid
+
+            def context(cm: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
+                return torch.cat([cm[:, cfg.cmem_len - nc :], fm[:, Lf - nf :]], 1)  # (B, nc + nf, ·)
+        else:
+            key_lengths = n_c + n_f + m  # (B,)
+            o = torch.arange(L, device=x.device).view(1, L)
+            src = torch.where(o >= L - n_f.view(B, 1), o, o - (Lf - n_f).view(B, 1)).clamp(min=0)  # (B, L)
+
+            def context(cm: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
+                both = torch.cat([cm, fm], 1)  # (B, L, ·)
+                return both.gather(1, src.unsqueeze(-1).expand(B, L, both.shape[-1]))  # (B, L, ·)
         train_f = self.training and torch.is_grad_enabled() and self.trains_compressor
         new = {"seen": seen + m}
         losses = []
+        keep_kv = not self.training  # the key/value cache (module docstring): kept outside training
         for i, block in enumerate(self.layers):
             mem, cmem = st[f"mem{i}"], st[f"cmem{i}"]
-            ctx = torch.cat([cmem, mem], 1).gather(1, src.unsqueeze(-1).expand(B, L, D))  # (B, L, D)
+            kv_mem, kv_cmem, sig = st[f"memo.kv_mem{i}"], st[f"memo.kv_cmem{i}"], st[f"memo.sig{i}"]
+            now = block.signature() if keep_kv else sig
+            if not (keep_kv and not block.projects_with_grad() and bool((sig == now).all())):
+                # the memory projected afresh (stale cache, or weights that need the keys' gradient)
+                if uniform:
+                    part = block.project(context(cmem, mem))  # (B, Lc, 2D) the valid slots only
+                    kv_cmem, kv_mem = _left_pad(part[:, :nc], cfg.cmem_len), _left_pad(part[:, nc:], Lf)
+                else:
+                    both = block.project(torch.cat([cmem, mem], 1))  # (B, L, 2D)
+                    kv_cmem, kv_mem = both[:, : cfg.cmem_len], both[:, cfg.cmem_len :]
+            ctx_kv = context(kv_cmem, kv_mem)  # (B, Lc, 2D)
             x_in = x.detach()  # (B, m, D) memories are stop-gradient
-            x = block(x, ctx, key_lengths, sinus)
+            x, kv_x = block(x, ctx_kv, key_lengths)
             comp = None
             if evicting:
                 ext = torch.cat([mem, x_in], 1)  # (B, Lf+m, D)
@@ -381,9 +484,17 @@ class CompressiveTransformer(LanguageModel):
                 if train_f:
                     losses.append(block.recon_loss(seg, win, comp, n_ev, c))
                 comp = comp.detach()  # the LM loss gives f no gradient
-            # FIFO (kernels op: one launch on a GPU): mem <- [mem ; x][m:], cut to the newest n_m where the segment
-            # completed; cmem <- [cmem ; comp][-n_cm:] with comp's first S/c - n_ev/c slots zeroed, where n_ev > 0
-            new[f"mem{i}"], new[f"cmem{i}"] = fixed_memory_update(mem, x_in, done, cmem, comp, n_ev // c, mem_len=Nm)
+            new[f"mem{i}"], new[f"cmem{i}"] = fifo(mem, x_in, cmem, comp)
+            if keep_kv:  # the cache follows the memories: the piece's own projections, the new compressed slots'
+                with torch.no_grad():
+                    dtype = st[f"memo.kv_mem{i}"].dtype  # the state's (autocast computes bf16)
+                    kv_comp = block.project(comp).to(dtype) if comp is not None else None
+                    new[f"memo.kv_mem{i}"], new[f"memo.kv_cmem{i}"] = fifo(
+                        kv_mem.detach().to(dtype), kv_x.detach().to(dtype), kv_cmem.detach().to(dtype), kv_comp)
+                new[f"memo.sig{i}"] = now.expand_as(sig).clone()
+            else:
+                new[f"memo.kv_mem{i}"], new[f"memo.kv_cmem{i}"] = st[f"memo.kv_mem{i}"], st[f"memo.kv_cmem{i}"]
+                new[f"memo.sig{i}"] = torch.full_like(sig, math.nan)  # the weights move under training: stale
             if i == self.site_layer and mats is not None:
                 x = apply_adapter_positions(x, mats)  # (B, m, D) h' = h + M h at every position, one bmm
         return x, new, torch.stack(losses).sum() if losses else None

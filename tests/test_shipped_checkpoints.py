@@ -79,7 +79,9 @@ def test_adaptlm_serve_runs_the_shipped_transformer(name: str, tmp_path: Path) -
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(CHECKPOINTS / name),
                                  "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                env=os.environ | {"ADAPTLM_DEVICE": "cpu"})
+                                # a generous suggestion budget: a loaded machine must not decide whether a completion
+                                # arrives (the 50 ms default cuts a transformer's search short; tests/server test it)
+                                env=os.environ | {"ADAPTLM_DEVICE": "cpu", "ADAPTLM_SUGGEST_BUDGET_MS": "5000"})
     try:
         assert wait_ready(url, proc, time.monotonic() + 120), log.read_text()[-3000:]
         with httpx.Client(base_url=url, timeout=60) as client:

@@ -43,8 +43,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 def export_session(session: Session, model_hash: str) -> bytes:
     """A versioned, pickle-free blob: safetensors bytes of the tensors, with JSON metadata in its header,
     tagged with the checkpoint's weights hash. Owner and id are not part of it: the importer chooses both."""
-    tensors = {f"state.{k}": _plain(v) for k, v in session.state.tensors.items()}
-    tensors |= {f"static.{k}": _plain(v) for k, v in session.static_state.tensors.items()}
+    tensors = {f"state.{k}": _plain(v) for k, v in session.state.persistent().tensors.items()}
+    tensors |= {f"static.{k}": _plain(v) for k, v in session.static_state.persistent().tensors.items()}
     tensors |= {f"adapter.{k}": _plain(v) for k, v in session.adapter.mats.items()}
     if session.copy is not None:
         tensors |= {f"copy.{k}": _plain(v) for k, v in session.copy.tensors.items()}
@@ -151,9 +151,12 @@ def import_session(blob: bytes, *, model_hash: str, template: Session,
             out[k] = t.to(ref.device)
         return out
 
-    state_shapes = {k: tuple(v.shape) for k, v in template.state.tensors.items()}
-    state = take("state", template.state.tensors, state_shapes)
-    static = take("static", template.static_state.tensors, state_shapes)
+    # derived tensors (caches, `State.persistent`) are not exported: the template's fresh ones, rebuilt on use
+    kept = template.state.persistent().tensors
+    state_shapes = {k: tuple(v.shape) for k, v in kept.items()}
+    state = {**template.state.tensors, **take("state", kept, state_shapes)}
+    static = {**template.static_state.tensors, **take("static", template.static_state.persistent().tensors,
+                                                       state_shapes)}
     mats = take("adapter", template.adapter.mats, {k: (1, size, size) for k in template.adapter.mats})
     # an export without a copy model (older, or from a server without one) starts one afresh; a session with the
     # neural cache has none

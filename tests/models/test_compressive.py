@@ -370,6 +370,90 @@ def test_kv_projections_get_lm_gradients_after_many_segments() -> None:
     assert int(state.tensors["seen"][0]) == 48 and all(p.requires_grad for p in model.parameters())
 
 
+def _stale(state: State) -> State:
+    """The state with every layer's key/value cache marked stale (its fingerprints NaN): the next call projects the
+    whole memory afresh, as the model did before it had a cache."""
+    return State({k: torch.full_like(v, math.nan) if k.startswith("memo.sig") else v for k, v in state.tensors.items()})
+
+
+def _count_projections(model: CompressiveTransformer) -> list[int]:
+    """Rows each call of every block's `project` (the memory's keys and values afresh, or new compressed slots)
+    receives, recorded in order."""
+    rows: list[int] = []
+    for block in model.blocks:
+        inner = block.project
+        block.project = lambda keys, inner=inner: (rows.append(keys.shape[1]), inner(keys))[1]  # type: ignore
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["conv", "most_used"])
+def test_the_key_value_cache_equals_projecting_the_memory_afresh(mode: str) -> None:
+    """Byte by byte with frozen weights, each memory slot is projected once (a compressed slot when it is made),
+    and logits and state equal a run that projects the whole memory afresh at every call."""
+    model = _model(compression=mode)
+    cfg = model.config
+    x = _tokens(40, batch=2, seed=5)
+    adapter = Adapter({"resid": 0.1 * torch.randn(2, 10, 10, generator=torch.Generator().manual_seed(2))})
+    rows = _count_projections(model)
+    runs = []
+    for stale in (False, True):
+        state, logits = model.init_state(2), []
+        with torch.no_grad():
+            for t in range(x.shape[1]):
+                out = model(x[:, t : t + 1], _stale(state) if stale else state, adapter)
+                state = out.state
+                logits.append(out.logits)
+        runs.append((state, torch.cat(logits, 1), sum(rows)))
+        rows.clear()
+    (cached, a, projected), (fresh, b, afresh) = runs
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    evictions = len(range(cfg.mem_len // cfg.segment + 1, x.shape[1] // cfg.segment + 1))  # segment ends past n_m
+    assert projected == cfg.n_layer * evictions * cfg.segment // cfg.rate  # only the new compressed slots
+    assert afresh > 10 * projected
+    assert_states_close(cached.persistent(), fresh.persistent(), rtol=1e-5, atol=1e-6)
+    n_f, n_c = model.fills(cached.tensors["seen"])
+    assert int(n_c.min()) > 0
+    with torch.no_grad():  # the cache's valid slots are the projections of the memories' valid slots
+        for i, block in enumerate(model.blocks):
+            for b in range(2):
+                for name, n in (("mem", int(n_f[b])), ("cmem", int(n_c[b]))):
+                    slots = cached.tensors[f"{name}{i}"][b, -n:]
+                    torch.testing.assert_close(cached.tensors[f"memo.kv_{name}{i}"][b, -n:], block.project(slots),
+                                               rtol=1e-5, atol=1e-5)
+    assert bool(torch.isfinite(cached.tensors["memo.sig0"]).all())
+
+
+def test_a_stale_cache_is_projected_afresh() -> None:
+    """Weights changed in place (as full dynamic evaluation changes them) or needing a gradient: the call projects
+    the memory afresh, and its keys still carry the gradient to the K/V weights."""
+    model = _model()
+    x = _tokens(30, batch=1, seed=6)
+    with torch.no_grad():
+        state = model(x[:, :25], model.init_state(1)).state
+        model.blocks[1].kv.weight.add_(0.05 * torch.randn_like(model.blocks[1].kv.weight))
+        after = model(x[:, 25:], state).logits
+        ref = model(x[:, 25:], _stale(state)).logits
+    torch.testing.assert_close(after, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        state = model(x[:, 25:], state).state  # 30 bytes: 9 fine slots and 4 compressed ones, the cache fresh
+    rows = _count_projections(model)
+    out = model(x[:, 25:26], state)  # grad enabled and the weights require it: projected afresh
+    assert rows == [9 + 4] * model.config.n_layer
+    out.logits.sum().backward()
+    assert float(model.blocks[0].kv.weight.grad.abs().sum()) > 0
+
+
+def test_training_keeps_no_cache_and_exports_leave_it_out() -> None:
+    """Training mode marks the cache stale (weights move every step); `State.persistent` drops the memo tensors."""
+    model = _model().train()
+    out = model(_tokens(20, batch=2), model.init_state(2))
+    assert all(bool(out.state.tensors[f"memo.sig{i}"].isnan().all()) for i in range(model.config.n_layer))
+    kept = out.state.persistent().tensors
+    assert kept and not any(k.startswith("memo.") for k in kept)
+    assert set(out.state.tensors) - set(kept) == {f"memo.{n}{i}" for n in ("kv_mem", "kv_cmem", "sig")
+                                                   for i in range(model.config.n_layer)}
+
+
 @pytest.mark.parametrize("mode", COMPRESSIONS)
 @pytest.mark.parametrize("cuts", [[1, 2, 3], [5, 11, 12], [7, 19, 30, 31], list(range(1, 47))])
 def test_pieces_with_the_state_equal_one_forward(mode: str, cuts: list[int]) -> None:
@@ -532,7 +616,7 @@ def test_session_adapts_scores_suggests_and_generates(client: TestClient, ckpt: 
     assert seen[2]["bits"] < seen[0]["bits"] and seen[2]["bits"] < 0.9 * seen[2]["static_bits"], seen
     assert seen[0]["static_bits"] == pytest.approx(score_bytes(ckpt.model, text.encode()).bits, rel=1e-5)
     state, adapter, last, _ = _exported(client, sid)
-    assert set(state.tensors) == set(ckpt.model.init_state(1).tensors)
+    assert set(state.tensors) == set(ckpt.model.init_state(1).persistent().tensors)  # the cache is not exported
     assert int(state.tensors["seen"]) == 300 and adapter.mats["resid"].abs().sum() > 0
     r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "a tru", "k": 3, "n_chars": 3})
     assert r.status_code == 200, r.text
