@@ -219,7 +219,8 @@ class _Block(nn.Module):
 
     def project(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys and values of layer inputs (B, L, D) -> (B, L, 2D), [k ; v] on the last dim."""
-        return self.kv(self.ln1(keys))
+        out: torch.Tensor = self.kv(self.ln1(keys))
+        return out
 
     def signature(self) -> torch.Tensor:
         """The fingerprint of the weights `project` uses: a cached projection is stale when it changes."""
@@ -231,7 +232,8 @@ class _Block(nn.Module):
         sliced (R[d] does not depend on n), afresh when W_{k,R}'s fingerprint or the autocast setting changes."""
         H, D = self.n_head, like.shape[-1]
         if self.training or (torch.is_grad_enabled() and self.r_net.weight.requires_grad):
-            return self.r_net(_sinusoid(n, D, like.device, like.dtype)).view(n, H, D // H)
+            fresh: torch.Tensor = self.r_net(_sinusoid(n, D, like.device, like.dtype))
+            return fresh.view(n, H, D // H)
         key = (like.device, like.dtype, torch.is_autocast_enabled(like.device.type))
         sig = float(_fingerprint([self.r_net.weight]))
         hit = self._positions.get(key)
