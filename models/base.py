@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-__all__ = ["DERIVED", "Adapter", "LanguageModel", "ModelConfig", "Output", "Site", "State"]
+__all__ = ["DERIVED", "Adapter", "LanguageModel", "ModelConfig", "Output", "Site", "State", "left_pad"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class State:
             parts = [s.tensors[k] for s in states]
             if parts[0].dim() >= 2 and len({p.shape[1] for p in parts}) > 1:
                 L = max(p.shape[1] for p in parts)
-                parts = [_left_pad(p, L) for p in parts]  # memories of different lengths: pad the oldest end
+                parts = [left_pad(p, L) for p in parts]  # memories of different lengths: pad the oldest end
             out[k] = torch.cat(parts, dim=0)
         return State(out)
 
@@ -117,7 +117,7 @@ class State:
             theirs = other.tensors[k]
             if mine.dim() >= 2 and mine.shape[1] != theirs.shape[1]:
                 L = max(mine.shape[1], theirs.shape[1])
-                mine, theirs = _left_pad(mine, L), _left_pad(theirs, L)
+                mine, theirs = left_pad(mine, L), left_pad(theirs, L)
             out[k] = torch.where(rows.view(-1, *([1] * (mine.dim() - 1))), mine, theirs)
         return State(out)
 
@@ -125,7 +125,7 @@ class State:
         return State({k: v.to(*args, **kwargs) for k, v in self.tensors.items()})
 
 
-def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+def left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
     """(b, l, ...) -> (b, length, ...), the new slots first (zeros, or False for a mask)."""
     pad = t.new_zeros(t.shape[0], length - t.shape[1], *t.shape[2:])
     return torch.cat([pad, t], dim=1)

@@ -35,7 +35,7 @@ Key/value cache (serving cost). A memory slot's keys and values depend only on t
 K/V weights, so with frozen weights each slot is projected once, when it enters the memory (a compressed slot when it
 is compressed), and kept in the state beside the memory: `memo.kv_mem{l}` (B, n_m + S - 1, 2D) and
 `memo.kv_cmem{l}` (B, n_cm, 2D) in the memories' layout, with `memo.sig{l}` (B,) a fingerprint of the weights that
-made them (a fixed random projection of LN and K/V's parameters; NaN in a fresh state). A call then projects only its
+made them (a fixed random projection of LN, K/V and W_{k,R}; NaN in a fresh state). A call then projects only its
 own bytes: one position of K/V a byte instead of n_cm + n_m + S. A layer projects its whole memory afresh, as without
 the cache, where a row's fingerprint differs from the current weights' (a fresh or imported state, weights changed by
 full dynamic evaluation, another model's state) and where the weights need a gradient (training; full dynamic
@@ -78,7 +78,7 @@ from torch import nn
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from kernels.compress import compress_memory, fixed_memory_update
-from models.base import DERIVED, Adapter, LanguageModel, ModelConfig, Output, Site, State
+from models.base import DERIVED, Adapter, LanguageModel, ModelConfig, Output, Site, State, left_pad
 
 __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
 
@@ -122,11 +122,6 @@ def _sinusoid(length: int, dim: int, device: torch.device, dtype: torch.dtype) -
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))  # (dim/2,)
     ang = torch.arange(length, device=device, dtype=torch.float32).view(-1, 1) * inv  # (length, dim/2)
     return torch.cat([ang.sin(), ang.cos()], 1).to(dtype)  # (length, dim)
-
-
-def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, l, X) -> (B, n, X): zeros in front (the memories' layout: newest last)."""
-    return F.pad(t, (0, 0, n - t.shape[1], 0))
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -209,7 +204,7 @@ class _Block(nn.Module):
         # f, absent without a compressed memory (cmem_len 0: no parameters that nothing reads)
         self.compressor = _Compressor(cfg) if cfg.cmem_len else None
         # the projected sinusoids by (device, dtype, autocast): W_{k,R}'s fingerprint and r (`positions`)
-        self._positions: dict[tuple[torch.device, torch.dtype, bool], tuple[float, torch.Tensor]] = {}
+        self._positions: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.longest = cfg.cmem_len + cfg.mem_len + 2 * cfg.segment  # > any piece's keys (n_cm + n_m + S - 1 + S)
 
     @property
@@ -223,21 +218,22 @@ class _Block(nn.Module):
         return out
 
     def signature(self) -> torch.Tensor:
-        """The fingerprint of the weights `project` uses: a cached projection is stale when it changes."""
-        return _fingerprint([self.ln1.weight, self.ln1.bias, self.kv.weight, self.kv.bias])
+        """The fingerprint of the weights the cached projections depend on (`project`'s and W_{k,R}, `positions`'):
+        a cached projection is stale when it changes. One per layer and call."""
+        return _fingerprint([self.ln1.weight, self.ln1.bias, self.kv.weight, self.kv.bias, self.r_net.weight])
 
-    def positions(self, n: int, like: torch.Tensor) -> torch.Tensor:
-        """r = W_{k,R} R[d] for d = 0..n-1 -> (n, H, Dh) (TXL sec. 3.3), like `like`'s device and dtype. Outside
-        training, and where W_{k,R} needs no gradient, projected once for the longest distance a piece can have and
-        sliced (R[d] does not depend on n), afresh when W_{k,R}'s fingerprint or the autocast setting changes."""
+    def positions(self, n: int, like: torch.Tensor, sig: torch.Tensor | None) -> torch.Tensor:
+        """r = W_{k,R} R[d] for d = 0..n-1 -> (n, H, Dh) (TXL sec. 3.3), like `like`'s device and dtype. Given the
+        layer's `signature` (outside training) and where W_{k,R} needs no gradient, projected once for the longest
+        distance a piece can have and sliced (R[d] does not depend on n), afresh when the signature or the autocast
+        setting changes."""
         H, D = self.n_head, like.shape[-1]
-        if self.training or (torch.is_grad_enabled() and self.r_net.weight.requires_grad):
+        if sig is None or self.training or (torch.is_grad_enabled() and self.r_net.weight.requires_grad):
             fresh: torch.Tensor = self.r_net(_sinusoid(n, D, like.device, like.dtype))
             return fresh.view(n, H, D // H)
         key = (like.device, like.dtype, torch.is_autocast_enabled(like.device.type))
-        sig = float(_fingerprint([self.r_net.weight]))
         hit = self._positions.get(key)
-        if hit is None or hit[0] != sig or hit[1].shape[0] < n:
+        if hit is None or not bool(hit[0] == sig) or hit[1].shape[0] < n:
             longest = max(n, self.longest)
             r = self.r_net(_sinusoid(longest, D, like.device, like.dtype)).view(longest, H, D // H).detach()
             hit = self._positions[key] = (sig, r)
@@ -248,18 +244,18 @@ class _Block(nn.Module):
         return torch.is_grad_enabled() and any(t.requires_grad for t in (*self.ln1.parameters(),
                                                                          *self.kv.parameters()))
 
-    def forward(self, x: torch.Tensor, ctx_kv: torch.Tensor, key_lengths: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, ctx_kv: torch.Tensor, key_lengths: torch.Tensor | None,
+                sig: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, m, D) the piece's inputs; ctx_kv (B, Lc, 2D) the keys and values of the memories' slots before
-        them; key_lengths (B,) valid keys of [ctx ; x], the last ones (None: all) -> (B, m, D), the piece's own keys
-        and values (B, m, 2D)."""
+        them; key_lengths (B,) valid keys of [ctx ; x], the last ones (None: all); sig the layer's `signature` (None:
+        nothing cached) -> (B, m, D), the piece's own keys and values (B, m, 2D)."""
         B, m, D = x.shape
         H = self.n_head
         h = self.ln1(x)  # (B, m, D)
         q = self.q(h)  # (B, m, D)
         kv_x = self.kv(h)  # (B, m, 2D)
         k, v = torch.cat([ctx_kv.to(kv_x.dtype), kv_x], 1).chunk(2, -1)  # (B, Lc+m, D) each
-        r = self.positions(k.shape[1], x)  # (Lc+m, H, Dh) W_{k,R} R_{i-j}, indexed by distance
+        r = self.positions(k.shape[1], x, sig)  # (Lc+m, H, Dh) W_{k,R} R_{i-j}, indexed by distance
         att = memory_attention(_heads(q, H), _heads(k, H), _heads(v, H), rel=(r, self.u, self.v),
                                key_lengths=key_lengths)  # (B, H, m, Dh) TXL eq. terms (a)-(d), causal bottom-right
         p = self.dropout if self.training else 0.0
@@ -463,13 +459,13 @@ class CompressiveTransformer(LanguageModel):
                 # the memory projected afresh (stale cache, or weights that need the keys' gradient)
                 if uniform:
                     part = block.project(context(cmem, mem))  # (B, Lc, 2D) the valid slots only
-                    kv_cmem, kv_mem = _left_pad(part[:, :nc], cfg.cmem_len), _left_pad(part[:, nc:], Lf)
+                    kv_cmem, kv_mem = left_pad(part[:, :nc], cfg.cmem_len), left_pad(part[:, nc:], Lf)
                 else:
                     both = block.project(torch.cat([cmem, mem], 1))  # (B, L, 2D)
                     kv_cmem, kv_mem = both[:, : cfg.cmem_len], both[:, cfg.cmem_len :]
             ctx_kv = context(kv_cmem, kv_mem)  # (B, Lc, 2D)
             x_in = x.detach()  # (B, m, D) memories are stop-gradient
-            x, kv_x = block(x, ctx_kv, key_lengths)
+            x, kv_x = block(x, ctx_kv, key_lengths, now if keep_kv else None)
             comp = None
             if evicting:
                 ext = torch.cat([mem, x_in], 1)  # (B, Lf+m, D)
