@@ -2,8 +2,11 @@
 # One GPU run, everything a session with a lent GPU machine measures, in one command (device time is scarce):
 #   1. the transformer families' `gpu` presets train on the public-domain mix, side by side on the one GPU;
 #   2. meanwhile the `gpu`-marked tests run (correctness only: they share the GPU with the training);
-#   3. then, on the quiet GPU, `python -m bench.kernels` (the Triton kernels against their references).
-# Results go to $OUT (default runs/gpu): gpu.txt (the card), gpu-tests.log, kernels.md, kernels.json,
+#   3. then, on the quiet GPU, `python -m bench.attention_variants` (which of the attention rewrite's changes compile
+#      correctly, and their times) and `python -m bench.kernels` (the Triton kernels against their references).
+# FAMILIES=0 skips the training and the families table (step 1): the kernel work alone.
+# Results go to $OUT (default runs/gpu): gpu.txt (the card), gpu-tests.log, attention_variants.md and .json,
+# kernels.md, kernels.json,
 # families.md and families.json (bench.families: the trained checkpoints beside the default), one
 # <arch>.tgz per trained checkpoint (the checkpoint and its train.jsonl; its resumable state left out).
 #
@@ -56,7 +59,9 @@ EXTRA=""
 if [ "${SMOKE:-0}" = 1 ]; then PRESET=tiny; EXTRA="--max-steps 20"; fi
 
 pids=""
-for arch in char-transformer compressive; do
+ARCHS="char-transformer compressive"
+if [ "${FAMILIES:-1}" = 0 ]; then ARCHS=""; fi
+for arch in $ARCHS; do
     stamp "training $arch ($PRESET, at most $TRAIN_MIN min)"
     # shellcheck disable=SC2086
     # the reference kernels train the shipped checkpoints: they must not depend on kernels this run tests first
@@ -76,15 +81,24 @@ fi
 tail -n 15 "$OUT/gpu-tests.log"
 
 for pid in $pids; do wait "$pid"; done
-stamp "families table"
-timeout 120 $PY -m bench.families --checkpoints checkpoints/default "$OUT/char-transformer" "$OUT/compressive" \
-    --text "$DATA/chesterton-brown.txt" --json "$OUT/families.json" > "$OUT/families.md" 2>&1
-cat "$OUT/families.md"
-for arch in char-transformer compressive; do
+if [ -n "$ARCHS" ]; then
+    stamp "families table"
+    timeout 120 $PY -m bench.families --checkpoints checkpoints/default "$OUT/char-transformer" "$OUT/compressive" \
+        --text "$DATA/chesterton-brown.txt" --json "$OUT/families.json" > "$OUT/families.md" 2>&1
+    cat "$OUT/families.md"
+fi
+for arch in $ARCHS; do
     stamp "trained $arch: $(tail -n 1 "$OUT/train-$arch.log" | cut -c1-300)"
     mkdir -p "$OUT/$arch" && mv "$OUT/train-$arch.log" "$OUT/$arch/"
     tar -czf "$OUT/$arch.tgz" -C "$OUT" --exclude last "$arch" && rm -rf "${OUT:?}/$arch"
 done
+
+stamp "attention settings"
+VSMOKE=""
+if [ "${SMOKE:-0}" = 1 ]; then VSMOKE="--smoke"; fi
+env -u TRITON_INTERPRET timeout "${VARIANTS_S:-150}" $PY -m bench.attention_variants $VSMOKE \
+    --json "$OUT/attention_variants.json" > "$OUT/attention_variants.md" 2> "$OUT/attention_variants.log"
+cat "$OUT/attention_variants.md"
 
 stamp "kernel benchmark"
 QUICK=""

@@ -158,7 +158,7 @@ def test_forward_and_gradients_match(Lq: int, Lk: int, D: int, rel: bool, key_le
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32)], ids=["tall-tiles", "wide-tiles"])
 def test_unequal_tiles(blocks: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     # BLOCK_M != BLOCK_N: the distance range (BLOCK_M + BLOCK_N - 1 rows, padded to 64) and the tile-skip bounds
-    monkeypatch.setattr(attention, "_block_sizes", lambda D, Lq, is_cuda: (*blocks, 4, 1))
+    monkeypatch.setattr(attention, "_block_sizes", lambda *a, **kw: (*blocks, 4, 1))
     _compare(37, 113, 16, True, [50, 113], torch.float32)
 
 
@@ -223,3 +223,45 @@ def test_launcher_refuses_what_the_kernel_cannot_run() -> None:
     x = _inputs(6, 11, 16, torch.float32, rel=False)
     with pytest.raises(ValueError, match="dtype|float"):
         memory_attention(x["q"], x["k"].half(), x["v"], impl="triton")
+
+
+TUNED_CASES = [  # the rel cases where each setting changes something: padded rows, decoding, odd lengths, fp16
+    pytest.param(37, 113, 16, True, [60, 113], torch.float32, id="odd-rel-padded-f32"),
+    pytest.param(37, 113, 64, True, [37, 90], torch.float16, id="odd-rel-padded-d64-f16"),
+    pytest.param(1, 29, 32, True, [1, 20], torch.float16, id="decode-rel-padded-f16"),
+    pytest.param(24, 24, 16, True, None, torch.float16, id="no-memory-rel-f16"),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("setting", ["rewrite", "gather16=1", "half_range=1", "dr=diagonal"])
+@pytest.mark.parametrize(("Lq", "Lk", "D", "rel", "key_lengths", "dtype"), TUNED_CASES)
+def test_every_tuning_computes_the_same_op(setting: str, Lq: int, Lk: int, D: int, rel: bool,
+                                           key_lengths: list[int] | None, dtype: torch.dtype,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(setting))
+    _compare(Lq, Lk, D, rel, key_lengths, dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("blocks", [(32, 32), (32, 16)], ids=["square-32", "tall"])
+def test_half_range_and_diagonal_dr_at_other_tiles(blocks: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # half_range carries the upper half across key tiles only on square tiles (tall ones take the full range); the dr
+    # kernel's diagonals at 32 x 32 tiles (its own sizes: kernel="dr")
+    def sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str = "fwd", tiles: str = "v1"):  # type: ignore[no-untyped-def]
+        return (32, 32, 4, 1) if kernel == "dr" else (*blocks, 4, 1)
+
+    monkeypatch.setattr(attention, "_block_sizes", sizes)
+    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse("rewrite"))
+    _compare(70, 150, 16, True, [70, 101], torch.float32)
+
+
+def test_tuning_settings_parse_and_refuse() -> None:
+    T = attention.Tuning
+    assert T.parse("") == T() == T.parse("shipped")
+    assert T.parse("rewrite") == T(tiles="hopper", gather16=True, half_range=True, dr="diagonal")
+    assert T.parse("rewrite, tiles=v1") == T(tiles="v1", gather16=True, half_range=True, dr="diagonal")
+    assert T.parse("gather16=1,dr=diagonal") == T(gather16=True, dr="diagonal")
+    for bad in ["fast", "gather16=2", "tiles=ampere", "warps=8", "dr="]:
+        with pytest.raises(ValueError, match="attention tuning"):
+            T.parse(bad)

@@ -60,13 +60,14 @@ def compile_all() -> None:
     compile_attention()
 
 
-ATTENTION_FP32 = {"LSE", "DELTA", "DQ", "DQR", "DR"}  # float32 buffers; KL is int32; the other capitals hold the dtype
+ATTENTION_FP32 = {"LSE", "DELTA", "DQ", "DQR", "DR", "DRP"}  # float32 buffers; KL is int32; other capitals: the dtype
 ATTENTION_FLOATS = {"qk_scale", "scale"}
 
 
 def compile_attention() -> None:
     """kernels.attention: every kernel at the launcher's GPU tiles, with rel and key_lengths in each dtype, and in
-    float16 also without rel, decoding (Lq = 1) and head dim 128."""
+    float16 also without rel, decoding (Lq = 1) and head dim 128; then run 2's rewrite (`Tuning.parse("rewrite")`:
+    its tiles, 16-bit gathers, half ranges and the dr kernel) in float16 and bfloat16."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -75,24 +76,39 @@ def compile_attention() -> None:
 
     attention._triton()  # binds tl, wraps the kernels
     kernels = {"fwd": attention._memory_attention_kernel, "dq": attention._memory_attention_bwd_dq_kernel,
-               "dkdv": attention._memory_attention_bwd_dkdv_kernel}
+               "dkdv": attention._memory_attention_bwd_dkdv_kernel, "dr": attention._memory_attention_bwd_dr_kernel}
+    shipped, rewrite = attention.Tuning(), attention.Tuning.parse("rewrite")
+    runs = []  # (dtype, D, Lq, rel, key_lengths, tuning)
     for dtype in DTYPES:
-        cases = [(64, 512, True, True)]  # D, Lq, rel, key_lengths
+        runs.append((dtype, 64, 512, True, True, shipped))
         if dtype == "fp16":
-            cases += [(64, 512, False, False), (64, 1, True, False), (128, 256, True, True)]
-        for D, Lq, rel, kl in cases:
-            for kernel in kernels.values():
-                bm, bn, warps, stages = attention._block_sizes(D, Lq, True)
-                params = inspect.signature(kernel.fn).parameters
-                consts = {"HEAD_D": D, "HAS_KL": kl, "PREC": "ieee" if dtype == "fp32" else "tf32", "BLOCK_M": bm,
-                          "BLOCK_N": bn, "BLOCK_W": triton.next_power_of_2(bm + bn - 1), "HAS_REL": rel}
-                sig = {name: "constexpr" if name in consts else "*fp32" if name in ATTENTION_FP32 else
-                       "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
-                       "fp32" if name in ATTENTION_FLOATS else "i32" for name in params}
-                src = ASTSource(kernel, sig, constexprs=consts)
-                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                          options={"num_warps": warps, "num_stages": stages})
-                assert compiled.asm.get("cubin"), f"{kernel.fn.__name__} {dtype} D{D} Lq{Lq}: no cubin"
+            runs += [(dtype, 64, 512, False, False, shipped), (dtype, 64, 1, True, False, shipped),
+                     (dtype, 128, 256, True, True, shipped)]
+        if dtype != "fp32":
+            runs += [(dtype, 64, 512, True, True, rewrite), (dtype, 128, 256, True, True, rewrite)]
+    for dtype, D, Lq, rel, kl, tune in runs:
+        for which, kernel in kernels.items():
+            if which == "dr" and (not rel or tune.dr != "diagonal"):
+                continue
+            bm, bn, warps, stages = attention._block_sizes(D, Lq, True, rel, which, tune.tiles)
+            params = inspect.signature(kernel.fn).parameters
+            consts = {"HEAD_D": D, "HAS_KL": kl, "PREC": "ieee" if dtype == "fp32" else "tf32",
+                      "GATHER16": tune.gather16}
+            if which == "dr":
+                consts.update(BLOCK=bn, BLOCK_W=2 * bn)
+            else:
+                consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1), HAS_REL=rel)
+            if which == "fwd":
+                consts["HALF_RANGE"] = tune.half_range and bm == bn
+            if which == "dq":
+                consts["DR_ATOMIC"] = tune.dr == "atomic"
+            sig = {name: "constexpr" if name in consts else "*fp32" if name in ATTENTION_FP32 else
+                   "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
+                   "fp32" if name in ATTENTION_FLOATS else "i32" for name in params}
+            src = ASTSource(kernel, sig, constexprs=consts)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": warps, "num_stages": stages})
+            assert compiled.asm.get("cubin"), f"{kernel.fn.__name__} {dtype} D{D} Lq{Lq} {tune}: no cubin"
 
 
 def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
