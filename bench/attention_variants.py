@@ -41,7 +41,8 @@ from kernels.attention import Tuning, memory_attention, memory_attention_ref  # 
 from tests.kernels._tolerance import kernel_error_ratio  # noqa: E402
 
 SETTINGS = ["shipped", "gather16=1", "half_range=1", "tiles=hopper", "dr=diagonal", "rewrite",
-            "rewrite,gather16=0", "rewrite,tiles=v1"]
+            "rewrite,gather16=0", "rewrite,tiles=v1", "tiles=lean", "tiles=lean,dr=diagonal",
+            "tiles=lean,dr=diagonal,gather16=1"]
 GRADS = ["out", "dq", "dk", "dv", "dr", "du", "dv_bias"]
 
 

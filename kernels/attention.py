@@ -67,16 +67,18 @@ HEAD_DIMS = (16, 32, 64, 128)
 @dataclass(frozen=True)
 class Tuning:
     """How the Triton kernels run, never what they compute: every setting gives the same op within the kernel
-    tolerance (the interpreter tests run each). The default is the kernel GPU-verified in run 1 (docs/benchmarks.md);
-    the others are run 2's rewrite, one change each, which failed the compiled `rel` test as a whole
-    (`bench.attention_variants` tells which change on a GPU).
+    tolerance (the interpreter tests run each). The default is the kernel GPU-verified in run 1 (docs/benchmarks.md).
+    Run 2's rewrite failed the compiled `rel` test as a whole; its changes are settings here, one each
+    (`bench.attention_variants` runs each compiled on a GPU; `bench.kernel_resources` prints their spills anywhere).
 
-    tiles: "v1" (4 warps at head dims <= 64) or "hopper" (the rewrite's per-kernel tiles: 8 warps with rel, 128 x 64
-        forward tiles without). gather16: the positional scores are rounded to the inputs' dtype before the diagonal
-        gather (half the shuffled bytes; the reference's matmul rounds them the same way). half_range: square forward
-        tiles compute only the lower half of each distance range (the upper half is the previous key tile's lower
-        half). dr: "atomic" (summed by the dq kernel with fp32 atomics) or "diagonal" (one program per tile diagonal
-        sums it in registers; deterministic)."""
+    tiles: "v1" (4 warps at head dims <= 64), "hopper" (the rewrite's per-kernel tiles: 8 warps with rel, 128 x 64
+        forward tiles without) or "lean" (4 warps, smaller tiles with rel: few register spills).
+    gather16: the positional scores are rounded to the inputs' dtype before the diagonal gather (half the shuffled
+        bytes; the reference's matmul rounds them the same way).
+    half_range: square forward tiles compute only the lower half of each distance range (the upper half is the
+        previous key tile's lower half).
+    dr: "atomic" (summed by the dq kernel with fp32 atomics) or "diagonal" (one program per tile diagonal sums it
+        in registers; deterministic)."""
 
     tiles: str = "v1"
     gather16: bool = False
@@ -87,8 +89,8 @@ class Tuning:
         "shipped": {}, "rewrite": {"tiles": "hopper", "gather16": True, "half_range": True, "dr": "diagonal"}}
 
     def __post_init__(self) -> None:
-        if self.tiles not in ("v1", "hopper") or self.dr not in ("atomic", "diagonal"):
-            raise ValueError(f"attention tuning: tiles must be v1 or hopper and dr atomic or diagonal, not {self}")
+        if self.tiles not in ("v1", "hopper", "lean") or self.dr not in ("atomic", "diagonal"):
+            raise ValueError(f"attention tuning: tiles must be v1, hopper or lean, dr atomic or diagonal: {self}")
 
     @classmethod
     def parse(cls, text: str) -> Tuning:
@@ -551,13 +553,25 @@ def _block_sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str 
     tiles "v1" (GPU-verified, run 1): 64 x 64 (or 16-row decoding) tiles, 4 warps at head dims <= 64. "hopper" (the
     rewrite's, picked from the compiled SASS: few or no register spills): 8 warps for the positional gathers (each
     warp owns whole rows, about BLOCK_W / 32 shuffles per element), FlashAttention-2's 128 x 64 forward tiles without
-    rel once Lq >= 256."""
+    rel once Lq >= 256. "lean": 4 warps (clear of Triton's cross-warpgroup wait bug before its fix, triton#11047)
+    and smaller tiles with rel, picked so the compiled code barely spills (the v1 dq kernel spills 2.4 KB a thread
+    at D = 64; `python -m bench.kernel_resources` prints every kernel's registers and spills without a GPU)."""
     if not is_cuda:
         return 16, 16, 4, 1
     if kernel == "dr":
         if tiles == "v1":
             return (32, 32, 4, 2) if D <= 64 else (16, 16, 4, 2)
+        if tiles == "lean":
+            return 16, 16, 4, 2
         return (32, 32, 8, 2) if D <= 64 else (16, 16, 4, 2)
+    if tiles == "lean":  # 4 warps, tiles whose compiled code (Triton 3.6, sm_90) spills at most 80 bytes a thread
+        if Lq <= 16:
+            return (16, 32, 4, 2) if D <= 64 else (16, 16, 4, 2)
+        if not rel:
+            return (64, 64, 4, 2) if D <= 64 else (64, 32, 4, 2)
+        if D <= 64:
+            return {"fwd": (32, 32, 4, 2), "dq": (16, 32, 4, 2), "dkdv": (16, 64, 4, 2)}[kernel]
+        return {"fwd": (16, 32, 4, 2), "dq": (16, 16, 4, 2), "dkdv": (16, 32, 4, 2)}[kernel]
     if tiles == "v1":
         block_m = 16 if Lq <= 16 else 64
         block_n = 64 if D <= 64 else 32

@@ -9,6 +9,7 @@ have happened under the conftest's TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -60,55 +61,30 @@ def compile_all() -> None:
     compile_attention()
 
 
-ATTENTION_FP32 = {"LSE", "DELTA", "DQ", "DQR", "DR", "DRP"}  # float32 buffers; KL is int32; other capitals: the dtype
-ATTENTION_FLOATS = {"qk_scale", "scale"}
-
-
 def compile_attention() -> None:
     """kernels.attention: every kernel at the launcher's GPU tiles, with rel and key_lengths in each dtype, and in
-    float16 also without rel, decoding (Lq = 1) and head dim 128; then run 2's rewrite (`Tuning.parse("rewrite")`:
-    its tiles, 16-bit gathers, half ranges and the dr kernel) in float16 and bfloat16."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    float16 also without rel, decoding (Lq = 1) and head dim 128; then the other `Tuning`s: run 2's rewrite (its
+    tiles, 16-bit gathers, half ranges and the dr kernel) in float16 and bfloat16, the lean tiles in float16."""
+    from bench.kernel_resources import compile_attention_kernel
     from kernels import attention
 
-    attention._triton()  # binds tl, wraps the kernels
-    kernels = {"fwd": attention._memory_attention_kernel, "dq": attention._memory_attention_bwd_dq_kernel,
-               "dkdv": attention._memory_attention_bwd_dkdv_kernel, "dr": attention._memory_attention_bwd_dr_kernel}
     shipped, rewrite = attention.Tuning(), attention.Tuning.parse("rewrite")
+    lean = attention.Tuning.parse("tiles=lean,dr=diagonal")
     runs = []  # (dtype, D, Lq, rel, key_lengths, tuning)
     for dtype in DTYPES:
         runs.append((dtype, 64, 512, True, True, shipped))
         if dtype == "fp16":
             runs += [(dtype, 64, 512, False, False, shipped), (dtype, 64, 1, True, False, shipped),
-                     (dtype, 128, 256, True, True, shipped)]
+                     (dtype, 128, 256, True, True, shipped), (dtype, 64, 512, True, True, lean),
+                     (dtype, 128, 256, True, True, lean)]
         if dtype != "fp32":
-            runs += [(dtype, 64, 512, True, True, rewrite), (dtype, 128, 256, True, True, rewrite)]
+            runs.append((dtype, 64, 512, True, True, rewrite))
     for dtype, D, Lq, rel, kl, tune in runs:
-        for which, kernel in kernels.items():
+        for which in ("fwd", "dq", "dkdv", "dr"):
             if which == "dr" and (not rel or tune.dr != "diagonal"):
                 continue
-            bm, bn, warps, stages = attention._block_sizes(D, Lq, True, rel, which, tune.tiles)
-            params = inspect.signature(kernel.fn).parameters
-            consts = {"HEAD_D": D, "HAS_KL": kl, "PREC": "ieee" if dtype == "fp32" else "tf32",
-                      "GATHER16": tune.gather16}
-            if which == "dr":
-                consts.update(BLOCK=bn, BLOCK_W=2 * bn)
-            else:
-                consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1), HAS_REL=rel)
-            if which == "fwd":
-                consts["HALF_RANGE"] = tune.half_range and bm == bn
-            if which == "dq":
-                consts["DR_ATOMIC"] = tune.dr == "atomic"
-            sig = {name: "constexpr" if name in consts else "*fp32" if name in ATTENTION_FP32 else
-                   "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
-                   "fp32" if name in ATTENTION_FLOATS else "i32" for name in params}
-            src = ASTSource(kernel, sig, constexprs=consts)
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": warps, "num_stages": stages})
-            assert compiled.asm.get("cubin"), f"{kernel.fn.__name__} {dtype} D{D} Lq{Lq} {tune}: no cubin"
+            compiled = compile_attention_kernel(which, dtype, D, Lq, rel, kl, tune)
+            assert compiled.asm.get("cubin"), f"{which} {dtype} D{D} Lq{Lq} {tune}: no cubin"
 
 
 def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
@@ -118,3 +94,20 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", "from tests.kernels.test_compile import compile_all; compile_all()"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_lean_tiles_spill_less_than_the_shipped_ones(tmp_path: Path) -> None:
+    # `Tuning.tiles = "lean"` exists for its compiled code: the shipped backward's dq kernel spills kilobytes a thread
+    # with rel at D = 64; the lean tiles must cut that (bench.kernel_resources prints every kernel's figures)
+    pytest.importorskip("triton")
+    code = ("import json; from bench.kernel_resources import compile_attention_kernel as c, resources as r; "
+            "from kernels.attention import Tuning as T; "
+            "print(json.dumps({s: r(c('dq', 'fp16', 64, 512, True, True, T.parse(s))) for s in ('shipped', "
+            "'tiles=lean')}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    (_, shipped), (_, lean) = got["shipped"], got["tiles=lean"]
+    assert shipped >= 512 and lean <= shipped // 8, got

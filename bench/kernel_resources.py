@@ -1,0 +1,116 @@
+"""Registers and spills of memory_attention's compiled kernels, per `Tuning`, without a GPU.
+
+Triton compiles for Hopper (sm_90) on any machine; `cuobjdump --dump-resource-usage` (shipped with triton) reads
+each cubin's registers a thread (REG, at most 255) and its stack (STACK: bytes a thread spilled to local memory, read
+and written in the kernel's inner loop). Spills are the one speed signal a CPU can give: every setting the GPU probe
+(`bench.attention_variants`) times is listed here with its spills.
+
+The figures are the installed triton's. The GPU machine's image had triton 3.6.0; to see its code here:
+
+    python -m pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:. python -m bench.kernel_resources
+
+    python -m bench.kernel_resources [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled code only (read when triton is imported)
+
+FP32_BUFFERS = {"LSE", "DELTA", "DQ", "DQR", "DR", "DRP"}  # float32 buffers; KL is int32; other capitals: the dtype
+FLOATS = {"qk_scale", "scale"}
+SETTINGS = ["shipped", "tiles=hopper", "tiles=lean", "gather16=1", "half_range=1", "tiles=lean,dr=diagonal",
+            "rewrite"]
+
+
+def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool, key_lengths: bool,
+                             tune: Any) -> Any:
+    """Compile one of kernels.attention's kernels ("fwd", "dq", "dkdv", "dr") for sm_90 at the launcher's tiles for
+    these shapes and `tune` (a kernels.attention.Tuning). dtype: "fp16", "bf16" or "fp32"."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import attention
+
+    attention._triton()  # binds tl, wraps the kernels
+    kernel = {"fwd": attention._memory_attention_kernel, "dq": attention._memory_attention_bwd_dq_kernel,
+              "dkdv": attention._memory_attention_bwd_dkdv_kernel,
+              "dr": attention._memory_attention_bwd_dr_kernel}[which]
+    bm, bn, warps, stages = attention._block_sizes(D, Lq, True, rel, which, tune.tiles)
+    consts: dict[str, Any] = {"HEAD_D": D, "HAS_KL": key_lengths, "PREC": "ieee" if dtype == "fp32" else "tf32",
+                              "GATHER16": tune.gather16}
+    if which == "dr":
+        consts.update(BLOCK=bn, BLOCK_W=2 * bn)
+    else:
+        consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1), HAS_REL=rel)
+    if which == "fwd":
+        consts["HALF_RANGE"] = tune.half_range and bm == bn
+    if which == "dq":
+        consts["DR_ATOMIC"] = tune.dr == "atomic"
+    params = inspect.signature(kernel.fn).parameters
+    sig = {name: "constexpr" if name in consts else "*fp32" if name in FP32_BUFFERS else
+           "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
+           "fp32" if name in FLOATS else "i32" for name in params}
+    return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def resources(compiled: Any) -> tuple[int, int]:
+    """(registers a thread, stack bytes a thread) of a compiled kernel's cubin."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cuobjdump printed no resource usage: {out[-300:]}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+    import triton
+
+    from kernels import attention
+
+    print(f"# memory_attention kernels compiled for sm_90 (triton {triton.__version__}), float16\n")
+    print("| setting | D | Lq | rel | kernel | tiles | warps | registers | spilled bytes a thread |")
+    print("| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |")
+    rows = []
+    for setting in SETTINGS:
+        tune = attention.Tuning.parse(setting)
+        for D, Lq, rel in [(64, 512, True), (64, 512, False), (64, 1, True), (128, 256, True)]:
+            for which in ("fwd", "dq", "dkdv", "dr"):
+                if which == "dr" and (not rel or tune.dr != "diagonal"):
+                    continue
+                if Lq == 1 and which != "fwd":
+                    continue  # decoding serves without gradients
+                bm, bn, warps, _ = attention._block_sizes(D, Lq, True, rel, which, tune.tiles)
+                regs, stack = resources(compile_attention_kernel(which, "fp16", D, Lq, rel, True, tune))
+                rows.append({"setting": setting, "D": D, "Lq": Lq, "rel": rel, "kernel": which, "tiles": [bm, bn],
+                             "warps": warps, "registers": regs, "spill_bytes": stack})
+                print(f"| {setting} | {D} | {Lq} | {'yes' if rel else 'no'} | {which} | {bm} x {bn} | {warps} | "
+                      f"{regs} | {stack} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
