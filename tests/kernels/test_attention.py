@@ -112,8 +112,9 @@ def _compare(Lq: int, Lk: int, D: int, rel: bool, key_lengths: list[int] | None,
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1: not compiled")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("rel", [True, False], ids=["rel", "plain"])
-def test_cuda_realistic_shape(dtype: torch.dtype, rel: bool) -> None:
-    Lq, Lk, D, heads = 128, 384, 64, 4
+@pytest.mark.parametrize("D", [64, 128], ids=["d64", "d128"])  # d128: the shipped tiles' only 8-warp configuration
+def test_cuda_realistic_shape(dtype: torch.dtype, rel: bool, D: int) -> None:
+    Lq, Lk, heads = 128, 384, 4
     x = _inputs(Lq, Lk, D, dtype, rel, seed=11, device="cuda", heads=heads)
     kl = torch.tensor([Lk, 200], device="cuda")
     got = _run(memory_attention, x, rel, dtype, key_lengths=kl, impl="triton")
