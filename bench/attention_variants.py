@@ -11,7 +11,8 @@ what every correct one is worth:
    200, rel; fp16 and bf16): the out and every gradient against the fp32 reference, by the kernel tolerance rule
    (tests/kernels/_tolerance.py): "ratio" is the worst error over its allowance, <= 1 passes;
 3. for each setting that passed: forward and forward+backward times (triton.testing.do_bench medians) at B8 H8 D64
-   fp16 with rel, and the forward without rel.
+   fp16 with rel, and the forward without rel; above them SDPA's at the same inputs, given the explicit bias built
+   before timing (`sdpa+bias`, the issue's baseline) and built in every call (`sdpa+bias built`), as bench.kernels.
 
     python -m bench.attention_variants [--smoke] [--json PATH]
 
@@ -30,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # the interpreter must be on before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench._common import machine_line  # noqa: E402
-from bench.kernels import Bench, _fwd_bwd  # noqa: E402
+from bench.kernels import Bench, _fwd_bwd, _sdpa_bias  # noqa: E402
 from kernels import attention  # noqa: E402
 from kernels.attention import Tuning, memory_attention, memory_attention_ref  # noqa: E402
 from tests.kernels._tolerance import kernel_error_ratio  # noqa: E402
@@ -143,22 +145,34 @@ def gather_probe(device: torch.device, smoke: bool) -> list[dict[str, Any]]:
     return rows
 
 
+SDPA_ROWS = ["sdpa+bias", "sdpa+bias built"]  # bench.kernels' baselines: the bias built before timing, or per call
+
+
 def timings(settings: list[str], device: torch.device, smoke: bool) -> list[dict[str, Any]]:
+    """Each setting's times, and SDPA's at the same inputs (the rows SDPA_ROWS) for the targets' ratios."""
     b = Bench(device, quick=smoke)
     B, H, D = (1, 2, 16) if smoke else (8, 8, 64)
+    scale = D**-0.5
     shapes = [(16, 48, True)] if smoke else [(128, 512, True), (512, 2048, True), (512, 4096, True),
                                              (512, 4096, False)]
     rows = []
-    for setting in settings:
-        attention.TUNING = Tuning.parse(setting)
+    for setting in [*SDPA_ROWS, *settings]:
+        if setting not in SDPA_ROWS:
+            attention.TUNING = Tuning.parse(setting)
         for Lq, Lk, rel in shapes:
             for mode in ("fwd", "fwd+bwd") if rel else ("fwd",):
                 x = [t.requires_grad_(True) for t in _inputs(B, H, Lq, Lk, D, torch.float16, rel, device)]
                 q, k, v = x[:3]
                 r = tuple(x[4:]) if rel else None
+                with torch.no_grad():
+                    prebuilt = _sdpa_bias(q, Lk, r, scale)  # type: ignore[arg-type]
 
-                def call(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
-                         r: Any = r) -> torch.Tensor:
+                def call(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v, r: Any = r,
+                         setting: str = setting, prebuilt: torch.Tensor = prebuilt) -> torch.Tensor:
+                    if setting in SDPA_ROWS:  # SDPA(q + u, k, v) under the explicit bias, as bench.kernels times it
+                        bias = prebuilt if setting == "sdpa+bias" else _sdpa_bias(q, k.shape[2], r, scale)
+                        qu = q if r is None else q + r[1].view(1, H, 1, D)
+                        return F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, scale=scale)
                     return memory_attention(q, k, v, rel=r, impl="triton")
                 case = f"Lq{Lq} Lk{Lk}{' rel' if rel else ''}"
                 b.case(f"{mode}", case, setting,
@@ -200,7 +214,7 @@ def main() -> None:
         cases = list(dict.fromkeys((t["mode"], t["case"]) for t in times))
         print("| setting | " + " | ".join(f"{m} {c}" for m, c in cases) + " |")
         print("| --- |" + " ---: |" * len(cases))
-        for s in passed:
+        for s in [*SDPA_ROWS, *passed]:
             by = {(t["mode"], t["case"]): t for t in times if t["setting"] == s}
             cells = [f"{by[mc]['ms']:.3f}" if by.get(mc) and by[mc]["ms"] is not None else
                      (by[mc]["error"] if by.get(mc) else "-") for mc in cases]
