@@ -96,7 +96,7 @@ done
 stamp "attention settings"
 VSMOKE=""
 if [ "${SMOKE:-0}" = 1 ]; then VSMOKE="--smoke"; fi
-env -u TRITON_INTERPRET timeout "${VARIANTS_S:-150}" $PY -m bench.attention_variants $VSMOKE \
+env -u TRITON_INTERPRET timeout "${VARIANTS_S:-240}" $PY -m bench.attention_variants $VSMOKE \
     --json "$OUT/attention_variants.json" > "$OUT/attention_variants.md" 2> "$OUT/attention_variants.log"
 cat "$OUT/attention_variants.md"
 
