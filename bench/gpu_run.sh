@@ -4,7 +4,8 @@
 #   2. meanwhile the `gpu`-marked tests run (correctness only: they share the GPU with the training);
 #   3. then, on the quiet GPU, `python -m bench.attention_variants` (which of the attention rewrite's changes compile
 #      correctly, and their times) and `python -m bench.kernels` (the Triton kernels against their references).
-# FAMILIES=0 skips the training and the families table (step 1): the kernel work alone.
+# FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. GPU_TESTS=attention runs only
+# the attention kernel's compiled tests, GPU_TESTS=0 none (bench.attention_variants checks every attention setting).
 # Results go to $OUT (default runs/gpu): gpu.txt (the card), gpu-tests.log, attention_variants.md and .json,
 # kernels.md, kernels.json,
 # families.md and families.json (bench.families: the trained checkpoints beside the default), one
@@ -73,10 +74,15 @@ done
 stamp "gpu tests"
 if [ "${SMOKE:-0}" = 1 ]; then
     $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$OUT/gpu-tests.log" 2>&1
-else
+elif [ "${GPU_TESTS:-all}" = attention ]; then  # the attention kernel's compiled tests alone
+    TRITON_INTERPRET=0 timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 200 \
+        tests/kernels/test_attention.py > "$OUT/gpu-tests.log" 2>&1
+elif [ "${GPU_TESTS:-all}" != 0 ]; then
     # the gpu tests, and the kernel tests (`interpreter` on a CPU) compiled on the GPU at their small odd shapes
     TRITON_INTERPRET=0 timeout 240 $PY -m pytest -q -p no:cacheprovider -m "gpu or interpreter" --timeout 200 \
         tests/kernels tests/test_gpu.py tests/trainer > "$OUT/gpu-tests.log" 2>&1
+else
+    echo "GPU_TESTS=0: skipped" > "$OUT/gpu-tests.log"
 fi
 tail -n 15 "$OUT/gpu-tests.log"
 
