@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kernels import attention
 from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
 from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
 from server.metrics import Metrics, MetricsMiddleware
@@ -75,6 +76,7 @@ def create_app(settings: Settings) -> FastAPI:
                               suggest_budget_ms=settings.suggest_budget_ms, precision=settings.precision,
                               device=settings.device)
         store = _session_store(settings)
+        attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are
         engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         await asyncio.to_thread(engine.start)

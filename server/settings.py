@@ -19,6 +19,9 @@
     ADAPTLM_SESSION_MEMORY_BYTES   tensor bytes all sessions may hold (state, static state, adapter)
     ADAPTLM_SESSION_TTL_S    a session's default time to live after its last use
     ADAPTLM_MAX_SESSION_TTL_S      the longest `ttl_s` a client may ask for
+    ADAPTLM_ATTENTION_TUNING how the Triton attention kernels run on a GPU, never what they compute
+                             (kernels.attention.Tuning: `shipped` (default), `rewrite`, or `key=value,...` such as
+                             `tiles=lean,dr=diagonal`); the kernels' implementation itself is ADAPTLM_KERNELS
     ADAPTLM_SESSION_STORE    where sessions live: `memory` (this process; lost when it ends) or a Redis URL
                              `redis://[:password@]host:port/db` (`rediss://` for TLS): shared by every server
                              using it, kept across restarts; the session limits above are then the shared store's
@@ -81,6 +84,8 @@ class Settings(BaseSettings):
     precision: Precision = "auto"
     # Where the model runs (models/device.py): auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.
     device: str = Field(default="auto", pattern=DEVICE_PATTERN)
+    # How the Triton attention kernels run (kernels.attention.Tuning; "": the shipped, GPU-verified kernel).
+    attention_tuning: str = ""
     # repr=False: a Redis URL may carry a password
     session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)
     # The memory store's file: written at shutdown, read back at start-up (None: sessions end with the process).
@@ -96,6 +101,14 @@ class Settings(BaseSettings):
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("attention_tuning")
+    @classmethod
+    def _attention_tuning(cls, value: str) -> str:
+        from kernels.attention import Tuning
+
+        Tuning.parse(value)  # its ValueError names the bad part
         return value
 
     @field_validator("session_store")

@@ -203,3 +203,14 @@ def test_idle_connections_live_for_keep_alive_s(tiny_checkpoint: Path, serve_app
             except ConnectionResetError:
                 answer = b""
             assert answer == b""  # the server closed it
+
+
+def test_attention_tuning_setting_reaches_the_kernels(serve_app: Any, tiny_checkpoint: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # ADAPTLM_ATTENTION_TUNING is a server setting (validated at start) and the kernels' process-wide settings
+    from kernels import attention
+
+    monkeypatch.setattr(attention, "TUNING", attention.TUNING)  # restored after the test
+    with serve_app(Settings(checkpoint=tiny_checkpoint, attention_tuning="tiles=lean,dr=diagonal")) as live:
+        assert httpx.get(f"{live.url}/readyz").status_code == 200
+        assert attention.tuning() == attention.Tuning(tiles="lean", dr="diagonal")

@@ -59,6 +59,7 @@ def test_rejects_an_invalid_port_from_the_environment(monkeypatch: pytest.Monkey
     {"session_snapshot": "s.zip", "session_store": "redis://localhost:6379/0"},  # Redis keeps its own sessions
     {"suggest_budget_ms": -1}, {"suggest_budget_ms": float("nan")},
     {"precision": "fp8"}, {"precision": "float16"},
+    {"attention_tuning": "fast"}, {"attention_tuning": "tiles=ampere"}, {"attention_tuning": "gather16=2"},
 ])
 def test_rejects_invalid_settings(overrides: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
@@ -85,3 +86,14 @@ def test_rejects_an_invalid_session_store(monkeypatch: pytest.MonkeyPatch, store
     with pytest.raises(ValidationError) as info:
         Settings()
     assert info.value.errors()[0]["loc"][0] == "session_store"
+
+
+def test_attention_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.attention import Tuning
+
+    assert Settings().attention_tuning == "" and Tuning.parse(Settings().attention_tuning) == Tuning()
+    monkeypatch.setenv("ADAPTLM_ATTENTION_TUNING", "tiles=lean,dr=diagonal")
+    assert Tuning.parse(Settings().attention_tuning) == Tuning(tiles="lean", dr="diagonal")
+    monkeypatch.setenv("ADAPTLM_ATTENTION_TUNING", "tiles=lean,warps=8")
+    with pytest.raises(ValidationError, match="warps=8"):
+        Settings()
