@@ -564,7 +564,7 @@ def _block_sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str 
         if tiles == "lean":
             return 16, 16, 4, 2
         return (32, 32, 8, 2) if D <= 64 else (16, 16, 4, 2)
-    if tiles == "lean":  # 4 warps, tiles whose compiled code (Triton 3.6, sm_90) spills at most 80 bytes a thread
+    if tiles == "lean":  # 4 warps; with rel no spills at D <= 64 and at most 120 bytes a thread at D = 128 (3.6)
         if Lq <= 16:
             return (16, 32, 4, 2) if D <= 64 else (16, 16, 4, 2)
         if not rel:
@@ -664,12 +664,14 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dk = torch.zeros((B, H, Lk, D), dtype=k.dtype, device=q.device)  # (B, H, Lk, D)
     dv = torch.zeros((B, H, Lk, D), dtype=v.dtype, device=q.device)
     r, u, vb = rel if rel is not None else (q, q, q)
-    dr = torch.zeros((r.shape[0], H, D), dtype=torch.float32, device=q.device) if rel is not None else dq
+    tune = tuning()
+    diagonal = rel is not None and tune.dr == "diagonal" and dq.numel() != 0  # the dr kernel writes dr, last
+    dr = torch.zeros((r.shape[0], H, D), dtype=torch.float32, device=q.device) if rel is not None and not diagonal \
+        else dq  # (Lr, H, D): the dq kernel's atomics sum into it
     if dq.numel() != 0:
         delta = (do.float() * out.float()).sum(-1)  # (B, H, Lq) rowsum(dO o O), FlashAttention-2 preprocessing
         kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
         triton = _triton()
-        tune = tuning()
         common = (r, u, vb, kl, do, lse, delta)
         strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1),
@@ -683,7 +685,6 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             return bm, bn, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1),
                                 HAS_REL=rel is not None, num_warps=warps, num_stages=stages, **flags)
 
-        diagonal = rel is not None and tune.dr == "diagonal"
         bm, _, dq_meta = meta("dq")
         _memory_attention_bwd_dq_kernel[(triton.cdiv(Lq, bm), B * H)](
             q, k, v, *common, dq, dqr, dr, *strides, H, Lq, Lk, *scales, DR_ATOMIC=not diagonal, **dq_meta)

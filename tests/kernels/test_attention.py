@@ -184,8 +184,10 @@ def test_masking_boundary() -> None:
 
 
 @interpreted
-def test_empty_segment() -> None:
-    # Lq = 0 (nothing to attend from): empty output, zero gradients everywhere
+@pytest.mark.parametrize("setting", ["shipped", "dr=diagonal"])
+def test_empty_segment(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lq = 0 (nothing to attend from): empty output, zero gradients everywhere (dr too, whichever kernel sums it)
+    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(setting))
     x = _inputs(0, 7, 16, torch.float32, rel=True)
     got = _run(memory_attention, x, True, torch.float32, impl="triton")
     assert got[0].shape == (B, H, 0, 16)
