@@ -2,8 +2,9 @@
 # One GPU run, everything a session with a lent GPU machine measures, in one command (device time is scarce):
 #   1. the transformer families' `gpu` presets train on the public-domain mix, side by side on the one GPU;
 #   2. meanwhile the `gpu`-marked tests run (correctness only: they share the GPU with the training);
-#   3. then, on the quiet GPU, `python -m bench.attention_variants` (which of the attention rewrite's changes compile
-#      correctly, and their times) and `python -m bench.kernels` (the Triton kernels against their references).
+#   3. then, on the quiet GPU, `python -m bench.attention_variants` (which attention settings compile correctly, their
+#      times, the fastest) and `python -m bench.kernels` (the Triton kernels against their references) under the
+#      fastest correct attention setting.
 # FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. GPU_TESTS=attention runs only
 # the attention kernel's compiled tests, GPU_TESTS=0 none (bench.attention_variants checks every attention setting).
 # Results go to $OUT (default runs/gpu): gpu.txt (the card), gpu-tests.log, attention_variants.md and .json,
@@ -106,9 +107,13 @@ env -u TRITON_INTERPRET timeout "${VARIANTS_S:-240}" $PY -m bench.attention_vari
     --json "$OUT/attention_variants.json" > "$OUT/attention_variants.md" 2> "$OUT/attention_variants.log"
 cat "$OUT/attention_variants.md"
 
-stamp "kernel benchmark"
+# bench.kernels under the fastest correct attention setting (the shipped one where the probe found none)
+TUNING=$($PY -c "import json, sys; print(json.load(open(sys.argv[1])).get('fastest') or '')" \
+    "$OUT/attention_variants.json" 2>/dev/null)
+stamp "kernel benchmark (ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped})"
 QUICK=""
 if [ "${SMOKE:-0}" = 1 ]; then QUICK="--quick"; fi
-TRITON_INTERPRET=0 timeout "${BENCH_S:-200}" $PY -m bench.kernels $QUICK --json "$OUT/kernels.json" > "$OUT/kernels.md" 2>&1
+ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped} TRITON_INTERPRET=0 timeout "${BENCH_S:-200}" $PY -m bench.kernels $QUICK \
+    --json "$OUT/kernels.json" > "$OUT/kernels.md" 2>&1
 cat "$OUT/kernels.md"
 stamp "done"

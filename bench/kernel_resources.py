@@ -2,8 +2,9 @@
 
 Triton compiles for Hopper (sm_90) on any machine; `cuobjdump --dump-resource-usage` (shipped with triton) reads
 each cubin's registers a thread (REG, at most 255) and its stack (STACK: bytes a thread spilled to local memory, read
-and written in the kernel's inner loop). Spills are the one speed signal a CPU can give: every setting the GPU probe
-(`bench.attention_variants`) times is listed here with its spills.
+and written in the kernel's inner loop), and `cuobjdump -sass` its instructions, counted once each (the inner loop
+dominates them), with the warp shuffles among them. Spills and code length are the speed signals a CPU can give:
+every setting the GPU probe (`bench.attention_variants`) times is listed here.
 
 The figures are the installed triton's. The GPU machine's image had triton 3.6.0; to see its code here:
 
@@ -30,7 +31,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled code only (read when triton
 FP32_BUFFERS = {"LSE", "DELTA", "DQ", "DQR", "DR", "DRP"}  # float32 buffers; KL is int32; other capitals: the dtype
 FLOATS = {"qk_scale", "scale"}
 SETTINGS = ["shipped", "tiles=hopper", "tiles=lean", "gather16=1", "half_range=1", "tiles=lean,dr=diagonal",
-            "rewrite"]
+            "rewrite", "skew=smem", "tiles=lean,skew=smem", "rewrite,skew=smem"]
 
 
 def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool, key_lengths: bool,
@@ -49,7 +50,7 @@ def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool,
               "dr": attention._memory_attention_bwd_dr_kernel}[which]
     bm, bn, warps, stages = attention._block_sizes(D, Lq, True, rel, which, tune.tiles)
     consts: dict[str, Any] = {"HEAD_D": D, "HAS_KL": key_lengths, "PREC": "ieee" if dtype == "fp32" else "tf32",
-                              "GATHER16": tune.gather16}
+                              "GATHER16": tune.gather16, "SKEW_SMEM": tune.skew == "smem"}
     if which == "dr":
         consts.update(BLOCK=bn, BLOCK_W=2 * bn)
     else:
@@ -66,16 +67,27 @@ def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool,
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def resources(compiled: Any) -> tuple[int, int]:
-    """(registers a thread, stack bytes a thread) of a compiled kernel's cubin."""
+def _cuobjdump(compiled: Any, flag: str) -> str:
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def instructions(compiled: Any) -> tuple[int, int]:
+    """(SASS instructions, of which warp shuffles) in a compiled kernel, counted statically: each instruction of the
+    code once, however often a loop runs it (a proxy for the inner loop's length, which dominates the kernel)."""
+    ops = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", _cuobjdump(compiled, "-sass"),
+                     re.MULTILINE)
+    return len(ops), sum(op == "SHFL" for op in ops)
+
+
+def resources(compiled: Any) -> tuple[int, int]:
+    """(registers a thread, stack bytes a thread) of a compiled kernel's cubin."""
+    out = _cuobjdump(compiled, "--dump-resource-usage")
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
     if m is None:
         raise RuntimeError(f"cuobjdump printed no resource usage: {out[-300:]}")
@@ -91,8 +103,9 @@ def main() -> None:
     from kernels import attention
 
     print(f"# memory_attention kernels compiled for sm_90 (triton {triton.__version__}), float16\n")
-    print("| setting | D | Lq | rel | kernel | tiles | warps | registers | spilled bytes a thread |")
-    print("| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |")
+    print("| setting | D | Lq | rel | kernel | tiles | warps | registers | spilled bytes a thread | instructions | "
+          "shuffles |")
+    print("| --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for setting in SETTINGS:
         tune = attention.Tuning.parse(setting)
@@ -103,11 +116,14 @@ def main() -> None:
                 if Lq == 1 and which != "fwd":
                     continue  # decoding serves without gradients
                 bm, bn, warps, _ = attention._block_sizes(D, Lq, True, rel, which, tune.tiles)
-                regs, stack = resources(compile_attention_kernel(which, "fp16", D, Lq, rel, True, tune))
+                compiled = compile_attention_kernel(which, "fp16", D, Lq, rel, True, tune)
+                regs, stack = resources(compiled)
+                count, shuffles = instructions(compiled)
                 rows.append({"setting": setting, "D": D, "Lq": Lq, "rel": rel, "kernel": which, "tiles": [bm, bn],
-                             "warps": warps, "registers": regs, "spill_bytes": stack})
+                             "warps": warps, "registers": regs, "spill_bytes": stack, "instructions": count,
+                             "shuffles": shuffles})
                 print(f"| {setting} | {D} | {Lq} | {'yes' if rel else 'no'} | {which} | {bm} x {bn} | {warps} | "
-                      f"{regs} | {stack} |", flush=True)
+                      f"{regs} | {stack} | {count} | {shuffles} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))
 

@@ -450,7 +450,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     b = Bench(device, args.quick)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU only)"
-    print(f"# Kernels\n\n{machine_line()}\n\nGPU: {card}\n")
+    print(f"# Kernels\n\n{machine_line()}\n\nGPU: {card}; memory_attention tuning: {attention_mod.tuning()}\n")
     if device.type != "cuda":
         print("No CUDA device: the reference paths at scaled-down shapes. GPU figures need a GPU "
               "(run `python -m bench.kernels` on a CUDA machine).\n")
@@ -470,6 +470,7 @@ def main() -> None:
               "sdpa+bias built: the relative bias built from q in every call, then SDPA.")
     if args.json:
         args.json.write_text(json.dumps({"machine": machine_line(), "device": card, "quick": args.quick,
+                                         "attention_tuning": str(attention_mod.tuning()),
                                          "results": [asdict(r) for r in b.results]}, indent=1))
         print(f"\nwrote {args.json}")
 

@@ -23,10 +23,11 @@ positional part scatters dS back into the distance range, giving dq's r-term and
 tile. du and dv_bias are the sums over batch and queries of dq's content and positional parts.
 
 `Tuning` (ADAPTLM_ATTENTION_TUNING) changes how the kernels run, never what they compute: the GPU-verified default
-("shipped"), and one setting per change of run 2's rewrite (8-warp tiles, 16-bit gathers, half distance ranges
-carried across square key tiles, dr by tile diagonals in a fourth kernel without atomics). The rewrite as a whole
+("shipped"), one setting per change of run 2's rewrite (8-warp tiles, 16-bit gathers, half distance ranges carried
+across square key tiles, dr by tile diagonals in a fourth kernel without atomics), lean tiles (few register spills)
+and the skew between distance and key order through shared memory instead of warp shuffles. The rewrite as a whole
 failed the compiled `rel` test on an H200 (Triton 3.6) and passes the interpreter's; `python -m
-bench.attention_variants` runs each setting compiled to tell which change is at fault.
+bench.attention_variants` runs each setting compiled to tell which change is at fault, and which is fastest.
 
 Known limits:
 - head dims 16, 32, 64, 128; float32, float16, bfloat16 on CUDA (the CPU interpreter: float32 and float16 only,
@@ -78,19 +79,27 @@ class Tuning:
     half_range: square forward tiles compute only the lower half of each distance range (the upper half is the
         previous key tile's lower half).
     dr: "atomic" (summed by the dq kernel with fp32 atomics) or "diagonal" (one program per tile diagonal sums it
-        in registers; deterministic)."""
+        in registers; deterministic).
+    skew: how a tile's scores move between distance and key order (the positional term forward, dS backward):
+        "shuffle" (tl.gather along rows: warp shuffles, the register layout converted through shared memory around
+        it) or "smem" (one gather over the flattened tile, through shared memory with no layout conversion; compiled
+        for sm_90 the forward `rel` kernel has a quarter fewer instructions and no spills, `bench.kernel_resources`).
+    """
 
     tiles: str = "v1"
     gather16: bool = False
     half_range: bool = False
     dr: str = "atomic"
+    skew: str = "shuffle"
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "shipped": {}, "rewrite": {"tiles": "hopper", "gather16": True, "half_range": True, "dr": "diagonal"}}
 
     def __post_init__(self) -> None:
-        if self.tiles not in ("v1", "hopper", "lean") or self.dr not in ("atomic", "diagonal"):
-            raise ValueError(f"attention tuning: tiles must be v1, hopper or lean, dr atomic or diagonal: {self}")
+        if self.tiles not in ("v1", "hopper", "lean") or self.dr not in ("atomic", "diagonal") or \
+                self.skew not in ("shuffle", "smem"):
+            raise ValueError(f"attention tuning: tiles must be v1, hopper or lean, dr atomic or diagonal, skew shuffle "
+                             f"or smem: {self}")
 
     @classmethod
     def parse(cls, text: str) -> Tuning:
@@ -229,19 +238,36 @@ def _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W: tl.constexpr):
 
 
 @_jit
-def _on_diagonals(pw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """pw (BLOCK_M, BLOCK_W) by distance -> (BLOCK_M, BLOCK_N) by key: (ii, jj) takes pw[ii, ii - jj + BLOCK_N - 1]."""
-    t = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :] + (BLOCK_N - 1)
-    return tl.gather(pw, t, 1)
+def _skewed(src, idx, SKEW_SMEM: tl.constexpr):
+    """tl.gather(src, idx, 1): out[ii, jj] = src[ii, idx[ii, jj]] for 2-D src, idx with as many rows. SKEW_SMEM: as one
+    gather over the flattened tile, which Triton lowers through shared memory (the tile stored once, each output
+    loaded from where it points) instead of the warp shuffles of a gather along rows (a few per output and the
+    register layout changes around them)."""
+    if SKEW_SMEM:
+        ROWS: tl.constexpr = src.shape[0]
+        WIDTH: tl.constexpr = src.shape[1]
+        COLS: tl.constexpr = idx.shape[1]
+        flat = tl.arange(0, ROWS)[:, None] * WIDTH + idx
+        out = tl.gather(tl.reshape(src, [ROWS * WIDTH]), tl.reshape(flat, [ROWS * COLS]), 0)
+        return tl.reshape(out, [ROWS, COLS])
+    return tl.gather(src, idx, 1)
 
 
 @_jit
-def _on_two_halves(p_lo, p_hi, BLOCK: tl.constexpr):
+def _on_diagonals(pw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW_SMEM: tl.constexpr):
+    """pw (BLOCK_M, BLOCK_W) by distance -> (BLOCK_M, BLOCK_N) by key: (ii, jj) takes pw[ii, ii - jj + BLOCK_N - 1]."""
+    t = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :] + (BLOCK_N - 1)
+    return _skewed(pw, t, SKEW_SMEM)
+
+
+@_jit
+def _on_two_halves(p_lo, p_hi, BLOCK: tl.constexpr, SKEW_SMEM: tl.constexpr):
     """Square tiles: the distance range as two (BLOCK, BLOCK) halves, p_lo for t < BLOCK and p_hi for t >= BLOCK ->
     (BLOCK, BLOCK) by key, as `_on_diagonals` of their concatenation."""
     t = tl.arange(0, BLOCK)[:, None] - tl.arange(0, BLOCK)[None, :] + (BLOCK - 1)
     low = t < BLOCK
-    return tl.where(low, tl.gather(p_lo, tl.where(low, t, 0), 1), tl.gather(p_hi, tl.where(low, 0, t - BLOCK), 1))
+    return tl.where(low, _skewed(p_lo, tl.where(low, t, 0), SKEW_SMEM),
+                    _skewed(p_hi, tl.where(low, 0, t - BLOCK), SKEW_SMEM))
 
 
 @_jit
@@ -254,19 +280,20 @@ def _by_distance(qv, rw, PREC: tl.constexpr, GATHER16: tl.constexpr):
 
 
 @_jit
-def _positional(qv, rw, PREC: tl.constexpr, GATHER16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _positional(qv, rw, PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """(BLOCK_M, BLOCK_N) fp32: (q_i + v_bias) . r[d(i, j)], Transformer-XL terms (b) + (d), from the tile's distance
     rows rw (BLOCK_W, D)."""
-    return _on_diagonals(_by_distance(qv, rw, PREC, GATHER16), BLOCK_M, BLOCK_N).to(tl.float32)
+    return _on_diagonals(_by_distance(qv, rw, PREC, GATHER16), BLOCK_M, BLOCK_N, SKEW_SMEM).to(tl.float32)
 
 
 @_jit
-def _to_distances(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+def _to_distances(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SKEW_SMEM: tl.constexpr):
     """ds (BLOCK_M, BLOCK_N) by key -> (BLOCK_M, BLOCK_W) by distance: g[ii, t] = ds[ii, ii - t + BLOCK_N - 1]
     (zero where that key is outside the tile); the adjoint of `_on_diagonals`."""
     jj = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_W)[None, :] + (BLOCK_N - 1)
     inside = (jj >= 0) & (jj < BLOCK_N)
-    return tl.where(inside, tl.gather(ds, tl.where(inside, jj, 0), 1), 0.0)
+    return tl.where(inside, _skewed(ds, tl.where(inside, jj, 0), SKEW_SMEM), 0.0)
 
 
 @_jit
@@ -288,7 +315,8 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE,
                              H, Lq, Lk, qk_scale,
                              HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_W: tl.constexpr, HAS_REL: tl.constexpr, HAS_KL: tl.constexpr,
-                             PREC: tl.constexpr, GATHER16: tl.constexpr, HALF_RANGE: tl.constexpr):
+                             PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr,
+                             HALF_RANGE: tl.constexpr):
     """Forward: one (query tile, batch * head) per program -> O (B, H, Lq, D), LSE (B, H, Lq) in log2 units.
     HALF_RANGE (square tiles): the next key tile's distances are this one's less BLOCK_N, so the upper half of its
     range is this tile's lower half, carried over: one (BLOCK_M, BLOCK_N) positional matmul per tile."""
@@ -320,11 +348,11 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE,
             d0 = Lk - Lq + start_m - start_n - (BLOCK_N - 1)
             if HALF_RANGE:
                 p_lo = _by_distance(qv, _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_N), PREC, GATHER16)
-                s += _on_two_halves(p_lo, p_hi, BLOCK_N).to(tl.float32)  # + (q + v) . r[d]
+                s += _on_two_halves(p_lo, p_hi, BLOCK_N, SKEW_SMEM).to(tl.float32)  # + (q + v) . r[d]
                 p_hi = p_lo
             else:
-                s += _positional(qv, _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W), PREC, GATHER16, BLOCK_M,
-                                 BLOCK_N)  # + (q + v) . r[d]
+                s += _positional(qv, _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W), PREC, GATHER16, SKEW_SMEM,
+                                 BLOCK_M, BLOCK_N)  # + (q + v) . r[d]
         s = s * qk_scale
         if (start_n < full0) | (start_n >= full1):
             s = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), s, float("-inf"))
@@ -346,7 +374,8 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DQ, D
                                     H, Lq, Lk, qk_scale, scale,
                                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_W: tl.constexpr, HAS_REL: tl.constexpr, HAS_KL: tl.constexpr,
-                                    PREC: tl.constexpr, GATHER16: tl.constexpr, DR_ATOMIC: tl.constexpr):
+                                    PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr,
+                                    DR_ATOMIC: tl.constexpr):
     """Backward over the key tiles of one query tile -> DQ (content part), DQR (positional part), and with DR_ATOMIC
     dr by fp32 atomics into DR (otherwise the dr kernel sums it)."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -375,7 +404,7 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DQ, D
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_REL:
             rw = _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W)  # (BLOCK_W, D)
-            s += _positional(qv, rw, PREC, GATHER16, BLOCK_M, BLOCK_N)
+            s += _positional(qv, rw, PREC, GATHER16, SKEW_SMEM, BLOCK_M, BLOCK_N)
         p = tl.exp2(s * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if (start_n < full0) | (start_n >= full1):
             p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
@@ -383,7 +412,7 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DQ, D
         ds = p * (dp - delta[:, None])  # dL/d(score), FlashAttention-2 eq. dS = P o (dP - rowsum(dO o O))
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         if HAS_REL:
-            g = _to_distances(ds, BLOCK_M, BLOCK_N, BLOCK_W).to(k.dtype)  # (BLOCK_M, BLOCK_W) dS by distance
+            g = _to_distances(ds, BLOCK_M, BLOCK_N, BLOCK_W, SKEW_SMEM).to(k.dtype)  # (BLOCK_M, BLOCK_W) dS by distance
             dqr += tl.dot(g, rw, input_precision=PREC)
             if DR_ATOMIC:
                 dr = tl.dot(tl.trans(g), qv, input_precision=PREC) * scale  # (BLOCK_W, D) sum_i dS(i, d) (q_i + v)
@@ -402,7 +431,7 @@ def _memory_attention_bwd_dkdv_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DK,
                                       H, Lq, Lk, qk_scale, scale,
                                       HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                       BLOCK_W: tl.constexpr, HAS_REL: tl.constexpr, HAS_KL: tl.constexpr,
-                                      PREC: tl.constexpr, GATHER16: tl.constexpr):
+                                      PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr):
     """Backward over the query tiles that see one key tile -> DK, DV (B, H, Lk, D)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -440,7 +469,7 @@ def _memory_attention_bwd_dkdv_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DK,
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_REL:
             rw = _rel_rows(r_base, srl, Lk - Lq + start_m - start_n - (BLOCK_N - 1), Lk, offs_d, BLOCK_W)
-            s += _positional(qv, rw, PREC, GATHER16, BLOCK_M, BLOCK_N)
+            s += _positional(qv, rw, PREC, GATHER16, SKEW_SMEM, BLOCK_M, BLOCK_N)
         p = tl.exp2(s * qk_scale - lse[:, None])
         if (start_m < full0) | (start_m >= full1):
             p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
@@ -458,7 +487,8 @@ def _memory_attention_bwd_dr_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DRP,
                                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, srl, srh, sdb, sdh, sdm,
                                     B, H, Lq, Lk, qk_scale, scale, batch_per_program,
                                     HEAD_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
-                                    HAS_KL: tl.constexpr, PREC: tl.constexpr, GATHER16: tl.constexpr):
+                                    HAS_KL: tl.constexpr, PREC: tl.constexpr, GATHER16: tl.constexpr,
+                                    SKEW_SMEM: tl.constexpr):
     """dr by tile diagonals: square BLOCK x BLOCK tiles with one m - n (query tile m, key tile n) share one distance
     range of BLOCK_W = 2 * BLOCK rows (d0 .. d0 + 2 BLOCK - 2, the last row empty), so one program per (diagonal,
     head, batch group) sums dS by distance times (q + v_bias) over the diagonal's tiles in registers and writes it
@@ -499,12 +529,13 @@ def _memory_attention_bwd_dr_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DRP,
             k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
             qu, qv = _biased(q, U, VB, h, offs_d, HEAD_D, True)
-            s = tl.dot(qu, tl.trans(k), input_precision=PREC) + _positional(qv, rw, PREC, GATHER16, BLOCK, BLOCK)
+            s = tl.dot(qu, tl.trans(k), input_precision=PREC)
+            s += _positional(qv, rw, PREC, GATHER16, SKEW_SMEM, BLOCK, BLOCK)
             p = tl.exp2(s * qk_scale - lse[:, None])
             p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
-            g = _to_distances(ds, BLOCK, BLOCK, BLOCK_W).to(q.dtype)  # (BLOCK, BLOCK_W) dS by distance
+            g = _to_distances(ds, BLOCK, BLOCK, BLOCK_W, SKEW_SMEM).to(q.dtype)  # (BLOCK, BLOCK_W) dS by distance
             acc += tl.dot(tl.trans(g), qv, input_precision=PREC)  # (BLOCK_W, D)
     offs_w = tl.arange(0, BLOCK_W)
     part = DRP + ((grp * tl.num_programs(0) + c) * BLOCK_W + offs_w[:, None]).to(tl.int64) * (H * HEAD_D)
@@ -615,7 +646,7 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
         HEAD_D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1),
         HAS_REL=rel is not None, HAS_KL=key_lengths is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", GATHER16=tune.gather16,
-        HALF_RANGE=tune.half_range and bm == bn, num_warps=warps, num_stages=stages)
+        SKEW_SMEM=tune.skew == "smem", HALF_RANGE=tune.half_range and bm == bn, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -678,7 +709,7 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                    do.stride(0), do.stride(1), do.stride(2))
         scales = (scale * math.log2(math.e), scale)
         flags = dict(HEAD_D=D, HAS_KL=key_lengths is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                     GATHER16=tune.gather16)
+                     GATHER16=tune.gather16, SKEW_SMEM=tune.skew == "smem")
 
         def meta(kernel: str) -> tuple[int, int, dict[str, Any]]:
             bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, kernel, tune.tiles)

@@ -36,6 +36,19 @@ def test_smoke_run_checks_and_times_every_setting(tmp_path: Path) -> None:
     timed = {t["setting"] for t in got["times"] if t["ms"] and t["ms"] > 0}
     assert timed == set(SETTINGS) | set(SDPA_ROWS)
     assert "| rewrite | float16 | yes |" in r.stdout
+    assert got["fastest"] in SETTINGS and f"fastest: {got['fastest']} (" in r.stdout
+
+
+def test_fastest_is_the_smallest_geometric_mean_of_the_fully_timed() -> None:
+    from bench.attention_variants import fastest
+
+    def t(setting: str, case: str, ms: float | None) -> dict[str, object]:
+        return {"setting": setting, "mode": "fwd", "case": case, "ms": ms}
+    times = [t("a", "x", 1.0), t("a", "y", 4.0), t("b", "x", 0.5), t("b", "y", 4.0), t("c", "x", 0.1),
+             t("c", "y", None), t("d", "x", 0.1)]  # c failed a case, d missed one: neither can win
+    best, ratio = fastest(times, ["a", "b", "c", "d"])  # type: ignore[misc]
+    assert best == "b" and abs(ratio - 0.5**0.5) < 1e-9
+    assert fastest([t("c", "x", None)], ["c"]) is None
 
 
 def test_without_cuda_it_needs_smoke() -> None:

@@ -237,7 +237,8 @@ TUNED_CASES = [  # the rel cases where each setting changes something: padded ro
 
 
 @interpreted
-@pytest.mark.parametrize("setting", ["rewrite", "gather16=1", "half_range=1", "dr=diagonal"])
+@pytest.mark.parametrize("setting", ["rewrite", "gather16=1", "half_range=1", "dr=diagonal", "skew=smem",
+                                     "rewrite,skew=smem"])
 @pytest.mark.parametrize(("Lq", "Lk", "D", "rel", "key_lengths", "dtype"), TUNED_CASES)
 def test_every_tuning_computes_the_same_op(setting: str, Lq: int, Lk: int, D: int, rel: bool,
                                            key_lengths: list[int] | None, dtype: torch.dtype,
@@ -247,15 +248,17 @@ def test_every_tuning_computes_the_same_op(setting: str, Lq: int, Lk: int, D: in
 
 
 @interpreted
+@pytest.mark.parametrize("skew", ["shuffle", "smem"])
 @pytest.mark.parametrize("blocks", [(32, 32), (32, 16)], ids=["square-32", "tall"])
-def test_half_range_and_diagonal_dr_at_other_tiles(blocks: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_half_range_and_diagonal_dr_at_other_tiles(blocks: tuple[int, int], skew: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # half_range carries the upper half across key tiles only on square tiles (tall ones take the full range); the dr
     # kernel's diagonals at 32 x 32 tiles (its own sizes: kernel="dr")
     def sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str = "fwd", tiles: str = "v1"):  # type: ignore[no-untyped-def]
         return (32, 32, 4, 1) if kernel == "dr" else (*blocks, 4, 1)
 
     monkeypatch.setattr(attention, "_block_sizes", sizes)
-    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse("rewrite"))
+    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(f"rewrite,skew={skew}"))
     _compare(70, 150, 16, True, [70, 101], torch.float32)
 
 
@@ -265,6 +268,7 @@ def test_tuning_settings_parse_and_refuse() -> None:
     assert T.parse("rewrite") == T(tiles="hopper", gather16=True, half_range=True, dr="diagonal")
     assert T.parse("rewrite, tiles=v1") == T(tiles="v1", gather16=True, half_range=True, dr="diagonal")
     assert T.parse("gather16=1,dr=diagonal") == T(gather16=True, dr="diagonal")
-    for bad in ["fast", "gather16=2", "tiles=ampere", "warps=8", "dr="]:
+    assert T.parse("skew=smem") == T(skew="smem")
+    for bad in ["fast", "gather16=2", "tiles=ampere", "warps=8", "dr=", "skew=registers"]:
         with pytest.raises(ValueError, match="attention tuning"):
             T.parse(bad)

@@ -64,21 +64,23 @@ def compile_all() -> None:
 def compile_attention() -> None:
     """kernels.attention: every kernel at the launcher's GPU tiles, with rel and key_lengths in each dtype, and in
     float16 also without rel, decoding (Lq = 1) and head dim 128; then the other `Tuning`s: run 2's rewrite (its
-    tiles, 16-bit gathers, half ranges and the dr kernel) in float16 and bfloat16, the lean tiles in float16."""
+    tiles, 16-bit gathers, half ranges and the dr kernel) in float16 and bfloat16, the lean tiles in float16, and the
+    shared-memory skew on the shipped tiles (float16, bfloat16) and with the rewrite (float16)."""
     from bench.kernel_resources import compile_attention_kernel
     from kernels import attention
 
     shipped, rewrite = attention.Tuning(), attention.Tuning.parse("rewrite")
     lean = attention.Tuning.parse("tiles=lean,dr=diagonal")
+    smem, rewrite_smem = attention.Tuning.parse("skew=smem"), attention.Tuning.parse("rewrite,skew=smem")
     runs = []  # (dtype, D, Lq, rel, key_lengths, tuning)
     for dtype in DTYPES:
         runs.append((dtype, 64, 512, True, True, shipped))
         if dtype == "fp16":
             runs += [(dtype, 64, 512, False, False, shipped), (dtype, 64, 1, True, False, shipped),
                      (dtype, 128, 256, True, True, shipped), (dtype, 64, 512, True, True, lean),
-                     (dtype, 128, 256, True, True, lean)]
+                     (dtype, 128, 256, True, True, lean), (dtype, 64, 512, True, True, rewrite_smem)]
         if dtype != "fp32":
-            runs.append((dtype, 64, 512, True, True, rewrite))
+            runs += [(dtype, 64, 512, True, True, rewrite), (dtype, 64, 512, True, True, smem)]
     for dtype, D, Lq, rel, kl, tune in runs:
         for which in ("fwd", "dq", "dkdv", "dr"):
             if which == "dr" and (not rel or tune.dr != "diagonal"):
@@ -111,3 +113,23 @@ def test_lean_tiles_spill_less_than_the_shipped_ones(tmp_path: Path) -> None:
     got = json.loads(r.stdout.strip().splitlines()[-1])
     (_, shipped), (_, lean) = got["shipped"], got["tiles=lean"]
     assert shipped >= 512 and lean <= shipped // 8, got
+
+
+def test_smem_skew_replaces_the_shuffles(tmp_path: Path) -> None:
+    # `Tuning.skew = "smem"` exists for its compiled code: the positional skew through shared memory instead of warp
+    # shuffles, shorter code and fewer spills with rel (bench.kernel_resources prints every kernel's figures)
+    pytest.importorskip("triton")
+    code = ("import json; from bench.kernel_resources import compile_attention_kernel as c, resources as r, "
+            "instructions as n; from kernels.attention import Tuning as T; "
+            "print(json.dumps({f'{s} {k}': [*r(x), *n(x)] for s in ('shipped', 'skew=smem') for k in ('fwd', 'dq') "
+            "for x in [c(k, 'fp16', 64, 512, True, True, T.parse(s))]}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])  # "setting kernel": [registers, spill bytes, count, shuffles]
+    for kernel in ("fwd", "dq"):
+        (_, spill, count, shuffles), (_, spill_smem, count_smem, shuffles_smem) = (got[f"shipped {kernel}"],
+                                                                                   got[f"skew=smem {kernel}"])
+        assert shuffles >= 128 and shuffles_smem <= shuffles // 16, got  # the row reductions keep a few
+        assert count_smem <= 0.85 * count and spill_smem < spill, got
