@@ -28,7 +28,8 @@ from typing import Any
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled code only (read when triton is imported)
 
-FP32_BUFFERS = {"LSE", "DELTA", "DQ", "DQR", "DR", "DRP"}  # float32 buffers; KL is int32; other capitals: the dtype
+# float32 buffers; KL is int32; other capitals: the dtype
+FP32_BUFFERS = {"LSE", "L", "DELTA", "DQ", "DQR", "DR", "DRP", "OP", "MP", "LP"}
 FLOATS = {"qk_scale", "scale"}
 SETTINGS = ["shipped", "tiles=hopper", "tiles=lean", "gather16=1", "half_range=1", "tiles=lean,dr=diagonal",
             "rewrite", "skew=smem", "tiles=lean,skew=smem", "rewrite,skew=smem"]
@@ -36,8 +37,9 @@ SETTINGS = ["shipped", "tiles=hopper", "tiles=lean", "gather16=1", "half_range=1
 
 def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool, key_lengths: bool,
                              tune: Any) -> Any:
-    """Compile one of kernels.attention's kernels ("fwd", "dq", "dkdv", "dr") for sm_90 at the launcher's tiles for
-    these shapes and `tune` (a kernels.attention.Tuning). dtype: "fp16", "bf16" or "fp32"."""
+    """Compile one of kernels.attention's kernels ("fwd", "dq", "dkdv", "dr", and "combine" which merges the forward's
+    key splits) for sm_90 at the launcher's tiles for these shapes and `tune` (a kernels.attention.Tuning). dtype:
+    "fp16", "bf16" or "fp32". The forward is compiled as it runs split when `tune.splits` is not 1."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,20 +49,26 @@ def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool,
     attention._triton()  # binds tl, wraps the kernels
     kernel = {"fwd": attention._memory_attention_kernel, "dq": attention._memory_attention_bwd_dq_kernel,
               "dkdv": attention._memory_attention_bwd_dkdv_kernel,
-              "dr": attention._memory_attention_bwd_dr_kernel}[which]
-    bm, bn, warps, stages = attention._block_sizes(D, Lq, True, rel, which, tune.tiles)
+              "dr": attention._memory_attention_bwd_dr_kernel,
+              "combine": attention._memory_attention_combine_kernel}[which]
+    bm, bn, warps, stages = attention._block_sizes(D, Lq, True, rel, "fwd" if which == "combine" else which,
+                                                   tune.tiles)
     consts: dict[str, Any] = {"HEAD_D": D, "HAS_KL": key_lengths, "PREC": "ieee" if dtype == "fp32" else "tf32",
                               "GATHER16": tune.gather16, "SKEW_SMEM": tune.skew == "smem"}
-    if which == "dr":
+    if which == "combine":
+        consts = {"HEAD_D": D, "BLOCK": 16}
+        warps = 4 if D <= 64 else 8
+    elif which == "dr":
         consts.update(BLOCK=bn, BLOCK_W=2 * bn)
     else:
         consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1), HAS_REL=rel)
     if which == "fwd":
-        consts["HALF_RANGE"] = tune.half_range and bm == bn
+        consts.update(HALF_RANGE=tune.half_range and bm == bn, SPLIT=tune.splits != 1)
     if which == "dq":
         consts["DR_ATOMIC"] = tune.dr == "atomic"
     params = inspect.signature(kernel.fn).parameters
-    sig = {name: "constexpr" if name in consts else "*fp32" if name in FP32_BUFFERS else
+    fp32 = FP32_BUFFERS | ({"O"} if which == "fwd" and consts["SPLIT"] else set())  # split: partial sums in O
+    sig = {name: "constexpr" if name in consts else "*fp32" if name in fp32 else
            "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
            "fp32" if name in FLOATS else "i32" for name in params}
     return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

@@ -6,6 +6,7 @@ On a CUDA device (the card is printed; timings by triton.testing.do_bench, media
   explicit float bias (causal mask, plus the relative term (q + v) . r[i - j] when rel). The rel bias depends on the
   queries, so it is (B, H, Lq, Lk); `sdpa+bias` has it built before timing (SDPA is not charged for it), `sdpa+bias
   built` builds it in every call, as a user without this kernel would (the (Lq, Lk) positional matmul and gather);
+  and decoding, the forward at Lq = 1 over the longest memory (Lk 4096): a session's next token;
 - compress_memory in each mode (B=8, N=1536, D=512, rate 3) against eager PyTorch, and one MemoryRing update
   (the paper's enwik8 layer: n_m 768, n_cm 1152, segment 768) against the eager torch.cat update, and the
   Compressive Transformer model's own fixed-shape update (kernels.fixed_memory_update) against its eager form;
@@ -152,16 +153,16 @@ def attention_cases(b: Bench) -> None:
     on_gpu = b.device.type == "cuda"
     if on_gpu:
         B, H, D = 8, 8, 64
-        lqs, lks = ([128], [512, 2048]) if b.quick else ([128, 512], [512, 2048, 4096])
+        lqs, lks = ([1, 128], [512, 2048]) if b.quick else ([1, 128, 512], [512, 2048, 4096])
         dtypes = [torch.float16] if b.quick else [torch.float16, torch.bfloat16]
     else:
         B, H, D = 2, 4, 64
-        lqs, lks = ([64], [256]) if b.quick else ([64, 128], [256, 512])
+        lqs, lks = ([1, 64], [256]) if b.quick else ([1, 64, 128], [256, 512])
         dtypes = [torch.float32]
     has_triton = on_gpu and _attention_has_triton()
     for dtype in dtypes:
         for Lq in lqs:
-            for Lk in lks:
+            for Lk in lks[-1:] if Lq == 1 else lks:  # decoding: the longest memory
                 for use_rel in (False, True):
                     case = f"B{B} H{H} D{D} Lq{Lq} Lk{Lk} {str(dtype)[6:]}{' rel' if use_rel else ''}"
 
@@ -174,7 +175,7 @@ def attention_cases(b: Bench) -> None:
                         qkv = [r(B, H, Lq, D), r(B, H, Lk, D), r(B, H, Lk, D)]
                         return qkv, ((r(Lk, H, D), r(H, D), r(H, D)) if use_rel else None)
 
-                    for mode in ("fwd", "fwd+bwd"):
+                    for mode in ("fwd",) if Lq == 1 else ("fwd", "fwd+bwd"):  # sessions generate without gradients
                         def ours(impl: str, mode: str = mode, inputs: Callable = inputs) -> Fn | None:  # type: ignore[type-arg]
                             if impl == "triton" and not has_triton:
                                 return None

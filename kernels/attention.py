@@ -25,7 +25,9 @@ tile. du and dv_bias are the sums over batch and queries of dq's content and pos
 `Tuning` (ADAPTLM_ATTENTION_TUNING) changes how the kernels run, never what they compute: the GPU-verified default
 ("shipped"), one setting per change of run 2's rewrite (8-warp tiles, 16-bit gathers, half distance ranges carried
 across square key tiles, dr by tile diagonals in a fourth kernel without atomics), lean tiles (few register spills)
-and the skew between distance and key order through shared memory instead of warp shuffles. The rewrite as a whole
+the skew between distance and key order through shared memory instead of warp shuffles, and key splits for query
+tiles too few to fill the GPU (decoding; FlashDecoding: each split's partial softmax sums, merged by a combine
+kernel). The rewrite as a whole
 failed the compiled `rel` test on an H200 (Triton 3.6) and passes the interpreter's; `python -m
 bench.attention_variants` runs each setting compiled to tell which change is at fault, and which is fastest.
 
@@ -38,7 +40,7 @@ Known limits:
 - a row with no visible key (key_lengths[b] < Lq, against the contract) gives NaN, as the reference does with rel
   (without rel the reference is SDPA's, which gives zeros).
 - block sizes are fixed per head dim and `Tuning.tiles` (no autotuning); decoding (Lq = 1) runs one 16-row tile per
-  (batch, head), with no split over the keys.
+  (batch, head), and by default one program over all its keys (`Tuning.splits` splits them, FlashDecoding).
 - Triton is imported at the first launch, and TRITON_INTERPRET is read then: one process runs the kernels either
   interpreted or compiled, not both.
 - the reference builds the (Lq, Lk) score matrix (the Triton kernel does not).
@@ -46,6 +48,7 @@ Known limits:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -84,22 +87,25 @@ class Tuning:
         "shuffle" (tl.gather along rows: warp shuffles, the register layout converted through shared memory around
         it) or "smem" (one gather over the flattened tile, through shared memory with no layout conversion; compiled
         for sm_90 the forward `rel` kernel has a quarter fewer instructions and no spills, `bench.kernel_resources`).
-    """
+    splits: the forward's key splits per query tile (FlashDecoding: each split's partial softmax sums, then one
+        merge): 1 none, n that many, 0 by the GPU's SM count when the query tiles alone leave SMs idle (decoding
+        sessions: one query row each, B * H programs)."""
 
     tiles: str = "v1"
     gather16: bool = False
     half_range: bool = False
     dr: str = "atomic"
     skew: str = "shuffle"
+    splits: int = 1
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "shipped": {}, "rewrite": {"tiles": "hopper", "gather16": True, "half_range": True, "dr": "diagonal"}}
 
     def __post_init__(self) -> None:
         if self.tiles not in ("v1", "hopper", "lean") or self.dr not in ("atomic", "diagonal") or \
-                self.skew not in ("shuffle", "smem"):
+                self.skew not in ("shuffle", "smem") or self.splits < 0:
             raise ValueError(f"attention tuning: tiles must be v1, hopper or lean, dr atomic or diagonal, skew shuffle "
-                             f"or smem: {self}")
+                             f"or smem, splits >= 0: {self}")
 
     @classmethod
     def parse(cls, text: str) -> Tuning:
@@ -121,6 +127,10 @@ class Tuning:
                 if value.lower() not in ("0", "1", "true", "false"):
                     raise ValueError(f"attention tuning: {key} takes 0 or 1, not {value!r}")
                 settings[key] = value.lower() in ("1", "true")
+            elif kinds[key] in (int, "int"):
+                if not value.isdigit():
+                    raise ValueError(f"attention tuning: {key} takes a count, not {value!r}")
+                settings[key] = int(value)
             else:
                 settings[key] = value
         return replace(cls(), **settings)
@@ -310,16 +320,19 @@ def _biased(q, U, VB, h, offs_d, HEAD_D: tl.constexpr, HAS_REL: tl.constexpr):
 
 
 @_jit
-def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE,
+def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE, L,
                              sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, srl, srh,
-                             H, Lq, Lk, qk_scale,
+                             H, Lq, Lk, qk_scale, keys_per_split,
                              HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_W: tl.constexpr, HAS_REL: tl.constexpr, HAS_KL: tl.constexpr,
                              PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr,
-                             HALF_RANGE: tl.constexpr):
+                             HALF_RANGE: tl.constexpr, SPLIT: tl.constexpr):
     """Forward: one (query tile, batch * head) per program -> O (B, H, Lq, D), LSE (B, H, Lq) in log2 units.
     HALF_RANGE (square tiles): the next key tile's distances are this one's less BLOCK_N, so the upper half of its
-    range is this tile's lower half, carried over: one (BLOCK_M, BLOCK_N) positional matmul per tile."""
+    range is this tile's lower half, carried over: one (BLOCK_M, BLOCK_N) positional matmul per tile.
+    SPLIT (FlashDecoding): program (tile, bh, s) sees only keys [s, s + 1) * keys_per_split (a multiple of BLOCK_N)
+    and writes its unnormalised partial sums: O (S, B * H * Lq, D) the accumulator, LSE its running max, L its
+    denominator (fp32); `_memory_attention_combine_kernel` merges the splits."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -333,6 +346,9 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE,
     v_base = V + b * svb + h * svh
     r_base = R + h * srh
     lo, first, end, full0, full1 = _key_range(KL, b, Lq, Lk, start_m, BLOCK_M, BLOCK_N, HAS_KL)
+    if SPLIT:
+        first = tl.maximum(first, tl.program_id(2) * keys_per_split)
+        end = tl.minimum(end, (tl.program_id(2) + 1) * keys_per_split)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
@@ -357,15 +373,45 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE,
         if (start_n < full0) | (start_n >= full1):
             s = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if SPLIT:  # a split can start on a tile a row cannot see at all: it adds nothing (no NaN from -inf - -inf)
+            m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
-    acc = acc / l_i[:, None]
-    o_ptrs = O + bh * Lq * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < Lq)
-    tl.store(LSE + bh * Lq + offs_m, m_i + tl.log2(l_i), mask=offs_m < Lq)
+    if SPLIT:  # this split's partial sums, at rows s * (B * H * Lq) + bh * Lq + i
+        row = (tl.program_id(2) * tl.num_programs(1) + bh) * Lq + offs_m
+        tl.store(O + row[:, None] * HEAD_D + offs_d[None, :], acc, mask=offs_m[:, None] < Lq)
+        tl.store(LSE + row, m_i, mask=offs_m < Lq)
+        tl.store(L + row, l_i, mask=offs_m < Lq)
+    else:
+        acc = acc / l_i[:, None]
+        o_ptrs = O + bh * Lq * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < Lq)
+        tl.store(LSE + bh * Lq + offs_m, m_i + tl.log2(l_i), mask=offs_m < Lq)
+
+
+@_jit
+def _memory_attention_combine_kernel(OP, MP, LP, O, LSE, rows, n_split, HEAD_D: tl.constexpr, BLOCK: tl.constexpr):
+    """The key splits' partial sums (OP (S, rows, D), MP and LP (S, rows), fp32) -> O (rows, D), LSE (rows): each
+    split rescaled to the common max, as the online softmax does tile by tile (FlashDecoding)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < rows
+    offs_d = tl.arange(0, HEAD_D)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    for s in range(n_split):
+        m = tl.maximum(m, tl.load(MP + s * rows + r, mask=ok, other=0.0))  # rows past the end: 0, never stored
+    den = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_D], tl.float32)
+    for s in range(n_split):
+        w = tl.exp2(tl.load(MP + s * rows + r, mask=ok, other=0.0) - m)  # 0 for a split with no visible key
+        den += w * tl.load(LP + s * rows + r, mask=ok, other=1.0)
+        part = (s * rows + r).to(tl.int64)
+        acc += w[:, None] * tl.load(OP + part[:, None] * HEAD_D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    out = r.to(tl.int64)[:, None] * HEAD_D + offs_d[None, :]
+    tl.store(O + out, (acc / den[:, None]).to(O.dtype.element_ty), mask=ok[:, None])
+    tl.store(LSE + r, m + tl.log2(den), mask=ok)
 
 
 @_jit
@@ -638,16 +684,47 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
     triton = _triton()
     tune = tuning()
     bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, "fwd", tune.tiles)
-    _memory_attention_kernel[(triton.cdiv(Lq, bm), B * H)](
-        q, k, v, r, u, vb, kl, out, lse,
+    tiles = triton.cdiv(Lq, bm)
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda \
+        else 0
+    splits = _key_splits(tune.splits, tiles * B * H, Lk, bn, sms)
+    per = triton.cdiv(triton.cdiv(Lk, splits), bn) * bn  # keys a split sees, whole key tiles
+    splits = triton.cdiv(Lk, per)
+    if splits > 1:  # partial sums per split (S, B * H * Lq, D), their running maxima and denominators (S, B * H * Lq)
+        o_part = torch.empty((splits, B * H * Lq, D), dtype=torch.float32, device=q.device)
+        m_part = torch.empty((splits, B * H * Lq), dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+    else:
+        o_part, m_part, l_part = out, lse, lse
+    _memory_attention_kernel[(tiles, B * H, splits)](
+        q, k, v, r, u, vb, kl, o_part, m_part, l_part,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1),
-        H, Lq, Lk, scale * math.log2(math.e),
+        H, Lq, Lk, scale * math.log2(math.e), per,
         HEAD_D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1),
         HAS_REL=rel is not None, HAS_KL=key_lengths is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", GATHER16=tune.gather16,
-        SKEW_SMEM=tune.skew == "smem", HALF_RANGE=tune.half_range and bm == bn, num_warps=warps, num_stages=stages)
+        SKEW_SMEM=tune.skew == "smem", HALF_RANGE=tune.half_range and bm == bn, SPLIT=splits > 1, num_warps=warps,
+        num_stages=stages)
+    if splits > 1:
+        rows, block = B * H * Lq, 16 if q.is_cuda else 8
+        _memory_attention_combine_kernel[(triton.cdiv(rows, block),)](
+            o_part, m_part, l_part, out, lse, rows, splits, HEAD_D=D, BLOCK=block, num_warps=4 if D <= 64 else 8)
     return out, lse
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _key_splits(setting: int, programs: int, Lk: int, block_n: int, sms: int) -> int:
+    """How many key ranges the forward splits each query tile's keys into. setting 1: none (one program per tile);
+    n > 1: n; 0: enough for two programs per SM (`sms`, 0 off CUDA: none) when the tiles alone leave SMs idle
+    (decoding: one query row per session), with at least two key tiles a split. Never more splits than key tiles."""
+    if setting == 0:
+        setting = min(max(1, (2 * sms) // programs), max(1, Lk // (2 * block_n)))
+    return max(1, min(setting, -(-Lk // block_n)))
 
 
 def _dr_from_diagonals(drp: torch.Tensor, Lq: int, Lk: int, Lr: int, T: int) -> torch.Tensor:
@@ -672,7 +749,8 @@ def _dr_by_diagonals(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, common: 
     triton = _triton()
     _, T, warps, stages = _block_sizes(D, Lq, q.is_cuda, True, "dr", tiles)  # square T x T tiles
     C = triton.cdiv(Lq, T) + triton.cdiv(Lk, T) - 1  # tile diagonals
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda \
+        else 1
     groups = max(1, min(B, (2 * sms) // (C * H)))  # batch groups: enough programs to fill the GPU
     per = triton.cdiv(B, groups)
     groups = triton.cdiv(B, per)

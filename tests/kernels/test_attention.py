@@ -129,6 +129,26 @@ def test_cuda_realistic_shape(dtype: torch.dtype, rel: bool, D: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["splits=0", "splits=0,skew=smem"])
+def test_cuda_decoding_in_key_splits(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # one query row per (session, head): the automatic splits (two programs per SM) and their merge, forward and
+    # gradients (the merged log-sum-exp feeds the backward)
+    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(setting))
+    programs = B * 4
+    assert attention._key_splits(0, programs, 2048, 64, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    x = _inputs(1, 2048, 64, torch.float16, True, seed=5, device="cuda", heads=4)
+    kl = torch.tensor([2048, 700], device="cuda")
+    got = _run(memory_attention, x, True, torch.float16, key_lengths=kl, impl="triton")
+    lowp = _run(memory_attention_ref, x, True, torch.float16, key_lengths=kl)
+    exact = _run(memory_attention_ref, x, True, torch.float32, key_lengths=kl)
+    for name, a, b, want in zip(["out", "dq", "dk", "dv", "dr", "du", "dv_bias"], got, lowp, exact, strict=False):
+        assert bool(torch.isfinite(a).all()), name
+        err = (a.float() - want).abs().max().item()
+        base = (b.float() - want).abs().max().item()
+        assert err <= 2 * base + 1e-4 * max(1.0, want.abs().max().item()), f"{name}: {err:.3g} vs ref {base:.3g}"
+
+
+@pytest.mark.gpu
 def test_cuda_default_falls_back_for_other_head_dims() -> None:
     x = _inputs(9, 20, 24, torch.float16, rel=False, device="cuda")  # D = 24: no kernel, so the reference
     assert torch.equal(memory_attention(x["q"], x["k"], x["v"]), memory_attention_ref(x["q"], x["k"], x["v"]))
@@ -262,13 +282,42 @@ def test_half_range_and_diagonal_dr_at_other_tiles(blocks: tuple[int, int], skew
     _compare(70, 150, 16, True, [70, 101], torch.float32)
 
 
+SPLIT_CASES = [  # key splits: decoding, splits starting on tiles some rows cannot see, padding (empty splits)
+    pytest.param("splits=3", 1, 29, 32, True, [1, 20], torch.float16, id="decode-rel-padded-f16"),
+    pytest.param("splits=3", 37, 113, 16, True, [60, 113], torch.float32, id="odd-rel-padded-f32"),
+    pytest.param("splits=2,half_range=1", 37, 113, 16, True, [60, 113], torch.float32, id="half-range"),
+    pytest.param("splits=5,skew=smem", 5, 70, 16, False, [5, 33], torch.float32, id="no-rel-smem"),
+    pytest.param("splits=64", 24, 24, 16, True, None, torch.float16, id="more-than-key-tiles"),
+]
+
+
+@interpreted
+@pytest.mark.parametrize(("setting", "Lq", "Lk", "D", "rel", "key_lengths", "dtype"), SPLIT_CASES)
+def test_key_splits_compute_the_same_op(setting: str, Lq: int, Lk: int, D: int, rel: bool,
+                                        key_lengths: list[int] | None, dtype: torch.dtype,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the forward in key splits merged by the combine kernel; the backward reads the merged log-sum-exp
+    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(setting))
+    _compare(Lq, Lk, D, rel, key_lengths, dtype)
+
+
+def test_key_splits_by_sm_count() -> None:
+    s = attention._key_splits
+    assert s(1, 8, 4096, 64, 132) == 1  # the shipped setting: never
+    assert s(0, 8, 4096, 64, 132) == 32  # 8 programs (B1 H8 decoding): capped by two key tiles a split
+    assert s(0, 64, 4096, 64, 132) == 4  # B8 H8 decoding: two programs per SM
+    assert s(0, 512, 4096, 64, 132) == 1  # training shapes fill the GPU
+    assert s(0, 8, 100, 64, 132) == 1 and s(0, 8, 4096, 64, 0) == 1  # one key tile; off CUDA
+    assert s(7, 8, 200, 64, 132) == 4  # never more splits than key tiles
+
+
 def test_tuning_settings_parse_and_refuse() -> None:
     T = attention.Tuning
     assert T.parse("") == T() == T.parse("shipped")
     assert T.parse("rewrite") == T(tiles="hopper", gather16=True, half_range=True, dr="diagonal")
     assert T.parse("rewrite, tiles=v1") == T(tiles="v1", gather16=True, half_range=True, dr="diagonal")
     assert T.parse("gather16=1,dr=diagonal") == T(gather16=True, dr="diagonal")
-    assert T.parse("skew=smem") == T(skew="smem")
-    for bad in ["fast", "gather16=2", "tiles=ampere", "warps=8", "dr=", "skew=registers"]:
+    assert T.parse("skew=smem") == T(skew="smem") and T.parse("splits=0").splits == 0
+    for bad in ["fast", "gather16=2", "tiles=ampere", "warps=8", "dr=", "skew=registers", "splits=-1", "splits=a"]:
         with pytest.raises(ValueError, match="attention tuning"):
             T.parse(bad)

@@ -64,27 +64,30 @@ def compile_all() -> None:
 def compile_attention() -> None:
     """kernels.attention: every kernel at the launcher's GPU tiles, with rel and key_lengths in each dtype, and in
     float16 also without rel, decoding (Lq = 1) and head dim 128; then the other `Tuning`s: run 2's rewrite (its
-    tiles, 16-bit gathers, half ranges and the dr kernel) in float16 and bfloat16, the lean tiles in float16, and the
-    shared-memory skew on the shipped tiles (float16, bfloat16) and with the rewrite (float16)."""
+    tiles, 16-bit gathers, half ranges and the dr kernel) in float16 and bfloat16, the lean tiles in float16, the
+    shared-memory skew on the shipped tiles (float16, bfloat16) and with the rewrite (float16), and decoding's key
+    splits (the split forward and the combine kernel, float16)."""
     from bench.kernel_resources import compile_attention_kernel
     from kernels import attention
 
     shipped, rewrite = attention.Tuning(), attention.Tuning.parse("rewrite")
     lean = attention.Tuning.parse("tiles=lean,dr=diagonal")
     smem, rewrite_smem = attention.Tuning.parse("skew=smem"), attention.Tuning.parse("rewrite,skew=smem")
+    split = attention.Tuning.parse("splits=0")
     runs = []  # (dtype, D, Lq, rel, key_lengths, tuning)
     for dtype in DTYPES:
         runs.append((dtype, 64, 512, True, True, shipped))
         if dtype == "fp16":
             runs += [(dtype, 64, 512, False, False, shipped), (dtype, 64, 1, True, False, shipped),
                      (dtype, 128, 256, True, True, shipped), (dtype, 64, 512, True, True, lean),
-                     (dtype, 128, 256, True, True, lean), (dtype, 64, 512, True, True, rewrite_smem)]
+                     (dtype, 128, 256, True, True, lean), (dtype, 64, 512, True, True, rewrite_smem),
+                     (dtype, 64, 1, True, True, split), (dtype, 128, 1, False, True, split)]
         if dtype != "fp32":
             runs += [(dtype, 64, 512, True, True, rewrite), (dtype, 64, 512, True, True, smem)]
     for dtype, D, Lq, rel, kl, tune in runs:
-        for which in ("fwd", "dq", "dkdv", "dr"):
-            if which == "dr" and (not rel or tune.dr != "diagonal"):
-                continue
+        kernels = ("fwd", "combine") if tune is split else \
+            ("fwd", "dq", "dkdv", "dr") if rel and tune.dr == "diagonal" else ("fwd", "dq", "dkdv")
+        for which in kernels:
             compiled = compile_attention_kernel(which, dtype, D, Lq, rel, kl, tune)
             assert compiled.asm.get("cubin"), f"{which} {dtype} D{D} Lq{Lq} {tune}: no cubin"
 
