@@ -13,6 +13,7 @@
 # <arch>.tgz per trained checkpoint (the checkpoint and its train.jsonl; its resumable state left out).
 #
 #   DATA=.gpu/data TRAIN_MIN=3 bash bench/gpu_run.sh
+#   FAMILIES=0 GPU_TESTS=0 VARIANTS_S=330 BENCH_S=180 bash bench/gpu_run.sh    # the attention kernel alone, ~9 min
 #
 # DATA holds the training texts (see the Makefile's DEFAULT_TRAIN: the mix the default checkpoint was trained on),
 # austen-persuasion.txt for validation and chesterton-brown.txt (the held-out book) for the families table. Where
