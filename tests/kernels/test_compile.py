@@ -92,29 +92,39 @@ def compile_attention() -> None:
             assert compiled.asm.get("cubin"), f"{which} {dtype} D{D} Lq{Lq} {tune}: no cubin"
 
 
-def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
-    pytest.importorskip("triton")
+def _env(tmp_path: Path) -> dict[str, str]:
+    """A compiling subprocess's environment: no interpreter, its own Triton cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    return env
+
+
+def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
     r = subprocess.run([sys.executable, "-c", "from tests.kernels.test_compile import compile_all; compile_all()"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                       cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+def _compiled(tmp_path: Path, settings: tuple[str, ...], kernels: tuple[str, ...]) -> dict[str, list[int]]:
+    """{"setting kernel": [registers, spilled bytes, instructions, shuffles]} of the attention kernels compiled for
+    sm_90 (float16, D = 64, Lq = 512, rel, key lengths), in a subprocess (compiled, not interpreted)."""
+    code = ("import json, sys; from bench.kernel_resources import compile_attention_kernel as c, resources as r, "
+            "instructions as n; from kernels.attention import Tuning as T; "
+            "print(json.dumps({f'{s} {k}': [*r(x), *n(x)] for s in sys.argv[1].split(';') "
+            "for k in sys.argv[2].split(';') for x in [c(k, 'fp16', 64, 512, True, True, T.parse(s))]}))")
+    r = subprocess.run([sys.executable, "-c", code, ";".join(settings), ";".join(kernels)], cwd=ROOT,
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def test_lean_tiles_spill_less_than_the_shipped_ones(tmp_path: Path) -> None:
     # `Tuning.tiles = "lean"` exists for its compiled code: the shipped backward's dq kernel spills kilobytes a thread
     # with rel at D = 64; the lean tiles must cut that (bench.kernel_resources prints every kernel's figures)
     pytest.importorskip("triton")
-    code = ("import json; from bench.kernel_resources import compile_attention_kernel as c, resources as r; "
-            "from kernels.attention import Tuning as T; "
-            "print(json.dumps({s: r(c('dq', 'fp16', 64, 512, True, True, T.parse(s))) for s in ('shipped', "
-            "'tiles=lean')}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    (_, shipped), (_, lean) = got["shipped"], got["tiles=lean"]
+    got = _compiled(tmp_path, ("shipped", "tiles=lean"), ("dq",))
+    shipped, lean = got["shipped dq"][1], got["tiles=lean dq"][1]
     assert shipped >= 512 and lean <= shipped // 8, got
 
 
@@ -122,15 +132,7 @@ def test_smem_skew_replaces_the_shuffles(tmp_path: Path) -> None:
     # `Tuning.skew = "smem"` exists for its compiled code: the positional skew through shared memory instead of warp
     # shuffles, shorter code and fewer spills with rel (bench.kernel_resources prints every kernel's figures)
     pytest.importorskip("triton")
-    code = ("import json; from bench.kernel_resources import compile_attention_kernel as c, resources as r, "
-            "instructions as n; from kernels.attention import Tuning as T; "
-            "print(json.dumps({f'{s} {k}': [*r(x), *n(x)] for s in ('shipped', 'skew=smem') for k in ('fwd', 'dq') "
-            "for x in [c(k, 'fp16', 64, 512, True, True, T.parse(s))]}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])  # "setting kernel": [registers, spill bytes, count, shuffles]
+    got = _compiled(tmp_path, ("shipped", "skew=smem"), ("fwd", "dq"))
     for kernel in ("fwd", "dq"):
         (_, spill, count, shuffles), (_, spill_smem, count_smem, shuffles_smem) = (got[f"shipped {kernel}"],
                                                                                    got[f"skew=smem {kernel}"])
