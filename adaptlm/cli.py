@@ -156,6 +156,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for m in modes:
         if m not in EVAL_MODES:
             raise UsageError(f"unknown mode {m!r}; choose from {', '.join(EVAL_MODES)}")
+    if args.window < 1:
+        raise UsageError("--window must be positive")
+    if args.limit < 0:
+        raise UsageError("--limit must not be negative (0: the whole file)")
+    for out in (args.csv, args.plot):  # before the evaluation, which may take minutes
+        if out and not Path(out).parent.is_dir():
+            raise UsageError(f"{out}: cannot write (no directory {str(Path(out).parent)!r})")
     data = _read_text_arg(args.file)
     if args.limit:
         data = data[: args.limit]
@@ -174,10 +181,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                   f"{record['seconds']:.1f} s)")
     if args.json:
         print(json.dumps(records[0] if len(records) == 1 else records))
-    if args.csv:
-        write_curves_csv(Path(args.csv), curves)
-    if args.plot:
-        plot_curves(Path(args.plot), curves, f"{Path(args.file).name}: loss against position")
+    title = f"{Path(args.file).name}: loss against position"
+    for out, write in ((args.csv, lambda path: write_curves_csv(path, curves)),
+                       (args.plot, lambda path: plot_curves(path, curves, title))):
+        if out:
+            try:
+                write(Path(out))
+            except OSError as e:
+                raise UsageError(f"{out}: cannot write ({e.strerror})") from None
     return 0
 
 
@@ -187,6 +198,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from trainer.evaluation import config_for
     from trainer.tune import tune_mode
 
+    if args.bytes < 1:
+        raise UsageError("--bytes must be positive")
+    if args.max_trials < 1:
+        raise UsageError("--max-trials must be positive")
+    if not args.lr_start > 0:
+        raise UsageError("--lr-start must be positive")
+    if args.mode == "cache" and args.cache_window < 1:
+        raise UsageError("--cache-window must be positive")
     data = _read_text_arg(args.valid)[: args.bytes]
     ckpt = _load(args.checkpoint, args.device)
     if ckpt.path is None:
@@ -201,8 +220,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.mode == "cache":  # the neural cache's theta and lambda at a window, on the static model
         from trainer.tune import tune_cache
 
-        if args.cache_window < 1:
-            raise UsageError("--cache-window must be positive")
         cache, trials = tune_cache(ckpt.model, data, args.cache_window, tokenizer=ckpt.tokenizer,
                                    on_trial=lambda t: print(f"cache: theta={t['theta']:.3g} lambda={t['lam']:.3g}"
                                                             f" -> {t['bits_per_byte']:.4f}", file=sys.stderr))

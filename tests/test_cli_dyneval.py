@@ -83,3 +83,27 @@ def test_tune_cache_writes_the_neural_cache_settings(tiny_checkpoint: Path, tmp_
     r = run("tune", "--checkpoint", str(ck), "--valid", str(DATA / "valid.txt"), "--mode", "cache",
             "--cache-window", "0")
     assert r.returncode == 2 and "--cache-window must be positive" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("eval", "--window", "0"), "--window must be positive"),
+    (("eval", "--limit", "-5"), "--limit must not be negative"),
+    (("eval", "--csv", "/nonexistent-dir/c.csv"), "/nonexistent-dir/c.csv: cannot write"),
+    (("eval", "--plot", "/nonexistent-dir/p.png"), "/nonexistent-dir/p.png: cannot write"),
+    (("tune", "--bytes", "0"), "--bytes must be positive"),
+    (("tune", "--bytes", "-5"), "--bytes must be positive"),
+    (("tune", "--max-trials", "0"), "--max-trials must be positive"),
+    (("tune", "--lr-start", "-1"), "--lr-start must be positive"),
+])
+def test_eval_and_tune_refuse_bad_numbers_in_one_line(tiny_checkpoint: Path, tmp_path: Path,
+                                                      args: tuple[str, ...], message: str) -> None:
+    """A bad number or an output file that cannot be written is a usage error (status 2, one line), not a
+    traceback, and a negative --limit or --bytes does not silently cut the text from its end."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, ck)
+    command, *flags = args
+    where = ["--valid", str(DATA / "valid.txt")] if command == "tune" else [str(DATA / "valid.txt")]
+    r = run(command, "--checkpoint", str(ck), *where, *flags)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert (ck / "dyneval.json").read_bytes() == (tiny_checkpoint / "dyneval.json").read_bytes()
