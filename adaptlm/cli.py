@@ -307,8 +307,7 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
                 result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),
                                   on_message=progress)
         except AdaptlmError as e:
-            print(f"adaptlm: error: {e.message} ({e.status}, {e.type})", file=sys.stderr)
-            return 2 if e.status is not None and 400 <= e.status < 500 else 1
+            return _report_sdk_error(e)
     else:
         from models.keysim import ModelSuggester
         from trainer.evaluation import config_for
@@ -398,11 +397,16 @@ def cmd_client(args: argparse.Namespace) -> int:
         with _client(args) as client:
             return int(args.client_func(client, args))
     except AdaptlmError as e:
-        details = ", ".join(str(part) for part in (e.status, e.type) if part is not None)
-        if e.param:
-            details += f", param {e.param}"
-        print(f"adaptlm: error: {e.message}" + (f" ({details})" if details else ""), file=sys.stderr)
-        return 2 if e.status is not None and 400 <= e.status < 500 else 1
+        return _report_sdk_error(e)
+
+
+def _report_sdk_error(e: Any) -> int:
+    """An SDK error (`AdaptlmError`) in one line on stderr -> the exit status: 2 for a 4xx answer, else 1."""
+    details = ", ".join(str(part) for part in (e.status, e.type) if part is not None)
+    if e.param:
+        details += f", param {e.param}"
+    print(f"adaptlm: error: {e.message}" + (f" ({details})" if details else ""), file=sys.stderr)
+    return 2 if e.status is not None and 400 <= e.status < 500 else 1
 
 
 def client_health(client: Client, args: argparse.Namespace) -> int:

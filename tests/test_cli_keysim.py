@@ -74,3 +74,13 @@ def test_mistakes_exit_2(tiny_checkpoint: Path, text: Path, tmp_path: Path) -> N
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     assert keyboard_sim("--text", str(empty), "--checkpoint", str(tiny_checkpoint)).returncode == 2
+
+
+def test_unreachable_server_is_one_line_and_status_1(text: Path) -> None:
+    """No server at --url: one line as `adaptlm client` prints it (no "(None, None)" for the missing status and
+    type), exit status 1 (the server could not be reached: not the user's mistake)."""
+    r = keyboard_sim("--text", str(text), "--url", "http://127.0.0.1:1")
+    err = r.stderr.decode()
+    assert r.returncode == 1, err
+    assert err.startswith("adaptlm: error: no answer from ") and err.count("\n") == 1, err
+    assert "None" not in err, err
