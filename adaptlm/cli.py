@@ -373,7 +373,9 @@ def _client(args: argparse.Namespace) -> Client:
 
 def _text_or_file(text: str | None, path: str | None, what: str) -> str:
     """The text given on the command line, or a file's (`-`: standard input), which must be UTF-8."""
-    if (text is None) == (path is None):
+    if text is None and path is None:
+        raise UsageError(f"give the {what} as an argument or with --file")
+    if text is not None and path is not None:
         raise UsageError(f"give the {what} either as an argument or with --file, not both")
     if text is not None:
         return text

@@ -107,8 +107,9 @@ def test_sessions(live: LiveServer, client: Client, tmp_path: Path) -> None:
 def test_client_mistakes_exit_2(live: LiveServer, tmp_path: Path) -> None:
     err = failed(adaptlm("generate", "--prompt", "x", "--temperature", "-1", url=live.url), 2)
     assert "422" in err and "param temperature" in err
-    failed(adaptlm("score", "x", "--file", "f", url=live.url), 2)  # both
-    failed(adaptlm("score", url=live.url), 2)  # neither
+    assert "not both" in failed(adaptlm("score", "x", "--file", "f", url=live.url), 2)  # both
+    err = failed(adaptlm("score", url=live.url), 2)  # neither
+    assert "give the text as an argument or with --file" in err and "not both" not in err
     failed(adaptlm("score", "x", "--adapt", url=live.url), 2)
     failed(adaptlm("score", "--file", str(tmp_path / "missing.txt"), url=live.url), 2)
     failed(adaptlm("session", "import", "some-session-0123456789", "--file", str(tmp_path / "none"),
