@@ -21,8 +21,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The training flags, on `p`."""
     p.add_argument("--arch", choices=list(_ARCHS), default=None)
     p.add_argument("--preset", choices=["tiny", "default", "small", "gpu"], default=None,
-                   help="tiny, default (mlstm); tiny, small, gpu (char-transformer, compressive); tiny (awd-lstm): "
-                        "trainer/config.py")
+                   help="tiny, default (mlstm); tiny, small, gpu (char-transformer, compressive); tiny (awd-lstm); "
+                        "tiny, small (adaptive-transformer): trainer/config.py")
     p.add_argument("--config", help="JSON or TOML file of training settings")
     p.add_argument("--data", nargs="+", required=True, help="training text files")
     p.add_argument("--valid", help="validation text file")
