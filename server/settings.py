@@ -25,6 +25,12 @@
     ADAPTLM_SESSION_STORE    where sessions live: `memory` (this process; lost when it ends) or a Redis URL
                              `redis://[:password@]host:port/db` (`rediss://` for TLS): shared by every server
                              using it, kept across restarts; the session limits above are then the shared store's
+    ADAPTLM_SESSION_SNAPSHOT the memory store's file: written at shutdown, read back at start (unset: sessions end
+                             with the process)
+    ADAPTLM_KEEP_ALIVE_S     how long an idle keep-alive connection stays open (75)
+    ADAPTLM_SUGGEST_BUDGET_MS  a keyboard suggestion's time budget from its arrival at the engine (50; 0: none)
+    ADAPTLM_PRECISION        auto (default) | float32 | bfloat16: the model work's precision
+    ADAPTLM_DEVICE           auto (default: CUDA when present, else the CPU) | cpu | cuda | cuda:N
 """
 
 from __future__ import annotations
