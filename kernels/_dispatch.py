@@ -45,10 +45,28 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+WANTED: str | None = None  # None: ADAPTLM_KERNELS, read at the first call; `use` sets it (the server's settings)
+
+
+def use(wanted: str) -> None:
+    """Make `wanted` (auto | triton | reference) the process default from the next call on."""
+    global WANTED
+    WANTED = wanted
+    kernel_implementation.cache_clear()
+
+
 @functools.cache
 def kernel_implementation() -> str:
     """The default implementation of every op in this process: "triton" or "reference" (logged once)."""
-    wanted = os.environ.get("ADAPTLM_KERNELS", "auto").strip().lower() or "auto"
+    choice, why = choose_implementation(WANTED if WANTED is not None else os.environ.get("ADAPTLM_KERNELS", "auto"))
+    log.info("kernels: %s (%s)", choice, why)
+    return choice
+
+
+def choose_implementation(wanted: str) -> tuple[str, str]:
+    """ADAPTLM_KERNELS's value -> (implementation, why); ValueError for a value that cannot serve (unknown, or
+    "triton" without triton or a CUDA device). The server's settings check it at start with this."""
+    wanted = wanted.strip().lower() or "auto"
     if wanted not in ("auto", *IMPLS):
         raise ValueError(f"ADAPTLM_KERNELS must be auto, triton or reference, not {wanted!r}")
     if wanted == "reference":
@@ -61,8 +79,7 @@ def kernel_implementation() -> str:
         choice, why = "triton", f"CUDA device {torch.cuda.get_device_name()}"
     if wanted == "triton" and choice != "triton":
         raise ValueError(f"ADAPTLM_KERNELS=triton, but {why}")
-    log.info("kernels: %s (%s)", choice, why)
-    return choice
+    return choice, why
 
 
 def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:

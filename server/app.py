@@ -6,6 +6,7 @@ import asyncio
 import functools
 import math
 import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -16,6 +17,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kernels import _dispatch as kernel_dispatch
 from kernels import attention
 from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
 from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
@@ -56,6 +58,10 @@ class _Server(uvicorn.Server):
 def serve(settings: Settings) -> int:
     """Serve `create_app(settings)` on settings.host:port until SIGTERM or SIGINT -> the exit status: 0 after a
     clean drain (the work in flight finished, the sessions kept), 3 if the start-up failed."""
+    problem = _unreachable_store(settings)
+    if problem is not None:  # one line, rather than the start-up's traceback after the model has loaded
+        print(f"adaptlm: error: {problem}", file=sys.stderr)  # noqa: T201 (the CLI's one line, before any logging)
+        return 3
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.log_level, **uvicorn_options(settings))
     server = _Server(config)
@@ -77,6 +83,7 @@ def create_app(settings: Settings) -> FastAPI:
                               device=settings.device)
         store = _session_store(settings)
         attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are
+        kernel_dispatch.use(settings.kernels)
         engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         await asyncio.to_thread(engine.start)
@@ -142,6 +149,23 @@ def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     if limits_known:  # before the model is loaded, the checkpoint's limits are not known yet: not cached
         app.openapi_schema = schema
     return schema
+
+
+def _unreachable_store(settings: Settings) -> str | None:
+    """What is wrong with a Redis session store that does not answer a PING (no password in it), or None."""
+    if settings.session_store == "memory":
+        return None
+    import redis
+
+    url = settings.session_store
+    client = redis.Redis.from_url(str(url), socket_timeout=5.0, socket_connect_timeout=5.0)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        return f"the session store redis://{url.host}:{url.port}{url.path or ''} does not answer ({e})"
+    finally:
+        client.close()
+    return None
 
 
 def _session_store(settings: Settings) -> SessionStore:

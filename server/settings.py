@@ -19,6 +19,7 @@
     ADAPTLM_SESSION_MEMORY_BYTES   tensor bytes all sessions may hold (state, static state, adapter)
     ADAPTLM_SESSION_TTL_S    a session's default time to live after its last use
     ADAPTLM_MAX_SESSION_TTL_S      the longest `ttl_s` a client may ask for
+    ADAPTLM_KERNELS          auto (default: Triton on CUDA when it is installed) | triton | reference
     ADAPTLM_ATTENTION_TUNING how the Triton attention kernels run on a GPU, never what they compute
                              (kernels.attention.Tuning: `shipped` (default), `rewrite`, or `key=value,...` such as
                              `tiles=lean,dr=diagonal`); the kernels' implementation itself is ADAPTLM_KERNELS
@@ -92,6 +93,8 @@ class Settings(BaseSettings):
     device: str = Field(default="auto", pattern=DEVICE_PATTERN)
     # How the Triton attention kernels run (kernels.attention.Tuning; "": the shipped, GPU-verified kernel).
     attention_tuning: str = ""
+    # Which kernels run on CUDA (kernels/_dispatch.py, which reads the same variable): auto, triton or reference.
+    kernels: str = "auto"
     # repr=False: a Redis URL may carry a password
     session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)
     # The memory store's file: written at shutdown, read back at start-up (None: sessions end with the process).
@@ -115,6 +118,14 @@ class Settings(BaseSettings):
         from kernels.attention import Tuning
 
         Tuning.parse(value)  # its ValueError names the bad part
+        return value
+
+    @field_validator("kernels")
+    @classmethod
+    def _kernels(cls, value: str) -> str:
+        from kernels._dispatch import choose_implementation
+
+        choose_implementation(value)  # "triton" where it cannot run is refused here, not at the model's load
         return value
 
     @field_validator("session_store")

@@ -11,7 +11,10 @@ from kernels._dispatch import kernel_implementation, resolve_impl
 
 
 @pytest.fixture
-def fresh_choice() -> Iterator[None]:
+def fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    from kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "WANTED", None)  # a server in this process handed it its setting: the env's turn
     kernel_implementation.cache_clear()
     yield
     kernel_implementation.cache_clear()

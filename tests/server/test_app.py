@@ -214,3 +214,16 @@ def test_attention_tuning_setting_reaches_the_kernels(serve_app: Any, tiny_check
     with serve_app(Settings(checkpoint=tiny_checkpoint, attention_tuning="tiles=lean,dr=diagonal")) as live:
         assert httpx.get(f"{live.url}/readyz").status_code == 200
         assert attention.tuning() == attention.Tuning(tiles="lean", dr="diagonal")
+
+
+def test_kernels_setting_reaches_the_dispatcher(serve_app: Any, tiny_checkpoint: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # a Settings value (not only the environment) picks the process's kernels; "reference" names itself in the log
+    from kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "WANTED", _dispatch.WANTED)  # restored after the test
+    with serve_app(Settings(checkpoint=tiny_checkpoint, kernels="reference")) as live:
+        assert httpx.get(f"{live.url}/readyz").status_code == 200
+        assert _dispatch.WANTED == "reference" and _dispatch.kernel_implementation() == "reference"
+        assert 'kernel="reference"' in httpx.get(f"{live.url}/metrics").text
+    _dispatch.kernel_implementation.cache_clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -401,3 +402,22 @@ def test_a_redis_that_goes_away_answers_503(tiny_checkpoint: Path, serve_app: An
         live_server.__exit__(None, None, None)
     with pytest.raises(RuntimeError, match="failed to start"), serve_app(settings):
         pass
+
+
+def test_serve_with_an_unreachable_redis_says_so_in_one_line(tiny_checkpoint: Path) -> None:
+    # `adaptlm serve` checks the Redis store before it starts: one line naming the address (never the password),
+    # status 3 (a failed start-up), no traceback
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = os.environ | {"ADAPTLM_SESSION_STORE": f"redis://:hunter2@127.0.0.1:{port}/2"}
+    r = subprocess.run([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(tiny_checkpoint),
+                        "--port", str(port)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adaptlm: error: the session store "), r.stderr
+    assert f"redis://127.0.0.1:{port}/2 does not answer" in lines[0] and "hunter2" not in r.stderr

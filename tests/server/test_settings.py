@@ -60,6 +60,7 @@ def test_rejects_an_invalid_port_from_the_environment(monkeypatch: pytest.Monkey
     {"suggest_budget_ms": -1}, {"suggest_budget_ms": float("nan")},
     {"precision": "fp8"}, {"precision": "float16"},
     {"attention_tuning": "fast"}, {"attention_tuning": "tiles=ampere"}, {"attention_tuning": "gather16=2"},
+    {"kernels": "cuda"}, {"kernels": "fast"},
 ])
 def test_rejects_invalid_settings(overrides: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
@@ -97,3 +98,18 @@ def test_attention_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ADAPTLM_ATTENTION_TUNING", "tiles=lean,warps=8")
     with pytest.raises(ValidationError, match="warps=8"):
         Settings()
+
+
+def test_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ADAPTLM_KERNELS is checked at start by the dispatcher's own rule: unknown values, and triton where it cannot
+    # run (no CUDA device here), are settings errors rather than a failure when the model loads
+    import torch
+
+    assert Settings().kernels == "auto" and Settings(kernels="Reference").kernels == "Reference"
+    monkeypatch.setenv("ADAPTLM_KERNELS", "bogus")
+    with pytest.raises(ValidationError, match="auto, triton or reference"):
+        Settings()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("ADAPTLM_KERNELS", "triton")
+        with pytest.raises(ValidationError, match="ADAPTLM_KERNELS=triton, but"):
+            Settings()
