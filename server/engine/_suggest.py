@@ -324,12 +324,13 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     the stable part of `context`: `WordTokenizer.split_stable`) gives the next word's distribution; the
     completions are the k most probable vocabulary entries that start with the typed part (the pending tail: the
     word being typed with the single space before it, as the tokenizer writes a word after a space), special
-    tokens (end of line, <unk>) left out. `prefix` and each completion's `text` are the word without that space.
-    `next_chars`: the characters that would follow the typed part, each with the summed probability of the
-    entries that continue with it, plus, when the typed part is itself an entry, its probability times that of each
-    first character of the token after it (a second model step: " " for a next word, "," ...). No search: a word
-    is one token, so the
-    model's ranking is exact (`exact` is always true). The session's word cache (`cache_weight` > 0) is mixed in
+    tokens (end of line, <unk>) left out, each with its probability given the typed part: divided by the mass of
+    the entries that start with it, as a byte model's completions are conditioned on the context that holds it.
+    `prefix` and each completion's `text` are the word without that space. `next_chars`: the characters that
+    would follow the typed part, each with the summed probability (given the typed part, likewise) of the entries
+    that continue with it, plus, when the typed part is itself an entry, its probability times that of each first
+    character of the token after it (a second model step: " " for a next word, "," ...). No search: a word is one
+    token, so the model's ranking is exact (`exact` is always true). The session's word cache (`cache_weight` > 0) is mixed in
     as for a byte model (models/wordcache.py); it also offers the words the session typed that the vocabulary
     lacks (a name, an address), which the model alone can only predict as <unk>."""
     stable, typed = tokenizer.split_stable(session.pending + context.encode("utf-8"))
@@ -344,6 +345,10 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     logprobs = model.log_probs(out)[0, -1].double().cpu()  # (V,)
     matching = tokenizer.with_prefix(typed)  # the words (no end of line, no <unk>) that continue the typed part
     ranked = sorted(matching, key=lambda i: -float(logprobs[i]))
+    # P(word | text, the word starts so): the words that start so share the mass; the word cache's p_cache, mixed
+    # with these, is conditioned so too
+    typed_mass = float(logprobs[matching].exp().sum()) if matching else 0.0
+    norm = 1.0 / typed_mass if typed_mass > 0 else 0.0
     space = typed.startswith(b" ")
 
     def word(data: bytes) -> str:
@@ -351,7 +356,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
 
     weight = session.config.cache_weight
     # with the cache, more of the model's candidates: a cached word's own probability under the model counts
-    completions = [Completion(word(tokenizer.token_bytes(i)), math.exp(float(logprobs[i])))
+    completions = [Completion(word(tokenizer.token_bytes(i)), norm * math.exp(float(logprobs[i])))
                    for i in ranked[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)]]
     if weight > 0:
         completions = session.words.mix(completions, context, weight, k, max_chars)
@@ -363,12 +368,12 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
             entry = tokenizer.vocab[i]
             if len(entry) > len(typed_text):
                 char = entry[len(typed_text)]
-                chars[char] = chars.get(char, 0.0) + math.exp(float(logprobs[i]))
+                chars[char] = chars.get(char, 0.0) + norm * math.exp(float(logprobs[i]))
         whole = tokenizer.token_id(typed) if typed else None
         if whole is not None:  # the typed part may end here: then the next token's first character follows
             after = model(torch.tensor([[whole]], dtype=torch.long, device=device), out.state,
                           session.adapter_with_copy())
-            ended = math.exp(float(logprobs[whole]))
+            ended = norm * math.exp(float(logprobs[whole]))
             for char, p in tokenizer.first_char_probs(model.log_probs(after)[0, -1].double().exp()).items():
                 chars[char] = chars.get(char, 0.0) + ended * p
             calls += 1

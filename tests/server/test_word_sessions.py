@@ -188,9 +188,12 @@ def test_suggestions_are_the_next_words_with_the_typed_prefix(client: httpx.Clie
     assert r.status_code == 200, r.text
     body = r.json()
     expected = library_next_word(word_checkpoint, "It was the", " b")
+    typed = sum(p for _, p in expected)  # the probability that the next word starts with "b"
     assert body["prefix"] == "b" and len(body["completions"]) == 3
     assert [c["text"] for c in body["completions"]] == [w[1:] for w, _ in expected[:3]]
-    assert [c["prob"] for c in body["completions"]] == pytest.approx([p for _, p in expected[:3]], rel=1e-4)
+    # given the typed "b", as a byte model's completions are given the context that holds it
+    assert [c["prob"] for c in body["completions"]] == pytest.approx([p / typed for _, p in expected[:3]], rel=1e-4)
+    assert typed < 0.5 and sum(c["prob"] for c in body["completions"]) <= 1.0
     assert all(c["char"] and c["prob"] > 0 for c in body["next_chars"])
     # the session's pending text counts: " b" typed into the session, "e" in the context
     observe(client, sid, "It was the b")
@@ -206,7 +209,8 @@ def test_suggestions_are_the_next_words_with_the_typed_prefix(client: httpx.Clie
 def test_next_chars_count_the_typed_word_ending_by_what_follows_it(client: httpx.Client, word_checkpoint: Path,
                                                                    tok: WordTokenizer) -> None:
     """After " the" (itself a word, and the start of " they", " then", ...): the chance of each next character is
-    that of the longer words going on with it, plus p(" the") times that of the next token starting with it."""
+    that of the longer words going on with it, plus p(" the") times that of the next token starting with it; all
+    given the typed " the" (divided by the mass of the words that start so)."""
     sid = new(client, adaptation={"cache_weight": 0.0})
     r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "It was the", "n_chars": 32})
     assert r.status_code == 200, r.text
@@ -218,9 +222,12 @@ def test_next_chars_count_the_typed_word_ending_by_what_follows_it(client: httpx
         lp = ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0].double()
     p_word, after = math.exp(float(lp[-2, ids[0, -1]])), lp[-1].exp()
     expected: dict[str, float] = {}
-    for w, p in library_next_word(word_checkpoint, "It was", " the"):
+    entries = library_next_word(word_checkpoint, "It was", " the")
+    typed = sum(p for _, p in entries)
+    p_word /= typed
+    for w, p in entries:
         if len(w) > 4:
-            expected[w[4]] = expected.get(w[4], 0.0) + p
+            expected[w[4]] = expected.get(w[4], 0.0) + p / typed
     for i in range(tok.vocab_size):
         if i != 2:  # "<unk>" without a space: its first letter is unknown
             expected[tok.vocab[i][0]] = expected.get(tok.vocab[i][0], 0.0) + p_word * float(after[i])
