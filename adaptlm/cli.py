@@ -646,7 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--eps", type=float, help="epsilon of the RMS rules")
         parser.add_argument("--segment", type=int, help="bytes per adaptation segment")
         parser.add_argument("--sites", help="full mode: comma-separated parameter-name prefixes to adapt")
-        parser.add_argument("--adapter-size", type=int, help="sparse mode: units of the adaptation site")
+        parser.add_argument("--adapter-size", type=int,
+                            help="sparse mode: units of the adaptation site (0: the whole site)")
         parser.add_argument("--layers-from", type=int,
                             help="full mode: adapt only the blocks from this one on (0 = the first) and the output "
                                  "layers; the embedding and earlier blocks stay fixed (0: every layer)")
