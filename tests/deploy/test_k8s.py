@@ -85,6 +85,11 @@ def test_probes_ports_and_user_match_the_server_and_image() -> None:
     server = container(deployment, "adaptlm")
     assert server["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert server["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # The server binds its port only after loading the model: until then the liveness probe's connection is refused,
+    # so a startup probe must hold it off for longer than a load takes (or a slow load restarts the pod forever).
+    startup = server["startupProbe"]
+    assert startup["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
     assert "command" not in server and "args" not in server, "the image's command: one `adaptlm serve`"
     assert server["image"] == "adaptlm" and kustomization()["images"][0]["name"] == "adaptlm"
     [user] = [i.args for i in instructions(DOCKERFILE.read_text()) if i.keyword == "USER"]
