@@ -20,6 +20,8 @@ answer but the expected status (a 429 included) is a failure: that is what the u
 
 from __future__ import annotations
 
+import atexit
+import csv
 import json
 import random
 import time
@@ -45,6 +47,25 @@ def _options(parser: Any) -> None:
                         help="Generator and OpenAICompletions: bytes to generate per request")
     parser.add_argument("--api-key", default="", env_var="ADAPTLM_LOADTEST_API_KEY",
                         help="sent as `Authorization: Bearer` when the server has ADAPTLM_API_KEYS")
+
+
+@events.init.add_listener
+def _final_stats_at_exit(environment: Environment, **_: Any) -> None:
+    """locust rewrites <csv>_stats.csv and _failures.csv once a second while it runs, and not when it stops: the
+    files miss the run's last second (a short run's objectives then count too few requests, and late failures go
+    unseen). The final figures overwrite them at exit, after locust has closed its own handles."""
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if prefix:
+        atexit.register(_write_final_stats, environment, prefix)
+
+
+def _write_final_stats(environment: Environment, prefix: str) -> None:
+    from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
+
+    final = StatsCSV(environment, PERCENTILES_TO_REPORT)
+    for suffix, write in (("_stats.csv", final.requests_csv), ("_failures.csv", final.failures_csv)):
+        with open(prefix + suffix, "w", newline="") as f:
+            write(csv.writer(f))
 
 
 def read_messages(path: str | Path) -> list[str]:

@@ -64,3 +64,23 @@ def test_unknown_user_class_is_refused() -> None:
     run = subprocess.run([sys.executable, "-m", "loadtest.run", "--url", "http://127.0.0.1:9", "Nobody"], cwd=ROOT,
                          capture_output=True, text=True)
     assert run.returncode == 2 and "unknown user classes" in run.stderr
+
+
+def test_the_stats_count_every_request_to_the_end(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    # locust rewrites its stats CSV once a second and not when it stops; the locustfile writes the final figures at
+    # exit, so the report counts what the server answered, the last second included
+    import re
+
+    import httpx
+
+    from loadtest.run import run_locust, start_server
+
+    out = tmp_path / "reports"
+    out.mkdir()
+    with start_server(tiny_checkpoint) as url:
+        assert run_locust(url, out, 2, 2, "4s", ["Scorer"]) == 0
+        metrics = httpx.get(f"{url}/metrics").text
+    served = sum(float(m) for m in re.findall(
+        r'adaptlm_http_requests_total\{[^}]*route="/v1/score"[^}]*\} ([0-9.e+]+)', metrics))
+    stats = slo.read_stats(out / "locust_stats.csv")
+    assert served > 0 and int(stats["POST /v1/score"]["Request Count"]) == served, (served, stats["POST /v1/score"])
