@@ -274,6 +274,10 @@ def test_a_session_keeps_adapting_across_a_replica_failure(topology: Topology) -
         stats = info.json()["stats"]
         assert stats["bytes_observed"] == sum(len(t.encode()) for t in acknowledged)
         served = tensors(lb, sid)
+        # a body over the server's limit (8 MiB) is refused by the server in the API's error shape, not by nginx
+        big = lb.post("/v1/score", content=b'{"text": "' + b"a" * (8 * 1024 * 1024) + b'"}',
+                      headers={"Content-Type": "application/json"})
+        assert big.status_code == 413 and big.json()["error"]["type"], big.text[:300]
 
     # a single server given the same acknowledged observes ends in the same state
     with httpx.Client(base_url=topology.single, timeout=120) as single:
