@@ -3,9 +3,10 @@ on, chosen by keystroke savings on held-out personal text that no benchmark type
 file's first 30 KB (the keyboard benchmark types its last 20 KB), and a slice from the middle of the e-mails (bytes
 1,030,000-1,038,000 after the 30 KB before them; the benchmarks use the file's first 100 KB and last 40 KB). Same
 simulator as `bench.keyboard` (clients/keysim.py), in this process: the session's sparse settings, the checkpoint's
-copy model, 3 suggestions.
+copy model, 3 suggestions. A word model's suggestions are the server's (`word_suggestions`): for one, each weight
+types through a session of a local `adaptlm serve` (clients.keysim.SessionSuggester), warmed up afresh.
 
-    python -m bench.cache_weight [--checkpoint DIR] [--texts sms,emails] [--weights 0,0.25,0.5,0.75,1]
+    python -m bench.cache_weight [--checkpoint DIR] [--texts sms,emails] [--weights 0,0.25,0.5,0.75,1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import argparse
 import copy as copy_module
 import dataclasses
 import time
+from pathlib import Path
 
-from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
-from clients.keysim import messages, simulate, split_text
+from bench._common import DEFAULT_CHECKPOINT, ROOT, SHARED, machine_line
+from bench.server import serve
+from clients import Client
+from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
 from models.checkpoint import load_checkpoint
 from models.copymodel import CopyModel
 from models.keysim import ModelSuggester
@@ -32,16 +36,33 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     ap.add_argument("--texts", default=",".join(SLICES))
     ap.add_argument("--weights", default="0,0.25,0.5,0.75,1")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "cache_weight", help="server logs (word models)")
     args = ap.parse_args()
     ckpt = load_checkpoint(args.checkpoint)
     copy = CopyModel(ckpt.dyneval.copy) if ckpt.dyneval.copy is not None else None
-    print(f"# word-cache weight with the copy model {'on' if copy else 'off'}, {ckpt.name}: {machine_line()}")
+    words = ckpt.tokenizer.kind == "words"
+    print(f"# word-cache weight with the copy model {'on' if copy else 'off'}, {ckpt.name}"
+          f"{' (through its server)' if words else ''}: {machine_line()}")
     print("| text | cache_weight | KSR | top-1 | top-3 | seconds |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
+
+    def row(name: str, weight: float, r: KeysimResult, start: float) -> None:
+        summary = r.summary()
+        print(f"| {name} | {weight:g} | {r.ksr:.4f} | {summary['top1_accuracy']:.3f} | {summary['top3_accuracy']:.3f} "
+              f"| {time.perf_counter() - start:.0f} |", flush=True)
+
     for name in args.texts.split(","):
         rel, w0, t0, t1 = SLICES[name]
         data = (SHARED / rel).read_bytes()[w0:t1]
         warm, typed = split_text(data, last_bytes=t1 - t0)
+        if words:  # the server's sessions, the session defaults but the weight
+            args.out.mkdir(parents=True, exist_ok=True)
+            with serve(args.checkpoint, args.out / f"{name}.server.log") as url, Client(url, timeout=600) as client:
+                for weight in (float(w) for w in args.weights.split(",")):
+                    start = time.perf_counter()
+                    with SessionSuggester(client, cache_weight=weight) as suggester:
+                        row(name, weight, simulate(suggester, messages(typed), k=3, warmup=messages(warm)), start)
+            continue
         warmed = ModelSuggester(ckpt.model, ckpt.dyneval.session, stats=ckpt.stats, copy=copy)
         simulate(warmed, [], k=3, warmup=messages(warm))  # the session after the warm-up, once for every weight
         for weight in (float(w) for w in args.weights.split(",")):
@@ -50,11 +71,7 @@ def main() -> None:
             sim.words = warmed.words.copy()
             sim._row = dataclasses.replace(warmed._row, logprobs=[])  # its own record: observes rebind its fields
             sim.cache_weight = weight
-            r = simulate(sim, messages(typed), k=3)
-            summary = r.summary()
-            print(f"| {name} | {weight:g} | {r.ksr:.4f} | {summary['top1_accuracy']:.3f} "
-                  f"| {summary['top3_accuracy']:.3f} "
-                  f"| {time.perf_counter() - start:.0f} |", flush=True)
+            row(name, weight, simulate(sim, messages(typed), k=3), start)
 
 
 if __name__ == "__main__":
