@@ -88,6 +88,7 @@ def create_app(settings: Settings) -> FastAPI:
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         await asyncio.to_thread(engine.start)
         metrics.model = engine.info.name
+        metrics.start_counting_refusals()
         metrics.kernel = engine.info.kernel
         metrics.precision = engine.info.precision
         metrics.engine_stats = lambda: engine.stats

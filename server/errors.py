@@ -210,7 +210,11 @@ async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, EngineUnavailable | SessionStoreUnavailable):
         # the cause (e.g. the Redis address) is for the operator's log, never for the client
         log.warning("%s %s: %s (%s)", request.method, request.url.path, exc, exc.__cause__)
-    return error_response(to_api_error(exc, request))
+    error = to_api_error(exc, request)
+    metrics = getattr(request.app.state, "metrics", None)
+    if error.status in (429, 503) and metrics is not None:  # why refused: capacity, a key's rate, an outage
+        metrics.observe_refusal(error.code or error.type)
+    return error_response(error)
 
 
 def install_error_handler(app: FastAPI) -> None:

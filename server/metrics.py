@@ -31,6 +31,11 @@ EXPANSION_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Rows in one batched model call (text work, or one step of the running generations).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNMATCHED = "<unmatched>"  # route label of requests that matched no route (404s, refused bodies)
+# The error codes of 429 and 503 answers (server/errors.py): capacity (queue_full, session_store_full), a key over
+# its rate (rate_limited), Redis unreachable (session_store_unavailable), a checkpoint without sessions
+# (sessions_unavailable), a dead engine (engine_unavailable).
+REFUSAL_REASONS = ("queue_full", "session_store_full", "rate_limited", "session_store_unavailable",
+                   "sessions_unavailable", "engine_unavailable")
 
 
 class Metrics:
@@ -45,6 +50,9 @@ class Metrics:
         self.latency = Histogram("adaptlm_http_request_duration_seconds",
                                  "Time from request to the end of the response, by route.",
                                  ["model", "method", "route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.refused = Counter("adaptlm_refused_requests", "Requests answered 429 or 503, by the error's code "
+                               "(queue_full and session_store_full: capacity; rate_limited: a key over its rate).",
+                               ["model", "reason"], registry=self.registry)
         self.scored_bytes = Counter("adaptlm_scored_bytes", "Bytes scored by /v1/score.", ["model"],
                                     registry=self.registry)
         # Streams only: a non-streamed answer arrives whole.
@@ -68,6 +76,14 @@ class Metrics:
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(self.model, method, route, str(status)).inc()
         self.latency.labels(self.model, method, route).observe(seconds)
+
+    def observe_refusal(self, reason: str) -> None:
+        self.refused.labels(self.model, reason).inc()
+
+    def start_counting_refusals(self) -> None:
+        """Every reason at 0 once the model is known: a rate over them is a number, not "no data"."""
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(self.model, reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -330,9 +330,9 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     would follow the typed part, each with the summed probability (given the typed part, likewise) of the entries
     that continue with it, plus, when the typed part is itself an entry, its probability times that of each first
     character of the token after it (a second model step: " " for a next word, "," ...). No search: a word is one
-    token, so the model's ranking is exact (`exact` is always true). The session's word cache (`cache_weight` > 0) is mixed in
-    as for a byte model (models/wordcache.py); it also offers the words the session typed that the vocabulary
-    lacks (a name, an address), which the model alone can only predict as <unk>."""
+    token, so the model's ranking is exact (`exact` is always true). The session's word cache (`cache_weight` > 0)
+    is mixed in as for a byte model (models/wordcache.py); it also offers the words the session typed that the
+    vocabulary lacks (a name, an address), which the model alone can only predict as <unk>."""
     stable, typed = tokenizer.split_stable(session.pending + context.encode("utf-8"))
     parts = tokenizer.tokens(typed)
     if len(parts) > 1:  # a gap the last word's single space is taken from ("  wo": "  " is settled before " wo")

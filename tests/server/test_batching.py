@@ -277,7 +277,10 @@ def test_a_full_queue_answers_429(tiny_checkpoint: Path, serve_app: Any, assert_
         responses = asyncio.run(flood(live.url))
         with httpx.Client(base_url=live.url) as client:
             queue_depth = dict(metric_samples(client, "adaptlm_queue_depth"))
+            reasons = dict(metric_samples(client, "adaptlm_refused_requests_total"))
     refused = [r for r in responses if r.status_code == 429]
+    assert sum(v for k, v in reasons.items() if 'reason="queue_full"' in k) == len(refused)
+    assert all(v == 0 for k, v in reasons.items() if 'reason="queue_full"' not in k)
     assert refused and any(r.status_code == 200 for r in responses)
     for r in refused:
         assert assert_error(r, 429, "rate_limit_error")["code"] == "queue_full"

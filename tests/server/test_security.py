@@ -149,6 +149,10 @@ def test_rate_limits_are_per_key(tiny_checkpoint: Path, serve_app: Any, assert_e
         assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200  # probes: no limit
         # a wrong key is refused as such (401), and does not spend a real key's tokens
         assert c.post("/v1/score", json={"text": "a"}, headers=bearer("wrong")).status_code == 401
+        # /metrics tells a key over its rate from a lack of capacity (the capacity alert leaves it out)
+        refused = {line.split("reason=")[1].split('"')[1]: float(line.rsplit(" ", 1)[1])
+                   for line in c.get("/metrics").text.splitlines() if line.startswith("adaptlm_refused_requests_total")}
+        assert refused["rate_limited"] == 2 and refused["queue_full"] == 0, refused
 
 
 # -- no pickle -------------------------------------------------------------------------------------------------
