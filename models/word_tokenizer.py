@@ -216,9 +216,43 @@ class WordTokenizer(StreamMixin):
     def with_prefix(self, prefix: bytes) -> list[int]:
         """The ids of the vocabulary's words (special tokens left out) whose bytes start with `prefix`, in byte
         order: two bisections of the sorted vocabulary, not a pass over it (a keyboard asks at every keystroke)."""
+        lo, hi = self._span(prefix)
+        return self._sorted[lo:hi]
+
+    def ids_with_prefix(self, prefix: bytes) -> torch.Tensor:
+        """`with_prefix` as a (n,) int64 tensor, a slice of a cached one (no list of thousands of ids built when the
+        prefix is empty or one letter)."""
+        lo, hi = self._span(prefix)
+        return self._sorted_ids[lo:hi]
+
+    def by_next_char(self, prefix: bytes) -> list[tuple[str, int, int]]:
+        """The words `with_prefix(prefix)` lists (`prefix` whole UTF-8), grouped by the character that follows the
+        prefix: (char, start, end), positions in that list; the word equal to the prefix is in no group. Each group
+        is contiguous, the list being in byte order: one bisection a character, not a pass over the words."""
+        n = len(prefix.decode("utf-8"))
+        lo, hi = self._span(prefix)
+        groups = []
+        pos = lo
+        while pos < hi:
+            word = self.vocab[self._sorted[pos]]
+            if len(word) <= n:  # the prefix itself
+                pos += 1
+                continue
+            char = word[n]
+            end = bisect.bisect_left(self._sorted_bytes, prefix + char.encode("utf-8") + b"\xff", pos, hi)
+            groups.append((char, pos - lo, end - lo))
+            pos = end
+        return groups
+
+    def _span(self, prefix: bytes) -> tuple[int, int]:
+        """[lo, hi) in the byte-ordered words: those that start with `prefix`."""
         lo = bisect.bisect_left(self._sorted_bytes, prefix)
         hi = bisect.bisect_left(self._sorted_bytes, prefix + b"\xff")  # 0xff is in no UTF-8 text: past every match
-        return self._sorted[lo:hi]
+        return lo, hi
+
+    @functools.cached_property
+    def _sorted_ids(self) -> torch.Tensor:
+        return torch.tensor(self._sorted, dtype=torch.long)
 
     def token_id(self, token: bytes) -> int | None:
         """The id of the vocabulary entry whose bytes are `token` exactly (b" the"), or None."""

@@ -343,11 +343,13 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     out = model(torch.tensor([ids], dtype=torch.long, device=device), session.view_state(),
                 session.adapter_with_copy())
     logprobs = model.log_probs(out)[0, -1].double().cpu()  # (V,)
-    matching = tokenizer.with_prefix(typed)  # the words (no end of line, no <unk>) that continue the typed part
-    ranked = sorted(matching, key=lambda i: -float(logprobs[i]))
+    # the words (no end of line, no <unk>) that continue the typed part, in byte order: after a space, nearly the
+    # whole vocabulary, so tensor work only (no Python pass over them)
+    matching = tokenizer.ids_with_prefix(typed)
+    probs = logprobs[matching].exp()  # (n,)
     # P(word | text, the word starts so): the words that start so share the mass; the word cache's p_cache, mixed
     # with these, is conditioned so too
-    typed_mass = float(logprobs[matching].exp().sum()) if matching else 0.0
+    typed_mass = float(probs.sum())
     norm = 1.0 / typed_mass if typed_mass > 0 else 0.0
     space = typed.startswith(b" ")
 
@@ -356,19 +358,18 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
 
     weight = session.config.cache_weight
     # with the cache, more of the model's candidates: a cached word's own probability under the model counts
-    completions = [Completion(word(tokenizer.token_bytes(i)), norm * math.exp(float(logprobs[i])))
-                   for i in ranked[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)]]
+    best = torch.argsort(probs, descending=True, stable=True)[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)]
+    completions = [Completion(word(tokenizer.token_bytes(int(matching[j]))), norm * float(probs[j]))
+                   for j in best.tolist()]  # ties in byte order
     if weight > 0:
         completions = session.words.mix(completions, context, weight, k, max_chars)
     chars: dict[str, float] = {}
     calls = 1
     typed_text = typed.decode("utf-8", errors="strict") if _whole_utf8(typed) else None
     if typed_text is not None and n_chars > 0:
-        for i in matching:
-            entry = tokenizer.vocab[i]
-            if len(entry) > len(typed_text):
-                char = entry[len(typed_text)]
-                chars[char] = chars.get(char, 0.0) + norm * math.exp(float(logprobs[i]))
+        mass = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # mass[j]: the first j words' probability
+        for char, start, end in tokenizer.by_next_char(typed):  # the words going on with each character
+            chars[char] = norm * float(mass[end] - mass[start])
         whole = tokenizer.token_id(typed) if typed else None
         if whole is not None:  # the typed part may end here: then the next token's first character follows
             after = model(torch.tensor([[whole]], dtype=torch.long, device=device), out.state,

@@ -166,6 +166,24 @@ def test_words_with_a_prefix_are_found_by_bisection() -> None:
     assert [tok.vocab[i] for i in tok.with_prefix(b" the")] == [" the", " them", " then", " there", " they"]
 
 
+def test_words_with_a_prefix_grouped_by_their_next_character() -> None:
+    # the keyboard's next characters: each group the contiguous run of the prefix's words that go on with one
+    # character (multi-byte ones whole), against a pass over the vocabulary
+    tok = WordTokenizer.build(["so the then there they them a an and\nthe\nThe ok. <unk> caf\u00e9 cafe caf\u00e8s"])
+    for prefix in (b"", b" ", b" th", b" the", b" caf", b" thx", b"the"):
+        words = tok.with_prefix(prefix)
+        assert tok.ids_with_prefix(prefix).tolist() == words
+        n = len(prefix.decode())
+        expected: dict[str, list[int]] = {}
+        for j, i in enumerate(words):
+            if len(tok.vocab[i]) > n:
+                expected.setdefault(tok.vocab[i][n], []).append(j)
+        groups = tok.by_next_char(prefix)
+        assert {c: list(range(start, end)) for c, start, end in groups} == expected, prefix
+        assert len(groups) == len(expected)  # one group a character
+    assert [c for c, _, _ in tok.by_next_char(b" caf")] == ["e", "\u00e8", "\u00e9"]
+
+
 def test_a_next_token_distribution_by_first_character() -> None:
     tok = WordTokenizer.build("the cat, the hat.\nA cat sat.\n")
     assert tok.token_id(b" cat") == tok.encode(" cat")[0] and tok.token_id(b" dog") is None
