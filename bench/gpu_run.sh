@@ -102,6 +102,7 @@ for arch in $ARCHS; do
 done
 
 stamp "attention settings"
+rm -f "$OUT/attention_variants.json"  # an earlier run's (another card, another build) must not name the fastest
 VSMOKE=""
 if [ "${SMOKE:-0}" = 1 ]; then VSMOKE="--smoke"; fi
 env -u TRITON_INTERPRET timeout "${VARIANTS_S:-240}" $PY -m bench.attention_variants $VSMOKE \

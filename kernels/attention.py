@@ -401,13 +401,13 @@ def _memory_attention_combine_kernel(OP, MP, LP, O, LSE, rows, n_split, HEAD_D: 
     offs_d = tl.arange(0, HEAD_D)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for s in range(n_split):
-        m = tl.maximum(m, tl.load(MP + s * rows + r, mask=ok, other=0.0))  # rows past the end: 0, never stored
+        m = tl.maximum(m, tl.load(MP + tl.cast(s, tl.int64) * rows + r, mask=ok, other=0.0))  # past the end: 0
     den = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_D], tl.float32)
     for s in range(n_split):
-        w = tl.exp2(tl.load(MP + s * rows + r, mask=ok, other=0.0) - m)  # 0 for a split with no visible key
-        den += w * tl.load(LP + s * rows + r, mask=ok, other=1.0)
-        part = (s * rows + r).to(tl.int64)
+        part = tl.cast(s, tl.int64) * rows + r  # (BLOCK,) rows of split s, int64 (S * rows may pass 2**31)
+        w = tl.exp2(tl.load(MP + part, mask=ok, other=0.0) - m)  # 0 for a split with no visible key
+        den += w * tl.load(LP + part, mask=ok, other=1.0)
         acc += w[:, None] * tl.load(OP + part[:, None] * HEAD_D + offs_d[None, :], mask=ok[:, None], other=0.0)
     out = r.to(tl.int64)[:, None] * HEAD_D + offs_d[None, :]
     tl.store(O + out, (acc / den[:, None]).to(O.dtype.element_ty), mask=ok[:, None])

@@ -54,8 +54,9 @@ def _final_stats_at_exit(environment: Environment, **_: Any) -> None:
     """locust rewrites <csv>_stats.csv and _failures.csv once a second while it runs, and not when it stops: the
     files miss the run's last second (a short run's objectives then count too few requests, and late failures go
     unseen). The final figures overwrite them at exit, after locust has closed its own handles."""
-    prefix = getattr(environment.parsed_options, "csv_prefix", None)
-    if prefix:
+    options = environment.parsed_options
+    prefix = getattr(options, "csv_prefix", None)
+    if prefix and not getattr(options, "worker", False):  # a worker's stats are reset after each report: not its files
         atexit.register(_write_final_stats, environment, prefix)
 
 

@@ -159,11 +159,16 @@ def _unreachable_store(settings: Settings) -> str | None:
     import redis
 
     url = settings.session_store
+    where = f"{url.scheme}://{url.host}:{url.port}{url.path or ''}"
     client = redis.Redis.from_url(str(url), socket_timeout=5.0, socket_connect_timeout=5.0)
     try:
         client.ping()
+    except redis.AuthenticationError as e:  # a ConnectionError in redis-py, but Redis did answer
+        return f"the session store {where} refused the credentials ({e})"
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        return f"the session store {where} does not answer ({e})"
     except redis.RedisError as e:
-        return f"the session store redis://{url.host}:{url.port}{url.path or ''} does not answer ({e})"
+        return f"the session store {where} answered with an error ({type(e).__name__}: {e})"
     finally:
         client.close()
     return None

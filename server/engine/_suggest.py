@@ -350,6 +350,9 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     # P(word | text, the word starts so): the words that start so share the mass; the word cache's p_cache, mixed
     # with these, is conditioned so too
     typed_mass = float(probs.sum())
+    whole = tokenizer.token_id(typed) if typed else None  # the typed part as a token of its own, if it is one
+    if whole is not None and not bool((matching == whole).any()):  # a special token typed out (" <unk>")
+        typed_mass += math.exp(float(logprobs[whole]))
     norm = 1.0 / typed_mass if typed_mass > 0 else 0.0
     space = typed.startswith(b" ")
 
@@ -370,7 +373,6 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
         mass = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # mass[j]: the first j words' probability
         for char, start, end in tokenizer.by_next_char(typed):  # the words going on with each character
             chars[char] = norm * float(mass[end] - mass[start])
-        whole = tokenizer.token_id(typed) if typed else None
         if whole is not None:  # the typed part may end here: then the next token's first character follows
             after = model(torch.tensor([[whole]], dtype=torch.long, device=device), out.state,
                           session.adapter_with_copy())
