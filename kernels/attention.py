@@ -685,9 +685,7 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
     tune = tuning()
     bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, "fwd", tune.tiles)
     tiles = triton.cdiv(Lq, bm)
-    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda \
-        else 0
-    splits = _key_splits(tune.splits, tiles * B * H, Lk, bn, sms)
+    splits = _key_splits(tune.splits, tiles * B * H, Lk, bn, _sms(q.device))
     per = triton.cdiv(triton.cdiv(Lk, splits), bn) * bn  # keys a split sees, whole key tiles
     splits = triton.cdiv(Lk, per)
     if splits > 1:  # partial sums per split (S, B * H * Lq, D), their running maxima and denominators (S, B * H * Lq)
@@ -711,6 +709,13 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
         _memory_attention_combine_kernel[(triton.cdiv(rows, block),)](
             o_part, m_part, l_part, out, lse, rows, splits, HEAD_D=D, BLOCK=block, num_warps=4 if D <= 64 else 8)
     return out, lse
+
+
+def _sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors; 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -749,8 +754,7 @@ def _dr_by_diagonals(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, common: 
     triton = _triton()
     _, T, warps, stages = _block_sizes(D, Lq, q.is_cuda, True, "dr", tiles)  # square T x T tiles
     C = triton.cdiv(Lq, T) + triton.cdiv(Lk, T) - 1  # tile diagonals
-    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda \
-        else 1
+    sms = _sms(q.device) or 1  # the interpreter: as one SM
     groups = max(1, min(B, (2 * sms) // (C * H)))  # batch groups: enough programs to fill the GPU
     per = triton.cdiv(B, groups)
     groups = triton.cdiv(B, per)

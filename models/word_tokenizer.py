@@ -219,6 +219,11 @@ class WordTokenizer(StreamMixin):
         lo, hi = self._span(prefix)
         return self._sorted[lo:hi]
 
+    @staticmethod
+    def is_special(token: int) -> bool:
+        """End of line or <unk> (with or without a space): an entry that is no word."""
+        return token < len(_SPECIALS)
+
     def ids_with_prefix(self, prefix: bytes) -> torch.Tensor:
         """`with_prefix` as a (n,) int64 tensor, a slice of a cached one (no list of thousands of ids built when the
         prefix is empty or one letter)."""

@@ -351,7 +351,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     # with these, is conditioned so too
     typed_mass = float(probs.sum())
     whole = tokenizer.token_id(typed) if typed else None  # the typed part as a token of its own, if it is one
-    if whole is not None and not bool((matching == whole).any()):  # a special token typed out (" <unk>")
+    if whole is not None and tokenizer.is_special(whole):  # typed out (" <unk>"): not among the words
         typed_mass += math.exp(float(logprobs[whole]))
     norm = 1.0 / typed_mass if typed_mass > 0 else 0.0
     space = typed.startswith(b" ")

@@ -182,6 +182,9 @@ def test_words_with_a_prefix_grouped_by_their_next_character() -> None:
         assert {c: list(range(start, end)) for c, start, end in groups} == expected, prefix
         assert len(groups) == len(expected)  # one group a character
     assert [c for c, _, _ in tok.by_next_char(b" caf")] == ["e", "\u00e8", "\u00e9"]
+    special, word = tok.token_id(b" <unk>"), tok.token_id(b" the")
+    assert special is not None and word is not None and tok.is_special(special) and not tok.is_special(word)
+    assert all(not tok.is_special(i) for i in tok.with_prefix(b""))  # the words leave the specials out
 
 
 def test_a_next_token_distribution_by_first_character() -> None:
