@@ -99,6 +99,17 @@ def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
     return "reference"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids. Host code uses this, not `triton.cdiv`: that one is a `ConstexprFunction`, whose
+    host call costs microseconds (a third of memory_attention's host time when it was used five times a launch)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1); the host-side `triton.next_power_of_2`, for the same reason."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 class _LazyKernel:
     """`kernel[grid](*args, **meta)` like a `triton.jit` function, decorated at the first launch."""
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kernels._dispatch import resolve_impl
+from kernels._dispatch import cdiv, next_pow2, resolve_impl
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -200,6 +200,8 @@ _TRITON: Any = None
 
 def _triton() -> Any:
     global _TRITON
+    if _TRITON is not None:
+        return _TRITON
     with _TRITON_LOCK:  # the functions are wrapped once, whichever thread launches first
         if _TRITON is None:
             import triton
@@ -681,13 +683,13 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
         return out, lse
     r, u, vb = rel if rel is not None else (q, q, q)  # placeholders: never read without rel
     kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
-    triton = _triton()
+    _triton()
     tune = tuning()
     bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, "fwd", tune.tiles)
-    tiles = triton.cdiv(Lq, bm)
+    tiles = cdiv(Lq, bm)
     splits = _key_splits(tune.splits, tiles * B * H, Lk, bn, _sms(q.device))
-    per = triton.cdiv(triton.cdiv(Lk, splits), bn) * bn  # keys a split sees, whole key tiles
-    splits = triton.cdiv(Lk, per)
+    per = cdiv(cdiv(Lk, splits), bn) * bn  # keys a split sees, whole key tiles
+    splits = cdiv(Lk, per)
     if splits > 1:  # partial sums per split (S, B * H * Lq, D), their running maxima and denominators (S, B * H * Lq)
         o_part = torch.empty((splits, B * H * Lq, D), dtype=torch.float32, device=q.device)
         m_part = torch.empty((splits, B * H * Lq), dtype=torch.float32, device=q.device)
@@ -699,14 +701,14 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1),
         H, Lq, Lk, scale * math.log2(math.e), per,
-        HEAD_D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1),
+        HEAD_D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=next_pow2(bm + bn - 1),
         HAS_REL=rel is not None, HAS_KL=key_lengths is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", GATHER16=tune.gather16,
         SKEW_SMEM=tune.skew == "smem", HALF_RANGE=tune.half_range and bm == bn, SPLIT=splits > 1, num_warps=warps,
         num_stages=stages)
     if splits > 1:
         rows, block = B * H * Lq, 16 if q.is_cuda else 8
-        _memory_attention_combine_kernel[(triton.cdiv(rows, block),)](
+        _memory_attention_combine_kernel[(cdiv(rows, block),)](
             o_part, m_part, l_part, out, lse, rows, splits, HEAD_D=D, BLOCK=block, num_warps=4 if D <= 64 else 8)
     return out, lse
 
@@ -751,13 +753,13 @@ def _dr_by_diagonals(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, common: 
     """dr (Lr, H, D) fp32 from the dr kernel: one program per (tile diagonal, head, batch group)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    triton = _triton()
+    _triton()
     _, T, warps, stages = _block_sizes(D, Lq, q.is_cuda, True, "dr", tiles)  # square T x T tiles
-    C = triton.cdiv(Lq, T) + triton.cdiv(Lk, T) - 1  # tile diagonals
+    C = cdiv(Lq, T) + cdiv(Lk, T) - 1  # tile diagonals
     sms = _sms(q.device) or 1  # the interpreter: as one SM
     groups = max(1, min(B, (2 * sms) // (C * H)))  # batch groups: enough programs to fill the GPU
-    per = triton.cdiv(B, groups)
-    groups = triton.cdiv(B, per)
+    per = cdiv(B, groups)
+    groups = cdiv(B, per)
     drp = torch.empty((groups, C, 2 * T, H, D), dtype=torch.float32, device=q.device)
     _memory_attention_bwd_dr_kernel[(C, H, groups)](
         q, k, v, *common, drp, *strides, B, H, Lq, Lk, *scales, per, BLOCK=T, BLOCK_W=2 * T, num_warps=warps,
@@ -784,7 +786,7 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if dq.numel() != 0:
         delta = (do.float() * out.float()).sum(-1)  # (B, H, Lq) rowsum(dO o O), FlashAttention-2 preprocessing
         kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
-        triton = _triton()
+        _triton()
         common = (r, u, vb, kl, do, lse, delta)
         strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1),
@@ -795,14 +797,14 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
         def meta(kernel: str) -> tuple[int, int, dict[str, Any]]:
             bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, kernel, tune.tiles)
-            return bm, bn, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1),
+            return bm, bn, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=next_pow2(bm + bn - 1),
                                 HAS_REL=rel is not None, num_warps=warps, num_stages=stages, **flags)
 
         bm, _, dq_meta = meta("dq")
-        _memory_attention_bwd_dq_kernel[(triton.cdiv(Lq, bm), B * H)](
+        _memory_attention_bwd_dq_kernel[(cdiv(Lq, bm), B * H)](
             q, k, v, *common, dq, dqr, dr, *strides, H, Lq, Lk, *scales, DR_ATOMIC=not diagonal, **dq_meta)
         _, bn, dkdv_meta = meta("dkdv")
-        _memory_attention_bwd_dkdv_kernel[(triton.cdiv(Lk, bn), B * H)](
+        _memory_attention_bwd_dkdv_kernel[(cdiv(Lk, bn), B * H)](
             q, k, v, *common, dk, dv, *strides, H, Lq, Lk, *scales, **dkdv_meta)
         if diagonal:
             dr = _dr_by_diagonals(q, k, v, common, strides, scales, r.shape[0], flags, tune.tiles)
@@ -815,13 +817,20 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 class _MemoryAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor | None,
-                u: torch.Tensor | None, vb: torch.Tensor | None, key_lengths: torch.Tensor | None,
-                scale: float) -> torch.Tensor:
+    def inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor | None, u: torch.Tensor | None,
+               vb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Rel | None]:
+        """The layouts the kernels read: unit stride along D."""
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         rel = None
         if r is not None and u is not None and vb is not None:
             rel = (_last_dim_contiguous(r), u.contiguous(), vb.contiguous())
+        return q, k, v, rel
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor | None,
+                u: torch.Tensor | None, vb: torch.Tensor | None, key_lengths: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+        q, k, v, rel = _MemoryAttention.inputs(q, k, v, r, u, vb)
         out, lse = _memory_attention_fwd(q, k, v, rel, key_lengths, scale)
         ctx.save_for_backward(q, k, v, out, lse, key_lengths, *(rel or ()))
         ctx.scale = scale
@@ -845,8 +854,11 @@ def memory_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rel: 
         if why is None:
             r, u, vb = rel if rel is not None else (None, None, None)
             scale = q.shape[3] ** -0.5 if scale is None else float(scale)
-            out: torch.Tensor = _MemoryAttention.apply(q, k, v, r, u, vb, key_lengths, scale)  # type: ignore[no-untyped-call]
-            return out
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *(rel or ()))):
+                out: torch.Tensor = _MemoryAttention.apply(q, k, v, r, u, vb, key_lengths, scale)  # type: ignore[no-untyped-call]
+                return out
+            q, k, v, rel = _MemoryAttention.inputs(q, k, v, r, u, vb)
+            return _memory_attention_fwd(q, k, v, rel, key_lengths, scale)[0]  # no autograd node (serving)
         if impl == "triton":
             raise ValueError(why)
     return memory_attention_ref(q, k, v, rel=rel, scale=scale, key_lengths=key_lengths)

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels._dispatch import resolve_impl, tl, triton_kernel
+from kernels._dispatch import cdiv, resolve_impl, tl, triton_kernel
 
 __all__ = ["COMPRESS_MODES", "MemoryRing", "compress_memory", "compress_memory_ref", "fixed_memory_update",
            "fixed_memory_update_ref", "memory_update_ref"]
@@ -262,10 +262,6 @@ def _ring_conv_kernel(buf_ptr, seg_ptr, w_ptr, bias_ptr, count_ptr, len_ptr, n_r
     tl.store(dst[:, None] + offs_n[None, :], acc.to(buf_ptr.dtype.element_ty), mask=real[:, None] & nmask[None, :])
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _block_d(D: int) -> int:
     """Units per program of the ring's update kernel: a whole row up to 512 (a program per run of c slots is
     small; splitting D as well made ~8k programs of < 1 KB for the enwik8 layer)."""
@@ -280,7 +276,7 @@ def _compress_triton(mem: torch.Tensor, rate: int, mode: str) -> torch.Tensor:
         return out
     block_d = min(256, max(16, 1 << (D - 1).bit_length()))
     block_j = max(1, min(32, 4096 // block_d))  # ~4096 outputs of each slot of the runs per program
-    _compress_kernel[(B, _cdiv(N // rate, block_j), _cdiv(D, block_d))](
+    _compress_kernel[(B, cdiv(N // rate, block_j), cdiv(D, block_d))](
         mem, out, N // rate, D, *mem.stride(), *out.stride(), RATE=rate, BLOCK_J=block_j, BLOCK_D=block_d,
         MODE=_MODE_IDS[mode])
     return out
@@ -355,9 +351,9 @@ def _fixed_update_triton(mem: torch.Tensor, x: torch.Tensor, done: torch.Tensor,
         return new_mem, new_cmem
     block_d = min(256, max(16, 1 << (D - 1).bit_length()))
     block_s = max(1, min(32, 4096 // block_d))
-    mem_blocks = _cdiv(L, block_s)
+    mem_blocks = cdiv(L, block_s)
     cp = cmem if comp is None else comp
-    _fixed_update_kernel[(B, mem_blocks + _cdiv(K, block_s), _cdiv(D, block_d))](
+    _fixed_update_kernel[(B, mem_blocks + cdiv(K, block_s), cdiv(D, block_d))](
         mem, x, done, cmem, cp, n_new, new_mem, new_cmem, L, x.shape[1], mem_len, K, cp.shape[1], D, mem_blocks,
         mem.stride(0), mem.stride(1), x.stride(0), x.stride(1), cmem.stride(0), cmem.stride(1), cp.stride(0),
         cp.stride(1), new_mem.stride(0), new_mem.stride(1), new_cmem.stride(0), new_cmem.stride(1),
@@ -511,13 +507,13 @@ class MemoryRing:
             assert weight is not None
             ieee = self.buf.dtype == torch.float32
             blk = 64 if D > 32 else 32 if D > 16 else 16
-            _ring_conv_kernel[(_cdiv(B * max_runs, 64), _cdiv(D, blk))](
+            _ring_conv_kernel[(cdiv(B * max_runs, 64), cdiv(D, blk))](
                 self.buf, segment, weight, self.buf if bias is None else bias, self.count, lens, B * max_runs,
                 max_runs, self.mem_len, self.cmem_len, self.ring, D, self.buf.stride(0), self.buf.stride(1),
                 segment.stride(0), segment.stride(1), *weight.stride(), RATE=c, BLOCK_M=64, BLOCK_N=blk,
                 BLOCK_K=blk, HAS_BIAS=bias is not None, IEEE=ieee)
         block_d = _block_d(D)
-        _memory_update_kernel[(B, self.ring_runs, _cdiv(D, block_d))](
+        _memory_update_kernel[(B, self.ring_runs, cdiv(D, block_d))](
             self.buf, segment, self.count, lens, self.mem_len, self.cmem_len, self.ring_runs, D,
             self.buf.stride(0), self.buf.stride(1), segment.stride(0), segment.stride(1),
             RATE=c, BLOCK_C=max(2, 1 << (c - 1).bit_length()), BLOCK_D=block_d, MODE=_MODE_IDS[self.mode])

@@ -231,6 +231,27 @@ def test_non_contiguous_inputs() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@interpreted
+def test_serving_forward_is_the_training_forward() -> None:
+    # without gradients (serving) the launcher skips the autograd node; it must still fix the layouts the kernel
+    # reads (a strided last dimension) and return the same output
+    Lq, Lk, D = 7, 29, 16
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, Lq, H, D, generator=g).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(B, H, D, Lk, generator=g).transpose(2, 3).requires_grad_(True)  # stride(-1) != 1
+    v = torch.randn(B, H, Lk, D, generator=g).requires_grad_(True)
+    r = torch.randn(H, Lk, D, generator=g).transpose(0, 1).requires_grad_(True)
+    u, vb = torch.randn(H, D, generator=g), torch.randn(H, D, generator=g)
+    kl = torch.tensor([Lk, 20])
+    trained = memory_attention(q, k, v, rel=(r, u, vb), key_lengths=kl, impl="triton")
+    with torch.no_grad():
+        served = memory_attention(q, k, v, rel=(r, u, vb), key_lengths=kl, impl="triton")
+    assert trained.grad_fn is not None and not served.requires_grad
+    assert torch.equal(served, trained.detach())
+    torch.testing.assert_close(served, memory_attention_ref(q, k, v, rel=(r, u, vb), key_lengths=kl).detach(),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_default_on_cpu_is_the_reference() -> None:
     x = _inputs(6, 11, 24, torch.float32, rel=True)  # D = 24: the kernel could not run it
     rel = (x["r"], x["u"], x["vb"])
