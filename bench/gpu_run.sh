@@ -8,7 +8,7 @@
 # FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. GPU_TESTS=attention runs only
 # the attention kernel's compiled tests, GPU_TESTS=0 none (bench.attention_variants checks every attention setting).
 # Results go to $OUT (default runs/gpu): gpu.txt (the card), gpu-tests.log, attention_variants.md and .json,
-# kernels.md, kernels.json,
+# kernels.md, kernels.json, host_overhead.md and .json (the launchers' host time per call, real launches),
 # families.md and families.json (bench.families: the trained checkpoints beside the default), one
 # <arch>.tgz per trained checkpoint (the checkpoint and its train.jsonl; its resumable state left out).
 #
@@ -118,4 +118,8 @@ if [ "${SMOKE:-0}" = 1 ]; then QUICK="--quick"; fi
 ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped} TRITON_INTERPRET=0 timeout "${BENCH_S:-200}" $PY -m bench.kernels $QUICK \
     --json "$OUT/kernels.json" > "$OUT/kernels.md" 2>&1
 cat "$OUT/kernels.md"
+stamp "host time per call"
+ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped} TRITON_INTERPRET=0 timeout 60 $PY -m bench.host_overhead \
+    --calls "$([ "${SMOKE:-0}" = 1 ] && echo 20 || echo 2000)" --json "$OUT/host_overhead.json" > "$OUT/host_overhead.md" 2>&1
+cat "$OUT/host_overhead.md"
 stamp "done"
