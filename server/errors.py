@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any, ClassVar
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -170,6 +171,11 @@ def to_api_error(exc: Exception, request: Request) -> APIError:
         return cls(str(exc.detail), headers=headers)
     if isinstance(exc, _ENGINE_ERRORS):
         return _from_engine(exc)
+    if isinstance(exc, torch.OutOfMemoryError):
+        # the device could not hold the batch this request was in (PyTorch's allocator had already freed its cache
+        # and retried). Sessions are written back only after a whole step, so nothing was lost; a retry may fit
+        return ServiceUnavailableError("the model's device is out of memory; retry shortly",
+                                       code="device_out_of_memory", headers={"Retry-After": "1"})
     return InternalServerError("internal server error")
 
 
@@ -250,6 +256,9 @@ class UnexpectedErrorMiddleware:
         except Exception as exc:
             if started:
                 raise
-            log.exception("unexpected error in %s %s", scope["method"], scope["path"])
+            if isinstance(exc, torch.OutOfMemoryError):  # answered with a 503; the engine logged where it ran out
+                log.warning("%s %s: the device is out of memory", scope["method"], scope["path"])
+            else:
+                log.exception("unexpected error in %s %s", scope["method"], scope["path"])
             response = await handle_error(Request(scope, receive), exc)
             await response(scope, receive, send)

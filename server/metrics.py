@@ -31,11 +31,12 @@ EXPANSION_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Rows in one batched model call (text work, or one step of the running generations).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNMATCHED = "<unmatched>"  # route label of requests that matched no route (404s, refused bodies)
-# The error codes of 429 and 503 answers (server/errors.py): capacity (queue_full, session_store_full), a key over
-# its rate (rate_limited), Redis unreachable (session_store_unavailable), a checkpoint without sessions
-# (sessions_unavailable), a dead engine (engine_unavailable).
-REFUSAL_REASONS = ("queue_full", "session_store_full", "rate_limited", "session_store_unavailable",
-                   "sessions_unavailable", "engine_unavailable")
+# The error codes of 429 and 503 answers (server/errors.py): capacity (queue_full, session_store_full, and
+# device_out_of_memory: a batch the GPU could not hold), a key over its rate (rate_limited), Redis unreachable
+# (session_store_unavailable), a checkpoint without sessions (sessions_unavailable), a dead engine
+# (engine_unavailable).
+REFUSAL_REASONS = ("queue_full", "session_store_full", "device_out_of_memory", "rate_limited",
+                   "session_store_unavailable", "sessions_unavailable", "engine_unavailable")
 
 
 class Metrics:

@@ -313,3 +313,34 @@ def test_a_departed_client_cancels_its_queued_work(tiny_checkpoint: Path, serve_
             time.sleep(0.05)
         assert client.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == 0
         assert client.post(f"/v1/sessions/{sid}/observe", json={"text": "now"}).status_code == 200
+
+
+def test_a_batch_the_device_cannot_hold_is_a_retryable_503(batching: str, assert_error: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # a GPU that cannot hold a batch raises torch.OutOfMemoryError in the engine's step: the requests in it are
+    # refused for capacity (503 + Retry-After, counted as such), their sessions keep what they had (nothing of a failed
+    # step is written back), and the retry is served
+    import server.engine._text as text_engine
+
+    real, raised = text_engine.batch_step, []
+
+    def out_of_memory_once(*args: Any, **kwargs: Any) -> Any:
+        if not raised:
+            raised.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; secret-detail)")
+        return real(*args, **kwargs)
+
+    with httpx.Client(base_url=batching, timeout=60) as client:
+        sid = client.post("/v1/sessions", json={}).json()["id"]
+        before = dict(metric_samples(client, "adaptlm_refused_requests_total"))
+        monkeypatch.setattr(text_engine, "batch_step", out_of_memory_once)
+        r = client.post(f"/v1/sessions/{sid}/observe", json={"text": "a text the device could not hold"})
+        assert assert_error(r, 503, "service_unavailable_error")["code"] == "device_out_of_memory"
+        assert r.headers["retry-after"] == "1" and "secret" not in r.text and "GiB" not in r.text
+        assert client.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == 0
+        r = client.post(f"/v1/sessions/{sid}/observe", json={"text": "a text the device could not hold"})
+        assert r.status_code == 200, r.text
+        assert client.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == 32
+        after = dict(metric_samples(client, "adaptlm_refused_requests_total"))
+    grown = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert list(grown.values()) == [1.0] and 'reason="device_out_of_memory"' in next(iter(grown))
