@@ -117,6 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from server import request_id
     from server.app import serve
     from server.settings import Settings
 
@@ -137,7 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not Path(settings.checkpoint).is_dir():
         raise UsageError(f"{settings.checkpoint}: not a checkpoint directory")
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level)
+    request_id.install()  # the server's lines name the request they belong to
     return serve(settings)
 
 

@@ -26,8 +26,9 @@ class AdaptlmError(Exception):
     """Base of every error the SDK raises.
 
     `status` is the HTTP status (for an error event inside a stream, the status its `type` stands for;
-    None when no answer came), `type`, `param` and `code` are the server's `error` fields, and
-    `retry_after` the seconds of a `Retry-After` header (429, 503), if any.
+    None when no answer came), `type`, `param` and `code` are the server's `error` fields,
+    `retry_after` the seconds of a `Retry-After` header (429, 503), if any, and `request_id` the answer's
+    `X-Request-ID` (what the server's log lines of that request carry: quote it when reporting a failure).
 
         try:
             client.get_session("gone-0123456789abcdef")
@@ -39,7 +40,8 @@ class AdaptlmError(Exception):
     error_type: ClassVar[str | None] = None
 
     def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
-                 param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after: float | None = None,
+                 request_id: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status if status is not None else self.default_status
@@ -47,10 +49,11 @@ class AdaptlmError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.request_id = request_id
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.message!r}, status={self.status!r}, type={self.type!r}, "
-                f"param={self.param!r}, code={self.code!r})")
+                f"param={self.param!r}, code={self.code!r}, request_id={self.request_id!r})")
 
 
 class APIConnectionError(AdaptlmError):
@@ -152,20 +155,24 @@ def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def error_from_body(body: Any, *, status: int | None = None, retry_after: float | None = None) -> AdaptlmError:
+def error_from_body(body: Any, *, status: int | None = None, retry_after: float | None = None,
+                    request_id: str | None = None) -> AdaptlmError:
     """The exception for `{"error": {...}}` (a parsed JSON body or stream event); lenient about its contents."""
     error = body.get("error") if isinstance(body, Mapping) else None
     if not isinstance(error, Mapping):
         reason = f"HTTP {status}" if status is not None else "an error"
-        return _class_for(None, status)(f"{reason} without an error body", status=status, retry_after=retry_after)
+        return _class_for(None, status)(f"{reason} without an error body", status=status, retry_after=retry_after,
+                                        request_id=request_id)
     type_ = _str_or_none(error.get("type"))
     message = _str_or_none(error.get("message")) or (type_ or "error")
     return _class_for(type_, status)(message, status=status, type=type_, param=_str_or_none(error.get("param")),
-                                     code=_str_or_none(error.get("code")), retry_after=retry_after)
+                                     code=_str_or_none(error.get("code")), retry_after=retry_after,
+                                     request_id=request_id)
 
 
 def error_from_response(response: httpx.Response, retry_after: float | None = None) -> AdaptlmError:
     """The exception for an error response (its body must have been read)."""
+    request_id = response.headers.get("X-Request-ID")
     try:
         body: Any = json.loads(response.content)
     except ValueError:
@@ -175,8 +182,9 @@ def error_from_response(response: httpx.Response, retry_after: float | None = No
         excerpt = response.text[:200].strip() if response.content else ""
         phrase = response.reason_phrase or "error"
         message = f"HTTP {response.status_code} {phrase}" + (f": {excerpt}" if excerpt else "")
-        return _class_for(None, response.status_code)(message, status=response.status_code, retry_after=retry_after)
-    return error_from_body(body, status=response.status_code, retry_after=retry_after)
+        return _class_for(None, response.status_code)(message, status=response.status_code, retry_after=retry_after,
+                                                      request_id=request_id)
+    return error_from_body(body, status=response.status_code, retry_after=retry_after, request_id=request_id)
 
 
 def error_from_transport(exc: httpx.RequestError) -> AdaptlmError:

@@ -89,6 +89,9 @@ class GenerateStream(_StreamState):
                 yield chunk
             if not self.done:
                 raise AdaptlmError(_CUT)
+        except AdaptlmError as e:  # an error event, or a cut stream: the answer's ID, for the server's log
+            e.request_id = e.request_id or self._response.headers.get("X-Request-ID")
+            raise
         except httpx.RequestError as e:
             raise error_from_transport(e) from None
         finally:
@@ -156,6 +159,9 @@ class AsyncGenerateStream(_StreamState):
                 yield chunk
             if not self.done:
                 raise AdaptlmError(_CUT)
+        except AdaptlmError as e:  # an error event, or a cut stream: the answer's ID, for the server's log
+            e.request_id = e.request_id or self._response.headers.get("X-Request-ID")
+            raise
         except httpx.RequestError as e:
             raise error_from_transport(e) from None
         finally:

@@ -23,6 +23,7 @@ from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSession
 from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
 from server.metrics import Metrics, MetricsMiddleware
 from server.ratelimit import RateLimiter
+from server.request_id import RequestIdMiddleware, uvicorn_log_config
 from server.routes import ROUTERS
 from server.settings import Settings
 
@@ -63,7 +64,8 @@ def serve(settings: Settings) -> int:
         print(f"adaptlm: error: {problem}", file=sys.stderr)  # noqa: T201 (the CLI's one line, before any logging)
         return 3
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level=settings.log_level, **uvicorn_options(settings))
+                            log_level=settings.log_level, log_config=uvicorn_log_config(),
+                            **uvicorn_options(settings))
     server = _Server(config)
     server.run()
     return 0 if server.started else 3  # uvicorn's own status for a failed start-up
@@ -115,10 +117,12 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handler(app)
     for router in ROUTERS:
         app.include_router(router)
-    # The last added middleware is the outermost: metrics also see refused bodies and 500s.
+    # The last added middleware is the outermost: metrics also see refused bodies and 500s, and every answer gets
+    # its request ID.
     app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)  # every answer carries X-Request-ID, the log lines it causes too
     return app
 
 

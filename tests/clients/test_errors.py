@@ -62,6 +62,7 @@ def test_unknown_session_is_not_found(client: Client) -> None:
             call()
         assert (e.value.status, e.value.type, e.value.param, e.value.code) == (
             404, "not_found_error", "session_id", "session_not_found")
+        assert e.value.request_id is not None and len(e.value.request_id) == 32  # the server's, for its log
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
@@ -178,7 +179,7 @@ def sse(*events: str) -> bytes:
 def test_an_error_event_in_a_stream_raises_its_class() -> None:
     error = '{"error": {"message": "the engine has stopped", "type": "service_unavailable_error", "param": null, ' \
             '"code": "engine_unavailable"}}'
-    transport = httpx.MockTransport(lambda r: httpx.Response(200, headers=SSE,
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, headers={**SSE, "X-Request-ID": "req-7"},
                                                              content=sse('{"text": "ab"}', error)))
     with mock(transport) as c:
         stream = c.generate_stream("x")
@@ -188,13 +189,15 @@ def test_an_error_event_in_a_stream_raises_its_class() -> None:
                 chunks.append(chunk)
     assert chunks == ["ab"] and stream.text == "ab" and not stream.done
     assert (e.value.status, e.value.code, e.value.message) == (503, "engine_unavailable", "the engine has stopped")
+    assert e.value.request_id == "req-7"
 
     async def main() -> list[str]:
         got: list[str] = []
         async with AsyncClient("http://adaptlm.test", transport=transport) as ac:
-            with pytest.raises(ServiceUnavailableError):
+            with pytest.raises(ServiceUnavailableError) as e:
                 async for chunk in ac.generate_stream("x"):
                     got.append(chunk)
+        assert e.value.request_id == "req-7"
         return got
 
     assert asyncio.run(main()) == ["ab"]

@@ -1,0 +1,85 @@
+"""Request IDs: every answer carries `X-Request-ID`, and the server's log lines carry the same ID.
+
+A client (or the proxy in front, deploy/nginx) may send its own `X-Request-ID`: it is kept when it is 1-128
+characters of letters, digits and `.`, `_`, `:`, `-` (anything else could forge log lines or bloat them), and
+replaced by a new random one otherwise. An operator given the ID of a failed call finds its lines in the access log
+and in the warnings it caused. Work the engine thread does for many requests at once logs `-`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import uuid
+from contextvars import ContextVar
+from typing import Any
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+HEADER = "X-Request-ID"
+REQUEST_ID: ContextVar[str] = ContextVar("adaptlm_request_id", default="-")
+_VALID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+
+
+def request_id_for(given: str | None) -> str:
+    """The client's ID when it is a safe one, else a new one (32 hex digits)."""
+    if given is not None and _VALID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    """Outermost: sets the request's ID for everything below it (REQUEST_ID) and adds it to the answer, whoever
+    answers (a route, an error handler, a refused body)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id_for(Headers(scope=scope).get(HEADER))
+        token = REQUEST_ID.set(rid)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[HEADER] = rid
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
+
+
+class RequestIdFilter(logging.Filter):
+    """Gives every record a `request_id` (the current request's, or `-`) for the formats that print it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+def install(handler_owner: logging.Logger | None = None) -> None:
+    """Print the request ID in `handler_owner`'s handlers (the root logger's by default: the CLI's `basicConfig`)."""
+    for handler in (handler_owner or logging.getLogger()).handlers:
+        if not any(isinstance(f, RequestIdFilter) for f in handler.filters):
+            handler.addFilter(RequestIdFilter())
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+
+
+def uvicorn_log_config() -> dict[str, Any]:
+    """uvicorn's own logging configuration, with the request ID in its access lines (and `-` in its others)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["request_id"] = {"()": RequestIdFilter}
+    for handler in config["handlers"].values():
+        handler.setdefault("filters", []).append("request_id")
+    config["formatters"]["access"]["fmt"] = \
+        '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s [%(request_id)s]'
+    return config

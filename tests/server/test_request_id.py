@@ -1,0 +1,52 @@
+"""X-Request-ID: every answer carries one (the client's own when it is a safe one, a new one otherwise), whoever
+answers it, and the server's access log prints it on the request's line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server.request_id import request_id_for
+from tests.server.test_shutdown import server, stop
+
+NEW = re.compile(r"[0-9a-f]{32}")
+
+
+def test_every_answer_carries_an_id(client: httpx.Client, parse_sse: Any) -> None:
+    answers = [client.get("/healthz"), client.post("/v1/score", json={"text": "abc"}),
+               client.get("/nowhere"),  # 404 from the router
+               client.post("/v1/score", json={"text": ""}),  # 422 from validation
+               client.post("/v1/score", content=b"x" * (20 << 20), headers={"content-type": "application/json"})]
+    assert [r.status_code for r in answers] == [200, 200, 404, 422, 413]
+    ids = [r.headers["x-request-id"] for r in answers]
+    assert all(NEW.fullmatch(i) for i in ids) and len(set(ids)) == len(ids)
+    with client.stream("POST", "/v1/generate", json={"prompt": "a", "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200 and NEW.fullmatch(r.headers["x-request-id"])
+        assert "finish_reason" in parse_sse(r.read().decode().splitlines())[-1]
+
+
+@pytest.mark.parametrize(("given", "kept"), [("trace-42", True), ("a1b2.c3_d4:e5", True), ("x" * 128, True),
+                                             ("x" * 129, False), ("two words", False), ("", False),
+                                             ("<script>", False), ("é", False)])
+def test_the_clients_id_is_kept_when_it_is_safe(client: httpx.Client, given: str, kept: bool) -> None:
+    r = client.get("/healthz", headers={"X-Request-ID": given.encode("utf-8")})  # type: ignore[dict-item]
+    assert r.headers["x-request-id"] == given if kept else NEW.fullmatch(r.headers["x-request-id"])
+    assert request_id_for(given) == given if kept else request_id_for(given) != given
+
+
+def test_the_access_log_names_the_request(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    with server(tiny_checkpoint, tmp_path / "sessions.zip", log) as (url, proc):
+        with httpx.Client(base_url=url, timeout=30) as c:
+            assert c.post("/v1/score", json={"text": "abc"}, headers={"X-Request-ID": "trace-42"}).status_code == 200
+            missing = c.get("/v1/sessions/no-such-session-0123456789")
+        stop(proc, log)
+    text = log.read_text()
+    assert '"POST /v1/score HTTP/1.1" 200 OK [trace-42]' in text
+    assert f'"GET /v1/sessions/no-such-session-0123456789 HTTP/1.1" 404 Not Found [{missing.headers["x-request-id"]}]' \
+        in text
+    assert re.search(r"INFO server\.\S+ \[-\]: ", text), text[-2000:]  # the server's own lines, outside a request
