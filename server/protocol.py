@@ -19,7 +19,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -204,9 +212,16 @@ class StreamOptions(RequestModel):
     include_obfuscation: bool | None = Field(default=None, description="Accepted and ignored.")
 
 
+def _unsupported(field: str, allowed: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_value", f"{field} is not supported by this server; send {allowed} "
+                                                    "or leave it out")
+
+
 class CompletionRequest(RequestModel):
-    """OpenAI's `POST /v1/completions` request. Accepted and ignored: presence_penalty, frequency_penalty,
-    best_of, logit_bias. `user` may name a session (see its description)."""
+    """OpenAI's `POST /v1/completions` request. Fields this server does not implement are accepted only with the
+    value that changes nothing (presence_penalty and frequency_penalty 0, logit_bias empty, best_of equal to n);
+    any other value is a 422 `unsupported_value`, never silently ignored. `user` may name a session (see its
+    description)."""
 
     model: str = Field(strict=True, description="The served model's id (GET /v1/models).")
     prompt: Annotated[list[str], BeforeValidator(_one_or_list), Field(min_length=1, max_length=1),
@@ -224,16 +239,44 @@ class CompletionRequest(RequestModel):
     echo: bool | None = Field(default=False, strict=True, description="Prepend the prompt (and its logprobs).")
     stop: Annotated[list[StopString], BeforeValidator(_one_or_list), Field(max_length=4),
                     _string_or_list_schema(4)] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False, strict=True)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False, strict=True)
-    best_of: int | None = Field(default=None, ge=1, strict=True)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False, strict=True)]] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False, strict=True,
+                                           description="Only 0 (or null): penalties are not implemented.")
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False, strict=True,
+                                            description="Only 0 (or null): penalties are not implemented.")
+    best_of: int | None = Field(default=None, ge=1, strict=True,
+                                description="Only n (or null): no candidates are generated beyond the n returned.")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False, strict=True)]] | None = Field(
+        default=None, description="Only empty (or null): biases are not implemented.")
     seed: int | None = Field(default=None, ge=-MAX_SEED, le=MAX_SEED, strict=True)
     user: str | None = Field(default=None, strict=True,
                              description="The id of one of your sessions (POST /v1/sessions): the prompt then "
                                          "continues that session's text under its adapter, and the session is left "
                                          "unchanged (echo + logprobs score the prompt as the adapted session "
                                          "does). Any other value is an end-user identifier, accepted and ignored.")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value:
+            raise _unsupported(str(info.field_name), "0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise _unsupported("logit_bias", "an empty object")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1  # `n` is validated first (declared before); absent if it was invalid
+        if value is not None and "n" in info.data and value != n:
+            if value < n:
+                raise PydanticCustomError("best_of_below_n", "best_of must be at least n")
+            raise _unsupported("best_of above n", "best_of equal to n")
+        return value
 
 
 class CompletionLogprobs(BaseModel):

@@ -164,11 +164,30 @@ def test_echo_without_logprobs(client: httpx.Client, parse_sse: Any, model: str)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_prompt_as_a_list_of_one_and_ignored_fields(client: httpx.Client, model: str) -> None:
-    body = completion(client, model, prompt=[PROMPT], max_tokens=3, presence_penalty=0.5, frequency_penalty=0.1,
-                      best_of=1, logit_bias={"50": 1}, suffix=None, user="someone", stop=None, n=None,
+def test_prompt_as_a_list_of_one_and_neutral_fields(client: httpx.Client, model: str) -> None:
+    """What clients send by default (LangChain sends the penalties as 0 and logit_bias {}) changes nothing."""
+    plain = completion(client, model, max_tokens=12, seed=5)["choices"][0]["text"]
+    body = completion(client, model, prompt=[PROMPT], max_tokens=12, seed=5, presence_penalty=0,
+                      frequency_penalty=0.0, best_of=1, logit_bias={}, suffix=None, user="someone", stop=None, n=None,
                       temperature=None, top_p=None, logprobs=None, echo=None, stream=None)
-    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["text"] == plain and body["choices"][0]["finish_reason"] == "length"
+    assert [c["text"] for c in completion(client, model, max_tokens=12, seed=5, n=2, best_of=2)["choices"]] == \
+        [c["text"] for c in completion(client, model, max_tokens=12, seed=5, n=2)["choices"]]
+
+
+@pytest.mark.parametrize(("fields", "param", "code"), [
+    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
+    ({"frequency_penalty": -0.1}, "frequency_penalty", "unsupported_value"),
+    ({"logit_bias": {"50": 1}}, "logit_bias", "unsupported_value"),
+    ({"best_of": 3}, "best_of", "unsupported_value"),
+    ({"best_of": 2, "n": 3}, "best_of", "best_of_below_n"),
+])
+def test_unimplemented_fields_are_refused_not_ignored(client: httpx.Client, assert_error: Any, model: str,
+                                                      fields: dict[str, Any], param: str, code: str) -> None:
+    r = client.post("/v1/completions", json={"model": model, "prompt": "a", **fields})
+    error = assert_error(r, 422, "validation_error", param)
+    assert error["code"] == code and param in error["message"]
+    assert completion(client, model, max_tokens=1)["choices"][0]["finish_reason"] == "length"  # still serving
 
 
 def test_stream_without_usage_ends_with_finish_and_done(client: httpx.Client, parse_sse: Any, model: str) -> None:
