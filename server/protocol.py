@@ -202,9 +202,23 @@ def _one_or_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
-def _string_or_list_schema(max_items: int) -> WithJsonSchema:
-    return WithJsonSchema({"anyOf": [{"type": "string"},
-                                     {"type": "array", "items": {"type": "string"}, "maxItems": max_items}]})
+def _text_prompts(value: Any) -> Any:
+    """A string or a list of strings; OpenAI's token arrays are refused by name (their ids are another model's
+    tokens, and this server's are bytes or its own words: text is the one unambiguous form)."""
+    value = _one_or_list(value)
+    if isinstance(value, list) and any(isinstance(item, int | list) for item in value):
+        raise PydanticCustomError("token_prompt_unsupported", "token arrays are not supported; send the prompt as "
+                                                              "text (a string or a list of strings)")
+    return value
+
+
+def _string_or_list_schema(*, min_items: int = 0, max_items: int | None = None) -> WithJsonSchema:
+    array: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+    if min_items:
+        array["minItems"] = min_items
+    if max_items is not None:
+        array["maxItems"] = max_items
+    return WithJsonSchema({"anyOf": [{"type": "string"}, array]})
 
 
 class StreamOptions(RequestModel):
@@ -224,8 +238,10 @@ class CompletionRequest(RequestModel):
     description)."""
 
     model: str = Field(strict=True, description="The served model's id (GET /v1/models).")
-    prompt: Annotated[list[str], BeforeValidator(_one_or_list), Field(min_length=1, max_length=1),
-                      _string_or_list_schema(1)] = Field(description="A string, or a list of one string.")
+    prompt: Annotated[list[str], BeforeValidator(_text_prompts), Field(min_length=1),
+                      _string_or_list_schema(min_items=1)] = Field(description=(
+        "A string, or a list of strings: `n` choices of each, prompt p's choice j at index p * n + j (at "
+        "most the server's max_n choices in all). Token arrays are refused: send text."))
     suffix: None = Field(default=None, description="Only null: insertion is not supported.")
     max_tokens: int | None = Field(default=16, ge=0, strict=True,
                                    description="0 with echo: score the prompt without generating.")
@@ -238,7 +254,7 @@ class CompletionRequest(RequestModel):
                                  description="Per token, its log-probability and those of the most likely tokens.")
     echo: bool | None = Field(default=False, strict=True, description="Prepend the prompt (and its logprobs).")
     stop: Annotated[list[StopString], BeforeValidator(_one_or_list), Field(max_length=4),
-                    _string_or_list_schema(4)] | None = None
+                    _string_or_list_schema(max_items=4)] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False, strict=True,
                                            description="Only 0 (or null): penalties are not implemented.")
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False, strict=True,

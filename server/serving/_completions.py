@@ -14,6 +14,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 from fastapi import Response
@@ -21,7 +22,7 @@ from fastapi import Response
 from models.sampling import SamplingParams, TextDecoder
 from models.tokenizer import Tokenizer, WordTokenizer
 from server.engine import Finished, GenerationStream, PromptScored, SessionNotFound, Token, TokenLogprob
-from server.errors import NotFoundError
+from server.errors import NotFoundError, UnprocessableEntityError
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -51,13 +52,17 @@ async def create_completion(body: CompletionRequest, ctx: Context) -> Completion
     if body.model != info.name:
         raise NotFoundError("no such model here; GET /v1/models lists the served one", param="model",
                             code="model_not_found")
-    [prompt_text] = body.prompt
-    prompt = prompt_text.encode("utf-8")
-    check_prompt(prompt, ctx.settings)
+    prompts = [text.encode("utf-8") for text in body.prompt]
+    for prompt in prompts:
+        check_prompt(prompt, ctx.settings)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     check_limit(max_tokens, ctx.settings.max_tokens, "max_tokens")
     n = body.n or 1
     check_limit(n, ctx.settings.max_n, "n")
+    if len(prompts) * n > ctx.settings.max_n:
+        raise UnprocessableEntityError(f"prompt: {len(prompts)} prompts x n={n} make {len(prompts) * n} choices; this "
+                                       f"server makes at most {ctx.settings.max_n} a request", param="prompt",
+                                       code="too_many_choices")
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     params = None  # max_tokens 0: only the prompt (with echo and logprobs: scoring)
@@ -66,15 +71,24 @@ async def create_completion(body: CompletionRequest, ctx: Context) -> Completion
                                 stop=tuple(body.stop or ()))
     echo = bool(body.echo)
     session_id = await _session_named(body.user, ctx)
-    stream = ctx.engine.generate(prompt, params, n=n, logprobs=body.logprobs,
-                                 prompt_logprobs=echo and body.logprobs is not None, session_id=session_id,
-                                 owner=ctx.owner)
-    job = _Job(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=info.name, prompt_text=prompt_text,
+    # One generation a prompt, all submitted now so that the engine batches them; if one is refused (a full
+    # queue), those already submitted are cancelled.
+    streams: list[GenerationStream] = []
+    try:
+        for prompt in prompts:
+            streams.append(ctx.engine.generate(prompt, params, n=n, logprobs=body.logprobs,
+                                               prompt_logprobs=echo and body.logprobs is not None,
+                                               session_id=session_id, owner=ctx.owner))
+    except BaseException:
+        for submitted in streams:
+            submitted.cancel()
+        raise
+    job = _Job(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=info.name, prompts=list(body.prompt),
                tokenizer=info.tokenizer, n=n, echo=echo, logprobs=body.logprobs is not None)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_chunks(stream, job, include_usage, ctx))
-    response = await run_unless_disconnected(ctx.request, _complete(stream, job))
+        return sse_response(_chunks(streams, job, include_usage, ctx))
+    response = await run_unless_disconnected(ctx.request, _complete(streams, job))
     return response if response is not None else Response(status_code=499)  # nginx's "client closed request"
 
 
@@ -149,10 +163,13 @@ def _concat(blocks: list[CompletionLogprobs]) -> CompletionLogprobs:
 
 @dataclass
 class _Job:
+    """One request: `n` choices of each prompt, numbered as OpenAI does, prompt by prompt (prompt p's choice j is
+    choice p * n + j)."""
+
     id: str
     created: int
     model: str
-    prompt_text: str
+    prompts: list[str]
     tokenizer: Tokenizer
     n: int
     echo: bool
@@ -161,11 +178,17 @@ class _Job:
     def chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
+    def choices(self) -> list[_Choice]:
+        return [_Choice(p * self.n + j, self.tokenizer, len(text) if self.echo else 0, self.logprobs)
+                for p, text in enumerate(self.prompts) for j in range(self.n)]
+
     def usage(self, choices: list[_Choice]) -> Usage:
-        """The prompt's tokens (counted by the engine) and those of every choice."""
-        finished = [c.finished for c in choices if c.finished is not None]
-        prompt_tokens = finished[0].prompt_tokens if finished else 0
-        completion_tokens = sum(f.completion_tokens for f in finished)
+        """Each prompt's tokens (counted by the engine, once however many its choices) and those of every choice."""
+        prompt_tokens = 0
+        for p in range(len(self.prompts)):
+            finished = [c.finished for c in choices[p * self.n : (p + 1) * self.n] if c.finished is not None]
+            prompt_tokens += finished[0].prompt_tokens if finished else 0
+        completion_tokens = sum(c.finished.completion_tokens for c in choices if c.finished is not None)
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
 
@@ -207,50 +230,62 @@ class _Choice:
         return self.finished.finish_reason
 
 
-async def _complete(stream: GenerationStream, job: _Job) -> CompletionResponse:
-    base = len(job.prompt_text) if job.echo else 0
-    choices = [_Choice(i, job.tokenizer, base, job.logprobs) for i in range(job.n)]
-    prompt_block = CompletionLogprobs() if job.echo and job.logprobs else None
-    async with stream:
-        async for event in stream:
-            if isinstance(event, PromptScored):
-                prompt_block = _prompt_block(job.tokenizer, job.prompt_text.encode("utf-8"), event)
-            elif isinstance(event, Token):
-                choices[event.index].add(event)
-            else:
-                choices[event.index].finish(event)
+async def _complete(streams: list[GenerationStream], job: _Job) -> CompletionResponse:
+    choices = job.choices()
+    prompt_blocks: list[CompletionLogprobs | None] = [
+        CompletionLogprobs() if job.echo and job.logprobs else None for _ in job.prompts]
+    async with AsyncExitStack() as streams_open:  # leaving it (a failure, a disconnect) cancels every generation
+        for stream in streams:
+            await streams_open.enter_async_context(stream)
+        # The generations run together in the engine; their events wait in their streams while one is read.
+        for p, stream in enumerate(streams):
+            async for event in stream:
+                if isinstance(event, PromptScored):
+                    prompt_blocks[p] = _prompt_block(job.tokenizer, job.prompts[p].encode("utf-8"), event)
+                elif isinstance(event, Token):
+                    choices[p * job.n + event.index].add(event)
+                else:
+                    choices[p * job.n + event.index].finish(event)
     out: list[CompletionChoice] = []
     for c in choices:
+        prompt_text, prompt_block = job.prompts[c.index // job.n], prompt_blocks[c.index // job.n]
         blocks = ([prompt_block] if prompt_block is not None else []) + c.released
-        out.append(CompletionChoice(index=c.index, text=(job.prompt_text if job.echo else "") + "".join(c.text),
+        out.append(CompletionChoice(index=c.index, text=(prompt_text if job.echo else "") + "".join(c.text),
                                     logprobs=_concat(blocks) if job.logprobs else None,
                                     finish_reason=c.finish_reason))
     return job.chunk(out, job.usage(choices))
 
 
-async def _chunks(stream: GenerationStream, job: _Job, include_usage: bool, ctx: Context) -> AsyncIterator[bytes]:
-    timer = StreamTimer(ctx.metrics, ctx.route, stream.submitted)
-    base = len(job.prompt_text) if job.echo else 0
-    choices = [_Choice(i, job.tokenizer, base, job.logprobs) for i in range(job.n)]
-    async with stream:
+async def _chunks(streams: list[GenerationStream], job: _Job, include_usage: bool,
+                  ctx: Context) -> AsyncIterator[bytes]:
+    choices = job.choices()
+    async with AsyncExitStack() as streams_open:
+        for stream in streams:
+            await streams_open.enter_async_context(stream)
         try:
-            if job.echo and not job.logprobs:
-                for i in range(job.n):
-                    yield sse(job.chunk([CompletionChoice(index=i, text=job.prompt_text)]))
-            async for event in stream:
-                timer.observe(event)
-                if isinstance(event, PromptScored):
-                    block = _prompt_block(job.tokenizer, job.prompt_text.encode("utf-8"), event)
-                    for i in range(job.n):
-                        yield sse(job.chunk([CompletionChoice(index=i, text=job.prompt_text, logprobs=block)]))
-                elif isinstance(event, Token):
-                    text, released = choices[event.index].add(event)
-                    if text or released is not None:
-                        yield sse(job.chunk([CompletionChoice(index=event.index, text=text, logprobs=released)]))
-                else:
-                    choices[event.index].finish(event)
-                    yield sse(job.chunk([CompletionChoice(index=event.index, text="",
-                                                          finish_reason=event.finish_reason)]))
+            # One prompt's choices after the other's (each chunk names its choice); all are generated together.
+            for p, stream in enumerate(streams):
+                timer = StreamTimer(ctx.metrics, ctx.route, stream.submitted)
+                prompt_text, first = job.prompts[p], p * job.n
+                if job.echo and not job.logprobs:
+                    for i in range(first, first + job.n):
+                        yield sse(job.chunk([CompletionChoice(index=i, text=prompt_text)]))
+                async for event in stream:
+                    timer.observe(event)
+                    if isinstance(event, PromptScored):
+                        block = _prompt_block(job.tokenizer, prompt_text.encode("utf-8"), event)
+                        for i in range(first, first + job.n):
+                            yield sse(job.chunk([CompletionChoice(index=i, text=prompt_text, logprobs=block)]))
+                    elif isinstance(event, Token):
+                        index = first + event.index
+                        text, released = choices[index].add(event)
+                        if text or released is not None:
+                            yield sse(job.chunk([CompletionChoice(index=index, text=text, logprobs=released)]))
+                    else:
+                        index = first + event.index
+                        choices[index].finish(event)
+                        yield sse(job.chunk([CompletionChoice(index=index, text="",
+                                                              finish_reason=event.finish_reason)]))
             if include_usage:
                 yield sse(job.chunk([], job.usage(choices)))
         except Exception as exc:

@@ -190,6 +190,38 @@ def test_unimplemented_fields_are_refused_not_ignored(client: httpx.Client, asse
     assert completion(client, model, max_tokens=1)["choices"][0]["finish_reason"] == "length"  # still serving
 
 
+def test_several_prompts_as_openai_numbers_them(oai: Any, model: str) -> None:
+    """A list of prompts: `n` choices of each, prompt p's choice j at index p * n + j, each the text a request of
+    that prompt alone gives; the usage counts every prompt once and every choice."""
+    prompts = [PROMPT, "Call me Ishmael. ", "x"]
+    alone = [[c.text for c in oai.completions.create(model=model, prompt=p, max_tokens=10, seed=3, n=2).choices]
+             for p in prompts]
+    c = oai.completions.create(model=model, prompt=prompts, max_tokens=10, seed=3, n=2)
+    assert [ch.index for ch in c.choices] == list(range(6))
+    assert [ch.text for ch in c.choices] == [t for texts in alone for t in texts]
+    assert all(ch.finish_reason == "length" for ch in c.choices)
+    prompt_tokens = sum(len(p.encode()) for p in prompts)
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (prompt_tokens, 60)
+    chunks = list(oai.completions.create(model=model, prompt=prompts, max_tokens=10, seed=3, n=2, stream=True,
+                                         stream_options={"include_usage": True}))
+    for ch in c.choices:
+        mine = [k.choices[0] for k in chunks if k.choices and k.choices[0].index == ch.index]
+        assert "".join(m.text for m in mine) == ch.text and mine[-1].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.completion_tokens == 60
+
+
+def test_several_prompts_scored_with_echo(oai: Any, model: str, reference: Any) -> None:
+    texts = ["Scoring: héllo", "It was the best of times"]
+    c = oai.completions.create(model=model, prompt=texts, max_tokens=0, echo=True, logprobs=0)
+    assert [ch.text for ch in c.choices] == texts
+    for text, ch in zip(texts, c.choices, strict=True):
+        expected = score_bytes(reference, text.encode(), logprobs=True).logprobs
+        assert ch.logprobs.token_logprobs[0] is None
+        assert ch.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+        assert ch.logprobs.text_offset[-1] == len(text) - 1
+    assert c.usage.prompt_tokens == sum(len(t.encode()) for t in texts)
+
+
 def test_stream_without_usage_ends_with_finish_and_done(client: httpx.Client, parse_sse: Any, model: str) -> None:
     chunks = stream_chunks(client, parse_sse, model, max_tokens=10)
     assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
@@ -205,9 +237,12 @@ def test_stream_without_usage_ends_with_finish_and_done(client: httpx.Client, pa
     ({"n": 0}, "n", "greater_than_equal"),
     ({"n": 9}, "n", "less_than_equal"),
     ({"logprobs": 6}, "logprobs", "less_than_equal"),
-    ({"prompt": ["a", "b"]}, "prompt", "too_long"),
+    ({"prompt": ["a"] * 9}, "prompt", "too_many_choices"),
+    ({"prompt": ["a", "b"], "n": 5}, "prompt", "too_many_choices"),
     ({"prompt": []}, "prompt", "too_short"),
-    ({"prompt": [1, 2]}, "prompt.0", "string_type"),
+    ({"prompt": [1, 2]}, "prompt", "token_prompt_unsupported"),
+    ({"prompt": [[1, 2], [3]]}, "prompt", "token_prompt_unsupported"),
+    ({"prompt": ["a", None]}, "prompt.1", "string_type"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "too_long"),
     ({"stop": ""}, "stop.0", "string_too_short"),
     ({"suffix": "x"}, "suffix", "none_required"),
