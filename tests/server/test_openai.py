@@ -74,6 +74,15 @@ def test_the_official_client_lists_and_completes(oai: Any, model: str) -> None:
     assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (n, 20, n + 20)
 
 
+def test_the_official_client_retrieves_the_model(oai: Any, model: str, live: Any) -> None:
+    card = oai.models.retrieve(model)
+    assert card.id == model and card.object == "model" and card.owned_by == "adaptlm"
+    assert card.model_dump(exclude_unset=True) == httpx.get(f"{live.url}/v1/models").json()["data"][0]
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.models.retrieve("gpt-4")
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+
+
 def test_the_official_client_streams_the_same_text(oai: Any, model: str) -> None:
     whole = oai.completions.create(model=model, prompt=PROMPT, max_tokens=30, seed=7).choices[0].text
     chunks = list(oai.completions.create(model=model, prompt=PROMPT, max_tokens=30, seed=7, stream=True,
