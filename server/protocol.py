@@ -246,7 +246,8 @@ class CompletionRequest(RequestModel):
     max_tokens: int | None = Field(default=16, ge=0, strict=True,
                                    description="0 with echo: score the prompt without generating.")
     temperature: float | None = Field(default=1.0, ge=0, le=2, allow_inf_nan=False, strict=True)
-    top_p: float | None = Field(default=1.0, gt=0, le=1, allow_inf_nan=False, strict=True)
+    top_p: float | None = Field(default=1.0, ge=0, le=1, allow_inf_nan=False, strict=True,
+                                description="0 (OpenAI allows it): only the most likely token, as temperature 0.")
     n: int | None = Field(default=1, ge=1, strict=True, description="Choices to generate (choice i uses seed + i).")
     stream: bool | None = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None

@@ -65,6 +65,8 @@ async def create_completion(body: CompletionRequest, ctx: Context) -> Completion
                                        code="too_many_choices")
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0:  # the nucleus shrunk to the most likely token (models.sampling takes top_p in (0, 1])
+        temperature, top_p = 0.0, 1.0
     params = None  # max_tokens 0: only the prompt (with echo and logprobs: scoring)
     if max_tokens:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=body.seed,

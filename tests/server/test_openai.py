@@ -231,6 +231,13 @@ def test_several_prompts_scored_with_echo(oai: Any, model: str, reference: Any) 
     assert c.usage.prompt_tokens == sum(len(t.encode()) for t in texts)
 
 
+def test_top_p_0_is_the_most_likely_token(client: httpx.Client, model: str) -> None:
+    """OpenAI takes top_p in [0, 1]; 0 leaves only the most likely token: the greedy text, whatever the seed."""
+    greedy = completion(client, model, prompt="The ", max_tokens=12, temperature=0)["choices"][0]["text"]
+    body = completion(client, model, prompt="The ", max_tokens=12, top_p=0, seed=9, n=2)
+    assert [c["text"] for c in body["choices"]] == [greedy, greedy]
+
+
 def test_stream_without_usage_ends_with_finish_and_done(client: httpx.Client, parse_sse: Any, model: str) -> None:
     chunks = stream_chunks(client, parse_sse, model, max_tokens=10)
     assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
@@ -241,7 +248,7 @@ def test_stream_without_usage_ends_with_finish_and_done(client: httpx.Client, pa
     ({"max_tokens": -1}, "max_tokens", "greater_than_equal"),
     ({"max_tokens": 4097}, "max_tokens", "less_than_equal"),
     ({"temperature": 2.5}, "temperature", "less_than_equal"),
-    ({"top_p": 0}, "top_p", "greater_than"),
+    ({"top_p": -0.1}, "top_p", "greater_than_equal"),
     ({"top_p": 1.5}, "top_p", "less_than_equal"),
     ({"n": 0}, "n", "greater_than_equal"),
     ({"n": 9}, "n", "less_than_equal"),
