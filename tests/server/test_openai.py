@@ -17,6 +17,7 @@ from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
 from models.sampling import SamplingParams, Stepper, generate
 from models.scoring import score_bytes
+from server.engine import Engine, EngineOverloaded, GenerationStream
 
 PROMPT = "It is a truth universally acknowledged, that "
 
@@ -217,6 +218,27 @@ def test_several_prompts_as_openai_numbers_them(oai: Any, model: str) -> None:
         mine = [k.choices[0] for k in chunks if k.choices and k.choices[0].index == ch.index]
         assert "".join(m.text for m in mine) == ch.text and mine[-1].finish_reason == "length"
     assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.completion_tokens == 60
+
+
+def test_several_prompts_refused_midway_cancel_the_submitted(client: httpx.Client, assert_error: Any, model: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full queue refuses the second prompt's generation: the request is a 429 and the first one's generation,
+    already submitted, is cancelled rather than left running for nobody."""
+    submit = Engine.generate
+    submitted: list[GenerationStream] = []
+
+    def second_refused(self: Engine, *args: Any, **kwargs: Any) -> GenerationStream:
+        if submitted:
+            raise EngineOverloaded("the server is busy", 1)
+        submitted.append(submit(self, *args, **kwargs))
+        return submitted[-1]
+
+    monkeypatch.setattr(Engine, "generate", second_refused)
+    r = client.post("/v1/completions", json={"model": model, "prompt": [PROMPT, PROMPT], "max_tokens": 200})
+    assert assert_error(r, 429, "rate_limit_error")["code"] == "queue_full" and r.headers["retry-after"] == "1"
+    assert len(submitted) == 1 and submitted[0].cancelled
+    monkeypatch.undo()
+    assert completion(client, model, max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
 def test_several_prompts_scored_with_echo(oai: Any, model: str, reference: Any) -> None:
