@@ -1,8 +1,8 @@
 """Wire models of the HTTP API: pydantic only, no torch, so clients and load tests can import them.
 
 Requests forbid unknown fields; responses may gain fields, so clients should ignore ones they do not know.
-The OpenAI-compatible models (`Completion*`) use OpenAI's field names and accept its documented fields,
-including some this server ignores.
+The OpenAI-compatible models (`Completion*`) use OpenAI's field names and accept its documented fields; those
+this server does not implement only with the value that changes nothing (any other is a 422, never ignored).
 
 Streams are server-sent events (`text/event-stream`), one JSON object per `data:` line:
 - `POST /v1/generate`: `GenerateChunk`s, then one `GenerateDone`; or, on a failure after the stream
