@@ -151,6 +151,11 @@ def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
             for branch in prop.get("anyOf", [prop]):
                 if branch.get("type") in ("number", "integer"):
                     branch["maximum"] = maximum
+    # a list of prompts: n choices of each, at most max_n choices in all (so at most max_n prompts)
+    prompt = models.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
+    for branch in prompt.get("anyOf", []):
+        if branch.get("type") == "array":
+            branch["maxItems"] = settings.max_n
     if limits_known:  # before the model is loaded, the checkpoint's limits are not known yet: not cached
         app.openapi_schema = schema
     return schema

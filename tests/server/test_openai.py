@@ -220,6 +220,12 @@ def test_several_prompts_as_openai_numbers_them(oai: Any, model: str) -> None:
     assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.completion_tokens == 60
 
 
+def test_the_schema_bounds_the_prompts_by_max_n(client: httpx.Client) -> None:
+    prompt = client.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    [array] = [b for b in prompt["anyOf"] if b.get("type") == "array"]
+    assert (array["minItems"], array["maxItems"]) == (1, 8)  # Settings().max_n
+
+
 def test_several_prompts_refused_midway_cancel_the_submitted(client: httpx.Client, assert_error: Any, model: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A full queue refuses the second prompt's generation: the request is a 429 and the first one's generation,
