@@ -133,10 +133,10 @@ class AsyncClient:
     async def create_session(self, initial_text: str | None = None, *, ttl_s: float | None = None,
                              lr: float | None = None, decay: float | None = None,
                              adapter_size: int | None = None, cache_weight: float | None = None,
-                             neural_cache: bool | None = None) -> AsyncSession:
+                             neural_cache: bool | None = None, copy_model: bool | None = None) -> AsyncSession:
         info = await self._request(_calls.create_session(initial_text, ttl_s=ttl_s, lr=lr, decay=decay,
                                                          adapter_size=adapter_size, cache_weight=cache_weight,
-                                                         neural_cache=neural_cache))
+                                                         neural_cache=neural_cache, copy_model=copy_model))
         return AsyncSession(self, info.id, info)
 
     def session(self, session_id: str) -> AsyncSession:

@@ -162,9 +162,9 @@ def generate_stream(prompt: str, **options: Any) -> Call[None]:
 
 def create_session(initial_text: str | None, *, ttl_s: float | None, lr: float | None, decay: float | None,
                    adapter_size: int | None, cache_weight: float | None = None,
-                   neural_cache: bool | None = None) -> Call[SessionResponse]:
+                   neural_cache: bool | None = None, copy_model: bool | None = None) -> Call[SessionResponse]:
     adaptation = _body(lr=lr, decay=decay, adapter_size=adapter_size, cache_weight=cache_weight,
-                       neural_cache=neural_cache)
+                       neural_cache=neural_cache, copy_model=copy_model)
     body = _body(initial_text=initial_text, ttl_s=ttl_s, adaptation=adaptation or None)
     return Call("POST", "/v1/sessions", _model(SessionResponse), json=body)
 

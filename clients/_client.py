@@ -158,17 +158,17 @@ class Client:
     def create_session(self, initial_text: str | None = None, *, ttl_s: float | None = None,
                        lr: float | None = None, decay: float | None = None,
                        adapter_size: int | None = None, cache_weight: float | None = None,
-                       neural_cache: bool | None = None) -> Session:
+                       neural_cache: bool | None = None, copy_model: bool | None = None) -> Session:
         """`POST /v1/sessions`: a new adaptive session, having observed `initial_text` if given
         (`session.info.observed`). `lr`, `decay`, `adapter_size`, `cache_weight` (the word cache's weight in
-        suggestions) and `neural_cache` (mix the neural cache into its predictions) override the checkpoint's
-        adaptation settings.
+        suggestions), `neural_cache` (mix the neural cache into its predictions) and `copy_model` (False: no copy
+        model; with lr=0 and cache_weight=0, the unadapted model) override the checkpoint's adaptation settings.
 
             session = client.create_session("Dear Sir,", ttl_s=600)
         """
         info = self._request(_calls.create_session(initial_text, ttl_s=ttl_s, lr=lr, decay=decay,
                                                    adapter_size=adapter_size, cache_weight=cache_weight,
-                                                   neural_cache=neural_cache))
+                                                   neural_cache=neural_cache, copy_model=copy_model))
         return Session(self, info.id, info)
 
     def session(self, session_id: str) -> Session:

@@ -343,6 +343,11 @@ class AdaptationParams(RequestModel):
                                                   "hidden states and the tokens that followed them) into every "
                                                   "prediction of the session, with the checkpoint's window, theta "
                                                   "and lambda; it takes the copy model's place.")
+    copy_model: bool | None = Field(default=None, strict=True,
+                                    description="Mix the session's copy model (what it observed that repeats) into "
+                                                "its predictions, where the checkpoint has one (the default). False: "
+                                                "the network alone; with lr 0 and cache_weight 0, the unadapted "
+                                                "model.")
 
 
 class AdaptationSettings(BaseModel):
@@ -354,6 +359,9 @@ class AdaptationSettings(BaseModel):
     segment: int = Field(description="Bytes scored per update.")
     cache_weight: float = Field(default=0.0, description="Weight of the word cache in keyboard suggestions.")
     neural_cache: bool = Field(default=False, description="Whether the session mixes in the neural cache.")
+    copy_model: bool = Field(default=False, description="Whether the session mixes in a copy model (the checkpoint "
+                                                        "has one, the session did not turn it off, and it keeps no "
+                                                        "neural cache).")
 
 
 class SessionCreateRequest(RequestModel):

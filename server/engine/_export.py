@@ -116,9 +116,12 @@ def import_session(blob: bytes, *, model_hash: str, template: Session,
     neural = cfg.get("neural_cache", False)  # exports older than the session's neural cache have none
     if not isinstance(neural, bool):
         raise SessionImportError("the export's 'neural_cache' is not true or false")
+    copy_model = cfg.get("copy_model", True)  # exports older than the setting had the copy model on
+    if not isinstance(copy_model, bool):
+        raise SessionImportError("the export's 'copy_model' is not true or false")
     config = AdaptationConfig(lr=_finite_number(cfg, "lr"), decay=_finite_number(cfg, "decay"), adapter_size=size,
                               cache_weight=_finite_number(cfg, "cache_weight") if "cache_weight" in cfg else 0.0,
-                              neural_cache=neural)
+                              neural_cache=neural, copy_model=copy_model)
     try:  # exports older than the word cache have none
         words = WordCache.from_dict(info.get("words") or {})
     except ValueError:
@@ -159,8 +162,8 @@ def import_session(blob: bytes, *, model_hash: str, template: Session,
                                                        state_shapes)}
     mats = take("adapter", template.adapter.mats, {k: (1, size, size) for k in template.adapter.mats})
     # an export without a copy model (older, or from a server without one) starts one afresh; a session with the
-    # neural cache has none
-    copy = template.copy if not neural else None
+    # neural cache, or with its copy model turned off, has none
+    copy = template.copy if not neural and copy_model else None
     given = {k[len("copy."):]: tensors.pop(k) for k in [k for k in tensors if k.startswith("copy.")]}
     if given and copy is not None and template.copy is not None:
         try:

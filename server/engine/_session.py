@@ -40,6 +40,9 @@ class AdaptationConfig:
     # the neural cache (ALGORITHMS.md §4, models/adaptation/_cache.py) mixed into every prediction of the session; it
     # takes the copy model's place: a session remembers its own text by one of them
     neural_cache: bool = False
+    # the per-session copy model (models/copymodel.py), where the checkpoint has one; off: the network alone (with lr
+    # 0 and no caches, the unadapted model, e.g. the keyboard page's twin)
+    copy_model: bool = True
 
 
 @dataclass(frozen=True)

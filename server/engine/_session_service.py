@@ -85,14 +85,16 @@ class SessionService:
         return self._limits
 
     def config(self, *, lr: float | None = None, decay: float | None = None, adapter_size: int | None = None,
-               cache_weight: float | None = None, neural_cache: bool | None = None) -> AdaptationConfig:
+               cache_weight: float | None = None, neural_cache: bool | None = None,
+               copy_model: bool | None = None) -> AdaptationConfig:
         """The checkpoint's defaults for what is None, checked (InvalidSessionSettings)."""
         default = self._defaults()
         return self.check(AdaptationConfig(
             lr=default.lr if lr is None else lr, decay=default.decay if decay is None else decay,
             adapter_size=default.adapter_size if adapter_size is None else adapter_size,
             cache_weight=default.cache_weight if cache_weight is None else cache_weight,
-            neural_cache=default.neural_cache if neural_cache is None else neural_cache))
+            neural_cache=default.neural_cache if neural_cache is None else neural_cache,
+            copy_model=default.copy_model if copy_model is None else copy_model))
 
     def check(self, config: AdaptationConfig) -> AdaptationConfig:
         """`config` if this checkpoint can adapt with it; else InvalidSessionSettings."""
@@ -139,8 +141,8 @@ class SessionService:
         return self._ckpt
 
     def fresh(self, session_id: str, owner: str | None, ttl_s: float, config: AdaptationConfig) -> Session:
-        """A session at the start: the initial state after the BOS byte, M = 0; a copy model unless it keeps the
-        neural cache instead (whose memory starts empty)."""
+        """A session at the start: the initial state after the BOS byte, M = 0; a copy model (where the checkpoint
+        has one) unless the session turned it off or keeps the neural cache instead (whose memory starts empty)."""
         model = self._checkpoint().model
         ref = next(model.parameters())
         sites = {s.name: config.adapter_size for s in model.adaptation_sites()}
@@ -150,7 +152,7 @@ class SessionService:
                        last_token=self._checkpoint().tokenizer.bos,
                        adapter=Adapter.zeros(sites, 1, dtype=ref.dtype, device=ref.device),
                        copy=self.copy_model.init_state(1, ref.device)
-                       if self.copy_model is not None and not config.neural_cache else None)
+                       if self.copy_model is not None and config.copy_model and not config.neural_cache else None)
 
     def template(self) -> Session:
         """A fresh session of this model, for a store to read sessions back into (tensor layouts, device; its

@@ -54,7 +54,7 @@ def session_response(session: Session, ctx: Context, result: TextScore | None = 
         adaptation=AdaptationSettings(lr=session.config.lr, decay=session.config.decay,
                                       adapter_size=session.config.adapter_size, rule=limits.rule, eps=limits.eps,
                                       segment=limits.segment, cache_weight=session.config.cache_weight,
-                                      neural_cache=session.config.neural_cache),
+                                      neural_cache=session.config.neural_cache, copy_model=session.copy is not None),
         state_bytes=session.nbytes,
         stats=SessionStatsBody(bytes_observed=st.bytes_observed, updates=st.updates,
                                nonfinite_resets=st.nonfinite_resets, bits=st.bits, bits_per_byte=st.bits_per_byte,
@@ -69,7 +69,8 @@ def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[AdaptationConfi
     p = body.adaptation or AdaptationParams()
     try:
         config = ctx.engine.sessions.config(lr=p.lr, decay=p.decay, adapter_size=p.adapter_size,
-                                            cache_weight=p.cache_weight, neural_cache=p.neural_cache)
+                                            cache_weight=p.cache_weight, neural_cache=p.neural_cache,
+                                            copy_model=p.copy_model)
     except InvalidSessionSettings as e:
         raise _unprocessable(e, f"adaptation.{e.param}") from None
     try:

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from clients import (
+    AdaptlmError,
     Client,
     GenerateDone,
     GenerateResponse,
@@ -171,7 +172,10 @@ def test_request_bodies_leave_out_what_was_not_given() -> None:
     with Client("http://adaptlm.test", transport=httpx.MockTransport(handler)) as c:
         c.generate("a")
         c.generate("a", max_tokens=5, temperature=0, stop=["x"])
-    assert bodies == [b'{"prompt":"a"}', b'{"prompt":"a","max_tokens":5,"temperature":0,"stop":["x"]}']
+        with pytest.raises(AdaptlmError):  # the mock's answer is no session: only the body matters here
+            c.create_session(lr=0, copy_model=False)
+    assert bodies == [b'{"prompt":"a"}', b'{"prompt":"a","max_tokens":5,"temperature":0,"stop":["x"]}',
+                      b'{"adaptation":{"lr":0,"copy_model":false}}']
     with pytest.raises(TypeError, match="list of strings"):
         Client().generate("a", stop="x")
 

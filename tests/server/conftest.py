@@ -7,6 +7,7 @@ do not depend on how pytest puts test directories on sys.path.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -25,6 +26,7 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 
+from models.copymodel import CopyConfig
 from server.app import create_app, uvicorn_options
 from server.settings import Settings
 
@@ -134,6 +136,20 @@ def live(tiny_checkpoint: Path) -> Iterator[LiveServer]:
     # no suggestion time budget: tests compare exact answers, which a loaded CI machine must not cut short
     with serve(Settings(checkpoint=tiny_checkpoint, suggest_budget_ms=0)) as server:
         yield server
+
+
+COPY = CopyConfig(window=2048)  # the copy model of `copy_checkpoint`'s sessions
+
+
+@pytest.fixture(scope="session")
+def copy_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with a "copy" section in its dyneval.json: every session gets a copy model (COPY), as on
+    the shipped default checkpoint."""
+    path = tmp_path_factory.mktemp("copy") / "tiny-copy"
+    shutil.copytree(tiny_checkpoint, path)
+    dyneval = json.loads((path / "dyneval.json").read_text())
+    (path / "dyneval.json").write_text(json.dumps({**dyneval, "copy": COPY.to_dict()}))
+    return path
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ the keyboard offers a word the session has seen once that the network alone woul
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,20 +14,11 @@ import pytest
 
 from models.adaptation import evaluate
 from models.checkpoint import load_checkpoint
-from models.copymodel import CopyConfig, CopyModel
+from models.copymodel import CopyModel
 from server.settings import Settings
+from tests.server.conftest import COPY
 
-COPY = CopyConfig(window=2048)
 TEXT = "Please forward the zqvx ledger to Marguerite Oyelaran-Whitcombe before Tuesday. "
-
-
-@pytest.fixture(scope="module")
-def copy_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("copy") / "tiny-copy"
-    shutil.copytree(tiny_checkpoint, path)
-    dyneval = json.loads((path / "dyneval.json").read_text())
-    (path / "dyneval.json").write_text(json.dumps({**dyneval, "copy": COPY.to_dict()}))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +70,32 @@ def test_export_and_import_carry_the_copy_model(copy_client: httpx.Client) -> No
     bad = blob.replace(b'"copy.fill"', b'"copy.fxll"')
     r = copy_client.put("/v1/sessions/tampered-session-0001/state", content=bad)
     assert r.status_code == 422 and "copy" in r.json()["error"]["message"], r.text
+
+
+def test_a_session_can_turn_its_copy_model_off(copy_client: httpx.Client, client: httpx.Client) -> None:
+    # the keyboard page's unadapted twin: lr 0, no word cache, no copy model is the network alone, whose bits are
+    # the static ones even on a repeat; its export and import keep it without one
+    twin = post(copy_client, "/v1/sessions", adaptation={"lr": 0, "cache_weight": 0, "copy_model": False})
+    default = post(copy_client, "/v1/sessions")
+    plain = post(client, "/v1/sessions", adaptation={"copy_model": True})  # asked for, but the checkpoint has none
+    assert (twin["adaptation"]["copy_model"], default["adaptation"]["copy_model"]) == (False, True)
+    assert plain["adaptation"]["copy_model"] is False
+    assert twin["state_bytes"] + 2 * COPY.window < default["state_bytes"]
+    for sid in (twin["id"], default["id"]):
+        post(copy_client, f"/v1/sessions/{sid}/observe", text=TEXT)
+    again = post(copy_client, f"/v1/sessions/{twin['id']}/observe", text=TEXT)
+    copied = post(copy_client, f"/v1/sessions/{default['id']}/observe", text=TEXT)
+    assert again["bits"] == pytest.approx(again["static_bits"], rel=1e-4)
+    assert copied["bits"] < 0.5 * copied["static_bits"]
+    blob = copy_client.get(f"/v1/sessions/{twin['id']}/state").content
+    r = copy_client.put("/v1/sessions/imported-twin-0001/state", content=blob)
+    assert r.status_code in (200, 201) and r.json()["adaptation"]["copy_model"] is False, r.text
+    probe = TEXT[:40]
+    a = post(copy_client, "/v1/score", text=probe, session_id=twin["id"])
+    b = post(copy_client, "/v1/score", text=probe, session_id="imported-twin-0001")
+    assert a["bits"] == pytest.approx(b["bits"], rel=1e-6)
+    r = copy_client.post("/v1/sessions", json={"adaptation": {"copy_model": "no"}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "adaptation.copy_model", r.text
 
 
 def test_the_keyboard_offers_a_word_seen_once(copy_client: httpx.Client, client: httpx.Client) -> None:

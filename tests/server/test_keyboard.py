@@ -105,8 +105,15 @@ def open_keyboard(page: Page, url: str) -> None:
     page.click("#text")
 
 
-def test_typing_accepting_and_committing(live: Any, page: Page) -> None:
-    open_keyboard(page, f"{live.url}/keyboard")
+@pytest.fixture(scope="module")
+def copy_live(copy_checkpoint: Path, serve_app: Any) -> Iterator[Any]:
+    """A checkpoint whose sessions have a copy model, as `make serve`'s: the twin must turn it off to be unadapted."""
+    with serve_app(Settings(checkpoint=copy_checkpoint, suggest_budget_ms=0)) as server:
+        yield server
+
+
+def test_typing_accepting_and_committing(copy_live: Any, page: Page) -> None:
+    open_keyboard(page, f"{copy_live.url}/keyboard")
     assert snapshot(page)["shown"]["words"], "no suggestions for the first word"
 
     latencies = type_keys(page, "It is a truth univ")
@@ -147,7 +154,7 @@ def test_typing_accepting_and_committing(live: Any, page: Page) -> None:
     assert series["chars"] == [len(value) + 5, len("She was not\n")]
     for adapted, static, twin in zip(series["adapted"], series["static"], series["twin"], strict=True):
         assert 0 < adapted < 16 and 0 < static < 16
-        # The unadapted twin (lr 0) is the static model: its bits are observe's static bits.
+        # The unadapted twin (lr 0, no caches, no copy model) is the static model: its bits are observe's static bits.
         assert math.isclose(twin, static, rel_tol=1e-4)
     assert page.text_content("#commits") == "2" and page.text_content("#bpc-adapted").endswith("bpc")
     total = len(page.input_value("#text"))

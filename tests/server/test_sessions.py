@@ -85,7 +85,8 @@ def test_create_uses_the_checkpoint_settings(client: httpx.Client, ckpt: Any, sp
     assert body["adaptation"] == {"lr": sparse.lr, "decay": sparse.decay, "adapter_size": sparse.adapter_units,
                                   "rule": sparse.rule, "eps": sparse.eps, "segment": sparse.segment,
                                   "cache_weight": 0.0,  # the tiny checkpoint sets no word cache
-                                  "neural_cache": False}  # nor the neural cache
+                                  "neural_cache": False,  # nor the neural cache
+                                  "copy_model": False}  # nor a copy model
     assert body["stats"] == {"bytes_observed": 0, "updates": 0, "nonfinite_resets": 0, "bits": 0.0,
                              "bits_per_byte": None, "static_bits": 0.0, "static_bits_per_byte": None,
                              "gain_over_static": None}

@@ -1,7 +1,8 @@
 // The adaptlm keyboard: a page that uses only the public HTTP API (fetch to its own origin), no dependencies.
 //
-// Two sessions: the one that adapts, and an unadapted twin created with `adaptation: {lr: 0, cache_weight: 0}`
-// (no gradient steps, no word cache) that reads the same commits. The twin is the same model in the same context with its adapter held at zero, so its suggestions are
+// Two sessions: the one that adapts, and an unadapted twin created with `adaptation: {lr: 0, cache_weight: 0,
+// copy_model: false, neural_cache: false}` (no gradient steps, nothing that remembers its text) that reads the same
+// commits. The twin is the same model in the same context with its adapter held at zero, so its suggestions are
 // the unadapted model's; the chart's unadapted line is observe's `static_bits`, which the twin's own bits match.
 "use strict";
 
@@ -84,7 +85,9 @@
     setStatus("connecting", "Connecting…");
     try {
       const [adapted, twin] = await Promise.all([
-        api("sessions", {}), api("sessions", { adaptation: { lr: 0, cache_weight: 0 } })]);
+        // the twin is the unadapted model: no steps, and none of the caches that remember the session's text
+        api("sessions", {}),
+        api("sessions", { adaptation: { lr: 0, cache_weight: 0, copy_model: false, neural_cache: false } })]);
       if (generation !== state.generation) return;
       state.adapted = adapted.id;
       state.twin = twin.id;
