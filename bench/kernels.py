@@ -1,6 +1,8 @@
 """Kernel benchmarks: each op's Triton kernel against eager PyTorch, as a markdown table.
 
-On a CUDA device (the card is printed; timings by triton.testing.do_bench, median):
+On a CUDA device (the card is printed; timings by triton.testing.do_bench, median; the contenders of one case are
+timed in turns, three rounds of a third of the time each, and each keeps the least of its round medians, so that a
+slow stretch of the GPU cannot fall on one contender alone):
 - memory_attention forward and forward+backward, B=8, H=8, D=64, Lq in {128, 512}, Lk in {512, 2048, 4096}, fp16 and
   bf16, with and without Transformer-XL relative terms, against F.scaled_dot_product_attention given the equivalent
   explicit float bias (causal mask, plus the relative term (q + v) . r[i - j] when rel). The rel bias depends on the
@@ -23,13 +25,14 @@ A Triton path that does not exist yet (memory_attention's kernel comes from anot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,15 +71,21 @@ class Bench:
     def __init__(self, device: torch.device, quick: bool) -> None:
         self.device, self.quick = device, quick
         self.results: list[Result] = []
+        # cases made inside `alternating()`, timed when it ends: (row, timed function)
+        self._group: list[tuple[Result, Fn]] | None = None
+        # on CUDA the rows of one case are timed in turns, this many rounds, each a third of the time: a slow
+        # stretch of the GPU (clocks, a neighbour) then spoils one round of every row, not all of one row's
+        self.rounds = 1 if quick or device.type != "cuda" else 3
 
-    def time_ms(self, fn: Fn) -> float:
+    def time_ms(self, fn: Fn, share: float = 1.0) -> float:
+        """Median time of `fn` in ms (on CUDA, triton's do_bench over `share` of the usual time)."""
         if self.device.type == "cuda":
             try:
                 from triton.testing import do_bench
             except ImportError:
                 return self._cuda_events(fn)
-            return float(do_bench(fn, warmup=10 if self.quick else 25, rep=40 if self.quick else 100,
-                                  return_mode="median"))
+            return float(do_bench(fn, warmup=max(1, int((10 if self.quick else 25) * share)),
+                                  rep=max(1, int((40 if self.quick else 100) * share)), return_mode="median"))
         fn()  # warm-up
         times: list[float] = []
         budget = 0.05 if self.quick else 0.3
@@ -99,23 +108,62 @@ class Bench:
         return start.elapsed_time(end) / 10
 
     def case(self, op: str, case: str, impl: str, make: Callable[[], Fn | None], baseline: str = "") -> None:
-        """make() builds the inputs and returns the timed function, or None when that path does not exist (n/a)."""
+        """make() builds the inputs and returns the timed function, or None when that path does not exist (n/a).
+        Inside `alternating()` the timing waits for the block's end."""
         row = Result(op, case, impl, baseline=baseline)
+        self.results.append(row)
         try:
             fn = make()
             if fn is None:
                 row.error = "n/a"
+            elif self._group is not None:
+                self._group.append((row, fn))
+                return
             else:
                 row.ms = self.time_ms(fn)
         except Exception as e:  # one failing case must not end a one-shot GPU run
-            row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:100]
+            row.error = _error(e)
         finally:
+            if self.device.type == "cuda" and self._group is None:
+                torch.cuda.empty_cache()
+        self._report(row)
+
+    @contextlib.contextmanager
+    def alternating(self) -> Iterator[None]:
+        """The cases made in the block (one case's contenders) are timed at its end, in turns: `rounds` rounds of
+        each, its figure the least of its round medians."""
+        self._group = []
+        try:
+            yield
+        finally:
+            group, self._group = self._group, None
+            best: dict[int, float] = {}
+            for _ in range(self.rounds):
+                for row, fn in group:
+                    if row.error:
+                        continue
+                    try:
+                        ms = self.time_ms(fn, 1 / self.rounds)
+                        best[id(row)] = min(ms, best.get(id(row), ms))
+                    except Exception as e:
+                        row.error = _error(e)
+            for row, _ in group:
+                if not row.error:
+                    row.ms = best[id(row)]
+                self._report(row)
+            del group
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self.results.append(row)
+
+    @staticmethod
+    def _report(row: Result) -> None:
         # as it goes (stderr): a run stopped by its time limit still leaves its figures
         print(f"{row.op} | {row.case} | {row.impl} | {row.ms if row.ms is not None else row.error}", file=sys.stderr,
               flush=True)
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:100]
 
 
 def _fwd_bwd(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Fn:
@@ -213,14 +261,15 @@ def attention_cases(b: Bench) -> None:
                             return _fwd_bwd(call, [qu, k, v]) if mode == "fwd+bwd" else call
 
                         op = f"memory_attention {mode}"
-                        b.case(op, case, "sdpa+bias", sdpa)
-                        if use_rel:
-                            b.case(op, case, "sdpa+bias built", built)
-                        if on_gpu:
-                            b.case(op, case, "triton", lambda ours=ours: ours("triton"),
+                        with b.alternating():
+                            b.case(op, case, "sdpa+bias", sdpa)
+                            if use_rel:
+                                b.case(op, case, "sdpa+bias built", built)
+                            if on_gpu:
+                                b.case(op, case, "triton", lambda ours=ours: ours("triton"),
+                                       baseline="sdpa+bias,sdpa+bias built" if use_rel else "sdpa+bias")
+                            b.case(op, case, "reference", lambda ours=ours: ours("reference"),
                                    baseline="sdpa+bias,sdpa+bias built" if use_rel else "sdpa+bias")
-                        b.case(op, case, "reference", lambda ours=ours: ours("reference"),
-                               baseline="sdpa+bias,sdpa+bias built" if use_rel else "sdpa+bias")
 
 
 # ------------------------------------------------------------------------------------------------ compress
@@ -249,8 +298,9 @@ def compress_cases(b: Bench) -> None:
             return lambda: compress_memory(x, rate=rate, mode=mode, impl=impl, **kw)
 
         if on_gpu:
-            b.case("compress_memory", case, "eager", lambda make=make: make("eager"))
-            b.case("compress_memory", case, "triton", lambda make=make: make("triton"), baseline="eager")
+            with b.alternating():
+                b.case("compress_memory", case, "eager", lambda make=make: make("eager"))
+                b.case("compress_memory", case, "triton", lambda make=make: make("triton"), baseline="eager")
         else:
             b.case("compress_memory", case, "reference", lambda make=make: make("eager"))
 
@@ -275,10 +325,11 @@ def compress_cases(b: Bench) -> None:
             return lambda: r.update(seg, weight=w, impl=impl)
 
         op = "memory update"
-        b.case(op, ring_case, "eager cat", lambda ring=ring: ring("eager cat"))
-        if on_gpu:
-            b.case(op, ring_case, "ring triton", lambda ring=ring: ring("triton"), baseline="eager cat")
-        b.case(op, ring_case, "ring reference", lambda ring=ring: ring("reference"), baseline="eager cat")
+        with b.alternating():
+            b.case(op, ring_case, "eager cat", lambda ring=ring: ring("eager cat"))
+            if on_gpu:
+                b.case(op, ring_case, "ring triton", lambda ring=ring: ring("triton"), baseline="eager cat")
+            b.case(op, ring_case, "ring reference", lambda ring=ring: ring("reference"), baseline="eager cat")
 
     # the Compressive Transformer model's own update (fixed-shape right-aligned state, f applied before)
     fixed_case = f"B{B} D{D} n_m{n_m} n_cm{n_cm} seg{n_s} rate{rate} {str(dtype)[6:]}"
@@ -293,9 +344,10 @@ def compress_cases(b: Bench) -> None:
         n_new = torch.full((B,), n_s // rate, device=b.device)
         return lambda: fixed_memory_update(mem, x, done, cmem, comp, n_new, mem_len=n_m, impl=impl)
 
-    b.case("model memory update", fixed_case, "eager", lambda: fixed("reference"))
-    if on_gpu:
-        b.case("model memory update", fixed_case, "triton", lambda: fixed("triton"), baseline="eager")
+    with b.alternating():
+        b.case("model memory update", fixed_case, "eager", lambda: fixed("reference"))
+        if on_gpu:
+            b.case("model memory update", fixed_case, "triton", lambda: fixed("triton"), baseline="eager")
 
 
 # ------------------------------------------------------------------------------------------------ batched_adapter
@@ -336,27 +388,29 @@ def adapter_cases(b: Bench) -> None:
         "triton": lambda h, m: batched_adapter(h, m, index, impl="triton"),
     }
     for mode in ("fwd", "fwd+bwd"):
-        for name in impls:
-            if name == "triton" and not on_gpu:
-                continue
+        with b.alternating():
+            for name in impls:
+                if name == "triton" and not on_gpu:
+                    continue
 
-            def make(name: str = name, mode: str = mode) -> Fn | None:
-                if name == "triton" and not triton_available():
-                    return None
-                h, m = leaves()
-                f = impls[name]
-                if f is None:  # the loop: each session's rows found once, outside the timing
-                    found = [(s, (index == s).nonzero().squeeze(1)) for s in range(S)]
-                    groups = [(s, rows) for s, rows in found if rows.numel()]
+                def make(name: str = name, mode: str = mode) -> Fn | None:
+                    if name == "triton" and not triton_available():
+                        return None
+                    h, m = leaves()
+                    f = impls[name]
+                    if f is None:  # the loop: each session's rows found once, outside the timing
+                        found = [(s, (index == s).nonzero().squeeze(1)) for s in range(S)]
+                        groups = [(s, rows) for s, rows in found if rows.numel()]
 
-                    def f(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-                        return loop(a, c, groups)
+                        def f(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+                            return loop(a, c, groups)
 
-                def call() -> torch.Tensor:
-                    return f(h, m)
-                return _fwd_bwd(call, [h, m]) if mode == "fwd+bwd" else call
+                    def call() -> torch.Tensor:
+                        return f(h, m)
+                    return _fwd_bwd(call, [h, m]) if mode == "fwd+bwd" else call
 
-            b.case(f"batched_adapter {mode}", case, name, make, baseline="" if name == "python loop" else "python loop")
+                b.case(f"batched_adapter {mode}", case, name, make,
+                       baseline="" if name == "python loop" else "python loop")
 
 
 # ------------------------------------------------------------------------------------------------ end to end
