@@ -135,6 +135,7 @@ def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     schema = FastAPI.openapi(app)
     app.openapi_schema = None  # FastAPI cached its own: cache ours instead, complete
     models = schema.get("components", {}).get("schemas", {})
+    _drop_fastapi_422(schema)
     limits: list[tuple[str, str, float]] = [
         ("SessionCreateRequest", "ttl_s", settings.max_session_ttl_s),
         ("GenerateRequest", "max_tokens", settings.max_tokens),
@@ -159,6 +160,21 @@ def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     if limits_known:  # before the model is loaded, the checkpoint's limits are not known yet: not cached
         app.openapi_schema = schema
     return schema
+
+
+def _drop_fastapi_422(schema: dict[str, Any]) -> None:
+    """FastAPI documents a 422 in its own shape (HTTPValidationError) on each route that takes input and declares
+    none; this server never sends that shape, and such routes answer no 422 (the OpenAI routes send OpenAI's 400
+    instead: errors.OPENAI_ROUTES). The routes that do answer 422 declare it (errors.openapi_responses)."""
+    fastapi_422 = {"$ref": "#/components/schemas/HTTPValidationError"}
+    for item in schema.get("paths", {}).values():
+        for operation in item.values():
+            responses = operation.get("responses", {})
+            if responses.get("422", {}).get("content", {}).get("application/json", {}).get("schema") == fastapi_422:
+                del responses["422"]
+    models = schema.get("components", {}).get("schemas", {})
+    models.pop("HTTPValidationError", None)
+    models.pop("ValidationError", None)
 
 
 def _unreachable_store(settings: Settings) -> str | None:

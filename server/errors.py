@@ -2,6 +2,8 @@
 
 Every error response, whatever raised it (our code, request validation, routing, a bug), has the shape
 `{"error": {"message": str, "type": str, "param": str | null, "code": str | null}}` (protocol.ErrorResponse).
+The OpenAI-compatible routes (OPENAI_ROUTES) answer request errors as OpenAI does: a 400 where the others answer
+422, or 413 for a text over the limit.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from server.protocol import ErrorBody, ErrorResponse, ErrorType
 
 __all__ = [
     "APIError", "AuthenticationError", "BadRequestError", "ConflictError", "InternalServerError",
-    "MethodNotAllowedError", "NotFoundError", "PayloadTooLargeError", "RateLimitError", "ServiceUnavailableError",
-    "UnprocessableEntityError", "UnexpectedErrorMiddleware", "error_response", "install_error_handler",
-    "openapi_responses", "to_api_error",
+    "MethodNotAllowedError", "NotFoundError", "OPENAI_ROUTES", "PayloadTooLargeError", "RateLimitError",
+    "ServiceUnavailableError", "UnprocessableEntityError", "UnexpectedErrorMiddleware", "error_response",
+    "install_error_handler", "openapi_responses", "to_api_error",
 ]
 
 # What the engine raises; each is translated by `to_api_error`.
@@ -112,6 +114,14 @@ class ServiceUnavailableError(APIError):
     type = "service_unavailable_error"
 
 
+# The routes of the OpenAI-compatible surface, by path template. OpenAI answers an invalid parameter with 400
+# `invalid_request_error` (the `openai` client's BadRequestError; a 422 would be its UnprocessableEntityError) and a
+# prompt too long for the model with a 400 whose code is `context_length_exceeded`, which applications test for. So
+# on these routes a 422 or a 413 is sent as that 400, its message and param kept, its code kept or renamed to
+# OpenAI's. A body over ADAPTLM_MAX_BODY_BYTES is refused before routing (app.BodyLimitMiddleware): still a 413.
+OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/models", "/v1/models/{model}"})
+_OPENAI_CODES = {"text_too_long": "context_length_exceeded"}
+
 _BY_STATUS: dict[int, type[APIError]] = {
     cls.status: cls for cls in (BadRequestError, AuthenticationError, NotFoundError, MethodNotAllowedError,
                                 ConflictError, PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
@@ -153,7 +163,17 @@ def _from_validation(exc: RequestValidationError) -> APIError:
 
 
 def to_api_error(exc: Exception, request: Request) -> APIError:
-    """Translate anything a request can raise into the hierarchy; unknown exceptions become a bare 500."""
+    """Translate anything a request can raise into the hierarchy, as the request's route answers it (OpenAI's 400 on
+    OPENAI_ROUTES); unknown exceptions become a bare 500."""
+    error = _translate(exc, request)
+    route = request.scope.get("route")
+    if error.status in (413, 422) and getattr(route, "path", None) in OPENAI_ROUTES:
+        code = _OPENAI_CODES.get(error.code, error.code) if error.code is not None else None
+        return BadRequestError(error.message, param=error.param, code=code, headers=error.headers)
+    return error
+
+
+def _translate(exc: Exception, request: Request) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestValidationError):

@@ -107,12 +107,14 @@ def require_api_key(owner: OwnerDep) -> None:
     """A router dependency: the request carries a valid key (when keys are configured)."""
 
 
-def work_router(prefix: str, tag: str) -> APIRouter:
-    """A router of /v1 routes that do model work: API key required, their common error answers documented."""
+def work_router(prefix: str, tag: str, *, openai: bool = False) -> APIRouter:
+    """A router of /v1 routes that do model work: API key required, their common error answers documented.
+    `openai`: its routes are in errors.OPENAI_ROUTES, which answer 400 where the others answer 422 (and their only
+    413 is a body over ADAPTLM_MAX_BODY_BYTES, refused before routing)."""
+    errors = (BadRequestError, AuthenticationError, NotFoundError, PayloadTooLargeError,
+              *(() if openai else (UnprocessableEntityError,)), RateLimitError, ServiceUnavailableError)
     return APIRouter(prefix=prefix, tags=[tag], dependencies=[Depends(require_api_key)],
-                     responses=openapi_responses(BadRequestError, AuthenticationError, NotFoundError,
-                                                 PayloadTooLargeError, UnprocessableEntityError, RateLimitError,
-                                                 ServiceUnavailableError))
+                     responses=openapi_responses(*errors))
 
 
 # One server-sent event, as a client's parser reads it (OpenAPI 3.2 describes an event stream by its events): `data`

@@ -10,7 +10,7 @@ from server.serving import create_completion
 
 __all__ = ["router"]
 
-router = work_router("/v1", "openai")
+router = work_router("/v1", "openai", openai=True)  # request errors are OpenAI's 400 (errors.OPENAI_ROUTES)
 
 _STREAM = event_stream_responses("The completion; with `stream: true`, server-sent events: `CompletionResponse` "
                                  "chunks, then `data: [DONE]` (see server/protocol.py).")

@@ -6,13 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from server.engine import Engine
-from server.errors import (
-    AuthenticationError,
-    NotFoundError,
-    ServiceUnavailableError,
-    UnprocessableEntityError,
-    openapi_responses,
-)
+from server.errors import AuthenticationError, NotFoundError, ServiceUnavailableError, openapi_responses
 from server.protocol import ModelCard, ModelList
 from server.routes._deps import EngineDep, require_api_key
 
@@ -33,8 +27,8 @@ async def list_models(engine: EngineDep) -> ModelList:
     return ModelList(data=[_card(engine)])
 
 
-@router.get("/models/{model}", response_model=ModelCard,
-            responses=openapi_responses(NotFoundError, UnprocessableEntityError))
+# no 422 (nor OpenAI's 400, errors.OPENAI_ROUTES): a path's `model` is always a valid string, and it takes nothing else
+@router.get("/models/{model}", response_model=ModelCard, responses=openapi_responses(NotFoundError))
 async def retrieve_model(model: str, engine: EngineDep) -> ModelCard:
     card = _card(engine)
     if model != card.id:

@@ -36,19 +36,31 @@ def test_text_over_the_limit_in_bytes_is_413(small: httpx.Client, assert_error: 
     assert error["code"] == "text_too_long"
 
 
-@pytest.mark.parametrize("path", ["/v1/generate", "/v1/completions"])
-def test_prompt_over_the_limit_in_bytes_is_413(small: httpx.Client, assert_error: Any, path: str) -> None:
+@pytest.mark.parametrize(("path", "status", "type_", "code"), [
+    ("/v1/generate", 413, "payload_too_large_error", "text_too_long"),
+    ("/v1/completions", 400, "invalid_request_error", "context_length_exceeded"),  # OpenAI's answer
+])
+def test_prompt_over_the_limit_in_bytes_is_refused(small: httpx.Client, assert_error: Any, path: str, status: int,
+                                                   type_: str, code: str) -> None:
     fields: dict[str, Any] = {"max_tokens": 1}
     if path == "/v1/completions":
         fields["model"] = small.get("/v1/models").json()["data"][0]["id"]
     assert small.post(path, json={"prompt": "é" * (MAX_TEXT // 2), **fields}).status_code == 200
     r = small.post(path, json={"prompt": "é" * (MAX_TEXT // 2 + 1), **fields})
-    assert assert_error(r, 413, "payload_too_large_error", "prompt")["code"] == "text_too_long"
+    error = assert_error(r, status, type_, "prompt")
+    assert error["code"] == code and f"at most {MAX_TEXT}" in error["message"]
 
 
 def test_body_over_the_limit_is_413(small: httpx.Client, assert_error: Any) -> None:
     body = json.dumps({"text": "x" * MAX_BODY}).encode()
     r = small.post("/v1/score", content=body, headers={"content-type": "application/json"})
+    assert assert_error(r, 413, "payload_too_large_error")["code"] == "body_too_large"
+
+
+def test_body_over_the_limit_is_413_on_the_openai_route_too(small: httpx.Client, assert_error: Any) -> None:
+    """A body over ADAPTLM_MAX_BODY_BYTES is refused before routing, whatever the route: a 413 there too."""
+    body = json.dumps({"model": "m", "prompt": "x" * MAX_BODY}).encode()
+    r = small.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert assert_error(r, 413, "payload_too_large_error")["code"] == "body_too_large"
 
 

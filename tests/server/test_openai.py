@@ -18,6 +18,7 @@ from models.checkpoint import load_checkpoint
 from models.sampling import SamplingParams, Stepper, generate
 from models.scoring import score_bytes
 from server.engine import Engine, EngineOverloaded, GenerationStream
+from server.errors import OPENAI_ROUTES
 
 PROMPT = "It is a truth universally acknowledged, that "
 
@@ -195,7 +196,7 @@ def test_prompt_as_a_list_of_one_and_neutral_fields(client: httpx.Client, model:
 def test_unimplemented_fields_are_refused_not_ignored(client: httpx.Client, assert_error: Any, model: str,
                                                       fields: dict[str, Any], param: str, code: str) -> None:
     r = client.post("/v1/completions", json={"model": model, "prompt": "a", **fields})
-    error = assert_error(r, 422, "validation_error", param)
+    error = assert_error(r, 400, "invalid_request_error", param)
     assert error["code"] == code and param in error["message"]
     assert completion(client, model, max_tokens=1)["choices"][0]["finish_reason"] == "length"  # still serving
 
@@ -218,6 +219,16 @@ def test_several_prompts_as_openai_numbers_them(oai: Any, model: str) -> None:
         mine = [k.choices[0] for k in chunks if k.choices and k.choices[0].index == ch.index]
         assert "".join(m.text for m in mine) == ch.text and mine[-1].finish_reason == "length"
     assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.completion_tokens == 60
+
+
+def test_the_schema_declares_400_not_422_on_the_openai_routes(client: httpx.Client) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    assert OPENAI_ROUTES <= set(paths)  # the rule's route templates are the served ones
+    for path in OPENAI_ROUTES:
+        assert all("422" not in operation["responses"] for operation in paths[path].values()), path
+    completions = paths["/v1/completions"]["post"]["responses"]
+    assert {"400", "413"} <= set(completions)  # 413: a body over ADAPTLM_MAX_BODY_BYTES, refused before routing
+    assert {"400", "413", "422"} <= set(paths["/v1/score"]["post"]["responses"])
 
 
 def test_the_schema_bounds_the_prompts_by_max_n(client: httpx.Client) -> None:
@@ -293,16 +304,27 @@ def test_stream_without_usage_ends_with_finish_and_done(client: httpx.Client, pa
     ({"top_k": 5}, "top_k", "extra_forbidden"),
     ({"stream_options": {"other": 1}}, "stream_options.other", "extra_forbidden"),
 ])
-def test_invalid_requests_are_422(client: httpx.Client, assert_error: Any, model: str, fields: dict[str, Any],
-                                  param: str, code: str) -> None:
+def test_invalid_requests_are_400_as_openai_answers(client: httpx.Client, assert_error: Any, model: str,
+                                                    fields: dict[str, Any], param: str, code: str) -> None:
+    """OpenAI answers an invalid parameter with 400 `invalid_request_error`; the param and code say which."""
     r = client.post("/v1/completions", json={"model": model, "prompt": "a", **fields})
-    assert assert_error(r, 422, "validation_error", param)["code"] == code
+    assert assert_error(r, 400, "invalid_request_error", param)["code"] == code
 
 
-def test_nan_temperature_is_422(client: httpx.Client, assert_error: Any, model: str) -> None:
+def test_nan_temperature_is_400(client: httpx.Client, assert_error: Any, model: str) -> None:
     body = b'{"model": "' + model.encode() + b'", "prompt": "a", "temperature": NaN}'
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-    assert assert_error(r, 422, "validation_error", "temperature")["code"] == "finite_number"
+    assert assert_error(r, 400, "invalid_request_error", "temperature")["code"] == "finite_number"
+
+
+@pytest.mark.parametrize(("body", "content_type", "code"), [
+    (b'{"prompt": "a"', "application/json", "invalid_json"),
+    (b"model=m&prompt=a", "application/x-www-form-urlencoded", "model_attributes_type"),
+])
+def test_a_body_that_is_not_a_json_object_is_400(client: httpx.Client, assert_error: Any, body: bytes,
+                                                 content_type: str, code: str) -> None:
+    r = client.post("/v1/completions", content=body, headers={"content-type": content_type})
+    assert assert_error(r, 400, "invalid_request_error")["code"] == code
 
 
 def test_unknown_model_is_404(client: httpx.Client, assert_error: Any) -> None:
@@ -311,11 +333,38 @@ def test_unknown_model_is_404(client: httpx.Client, assert_error: Any) -> None:
 
 
 def test_the_official_client_raises_typed_errors(oai: Any, model: str) -> None:
-    with pytest.raises(openai.UnprocessableEntityError) as info:
-        oai.completions.create(model=model, prompt="a", max_tokens=-1)
-    assert info.value.body["param"] == "max_tokens"
+    """What code written against OpenAI catches: a bad parameter is a BadRequestError naming it."""
+    for fields, param in (({"max_tokens": -1}, "max_tokens"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                          ({"n": 9}, "n"), ({"prompt": ["a", "b"], "n": 5}, "prompt")):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(**{"model": model, "prompt": "a", **fields})
+        assert info.value.status_code == 400 and info.value.type == "invalid_request_error"
+        assert info.value.param == param and info.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="nope", prompt="a")
+
+
+def test_a_prompt_over_the_text_limit_is_context_length_exceeded(oai: Any, model: str, live: Any) -> None:
+    """OpenAI's answer to a prompt too long for the model, which applications (LangChain too) test for: a
+    BadRequestError whose code is `context_length_exceeded`."""
+    limit = live.app.state.settings.max_text_bytes
+    for prompt in ("x" * (limit + 1), ["a", "é" * (limit // 2 + 1)]):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model=model, prompt=prompt, max_tokens=1)
+        assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+        assert info.value.type == "invalid_request_error" and f"at most {limit}" in info.value.message
+    assert oai.completions.create(model=model, prompt="x", max_tokens=1).choices[0].finish_reason == "length"
+
+
+def test_only_the_openai_surface_answers_400(oai: Any, model: str) -> None:
+    """The project's own routes keep their 422 (the same client, calling them by path, raises
+    UnprocessableEntityError); only the OpenAI routes speak OpenAI's 400."""
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt="a", temperature=2.5)
+    for path, body in (("/score", {"text": "a", "logprobs": "many"}), ("/generate", {"prompt": "a", "max_tokens": -1})):
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            oai.post(path, body=body, cast_to=object)
+        assert info.value.status_code == 422 and info.value.type == "validation_error"
 
 
 def test_an_error_after_the_stream_started(oai: Any, client: httpx.Client, parse_sse: Any, model: str,
