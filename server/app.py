@@ -129,7 +129,8 @@ def create_app(settings: Settings) -> FastAPI:
 def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
     """FastAPI's schema with the limits that only this server knows (its settings, and the checkpoint's adapter
     size once it is loaded), so that the schema and the server accept the same requests. What the schema cannot
-    say: texts are limited in UTF-8 bytes (ADAPTLM_MAX_TEXT_BYTES, a 413), and `model` must be the served one."""
+    say: texts are limited in UTF-8 bytes (ADAPTLM_MAX_TEXT_BYTES, a 413; on /v1/completions OpenAI's 400
+    `context_length_exceeded`), and `model` must be the served one."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = FastAPI.openapi(app)
