@@ -14,6 +14,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -122,6 +123,11 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if settings.cors_origins:  # pages of other origins (a keyboard web app) call the API from the browser
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=False,
+                           allow_methods=["GET", "POST", "PUT", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Session-Id"],
+                           expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
     app.add_middleware(RequestIdMiddleware)  # every answer carries X-Request-ID, the log lines it causes too
     return app
 

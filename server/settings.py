@@ -8,6 +8,8 @@
     ADAPTLM_MAX_BODY_BYTES   largest request body; larger bodies are refused with 413 before parsing
     ADAPTLM_LOG_LEVEL        critical | error | warning | info | debug | trace
     ADAPTLM_API_KEYS         comma-separated keys; when set, /v1 routes need `Authorization: Bearer <key>`
+    ADAPTLM_CORS_ORIGINS     comma-separated origins (`https://app.example.com`) whose pages may call the API from a
+                             browser (CORS); unset: none but the server's own (its /keyboard page)
     ADAPTLM_RATE_LIMIT_PER_S requests a second each API key may make to /v1 routes (a token bucket; 0: no limit,
                              the default); beyond it, 429 with Retry-After. Without keys, all clients share one
     ADAPTLM_RATE_LIMIT_BURST requests a key may make at once after being idle (the bucket's size; default 2 s' worth)
@@ -36,6 +38,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
@@ -49,6 +52,7 @@ __all__ = ["DEFAULT_CHECKPOINT", "LogLevel", "Settings"]
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "default"
 
+_ORIGIN = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|\*")  # a browser's Origin header, or * (any)
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
 
@@ -70,6 +74,8 @@ class Settings(BaseSettings):
     log_level: LogLevel = "info"
     # NoDecode: the environment holds a comma list, not JSON.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
+    # Browser pages of these origins may call the API (CORS); an origin is scheme://host[:port], no path.
+    cors_origins: Annotated[tuple[str, ...], NoDecode] = ()
     rate_limit_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     rate_limit_burst: int | None = Field(default=None, ge=1)  # None: twice the rate (at least 1)
     # rows per batched text step; an observe takes two (the session and its static shadow): 64 runs 32 sessions
@@ -110,6 +116,16 @@ class Settings(BaseSettings):
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = tuple(origin.strip() for origin in value.split(",") if origin.strip())
+        for origin in value:
+            if not isinstance(origin, str) or not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port], no path or trailing slash)")
         return value
 
     @field_validator("attention_tuning")

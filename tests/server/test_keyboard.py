@@ -6,10 +6,14 @@ The screenshot of the page after a run is kept in tests/artifacts/ (gitignored);
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import math
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,3 +207,44 @@ def test_api_key(tiny_checkpoint: Path, serve_app: Any, page: Page) -> None:
         page.goto(f"{live.url}/keyboard?key=key-one")
         page.wait_for_selector("body[data-state=ready]", timeout=10_000)
         assert page.input_value("#key") == "key-one"
+
+
+@contextlib.contextmanager
+def other_origin(tmp_path: Path) -> Iterator[str]:
+    """A page served from another origin (a static server on another loopback port), as a keyboard web app of one's
+    own would be -> its origin."""
+    (tmp_path / "index.html").write_text("<!doctype html><title>an app</title>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as httpd:
+        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{httpd.server_address[1]}"
+        finally:
+            httpd.shutdown()
+
+
+CALL_FROM_PAGE = """async (url) => {
+  try {
+    const r = await fetch(url + "/v1/sessions", {method: "POST", headers: {"Authorization": "Bearer key-one",
+                                                  "Content-Type": "application/json"}, body: "{}"});
+    return {status: r.status, id: r.headers.get("X-Request-ID"), session: (await r.json()).id};
+  } catch (e) {
+    return {error: String(e)};
+  }
+}"""
+
+
+def test_a_page_of_a_configured_origin_calls_the_api(tiny_checkpoint: Path, serve_app: Any, page: Page,
+                                                     tmp_path: Path) -> None:
+    # Chromium enforces CORS: with the app's origin in ADAPTLM_CORS_ORIGINS its fetch (a preflighted POST with a
+    # key) gets the answer and may read X-Request-ID; with the default settings the browser blocks it
+    with other_origin(tmp_path) as origin:
+        page.goto(f"{origin}/index.html")
+        settings = Settings(checkpoint=tiny_checkpoint, api_keys="key-one", cors_origins=origin)  # type: ignore[arg-type]
+        with serve_app(settings) as live:
+            got = page.evaluate(CALL_FROM_PAGE, live.url)
+            assert got.get("status") == 201 and got["session"] and re.fullmatch(r"[0-9a-f]{32}", got["id"]), got
+        with serve_app(Settings(checkpoint=tiny_checkpoint, api_keys="key-one")) as live:  # type: ignore[arg-type]
+            blocked = page.evaluate(CALL_FROM_PAGE, live.url)
+            assert "error" in blocked and "fetch" in blocked["error"].lower(), blocked

@@ -283,3 +283,47 @@ def test_an_unreachable_redis_is_not_named_to_clients() -> None:
     assert "127.0.0.1" in str(caught.value.__cause__)  # the operator's log has it
     json.dumps(message)
     store.close()
+
+
+# -- CORS: browser pages of the configured origins, and only those, may call the API ----------------------------
+
+APP = "https://keyboard.example"
+
+
+def test_cors_is_off_unless_origins_are_configured(client: httpx.Client) -> None:
+    r = client.get("/healthz", headers={"Origin": APP})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    preflight = client.options("/v1/score", headers={"Origin": APP, "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_cors_answers_the_configured_origins(tiny_checkpoint: Path, serve_app: Any) -> None:
+    settings = Settings(checkpoint=tiny_checkpoint, api_keys=KEYS[0], cors_origins=f"{APP}, https://other.example")
+    with serve_app(settings) as live, httpx.Client(base_url=live.url, timeout=30) as c:
+        # the browser's preflight carries no key: it must not be refused as unauthenticated
+        preflight = c.options("/v1/score", headers={"Origin": APP, "Access-Control-Request-Method": "POST",
+                                                     "Access-Control-Request-Headers": "authorization,content-type"})
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == APP
+        assert {"authorization", "content-type"} <= {
+            h.strip().lower() for h in preflight.headers["access-control-allow-headers"].split(",")}
+        r = c.post("/v1/score", json={"text": "abc"}, headers={"Origin": APP, **bearer(KEYS[0])})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
+        exposed = {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
+        assert {"x-request-id", "retry-after"} <= exposed  # a page can quote the ID and honour Retry-After
+        # an error answer is readable by the page too
+        r = c.post("/v1/score", json={"text": "abc"}, headers={"Origin": APP})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == APP
+        # another origin gets nothing it could use
+        evil = "https://evil.example"
+        preflight = c.options("/v1/score", headers={"Origin": evil, "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
+        r = c.post("/v1/score", json={"text": "abc"}, headers={"Origin": evil, **bearer(KEYS[0])})
+        assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("bad", ["https://keyboard.example/", "https://keyboard.example/app", "keyboard.example",
+                                 "ftp://keyboard.example", "https://a.example, javascript:alert(1)"])
+def test_cors_origins_must_be_origins(bad: str) -> None:
+    with pytest.raises(ValueError, match="not an origin"):
+        Settings(cors_origins=bad)
