@@ -15,11 +15,12 @@ TRITON_INTERPRET=1 takes effect whichever module imported `kernels` first.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ def triton_available() -> bool:
 
 
 WANTED: str | None = None  # None: ADAPTLM_KERNELS, read at the first call; `use` sets it (the server's settings)
+_FORCED: str | None = None  # `forced`'s implementation, for every call that names none
 
 
 def use(wanted: str) -> None:
@@ -82,9 +84,23 @@ def choose_implementation(wanted: str) -> tuple[str, str]:
     return choice, why
 
 
+@contextlib.contextmanager
+def forced(impl: str) -> Iterator[None]:
+    """Within the block every call that names no implementation runs `impl`, as if it named it (on CPU tensors
+    "triton" then needs TRITON_INTERPRET=1). Process-wide: for the server's start-up check of the kernels
+    (server/engine/_kernel_check.py) and tests, never while serving."""
+    global _FORCED
+    previous, _FORCED = _FORCED, impl
+    try:
+        yield
+    finally:
+        _FORCED = previous
+
+
 def resolve_impl(impl: str | None, *tensors: torch.Tensor) -> str:
-    """The implementation one call runs. `impl` forces one; None takes the process default for CUDA tensors and
-    the reference for others."""
+    """The implementation one call runs. `impl` forces one; None takes `forced`'s if in force, else the process
+    default for CUDA tensors and the reference for others."""
+    impl = impl if impl is not None else _FORCED
     if impl is not None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(IMPLS)}, not {impl!r}")

@@ -68,3 +68,12 @@ def test_training_runs_on_the_device(tmp_path: Path) -> None:
     assert load_checkpoint(tmp_path / "ck").model.frozen
     assert torch.cuda.is_available()
 
+
+
+@pytest.mark.parametrize("name", ["compressive", "char-transformer"])
+def test_the_kernels_pass_their_start_up_check_on_the_shipped_transformers(name: str) -> None:
+    # the server serves with the Triton kernels only if this holds (server/engine/_loading.py `serving_kernels`)
+    from server.engine._kernel_check import check_model
+
+    ckpt = load_checkpoint(Path(__file__).resolve().parent.parent / "checkpoints" / name, device="cuda")
+    assert check_model(ckpt.model, ckpt.tokenizer.vocab_size) is None

@@ -3,19 +3,24 @@ dyneval.json allows (`SessionLimits`)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from kernels import _dispatch as kernel_dispatch
 from kernels import kernel_implementation
 from models.adaptation import CacheConfig, DynEvalConfig
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.device import resolve_device
 from models.precision import resolve_precision
 from models.tokenizer import ByteTokenizer, Tokenizer
+from server.engine._kernel_check import check_model
 
 __all__ = ["Loaded", "ModelInfo", "SessionLimits", "load_model", "session_settings"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,28 @@ def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     ckpt = load_checkpoint(path, device=resolve_device(device))
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
-    # the process's choice (kernels/_dispatch.py); a model on the CPU runs the reference whatever it is
-    kernel = kernel_implementation() if ckpt.device.type == "cuda" else "reference"
+    kernel = serving_kernels(ckpt)
     info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime), path=path,
                      kernel=kernel, precision=resolve_precision(
                          precision, ckpt.device, bf16_model=ckpt.model.bf16_inference),
                      sessions=limits, sessions_unavailable=why, tokenizer=ckpt.tokenizer)
     return Loaded(ckpt, info, base)
+
+
+def serving_kernels(ckpt: Checkpoint) -> str:
+    """The kernels' implementation the model serves with: the process's choice (kernels/_dispatch.py) on CUDA, once
+    the Triton kernels have given the references' outputs on this very model (`check_model`); else the references,
+    for the process (a model on the CPU runs the reference whatever the choice)."""
+    if ckpt.device.type != "cuda" or kernel_implementation() != "triton":
+        return "reference"
+    problem = check_model(ckpt.model, ckpt.tokenizer.vocab_size)
+    if problem is None:
+        log.info("kernels: the Triton kernels give the references' outputs on %s", ckpt.name)
+        return "triton"
+    log.error("kernels: the Triton kernels cannot serve %s on this device (%s); serving with the references",
+              ckpt.name, problem)
+    kernel_dispatch.use("reference")
+    return "reference"
 
 
 def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalConfig | None, str]:
