@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,6 +235,27 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _check_types(settings: dict[str, Any]) -> None:
+    """Each setting of the type TrainConfig declares (an int where it says int; a float may be given as an int), and
+    every number finite: a config file's "8" or 1.5 steps, or a flag's nan, is refused here, not deep in training."""
+    kinds = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    for name, value in settings.items():
+        kind = kinds[name]
+        if kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        elif kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind == "str":
+            ok = isinstance(value, str)
+        else:  # model, tokenizer: tables
+            ok = isinstance(value, dict)
+        if not ok:
+            what = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
+            raise ValueError(f"{name} must be {what.get(kind, 'a table of settings')}, not {value!r}")
+
+
 def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConfig:
     """Preset, then each layer (config file, flags) on top; `model` dicts merge key by key."""
     every = {*PRESETS, *(name for table in ARCH_PRESETS.values() for name in table)}
@@ -259,6 +281,7 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
                 merged["model"] = {**merged["model"], **v}
             else:
                 merged[k] = v
+    _check_types(merged)
     cfg = TrainConfig(**merged)
     for name in ("weights_dtype", "stats_dtype"):
         if getattr(cfg, name) not in DTYPES:
@@ -275,11 +298,13 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
         raise ValueError("schedule_clock 'budget' needs max_minutes")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, not {cfg.schedule!r}")
-    for name in ("batch_size", "bptt", "max_steps", "valid_every", "valid_streams", "stats_segment", "accumulate"):
+    for name in ("batch_size", "bptt", "max_steps", "valid_every", "valid_streams", "stats_segment", "accumulate",
+                 "log_every", "stats_batches", "stats_batch_size", "lr", "clip"):
         if getattr(cfg, name) <= 0:
-            raise ValueError(f"{name} must be positive")
-    if cfg.warmup_steps < 0:
-        raise ValueError("warmup_steps must be >= 0")
+            raise ValueError(f"{name} must be positive, not {getattr(cfg, name)!r}")
+    for name in ("warmup_steps", "max_minutes", "valid_bytes", "threads", "adapter_units", "lr_final"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, not {getattr(cfg, name)!r}")
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {cfg.optimizer!r}")
     if cfg.optimizer != "ntasgd" and (cfg.finetune_steps or cfg.weight_decay):
