@@ -80,7 +80,7 @@ DEFAULT_TRAIN := $(filter-out %/austen-persuasion.txt %/chesterton-brown.txt,$(w
 	$(SHARED_DATA)/tinyshakespeare/input.txt
 default-checkpoint: install
 	$(VENV)/bin/adaptlm train --preset default --data $(DEFAULT_TRAIN) \
-		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out checkpoints/default
+		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out checkpoints/default --overwrite
 
 # How checkpoints/words was made (about an hour on 2 CPU cores; needs ../shared/data): the adaptive-input transformer
 # on the default's mix, then its neural cache tuned on the first 30 KB of the SMS messages (the keyboard benchmark
@@ -88,7 +88,7 @@ default-checkpoint: install
 # `python -m bench.session_defaults --checkpoint checkpoints/words --cache`).
 words-checkpoint: install
 	$(VENV)/bin/adaptlm train --arch adaptive-transformer --preset small --data $(DEFAULT_TRAIN) \
-		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out checkpoints/words
+		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out checkpoints/words --overwrite
 	rm -rf checkpoints/words/last
 	$(VENV)/bin/adaptlm tune --checkpoint checkpoints/words --mode cache --cache-window 1000 --bytes 30000 \
 		--valid $(SHARED_DATA)/messages/sms_ham.train.txt

@@ -61,8 +61,8 @@ def _read_text_arg(path: str) -> bytes:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer.cli import config_from_args
-    from trainer.train import train
+    from trainer.cli import config_from_args, summary
+    from trainer.train import CannotWrite, TrainingInterrupted, train
 
     try:
         cfg = config_from_args(args)
@@ -70,8 +70,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                        progress=not args.quiet, device=_device(args.device))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(json.dumps({"out": str(result.out), "best_valid_bpb": result.best_valid_bpb, "steps": result.steps,
-                      "seconds": round(result.seconds, 1)}))
+    except TrainingInterrupted as e:  # the state is saved: a message, not a traceback; the shell's status
+        print(f"adaptlm: stopped by {e}", file=sys.stderr)
+        return 128 + e.signum
+    except CannotWrite as e:
+        print(f"adaptlm: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary(result)))
     return 0
 
 

@@ -54,6 +54,15 @@ def test_generate_is_seeded(tiny_checkpoint: Path) -> None:
         (("train", "--data", "/no/such/file", "--out", "{tmp}"), "no such file"),
         (("train", "--preset", "tiny", "--data", "{valid}", "--out", "{tmp}", "--resume"), "nothing to resume"),
         (("train", "--config", "{badcfg}", "--data", "{valid}", "--out", "{tmp}"), "unknown training setting"),
+        (("train", "--data", "{dir}", "--out", "{tmp}"), "a directory, not a text file"),
+        (("train", "--data", "{valid}", "--valid", "{one}", "--out", "{tmp}", "--max-steps", "2"),
+         "too short to validate on"),
+        (("train", "--data", "{valid}", "--out", "{file}/ck"), "not a writable directory"),
+        (("train", "--data", "{valid}", "--out", "{ck}"), "already holds a checkpoint"),
+        (("train", "--data", "{valid}", "--out", "{ck}", "--resume", "--overwrite"), "not both"),
+        (("train", "--data", "{valid}", "--out", "{tmp}", "--lr", "nan"), "lr must be a finite number"),
+        (("train", "--data", "{valid}", "--out", "{tmp}", "--max-minutes", "-1"), "max_minutes must be >= 0"),
+        (("train", "--data", "{valid}", "--out", "{tmp}", "--threads", "-2"), "threads must be >= 0"),
         (("generate", "{ck}", "--prompt", "x", "--top-p", "2"), "top_p"),
         (("score", "{ck}", "{valid}", "--bogus"), "unrecognized arguments"),
         (("score", "{ck}", "{valid}", "--device", "tpu"), "device must be auto, cpu, cuda or cuda:N"),
@@ -64,9 +73,16 @@ def test_user_mistakes_exit_2_with_one_line(tiny_checkpoint: Path, tmp_path: Pat
                                              message: str) -> None:
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "bad.json").write_text('{"learning_rate": 3}')
+    (tmp_path / "one.txt").write_bytes(b"a")
     subst = {"{ck}": f"--checkpoint={tiny_checkpoint}", "{empty}": str(tmp_path / "empty.txt"),
-             "{valid}": str(DATA / "valid.txt"), "{tmp}": str(tmp_path / "out"), "{badcfg}": str(tmp_path / "bad.json")}
-    r = run(*[subst.get(a, a) for a in args])
+             "{valid}": str(DATA / "valid.txt"), "{tmp}": str(tmp_path / "out"), "{badcfg}": str(tmp_path / "bad.json"),
+             "{dir}": str(tmp_path), "{one}": str(tmp_path / "one.txt"), "{file}": str(tmp_path / "one.txt")}
+    if args[0] == "train":
+        subst["{ck}"] = str(tiny_checkpoint)  # an existing checkpoint as --out: refused, never touched
+    before = {p.name: p.stat().st_mtime_ns for p in tiny_checkpoint.iterdir()}
+    r = run(*[a.replace("{file}", subst["{file}"]) if a.startswith("{file}") else subst.get(a, a) for a in args])
+    assert {p.name: p.stat().st_mtime_ns for p in tiny_checkpoint.iterdir()} == before
+    assert not (tmp_path / "out").exists()  # nothing written for a refused run
     assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr
@@ -93,3 +109,43 @@ def test_train_cli_writes_a_checkpoint(tmp_path: Path) -> None:
     assert summary["steps"] == 10
     ck = load_checkpoint(tmp_path / "ck")
     assert ck.meta["training_config"]["max_steps"] == 10
+
+
+def test_train_without_validation_prints_null_and_is_not_overwritten_by_mistake(tmp_path: Path) -> None:
+    args = ("train", "--preset", "tiny", "--data", str(DATA / "valid.txt"), "--out", str(tmp_path / "ck"),
+            "--max-steps", "3", "--quiet")
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))["best_valid_bpb"] is None
+    again = run(*args)
+    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
+    replaced = run(*args, "--overwrite", "--max-steps", "4")
+    assert replaced.returncode == 0, replaced.stderr
+    assert json.loads(replaced.stdout)["steps"] == 4
+    assert '"step": 3' not in (tmp_path / "ck" / "train.jsonl").read_text()  # a new run, a new log
+
+
+def test_train_ctrl_c_saves_the_state_and_resume_finishes_the_run(tmp_path: Path) -> None:
+    """SIGINT in the middle of `adaptlm train`: one line on stderr, status 130, the state after the last whole step in
+    OUT/last; --resume goes on from that step."""
+    import signal
+    import time
+
+    out = tmp_path / "ck"
+    args = ("train", "--preset", "tiny", "--data", str(DATA / "valid.txt"), "--out", str(out), "--quiet")
+    p = subprocess.Popen([sys.executable, "-m", "adaptlm", *args, "--max-steps", "100000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "train.jsonl").is_file() or '"train_bpb"' not in (out / "train.jsonl").read_text():
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert "stopped by SIGINT at step" in stderr and "--resume" in stderr
+    step = int(stderr.split("at step ")[1].split(":")[0])
+    assert step >= 20 and stdout == ""
+    r = run(*args, "--resume", "--max-steps", str(step + 2))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["steps"] == step + 2

@@ -19,17 +19,18 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None, on_log: Callable[[dict[str, Any]], None] | None = None) -> int:
-    from trainer.cli import add_train_arguments, config_from_args
+    from trainer.cli import add_train_arguments, config_from_args, summary
 
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser)
     args = parser.parse_args(argv)
+    from trainer.train import CannotWrite, TrainingInterrupted, train
+
     try:
         cfg = config_from_args(args)
         from models.device import resolve_device
         from trainer import _dist
-        from trainer.train import train
 
         device = _dist.init(resolve_device(args.device))
         clean = False
@@ -43,9 +44,14 @@ def main(argv: Sequence[str] | None = None, on_log: Callable[[dict[str, Any]], N
     except ValueError as e:
         print(f"trainer: error: {e}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as e:  # the state is saved: a message, not a traceback; the shell's status
+        print(f"trainer: stopped by {e}", file=sys.stderr)
+        return 128 + e.signum
+    except CannotWrite as e:
+        print(f"trainer: error: {e}", file=sys.stderr)
+        return 1
     if group.main:
-        print(json.dumps({"out": str(result.out), "best_valid_bpb": result.best_valid_bpb, "steps": result.steps,
-                          "seconds": round(result.seconds, 1), "processes": group.world}))
+        print(json.dumps(summary(result, group.world)))
     return 0
 
 

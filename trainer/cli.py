@@ -4,13 +4,16 @@ of the flags and of what they mean, two entry points. No torch at import: `adapt
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
+    from trainer.train import TrainResult
 
-__all__ = ["add_train_arguments", "config_from_args"]
+__all__ = ["add_train_arguments", "config_from_args", "summary"]
 
 # trainable architectures (models/registry.py), named without importing torch
 _ARCHS = ("mlstm", "char-transformer", "compressive", "awd-lstm", "adaptive-transformer")
@@ -28,6 +31,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--valid", help="validation text file")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--resume", action="store_true", help="continue from OUT/last")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint OUT already holds (without it, an OUT that holds one is refused)")
     p.add_argument("--max-steps", type=int)
     p.add_argument("--max-minutes", type=float)
     p.add_argument("--batch-size", type=int, help="streams per step, over all processes of a distributed run")
@@ -38,6 +43,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N"
                                                     " (under torchrun: cuda:LOCAL_RANK)")
+
+
+def summary(result: TrainResult, processes: int | None = None) -> dict[str, Any]:
+    """The line a finished run prints (JSON: `best_valid_bpb` null when nothing was validated)."""
+    best = result.best_valid_bpb
+    return {"out": str(result.out), "best_valid_bpb": best if math.isfinite(best) else None, "steps": result.steps,
+            "seconds": round(result.seconds, 1), **({"processes": processes} if processes is not None else {})}
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -60,8 +72,31 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if cfg.arch not in _ARCHS:
         raise ValueError(f"architecture {cfg.arch!r} cannot be trained yet (available: {', '.join(_ARCHS)})")
     for p in [*args.data, *([args.valid] if args.valid else [])]:
+        if Path(p).is_dir():
+            raise ValueError(f"{p}: a directory, not a text file")
         if not Path(p).is_file():
             raise ValueError(f"{p}: no such file")
-    if args.resume and not (Path(args.out) / "last" / "trainer_state.json").is_file():
-        raise ValueError(f"{args.out}: nothing to resume")
+    _check_out(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     return cfg
+
+
+def _check_out(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """`--out` can be written, and holds nothing a run would silently destroy: a checkpoint there is continued
+    (`--resume`) or replaced (`--overwrite`), never overwritten by a typo."""
+    from trainer.train import has_resumable_state
+
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in OUT, --overwrite replaces it: not both")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    existing = out if out.exists() else next((p for p in out.absolute().parents if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{out}: cannot write there ({existing or out} is not a writable directory)")
+    if resume:
+        if not has_resumable_state(out / "last"):
+            raise ValueError(f"{out}: nothing to resume")
+        return
+    held = [name for name in ("config.json", "model.safetensors", "last") if (out / name).exists()]
+    if held and not overwrite:
+        raise ValueError(f"{out}: already holds a checkpoint ({', '.join(held)}); continue its run with --resume, "
+                         "replace it with --overwrite, or choose another --out")

@@ -28,10 +28,13 @@ order (tests/trainer/test_distributed.py), except for dropout: each process draw
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import platform
 import random
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -53,10 +57,32 @@ from trainer.data import ByteStreams, read_bytes, read_corpus
 from trainer.ntasgd import NTASGD, sample_seq_len
 from trainer.stats import gradient_stats
 
-__all__ = ["StepResult", "TrainResult", "default_dyneval", "evaluate_bpb", "lr_at", "make_tokenizer", "train",
-           "train_precision", "train_step"]
+__all__ = ["RESUMABLE_CHANGES", "CannotWrite", "StepResult", "TrainResult", "TrainingInterrupted", "default_dyneval",
+           "evaluate_bpb", "has_resumable_state", "lr_at", "make_tokenizer", "train", "train_precision", "train_step"]
 
 LN2 = math.log(2.0)
+STATE_FILE = "trainer_state.safetensors"
+
+# settings a resumed run may change: when to stop, log, validate and save, and what is computed after training; any
+# other change (the model, the batch, the schedule, the seed, ...) would not continue the saved run, and is refused
+RESUMABLE_CHANGES = frozenset({
+    "max_steps", "max_minutes", "valid_every", "valid_bytes", "valid_streams", "log_every", "threads", "finetune_steps",
+    "stats_batches", "stats_batch_size", "stats_segment", "adapter_units", "weights_dtype", "stats_dtype",
+    "ship_training_only",
+})
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM stopped a run after a step; its resumable state was saved first (`--resume` continues it)."""
+
+    def __init__(self, signum: int, step: int, out: Path) -> None:
+        self.signum, self.step, self.out = signum, step, out
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: the run's state is saved in {out / 'last'}; "
+                         "continue it with --resume")
+
+
+class CannotWrite(Exception):
+    """A checkpoint or state file could not be written (disk full, permissions); what was there before is kept."""
 
 
 class StepResult(NamedTuple):
@@ -225,6 +251,47 @@ def train_step(model: LanguageModel, opt: torch.optim.Optimizer | NTASGD, chunk:
     return StepResult(total, nll, gnorm, states[0] if accumulate == 1 else State.stack(states))
 
 
+class _Signals:
+    """SIGINT and SIGTERM set a flag that the loop reads after each step (it then saves and stops), instead of killing
+    the process mid-step; a second SIGINT interrupts at once. Installed in the main thread of a one-process run only
+    (the processes of a distributed run would each stop at a different step)."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active and threading.current_thread() is threading.main_thread()
+        self.signum: int | None = None
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if self.active:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._before[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Errors writing `path` as CannotWrite (one line: the file and the reason)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CannotWrite(f"{path}: cannot write ({reason}); the files written before are kept") from None
+
+
+def has_resumable_state(path: str | Path) -> bool:
+    """Whether `path` (a run's `last/`) holds a state to resume from."""
+    return (Path(path) / STATE_FILE).is_file()
+
+
 def _rng_key(kind: str, rank: int) -> str:
     return f"rng.{kind}" if rank == 0 else f"rng.{kind}.{rank}"
 
@@ -240,7 +307,8 @@ def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
 def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam | NTASGD,
                         state: dict[str, torch.Tensor], info: dict[str, Any],
                         rngs: list[dict[str, torch.Tensor]] | None = None) -> None:
-    """Resumable state without pickle: tensors in safetensors, scalars in JSON.
+    """Resumable state without pickle: tensors in safetensors, scalars as JSON in its header, so the state is one
+    file, written to a temporary name and renamed into place: a run killed while saving keeps the state before.
 
     `state` is the hidden state of the whole batch (every process's rows, in rank order) and `rngs` every
     process's generators (default: this process's CPU generator), so each process restores its own."""
@@ -260,22 +328,33 @@ def _save_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam 
     tensors.update({f"hidden.{k}": v.detach().cpu() for k, v in state.items()})
     for rank, states in enumerate(rngs or [{"torch": torch.get_rng_state()}]):
         tensors.update({_rng_key(kind, rank): t for kind, t in states.items()})
-    tmp = path / ".trainer_state.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    tmp.replace(path / "trainer_state.safetensors")
-    (path / "trainer_state.json").write_text(json.dumps(info, indent=2) + "\n")
+    tmp = path / f".{STATE_FILE}.tmp"
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"info": json.dumps(info)})
+        tmp.replace(path / STATE_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
+    (path / "trainer_state.json").unlink(missing_ok=True)  # an earlier version's second file: the header replaces it
 
 
 def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam | NTASGD, group: Group | None = None,
-                        device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                        device: torch.device | str = "cpu", check: Callable[[dict[str, Any]], None] | None = None,
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """-> (this process's rows of the hidden state, info); restores the weights, the optimizer (Adam's moments, or
-    NT-ASGD's counters and average) and this process's RNG."""
+    NT-ASGD's counters and average) and this process's RNG, after `check(info)` (which raises to refuse it)."""
     group = group or Group()
-    state_file, info_file = path / "trainer_state.safetensors", path / "trainer_state.json"
-    if not state_file.is_file() or not info_file.is_file():
-        raise ValueError(f"{path}: nothing to resume (no trainer_state.safetensors/json)")
-    tensors = load_file(str(state_file))
-    info = json.loads(info_file.read_text())
+    state_file, info_file = path / STATE_FILE, path / "trainer_state.json"
+    if not state_file.is_file():
+        raise ValueError(f"{path}: nothing to resume (no {STATE_FILE})")
+    try:
+        tensors = load_file(str(state_file))
+        with safe_open(str(state_file), "pt") as f:
+            header = (f.metadata() or {}).get("info")
+        info = json.loads(header if header is not None else info_file.read_text())  # the JSON file: earlier runs
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{state_file}: not a resumable state ({e})") from None
+    if check is not None:
+        check(info)
     saved_world = int(info.get("world_size", 1))
     if saved_world != group.world:
         raise ValueError(f"{path}: saved by {saved_world} process(es); resume it with {saved_world}, "
@@ -299,6 +378,20 @@ def _load_trainer_state(path: Path, model: LanguageModel, opt: torch.optim.Adam 
     rows = slice(group.rank * share, (group.rank + 1) * share)
     hidden = {k[7:]: v[rows] for k, v in tensors.items() if k.startswith("hidden.")}
     return hidden, info
+
+
+def _check_resumable(path: Path, info: dict[str, Any], cfg: TrainConfig, data_sha256: str) -> None:
+    """The saved run can be continued with `cfg` on this data: only RESUMABLE_CHANGES may differ (ValueError naming
+    the others)."""
+    saved, now = info.get("config", {}), cfg.to_dict()
+    changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    if changed:
+        diffs = "; ".join(f"{k} {json.dumps(saved.get(k))} -> {json.dumps(now.get(k))}" for k in changed)
+        raise ValueError(f"{path}: saved by a run with other settings ({diffs}); resume it with the preset, config "
+                         "file and flags it was started with")
+    if info.get("data_sha256", data_sha256) != data_sha256:
+        raise ValueError(f"{path}: saved by a run on other training data; resume it with the same --data files, in "
+                         "the same order")
 
 
 def _model_card(cfg: TrainConfig, meta: dict[str, Any], model: LanguageModel) -> str:
@@ -377,9 +470,16 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     # a word model sees ids; its validation figure is still bits per byte of the raw text (module docstring)
     train_data: bytes | torch.Tensor = tokenizer.encode_tensor(train_bytes) if words else train_bytes
     valid_data: bytes | torch.Tensor = tokenizer.encode_tensor(valid_slice) if words else valid_slice
-    model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model,
-                                  **({"vocab_size": tokenizer.vocab_size} if words else {})})
-    model = build_model(model_cfg).to(device)
+    if valid_slice and len(valid_data) < 2:
+        raise ValueError(f"{valid_path}: too short to validate on ({len(valid_data)} {'tokens' if words else 'bytes'}"
+                         "; at least 2)")
+    try:
+        model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model,
+                                      **({"vocab_size": tokenizer.vocab_size} if words else {})})
+        model = build_model(model_cfg)
+    except (TypeError, ValueError, RuntimeError) as e:  # e.g. a negative width: torch's RuntimeError
+        raise ValueError(f"model settings {json.dumps(cfg.model)}: {str(e).splitlines()[0]}") from None
+    model = model.to(device)
     model.train()
     net: torch.nn.Module = model
     if group.world > 1:
@@ -406,18 +506,27 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     last = out / "last"
     step, best, elapsed, pos = 0, math.inf, 0.0, 0
     hidden: dict[str, torch.Tensor] | None = None
+    data_sha256 = hashlib.sha256(train_bytes).hexdigest()
     if resume:
-        hidden, info = _load_trainer_state(last, model, opt, group, device)
+        hidden, info = _load_trainer_state(last, model, opt, group, device,
+                                           check=lambda saved: _check_resumable(last, saved, cfg, data_sha256))
         step, best, elapsed, pos = info["step"], info["best_valid_bpb"], info["seconds"], info.get("bptt_pos", 0)
     if group.main:
-        out.mkdir(parents=True, exist_ok=True)
-    log_file = log_path.open("a", encoding="utf-8") if group.main else None
+        with _writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+            if not resume:  # a fresh run: an earlier run's state and log there are not this run's
+                (last / STATE_FILE).unlink(missing_ok=True)
+                (last / "trainer_state.json").unlink(missing_ok=True)
+            log_file = log_path.open("a" if resume else "w", encoding="utf-8")
+    else:
+        log_file = None
 
     def log(record: dict[str, Any]) -> None:
         if log_file is None:
             return
-        log_file.write(json.dumps(record) + "\n")
-        log_file.flush()
+        with _writing(log_path):
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
         if on_log:
             on_log(record)
 
@@ -428,7 +537,8 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
 
     def save_best(valid_bpb: float) -> None:
         meta = {**meta_base, "metrics": {"valid_bpb_slice": valid_bpb, "step": step}}
-        save_checkpoint(out, model, meta=meta, card="# (training in progress)\n", tokenizer=tokenizer)
+        with _writing(out):
+            save_checkpoint(out, model, meta=meta, card="# (training in progress)\n", tokenizer=tokenizer)
 
     state = model.init_state(local_batch) if hidden is None else type(model.init_state(1))(
         {k: v.to(device) for k, v in hidden.items()})
@@ -439,87 +549,102 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
     window_t, window_tokens = clock(), 0
     stop_reason = "max_steps"
     total_steps = cfg.max_steps + (cfg.finetune_steps if nt is not None else 0)
-    while step < total_steps:
-        if nt is not None and cfg.finetune_steps and step == cfg.max_steps and not nt.finetuning:
-            nt.restart()  # the fine-tuning restart (AWD-LSTM sec. 5): ASGD again from the averaged weights
-            log({"step": step, "finetune": True})
-        if nt is not None and nt.finished:
-            stop_reason = "finetune_converged"
-            break
-        scale = 1.0
-        if cfg.variable_bptt:  # AWD-LSTM sec. 4.1: the length drawn from (seed, step), so a resume draws the same
-            length = sample_seq_len(cfg.bptt, random.Random(cfg.seed * 1_000_003 + step),
-                                    max_len=streams.rows.shape[1] - 1)
-            if pos + length + 1 > streams.rows.shape[1]:
-                pos = 0
-            chunk, new_epoch = streams.rows[:, pos : pos + length + 1], pos == 0
-            pos += length
-            scale = length / cfg.bptt
-        else:
-            chunk, new_epoch = streams.chunk(step)
-        chunk = chunk.to(device, non_blocking=True)
-        if new_epoch:
-            state = model.init_state(local_batch)
-        elif cfg.reset_prob:
-            chunk, state = _reset_rows(model, cfg, step, chunk, state, group, tokenizer.bos)
-        seconds = clock() - t0
-        lr = cfg.lr * scale if nt is not None else lr_at(cfg, step, seconds) * scale
-        if not isinstance(opt, NTASGD):  # NT-ASGD sets its own (the constant lr x scale, in train_step)
-            for param_group in opt.param_groups:
-                param_group["lr"] = lr
-        model.set_training_progress(progress_at(cfg, step, seconds))  # schedules of auxiliary losses
-        # loss and norm are read at logging: no sync a step
-        result = train_step(model, opt, chunk, state, accumulate=cfg.accumulate, clip=cfg.clip, precision=precision,
-                            net=net, lr_scale=scale)
-        state = result.state
-        step += 1
-        window_tokens += chunk[:, 1:].numel() * group.world
-        bar.update(1)
-        if step % cfg.log_every == 0:
-            now = clock()
-            tps = window_tokens / max(1e-9, now - window_t)
-            window_t, window_tokens = now, 0
-            # the whole batch's mean losses: the next-byte loss (train_bpb) and, for a model with auxiliary losses,
-            # the objective they are part of (train_loss_bpb)
-            nll_value = result.nll.item() if group.world == 1 else group.mean(result.nll)
-            record: dict[str, Any] = {"step": step, "train_bpb": nll_value / LN2}
-            if model.training_only_parameters():
-                loss_value = result.loss.item() if group.world == 1 else group.mean(result.loss)
-                record["train_loss_bpb"] = loss_value / LN2
-            bar.set_postfix(train_bpb=f"{nll_value / LN2:.3f}", tok_s=f"{tps:,.0f}")
-            log({**record, "lr": lr, "grad_norm": float(result.grad_norm),
-                 "tokens_per_s": tps,
-                 "seconds": now - t0})
-        time_up = bool(cfg.max_minutes) and (clock() - t0) > cfg.max_minutes * 60
-        if cfg.max_minutes:
-            time_up = group.any(time_up, device)  # every process stops after the same step
-        if valid_slice and (step % cfg.valid_every == 0 or step in (cfg.max_steps, total_steps) or time_up):
-            hidden_parts = group.gather({k: v.detach().cpu() for k, v in state.tensors.items()})
-            rngs = group.gather(_rng_states(device))
-            if group.main:
-                # NT-ASGD: validated, and kept, with the averaged weights once averaging is on
-                with nt.averaged() if nt is not None else contextlib.nullcontext():
-                    vbpb = valid_bpb(valid_data, len(valid_slice), cfg.valid_streams)
-                    improved = vbpb < best
-                    if improved:
-                        best = vbpb
-                        save_best(vbpb)
-                record = {"step": step, "valid_bpb": vbpb, "best_valid_bpb": best}
-                if words:
-                    record["valid_ppl"] = 2.0 ** (vbpb * len(valid_slice) / len(valid_data))
-                if nt is not None:
-                    if nt.check(vbpb) and not nt.finetuning:
-                        record["averaging_from_step"] = step
-                    record["averaging"] = nt.averaging
-                log({**record, "seconds": clock() - t0})
-                whole = {k: torch.cat([part[k] for part in hidden_parts]) for k in hidden_parts[0]}  # (B, ...)
-                _save_trainer_state(last, model, opt, whole,
-                                    {"step": step, "best_valid_bpb": best, "seconds": clock() - t0,
-                                     "world_size": group.world, "config": cfg.to_dict(), "bptt_pos": pos}, rngs)
-            group.barrier()  # the others wait for rank 0's validation and files
-        if time_up:
-            stop_reason = "max_minutes"
-            break
+    with _Signals(group.world == 1) as signals:
+        while step < total_steps:
+            if nt is not None and cfg.finetune_steps and step == cfg.max_steps and not nt.finetuning:
+                nt.restart()  # the fine-tuning restart (AWD-LSTM sec. 5): ASGD again from the averaged weights
+                log({"step": step, "finetune": True})
+            if nt is not None and nt.finished:
+                stop_reason = "finetune_converged"
+                break
+            scale = 1.0
+            if cfg.variable_bptt:  # AWD-LSTM sec. 4.1: the length drawn from (seed, step), so a resume draws the same
+                length = sample_seq_len(cfg.bptt, random.Random(cfg.seed * 1_000_003 + step),
+                                        max_len=streams.rows.shape[1] - 1)
+                if pos + length + 1 > streams.rows.shape[1]:
+                    pos = 0
+                chunk, new_epoch = streams.rows[:, pos : pos + length + 1], pos == 0
+                pos += length
+                scale = length / cfg.bptt
+            else:
+                chunk, new_epoch = streams.chunk(step)
+            chunk = chunk.to(device, non_blocking=True)
+            if new_epoch:
+                state = model.init_state(local_batch)
+            elif cfg.reset_prob:
+                chunk, state = _reset_rows(model, cfg, step, chunk, state, group, tokenizer.bos)
+            seconds = clock() - t0
+            lr = cfg.lr * scale if nt is not None else lr_at(cfg, step, seconds) * scale
+            if not isinstance(opt, NTASGD):  # NT-ASGD sets its own (the constant lr x scale, in train_step)
+                for param_group in opt.param_groups:
+                    param_group["lr"] = lr
+            model.set_training_progress(progress_at(cfg, step, seconds))  # schedules of auxiliary losses
+            # loss and norm are read at logging: no sync a step
+            result = train_step(model, opt, chunk, state, accumulate=cfg.accumulate, clip=cfg.clip, precision=precision,
+                                net=net, lr_scale=scale)
+            state = result.state
+            step += 1
+            window_tokens += chunk[:, 1:].numel() * group.world
+            bar.update(1)
+            if step % cfg.log_every == 0:
+                now = clock()
+                tps = window_tokens / max(1e-9, now - window_t)
+                window_t, window_tokens = now, 0
+                # the whole batch's mean losses: the next-byte loss (train_bpb) and, for a model with auxiliary losses,
+                # the objective they are part of (train_loss_bpb)
+                nll_value = result.nll.item() if group.world == 1 else group.mean(result.nll)
+                record: dict[str, Any] = {"step": step, "train_bpb": nll_value / LN2}
+                if model.training_only_parameters():
+                    loss_value = result.loss.item() if group.world == 1 else group.mean(result.loss)
+                    record["train_loss_bpb"] = loss_value / LN2
+                bar.set_postfix(train_bpb=f"{nll_value / LN2:.3f}", tok_s=f"{tps:,.0f}")
+                log({**record, "lr": lr, "grad_norm": float(result.grad_norm),
+                     "tokens_per_s": tps,
+                     "seconds": now - t0})
+            time_up = bool(cfg.max_minutes) and (clock() - t0) > cfg.max_minutes * 60
+            if cfg.max_minutes:
+                time_up = group.any(time_up, device)  # every process stops after the same step
+            # validation (with a validation file) and the resumable state every valid_every steps and at the end; the
+            # state alone after a signal, before stopping
+            interrupted = signals.signum is not None
+            checkpoint = step % cfg.valid_every == 0 or step in (cfg.max_steps, total_steps) or time_up
+            if checkpoint or interrupted:
+                hidden_parts = group.gather({k: v.detach().cpu() for k, v in state.tensors.items()})
+                rngs = group.gather(_rng_states(device))
+                if group.main:
+                    if valid_slice and checkpoint:
+                        # NT-ASGD: validated, and kept, with the averaged weights once averaging is on
+                        with nt.averaged() if nt is not None else contextlib.nullcontext():
+                            vbpb = valid_bpb(valid_data, len(valid_slice), cfg.valid_streams)
+                            improved = vbpb < best
+                            if improved:
+                                best = vbpb
+                                save_best(vbpb)
+                        record = {"step": step, "valid_bpb": vbpb, "best_valid_bpb": best}
+                        if words:
+                            record["valid_ppl"] = 2.0 ** (vbpb * len(valid_slice) / len(valid_data))
+                        if nt is not None:
+                            if nt.check(vbpb) and not nt.finetuning:
+                                record["averaging_from_step"] = step
+                            record["averaging"] = nt.averaging
+                        log({**record, "seconds": clock() - t0})
+                    whole = {k: torch.cat([part[k] for part in hidden_parts]) for k in hidden_parts[0]}  # (B, ...)
+                    with _writing(last / STATE_FILE):
+                        _save_trainer_state(last, model, opt, whole,
+                                            {"step": step, "best_valid_bpb": best, "seconds": clock() - t0,
+                                             "world_size": group.world, "config": cfg.to_dict(), "bptt_pos": pos,
+                                             "data_sha256": data_sha256}, rngs)
+                group.barrier()  # the others wait for rank 0's validation and files
+            if interrupted:
+                assert signals.signum is not None
+                log({"step": step, "interrupted": signal.Signals(signals.signum).name, "seconds": clock() - t0})
+                bar.close()
+                if log_file is not None:
+                    log_file.close()
+                raise TrainingInterrupted(signals.signum, step, out)
+            if time_up:
+                stop_reason = "max_minutes"
+                break
     bar.close()
     seconds = clock() - t0
     if not valid_slice and group.main:
@@ -566,9 +691,10 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         },
     }
     card = _model_card(cfg, {**meta, "model_config": cfg.model}, model)
-    save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=default_dyneval(cfg, stats),
-                    weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype],
-                    training_only=cfg.ship_training_only, tokenizer=tokenizer)
+    with _writing(out):
+        save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=default_dyneval(cfg, stats),
+                        weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype],
+                        training_only=cfg.ship_training_only, tokenizer=tokenizer)
     log({"done": True, "steps": step, "seconds": seconds, **metrics})
     assert log_file is not None
     log_file.close()

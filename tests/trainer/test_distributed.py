@@ -38,7 +38,11 @@ def _free_port() -> int:
 
 def _torchrun(args: list[str], *, ok: bool = True) -> subprocess.CompletedProcess[str]:
     """`torchrun --nproc_per_node 2` on loopback (one thread a process), bounded in time."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    # ddp_crash.py runs as a script: the repository on its path, so that it imports this checkout's trainer (not
+    # another one an editable install points at)
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -101,7 +105,15 @@ def test_two_processes_follow_one_process_with_the_same_global_batch(tmp_path: P
     state = load_file(str(tmp_path / "two" / "last" / "trainer_state.safetensors"))
     assert state["hidden.h"].shape[0] == make_config("tiny").batch_size
     assert {"rng.torch", "rng.torch.1"} <= state.keys()
-    assert json.loads((tmp_path / "two" / "last" / "trainer_state.json").read_text())["world_size"] == 2
+    assert _state_info(tmp_path / "two" / "last")["world_size"] == 2
+
+
+def _state_info(last: Path) -> dict[str, Any]:
+    """The step, settings, ... of a resumable state: JSON in its safetensors header."""
+    from safetensors import safe_open
+
+    with safe_open(str(last / "trainer_state.safetensors"), "pt") as f:
+        return dict(json.loads(f.metadata()["info"]))
 
 
 def test_an_interrupted_two_process_run_resumes_where_an_uninterrupted_one_ends(tmp_path: Path) -> None:
@@ -113,7 +125,7 @@ def test_an_interrupted_two_process_run_resumes_where_an_uninterrupted_one_ends(
     _torchrun(["-m", "trainer", *_flags(tmp_path / "whole", config)])
     crashed = _torchrun([str(CRASH), "8", *_flags(tmp_path / "resumed", config)], ok=False)
     assert crashed.returncode != 0
-    last = json.loads((tmp_path / "resumed" / "last" / "trainer_state.json").read_text())
+    last = _state_info(tmp_path / "resumed" / "last")
     assert last["step"] == 4  # rank 0 died at step 8's validation, before saving step 8's state
     _torchrun(["-m", "trainer", *_flags(tmp_path / "resumed", config, "--resume")])
     whole = load_file(str(tmp_path / "whole" / "model.safetensors"))

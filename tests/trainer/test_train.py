@@ -116,3 +116,88 @@ def test_presets_and_bad_settings() -> None:
     with pytest.raises(ValueError, match="batch_size"):
         make_config("tiny", {"batch_size": 0})
     assert math.isclose(make_config("tiny", {"lr": 0.5}).lr, 0.5)
+
+
+def test_a_signal_stops_after_a_step_with_the_state_saved_and_resume_continues_it(tmp_path: Path) -> None:
+    """SIGTERM (or Ctrl-C) mid-run, without a validation file: the run saves its state after the step it is in and
+    stops; --resume then ends with the weights of an uninterrupted run."""
+    import os
+    import signal
+
+    from trainer.train import TrainingInterrupted
+
+    cfg = make_config("tiny", SMALL, {"log_every": 1})
+    train(cfg, [TRAIN], tmp_path / "whole", progress=False)
+
+    def term_at_6(record: dict[str, Any]) -> None:
+        if record.get("step") == 6 and "train_bpb" in record:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train(cfg, [TRAIN], tmp_path / "resumed", progress=False, on_log=term_at_6)
+    assert stopped.value.step == 6 and stopped.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before  # the run's handler is gone
+    log = (tmp_path / "resumed" / "train.jsonl").read_text()
+    assert '"interrupted": "SIGTERM"' in log
+    train(cfg, [TRAIN], tmp_path / "resumed", progress=False, resume=True)
+    whole, resumed = _weights(tmp_path / "whole"), _weights(tmp_path / "resumed")
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=0)
+
+
+def test_a_failed_save_keeps_the_state_before_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full while saving the resumable state: CannotWrite, no temporary file left, and the state saved before
+    still resumes to the uninterrupted run's weights."""
+    import errno
+
+    import trainer.train as train_module
+    from trainer.train import CannotWrite
+
+    cfg = make_config("tiny", SMALL)
+    train(cfg, [TRAIN], tmp_path / "whole", valid_path=VALID, progress=False)
+    real_save, saves = train_module.save_file, []
+
+    def full_at_second(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
+        if Path(path).name.startswith(".trainer_state"):
+            saves.append(path)
+            if len(saves) == 2:
+                Path(path).write_bytes(b"partial")
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(train_module, "save_file", full_at_second)
+    with pytest.raises(CannotWrite, match="No space left on device"):
+        train(cfg, [TRAIN], tmp_path / "resumed", valid_path=VALID, progress=False)
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "resumed" / "last").iterdir()] == ["trainer_state.safetensors"]
+    train(cfg, [TRAIN], tmp_path / "resumed", valid_path=VALID, progress=False, resume=True)
+    whole, resumed = _weights(tmp_path / "whole"), _weights(tmp_path / "resumed")
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=0)
+
+
+def test_resume_refuses_other_settings_or_data_and_allows_more_steps(tmp_path: Path) -> None:
+    cfg = make_config("tiny", SMALL, {"max_steps": 4})
+    train(cfg, [TRAIN], tmp_path / "ck", progress=False)
+    with pytest.raises(ValueError, match=r"other settings \(batch_size 16 -> 8\)"):
+        train(make_config("tiny", SMALL, {"max_steps": 4, "batch_size": 8}), [TRAIN], tmp_path / "ck",
+              progress=False, resume=True)
+    with pytest.raises(ValueError, match="model"):
+        train(make_config("tiny", {"max_steps": 4}), [TRAIN], tmp_path / "ck", progress=False, resume=True)
+    with pytest.raises(ValueError, match="other training data"):
+        train(cfg, [VALID], tmp_path / "ck", progress=False, resume=True)
+    assert train(make_config("tiny", SMALL, {"max_steps": 8}), [TRAIN], tmp_path / "ck", progress=False,
+                 resume=True).steps == 8
+
+
+def test_a_validation_text_too_short_is_refused_before_training(tmp_path: Path) -> None:
+    (tmp_path / "v.txt").write_bytes(b"a")
+    with pytest.raises(ValueError, match="too short to validate on"):
+        train(make_config("tiny", SMALL), [TRAIN], tmp_path / "ck", valid_path=tmp_path / "v.txt", progress=False)
+    assert not (tmp_path / "ck").exists()  # refused before anything was written
+
+
+def test_impossible_model_settings_are_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="model settings"):
+        train(make_config("tiny", {"model": {"hidden": -4}}), [TRAIN], tmp_path / "ck", progress=False)
