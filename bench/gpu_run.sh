@@ -13,7 +13,7 @@
 # <arch>.tgz per trained checkpoint (the checkpoint and its train.jsonl; its resumable state left out).
 #
 #   DATA=.gpu/data TRAIN_MIN=3 bash bench/gpu_run.sh
-#   FAMILIES=0 GPU_TESTS=0 VARIANTS_S=330 BENCH_S=180 bash bench/gpu_run.sh    # the attention kernel alone, ~9 min
+#   FAMILIES=0 GPU_TESTS=0 VARIANTS_S=300 BENCH_S=180 HOST_S=40 bash bench/gpu_run.sh   # the kernels alone, ~9.5 min
 #
 # DATA holds the training texts (see the Makefile's DEFAULT_TRAIN: the mix the default checkpoint was trained on),
 # austen-persuasion.txt for validation and chesterton-brown.txt (the held-out book) for the families table. Where
@@ -119,7 +119,7 @@ ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped} TRITON_INTERPRET=0 timeout "${BENCH_
     --json "$OUT/kernels.json" > "$OUT/kernels.md" 2>&1
 cat "$OUT/kernels.md"
 stamp "host time per call"
-ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped} TRITON_INTERPRET=0 timeout 60 $PY -m bench.host_overhead \
+ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped} TRITON_INTERPRET=0 timeout "${HOST_S:-60}" $PY -m bench.host_overhead \
     --calls "$([ "${SMOKE:-0}" = 1 ] && echo 20 || echo 2000)" --json "$OUT/host_overhead.json" > "$OUT/host_overhead.md" 2>&1
 cat "$OUT/host_overhead.md"
 stamp "done"
