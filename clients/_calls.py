@@ -81,13 +81,28 @@ class Call(Generic[T]):
     session_id: str | None = None  # a session named in the body: sent as SESSION_HEADER too
 
     def request(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
-        extra = {"Content-Type": self.content_type} if self.content_type else {}
+        content, content_type = self.content, self.content_type
+        if self.json is not None:
+            content, content_type = _json_bytes(self.json), "application/json"
+        extra = {"Content-Type": content_type} if content_type else {}
         if self.session_id:
             # a balancer cannot read bodies: the header keeps the session's requests on one replica
-            # (deploy/nginx/adaptlm.conf.template hashes on the path's session id, else on this header)
-            extra[SESSION_HEADER] = self.session_id
-        return http.build_request(self.method, self.path, json=self.json, content=self.content,
-                                  headers=extra or None)
+            # (deploy/nginx/adaptlm.conf.template hashes on the path's session id, else on this header).
+            # Percent-encoded: a real id is [A-Za-z0-9_-] and unchanged; any other str must still reach the
+            # server (its 404) rather than fail in httpx's ASCII header encoding.
+            extra[SESSION_HEADER] = quote(self.session_id, safe="", errors="surrogatepass")
+        return http.build_request(self.method, self.path, content=content, headers=extra or None)
+
+
+def _json_bytes(body: Mapping[str, Any]) -> bytes:
+    """The body as UTF-8 JSON, for whatever Python values the caller gave: the server is the one judge of them.
+    httpx's own encoding raises instead for a lone surrogate (text from a platform that hands out UTF-16 halves)
+    and for NaN or infinity; here the first goes as a `\\udXXX` escape and the others as `NaN` / `Infinity`,
+    which the server reads and answers with a 422 naming the field (`string_unicode`, `finite_number`)."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()  # ASCII: every code point escaped
 
 
 def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
@@ -116,7 +131,7 @@ def _body(**fields: Any) -> dict[str, Any]:
 def _session_path(session_id: str, suffix: str = "") -> str:
     if not session_id:
         raise ValueError("session_id must not be empty")
-    return f"/v1/sessions/{quote(session_id, safe='')}{suffix}"
+    return f"/v1/sessions/{quote(session_id, safe='', errors='surrogatepass')}{suffix}"  # any str: the server's 404
 
 
 # -- the endpoints -------------------------------------------------------------------------------------------

@@ -93,6 +93,43 @@ def test_invalid_sessions_are_422_with_their_param(client: Client) -> None:
     assert e.value.code == "invalid_session_export"
 
 
+def test_any_python_text_or_number_reaches_the_server(client: Client, live: LiveServer) -> None:
+    """The server is the one judge of what is sent: a lone surrogate (text from a platform that hands out UTF-16
+    halves), NaN or infinity, a session id that is not ASCII, raise the server's typed 4xx naming the field, never
+    the encoding exception of the layer below (json, httpx's ASCII headers)."""
+    session = client.create_session()
+    cases = [(lambda: client.score("ab\ud800c"), UnprocessableEntityError, "text", "string_unicode"),
+             (lambda: session.observe("I will \udc00"), UnprocessableEntityError, "text", "string_unicode"),
+             (lambda: session.suggest("see you tom\ud83d"), UnprocessableEntityError, "context", "string_unicode"),
+             (lambda: client.generate("x", temperature=float("nan")), UnprocessableEntityError, "temperature",
+              "finite_number"),
+             (lambda: client.generate("x", top_p=float("inf")), UnprocessableEntityError, "top_p", "finite_number"),
+             (lambda: client.score("x", session_id="sessi\u00f3n-0123456789"), NotFoundError, "session_id",
+              "session_not_found"),
+             (lambda: client.generate("x", session_id="\ud800-0123456789abcdef"), UnprocessableEntityError,
+              "session_id", "string_unicode"),
+             (lambda: client.get_session("\ud800-0123456789abcdef"), NotFoundError, "session_id",
+              "session_not_found")]
+    for call, cls, param, code in cases:
+        with pytest.raises(cls) as e:
+            call()
+        assert (e.value.param, e.value.code) == (param, code), e.value
+    with pytest.raises(UnprocessableEntityError) as e, client.generate_stream("x\udfff"):
+        pass
+    assert e.value.param == "prompt"
+
+    async def main() -> None:
+        async with AsyncClient(live.url) as ac:
+            with pytest.raises(UnprocessableEntityError) as e:
+                await ac.score("\ud800")
+            assert e.value.param == "text"
+
+    asyncio.run(main())
+    # valid text is sent as UTF-8, not escaped: emoji, combining marks and all
+    text = "Ce\u0301sar \U0001f44b\U0001f3fd \u4f60\u597d"
+    assert client.score(text).bytes == len(text.encode())
+
+
 @pytest.fixture(scope="module")
 def keyed(tiny_checkpoint: Path) -> Iterator[LiveServer]:
     with serve(Settings(checkpoint=tiny_checkpoint, api_keys="key-one,key-two")) as live:  # type: ignore[arg-type]
