@@ -49,8 +49,8 @@ class AsyncClient:
                  timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT, retry: RetryPolicy = DEFAULT_RETRY,
                  headers: Mapping[str, str] | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.retry = retry
-        self._http = httpx.AsyncClient(base_url=base_url, headers=_calls.headers(api_key, headers), timeout=timeout,
-                                       transport=transport)
+        self._http = httpx.AsyncClient(base_url=_calls.base_url(base_url), headers=_calls.headers(api_key, headers),
+                                       timeout=timeout, transport=transport)
 
     @property
     def base_url(self) -> httpx.URL:

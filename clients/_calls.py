@@ -33,9 +33,9 @@ from server.protocol import (
 )
 
 __all__ = [
-    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "SESSION_HEADER", "STATE_MEDIA_TYPE", "Call", "SSEDecoder", "create_session",
-    "delete_session", "export_state", "generate", "generate_stream", "get_session", "headers", "health",
-    "import_state", "models", "observe", "parse_generate_event", "ready", "reset_session", "score",
+    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "SESSION_HEADER", "STATE_MEDIA_TYPE", "Call", "SSEDecoder", "base_url",
+    "create_session", "delete_session", "export_state", "generate", "generate_stream", "get_session", "headers",
+    "health", "import_state", "models", "observe", "parse_generate_event", "ready", "reset_session", "score",
     "suggest",
 ]
 
@@ -64,6 +64,17 @@ def headers(api_key: str | None, extra: Mapping[str, str] | None) -> dict[str, s
         out["Authorization"] = f"Bearer {api_key}"
     out.update(extra or {})
     return out
+
+
+def base_url(value: str | httpx.URL) -> httpx.URL:
+    """The server's URL, checked when the client is made: "localhost:8000" would otherwise fail only at the first
+    request, as a connection error (which reads like a server that is down). A path prefix (a server behind a
+    proxy at /adaptlm/) is kept, with or without its trailing slash."""
+    url = httpx.URL(value)
+    if url.scheme not in ("http", "https"):
+        raise ValueError(f"base_url must be an http:// or https:// URL (e.g. 'http://127.0.0.1:8000'), "
+                         f"not {str(value)!r}")
+    return url
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ class Client:
                  timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT, retry: RetryPolicy = DEFAULT_RETRY,
                  headers: Mapping[str, str] | None = None, transport: httpx.BaseTransport | None = None) -> None:
         self.retry = retry
-        self._http = httpx.Client(base_url=base_url, headers=_calls.headers(api_key, headers), timeout=timeout,
-                                  transport=transport)
+        self._http = httpx.Client(base_url=_calls.base_url(base_url), headers=_calls.headers(api_key, headers),
+                                  timeout=timeout, transport=transport)
 
     @property
     def base_url(self) -> httpx.URL:

@@ -7,6 +7,7 @@ import pytest
 
 from clients import (
     AdaptlmError,
+    AsyncClient,
     Client,
     GenerateDone,
     GenerateResponse,
@@ -210,3 +211,24 @@ def test_requests_naming_a_session_in_their_body_carry_it_in_a_header() -> None:
             with pytest.raises(Exception):  # noqa: B017 (only the request is looked at)
                 call()
     assert [r.headers.get("x-session-id") for r in seen] == ["abc", "abc", None]
+
+
+def test_base_url_needs_a_scheme_and_keeps_a_path_prefix() -> None:
+    """"localhost:8000" is refused when the client is made (it would otherwise fail at the first request as a
+    connection error, which reads like a server that is down); a proxy's path prefix is kept, with or without
+    its trailing slash."""
+    for bad in ("localhost:8000", "127.0.0.1:8000", "/adaptlm/", "ftp://127.0.0.1:8000"):
+        with pytest.raises(ValueError, match="http:// or https://"):
+            Client(bad)
+        with pytest.raises(ValueError, match="http:// or https://"):
+            AsyncClient(bad)
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.raw_path.decode())
+        return httpx.Response(200, json={"status": "ok"})
+
+    for base in ("http://proxy.test/adaptlm/", "http://proxy.test/adaptlm", "https://proxy.test"):
+        with Client(base, transport=httpx.MockTransport(handler)) as c:
+            c.health()
+    assert paths == ["/adaptlm/healthz", "/adaptlm/healthz", "/healthz"]
