@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import anyio
 import httpx
@@ -59,7 +59,7 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -161,13 +161,13 @@ class AsyncClient:
         info = await self._request(_calls.import_state(session_id, data))
         return AsyncSession(self, info.id, info)
 
-    async def suggest(self, session_id: str, context: str = "", *, k: int | None = None, max_chars: int | None = None,
-                n_chars: int | None = None) -> SuggestResponse:
+    async def suggest(self, session_id: str, context: str = "", *, k: int | None = None,
+                      max_chars: int | None = None, n_chars: int | None = None) -> SuggestResponse:
         """`POST /v1/sessions/{id}/suggest`: keyboard suggestions under the session's adaptation, without
         changing it: the k most probable completions of the word being typed at the end of `context` (the
         message so far), and the most likely next characters.
 
-            s = client.suggest(session.id, "I will see you tomor")
+            s = await client.suggest(session.id, "I will see you tomor")
             [w.text for w in s.completions]   # e.g. ['tomorrow', ...]
         """
         return await self._request(_calls.suggest(session_id, context, k, max_chars, n_chars))
@@ -220,6 +220,6 @@ class AsyncSession:
         await self.client.delete_session(self.id)
 
     async def suggest(self, context: str = "", *, k: int | None = None, max_chars: int | None = None,
-                n_chars: int | None = None) -> SuggestResponse:
+                      n_chars: int | None = None) -> SuggestResponse:
         """Keyboard suggestions for `context` under this session (`Client.suggest`)."""
         return await self.client.suggest(self.id, context, k=k, max_chars=max_chars, n_chars=n_chars)

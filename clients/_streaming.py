@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterator
 from types import TracebackType
+from typing import Self
 
 import httpx
 
@@ -107,7 +108,7 @@ class GenerateStream(_StreamState):
             self._chunks = self._iterate()
         return next(self._chunks)
 
-    def __enter__(self) -> GenerateStream:
+    def __enter__(self) -> Self:
         if self._response is None and not self._closed:
             self._response = self._open_stream()
         return self
@@ -177,7 +178,7 @@ class AsyncGenerateStream(_StreamState):
             self._chunks = self._iterate()
         return await anext(self._chunks)
 
-    async def __aenter__(self) -> AsyncGenerateStream:
+    async def __aenter__(self) -> Self:
         if self._response is None and not self._closed:
             self._response = await self._open_stream()
         return self

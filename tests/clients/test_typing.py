@@ -38,6 +38,22 @@ USER_CODE = """
                 return float(len(request_id or ""))
             return bpb + done.usage.total_tokens + len(words)
 
+    class AppClient(Client):  # an application's own client: the context manager gives it back, not a Client
+        def bits(self, text: str) -> float:
+            return self.score(text).bits
+
+    class AppAsyncClient(AsyncClient):
+        async def bits(self, text: str) -> float:
+            return (await self.score(text)).bits
+
+    def subclassed() -> float:
+        with AppClient() as client:
+            return client.bits("x")
+
+    async def async_subclassed() -> float:
+        async with AppAsyncClient() as client:
+            return await client.bits("x")
+
     async def async_app() -> float:
         async with AsyncClient("http://127.0.0.1:8000") as client:
             a, b = await asyncio.gather(client.score("a"), client.score("b"))
