@@ -71,8 +71,31 @@ def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool,
     sig = {name: "constexpr" if name in consts else "*fp32" if name in fp32 else
            "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
            "fp32" if name in FLOATS else "i32" for name in params}
-    return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+    attrs = {}
+    for i, name in enumerate(params):  # what a launch tells the compiler of its arguments (triton's specialisation)
+        if sig[name].startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are 16-byte aligned
+        elif sig[name] == "i32":
+            value = launch_ints(D, Lq).get(name)
+            if value == 1:  # an integer 1 is compiled in as a constant
+                sig[name] = "constexpr"
+                consts[name] = 1
+            elif value is not None and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
+
+
+def launch_ints(D: int, Lq: int, B: int = 8, H: int = 8, Lk: int = 4096) -> dict[str, int]:
+    """The integer arguments of a launch at these shapes (contiguous tensors; r holds Lk + 3 distances): a launch
+    compiles its kernel for what they are (divisible by 16, or 1), so the figures here must too. Without it (before
+    this session) the loads were compiled unaligned: element by element, never asynchronous copies."""
+    q = {"b": H * Lq * D, "h": Lq * D, "m": D}
+    k = {"b": H * Lk * D, "h": Lk * D, "n": D}
+    ints = {f"sq{a}": v for a, v in q.items()} | {f"sd{a}": v for a, v in q.items()}
+    ints |= {f"sk{a}": v for a, v in k.items()} | {f"sv{a}": v for a, v in k.items()}
+    return ints | {"srl": H * D, "srh": D, "B": B, "H": H, "Lq": Lq, "Lk": Lk, "keys_per_split": Lk,
+                   "rows": B * H * Lq, "n_split": 2, "batch_per_program": 1}
 
 
 def _cuobjdump(compiled: Any, flag: str) -> str:
