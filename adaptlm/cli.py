@@ -61,23 +61,16 @@ def _read_text_arg(path: str) -> bytes:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer.cli import config_from_args, summary
-    from trainer.train import CannotWrite, TrainingInterrupted, train
+    from trainer.cli import config_from_args, run_command, summary
+    from trainer.train import train
 
-    try:
+    def run() -> dict[str, Any]:
         cfg = config_from_args(args)
-        result = train(cfg, args.data, Path(args.out), valid_path=args.valid, resume=args.resume,
-                       progress=not args.quiet, device=_device(args.device))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    except TrainingInterrupted as e:  # the state is saved: a message, not a traceback; the shell's status
-        print(f"adaptlm: stopped by {e}", file=sys.stderr)
-        return 128 + e.signum
-    except CannotWrite as e:
-        print(f"adaptlm: error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(summary(result)))
-    return 0
+        device = _device(args.device)
+        return summary(train(cfg, args.data, Path(args.out), valid_path=args.valid, resume=args.resume,
+                             progress=not args.quiet, device=device))
+
+    return run_command("adaptlm", run)  # (a device that is not here: a UsageError, as for every command)
 
 
 def cmd_score(args: argparse.Namespace) -> int:

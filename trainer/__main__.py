@@ -10,8 +10,6 @@ the CPU, NCCL on CUDA devices: one GPU per process) and rank 0 writes the checkp
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,15 +17,15 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None, on_log: Callable[[dict[str, Any]], None] | None = None) -> int:
-    from trainer.cli import add_train_arguments, config_from_args, summary
+    from trainer.cli import add_train_arguments, config_from_args, run_command, summary
 
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(parser)
     args = parser.parse_args(argv)
-    from trainer.train import CannotWrite, TrainingInterrupted, train
+    from trainer.train import train
 
-    try:
+    def run() -> dict[str, Any] | None:
         cfg = config_from_args(args)
         from models.device import resolve_device
         from trainer import _dist
@@ -41,18 +39,9 @@ def main(argv: Sequence[str] | None = None, on_log: Callable[[dict[str, Any]], N
             clean = True
         finally:
             _dist.shutdown(clean)
-    except ValueError as e:
-        print(f"trainer: error: {e}", file=sys.stderr)
-        return 2
-    except TrainingInterrupted as e:  # the state is saved: a message, not a traceback; the shell's status
-        print(f"trainer: stopped by {e}", file=sys.stderr)
-        return 128 + e.signum
-    except CannotWrite as e:
-        print(f"trainer: error: {e}", file=sys.stderr)
-        return 1
-    if group.main:
-        print(json.dumps(summary(result, group.world)))
-    return 0
+        return summary(result, group.world) if group.main else None  # rank 0 prints the line
+
+    return run_command("trainer", run)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ of the flags and of what they mean, two entry points. No torch at import: `adapt
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +16,7 @@ if TYPE_CHECKING:
     from trainer.config import TrainConfig
     from trainer.train import TrainResult
 
-__all__ = ["add_train_arguments", "config_from_args", "summary"]
+__all__ = ["add_train_arguments", "config_from_args", "run_command", "summary"]
 
 # trainable architectures (models/registry.py), named without importing torch
 _ARCHS = ("mlstm", "char-transformer", "compressive", "awd-lstm", "adaptive-transformer")
@@ -43,6 +46,28 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N"
                                                     " (under torchrun: cuda:LOCAL_RANK)")
+
+
+def run_command(prog: str, run: Callable[[], dict[str, Any] | None]) -> int:
+    """A training run as a command: `run()` trains and returns its summary line (None: a process that prints none),
+    printed as JSON, status 0. Otherwise one line on stderr and the status: 2 for a user mistake (ValueError), 128 +
+    the signal for a run stopped by SIGINT or SIGTERM (its state saved first), 1 for a file that cannot be written."""
+    from trainer.train import CannotWrite, TrainingInterrupted
+
+    try:
+        line = run()
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingInterrupted as e:  # the state is saved: a message, not a traceback; the shell's status
+        print(f"{prog}: stopped by {e}", file=sys.stderr)
+        return 128 + e.signum
+    except CannotWrite as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    if line is not None:
+        print(json.dumps(line))
+    return 0
 
 
 def summary(result: TrainResult, processes: int | None = None) -> dict[str, Any]:
