@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kernels import _dispatch as kernel_dispatch
 from kernels import attention
+from server._asgi import HTTPMiddleware
 from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
 from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
 from server.metrics import Metrics, MetricsMiddleware
@@ -214,7 +215,7 @@ def _session_store(settings: Settings) -> SessionStore:
                              max_bytes=settings.session_memory_bytes)
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HTTPMiddleware):
     """413 for a request body over `max_bytes`, before the app parses it.
 
     A declared Content-Length is checked up front (the server enforces it); a body without one
@@ -222,13 +223,10 @@ class BodyLimitMiddleware:
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit():
             if int(length) > self.max_bytes:

@@ -19,8 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from server._asgi import HTTPMiddleware
 from server.engine import (
     EngineOverloaded,
     EngineUnavailable,
@@ -248,7 +249,7 @@ def install_error_handler(app: FastAPI) -> None:
         app.add_exception_handler(exc_class, handle_error)
 
 
-class UnexpectedErrorMiddleware:
+class UnexpectedErrorMiddleware(HTTPMiddleware):
     """Answers an unexpected exception with a 500 in the one shape and logs its traceback here.
 
     Starlette's own last-resort handler re-raises after answering, and uvicorn then drops the
@@ -256,13 +257,7 @@ class UnexpectedErrorMiddleware:
     after the response has started is re-raised: the connection must be closed mid-response.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def send_tracking(message: Message) -> None:

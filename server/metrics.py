@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server._asgi import HTTPMiddleware
 from server.engine import EngineStats
 
 __all__ = [
@@ -156,17 +157,14 @@ def _buckets(counts: dict[int, int]) -> tuple[list[tuple[str, float]], float]:
     return buckets, float(sum(v * c for v, c in counts.items()))
 
 
-class MetricsMiddleware:
+class MetricsMiddleware(HTTPMiddleware):
     """Counts and times every HTTP request; labels it with the route template, never the raw path."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
         status = 500  # what the client gets if the app raises before answering
 

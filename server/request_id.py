@@ -16,7 +16,9 @@ from contextvars import ContextVar
 from typing import Any
 
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from server._asgi import HTTPMiddleware
 
 HEADER = "X-Request-ID"
 REQUEST_ID: ContextVar[str] = ContextVar("adaptlm_request_id", default="-")
@@ -31,17 +33,11 @@ def request_id_for(given: str | None) -> str:
     return uuid.uuid4().hex
 
 
-class RequestIdMiddleware:
+class RequestIdMiddleware(HTTPMiddleware):
     """Outermost: sets the request's ID for everything below it (REQUEST_ID) and adds it to the answer, whoever
     answers (a route, an error handler, a refused body)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = request_id_for(Headers(scope=scope).get(HEADER))
         token = REQUEST_ID.set(rid)
 
