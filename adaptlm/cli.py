@@ -137,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"{settings.checkpoint}: not a checkpoint directory")
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     logging.basicConfig(level=level)
-    request_id.install()  # the server's lines name the request they belong to
+    request_id.install(settings.log_format)  # the server's lines name the request they belong to
     return serve(settings)
 
 

@@ -66,7 +66,7 @@ def serve(settings: Settings) -> int:
         print(f"adaptlm: error: {problem}", file=sys.stderr)  # noqa: T201 (the CLI's one line, before any logging)
         return 3
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level=settings.log_level, log_config=uvicorn_log_config(),
+                            log_level=settings.log_level, log_config=uvicorn_log_config(settings.log_format),
                             **uvicorn_options(settings))
     server = _Server(config)
     server.run()

@@ -9,6 +9,8 @@ and in the warnings it caused. Work the engine thread does for many requests at 
 from __future__ import annotations
 
 import copy
+import datetime
+import json
 import logging
 import re
 import uuid
@@ -60,16 +62,36 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def install(handler_owner: logging.Logger | None = None) -> None:
-    """Print the request ID in `handler_owner`'s handlers (the root logger's by default: the CLI's `basicConfig`)."""
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time (UTC, ISO 8601), level, logger, message, request_id, and for uvicorn's access
+    lines client, method, path, http_version and status as fields of their own; a traceback as `exception`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage(),
+            "request_id": getattr(record, "request_id", "-")}
+        args = record.args
+        if record.name == "uvicorn.access" and isinstance(args, tuple) and len(args) == 5:
+            client, method, path, version, status = args
+            out |= {"client": client, "method": method, "path": path, "http_version": version, "status": status}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def install(log_format: str = "text", handler_owner: logging.Logger | None = None) -> None:
+    """Print the request ID in `handler_owner`'s handlers (the root logger's by default: the CLI's `basicConfig`),
+    as text (LOG_FORMAT) or as JSON lines (`log_format` "json")."""
     for handler in (handler_owner or logging.getLogger()).handlers:
         if not any(isinstance(f, RequestIdFilter) for f in handler.filters):
             handler.addFilter(RequestIdFilter())
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(LOG_FORMAT))
 
 
-def uvicorn_log_config() -> dict[str, Any]:
-    """uvicorn's own logging configuration, with the request ID in its access lines (and `-` in its others)."""
+def uvicorn_log_config(log_format: str = "text") -> dict[str, Any]:
+    """uvicorn's own logging configuration, with the request ID in its access lines (and `-` in its others); with
+    `log_format` "json", its lines are JSON too."""
     from uvicorn.config import LOGGING_CONFIG
 
     config = copy.deepcopy(LOGGING_CONFIG)
@@ -78,4 +100,6 @@ def uvicorn_log_config() -> dict[str, Any]:
         handler.setdefault("filters", []).append("request_id")
     config["formatters"]["access"]["fmt"] = \
         '%(levelprefix)s %(client_addr)s - "%(request_line)s" %(status_code)s [%(request_id)s]'
+    if log_format == "json":
+        config["formatters"] = {name: {"()": JsonFormatter} for name in config["formatters"]}
     return config

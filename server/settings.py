@@ -7,6 +7,8 @@
     ADAPTLM_MAX_N            most choices (`n`) one completion request may ask for
     ADAPTLM_MAX_BODY_BYTES   largest request body; larger bodies are refused with 413 before parsing
     ADAPTLM_LOG_LEVEL        critical | error | warning | info | debug | trace
+    ADAPTLM_LOG_FORMAT       text (default) | json: one JSON object a line (time, level, logger, message, request_id;
+                             an access line also client, method, path, status), for log collectors
     ADAPTLM_API_KEYS         comma-separated keys; when set, /v1 routes need `Authorization: Bearer <key>`
     ADAPTLM_CORS_ORIGINS     comma-separated origins (`https://app.example.com`) whose pages may call the API from a
                              browser (CORS); unset: none but the server's own (its /keyboard page)
@@ -72,6 +74,7 @@ class Settings(BaseSettings):
     # connection the server is closing at that moment and read a reset (`httpx.ReadError`).
     keep_alive_s: int = Field(default=75, ge=1, le=3600)
     log_level: LogLevel = "info"
+    log_format: Literal["text", "json"] = "text"
     # NoDecode: the environment holds a comma list, not JSON.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
     # Browser pages of these origins may call the API (CORS); an origin is scheme://host[:port], no path.

@@ -3,7 +3,9 @@ answers it, and the server's access log prints it on the request's line."""
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +52,22 @@ def test_the_access_log_names_the_request(tiny_checkpoint: Path, tmp_path: Path)
     assert f'"GET /v1/sessions/no-such-session-0123456789 HTTP/1.1" 404 Not Found [{missing.headers["x-request-id"]}]' \
         in text
     assert re.search(r"INFO server\.\S+ \[-\]: ", text), text[-2000:]  # the server's own lines, outside a request
+
+
+def test_json_logs_are_one_object_a_line(tiny_checkpoint: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTLM_LOG_FORMAT", "json")
+    log = tmp_path / "server.log"
+    with server(tiny_checkpoint, tmp_path / "sessions.zip", log) as (url, proc):
+        with httpx.Client(base_url=url, timeout=30) as c:
+            assert c.post("/v1/score", json={"text": "abc"}, headers={"X-Request-ID": "trace-7"}).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(240) == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]  # every line is JSON
+    assert all({"time", "level", "logger", "message", "request_id"} <= set(line) for line in lines)
+    access = [line for line in lines if line.get("request_id") == "trace-7"]
+    assert len(access) == 1 and access[0]["logger"] == "uvicorn.access", access
+    assert (access[0]["method"], access[0]["path"], access[0]["status"]) == ("POST", "/v1/score", 200)
+    own = [line for line in lines if line["logger"].startswith("server.")]
+    assert own and all(line["request_id"] == "-" for line in own)  # the engine's lines: no request of their own
+    assert lines[-1]["message"] == f"Finished server process [{proc.pid}]"  # uvicorn's own lines too
