@@ -142,6 +142,13 @@ def branch_view(copy: State) -> State:
     return State({"ctx": hist[:, -CONTEXT:].contiguous(), "ctxlen": fill.clamp(max=CONTEXT)})
 
 
+def empty_view(batch: int, device: torch.device | str) -> State:
+    """`branch_view` of rows that have read nothing (or have no copy model): `CopyMixed` gives them the network
+    alone, and their states stack with other rows'."""
+    return State({"ctx": torch.zeros(batch, CONTEXT, dtype=torch.uint8, device=device),
+                  "ctxlen": torch.zeros(batch, dtype=torch.long, device=device)})
+
+
 def frozen_stats(copy: State) -> State:
     """What the frozen path (`CopyModel.mix_frozen`, `CopyMixed`) reads of copy states: STATS, and where the fused
     kernel serves (CPU tensors, numba) the history's slots indexed by the byte pair that ends at each, which the
@@ -393,10 +400,7 @@ class CopyMixed(LanguageModel):
         self.frozen = base.frozen
 
     def init_state(self, batch: int) -> State:
-        ref = next(self.base.parameters())
-        return merge_state(self.base.init_state(batch), State({
-            "ctx": torch.zeros(batch, CONTEXT, dtype=torch.uint8, device=ref.device),
-            "ctxlen": torch.zeros(batch, dtype=torch.long, device=ref.device)}))
+        return merge_state(self.base.init_state(batch), empty_view(batch, next(self.base.parameters()).device))
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         net_state, copy_state = split_state(state)

@@ -265,7 +265,7 @@ class GenerationExecutor:
             if job.session_id is not None:
                 session = self._sessions.get(job.session_id, job.owner)
                 # a word session's pending text (its last word, perhaps unfinished) comes before the prompt
-                start = {"state": session.view_state(), "last_token": session.last_token,
+                start = {"state": self._sessions.view_state(session), "last_token": session.last_token,
                          "adapter": session.adapter_with_copy(), "prefix": session.pending}
             # the network mixed with the session's copy model, when sessions have one (models/copymodel.py); every
             # generation runs the one model, so that all of them step in one batch

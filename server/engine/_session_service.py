@@ -19,7 +19,7 @@ import torch
 from models.adaptation import CacheMixed, DynEvalConfig, UpdateRule, sparse_rule
 from models.base import Adapter, LanguageModel, State
 from models.checkpoint import Checkpoint
-from models.copymodel import CopyMixed, CopyModel
+from models.copymodel import CopyMixed, CopyModel, empty_view, merge_state
 from server.engine._errors import (
     EngineUnavailable,
     InvalidSessionSettings,
@@ -75,6 +75,14 @@ class SessionService:
             self._mixed = CacheMixed(inner, self._limits.cache) if self._limits is not None else inner
             self._mixed_base = model
         return self._mixed
+
+    def view_state(self, session: Session) -> State:
+        """The state sampling and the keyboard search continue `session` from (`Session.view_state`). Where sessions
+        have a copy model and this one has none (turned off, or a neural cache in its place), with the empty view of
+        one: its rows then batch with the others' (their states hold the same tensors) and read the network alone."""
+        if session.copy is None and self.copy_model is not None:
+            return merge_state(session.state, empty_view(1, session.state.batch_device()))
+        return session.view_state()
 
     def limits(self) -> SessionLimits:
         """The checkpoint's session settings; raises SessionsUnavailable if it cannot adapt sessions."""

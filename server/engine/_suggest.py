@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -115,8 +116,10 @@ class _Entry:
 class CursorCache:
     """Worker-thread only. At most `sessions` sessions, `per_session` cursors each (least recently used go)."""
 
-    def __init__(self, sessions: int = 256, per_session: int = 32, tokenizer: ByteTokenizer | None = None) -> None:
+    def __init__(self, sessions: int = 256, per_session: int = 32, tokenizer: ByteTokenizer | None = None,
+                 view: Callable[[Session], State] = Session.view_state) -> None:
         self.tokenizer = tokenizer or ByteTokenizer()
+        self.view = view  # a session's state to continue from (`SessionService.view_state`)
         self.sessions = sessions
         self.per_session = per_session
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -145,7 +148,7 @@ class CursorCache:
             entry.cursors.move_to_end(inputs)
             return entry.cursors[base]
         self.fed += len(inputs) - len(base)
-        state = entry.cursors[base].state if base else session.view_state()
+        state = entry.cursors[base].state if base else self.view(session)
         return Feed(state, inputs[len(base):])
 
     def put(self, session: Session, context: bytes, cursor: Cursor) -> Cursor:
@@ -419,7 +422,8 @@ class SuggestExecutor:
         self._refuse = refuse  # why this model has no suggestions (SessionsUnavailable); "": it has
         self._model, self._words = model, words  # a word model: `word_suggestions`, answered at once
         tokenizer = tokenizer or ByteTokenizer()
-        self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer), min_prob=SUGGEST_MIN_PROB,
+        self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer, view=sessions.view_state),
+                                     min_prob=SUGGEST_MIN_PROB,
                                      batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
                                      round_rows=SUGGEST_ROUND_ROWS, classes=TokenClasses.of(tokenizer))
         self._started: list[Suggest] = []  # not yet fed

@@ -98,6 +98,34 @@ def test_a_session_can_turn_its_copy_model_off(copy_client: httpx.Client, client
     assert r.status_code == 422 and r.json()["error"]["param"] == "adaptation.copy_model", r.text
 
 
+def test_sessions_with_and_without_a_copy_model_batch_together(copy_client: httpx.Client) -> None:
+    # a session whose copy model is off (the keyboard page's twin), or that keeps a neural cache instead, is searched
+    # and sampled in one batch with sessions that have one: its rows read the network alone, as when it runs alone
+    # (its state carries an empty view of a copy model, so the rows' states stack)
+    twin = post(copy_client, "/v1/sessions", adaptation={"lr": 0, "cache_weight": 0, "copy_model": False})["id"]
+    cached = post(copy_client, "/v1/sessions", adaptation={"neural_cache": True, "cache_weight": 0})["id"]
+    full = post(copy_client, "/v1/sessions")["id"]
+    for sid in (twin, cached, full):
+        post(copy_client, f"/v1/sessions/{sid}/observe", text=TEXT + TEXT)
+    context = "Please forward the zq"
+
+    def suggest(sid: str) -> list[str]:
+        answer = post(copy_client, f"/v1/sessions/{sid}/suggest", context=context, k=3)
+        return [w["text"] for w in answer["completions"]]
+
+    def generate(sid: str) -> str:
+        return str(post(copy_client, "/v1/generate", prompt=context, max_tokens=8, temperature=0.0,
+                        session_id=sid)["text"])
+
+    alone = {sid: (suggest(sid), generate(sid)) for sid in (twin, cached, full)}
+    assert alone[full][0][:1] == ["zqvx"] and "zqvx" not in alone[twin][0]
+    with ThreadPoolExecutor(6) as pool:  # all at once, several times: the engine batches what arrives together
+        runs = [(sid, pool.submit(suggest, sid), pool.submit(generate, sid)) for _ in range(4)
+                for sid in (twin, cached, full)]
+        for sid, words, text in runs:
+            assert (words.result(), text.result()) == alone[sid], sid
+
+
 def test_the_keyboard_offers_a_word_seen_once(copy_client: httpx.Client, client: httpx.Client) -> None:
     """'zqvx' is no word the tiny model knows; once the session has seen it (twice: the mixer starts from the
     network alone here, and learns to trust a long match on the second sighting; a checkpoint's learned prior
