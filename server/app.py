@@ -94,6 +94,7 @@ def create_app(settings: Settings) -> FastAPI:
         metrics.model = engine.info.name
         metrics.start_counting_refusals()
         metrics.kernel = engine.info.kernel
+        metrics.kernel_check_failed = bool(engine.info.kernel_check)
         metrics.precision = engine.info.precision
         metrics.engine_stats = lambda: engine.stats
         app.state.engine = engine

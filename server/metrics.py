@@ -47,6 +47,7 @@ class Metrics:
         self.kernel = ""  # label value: the kernels' implementation, kernels.kernel_implementation() ("triton" or
         # "reference"; "reference" for a model on the CPU)
         self.precision = ""  # label value: the model work's precision ("float32" or "bfloat16")
+        self.kernel_check_failed = False  # the Triton kernels failed their start-up check (server/engine/_loading.py)
         self.requests = Counter("adaptlm_http_requests", "HTTP requests by route and status.",
                                 ["model", "method", "route", "status"], registry=self.registry)
         self.latency = Histogram("adaptlm_http_request_duration_seconds",
@@ -114,6 +115,11 @@ class _EngineCollector(Collector):
         gauge = GaugeMetricFamily("adaptlm_active_generations", "Generations in progress.", labels=["model"])
         gauge.add_metric(model, stats.active)
         yield gauge
+        failed = GaugeMetricFamily("adaptlm_kernel_check_failed", "1 when the Triton kernels gave other outputs than "
+                                   "the references on this model and GPU at start (or failed to run): the server "
+                                   "serves with the slower references; its log says why. Else 0.", labels=["model"])
+        failed.add_metric(model, float(self._metrics.kernel_check_failed))
+        yield failed
         labels = ["model", "kernel", "precision"]
         values = [self._metrics.model, self._metrics.kernel, self._metrics.precision]
         batches = HistogramMetricFamily("adaptlm_batch_rows", "Rows (streams) per batched model call: text work "

@@ -47,6 +47,7 @@ class ModelInfo:
     created: int  # unix time the weights were written
     path: Path
     kernel: str = "reference"  # the kernels' implementation on the model's device (a metric label)
+    kernel_check: str = ""  # why the Triton kernels failed their start-up check here ("": they passed, or no check)
     precision: str = "float32"  # what "auto" resolved to on this device (a metric label)
     sessions: SessionLimits | None = None  # None: this checkpoint cannot adapt sessions
     sessions_unavailable: str = ""  # why not
@@ -73,28 +74,29 @@ def load_model(path: Path, precision: str, device: str = "auto") -> Loaded:
     ckpt = load_checkpoint(path, device=resolve_device(device))
     weights = path / "model.safetensors"
     limits, base, why = session_settings(ckpt)
-    kernel = serving_kernels(ckpt)
+    kernel, kernel_check = serving_kernels(ckpt)
     info = ModelInfo(name=ckpt.name, model_hash=ckpt.model_hash, created=int(weights.stat().st_mtime), path=path,
-                     kernel=kernel, precision=resolve_precision(
+                     kernel=kernel, kernel_check=kernel_check, precision=resolve_precision(
                          precision, ckpt.device, bf16_model=ckpt.model.bf16_inference),
                      sessions=limits, sessions_unavailable=why, tokenizer=ckpt.tokenizer)
     return Loaded(ckpt, info, base)
 
 
-def serving_kernels(ckpt: Checkpoint) -> str:
-    """The kernels' implementation the model serves with: the process's choice (kernels/_dispatch.py) on CUDA, once
-    the Triton kernels have given the references' outputs on this very model (`check_model`); else the references,
-    for the process (a model on the CPU runs the reference whatever the choice)."""
+def serving_kernels(ckpt: Checkpoint) -> tuple[str, str]:
+    """-> (the kernels' implementation the model serves with, why the Triton kernels failed their check or "").
+    The process's choice (kernels/_dispatch.py) on CUDA, once the Triton kernels have given the references' outputs
+    on this very model (`check_model`); else the references, for the process (a model on the CPU runs the reference
+    whatever the choice)."""
     if ckpt.device.type != "cuda" or kernel_implementation() != "triton":
-        return "reference"
+        return "reference", ""
     problem = check_model(ckpt.model, ckpt.tokenizer.vocab_size)
     if problem is None:
         log.info("kernels: the Triton kernels give the references' outputs on %s", ckpt.name)
-        return "triton"
+        return "triton", ""
     log.error("kernels: the Triton kernels cannot serve %s on this device (%s); serving with the references",
               ckpt.name, problem)
     kernel_dispatch.use("reference")
-    return "reference"
+    return "reference", problem
 
 
 def session_settings(ckpt: Checkpoint) -> tuple[SessionLimits | None, DynEvalConfig | None, str]:

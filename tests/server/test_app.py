@@ -157,6 +157,18 @@ def test_metrics(client: httpx.Client, tiny_checkpoint: Path) -> None:
     assert f'adaptlm_scored_bytes_total{{model="{model}"}}' in text
 
 
+def test_metrics_say_when_the_kernels_failed_their_check(tiny_checkpoint: Path, serve_app: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the alert AdaptlmKernelCheckFailed reads (deploy/prometheus/adaptlm.rules.yml); 0 on a healthy server
+    from server.engine import _loading
+
+    for result, value in ((("reference", ""), 0.0), (("reference", "RuntimeError: no kernel image"), 1.0)):
+        monkeypatch.setattr(_loading, "serving_kernels", lambda ckpt, result=result: result)
+        with serve_app(Settings(checkpoint=tiny_checkpoint)) as live:
+            lines = [line for line in httpx.get(f"{live.url}/metrics").text.splitlines()
+                     if line.startswith("adaptlm_kernel_check_failed{")]
+        assert len(lines) == 1 and float(lines[0].rsplit(" ", 1)[1]) == value, lines
+
 def test_metrics_label_unknown_routes_by_template_not_path(client: httpx.Client) -> None:
     client.get("/some/random/path/12345")
     text = client.get("/metrics").text

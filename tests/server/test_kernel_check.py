@@ -70,7 +70,7 @@ def test_kernels_that_agree_serve(model: CompressiveTransformer, triton_default:
     # every segment of the prompt and the decoding step ran the kernel in every layer
     segments = math.ceil(PROMPT_TOKENS / model.config.segment) + 1
     assert len(calls) == segments * model.config.n_layer
-    assert serving_kernels(_on_cuda(model)) == "triton"
+    assert serving_kernels(_on_cuda(model)) == ("triton", "")
     assert _dispatch.kernel_implementation() == "triton"
 
 
@@ -81,7 +81,8 @@ def test_kernels_that_disagree_fall_back_to_the_references(model: CompressiveTra
     problem = check_model(model, 256)
     assert problem is not None and "off the references'" in problem
     with caplog.at_level(logging.ERROR):
-        assert serving_kernels(_on_cuda(model)) == "reference"
+        kernel, why = serving_kernels(_on_cuda(model))
+    assert kernel == "reference" and why == problem
     assert "serving with the references" in caplog.text
     assert _dispatch.kernel_implementation() == "reference"  # for the whole process: /metrics' label says so
 
@@ -95,11 +96,12 @@ def test_a_kernel_that_fails_falls_back(model: CompressiveTransformer, triton_de
     monkeypatch.setattr(compress, "_fixed_update_triton", no_image)
     problem = check_model(model, 256)
     assert problem is not None and problem.startswith("RuntimeError: CUDA error: no kernel image")
-    assert serving_kernels(_on_cuda(model)) == "reference"
+    assert serving_kernels(_on_cuda(model)) == ("reference", problem)
 
 
 def test_on_the_cpu_nothing_is_checked(model: CompressiveTransformer, triton_default: None,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _off_by(monkeypatch, 0.5)
     cpu = SimpleNamespace(model=model, name="tiny", device=torch.device("cpu"), tokenizer=None)
-    assert serving_kernels(cpu) == "reference" and not calls
+    assert serving_kernels(cpu) == ("reference", "") and not calls
+
