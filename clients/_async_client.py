@@ -81,6 +81,13 @@ class AsyncClient:
                 if not response.is_success:
                     await response.aread()
                     await response.aclose()
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing was sent: safe to send again
+                delay = self.retry.connect_delay(retries) if call.retry else None
+                if delay is None:
+                    raise error_from_transport(e) from None
+                retries += 1
+                await anyio.sleep(delay)
+                continue
             except httpx.RequestError as e:
                 raise error_from_transport(e) from None
             if response.is_success:

@@ -85,6 +85,13 @@ class Client:
                 if not response.is_success:
                     response.read()
                     response.close()
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing was sent: safe to send again
+                delay = self.retry.connect_delay(retries) if call.retry else None
+                if delay is None:
+                    raise error_from_transport(e) from None
+                retries += 1
+                time.sleep(delay)
+                continue
             except httpx.RequestError as e:
                 raise error_from_transport(e) from None
             if response.is_success:

@@ -37,9 +37,11 @@ class RetryPolicy:
 
     Every request is retried, POSTs included: the server answers 429 (its work queue is full) and 503 (the
     model is not loaded, the engine has stopped, the session store is full of busy sessions) when it admits
-    the request, before any work starts, so sending it again cannot do anything twice. Nothing else is
-    retried: not other errors, and not connection failures or timeouts (a request may have been done, e.g.
-    an observe that adapted the session); those are raised at once.
+    the request, before any work starts, so sending it again cannot do anything twice. A connection that could
+    not be made (refused, or not made in time: the server restarting, a replica going away) is retried too
+    (`connect`): nothing was sent. Nothing else is retried: not other errors, and not a connection that broke or
+    timed out after the request went (a request may have been done, e.g. an observe that adapted the session);
+    those are raised at once.
 
     The wait is the response's `Retry-After` when it has one: never shorter (that would ignore the server),
     and when it is over `max_delay_s` the error is raised instead (its `retry_after` says how long the
@@ -48,12 +50,14 @@ class RetryPolicy:
 
         Client(retry=RetryPolicy(max_retries=5, max_delay_s=30))
         Client(retry=RetryPolicy(max_retries=0))  # never retry
+        Client(retry=RetryPolicy(connect=False))  # a server that is not there: the error at once
     """
 
     max_retries: int = 2
     backoff_s: float = 0.5
     max_delay_s: float = 10.0
     statuses: frozenset[int] = field(default=frozenset({429, 503}))
+    connect: bool = True
 
     def __post_init__(self) -> None:
         if self.max_retries < 0 or self.backoff_s < 0 or self.max_delay_s < 0:
@@ -66,6 +70,16 @@ class RetryPolicy:
             return None
         if retry_after is not None:
             return retry_after if retry_after <= self.max_delay_s else None
+        return self._backoff(retries_done)
+
+    def connect_delay(self, retries_done: int) -> float | None:
+        """Seconds to wait before retry number `retries_done + 1` of a request whose connection could not be made
+        (nothing was sent), or None: raise the error."""
+        if not self.connect or retries_done >= self.max_retries:
+            return None
+        return self._backoff(retries_done)
+
+    def _backoff(self, retries_done: int) -> float:
         backoff: float = self.backoff_s * 2.0**retries_done * random.uniform(0.5, 1.0)
         return min(backoff, self.max_delay_s)
 

@@ -1,5 +1,6 @@
-"""Retries of 429 and 503: the policy's arithmetic, its timing (httpx.MockTransport), and a real server's
-refusals (a tiny work queue flooded; a session store full of busy sessions)."""
+"""Retries of 429 and 503, and of connections that could not be made: the policy's arithmetic, its timing
+(httpx.MockTransport), and a real server's refusals (a tiny work queue flooded; a session store full of busy
+sessions)."""
 
 from __future__ import annotations
 
@@ -121,21 +122,66 @@ def test_other_errors_are_not_retried(answer: httpx.Response) -> None:
     assert len(seen) == 1
 
 
-def test_readiness_and_connection_failures_are_not_retried() -> None:
+def test_readiness_and_broken_connections_are_not_retried() -> None:
     transport, seen = scripted(refused(503, "0"))
     with Client("http://adaptlm.test", transport=transport) as c, pytest.raises(ServiceUnavailableError):
         c.ready()  # "not ready" is the answer
     assert len(seen) == 1
     calls: list[httpx.Request] = []
 
-    def unreachable(request: httpx.Request) -> httpx.Response:
+    def broken(request: httpx.Request) -> httpx.Response:
         calls.append(request)
-        raise httpx.ConnectError("connection refused", request=request)
+        raise httpx.ReadError("connection reset by peer", request=request)  # the request went: maybe done
 
-    with Client("http://adaptlm.test", transport=httpx.MockTransport(unreachable)) as c, \
+    with Client("http://adaptlm.test", transport=httpx.MockTransport(broken)) as c, \
             pytest.raises(APIConnectionError):
         c.observe("some-session-0123456789", "x")
     assert len(calls) == 1
+
+
+def _refused_then(failures: int, exc: type[httpx.TransportError]) -> tuple[httpx.MockTransport, list[float]]:
+    """A server whose connection cannot be made `failures` times (`exc`), then answers; -> the transport, the
+    times of the attempts."""
+    attempts: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        attempts.append(time.monotonic())
+        if len(attempts) <= failures:
+            raise exc("connection refused", request=request)
+        return httpx.Response(200, json=SCORE)
+    return httpx.MockTransport(handler), attempts
+
+
+@pytest.mark.parametrize("exc", [httpx.ConnectError, httpx.ConnectTimeout])
+def test_a_connection_that_could_not_be_made_is_retried(exc: type[httpx.TransportError]) -> None:
+    # nothing was sent (a server restarting, a replica gone): POSTs too, with the policy's backoff and bound
+    policy = RetryPolicy(max_retries=2, backoff_s=0.05)
+    transport, attempts = _refused_then(2, exc)
+    with Client("http://adaptlm.test", transport=transport, retry=policy) as c:
+        assert isinstance(c.score("x"), ScoreResponse)
+    assert len(attempts) == 3 and attempts[1] - attempts[0] >= 0.025 and attempts[2] - attempts[1] >= 0.05
+    transport, attempts = _refused_then(3, exc)
+    with Client("http://adaptlm.test", transport=transport, retry=policy) as c, pytest.raises(APIConnectionError):
+        c.observe("some-session-0123456789", "x")
+    assert len(attempts) == 3  # at most max_retries retries
+    for no_retry in (RetryPolicy(connect=False), RetryPolicy(max_retries=0)):
+        transport, attempts = _refused_then(1, exc)
+        with Client("http://adaptlm.test", transport=transport, retry=no_retry) as c, \
+                pytest.raises(APIConnectionError):
+            c.score("x")
+        assert len(attempts) == 1
+    transport, attempts = _refused_then(1, exc)
+    with Client("http://adaptlm.test", transport=transport, retry=policy) as c, pytest.raises(APIConnectionError):
+        c.health()  # a probe's failure is its answer
+    assert len(attempts) == 1
+
+    async def main() -> int:
+        transport, attempts = _refused_then(2, exc)
+        async with AsyncClient("http://adaptlm.test", transport=transport, retry=policy) as ac:
+            await ac.score("x")
+        return len(attempts)
+
+    assert asyncio.run(main()) == 3
 
 
 def test_opening_a_stream_is_retried() -> None:
