@@ -51,8 +51,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 def run_command(prog: str, run: Callable[[], dict[str, Any] | None]) -> int:
     """A training run as a command: `run()` trains and returns its summary line (None: a process that prints none),
     printed as JSON, status 0. Otherwise one line on stderr and the status: 2 for a user mistake (ValueError), 128 +
-    the signal for a run stopped by SIGINT or SIGTERM (its state saved first), 1 for a file that cannot be written."""
-    from trainer.train import CannotWrite, TrainingInterrupted
+    the signal for a run stopped by SIGINT or SIGTERM (its state saved first), 1 for a file that cannot be written
+    or a loss that became non-finite."""
+    from trainer.train import CannotWrite, TrainingDiverged, TrainingInterrupted
 
     try:
         line = run()
@@ -62,7 +63,7 @@ def run_command(prog: str, run: Callable[[], dict[str, Any] | None]) -> int:
     except TrainingInterrupted as e:  # the state is saved: a message, not a traceback; the shell's status
         print(f"{prog}: stopped by {e}", file=sys.stderr)
         return 128 + e.signum
-    except CannotWrite as e:
+    except (CannotWrite, TrainingDiverged) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     if line is not None:

@@ -57,8 +57,9 @@ from trainer.data import ByteStreams, read_bytes, read_corpus
 from trainer.ntasgd import NTASGD, sample_seq_len
 from trainer.stats import gradient_stats
 
-__all__ = ["RESUMABLE_CHANGES", "CannotWrite", "StepResult", "TrainResult", "TrainingInterrupted", "default_dyneval",
-           "evaluate_bpb", "has_resumable_state", "lr_at", "make_tokenizer", "train", "train_precision", "train_step"]
+__all__ = ["RESUMABLE_CHANGES", "CannotWrite", "StepResult", "TrainResult", "TrainingDiverged", "TrainingInterrupted",
+           "default_dyneval", "evaluate_bpb", "has_resumable_state", "lr_at", "make_tokenizer", "train",
+           "train_precision", "train_step"]
 
 LN2 = math.log(2.0)
 STATE_FILE = "trainer_state.safetensors"
@@ -79,6 +80,16 @@ class TrainingInterrupted(Exception):
         self.signum, self.step, self.out = signum, step, out
         super().__init__(f"{signal.Signals(signum).name} at step {step}: the run's state is saved in {out / 'last'}; "
                          "continue it with --resume")
+
+
+class TrainingDiverged(Exception):
+    """The training loss became NaN or infinite (read at each log line): the weights are lost, and going on would
+    only spend the rest of the budget. What was saved before (the best checkpoint, OUT/last) is kept."""
+
+    def __init__(self, step: int, lr: float, out: Path) -> None:
+        self.step, self.lr, self.out = step, lr, out
+        super().__init__(f"the training loss became non-finite by step {step} (lr {lr:g}): train again with a lower "
+                         f"--lr; what {out} held before is kept")
 
 
 class CannotWrite(Exception):
@@ -601,6 +612,11 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
                 log({**record, "lr": lr, "grad_norm": float(result.grad_norm),
                      "tokens_per_s": tps,
                      "seconds": now - t0})
+                if not math.isfinite(nll_value):  # every process read the same mean: all stop here
+                    bar.close()
+                    if log_file is not None:
+                        log_file.close()
+                    raise TrainingDiverged(step, lr, out)
             time_up = bool(cfg.max_minutes) and (clock() - t0) > cfg.max_minutes * 60
             if cfg.max_minutes:
                 time_up = group.any(time_up, device)  # every process stops after the same step

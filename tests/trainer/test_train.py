@@ -201,3 +201,26 @@ def test_a_validation_text_too_short_is_refused_before_training(tmp_path: Path) 
 def test_impossible_model_settings_are_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="model settings"):
         train(make_config("tiny", {"model": {"hidden": -4}}), [TRAIN], tmp_path / "ck", progress=False)
+
+
+def test_a_loss_that_becomes_non_finite_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a run whose loss became NaN (a too-high lr in half precision, say) stops at the next log line with one error,
+    # instead of spending the rest of its budget on lost weights; what was saved before stays
+    import trainer.train as tt
+    from trainer.cli import run_command
+
+    real, steps = tt.train_step, [0]
+
+    def diverging(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        steps[0] += 1
+        return result._replace(nll=torch.tensor(math.nan)) if steps[0] > 12 else result
+
+    monkeypatch.setattr(tt, "train_step", diverging)
+    cfg = make_config("tiny", {"max_steps": 200, "log_every": 5, "valid_every": 10, "threads": 1})
+    out = tmp_path / "ck"
+    with pytest.raises(tt.TrainingDiverged, match="non-finite by step 15 .*lower --lr") as e:
+        train(cfg, [DATA / "valid.txt"], out, progress=False)
+    assert e.value.step == 15 and steps[0] == 15  # it stopped at the first log line after the NaN
+    assert (out / "last" / tt.STATE_FILE).is_file()  # step 10's state is kept
+    assert run_command("trainer", lambda: train(cfg, [DATA / "valid.txt"], tmp_path / "again", progress=False)) == 1
