@@ -286,6 +286,14 @@ class CompletionRequest(RequestModel):
             raise _unsupported("logit_bias", "an empty object")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):  # as OpenAI answers: options of nothing
+            raise PydanticCustomError("stream_options_without_stream", "stream_options is only allowed with stream: "
+                                      "true")
+        return value
+
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:

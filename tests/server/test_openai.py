@@ -303,6 +303,8 @@ def test_stream_without_usage_ends_with_finish_and_done(client: httpx.Client, pa
     ({"suffix": "x"}, "suffix", "none_required"),
     ({"top_k": 5}, "top_k", "extra_forbidden"),
     ({"stream_options": {"other": 1}}, "stream_options.other", "extra_forbidden"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options_without_stream"),
+    ({"stream_options": {"include_usage": True}, "stream": False}, "stream_options", "stream_options_without_stream"),
 ])
 def test_invalid_requests_are_400_as_openai_answers(client: httpx.Client, assert_error: Any, model: str,
                                                     fields: dict[str, Any], param: str, code: str) -> None:
