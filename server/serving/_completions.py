@@ -21,7 +21,7 @@ from fastapi import Response
 
 from models.sampling import SamplingParams, TextDecoder
 from models.tokenizer import Tokenizer, WordTokenizer
-from server.engine import Finished, GenerationStream, PromptScored, SessionNotFound, Token, TokenLogprob
+from server.engine import Event, Finished, GenerationStream, PromptScored, SessionNotFound, Token, TokenLogprob
 from server.errors import NotFoundError, UnprocessableEntityError
 from server.protocol import (
     CompletionChoice,
@@ -258,6 +258,25 @@ async def _complete(streams: list[GenerationStream], job: _Job) -> CompletionRes
     return job.chunk(out, job.usage(choices))
 
 
+async def _interleaved(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, Event]]:
+    """(p, event) of every stream (prompt p's) as the events arrive; a stream's failure is raised."""
+    pending = {asyncio.ensure_future(anext(stream)): p for p, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):  # arrived together: in prompt order
+                p = pending.pop(task)
+                try:
+                    event = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield p, event
+                pending[asyncio.ensure_future(anext(streams[p]))] = p
+    finally:
+        for task in pending:  # left early (a failure, a disconnect): no read outlives the response
+            task.cancel()
+
+
 async def _chunks(streams: list[GenerationStream], job: _Job, include_usage: bool,
                   ctx: Context) -> AsyncIterator[bytes]:
     choices = job.choices()
@@ -265,29 +284,27 @@ async def _chunks(streams: list[GenerationStream], job: _Job, include_usage: boo
         for stream in streams:
             await streams_open.enter_async_context(stream)
         try:
-            # One prompt's choices after the other's (each chunk names its choice); all are generated together.
-            for p, stream in enumerate(streams):
-                timer = StreamTimer(ctx.metrics, ctx.route, stream.submitted)
+            timers = [StreamTimer(ctx.metrics, ctx.route, stream.submitted) for stream in streams]
+            if job.echo and not job.logprobs:
+                for i in range(len(choices)):
+                    yield sse(job.chunk([CompletionChoice(index=i, text=job.prompts[i // job.n])]))
+            # every prompt's choices as they come (each chunk names its choice), as they are generated: together
+            async for p, event in _interleaved(streams):
+                timers[p].observe(event)
                 prompt_text, first = job.prompts[p], p * job.n
-                if job.echo and not job.logprobs:
+                if isinstance(event, PromptScored):
+                    block = _prompt_block(job.tokenizer, prompt_text.encode("utf-8"), event)
                     for i in range(first, first + job.n):
-                        yield sse(job.chunk([CompletionChoice(index=i, text=prompt_text)]))
-                async for event in stream:
-                    timer.observe(event)
-                    if isinstance(event, PromptScored):
-                        block = _prompt_block(job.tokenizer, prompt_text.encode("utf-8"), event)
-                        for i in range(first, first + job.n):
-                            yield sse(job.chunk([CompletionChoice(index=i, text=prompt_text, logprobs=block)]))
-                    elif isinstance(event, Token):
-                        index = first + event.index
-                        text, released = choices[index].add(event)
-                        if text or released is not None:
-                            yield sse(job.chunk([CompletionChoice(index=index, text=text, logprobs=released)]))
-                    else:
-                        index = first + event.index
-                        choices[index].finish(event)
-                        yield sse(job.chunk([CompletionChoice(index=index, text="",
-                                                              finish_reason=event.finish_reason)]))
+                        yield sse(job.chunk([CompletionChoice(index=i, text=prompt_text, logprobs=block)]))
+                elif isinstance(event, Token):
+                    index = first + event.index
+                    text, released = choices[index].add(event)
+                    if text or released is not None:
+                        yield sse(job.chunk([CompletionChoice(index=index, text=text, logprobs=released)]))
+                else:
+                    index = first + event.index
+                    choices[index].finish(event)
+                    yield sse(job.chunk([CompletionChoice(index=index, text="", finish_reason=event.finish_reason)]))
             if include_usage:
                 yield sse(job.chunk([], job.usage(choices)))
         except Exception as exc:

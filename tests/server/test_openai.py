@@ -219,6 +219,10 @@ def test_several_prompts_as_openai_numbers_them(oai: Any, model: str) -> None:
         mine = [k.choices[0] for k in chunks if k.choices and k.choices[0].index == ch.index]
         assert "".join(m.text for m in mine) == ch.text and mine[-1].finish_reason == "length"
     assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.completion_tokens == 60
+    # the prompts stream together, as they are generated: the last prompt's first text comes before the first
+    # prompt's end, not after it
+    order = [(k.choices[0].index, k.choices[0].finish_reason) for k in chunks if k.choices]
+    assert order.index(next(o for o in order if o[0] == 4)) < order.index((0, "length"))
 
 
 def test_the_schema_declares_400_not_422_on_the_openai_routes(client: httpx.Client) -> None:
