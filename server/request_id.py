@@ -80,10 +80,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def install(log_format: str = "text", handler_owner: logging.Logger | None = None) -> None:
-    """Print the request ID in `handler_owner`'s handlers (the root logger's by default: the CLI's `basicConfig`),
-    as text (LOG_FORMAT) or as JSON lines (`log_format` "json")."""
-    for handler in (handler_owner or logging.getLogger()).handlers:
+def install(log_format: str = "text") -> None:
+    """Print the request ID in the root logger's handlers (the CLI's `basicConfig`), as text (LOG_FORMAT) or as JSON
+    lines (`log_format` "json")."""
+    for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RequestIdFilter) for f in handler.filters):
             handler.addFilter(RequestIdFilter())
         handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(LOG_FORMAT))

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 
 from fastapi import Response
@@ -236,18 +236,14 @@ async def _complete(streams: list[GenerationStream], job: _Job) -> CompletionRes
     choices = job.choices()
     prompt_blocks: list[CompletionLogprobs | None] = [
         CompletionLogprobs() if job.echo and job.logprobs else None for _ in job.prompts]
-    async with AsyncExitStack() as streams_open:  # leaving it (a failure, a disconnect) cancels every generation
-        for stream in streams:
-            await streams_open.enter_async_context(stream)
-        # The generations run together in the engine; their events wait in their streams while one is read.
-        for p, stream in enumerate(streams):
-            async for event in stream:
-                if isinstance(event, PromptScored):
-                    prompt_blocks[p] = _prompt_block(job.tokenizer, job.prompts[p].encode("utf-8"), event)
-                elif isinstance(event, Token):
-                    choices[p * job.n + event.index].add(event)
-                else:
-                    choices[p * job.n + event.index].finish(event)
+    async with aclosing(_interleaved(streams)) as events:
+        async for p, event in events:
+            if isinstance(event, PromptScored):
+                prompt_blocks[p] = _prompt_block(job.tokenizer, job.prompts[p].encode("utf-8"), event)
+            elif isinstance(event, Token):
+                choices[p * job.n + event.index].add(event)
+            else:
+                choices[p * job.n + event.index].finish(event)
     out: list[CompletionChoice] = []
     for c in choices:
         prompt_text, prompt_block = job.prompts[c.index // job.n], prompt_blocks[c.index // job.n]
@@ -258,8 +254,18 @@ async def _complete(streams: list[GenerationStream], job: _Job) -> CompletionRes
     return job.chunk(out, job.usage(choices))
 
 
-async def _interleaved(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, Event]]:
-    """(p, event) of every stream (prompt p's) as the events arrive; a stream's failure is raised."""
+async def _interleaved(streams: list[GenerationStream]) -> AsyncGenerator[tuple[int, Event], None]:
+    """(p, event) of every stream (prompt p's) as the events arrive (the generations run together in the engine);
+    a stream's failure is raised. Closing it (`aclosing`: at once, on a failure or a disconnect too) cancels every
+    generation not finished."""
+    async with AsyncExitStack() as streams_open:
+        for stream in streams:
+            await streams_open.enter_async_context(stream)
+        async for item in _as_they_come(streams):
+            yield item
+
+
+async def _as_they_come(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, Event]]:
     pending = {asyncio.ensure_future(anext(stream)): p for p, stream in enumerate(streams)}
     try:
         while pending:
@@ -280,16 +286,14 @@ async def _interleaved(streams: list[GenerationStream]) -> AsyncIterator[tuple[i
 async def _chunks(streams: list[GenerationStream], job: _Job, include_usage: bool,
                   ctx: Context) -> AsyncIterator[bytes]:
     choices = job.choices()
-    async with AsyncExitStack() as streams_open:
-        for stream in streams:
-            await streams_open.enter_async_context(stream)
+    timers = [StreamTimer(ctx.metrics, ctx.route, stream.submitted) for stream in streams]
+    async with aclosing(_interleaved(streams)) as events:
         try:
-            timers = [StreamTimer(ctx.metrics, ctx.route, stream.submitted) for stream in streams]
             if job.echo and not job.logprobs:
                 for i in range(len(choices)):
                     yield sse(job.chunk([CompletionChoice(index=i, text=job.prompts[i // job.n])]))
             # every prompt's choices as they come (each chunk names its choice), as they are generated: together
-            async for p, event in _interleaved(streams):
+            async for p, event in events:
                 timers[p].observe(event)
                 prompt_text, first = job.prompts[p], p * job.n
                 if isinstance(event, PromptScored):
