@@ -71,12 +71,12 @@ def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool,
     sig = {name: "constexpr" if name in consts else "*fp32" if name in fp32 else
            "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
            "fp32" if name in FLOATS else "i32" for name in params}
-    attrs = {}
+    attrs, ints = {}, launch_ints(D, Lq)
     for i, name in enumerate(params):  # what a launch tells the compiler of its arguments (triton's specialisation)
         if sig[name].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are 16-byte aligned
         elif sig[name] == "i32":
-            value = launch_ints(D, Lq).get(name)
+            value = ints.get(name)
             if value == 1:  # an integer 1 is compiled in as a constant
                 sig[name] = "constexpr"
                 consts[name] = 1
@@ -88,8 +88,8 @@ def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool,
 
 def launch_ints(D: int, Lq: int, B: int = 8, H: int = 8, Lk: int = 4096) -> dict[str, int]:
     """The integer arguments of a launch at these shapes (contiguous tensors; r holds Lk + 3 distances): a launch
-    compiles its kernel for what they are (divisible by 16, or 1), so the figures here must too. Without it (before
-    this session) the loads were compiled unaligned: element by element, never asynchronous copies."""
+    compiles its kernel for what they are (divisible by 16, or 1), so the figures here must too. Without it the loads
+    compile unaligned (element by element, never asynchronous copies): code no launch runs."""
     q = {"b": H * Lq * D, "h": Lq * D, "m": D}
     k = {"b": H * Lk * D, "h": Lk * D, "n": D}
     ints = {f"sq{a}": v for a, v in q.items()} | {f"sd{a}": v for a, v in q.items()}
