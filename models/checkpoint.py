@@ -7,6 +7,12 @@
   config.json's "tokenizer" names the tokenizer (absent: bytes, as every checkpoint before it was saved).
     MODEL_CARD.md       human-readable card
 
+A save writes every file to a temporary name and renames it into place, config.json last. It also draws a random
+"save_id" into config.json and into both safetensors files' metadata: a save that was killed between two renames
+leaves weights or statistics of one save beside the config of another, and the loader refuses that mix by name
+instead of serving weights with the MS_g of other weights. (A file without a save_id, as in checkpoints saved
+before it or rewritten by another tool, is not checked.)
+
 Training-only parameters (a model's auxiliary heads, `LanguageModel.training_only_parameters`) are listed in
 config.json's "training_only_parameters". A checkpoint saved with `training_only=False` leaves them out of
 model.safetensors ("training_only_parameters_shipped": false) to ship fewer bytes; the loader then fills them with
@@ -18,13 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from models.adaptation import DynEvalSettings
@@ -80,8 +87,9 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
     False leaves the training-only parameters (and their statistics) out (module docstring)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    save_id = secrets.token_hex(8)  # ties this save's files together (module docstring)
     config = {"format": FORMAT_VERSION, "model": model.config.to_dict(), **(meta or {}),
-              "tokenizer": (tokenizer or ByteTokenizer()).to_dict()}
+              "tokenizer": (tokenizer or ByteTokenizer()).to_dict(), "save_id": save_id}
     dropped: set[str] = set()
     if model.training_only_parameters():  # which weights are not inference parameters (the model's docstring)
         config["training_only_parameters"] = model.training_only_parameters()
@@ -92,12 +100,13 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
                if k not in dropped}
     stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()
                if k.removeprefix("param.") not in dropped}
-    staged: dict[str, Callable[[Path], object]] = {
-        "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": str(FORMAT_VERSION)}),
-        "stats.safetensors": lambda p: save_file(stats_t, str(p), metadata={"format": str(FORMAT_VERSION)}),
-        "config.json": lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+    header = {"format": str(FORMAT_VERSION), "save_id": save_id}
+    staged: dict[str, Callable[[Path], object]] = {  # config.json last: its save_id names a complete save
+        "model.safetensors": lambda p: save_file(weights, str(p), metadata=header),
+        "stats.safetensors": lambda p: save_file(stats_t, str(p), metadata=header),
         "dyneval.json": lambda p: p.write_text(json.dumps(dict(dyneval or {}), indent=2, sort_keys=True) + "\n"),
         "MODEL_CARD.md": lambda p: p.write_text(card or "# Model card\n\n(no card written)\n"),
+        "config.json": lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
     }
     for name, write in staged.items():
         tmp = out / f".{name}.tmp"
@@ -118,13 +127,19 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, save_id: object = None) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, refused if it carries a save_id other than config.json's `save_id`."""
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     try:
+        with safe_open(str(path), framework="pt") as f:
+            theirs = (f.metadata() or {}).get("save_id")
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+    if save_id is not None and theirs is not None and theirs != save_id:
+        raise CheckpointError(f"{path}: written by another save than config.json (save_id {theirs}, config.json "
+                              f"{save_id}): a save was interrupted; save the checkpoint again")
     for k, v in tensors.items():
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise CheckpointError(f"{path}: tensor {k!r} holds non-finite values")
@@ -160,7 +175,8 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
         raise CheckpointError(f"{cfg_path}: architecture {config.arch!r}, expected {expect_arch!r}")
 
     weights_path = d / "model.safetensors"
-    weights = _read_tensors(weights_path)
+    save_id = meta.pop("save_id", None)
+    weights = _read_tensors(weights_path, save_id)
     with torch.device("meta"):
         model = build_model(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -190,7 +206,7 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
         model.freeze()
 
     stats_path = d / "stats.safetensors"
-    stats = {k: v.to(device, dtype) for k, v in _read_tensors(stats_path).items()}
+    stats = {k: v.to(device, dtype) for k, v in _read_tensors(stats_path, save_id).items()}
     params = dict(model.named_parameters())
     for k, v in stats.items():
         if k.startswith("param.") and (k[6:] not in params or params[k[6:]].shape != v.shape):
