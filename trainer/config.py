@@ -19,6 +19,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 PRECISIONS = ("fp32", "bf16", "auto")
 SCHEDULES = ("linear", "cosine")
 OPTIMIZERS = ("adam", "ntasgd")
+MAX_LR = 1e4  # the largest lr or lr_final accepted: larger ones overflow float32 in the optimizer step
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,9 @@ def make_config(preset: str | None = None, *layers: dict[str, Any]) -> TrainConf
     for name in ("warmup_steps", "max_minutes", "valid_bytes", "threads", "adapter_units", "lr_final"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, not {getattr(cfg, name)!r}")
+    for name in ("lr", "lr_final"):  # far above any rate that trains (NT-ASGD's SGD runs at 5-30), inside float32
+        if getattr(cfg, name) > MAX_LR:
+            raise ValueError(f"{name} must be <= {MAX_LR:g}, not {getattr(cfg, name)!r}")
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {cfg.optimizer!r}")
     if cfg.optimizer != "ntasgd" and (cfg.finetune_steps or cfg.weight_decay):

@@ -23,6 +23,8 @@ def test_every_preset_is_a_valid_config() -> None:
         ({"lr": 0.0}, "lr must be positive"),
         ({"lr": -1e-3}, "lr must be positive"),
         ({"lr_final": -1e-3}, "lr_final must be >= 0"),
+        ({"lr": 1e38}, "lr must be <= 10000"),  # Adam's step would overflow float32 (a traceback before)
+        ({"lr_final": 2e4}, "lr_final must be <= 10000"),
         ({"clip": 0.0}, "clip must be positive"),
         ({"max_minutes": -1.0}, "max_minutes must be >= 0"),
         ({"max_minutes": math.nan}, "max_minutes must be a finite number"),
