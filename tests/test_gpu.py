@@ -69,7 +69,6 @@ def test_training_runs_on_the_device(tmp_path: Path) -> None:
     assert torch.cuda.is_available()
 
 
-
 @pytest.mark.parametrize("name", ["compressive", "char-transformer"])
 def test_the_kernels_pass_their_start_up_check_on_the_shipped_transformers(name: str) -> None:
     # the server serves with the Triton kernels only if this holds (server/engine/_loading.py `serving_kernels`)
@@ -77,3 +76,38 @@ def test_the_kernels_pass_their_start_up_check_on_the_shipped_transformers(name:
 
     ckpt = load_checkpoint(Path(__file__).resolve().parent.parent / "checkpoints" / name, device="cuda")
     assert check_model(ckpt.model, ckpt.tokenizer.vocab_size) is None
+
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+async def _session_figures(engine: Engine) -> tuple[float, float, list[tuple[str, float]], list[tuple[str, float]]]:
+    """A keyboard user's session as served: two observes, then suggestions mid-word."""
+    session, _ = await engine.create_session(owner=None)
+    first = await engine.score(TEXT, session_id=session.id, adapt=True)
+    second = await engine.score(TEXT, session_id=session.id, adapt=True)  # the adapter and any copy model learned
+    found = await engine.suggest(session.id, None, "It is a tr", k=3)
+    return (first.bits, second.bits, [(c.text, c.prob) for c in found.completions],
+            [(c.char, c.prob) for c in found.next_chars])
+
+
+@pytest.mark.parametrize("name", ["default", "words", "compressive", "char-transformer"])
+def test_the_shipped_checkpoints_sessions_on_the_device_match_the_cpu(name: str) -> None:
+    # every shipped model's sessions as a server runs them on a GPU: the copy model (default), the word model's
+    # tokens, the transformers' attention through the Triton kernels (when they passed their start-up check)
+    figures = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(CHECKPOINTS / name, config=EngineConfig(device=device, precision="float32",
+                                                                suggest_budget_ms=0))
+        engine.start()
+        try:
+            figures[device] = asyncio.run(_session_figures(engine))
+        finally:
+            engine.stop()
+    (cpu_first, cpu_second, cpu_words, cpu_chars), (first, second, words, chars) = figures["cpu"], figures["cuda"]
+    assert second < first  # it adapted on the device too
+    # (the default's second observe is under a bit in all: the copy model has seen it; hence the absolute margin)
+    assert (first, second) == pytest.approx((cpu_first, cpu_second), rel=1e-3, abs=0.05)
+    assert [w for w, _ in words][:1] == [w for w, _ in cpu_words][:1]
+    assert [p for _, p in words] == pytest.approx([p for _, p in cpu_words], rel=2e-2, abs=1e-3)
+    assert dict(chars) == pytest.approx(dict(cpu_chars), rel=2e-2, abs=1e-3)
