@@ -6,6 +6,7 @@ from server.engine._errors import (
     EngineOverloaded,
     EngineUnavailable,
     InvalidSessionSettings,
+    SessionConflict,
     SessionImportError,
     SessionNotFound,
     SessionStoreFull,
@@ -24,7 +25,7 @@ from server.engine._suggest import Suggestions
 __all__ = [
     "AdaptationConfig", "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event",
     "Finished", "GenerationStream", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
-    "RedisSessionStore", "Session", "SessionImportError", "SessionLimits", "SessionNotFound", "SessionStats",
-    "SessionStore", "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable", "StoreStats", "Suggestions",
-    "TextScore", "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
+    "RedisSessionStore", "Session", "SessionConflict", "SessionImportError", "SessionLimits", "SessionNotFound",
+    "SessionStats", "SessionStore", "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable", "StoreStats",
+    "Suggestions", "TextScore", "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
 ]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "EngineOverloaded", "EngineUnavailable", "InvalidSessionSettings", "SessionImportError", "SessionNotFound",
-    "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable",
+    "EngineOverloaded", "EngineUnavailable", "InvalidSessionSettings", "SessionConflict", "SessionImportError",
+    "SessionNotFound", "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable",
 ]
 
 
@@ -26,6 +26,18 @@ class SessionNotFound(LookupError):
     def __init__(self, session_id: str) -> None:
         super().__init__(f"no session {session_id!r} (it may have expired or been evicted)")
         self.session_id = session_id
+
+
+class SessionConflict(RuntimeError):
+    """The session was changed by other work (another replica's, sharing the Redis store) after this work read it:
+    this work's result was not written (`SessionStore.update`), so nothing of it was applied and it may be sent
+    again, to continue from the session as the other work left it."""
+
+    def __init__(self, session_id: str, retry_after_s: int = 1) -> None:
+        super().__init__(f"session {session_id!r} was changed by another request meanwhile; nothing of this request "
+                         "was applied: send it again")
+        self.session_id = session_id
+        self.retry_after_s = retry_after_s
 
 
 class SessionStoreFull(RuntimeError):

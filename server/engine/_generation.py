@@ -27,7 +27,7 @@ from models.base import Adapter, LanguageModel, State
 from models.checkpoint import Checkpoint
 from models.sampling import FinishReason, SamplingParams, Stepper, top_logprobs
 from models.tokenizer import ByteTokenizer, Tokenizer
-from server.engine._errors import SessionNotFound
+from server.engine._errors import SessionConflict, SessionNotFound
 from server.engine._scheduler import Scheduler
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
@@ -338,5 +338,8 @@ class GenerationExecutor:
 
 def _log_failure(future: Future[Any]) -> None:
     error = future.exception()
-    if error is not None and not isinstance(error, SessionNotFound):
+    if isinstance(error, SessionConflict):  # the generation's answer has gone: nobody to send it again
+        log.warning("adapting a session on its generation was not applied: another request (on another server) "
+                    "changed the session meanwhile")
+    elif error is not None and not isinstance(error, SessionNotFound):
         log.error("adapting a session on its generation failed", exc_info=error)

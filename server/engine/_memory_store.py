@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from models.tokenizer import Tokenizer
-from server.engine._errors import SessionImportError, SessionStoreFull
+from server.engine._errors import SessionConflict, SessionImportError, SessionStoreFull
 from server.engine._export import export_session, import_session
 from server.engine._session import Session
-from server.engine._store import SessionStore, StoreStats
+from server.engine._store import SessionStore, StoreStats, new_revision
 
 __all__ = ["SNAPSHOT_FORMAT", "MemorySessionStore"]
 
@@ -70,7 +70,8 @@ class MemorySessionStore(SessionStore):
         with self._lock:
             return session_id in self._sessions
 
-    def insert(self, session: Session) -> None:
+    def insert(self, session: Session) -> Session:
+        session = dataclasses.replace(session, revision=new_revision())
         with self._lock:
             if not self._fits(session, []):
                 self._sweep_locked()
@@ -86,13 +87,18 @@ class MemorySessionStore(SessionStore):
             for key in victims:
                 self._remove(key, "lru")
             self._put(session)
+            return session
 
-    def update(self, session: Session) -> bool:
+    def update(self, session: Session) -> Session | None:
         with self._lock:
-            if session.id not in self._sessions:
-                return False
+            stored = self._sessions.get(session.id)
+            if stored is None:
+                return None
+            if stored.revision != session.revision:
+                raise SessionConflict(session.id)
+            session = dataclasses.replace(session, revision=new_revision())
             self._put(session)
-            return True
+            return session
 
     def delete(self, session_id: str, owner: str | None) -> bool:
         with self._lock:

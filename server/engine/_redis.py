@@ -7,7 +7,8 @@ shutdown. Keys, in one namespace per checkpoint, `adaptlm:{<first 16 hex digits 
 braces are a Redis Cluster hash tag: all of a namespace's keys live in one slot, so the scripts may touch
 them together):
 
-    <ns>:s:<id>   hash: blob (the export), owner (the API key's hash, "" for none), created, last_used, ttl;
+    <ns>:s:<id>   hash: blob (the export), owner (the API key's hash, "" for none), created, last_used, ttl,
+                  revision (`Session.revision`, new at every write; "" for a record written before revisions);
                   Redis expires the key ttl seconds after its last use (PEXPIRE, renewed by every use)
     <ns>:lru      sorted set id -> last use (unix time): the LRU order, and the session count
     <ns>:exp      sorted set id -> when it expires: what the sweep looks at
@@ -15,7 +16,9 @@ them together):
                   the stored values (the tensors plus a few hundred bytes of header)
     <ns>:pins     sorted set "<instance>|<id>" -> lease end: sessions with work in flight on some server
 
-Every change touching several keys is one Lua script, atomic across servers. The limits (`max_sessions`,
+Every change touching several keys is one Lua script, atomic across servers. An update writes only over the
+revision its work read (`SessionStore.update`): two servers working on one session at once are ordered by their
+writes, and the second is refused (SessionConflict), not lost. The limits (`max_sessions`,
 `max_bytes`) are the shared store's: a server that inserts evicts the least recently used unpinned sessions,
 whichever server made them.
 
@@ -52,10 +55,10 @@ import redis
 from redis.commands.core import Script
 
 from models.tokenizer import Tokenizer
-from server.engine._errors import SessionImportError, SessionStoreFull, SessionStoreUnavailable
+from server.engine._errors import SessionConflict, SessionImportError, SessionStoreFull, SessionStoreUnavailable
 from server.engine._export import export_session, import_session
 from server.engine._session import Session
-from server.engine._store import SessionStore, StoreStats
+from server.engine._store import SessionStore, StoreStats, new_revision
 
 __all__ = ["RedisSessionStore"]
 
@@ -83,9 +86,10 @@ local function extend(key, ms)  -- PEXPIRE ... GT, also on Redis 6
   local left = redis.call('PTTL', key)
   if left >= 0 and left < ms then redis.call('PEXPIRE', key, ms) end
 end
-local function write(id, blob, owner, created, last_used, ttl, expires_at, size)
+local function write(id, blob, owner, created, last_used, ttl, expires_at, size, revision)
   local k = skey(id)
-  redis.call('HSET', k, 'blob', blob, 'owner', owner, 'created', created, 'last_used', last_used, 'ttl', ttl)
+  redis.call('HSET', k, 'blob', blob, 'owner', owner, 'created', created, 'last_used', last_used, 'ttl', ttl,
+             'revision', revision)
   redis.call('ZADD', KEYS[1], last_used, id)
   redis.call('ZADD', KEYS[2], expires_at, id)
   local old = tonumber(redis.call('HGET', KEYS[3], id) or '0')
@@ -94,7 +98,7 @@ local function write(id, blob, owner, created, last_used, ttl, expires_at, size)
 end
 """
 
-# ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes
+# ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes, revision
 # -> {evicted (lru), expired (ttl)}, evicted = -1: does not fit (nothing evicted, nothing stored)
 _INSERT = _PRELUDE + """
 local now, id, size = ARGV[2], ARGV[3], tonumber(ARGV[10])
@@ -129,29 +133,33 @@ for _, v in ipairs(expired) do unindex(v) end
 if not fits() then return {-1, #expired} end
 for _, v in ipairs(victims) do redis.call('DEL', skey(v)); unindex(v) end
 redis.call('DEL', skey(id))
-write(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+write(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[14])
 redis.call('PEXPIRE', skey(id), ARGV[11])
 return {#victims, #expired}
 """
 
-# ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, deadline (Redis's unix time in ms)
-# -> 1, 0 if it is gone, -1 if it came after its deadline (nothing written: see `RedisSessionStore.update`)
+# ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, deadline (Redis's unix time in ms),
+# the revision the work read, the new revision
+# -> 1, 0 if it is gone, -1 if it came after its deadline (nothing written: see `RedisSessionStore.update`), -2 if
+# the stored revision is not the one the work read (another server wrote the session meanwhile; nothing written)
 _UPDATE = _PRELUDE + """
 local id = ARGV[2]
 local t = redis.call('TIME')
 if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[11]) then return -1 end
 if redis.call('EXISTS', skey(id)) == 0 then return 0 end
-write(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
+if (redis.call('HGET', skey(id), 'revision') or '') ~= ARGV[12] then return -2 end
+write(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[13])
 extend(skey(id), tonumber(ARGV[10]))
 return 1
 """
 
-# ARGV: ns, id, owner, touch ("1" or "0"), now -> {blob, owner, created, last_used, ttl}, or nil
+# ARGV: ns, id, owner, touch ("1" or "0"), now -> {blob, owner, created, last_used, ttl, revision}, or nil
 _GET = _PRELUDE + """
 local id = ARGV[2]
 local k = skey(id)
-local f = redis.call('HMGET', k, 'blob', 'owner', 'created', 'last_used', 'ttl')
+local f = redis.call('HMGET', k, 'blob', 'owner', 'created', 'last_used', 'ttl', 'revision')
 if not f[1] or f[2] ~= ARGV[3] then return false end
+f[6] = f[6] or ''  -- written before revisions: the one an update then checks for
 if ARGV[4] == '1' then
   local ttl = tonumber(f[5])
   redis.call('HSET', k, 'last_used', ARGV[5])
@@ -261,7 +269,7 @@ class RedisSessionStore(SessionStore):
         fields = self._run("get", session_id, owner or "", "1" if touch else "0", repr(self._clock()))
         if fields is None:
             return None
-        blob, stored_owner, created, last_used, ttl = fields
+        blob, stored_owner, created, last_used, ttl, revision = fields
         bound = self._binding()
         try:
             session, _ = import_session(blob, model_hash=bound.model_hash, template=bound.template,
@@ -270,17 +278,19 @@ class RedisSessionStore(SessionStore):
             log.error("session %s in Redis cannot be read (%s); treating it as absent", session_id[:8], e)
             return None
         return dataclasses.replace(session, id=session_id, owner=stored_owner.decode() or None,
-                                   created=float(created), last_used=float(last_used), ttl_s=float(ttl))
+                                   created=float(created), last_used=float(last_used), ttl_s=float(ttl),
+                                   revision=revision.decode())
 
     def contains(self, session_id: str) -> bool:
         bound = self._binding()
         with self._errors("read from"):
             return bool(self._redis.exists(f"{bound.ns}:s:{session_id}"))
 
-    def insert(self, session: Session) -> None:
-        now = self._clock()
+    def insert(self, session: Session) -> Session:
+        now, revision = self._clock(), new_revision()
         evicted, expired = self._run("insert", repr(now), *self._record(session),
-                                     str(self._ttl_ms(session, now)), str(self.max_sessions), str(self.max_bytes))
+                                     str(self._ttl_ms(session, now)), str(self.max_sessions), str(self.max_bytes),
+                                     revision)
         with self._lock:
             self._evictions["ttl"] += int(expired)
             if evicted > 0:
@@ -288,21 +298,27 @@ class RedisSessionStore(SessionStore):
         if evicted < 0:
             raise SessionStoreFull(f"the session store is full (at most {self.max_sessions} sessions and "
                                    f"{self.max_bytes} bytes) and no session can be evicted now")
+        return dataclasses.replace(session, revision=revision)
 
-    def update(self, session: Session) -> bool:
+    def update(self, session: Session) -> Session | None:
         # A write that times out is not known to have failed: Redis may run it later (a paused or partitioned
         # Redis reads the command from its socket when it resumes), after the client was answered 503, which
         # promises that nothing was done (clients retry it: an observe would adapt twice). So the write carries a
         # deadline, half the socket timeout after it is sent, in Redis's clock: run later, it writes nothing. This
         # narrows the window, it does not close it: a script run before its deadline whose reply is then lost
         # (Redis paused just after) is done and still answered 503.
+        # The revision check also refuses such a late write once the session was written since (by the client's
+        # retry, say).
         deadline = time.time() + self._skew_s + self._timeout_s / 2
+        revision = new_revision()
         written = int(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock())),
-                                str(math.floor(deadline * 1000))))
+                                str(math.floor(deadline * 1000)), session.revision or "", revision))
+        if written == -2:
+            raise SessionConflict(session.id)
         if written < 0:
             raise SessionStoreUnavailable("could not use the session store (it answered after the write's deadline; "
                                           "nothing was written)")
-        return bool(written)
+        return dataclasses.replace(session, revision=revision) if written else None
 
     def delete(self, session_id: str, owner: str | None) -> bool:
         return bool(self._run("delete", session_id, owner or ""))

@@ -88,6 +88,9 @@ class Session:
     # with `config.neural_cache`: the cache's memory of (hidden state, next token) pairs (`NeuralCache.to_state`;
     # None until the session has observed a token)
     cache: State | None = None
+    # the store's bookkeeping, never exported: the token of the stored record this one was read from (or written as),
+    # which `SessionStore.update` checks is still the stored one; None for a record no store has held
+    revision: str | None = None
 
     def view_state(self) -> State:
         """The state that sampling and the keyboard search continue from: the network's, with the last bytes the

@@ -193,18 +193,19 @@ class SessionService:
         return export_session(self.get(session_id, owner), model_hash)
 
     def create(self, session_id: str, owner: str | None, ttl_s: float, config: AdaptationConfig) -> Session:
-        """(Worker.) Store a fresh session."""
-        session = self.fresh(session_id, owner, ttl_s, config)
-        self._insert(session)
-        return session
+        """(Worker.) Store a fresh session. -> the stored record (its revision is what work on it updates)."""
+        return self._insert(self.fresh(session_id, owner, ttl_s, config))
 
     def reset(self, session_id: str, owner: str | None) -> Session:
-        """(Worker.) Back to the start, keeping its id, owner, creation time, config and TTL."""
+        """(Worker.) Back to the start, keeping its id, owner, creation time, config and TTL; SessionConflict if
+        another server changed it between the read and the write (a reset then would undo that change unseen)."""
         old = self.get(session_id, owner)
-        session = dataclasses.replace(self.fresh(session_id, owner, old.ttl_s, old.config), created=old.created)
-        if not self.store.update(session):
+        session = dataclasses.replace(self.fresh(session_id, owner, old.ttl_s, old.config), created=old.created,
+                                      revision=old.revision)
+        stored = self.store.update(session)
+        if stored is None:
             raise SessionNotFound(session_id)
-        return session
+        return stored
 
     def load_export(self, session_id: str, owner: str | None, blob: bytes) -> Session:
         """(Worker.) Create or replace `session_id` from an export; its TTL is cut to the server's longest."""
@@ -220,12 +221,11 @@ class SessionService:
             self.check(config)
         except InvalidSessionSettings as e:
             raise SessionImportError(f"the export's adaptation settings are refused here: {e.param}: {e}") from None
-        self._insert(session)
-        return session
+        return self._insert(session)
 
-    def _insert(self, session: Session) -> None:
+    def _insert(self, session: Session) -> Session:
         try:
-            self.store.insert(session)
+            return self.store.insert(session)
         except SessionStoreFull as e:
             e.retry_after_s = self._retry_after_s
             raise

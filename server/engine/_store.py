@@ -3,10 +3,17 @@
 Only the engine's worker thread writes sessions (create, adapt, reset, import); HTTP handlers read them
 (stats, export) and delete them. `MemorySessionStore` (`_memory_store.py`) keeps them in this process,
 `RedisSessionStore` (`_redis.py`) in Redis as export blobs (`_export.py`).
+
+Work on a session reads its record, computes, and writes the result back with `update`. One server's scheduler
+runs one session's work at a time, but servers sharing a Redis store do not order their work: so every stored record
+carries a revision (`Session.revision`), new at each insert and update, and `update` writes only over the revision
+its work read (optimistic concurrency): of two pieces of work that read the same record, the second to write is
+refused (SessionConflict) instead of silently undoing the first.
 """
 
 from __future__ import annotations
 
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,7 +21,15 @@ from dataclasses import dataclass
 from models.tokenizer import Tokenizer
 from server.engine._session import Session
 
-__all__ = ["SessionStore", "StoreStats"]
+__all__ = ["SessionStore", "StoreStats", "new_revision"]
+
+
+def new_revision() -> str:
+    """A stored record's revision: 128 random bits. Random, not a counter: a counter starts again when a session
+    is deleted and created again, or replaced by an import (an insert), so work that read the old record could
+    find "its" revision on the new one and write over it; a random token never comes back. Made here, not in
+    Redis, so that the store's scripts stay deterministic."""
+    return secrets.token_hex(16)
 
 
 @dataclass(frozen=True)
@@ -38,13 +53,17 @@ class SessionStore(ABC):
         """Whether a session of that id exists, whoever owns it (expired ones included until swept)."""
 
     @abstractmethod
-    def insert(self, session: Session) -> None:
-        """Create or replace `session`; evicts expired, then least recently used unpinned sessions to stay in
-        the limits; raises SessionStoreFull (evicting and storing nothing) if that cannot make room."""
+    def insert(self, session: Session) -> Session:
+        """Create or replace `session`, whatever is stored (its revision is not checked); evicts expired, then
+        least recently used unpinned sessions to stay in the limits; raises SessionStoreFull (evicting and storing
+        nothing) if that cannot make room. -> the stored record (`session` with its new revision)."""
 
     @abstractmethod
-    def update(self, session: Session) -> bool:
-        """Replace the stored session of the same id; False (storing nothing) if it is gone (deleted)."""
+    def update(self, session: Session) -> Session | None:
+        """Replace the stored session of the same id, if it is still the revision `session` was read from
+        (`session.revision`, which work keeps through `dataclasses.replace`). -> the stored record (with its new
+        revision); None (storing nothing) if the session is gone (deleted); raises SessionConflict (storing
+        nothing) if it was changed since that read."""
 
     @abstractmethod
     def delete(self, session_id: str, owner: str | None) -> bool:

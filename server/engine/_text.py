@@ -204,7 +204,6 @@ class TextExecutor:
             assert work.session is not None and main.mats is not None
             shadow = work.job.rows[1]
             static_bits = -shadow.total_logprob() / LN2 if shadow.logprobs else 0.0
-            self._stats.updates += main.updates
             old = work.session
             stats = SessionStats(bytes_observed=old.stats.bytes_observed + len(work.scored),
                                  updates=old.stats.updates + main.updates,
@@ -220,8 +219,11 @@ class TextExecutor:
                 stats=stats, words=words, copy=_owned(main.copy) if main.copy is not None else None,
                 cache=_owned(memory) if main.cache is not None and (memory := main.cache.to_state()) is not None
                 else old.cache)
-            if not self._sessions.store.update(session):
+            # written only over the record `old` was read as: SessionConflict if another server wrote the session
+            # meanwhile (this observe is then not applied at all, and its client may send it again)
+            if self._sessions.store.update(session) is None:
                 raise SessionNotFound(session.id)  # deleted while it was being observed
+            self._stats.updates += main.updates  # applied
         return TextScore(bits=bits, bytes=len(work.scored), logprobs=lp.tolist() if work.logprobs else None,
                          static_bits=static_bits, updates=main.updates,
                          nonfinite_reset=bool(main.dropped or main.resets), tokens=int(lp.numel()),
