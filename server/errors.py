@@ -25,6 +25,7 @@ from server._asgi import HTTPMiddleware
 from server.engine import (
     EngineOverloaded,
     EngineUnavailable,
+    SessionConflict,
     SessionImportError,
     SessionNotFound,
     SessionStoreFull,
@@ -41,8 +42,8 @@ __all__ = [
 ]
 
 # What the engine raises; each is translated by `to_api_error`.
-_ENGINE_ERRORS = (EngineOverloaded, EngineUnavailable, SessionImportError, SessionNotFound, SessionStoreFull,
-                  SessionStoreUnavailable, SessionsUnavailable)
+_ENGINE_ERRORS = (EngineOverloaded, EngineUnavailable, SessionConflict, SessionImportError, SessionNotFound,
+                  SessionStoreFull, SessionStoreUnavailable, SessionsUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,10 @@ def _from_engine(exc: Exception) -> APIError:
         return RateLimitError(str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, SessionNotFound):
         return NotFoundError(str(exc), param="session_id", code="session_not_found")
+    if isinstance(exc, SessionConflict):
+        # nothing of the request was applied (the store refused its write): safe to send again, and the SDK does
+        return ConflictError(str(exc), param="session_id", code="session_conflict",
+                             headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, SessionStoreFull):
         return ServiceUnavailableError(str(exc), code="session_store_full",
                                        headers={"Retry-After": str(exc.retry_after_s)})
@@ -239,7 +244,8 @@ async def handle_error(request: Request, exc: Exception) -> JSONResponse:
         log.warning("%s %s: %s (%s)", request.method, request.url.path, exc, exc.__cause__)
     error = to_api_error(exc, request)
     metrics = getattr(request.app.state, "metrics", None)
-    if error.status in (429, 503) and metrics is not None:  # why refused: capacity, a key's rate, an outage
+    # why refused: capacity, a key's rate, an outage, or two replicas' work on one session at once
+    if (error.status in (429, 503) or error.code == "session_conflict") and metrics is not None:
         metrics.observe_refusal(error.code or error.type)
     return error_response(error)
 

@@ -35,9 +35,10 @@ UNMATCHED = "<unmatched>"  # route label of requests that matched no route (404s
 # The error codes of 429 and 503 answers (server/errors.py): capacity (queue_full, session_store_full, and
 # device_out_of_memory: a batch the GPU could not hold), a key over its rate (rate_limited), Redis unreachable
 # (session_store_unavailable), a checkpoint without sessions (sessions_unavailable), a dead engine
-# (engine_unavailable).
+# (engine_unavailable); and the one 409 a client retries, session_conflict (another replica wrote the session while
+# this request worked on it: requests of one session reached two replicas, e.g. without the affinity header).
 REFUSAL_REASONS = ("queue_full", "session_store_full", "device_out_of_memory", "rate_limited",
-                   "session_store_unavailable", "sessions_unavailable", "engine_unavailable")
+                   "session_store_unavailable", "sessions_unavailable", "engine_unavailable", "session_conflict")
 
 
 class Metrics:
@@ -53,8 +54,9 @@ class Metrics:
         self.latency = Histogram("adaptlm_http_request_duration_seconds",
                                  "Time from request to the end of the response, by route.",
                                  ["model", "method", "route"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.refused = Counter("adaptlm_refused_requests", "Requests answered 429 or 503, by the error's code "
-                               "(queue_full and session_store_full: capacity; rate_limited: a key over its rate).",
+        self.refused = Counter("adaptlm_refused_requests", "Requests answered 429 or 503, or 409 session_conflict, "
+                               "by the error's code (queue_full and session_store_full: capacity; rate_limited: a key "
+                               "over its rate; session_conflict: two replicas worked on one session at once).",
                                ["model", "reason"], registry=self.registry)
         self.scored_bytes = Counter("adaptlm_scored_bytes", "Bytes scored by /v1/score.", ["model"],
                                     registry=self.registry)

@@ -48,7 +48,8 @@ ErrorType = Literal[
     "authentication_error",  # 401: missing or wrong API key
     "not_found_error",  # 404: no such route or resource (a session of another API key included)
     "method_not_allowed_error",  # 405
-    "conflict_error",  # 409: a session export from another checkpoint
+    "conflict_error",  # 409: a session export from another checkpoint, or (code session_conflict) a session changed by
+    #                    another request while this one worked on it: nothing applied, retry after Retry-After
     "payload_too_large_error",  # 413: the body or the text is over the server's limit
     "validation_error",  # 422: the JSON does not match the schema; `param` names the field
     "rate_limit_error",  # 429: the work queue is full; retry after the Retry-After header's seconds

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import Response
 
+from server.errors import ConflictError, openapi_responses
 from server.protocol import ScoreRequest, ScoreResponse
 from server.routes._deps import ContextDep, work_router
 from server.serving import create_score
@@ -14,6 +15,7 @@ __all__ = ["router"]
 router = work_router("/v1", "scoring")
 
 
-@router.post("/score", response_model=ScoreResponse)
+# 409 session_conflict: with `adapt`, another request (on another replica) changed the session meanwhile
+@router.post("/score", response_model=ScoreResponse, responses=openapi_responses(ConflictError))
 async def score(body: ScoreRequest, ctx: ContextDep) -> ScoreResponse | Response:
     return await create_score(body, ctx)

@@ -52,15 +52,21 @@ async def delete_session(session_id: SessionPath, ctx: ContextDep) -> Response:
     return await sessions.delete_session(session_id, ctx)
 
 
-@router.post("/{session_id}/reset", response_model=SessionResponse)
+# 409 session_conflict: another request (on another replica) changed the session meanwhile; nothing was applied
+_CONFLICT = openapi_responses(ConflictError)
+
+
+@router.post("/{session_id}/reset", response_model=SessionResponse, responses=_CONFLICT)
 async def reset_session(session_id: SessionPath, ctx: ContextDep) -> SessionResponse | Response:
-    """Back to the start: initial state, adapter zero, statistics cleared; id, settings and TTL kept."""
+    """Back to the start: initial state, adapter zero, statistics cleared; id, settings and TTL kept. 409
+    `session_conflict` if another request changed the session meanwhile (nothing applied: send it again)."""
     return await sessions.reset_session(session_id, ctx)
 
 
-@router.post("/{session_id}/observe", response_model=ObserveResponse)
+@router.post("/{session_id}/observe", response_model=ObserveResponse, responses=_CONFLICT)
 async def observe(session_id: SessionPath, body: ObserveRequest, ctx: ContextDep) -> ObserveResponse | Response:
-    """The text's bits under the session, each segment scored before the session adapts on it."""
+    """The text's bits under the session, each segment scored before the session adapts on it. 409
+    `session_conflict` if another request changed the session meanwhile (nothing applied: send it again)."""
     return await sessions.observe(session_id, body, ctx)
 
 

@@ -366,6 +366,66 @@ def test_two_servers_share_sessions(tiny_checkpoint: Path, redis_url: str, serve
         assert_error(a.get(f"/v1/sessions/{sid}"), 404, "not_found_error", "session_id")
 
 
+def hold_next_update(live: Any) -> tuple[threading.Event, threading.Event]:
+    """Hold the next session write of `live`'s engine (on its worker thread) until `release` is set; `held` is set
+    once it waits: its work has read the session and done its computing, and has written nothing yet."""
+    store = live.app.state.engine.store
+    held, release = threading.Event(), threading.Event()
+    original = store.update
+
+    def update(session: Session) -> Session | None:
+        del store.update  # this write only
+        held.set()
+        release.wait(60)
+        return original(session)  # type: ignore[no-any-return]
+
+    store.update = update
+    return held, release
+
+
+def test_two_servers_working_on_one_session_at_once_apply_one_and_refuse_the_other(
+        tiny_checkpoint: Path, redis_url: str, serve_app: Any, assert_error: Any) -> None:
+    # what a request without the affinity header may do: run on another replica while the session's other work does
+    settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url)  # type: ignore[arg-type]
+    late, early = TEXT[:40], MORE[:60]
+    with serve_app(settings) as one, serve_app(settings) as two, httpx.Client(base_url=one.url, timeout=60) as a, \
+            httpx.Client(base_url=two.url, timeout=60) as b:
+        sid = create(a, initial_text=TEXT)["id"]
+
+        def race(path: str, body: dict[str, Any] | None) -> httpx.Response:
+            """`path` on server one, held before its write while server two observes `early` in full."""
+            held, release = hold_next_update(one)
+            answers: list[httpx.Response] = []
+            thread = threading.Thread(target=lambda: answers.append(a.post(path, json=body)))
+            thread.start()
+            try:
+                assert held.wait(60)  # server one has read the session and computed
+                observe(b, sid, early)  # server two read the same record: it writes first
+            finally:
+                release.set()
+                thread.join(60)
+            return answers[0]
+
+        refused = race(f"/v1/sessions/{sid}/observe", {"text": late})
+        error = assert_error(refused, 409, "conflict_error", "session_id")
+        assert error["code"] == "session_conflict" and "nothing of this request was applied" in error["message"]
+        assert refused.headers["retry-after"] == "1"
+        assert a.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT) + len(early)
+        assert metric(a, "adaptlm_refused_requests_total", reason="session_conflict") == 1
+        observe(a, sid, late)  # sent again: it continues from the session as server two left it
+        stats = b.get(f"/v1/sessions/{sid}").json()["stats"]
+        assert stats["bytes_observed"] == len(TEXT) + len(early) + len(late)
+        reference = create(b, initial_text=TEXT)["id"]  # one server given the applied observes, in their order
+        observe(b, reference, early)
+        observe(b, reference, late)
+        assert {**probe(a, sid), "session_id": None} == {**probe(b, reference), "session_id": None}
+        assert b.get(f"/v1/sessions/{reference}").json()["stats"] == stats
+
+        refused = race(f"/v1/sessions/{sid}/reset", None)  # a reset is checked as well
+        assert assert_error(refused, 409, "conflict_error", "session_id")["code"] == "session_conflict"
+        assert a.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == stats["bytes_observed"] + len(early)
+
+
 def test_owners_are_kept_in_redis(tiny_checkpoint: Path, redis_url: str, serve_app: Any, assert_error: Any) -> None:
     settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url, api_keys="key-a,key-b")  # type: ignore[arg-type]
     with serve_app(settings) as one, serve_app(settings) as two, \
