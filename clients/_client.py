@@ -97,9 +97,10 @@ class Client:
             if response.is_success:
                 return response
             retry_after = parse_retry_after(response.headers.get("Retry-After"))
-            delay = self.retry.delay(retries, response.status_code, retry_after) if call.retry else None
+            error = error_from_response(response, retry_after)
+            delay = self.retry.delay(retries, response.status_code, retry_after, error.code) if call.retry else None
             if delay is None:
-                raise error_from_response(response, retry_after)
+                raise error
             retries += 1
             time.sleep(delay)
 

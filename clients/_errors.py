@@ -27,8 +27,9 @@ class AdaptlmError(Exception):
 
     `status` is the HTTP status (for an error event inside a stream, the status its `type` stands for;
     None when no answer came), `type`, `param` and `code` are the server's `error` fields,
-    `retry_after` the seconds of a `Retry-After` header (429, 503), if any, and `request_id` the answer's
-    `X-Request-ID` (what the server's log lines of that request carry: quote it when reporting a failure).
+    `retry_after` the seconds of a `Retry-After` header (429, 503, 409 session_conflict), if any, and
+    `request_id` the answer's `X-Request-ID` (what the server's log lines of that request carry: quote it when
+    reporting a failure).
 
         try:
             client.get_session("gone-0123456789abcdef")
@@ -91,7 +92,9 @@ class MethodNotAllowedError(AdaptlmError):
 
 
 class ConflictError(AdaptlmError):
-    """409: a session export made with another checkpoint's weights."""
+    """409: a session export made with another checkpoint's weights (`code` checkpoint_mismatch), or a session
+    changed by another request while this one worked on it (`code` session_conflict: nothing was applied; retried
+    by `RetryPolicy`)."""
 
     default_status = 409
     error_type = "conflict_error"

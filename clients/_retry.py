@@ -33,11 +33,16 @@ def parse_retry_after(value: str | None, now: Callable[[], float] = time.time) -
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How `Client` and `AsyncClient` retry a request the server refused with 429 or 503 (`statuses`).
+    """How `Client` and `AsyncClient` retry a request the server refused with 429 or 503 (`statuses`), or with an
+    error code of `codes` whatever its status: `session_conflict`, a 409.
 
     Every request is retried, POSTs included: the server answers 429 (its work queue is full) and 503 (the
     model is not loaded, the engine has stopped, the session store is full of busy sessions) when it admits
-    the request, before any work starts, so sending it again cannot do anything twice. A connection that could
+    the request, before any work starts, so sending it again cannot do anything twice. A 409 `session_conflict`
+    comes after the work, when the server was about to write the session back and found that another request
+    (on another replica sharing the session store) had changed it since this one read it: the server then writes
+    nothing, so nothing of the request was applied, and sending it again runs it on the session as the other
+    request left it. A 409 of another code (`checkpoint_mismatch`) is not retried. A connection that could
     not be made (refused, or not made in time: the server restarting, a replica going away) is retried too
     (`connect`): nothing was sent. Nothing else is retried: not other errors, and not a connection that broke or
     timed out after the request went (a request may have been done, e.g. an observe that adapted the session);
@@ -51,22 +56,25 @@ class RetryPolicy:
         Client(retry=RetryPolicy(max_retries=5, max_delay_s=30))
         Client(retry=RetryPolicy(max_retries=0))  # never retry
         Client(retry=RetryPolicy(connect=False))  # a server that is not there: the error at once
+        Client(retry=RetryPolicy(codes=frozenset()))  # a session_conflict raised as ConflictError at once
     """
 
     max_retries: int = 2
     backoff_s: float = 0.5
     max_delay_s: float = 10.0
     statuses: frozenset[int] = field(default=frozenset({429, 503}))
+    codes: frozenset[str] = field(default=frozenset({"session_conflict"}))
     connect: bool = True
 
     def __post_init__(self) -> None:
         if self.max_retries < 0 or self.backoff_s < 0 or self.max_delay_s < 0:
             raise ValueError("max_retries, backoff_s and max_delay_s must not be negative")
 
-    def delay(self, retries_done: int, status: int, retry_after: float | None) -> float | None:
-        """Seconds to wait before retry number `retries_done + 1` of a request answered with `status`, or None:
-        do not retry, raise the error."""
-        if status not in self.statuses or retries_done >= self.max_retries:
+    def delay(self, retries_done: int, status: int, retry_after: float | None,
+              code: str | None = None) -> float | None:
+        """Seconds to wait before retry number `retries_done + 1` of a request answered with `status` (and error
+        `code`, if the answer had one), or None: do not retry, raise the error."""
+        if (status not in self.statuses and code not in self.codes) or retries_done >= self.max_retries:
             return None
         if retry_after is not None:
             return retry_after if retry_after <= self.max_delay_s else None

@@ -1,6 +1,6 @@
-"""Retries of 429 and 503, and of connections that could not be made: the policy's arithmetic, its timing
-(httpx.MockTransport), and a real server's refusals (a tiny work queue flooded; a session store full of busy
-sessions)."""
+"""Retries of 429 and 503, of a 409 session_conflict, and of connections that could not be made: the policy's
+arithmetic, its timing (httpx.MockTransport), and a real server's refusals (a tiny work queue flooded; a session
+store full of busy sessions)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from clients import (
     APIConnectionError,
     AsyncClient,
     Client,
+    ConflictError,
     InternalServerError,
     NotFoundError,
     RateLimitError,
@@ -50,6 +51,11 @@ def test_policy_delays() -> None:
     assert policy.delay(0, 429, 6.0) is None  # the server asks for longer than we wait: raise, never retry early
     for status in (400, 404, 409, 422, 500, 502):
         assert policy.delay(0, status, 1.0) is None
+    # a 409 session_conflict (nothing was applied) is retried; a 409 of another code is not
+    assert policy.delay(0, 409, 1.0, "session_conflict") == 1.0
+    assert policy.delay(3, 409, 1.0, "session_conflict") is None  # out of retries
+    assert policy.delay(0, 409, 1.0, "checkpoint_mismatch") is None
+    assert RetryPolicy(codes=frozenset()).delay(0, 409, 1.0, "session_conflict") is None
     for n, (low, high) in enumerate([(0.5, 1.0), (1.0, 2.0), (2.0, 4.0)]):
         assert all(low <= policy.delay(n, 503, None) <= high for _ in range(50))  # type: ignore[operator]
     assert RetryPolicy(backoff_s=100, max_delay_s=3).delay(0, 429, None) == 3.0
@@ -85,6 +91,42 @@ def test_retry_after_is_honoured_for_posts() -> None:
     times = [t for t, _ in seen]
     assert len(seen) == 3 and times[1] - times[0] >= 0.3 and times[2] - times[1] >= 0.2
     assert len({r.content for _, r in seen}) == 1 and seen[0][1].method == "POST"  # the same body each time
+
+
+def conflict(code: str, retry_after: str | None = "0.2") -> httpx.Response:
+    headers = {"Retry-After": retry_after} if retry_after is not None else {}
+    body = {"error": {"message": "changed meanwhile", "type": "conflict_error", "param": "session_id", "code": code}}
+    return httpx.Response(409, headers=headers, json=body)
+
+
+OBSERVED = {"bits": 8.0, "bytes": 1, "bits_per_byte": 8.0, "static_bits": 9.0, "static_bits_per_byte": 9.0,
+            "updates": 0, "nonfinite_reset": False}
+
+
+def test_a_session_conflict_is_retried_and_another_conflict_is_not() -> None:
+    # 409 session_conflict: another replica wrote the session while this request worked on it, and the server
+    # applied nothing of it: sent again after Retry-After, the same body
+    transport, seen = scripted(conflict("session_conflict"), httpx.Response(200, json=OBSERVED))
+    with Client("http://adaptlm.test", transport=transport) as c:
+        assert c.observe("some-session-0123456789", "x").bits == 8.0
+    assert len(seen) == 2 and seen[1][0] - seen[0][0] >= 0.2 and len({r.content for _, r in seen}) == 1
+    transport, seen = scripted(conflict("session_conflict"))
+    with Client("http://adaptlm.test", transport=transport, retry=RetryPolicy(max_retries=2)) as c, \
+            pytest.raises(ConflictError) as e:
+        c.observe("some-session-0123456789", "x")
+    assert len(seen) == 3 and (e.value.status, e.value.code, e.value.retry_after) == (409, "session_conflict", 0.2)
+    # a session export of another checkpoint is a 409 too: the same request would be refused again
+    transport, seen = scripted(conflict("checkpoint_mismatch", retry_after=None))
+    with Client("http://adaptlm.test", transport=transport) as c, pytest.raises(ConflictError) as e:
+        c.import_state("some-session-0123456789", b"blob")
+    assert len(seen) == 1 and e.value.code == "checkpoint_mismatch"
+
+    async def main() -> float:
+        transport, _ = scripted(conflict("session_conflict", "0"), httpx.Response(200, json=SCORE))
+        async with AsyncClient("http://adaptlm.test", transport=transport) as ac:
+            return (await ac.score("x", session_id="some-session-0123456789", adapt=True)).bits
+
+    assert asyncio.run(main()) == 8.0
 
 
 def test_attempts_are_bounded() -> None:
