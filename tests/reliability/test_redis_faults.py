@@ -198,9 +198,9 @@ def test_a_write_that_timed_out_is_not_done_later(redis_process: Callable[..., R
     store = RedisSessionStore(redis_server.url, max_sessions=10, max_bytes=10**9, timeout_s=0.5)
     store.bind(HASH, TEMPLATE)
     try:
-        before = make("a", seed=1)
-        store.insert(before)
-        assert store.update(before)  # the script is loaded: the write below is one EVALSHA that Redis can run
+        # written once, so the script is loaded: the write below is one EVALSHA that Redis can run
+        before = store.update(store.insert(make("a", seed=1)))
+        assert before is not None
         after = dataclasses.replace(before, stats=SessionStats(bytes_observed=99, updates=5, bits=1.0,
                                                                static_bits=2.0))
         redis_server.pause()
