@@ -206,6 +206,36 @@ class WordTokenizer(StreamMixin):
         stable = text[:cut].encode("utf-8")
         return stable, data[len(stable):]
 
+    def split_typed(self, tail: bytes) -> tuple[bytes, bytes]:
+        """Cut the pending part of typed text (`split_stable`'s second part) -> (settled, typed): `typed` is the start
+        of the token that a word typed next would continue ("do" of "do", "don'" of "don'", " " of "  "), and
+        `settled` what is before it: all of it after a punctuation mark under split "words" ("(" and "," are tokens
+        of one character, so the word being typed after one is empty)."""
+        text = tail.decode("utf-8", errors="surrogateescape")  # an incomplete character reads as a mark
+        typed = self.tokens(text + "a")[-1][:-1]  # "a" goes on the word being typed, or starts the next one
+        settled = text[: len(text) - len(typed)]
+        return settled.encode("utf-8", errors="surrogateescape"), typed.encode("utf-8", errors="surrogateescape")
+
+    def offered(self, ids: torch.Tensor, typed: bytes, max_chars: int) -> torch.Tensor:
+        """A (n,) mask of the entries `ids` (n,) (those `ids_with_prefix(typed)` gives) that a keyboard may offer as
+        the word being typed: a word (its body, after the typed part's single leading space if it has one, is a
+        word: no run of whitespace, no punctuation under split "words", and no leading space that the typed part
+        lacks) that adds 1..max_chars characters to the typed part."""
+        spaced, words, chars = self._entry_kinds
+        n = len(typed.decode("utf-8", errors="ignore"))
+        added = chars[ids] - n  # (n,)
+        return words[ids] & (spaced[ids] == typed.startswith(b" ")) & (added >= 1) & (added <= max_chars)
+
+    @functools.cached_property
+    def _entry_kinds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(spaced, word, chars), each (V,): whether an entry starts with the single space before a body, whether its
+        body is a word (`offered`), and its length in characters."""
+        word = re.compile(r"\w" if self.split == "words" else r"\S")
+        spaced = [_spaced_body(t) for t in self.vocab]
+        words = [i >= len(_SPECIALS) and word.match(t[1:] if s else t) is not None
+                 for i, (t, s) in enumerate(zip(self.vocab, spaced, strict=True))]
+        return torch.tensor(spaced), torch.tensor(words), torch.tensor([len(t) for t in self.vocab])
+
     def size(self, data: str | bytes) -> TextSize:
         """Tokens and UTF-8 bytes of a text: bits per word = bits / tokens, bits per byte = bits / bytes."""
         raw = data if isinstance(data, bytes) else data.encode("utf-8")

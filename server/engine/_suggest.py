@@ -324,23 +324,25 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
 def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Session, context: str, *, k: int,
                      n_chars: int, max_chars: int) -> Suggestions:
     """A word model's keyboard suggestions: one model step from the session (its text, then its pending text and
-    the stable part of `context`: `WordTokenizer.split_stable`) gives the next word's distribution; the
-    completions are the k most probable vocabulary entries that start with the typed part (the pending tail: the
-    word being typed with the single space before it, as the tokenizer writes a word after a space), special
-    tokens (end of line, <unk>) left out, each with its probability given the typed part: divided by the mass of
-    the entries that start with it, as a byte model's completions are conditioned on the context that holds it.
-    `prefix` and each completion's `text` are the word without that space. `next_chars`: the characters that
-    would follow the typed part, each with the summed probability (given the typed part, likewise) of the entries
-    that continue with it, plus, when the typed part is itself an entry, its probability times that of each first
-    character of the token after it (a second model step: " " for a next word, "," ...). No search: a word is one
-    token, so the model's ranking is exact (`exact` is always true). The session's word cache (`cache_weight` > 0)
-    is mixed in as for a byte model (models/wordcache.py); it also offers the words the session typed that the
-    vocabulary lacks (a name, an address), which the model alone can only predict as <unk>."""
-    stable, typed = tokenizer.split_stable(session.pending + context.encode("utf-8"))
-    parts = tokenizer.tokens(typed)
-    if len(parts) > 1:  # a gap the last word's single space is taken from ("  wo": "  " is settled before " wo")
-        stable += "".join(parts[:-1]).encode("utf-8")
-        typed = parts[-1].encode("utf-8")
+    the stable part of `context`: `WordTokenizer.split_stable`, and a punctuation mark or a gap before the word being
+    typed: `split_typed`) gives the next word's distribution; the completions are the k most probable vocabulary
+    entries that a keyboard may offer (`WordTokenizer.offered`: words, no whitespace or punctuation, that add
+    1..max_chars characters) that start with the typed part (the word being typed with the single space before it,
+    as the tokenizer writes a word after a space), each with its probability given the typed part (at least
+    SUGGEST_MIN_PROB, as the byte search's): divided by the mass of the entries (but the specials: end of line,
+    <unk>) that start with it, as a byte model's completions are conditioned on the context that holds it. `prefix`
+    and each completion's `text` are the word without that space. `next_chars`: the characters that would follow
+    the typed part, each with the summed probability (given the typed part, likewise) of the entries that continue
+    with it, plus, when the typed part is itself an entry, its probability times that of each first character of
+    the token after it (a second model step: " " for a next word, "," ...); with nothing typed, the first characters
+    of the next token. No search: a word is one token, so the model's ranking is exact (`exact` is always true). The
+    session's word cache (`cache_weight` > 0) is mixed in as for a byte model (models/wordcache.py), reading the
+    pending text and the context; it also offers the words the session typed that the vocabulary lacks (a name,
+    an address), which the model alone can only predict as <unk>."""
+    typing = session.pending + context.encode("utf-8")
+    stable, tail = tokenizer.split_stable(typing)
+    settled, typed = tokenizer.split_typed(tail)  # "  wo": "  " is settled before " wo"; "(": all of it
+    stable += settled
     ids = [session.last_token, *tokenizer.encode(stable)]
     device = next(model.parameters()).device
     out = model(torch.tensor([ids], dtype=torch.long, device=device), session.view_state(),
@@ -358,21 +360,27 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
         typed_mass += math.exp(float(logprobs[whole]))
     norm = 1.0 / typed_mass if typed_mass > 0 else 0.0
     space = typed.startswith(b" ")
+    prefix = (typed[1:] if space else typed).decode("utf-8", errors="ignore")
 
     def word(data: bytes) -> str:
         return (data[1:] if space else data).decode("utf-8", errors="ignore")
 
     weight = session.config.cache_weight
     # with the cache, more of the model's candidates: a cached word's own probability under the model counts
-    best = torch.argsort(probs, descending=True, stable=True)[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)]
+    offered = tokenizer.offered(matching, typed, max_chars) & (probs * norm >= SUGGEST_MIN_PROB)  # (n,)
+    ranked = torch.argsort(torch.where(offered, probs, -1.0), descending=True, stable=True)
+    best = [j for j in ranked[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)].tolist() if offered[j]]
     completions = [Completion(word(tokenizer.token_bytes(int(matching[j]))), norm * float(probs[j]))
-                   for j in best.tolist()]  # ties in byte order
+                   for j in best]  # ties in byte order
     if weight > 0:
-        completions = session.words.mix(completions, context, weight, k, max_chars)
+        mixed = session.words.mix(completions, typing.decode("utf-8", errors="replace"), weight, k, max_chars)
+        completions = [c for c in mixed if c.text.startswith(prefix) and len(c.text) > len(prefix)]
     chars: dict[str, float] = {}
     calls = 1
     typed_text = typed.decode("utf-8", errors="strict") if _whole_utf8(typed) else None
-    if typed_text is not None and n_chars > 0:
+    if not typed and n_chars > 0:  # nothing typed: the next token's first character, whatever it is
+        chars = tokenizer.first_char_probs(logprobs.exp())
+    elif typed_text is not None and n_chars > 0:
         mass = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # mass[j]: the first j words' probability
         for char, start, end in tokenizer.by_next_char(typed):  # the words going on with each character
             chars[char] = norm * float(mass[end] - mass[start])
@@ -384,7 +392,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
                 chars[char] = chars.get(char, 0.0) + ended * p
             calls += 1
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
-    return Suggestions(word(typed), completions, next_, expansions=0, model_calls=calls, exact=True)
+    return Suggestions(prefix, completions, next_, expansions=0, model_calls=calls, exact=True)
 
 
 def _whole_utf8(data: bytes) -> bool:

@@ -200,3 +200,20 @@ def test_a_next_token_distribution_by_first_character() -> None:
     assert by_char == pytest.approx(expected)
     assert sum(by_char.values()) == pytest.approx(1 - float(probs[2]))
     assert {" ", "\n", ",", ".", "t", "A"} <= set(by_char)
+
+
+def test_the_word_being_typed_and_the_entries_a_keyboard_may_offer_for_it() -> None:
+    tok = WordTokenizer.build(["so the then there they them a an and\nthe\nThe ok.  (it) don't , <unk> caf\u00e9"])
+    # the typed word is what a word typed next continues; a mark or a gap before it is settled
+    cases = {b"": (b"", b""), b" ": (b"", b" "), b"  ": (b" ", b" "), b" th": (b"", b" th"), b"don'": (b"", b"don'"),
+             b" (": (b" (", b""), b"ok.": (b"ok.", b""), b" caf\xc3": (b" caf\xc3", b""), b"<": (b"<", b"")}
+    for tail, expected in cases.items():
+        assert tok.split_typed(tail) == expected, tail
+    spaced = [" a", " an", " and", " caf\u00e9", " don't", " ok", " the", " them", " then", " there", " they"]
+    for typed, max_chars, words in [(b"", 24, ["The", "it", "so", "the"]), (b" ", 24, spaced),
+                                    (b" th", 2, [" the", " them", " then", " they"]),
+                                    (b" the", 24, [" them", " then", " there", " they"])]:
+        ids = tok.ids_with_prefix(typed)
+        got = sorted(tok.vocab[i] for i, ok in zip(ids.tolist(), tok.offered(ids, typed, max_chars).tolist(),
+                                                    strict=True) if ok)
+        assert got == sorted(words), typed

@@ -7,6 +7,7 @@ import base64
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,41 @@ def test_the_word_cache_offers_a_typed_word_the_vocabulary_lacks(client: httpx.C
     # a word of the vocabulary the session used gains over the model's own ranking
     r = client.post(f"/v1/sessions/{cached}/suggest", json={"context": "Please a", "k": 3})
     assert r.json()["completions"][0]["text"] == "ask"
+
+
+WORD = re.compile(r"\w+(?:['’]\w+)*")  # the tokenizer's words: what a keyboard may offer
+
+
+@pytest.mark.parametrize("context", ["", "It was.\n", "It was the ", "It was the", "It was the b", "It was. ",
+                                     "He said \"", "It was (", "It was,", "It is well  "])
+def test_completions_are_whole_words_that_extend_the_typed_part(client: httpx.Client, context: str) -> None:
+    """As the byte search's: each completion is a word (no space, no punctuation, not empty) that adds 1..max_chars
+    characters to the prefix, with probability >= 0.001; after a punctuation mark the word being typed is empty.
+    (The next-word distribution holds " " and "  " runs, punctuation, and after a newline " the": none is a word.)"""
+    sid = new(client, adaptation={"cache_weight": 0.0})
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": context, "k": 10, "max_chars": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected_prefix = re.search(r"\w*$", context)
+    assert body["prefix"] == (expected_prefix[0] if expected_prefix else "")
+    for c in body["completions"]:
+        assert WORD.fullmatch(c["text"]) and c["text"].startswith(body["prefix"]), (context, c)
+        assert 1 <= len(c["text"]) - len(body["prefix"]) <= 3 and c["prob"] >= 1e-3, (context, c)
+    if context in ("It was. ", "It was the "):
+        assert body["completions"]  # the next word: some are that likely
+
+
+def test_the_word_cache_completes_the_word_the_session_holds_pending(client: httpx.Client) -> None:
+    """The word being typed is the session's pending text and the context together, for the word cache too: its
+    words start with the prefix the model's do."""
+    sid = new(client, adaptation={"cache_weight": 0.5})
+    observe(client, sid, "Please ask Zyxquorra about it.\nThen Zy")  # " Zy" stays pending
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "", "k": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prefix"] == "Zy"
+    assert [c["text"] for c in body["completions"]][:1] == ["Zyxquorra"]
+    assert all(c["text"].startswith("Zy") for c in body["completions"]), body
 
 
 def test_the_keyboard_simulator_types_against_a_word_model(words_url: str, word_checkpoint: Path,
