@@ -423,6 +423,8 @@ def client_score(client: Client, args: argparse.Namespace) -> int:
     result = client.score(text, logprobs=args.logprobs, session_id=args.session, adapt=args.adapt)
     if args.json:
         _print_model(result)
+    elif result.bits_per_byte is None:  # a word session's --adapt that only grew its pending word
+        print(f"nothing scored yet (0 bytes: the text only grew the word {args.session} holds pending)")
     else:
         print(f"{result.bits_per_byte:.4f} bits per byte ({result.bytes} bytes, {result.bits:.1f} bits)")
     return 0

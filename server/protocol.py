@@ -120,7 +120,8 @@ class ScoreResponse(BaseModel):
     model: str = Field(description="The checkpoint that scored the text.")
     bits: float = Field(description="Total information content of the text, in bits.")
     bytes: int = Field(description="Length of the text in UTF-8 bytes.")
-    bits_per_byte: float = Field(description="bits / bytes.")
+    bits_per_byte: float | None = Field(description="bits / bytes; null when nothing was scored (a word session's "
+                                                "`adapt` whose text only grew its pending word, as its observe).")
     logprobs: list[float] | None = Field(default=None, description=(
         "Natural-log probability of each token, if asked: one entry per token of the model's tokenizer (GET "
         "/v1/models `tokenizer`): a byte for a byte-level model; for a word-level model a word, a punctuation "

@@ -197,7 +197,7 @@ class TextExecutor:
         assert work.job is not None
         main = work.job.rows[0]
         lp = torch.cat(main.logprobs) if main.logprobs else torch.zeros(0)  # (T,)
-        bits = -float(lp.double().sum()) / LN2
+        bits = -float(lp.double().sum()) / LN2 if lp.numel() else 0.0  # not -0.0 for nothing scored
         static_bits = None
         self._stats.nonfinite_resets += main.dropped + main.resets
         if work.mode == "observe":

@@ -23,12 +23,15 @@ async def create_score(body: ScoreRequest, ctx: Context) -> ScoreResponse | Resp
         return Response(status_code=499)  # nginx's "client closed request"
     ctx.metrics.scored_bytes.labels(ctx.metrics.model).inc(result.bytes)
     info = ctx.engine.info
+    # nothing scored (a word session's adapt that only grew its pending word): no rate, as an observe answers
+    per_byte = result.bits_per_byte if result.bytes else None
     if info.tokenizer.kind == "bytes":
-        return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes,
-                             bits_per_byte=result.bits_per_byte, logprobs=result.logprobs, session_id=body.session_id,
+        return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=per_byte,
+                             logprobs=result.logprobs, session_id=body.session_id,
                              nonfinite_reset=result.nonfinite_reset)
     # a word model: per word too (ALGORITHMS.md §10), as `adaptlm score --json` reports it
-    return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=result.bits_per_byte,
+    per_word = result.bits_per_token if result.tokens else None
+    return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=per_byte,
                          logprobs=result.logprobs, session_id=body.session_id, nonfinite_reset=result.nonfinite_reset,
-                         tokens=result.tokens, bits_per_word=result.bits_per_token,
-                         perplexity=2.0 ** result.bits_per_token)
+                         tokens=result.tokens, bits_per_word=per_word,
+                         perplexity=2.0 ** per_word if per_word is not None else None)

@@ -95,6 +95,21 @@ def test_an_observe_that_only_grows_the_word_scores_nothing(client: httpx.Client
     assert body["stats"]["bytes_observed"] == len("It was the best")
 
 
+def test_a_score_that_adapts_on_only_the_pending_word_is_read_by_the_sdk(words_url: str) -> None:
+    """A score with `adapt` reads the text as an observe does: one that only grows the pending word scores nothing, and
+    its answer says so as the observe's does (bits_per_byte null), in a shape the SDK reads."""
+    from clients import Client
+
+    with Client(words_url) as sdk:
+        session = sdk.create_session()
+        grown = sdk.score("It was the be", session_id=session.id, adapt=True)
+        assert grown.bytes == len("It was the") and grown.bits_per_byte == pytest.approx(grown.bits / grown.bytes)
+        nothing = sdk.score("s", session_id=session.id, adapt=True)
+        assert (nothing.bits, nothing.bytes, nothing.tokens, nothing.bits_per_byte) == (0.0, 0, 0, None)
+        assert math.copysign(1.0, nothing.bits) == 1.0  # 0.0, not -0.0
+        assert nothing.logprobs is None and session.get().stats.bytes_observed == len("It was the")
+
+
 def test_a_session_adapts_on_repeated_text(client: httpx.Client) -> None:
     sid = new(client)
     text = TEXT[:300] + "\n"
