@@ -53,6 +53,7 @@ class PromptScored:
 
     logprobs: tuple[TokenLogprob, ...]
     tokens: tuple[int, ...] = ()
+    prefix: bytes = b""  # a word session's pending text, scored before the prompt: the first tokens may be its own
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,8 @@ class GenerationJob(Work):
         if scored is not None:
             self._send(PromptScored(tuple(TokenLogprob(lp, tuple(top))
                                           for lp, top in zip(scored.logprobs, scored.top, strict=True)),
-                                    tuple(self.tokenizer.encode(prefix + self.prompt) if prefix else ids.tolist())))
+                                    tuple(self.tokenizer.encode(prefix + self.prompt) if prefix else ids.tolist()),
+                                    prefix))
         if self._params is None:
             self._finish_all_unstarted()
             return True

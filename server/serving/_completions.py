@@ -140,15 +140,18 @@ def _pieces(tokenizer: Tokenizer, prompt: bytes) -> list[bytes]:
 
 
 def _prompt_block(tokenizer: Tokenizer, prompt: bytes, scored: PromptScored) -> CompletionLogprobs:
-    """The prompt's entries; the first token's logprob is null, as OpenAI has it (it has no context)."""
+    """The prompt's entries; the first token's logprob is null, as OpenAI has it (it has no context). A word
+    session's pending text (`scored.prefix`) is scored with the prompt: its tokens come first, at offset 0, and the
+    offsets of the others are into the prompt as sent."""
     out = CompletionLogprobs()
     decoder = TextDecoder()
-    pieces = _pieces(tokenizer, prompt)
+    before = len(scored.prefix.decode("utf-8", errors="replace"))  # characters of the pending text
+    pieces = _pieces(tokenizer, scored.prefix + prompt)
     for i, (token, piece, lp) in enumerate(zip(scored.tokens, pieces, scored.logprobs, strict=True)):
         out.tokens.append(_show(tokenizer, token))
         out.token_logprobs.append(lp.logprob if i else None)
         out.top_logprobs.append(_top(tokenizer, lp, token) if i else None)
-        out.text_offset.append(decoder.chars)
+        out.text_offset.append(max(0, decoder.chars - before))
         decoder.push(piece)
     return out
 

@@ -151,6 +151,35 @@ def test_completions_echo_offsets_count_from_the_prompt_after_the_pending_text(c
     assert [prompt[o:] for o in lp["text_offset"][1:]] == ["".join(tokens[i:]) for i in range(1, len(tokens))]
 
 
+@pytest.mark.parametrize(("observed", "prompt"), [("It was the be", " of times."),  # " be" a token of its own
+                                                  ("It was the best of times. ", " It was")])  # " " likewise
+def test_echo_logprobs_list_the_pending_tokens_before_the_prompt(client: httpx.Client, tok: WordTokenizer,
+                                                                 observed: str, prompt: str) -> None:
+    """The pending text's tokens, where they do not run into the prompt's first word, are listed too (at offset 0):
+    the prompt's log-probs include the pending words'; the text offsets of the others are into the prompt."""
+    sid = new(client)
+    pending = tok.split_stable(observed.encode())[1].decode()
+    assert pending and observe(client, sid, observed)["pending_bytes"] == len(pending)
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 0, "echo": True,
+                                             "logprobs": 1, "user": sid})
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    lp = choice["logprobs"]
+    tokens = tok.tokens(pending + prompt)
+    assert len(tokens) > len(tok.tokens(prompt))
+    assert lp["tokens"] == [t if tok.encode(t)[0] >= 4 else tok.vocab[tok.encode(t)[0]] for t in tokens]
+    starts = list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]]))
+    assert lp["text_offset"] == [max(0, s - len(pending)) for s in starts] and choice["text"] == prompt
+    assert lp["token_logprobs"][0] is None and all(x is not None for x in lp["token_logprobs"][1:])
+    with client.stream("POST", "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1, "echo": True,
+                                                        "logprobs": 1, "user": sid, "stream": True}) as stream:
+        events = [json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert events and all("error" not in e for e in events)
+    listed = [t for e in events for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert listed[: len(tokens)] == lp["tokens"]
+
+
 def test_pending_text_is_exported_imported_and_reset(client: httpx.Client, assert_error: Any) -> None:
     sid = new(client)
     observe(client, sid, "It was the be")
