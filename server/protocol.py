@@ -340,7 +340,8 @@ class CompletionResponse(BaseModel):
 class AdaptationParams(RequestModel):
     """A session's sparse dynamic evaluation (thesis sec. 4.6); what is left out comes from the checkpoint."""
 
-    lr: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True, description="Learning rate eta.")
+    lr: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True,
+                             description="Learning rate eta (at most 1e4).")
     decay: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False, strict=True,
                                 description="Decay lambda towards the unadapted model (M = 0).")
     adapter_size: int | None = Field(default=None, ge=1, strict=True,

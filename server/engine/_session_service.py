@@ -36,6 +36,9 @@ from server.engine._store import SessionStore
 __all__ = ["SessionService"]
 
 _RULE_CACHE = 256  # update rules kept, by (lr, decay, adapter size)
+# The largest learning rate a session may ask for: far above any rate that adapts (the checkpoints' tuned ones are
+# 1e-6 to 1e-2), and far below those that overflow: lr 1e20 left an adapter whose generations were NaN (a 500)
+MAX_SESSION_LR = 1e4
 
 
 class SessionService:
@@ -115,6 +118,8 @@ class SessionService:
         if not (math.isfinite(config.lr) and config.lr >= 0):
             raise InvalidSessionSettings("Input should be a finite number greater than or equal to 0", param="lr",
                                          code="greater_than_equal")
+        if config.lr > MAX_SESSION_LR:
+            raise _over(MAX_SESSION_LR, "lr")
         if config.neural_cache and self._hidden is None:
             raise InvalidSessionSettings("this model gives no hidden states for a neural cache", param="neural_cache",
                                          code="unsupported")

@@ -248,6 +248,7 @@ def test_unknown_session_is_404_everywhere(client: httpx.Client, assert_error: A
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"adaptation": {"lr": -1}}, "adaptation.lr"),
+    ({"adaptation": {"lr": 1e20}}, "adaptation.lr"),  # its adapter's generations were NaN: a 500 before
     ({"adaptation": {"decay": 1.5}}, "adaptation.decay"),
     ({"adaptation": {"decay": -0.1}}, "adaptation.decay"),
     ({"adaptation": {"adapter_size": 0}}, "adaptation.adapter_size"),
