@@ -209,11 +209,14 @@ def _unreachable_store(settings: Settings) -> str | None:
 
 
 def _session_store(settings: Settings) -> SessionStore:
+    owner_sessions, owner_bytes = settings.session_share()
     if settings.session_store == "memory":
         return MemorySessionStore(max_sessions=settings.max_sessions, max_bytes=settings.session_memory_bytes,
-                                  snapshot=settings.session_snapshot)
+                                  snapshot=settings.session_snapshot, owner_max_sessions=owner_sessions,
+                                  owner_max_bytes=owner_bytes)
     return RedisSessionStore(str(settings.session_store), max_sessions=settings.max_sessions,
-                             max_bytes=settings.session_memory_bytes)
+                             max_bytes=settings.session_memory_bytes, owner_max_sessions=owner_sessions,
+                             owner_max_bytes=owner_bytes)
 
 
 class BodyLimitMiddleware(HTTPMiddleware):

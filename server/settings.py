@@ -21,6 +21,9 @@
     ADAPTLM_RETRY_AFTER_S    the Retry-After of a 429 (and of a 503 for a full session store)
     ADAPTLM_MAX_SESSIONS     sessions kept in memory; the least recently used idle one makes room
     ADAPTLM_SESSION_MEMORY_BYTES   tensor bytes all sessions may hold (state, static state, adapter)
+    ADAPTLM_MAX_SESSIONS_PER_KEY, ADAPTLM_SESSION_MEMORY_BYTES_PER_KEY   one API key's share of the two limits above
+                             (default: the limit divided by the number of keys): at its share, a key's own least
+                             recently used idle session makes room, so that no key can push out another's sessions
     ADAPTLM_SESSION_TTL_S    a session's default time to live after its last use
     ADAPTLM_MAX_SESSION_TTL_S      the longest `ttl_s` a client may ask for
     ADAPTLM_KERNELS          auto (default: Triton on CUDA when it is installed) | triton | reference
@@ -89,6 +92,9 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(default=1, ge=1)
     max_sessions: int = Field(default=10_000, ge=1)
     session_memory_bytes: int = Field(default=1 << 30, ge=1)
+    # None: an equal share of the store for each API key (all of it without keys): see `session_share`
+    max_sessions_per_key: int | None = Field(default=None, ge=1)
+    session_memory_bytes_per_key: int | None = Field(default=None, ge=1)
     session_ttl_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     max_session_ttl_s: float = Field(default=7 * 86400.0, gt=0, allow_inf_nan=False)
     # A keyboard suggestion's word search stops this long after the request reached the engine and answers with
@@ -108,6 +114,14 @@ class Settings(BaseSettings):
     session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)
     # The memory store's file: written at shutdown, read back at start-up (None: sessions end with the process).
     session_snapshot: Path | None = None
+
+    def session_share(self) -> tuple[int, int]:
+        """The sessions and bytes one API key may hold in the store. By default an equal share, so that the shares
+        add up to no more than the store: a key creating sessions in a loop evicts only its own, never another
+        key's (the store's LRU eviction alone would let one key push out everyone's)."""
+        keys = max(1, len(self.api_keys))
+        return (self.max_sessions_per_key or max(1, self.max_sessions // keys),
+                self.session_memory_bytes_per_key or max(1, self.session_memory_bytes // keys))
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -37,17 +37,24 @@ class MemorySessionStore(SessionStore):
     """
 
     def __init__(self, *, max_sessions: int, max_bytes: int, clock: Callable[[], float] = time.time,
-                 snapshot: str | Path | None = None) -> None:
+                 snapshot: str | Path | None = None, owner_max_sessions: int | None = None,
+                 owner_max_bytes: int | None = None) -> None:
         if max_sessions < 1 or max_bytes < 1:
             raise ValueError("max_sessions and max_bytes must be >= 1")
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
+        # One owner's share (None: the whole store): at it, the owner's own least recently used session makes room,
+        # so that one API key's sessions never push out another's.
+        self.owner_max_sessions = owner_max_sessions or max_sessions
+        self.owner_max_bytes = owner_max_bytes or max_bytes
         self.snapshot = Path(snapshot) if snapshot is not None else None
         self._model_hash: str | None = None
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._bytes = 0
+        self._owned: Counter[str | None] = Counter()  # owner -> sessions
+        self._owned_bytes: Counter[str | None] = Counter()  # owner -> their bytes
         self._pins: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter({"ttl": 0, "lru": 0})
 
@@ -76,10 +83,15 @@ class MemorySessionStore(SessionStore):
             if not self._fits(session, []):
                 self._sweep_locked()
             victims: list[str] = []
-            for key in self._sessions:  # least recently used first
+            for key, stored in self._sessions.items():  # least recently used first: the owner's own, to its share
+                if self._owner_fits(session, victims):
+                    break
+                if stored.owner == session.owner and key != session.id and not self._pins[key]:
+                    victims.append(key)
+            for key in self._sessions:  # then anyone's, to the store's limits
                 if self._fits(session, victims):
                     break
-                if key != session.id and not self._pins[key]:
+                if key != session.id and not self._pins[key] and key not in victims:
                     victims.append(key)
             if not self._fits(session, victims):  # refuse before evicting anything
                 raise SessionStoreFull(f"the session store is full ({len(self._sessions)} sessions, {self._bytes} "
@@ -200,18 +212,33 @@ class MemorySessionStore(SessionStore):
         gone = [self._sessions[k] for k in without] + ([old] if old is not None else [])
         count = len(self._sessions) - len(gone) + 1
         size = self._bytes - sum(s.nbytes for s in gone) + session.nbytes
-        return count <= self.max_sessions and size <= self.max_bytes
+        return count <= self.max_sessions and size <= self.max_bytes and self._owner_fits(session, without)
+
+    def _owner_fits(self, session: Session, without: list[str]) -> bool:
+        """Would `session` fit within its owner's share once the sessions `without` are gone?"""
+        old = self._sessions.get(session.id)
+        gone = [s for s in [self._sessions[k] for k in without] + ([old] if old is not None else [])
+                if s.owner == session.owner]
+        count = self._owned[session.owner] - len(gone) + 1
+        size = self._owned_bytes[session.owner] - sum(s.nbytes for s in gone) + session.nbytes
+        return count <= self.owner_max_sessions and size <= self.owner_max_bytes
 
     def _put(self, session: Session) -> None:
         old = self._sessions.pop(session.id, None)
         if old is not None:
             self._bytes -= old.nbytes
+            self._owned[old.owner] -= 1
+            self._owned_bytes[old.owner] -= old.nbytes
         self._sessions[session.id] = session  # most recently used
         self._bytes += session.nbytes
+        self._owned[session.owner] += 1
+        self._owned_bytes[session.owner] += session.nbytes
 
     def _remove(self, session_id: str, reason: str | None) -> None:
         session = self._sessions.pop(session_id)
         self._bytes -= session.nbytes
+        self._owned[session.owner] -= 1
+        self._owned_bytes[session.owner] -= session.nbytes
         if reason is not None:
             self._evictions[reason] += 1
 

@@ -15,6 +15,9 @@ them together):
     <ns>:size     hash id -> bytes of its blob; <ns>:bytes, their sum: the memory accounting is the size of
                   the stored values (the tensors plus a few hundred bytes of header)
     <ns>:pins     sorted set "<instance>|<id>" -> lease end: sessions with work in flight on some server
+    <ns>:owner    hash id -> owner; <ns>:o:<owner>, sorted set id -> last use; <ns>:obytes, hash owner -> bytes:
+                  each owner's sessions, which its share of the store (`owner_max_sessions`, `owner_max_bytes`)
+                  bounds: at its share, an owner's own least recently used sessions make room first
 
 Every change touching several keys is one Lua script, atomic across servers. An update writes only over the
 revision its work read (`SessionStore.update`): two servers working on one session at once are ordered by their
@@ -68,9 +71,16 @@ log = logging.getLogger(__name__)
 _PRELUDE = """
 local ns = ARGV[1]
 local function skey(id) return ns .. ':s:' .. id end
+local function okey(owner) return ns .. ':o:' .. owner end
 local function unindex(id)
   local size = redis.call('HGET', KEYS[3], id)
   if size then redis.call('DECRBY', KEYS[4], size) end
+  local owner = redis.call('HGET', ns .. ':owner', id)
+  if owner then
+    redis.call('ZREM', okey(owner), id)
+    redis.call('HDEL', ns .. ':owner', id)
+    redis.call('HINCRBY', ns .. ':obytes', owner, -tonumber(size or '0'))
+  end
   redis.call('ZREM', KEYS[1], id)
   redis.call('ZREM', KEYS[2], id)
   redis.call('HDEL', KEYS[3], id)
@@ -95,36 +105,60 @@ local function write(id, blob, owner, created, last_used, ttl, expires_at, size,
   local old = tonumber(redis.call('HGET', KEYS[3], id) or '0')
   redis.call('HSET', KEYS[3], id, size)
   redis.call('INCRBY', KEYS[4], tonumber(size) - old)
+  local was = redis.call('HGET', ns .. ':owner', id)
+  if was then
+    redis.call('ZREM', okey(was), id)
+    redis.call('HINCRBY', ns .. ':obytes', was, -old)
+  end
+  redis.call('HSET', ns .. ':owner', id, owner)
+  redis.call('ZADD', okey(owner), last_used, id)
+  redis.call('HINCRBY', ns .. ':obytes', owner, tonumber(size))
 end
 """
 
-# ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes, revision
+# ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes, revision,
+# owner_max_sessions, owner_max_bytes (the owner's share: its own least recently used sessions make room in it first)
 # -> {evicted (lru), expired (ttl)}, evicted = -1: does not fit (nothing evicted, nothing stored)
 _INSERT = _PRELUDE + """
-local now, id, size = ARGV[2], ARGV[3], tonumber(ARGV[10])
+local now, id, owner, size = ARGV[2], ARGV[3], ARGV[5], tonumber(ARGV[10])
 local max_n, max_b = tonumber(ARGV[12]), tonumber(ARGV[13])
+local own_n, own_b = tonumber(ARGV[15]), tonumber(ARGV[16])
 local count = redis.call('ZCARD', KEYS[1])
 local bytes = tonumber(redis.call('GET', KEYS[4]) or '0')
+local mine = redis.call('ZCARD', okey(owner))
+local mine_b = tonumber(redis.call('HGET', ns .. ':obytes', owner) or '0')
 local old = redis.call('HGET', KEYS[3], id)
 if old then count = count - 1; bytes = bytes - tonumber(old) end
-local function fits() return count + 1 <= max_n and bytes + size <= max_b end
-local expired, victims = {}, {}
+if old and redis.call('ZSCORE', okey(owner), id) then mine = mine - 1; mine_b = mine_b - tonumber(old) end
+local function owner_fits() return mine + 1 <= own_n and mine_b + size <= own_b end
+local function fits() return count + 1 <= max_n and bytes + size <= max_b and owner_fits() end
+local expired, victims, chosen = {}, {}, {}
+local pins = nil
+local function consider(v)  -- a session that may make room: an expired one's index entry, or an idle one
+  if v == id or chosen[v] then return end
+  local s = tonumber(redis.call('HGET', KEYS[3], v) or '0')
+  local gone = redis.call('EXISTS', skey(v)) == 0
+  if not gone and pins[v] then return end
+  table.insert(gone and expired or victims, v); chosen[v] = true
+  count = count - 1; bytes = bytes - s
+  if redis.call('HGET', ns .. ':owner', v) == owner then mine = mine - 1; mine_b = mine_b - s end
+end
+if not owner_fits() then
+  pins = pinned(now)
+  for _, v in ipairs(redis.call('ZRANGE', okey(owner), 0, -1)) do  -- least recently used first
+    if owner_fits() then break end
+    consider(v)
+  end
+end
 if not fits() then
-  local pins = pinned(now)
+  pins = pins or pinned(now)
   local start = 0
   while not fits() do
     local batch = redis.call('ZRANGE', KEYS[1], start, start + 99)  -- least recently used first
     if #batch == 0 then break end
     for _, v in ipairs(batch) do
       if fits() then break end
-      if v ~= id then
-        local s = tonumber(redis.call('HGET', KEYS[3], v) or '0')
-        if redis.call('EXISTS', skey(v)) == 0 then
-          table.insert(expired, v); count = count - 1; bytes = bytes - s
-        elseif not pins[v] then
-          table.insert(victims, v); count = count - 1; bytes = bytes - s
-        end
-      end
+      consider(v)
     end
     start = start + 100
   end
@@ -166,6 +200,7 @@ if ARGV[4] == '1' then
   extend(k, math.max(1, math.ceil(ttl * 1000)))
   redis.call('ZADD', KEYS[1], ARGV[5], id)
   redis.call('ZADD', KEYS[2], tostring(tonumber(ARGV[5]) + ttl), id)
+  if redis.call('HEXISTS', ns .. ':owner', id) == 1 then redis.call('ZADD', okey(ARGV[3]), ARGV[5], id) end
   f[4] = ARGV[5]
 end
 return f
@@ -227,12 +262,16 @@ class RedisSessionStore(SessionStore):
     """`SessionStore` in a Redis database (module docstring). Thread-safe (redis-py's connection pool)."""
 
     def __init__(self, url: str, *, max_sessions: int, max_bytes: int, lease_s: float = 60.0,
-                 clock: Callable[[], float] = time.time, timeout_s: float = 5.0) -> None:
+                 clock: Callable[[], float] = time.time, timeout_s: float = 5.0, owner_max_sessions: int | None = None,
+                 owner_max_bytes: int | None = None) -> None:
         if max_sessions < 1 or max_bytes < 1 or lease_s <= 0:
             raise ValueError("max_sessions and max_bytes must be >= 1 and lease_s > 0")
         self.url = url
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
+        # one owner's share (None: the whole store), as in MemorySessionStore
+        self.owner_max_sessions = owner_max_sessions or max_sessions
+        self.owner_max_bytes = owner_max_bytes or max_bytes
         self.lease_s = lease_s
         self._clock = clock
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -290,7 +329,7 @@ class RedisSessionStore(SessionStore):
         now, revision = self._clock(), new_revision()
         evicted, expired = self._run("insert", repr(now), *self._record(session),
                                      str(self._ttl_ms(session, now)), str(self.max_sessions), str(self.max_bytes),
-                                     revision)
+                                     revision, str(self.owner_max_sessions), str(self.owner_max_bytes))
         with self._lock:
             self._evictions["ttl"] += int(expired)
             if evicted > 0:

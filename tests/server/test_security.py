@@ -119,6 +119,38 @@ def test_another_keys_session_is_indistinguishable_from_a_missing_one(keyed: str
         assert abs(theirs_s - absent_s) < max(0.01, min(theirs_s, absent_s)), (theirs_s, absent_s)
 
 
+# -- one key's sessions cannot push out another's ---------------------------------------------------------------
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_a_keys_session_flood_evicts_only_its_own_sessions(tiny_checkpoint: Path, serve_app: Any,
+                                                           request: pytest.FixtureRequest, store: str) -> None:
+    """The store evicts its least recently used idle sessions to make room: without a share per key, a key that
+    creates sessions in a loop pushed every other key's sessions out (a 404 for them), at 300 a second."""
+    session_store = request.getfixturevalue("redis_url") if store == "redis" else "memory"
+    settings = Settings(checkpoint=tiny_checkpoint, api_keys=",".join(KEYS), max_sessions=20,
+                        session_store=session_store)
+    assert settings.session_share()[0] == 10
+    with serve_app(settings) as live, httpx.Client(base_url=live.url, timeout=60, headers=bearer(KEYS[0])) as alice, \
+            httpx.Client(base_url=live.url, timeout=60, headers=bearer(KEYS[1])) as bob:
+        mine = alice.post("/v1/sessions", json={"initial_text": "Alice's text. "}).json()["id"]
+        theirs = [bob.post("/v1/sessions", json={}) for _ in range(25)]
+        assert [r.status_code for r in theirs] == [201] * 25  # Bob's own oldest make room for his new ones
+        assert alice.get(f"/v1/sessions/{mine}").status_code == 200
+        assert [bob.get(f"/v1/sessions/{r.json()['id']}").status_code for r in theirs] == [404] * 15 + [200] * 10
+        # an import counts against the key's share alike
+        blob = alice.get(f"/v1/sessions/{mine}/state").content
+        for i in range(12):
+            assert bob.put(f"/v1/sessions/imported-by-bob-{i:04d}/state", content=blob).status_code == 200
+        assert alice.get(f"/v1/sessions/{mine}").status_code == 200
+
+
+def test_a_keys_share_of_the_store() -> None:
+    assert Settings(max_sessions=100, session_memory_bytes=1000).session_share() == (100, 1000)  # no keys: all
+    assert Settings(max_sessions=100, session_memory_bytes=1000, api_keys="a,b,c").session_share() == (33, 333)
+    assert Settings(max_sessions=100, api_keys="a,b", max_sessions_per_key=80,
+                    session_memory_bytes_per_key=5).session_share() == (80, 5)
+
+
 # -- rate limits -----------------------------------------------------------------------------------------------
 
 def test_the_token_bucket_refills_at_its_rate() -> None:
