@@ -54,11 +54,24 @@ class RequestIdMiddleware(HTTPMiddleware):
             REQUEST_ID.reset(token)
 
 
+# Query parameters whose values are credentials (the keyboard page's `?key=`): an access line prints `key=***`.
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:[a-z_]*key|[a-z_]*token|password|secret)=)[^&#]*")
+
+
+def redact_query(path: str) -> str:
+    """`path` (with its query) with the values of credential parameters replaced by `***`."""
+    return _SECRET_PARAM.sub(r"\1***", path)
+
+
 class RequestIdFilter(logging.Filter):
-    """Gives every record a `request_id` (the current request's, or `-`) for the formats that print it."""
+    """Gives every record a `request_id` (the current request's, or `-`) for the formats that print it, and keeps
+    credentials in a query string (`/keyboard?key=...`) out of uvicorn's access lines."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = REQUEST_ID.get()
+        args = record.args
+        if record.name == "uvicorn.access" and isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str):
+            record.args = (*args[:2], redact_query(args[2]), *args[3:])
         return True
 
 

@@ -304,6 +304,25 @@ def test_user_text_is_never_logged_at_info(tiny_checkpoint: Path, serve_app: Any
     assert not leaked, leaked
 
 
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_key_in_a_query_string_is_not_logged(log_format: str) -> None:
+    """The keyboard page takes its key as `?key=` in its address: uvicorn's access line printed the whole path, and
+    so the key, at INFO."""
+    from uvicorn.logging import AccessFormatter
+
+    from server.request_id import JsonFormatter, RequestIdFilter, uvicorn_log_config
+
+    fmt = uvicorn_log_config("text")["formatters"]["access"]["fmt"]
+    formatter = JsonFormatter() if log_format == "json" else AccessFormatter(fmt, use_colors=False)
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", "/keyboard?x=1&key=key-alice-0123456789&api_key=s3cret#k", "1.1",
+                                200), None)
+    assert RequestIdFilter().filter(record)  # the filter uvicorn_log_config puts on every handler
+    line = formatter.format(record)
+    assert "key-alice" not in line and "s3cret" not in line, line
+    assert "/keyboard?x=1&key=***&api_key=***" in line, line
+
+
 # -- errors name no internals -----------------------------------------------------------------------------------
 
 def test_an_unreachable_redis_is_not_named_to_clients() -> None:
