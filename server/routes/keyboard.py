@@ -18,8 +18,17 @@ __all__ = ["STATIC_DIR", "router"]
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static" / "keyboard"
 # The page's assets, by name: nothing else under the directory is served.
 _ASSETS = {"keyboard.js": "text/javascript; charset=utf-8", "keyboard.css": "text/css; charset=utf-8"}
-# The page is small and changes with the server: browsers revalidate it (ETag) rather than keep an old copy.
-_HEADERS = {"Cache-Control": "no-cache"}
+# The page is small and changes with the server: browsers revalidate it (ETag) rather than keep an old copy. It runs
+# only its own script and talks only to this origin (CSP), is never framed by another site (it holds an API key:
+# clickjacking), and sends no Referer (its address may carry ?key=).
+_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
 
 router = APIRouter(include_in_schema=False)
 

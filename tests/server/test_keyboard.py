@@ -46,6 +46,11 @@ def test_page_and_assets(client: httpx.Client, assert_error: Any) -> None:
     assert_error(client.get("/keyboard/index.html"), 404, "not_found_error", "asset")
     assert_error(client.get("/keyboard/app.js"), 404, "not_found_error", "asset")
     assert not any(path.startswith("/keyboard") for path in client.get("/openapi.json").json()["paths"])
+    # the page runs only its own script, talks only to its origin, is not framed elsewhere and sends no Referer
+    csp = {d.split()[0]: d.split()[1:] for d in page.headers["content-security-policy"].split("; ")}
+    assert csp["default-src"] == ["'none'"] and csp["script-src"] == ["'self'"] and csp["connect-src"] == ["'self'"]
+    assert csp["frame-ancestors"] == ["'none'"] and page.headers["x-frame-options"] == "DENY"
+    assert page.headers["x-content-type-options"] == "nosniff" and page.headers["referrer-policy"] == "no-referrer"
 
 
 def test_suggest_max_context_matches_the_protocol() -> None:
@@ -207,6 +212,7 @@ def test_api_key(tiny_checkpoint: Path, serve_app: Any, page: Page) -> None:
         page.goto(f"{live.url}/keyboard?key=key-one")
         page.wait_for_selector("body[data-state=ready]", timeout=10_000)
         assert page.input_value("#key") == "key-one"
+        assert "key-one" not in page.url  # taken out of the address bar (and the history)
 
 
 @contextlib.contextmanager

@@ -411,5 +411,7 @@
   };
 
   keyInput.value = state.key;
+  // A key given as ?key= leaves the address bar, so that it is not kept in the history, bookmarked or shared.
+  if (new URLSearchParams(location.search).has("key")) history.replaceState(null, "", location.pathname);
   connect();
 })();
