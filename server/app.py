@@ -21,8 +21,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kernels import _dispatch as kernel_dispatch
 from kernels import attention
 from server._asgi import HTTPMiddleware
+from server._slow_clients import head_deadline_protocol
 from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
-from server.errors import PayloadTooLargeError, UnexpectedErrorMiddleware, error_response, install_error_handler
+from server.errors import (
+    PayloadTooLargeError,
+    RequestTimeoutError,
+    UnexpectedErrorMiddleware,
+    error_response,
+    install_error_handler,
+)
 from server.metrics import Metrics, MetricsMiddleware
 from server.ratelimit import RateLimiter
 from server.request_id import RequestIdMiddleware, uvicorn_log_config
@@ -41,7 +48,7 @@ def _version() -> str:
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """What a uvicorn serving this app is given besides the app, host, port and logging."""
-    return {"timeout_keep_alive": settings.keep_alive_s}
+    return {"timeout_keep_alive": settings.keep_alive_s, "http": head_deadline_protocol(settings.client_timeout_s)}
 
 
 class _Server(uvicorn.Server):
@@ -123,7 +130,7 @@ def create_app(settings: Settings) -> FastAPI:
     # The last added middleware is the outermost: metrics also see refused bodies and 500s, and every answer gets
     # its request ID.
     app.add_middleware(UnexpectedErrorMiddleware)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, idle_s=settings.client_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.cors_origins:  # pages of other origins (a keyboard web app) call the API from the browser
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=False,
@@ -220,27 +227,33 @@ def _session_store(settings: Settings) -> SessionStore:
 
 
 class BodyLimitMiddleware(HTTPMiddleware):
-    """413 for a request body over `max_bytes`, before the app parses it.
+    """413 for a request body over `max_bytes`, before the app parses it; 408 for one that stalls `idle_s` between
+    two reads (a slow client, or a chunked body without its end: it would hold the connection forever).
 
-    A declared Content-Length is checked up front (the server enforces it); a body without one
-    (chunked) is read here up to the limit and handed on in one piece.
+    A declared Content-Length is checked up front (the server enforces it); the body is then read here up to the
+    limit and handed on in one piece.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, idle_s: float = 30.0) -> None:
         super().__init__(app)
         self.max_bytes = max_bytes
+        self.idle_s = idle_s
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         length = Headers(scope=scope).get("content-length")
-        if length is not None and length.isdigit():
-            if int(length) > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-            await self.app(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
             return
         body = bytearray()
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout(self.idle_s):
+                    message = await receive()
+            except TimeoutError:
+                error = RequestTimeoutError(f"the request body stalled for {self.idle_s:g} s; the connection is "
+                                            "closed", code="request_timeout", headers={"Connection": "close"})
+                await error_response(error)(scope, receive, send)
+                return
             if message["type"] != "http.request":
                 return  # the client went away before sending its body
             body += message.get("body", b"")

@@ -91,6 +91,12 @@ class ConflictError(APIError):
     type = "conflict_error"
 
 
+class RequestTimeoutError(BadRequestError):
+    """A client too slow to send its request (its head, or its body stalled): 408, and the connection is closed."""
+
+    status = 408
+
+
 class PayloadTooLargeError(APIError):
     status = 413
     type = "payload_too_large_error"

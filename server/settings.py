@@ -36,6 +36,8 @@
     ADAPTLM_SESSION_SNAPSHOT the memory store's file: written at shutdown, read back at start (unset: sessions end
                              with the process)
     ADAPTLM_KEEP_ALIVE_S     how long an idle keep-alive connection stays open (75)
+    ADAPTLM_CLIENT_TIMEOUT_S how long a request's head may take to arrive, and its body may stall between two reads
+                             (30); then 408 and the connection is closed (slow clients, slowloris)
     ADAPTLM_SUGGEST_BUDGET_MS  a keyboard suggestion's time budget from its arrival at the engine (50; 0: none)
     ADAPTLM_PRECISION        auto (default) | float32 | bfloat16: the model work's precision
     ADAPTLM_DEVICE           auto (default: CUDA when present, else the CPU) | cpu | cuda | cuda:N
@@ -76,6 +78,9 @@ class Settings(BaseSettings):
     # must outlast clients' own expiry (httpx: 5 s; nginx upstreams: 60 s), or a client may send a request on a
     # connection the server is closing at that moment and read a reset (`httpx.ReadError`).
     keep_alive_s: int = Field(default=75, ge=1, le=3600)
+    # A request's head must arrive within it, and its body not stall longer between two reads (nginx's
+    # client_header_timeout and client_body_timeout): uvicorn alone waits forever.
+    client_timeout_s: float = Field(default=30.0, gt=0, le=3600, allow_inf_nan=False)
     log_level: LogLevel = "info"
     log_format: Literal["text", "json"] = "text"
     # NoDecode: the environment holds a comma list, not JSON.

@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
 import statistics
 import time
 from collections.abc import Iterator
@@ -149,6 +150,67 @@ def test_a_keys_share_of_the_store() -> None:
     assert Settings(max_sessions=100, session_memory_bytes=1000, api_keys="a,b,c").session_share() == (33, 333)
     assert Settings(max_sessions=100, api_keys="a,b", max_sessions_per_key=80,
                     session_memory_bytes_per_key=5).session_share() == (80, 5)
+
+
+# -- slow clients ----------------------------------------------------------------------------------------------
+
+def _read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection -> (bytes, seconds it took)."""
+    start, data = time.monotonic(), b""
+    sock.settimeout(limit_s)
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        pytest.fail(f"the connection was still open after {limit_s} s: {data[:200]!r}")
+    return data, time.monotonic() - start
+
+
+def _timeout_error(answer: bytes) -> dict[str, Any]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer[:300]
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_timeout", error
+    return dict(error)
+
+
+SLOW = {
+    "nothing": [b""],
+    "a partial head": [b"POST /v1/score HTTP/1.1\r\nHost: x\r\n"],
+    "a head a byte at a time": [bytes([b]) for b in b"POST /v1/score HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n"],
+    "a body shorter than its length": [b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                       b"Content-Length: 100\r\n\r\n{\"te"],
+    "a chunked body without its end": [b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                       b"Transfer-Encoding: chunked\r\n\r\n2\r\n{\"\r\n"],
+}
+
+
+def test_slow_clients_are_answered_408_and_disconnected(tiny_checkpoint: Path, serve_app: Any) -> None:
+    """uvicorn waited for a request's head, or its body, as long as the client liked (slowloris): a connection that
+    sent nothing, or a byte now and then, was held open for ever (checked for 100 s)."""
+    with serve_app(Settings(checkpoint=tiny_checkpoint, client_timeout_s=1.0)) as live:
+        port = int(live.url.rsplit(":", 1)[1])
+        socks = {}
+        for name, parts in SLOW.items():
+            socks[name] = socket.create_connection(("127.0.0.1", port))
+            socks[name].sendall(parts[0])
+        start = time.monotonic()
+        for part in SLOW["a head a byte at a time"][1:9]:  # a byte every 0.1 s: a deadline, not an idle timer
+            time.sleep(0.1)
+            socks["a head a byte at a time"].sendall(part)
+        for name, sock in socks.items():
+            with sock:
+                answer, _ = _read_until_closed(sock, 10)
+                _timeout_error(answer)
+                if name == "a head a byte at a time":
+                    assert time.monotonic() - start < 1.8
+        # a keep-alive connection idle between requests is still the keep-alive's (75 s), and answers in time work
+        with httpx.Client(base_url=live.url, timeout=30) as c:
+            assert c.post("/v1/score", json={"text": "abc"}).status_code == 200
+            time.sleep(1.5)
+            assert c.post("/v1/score", json={"text": "abc"}).status_code == 200
+            assert c.get("/readyz").status_code == 200
 
 
 # -- rate limits -----------------------------------------------------------------------------------------------
