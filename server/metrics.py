@@ -32,6 +32,9 @@ EXPANSION_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Rows in one batched model call (text work, or one step of the running generations).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNMATCHED = "<unmatched>"  # route label of requests that matched no route (404s, refused bodies)
+# The method label: HTTP's methods, and "other" for any a client made up (each would be a label set of its own: a
+# client without a key could grow the registry without bound).
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"})
 # The error codes of 429 and 503 answers (server/errors.py): capacity (queue_full, session_store_full, and
 # device_out_of_memory: a batch the GPU could not hold), a key over its rate (rate_limited), Redis unreachable
 # (session_store_unavailable), a checkpoint without sessions (sessions_unavailable), a dead engine
@@ -188,4 +191,5 @@ class MetricsMiddleware(HTTPMiddleware):
             # The router stores the matched route in the scope it was given (this very dict).
             path = getattr(scope.get("route"), "path", None)
             label = path if isinstance(path, str) else UNMATCHED
-            self.metrics.observe_request(scope["method"], label, status, time.perf_counter() - start)
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            self.metrics.observe_request(method, label, status, time.perf_counter() - start)

@@ -176,6 +176,17 @@ def test_metrics_label_unknown_routes_by_template_not_path(client: httpx.Client)
     assert 'route="<unmatched>",status="404"' in text
 
 
+def test_metrics_label_unknown_methods_as_other(client: httpx.Client) -> None:
+    """Each method a client made up was a label of its own (in every request metric): a client without a key could
+    grow the registry, and /metrics, without bound by sending methods named at random."""
+    for i in range(3):
+        assert client.request(f"X-MADE-UP{i}", "/v1/score").status_code == 405
+        assert client.request(f"X-MADE-UP{i}", "/nowhere").status_code == 404
+    text = client.get("/metrics").text
+    assert "MADE-UP" not in text
+    assert 'method="other",model=' in text and 'route="/v1/score",status="405"' in text
+
+
 def test_openapi_and_docs(client: httpx.Client) -> None:
     assert client.get("/docs").status_code == 200
     spec = client.get("/openapi.json").json()
