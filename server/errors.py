@@ -188,13 +188,13 @@ def _translate(exc: Exception, request: Request) -> APIError:
         return _from_validation(exc)
     if isinstance(exc, StarletteHTTPException):
         headers = dict(exc.headers or {})
-        path = _bounded(request.url.path)
+        path, method = _bounded(request.url.path), _bounded(request.method, 20)  # a method may be 16 KB long too
         if exc.status_code == 404:
-            return NotFoundError(f"no route for {request.method} {path}", headers=headers)
+            return NotFoundError(f"no route for {method} {path}", headers=headers)
         if exc.status_code == 405:
             # Starlette's Allow names the methods of the first route that matched the path; a path has several
             headers["Allow"] = ", ".join(_allowed_methods(request))
-            return MethodNotAllowedError(f"{request.method} is not allowed on {path}", headers=headers)
+            return MethodNotAllowedError(f"{method} is not allowed on {path}", headers=headers)
         cls = _BY_STATUS.get(exc.status_code, BadRequestError if exc.status_code < 500 else InternalServerError)
         return cls(str(exc.detail), headers=headers)
     if isinstance(exc, _ENGINE_ERRORS):

@@ -182,6 +182,8 @@ def test_metrics_label_unknown_methods_as_other(client: httpx.Client) -> None:
     for i in range(3):
         assert client.request(f"X-MADE-UP{i}", "/v1/score").status_code == 405
         assert client.request(f"X-MADE-UP{i}", "/nowhere").status_code == 404
+    long = client.request("X" * 10_000, "/v1/score")  # nor is a refusal's echo of it unbounded
+    assert long.status_code == 405 and len(long.json()["error"]["message"]) < 200
     text = client.get("/metrics").text
     assert "MADE-UP" not in text
     assert 'method="other",model=' in text and 'route="/v1/score",status="405"' in text
