@@ -22,8 +22,9 @@
     ADAPTLM_MAX_SESSIONS     sessions kept in memory; the least recently used idle one makes room
     ADAPTLM_SESSION_MEMORY_BYTES   tensor bytes all sessions may hold (state, static state, adapter)
     ADAPTLM_MAX_SESSIONS_PER_KEY, ADAPTLM_SESSION_MEMORY_BYTES_PER_KEY   one API key's share of the two limits above
-                             (default: the limit divided by the number of keys): at its share, a key's own least
-                             recently used idle session makes room, so that no key can push out another's sessions
+                             (default: the limit divided by the number of keys): when the store is full, only keys
+                             over their share give up idle sessions, so that no key can push out another's within
+                             its share (not a quota: a key may hold more while the store has room)
     ADAPTLM_SESSION_TTL_S    a session's default time to live after its last use
     ADAPTLM_MAX_SESSION_TTL_S      the longest `ttl_s` a client may ask for
     ADAPTLM_KERNELS          auto (default: Triton on CUDA when it is installed) | triton | reference
@@ -121,9 +122,10 @@ class Settings(BaseSettings):
     session_snapshot: Path | None = None
 
     def session_share(self) -> tuple[int, int]:
-        """The sessions and bytes one API key may hold in the store. By default an equal share, so that the shares
-        add up to no more than the store: a key creating sessions in a loop evicts only its own, never another
-        key's (the store's LRU eviction alone would let one key push out everyone's)."""
+        """The sessions and bytes of one API key that another key's new sessions never evict. By default an equal
+        share, so that the shares add up to no more than the store: a key creating sessions in a loop evicts only
+        its own, never another key's within its share (the store's LRU eviction alone would let one key push out
+        everyone's)."""
         keys = max(1, len(self.api_keys))
         return (self.max_sessions_per_key or max(1, self.max_sessions // keys),
                 self.session_memory_bytes_per_key or max(1, self.session_memory_bytes // keys))

@@ -43,10 +43,11 @@ class MemorySessionStore(SessionStore):
             raise ValueError("max_sessions and max_bytes must be >= 1")
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
-        # One owner's share (None: the whole store): at it, the owner's own least recently used session makes room,
-        # so that one API key's sessions never push out another's.
-        self.owner_max_sessions = owner_max_sessions or max_sessions
-        self.owner_max_bytes = owner_max_bytes or max_bytes
+        # One owner's share (None: none, plain LRU). Room is made only from owners over their share (counting the
+        # new session for its own owner), least recently used first: one API key's creations never push out
+        # another key's sessions within its share, and a key alone may still use the whole store.
+        self.owner_max_sessions = owner_max_sessions or 0
+        self.owner_max_bytes = owner_max_bytes or 0
         self.snapshot = Path(snapshot) if snapshot is not None else None
         self._model_hash: str | None = None
         self._clock = clock
@@ -82,17 +83,7 @@ class MemorySessionStore(SessionStore):
         with self._lock:
             if not self._fits(session, []):
                 self._sweep_locked()
-            victims: list[str] = []
-            for key, stored in self._sessions.items():  # least recently used first: the owner's own, to its share
-                if self._owner_fits(session, victims):
-                    break
-                if stored.owner == session.owner and key != session.id and not self._pins[key]:
-                    victims.append(key)
-            for key in self._sessions:  # then anyone's, to the store's limits
-                if self._fits(session, victims):
-                    break
-                if key != session.id and not self._pins[key] and key not in victims:
-                    victims.append(key)
+            victims = self._victims(session)
             if not self._fits(session, victims):  # refuse before evicting anything
                 raise SessionStoreFull(f"the session store is full ({len(self._sessions)} sessions, {self._bytes} "
                                        f"of {self.max_bytes} bytes) and no session can be evicted now")
@@ -212,16 +203,31 @@ class MemorySessionStore(SessionStore):
         gone = [self._sessions[k] for k in without] + ([old] if old is not None else [])
         count = len(self._sessions) - len(gone) + 1
         size = self._bytes - sum(s.nbytes for s in gone) + session.nbytes
-        return count <= self.max_sessions and size <= self.max_bytes and self._owner_fits(session, without)
+        return count <= self.max_sessions and size <= self.max_bytes
 
-    def _owner_fits(self, session: Session, without: list[str]) -> bool:
-        """Would `session` fit within its owner's share once the sessions `without` are gone?"""
+    def _victims(self, session: Session) -> list[str]:
+        """The idle sessions to evict for `session` to fit, least recently used first, taken only from owners over
+        their share: the new session's owner counting it (and not the record it replaces), the others as they are.
+        (Where they are not enough, `_fits` then refuses.)"""
         old = self._sessions.get(session.id)
-        gone = [s for s in [self._sessions[k] for k in without] + ([old] if old is not None else [])
-                if s.owner == session.owner]
-        count = self._owned[session.owner] - len(gone) + 1
-        size = self._owned_bytes[session.owner] - sum(s.nbytes for s in gone) + session.nbytes
-        return count <= self.owner_max_sessions and size <= self.owner_max_bytes
+        owned, owned_bytes = Counter(self._owned), Counter(self._owned_bytes)
+        if old is not None:
+            owned[old.owner] -= 1
+            owned_bytes[old.owner] -= old.nbytes
+        owned[session.owner] += 1
+        owned_bytes[session.owner] += session.nbytes
+        victims: list[str] = []
+        for key, stored in self._sessions.items():  # least recently used first
+            if self._fits(session, victims):
+                break
+            owner = stored.owner
+            if key == session.id or self._pins[key] or (owned[owner] <= self.owner_max_sessions
+                                                        and owned_bytes[owner] <= self.owner_max_bytes):
+                continue
+            victims.append(key)
+            owned[owner] -= 1
+            owned_bytes[owner] -= stored.nbytes
+        return victims
 
     def _put(self, session: Session) -> None:
         old = self._sessions.pop(session.id, None)

@@ -16,14 +16,14 @@ them together):
                   the stored values (the tensors plus a few hundred bytes of header)
     <ns>:pins     sorted set "<instance>|<id>" -> lease end: sessions with work in flight on some server
     <ns>:owner    hash id -> owner; <ns>:o:<owner>, sorted set id -> last use; <ns>:obytes, hash owner -> bytes:
-                  each owner's sessions, which its share of the store (`owner_max_sessions`, `owner_max_bytes`)
-                  bounds: at its share, an owner's own least recently used sessions make room first
+                  each owner's sessions: to make room, only owners over their share of the store
+                  (`owner_max_sessions`, `owner_max_bytes`) give up sessions, least recently used first
 
 Every change touching several keys is one Lua script, atomic across servers. An update writes only over the
 revision its work read (`SessionStore.update`): two servers working on one session at once are ordered by their
 writes, and the second is refused (SessionConflict), not lost. The limits (`max_sessions`,
-`max_bytes`) are the shared store's: a server that inserts evicts the least recently used unpinned sessions,
-whichever server made them.
+`max_bytes`) are the shared store's: a server that inserts evicts the least recently used unpinned sessions of
+owners over their share, whichever server made them.
 
 Pins: a server that starts work on a session (the engine's `pin`) leases it for `lease_s` seconds, renewed at
 every sweep (each second): while leased, Redis does not expire it and no server evicts it. A server that dies
@@ -117,7 +117,7 @@ end
 """
 
 # ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes, revision,
-# owner_max_sessions, owner_max_bytes (the owner's share: its own least recently used sessions make room in it first)
+# owner_max_sessions, owner_max_bytes (one owner's share: only the idle sessions of owners over it make room)
 # -> {evicted (lru), expired (ttl)}, evicted = -1: does not fit (nothing evicted, nothing stored)
 _INSERT = _PRELUDE + """
 local now, id, owner, size = ARGV[2], ARGV[3], ARGV[5], tonumber(ARGV[10])
@@ -125,40 +125,45 @@ local max_n, max_b = tonumber(ARGV[12]), tonumber(ARGV[13])
 local own_n, own_b = tonumber(ARGV[15]), tonumber(ARGV[16])
 local count = redis.call('ZCARD', KEYS[1])
 local bytes = tonumber(redis.call('GET', KEYS[4]) or '0')
-local mine = redis.call('ZCARD', okey(owner))
-local mine_b = tonumber(redis.call('HGET', ns .. ':obytes', owner) or '0')
-local old = redis.call('HGET', KEYS[3], id)
-if old then count = count - 1; bytes = bytes - tonumber(old) end
-if old and redis.call('ZSCORE', okey(owner), id) then mine = mine - 1; mine_b = mine_b - tonumber(old) end
-local function owner_fits() return mine + 1 <= own_n and mine_b + size <= own_b end
-local function fits() return count + 1 <= max_n and bytes + size <= max_b and owner_fits() end
-local expired, victims, chosen = {}, {}, {}
-local pins = nil
-local function consider(v)  -- a session that may make room: an expired one's index entry, or an idle one
-  if v == id or chosen[v] then return end
-  local s = tonumber(redis.call('HGET', KEYS[3], v) or '0')
-  local gone = redis.call('EXISTS', skey(v)) == 0
-  if not gone and pins[v] then return end
-  table.insert(gone and expired or victims, v); chosen[v] = true
-  count = count - 1; bytes = bytes - s
-  if redis.call('HGET', ns .. ':owner', v) == owner then mine = mine - 1; mine_b = mine_b - s end
-end
-if not owner_fits() then
-  pins = pinned(now)
-  for _, v in ipairs(redis.call('ZRANGE', okey(owner), 0, -1)) do  -- least recently used first
-    if owner_fits() then break end
-    consider(v)
+local owned, owned_b = {}, {}  -- owner -> its sessions and bytes, read once, then kept as victims are chosen
+local function load(o)
+  if owned[o] == nil then
+    owned[o] = redis.call('ZCARD', okey(o))
+    owned_b[o] = tonumber(redis.call('HGET', ns .. ':obytes', o) or '0')
   end
 end
+local function owner_of(v)  -- a record written before the owner index has its owner in its hash only
+  return redis.call('HGET', ns .. ':owner', v) or redis.call('HGET', skey(v), 'owner') or ''
+end
+load(owner)
+local old = redis.call('HGET', KEYS[3], id)
+if old then
+  count = count - 1; bytes = bytes - tonumber(old)
+  local was = owner_of(id)
+  load(was); owned[was] = owned[was] - 1; owned_b[was] = owned_b[was] - tonumber(old)
+end
+owned[owner] = owned[owner] + 1; owned_b[owner] = owned_b[owner] + size  -- the new session counts for its owner
+local function fits() return count + 1 <= max_n and bytes + size <= max_b end
+local expired, victims = {}, {}
 if not fits() then
-  pins = pins or pinned(now)
+  local pins = pinned(now)
   local start = 0
   while not fits() do
     local batch = redis.call('ZRANGE', KEYS[1], start, start + 99)  -- least recently used first
     if #batch == 0 then break end
     for _, v in ipairs(batch) do
       if fits() then break end
-      consider(v)
+      if v ~= id then
+        local s = tonumber(redis.call('HGET', KEYS[3], v) or '0')
+        local o = owner_of(v)
+        load(o)
+        local gone = redis.call('EXISTS', skey(v)) == 0
+        -- an idle session makes room only if its owner is over its share
+        if gone or (not pins[v] and (owned[o] > own_n or owned_b[o] > own_b)) then
+          table.insert(gone and expired or victims, v)
+          count = count - 1; bytes = bytes - s; owned[o] = owned[o] - 1; owned_b[o] = owned_b[o] - s
+        end
+      end
     end
     start = start + 100
   end
@@ -269,9 +274,9 @@ class RedisSessionStore(SessionStore):
         self.url = url
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
-        # one owner's share (None: the whole store), as in MemorySessionStore
-        self.owner_max_sessions = owner_max_sessions or max_sessions
-        self.owner_max_bytes = owner_max_bytes or max_bytes
+        # one owner's share (None: none, plain LRU), as in MemorySessionStore
+        self.owner_max_sessions = owner_max_sessions or 0
+        self.owner_max_bytes = owner_max_bytes or 0
         self.lease_s = lease_s
         self._clock = clock
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
