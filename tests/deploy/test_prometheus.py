@@ -22,6 +22,7 @@ PROMETHEUS = ROOT / "deploy" / "prometheus"
 CONFIG = PROMETHEUS / "prometheus.yml"
 RULES = PROMETHEUS / "adaptlm.rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "adaptlm.json"
+RULE_TESTS = Path(__file__).resolve().parent / "rules_test.yml"  # promtool's unit tests of the rules
 # Series the dashboards and rules must find once the server has had traffic.
 KEY_SERIES = (
     "adaptlm_http_requests_total", "adaptlm_http_request_duration_seconds_bucket",
@@ -86,6 +87,17 @@ def test_promtool_check_config_and_rules(promtool: str) -> None:
     rules = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True)
     assert rules.returncode == 0, rules.stdout + rules.stderr
     assert "SUCCESS" in rules.stdout
+
+
+def test_rules_mean_what_the_runbook_says(promtool: str) -> None:
+    """promtool's unit tests of the rules on synthetic series (tests/deploy/rules_test.yml): each alert fires when
+    docs/operations.md says, and not otherwise (a burst long gone, an idle server, refusals of another kind)."""
+    result = subprocess.run([promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tested = {case["alertname"] for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+              for case in test.get("alert_rule_test", [])}
+    alerts = {rule["alert"] for group in rule_groups() for rule in group["rules"] if "alert" in rule}
+    assert alerts <= tested, f"alerts without a unit test in {RULE_TESTS.name}: {sorted(alerts - tested)}"
 
 
 def test_every_expression_names_exported_series(live_url: str) -> None:
