@@ -57,14 +57,16 @@ soak: install
 	ADAPTLM_SOAK_S=$(SOAK_S) ADAPTLM_SOAK_OUT=$(SOAK_OUT) ADAPTLM_SOAK_CHECKPOINT=$(SOAK_CHECKPOINT) \
 		$(PY) -m pytest -q -s -m slow
 
-# A headless locust run (loadtest/), its reports in $(LOADTEST_OUT), then the objectives of loadtest/slo.toml:
-# exits 1 when one is missed. Against URL= when given, else a server started here on a free loopback port.
-# CLASSES= runs only those user classes (Scorer Generator Typist OpenAICompletions); default: the weighted mix.
+# A headless locust run (loadtest/), its reports in $(LOADTEST_OUT), then the objectives of $(SLO) (your own: a
+# copy of loadtest/slo.toml): exits 1 when one is missed. Against URL= when given, else a server started here on a
+# free loopback port. CLASSES= runs only those user classes (Scorer Generator Typist OpenAICompletions); default: the
+# weighted mix.
 USERS ?= 8
 RUN_TIME ?= 60s
 LOADTEST_OUT ?= var/loadtest
+SLO ?= loadtest/slo.toml
 loadtest: install
-	$(PY) -m loadtest.run $(if $(URL),--url $(URL)) --users $(USERS) --run-time $(RUN_TIME) --out $(LOADTEST_OUT) $(CLASSES)
+	$(PY) -m loadtest.run $(if $(URL),--url $(URL)) --users $(USERS) --run-time $(RUN_TIME) --out $(LOADTEST_OUT) --slo $(SLO) $(CLASSES)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -84,3 +84,21 @@ def test_the_stats_count_every_request_to_the_end(tiny_checkpoint: Path, tmp_pat
         r'adaptlm_http_requests_total\{[^}]*route="/v1/score"[^}]*\} ([0-9.e+]+)', metrics))
     stats = slo.read_stats(out / "locust_stats.csv")
     assert served > 0 and int(stats["POST /v1/score"]["Request Count"]) == served, (served, stats["POST /v1/score"])
+
+
+def test_make_loadtest_passes_its_variables() -> None:
+    # docs/operations.md, "Sizing": write your objectives into a copy of loadtest/slo.toml, then `make loadtest`
+    # against them; `make -n` prints the command (`-o install`: without setting up the environment)
+    run = subprocess.run(["make", "-n", "-o", "install", "loadtest", "URL=http://10.0.0.5:8000", "USERS=3",
+                          "RUN_TIME=5s", "LOADTEST_OUT=var/typist", "SLO=var/mine.toml", "CLASSES=Typist Scorer"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    [command] = [line for line in run.stdout.splitlines() if "loadtest.run" in line]
+    args = command.split()
+    for flag, value in (("--url", "http://10.0.0.5:8000"), ("--users", "3"), ("--run-time", "5s"),
+                        ("--out", "var/typist"), ("--slo", "var/mine.toml")):
+        assert args[args.index(flag) + 1] == value, command
+    assert args[-2:] == ["Typist", "Scorer"], command
+    default = subprocess.run(["make", "-n", "-o", "install", "loadtest"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+    assert "--slo loadtest/slo.toml" in default.stdout, default.stdout
