@@ -71,8 +71,29 @@ def dashboard_expressions() -> list[str]:
 
 def exported_series(url: str) -> set[str]:
     """Sample names in the server's /metrics (what PromQL selects: `x_total`, `x_bucket`, ...)."""
+    return set(exported_labels(url))
+
+
+def exported_labels(url: str) -> dict[str, set[str]]:
+    """Sample name -> the label names its samples carry in the server's /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+    labels: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            name = name.split(" ", 1)[0]
+            labels.setdefault(name, set()).update(re.findall(r'(\w+)="', rest.rsplit("}", 1)[0]) if rest else ())
+    return labels
+
+
+def used_labels(expr: str) -> tuple[dict[str, set[str]], set[str]]:
+    """The labels an expression matches on, by series (`x{a="1"}` -> {x: {a}}), and those it groups by."""
+    matched: dict[str, set[str]] = {}
+    for name, matchers in re.findall(r"([A-Za-z_:][A-Za-z0-9_:]*)\{([^}]*)\}", expr):
+        matched.setdefault(name, set()).update(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
+    grouped = {label.strip() for group in re.findall(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", expr)
+               for label in group.split(",") if label.strip()}
+    return matched, grouped
 
 
 def test_metric_names_parser() -> None:
@@ -111,6 +132,24 @@ def test_every_expression_names_exported_series(live_url: str) -> None:
         names = metric_names(expr)
         assert names, f"no series in {expr!r}"
         assert names <= known, f"{expr!r} names series the server does not export: {sorted(names - known)}"
+
+
+def test_every_expression_uses_labels_the_series_have(live_url: str) -> None:
+    labels = exported_labels(live_url)
+    # a recording rule's series carry the labels it aggregates by
+    for group in rule_groups():
+        for rule in group["rules"]:
+            if "record" in rule:
+                labels[rule["record"]] = used_labels(str(rule["expr"]))[1]
+    target = {"job", "instance"}  # added by Prometheus to every scraped series
+    labels["up"] = set()
+    for expr in rule_expressions() + dashboard_expressions():
+        matched, grouped = used_labels(expr)
+        for name, names in matched.items():
+            missing = names - labels[name] - target
+            assert not missing, f"{expr!r}: {name} has no label {sorted(missing)} in /metrics"
+        available = set().union(*(labels[name] for name in metric_names(expr))) | target
+        assert grouped <= available, f"{expr!r} groups by {sorted(grouped - available)}, which its series lack"
 
 
 def test_dashboard_covers_the_issue_panels() -> None:
