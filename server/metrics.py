@@ -58,8 +58,9 @@ class Metrics:
                                  "Time from request to the end of the response, by route.",
                                  ["model", "method", "route"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.refused = Counter("adaptlm_refused_requests", "Requests answered 429 or 503, or 409 session_conflict, "
-                               "by the error's code (queue_full and session_store_full: capacity; rate_limited: a key "
-                               "over its rate; session_conflict: two replicas worked on one session at once).",
+                               "by the error's code (queue_full, session_store_full and device_out_of_memory: "
+                               "capacity; rate_limited: a key over its rate; session_conflict: two replicas worked on "
+                               "one session at once).",
                                ["model", "reason"], registry=self.registry)
         self.scored_bytes = Counter("adaptlm_scored_bytes", "Bytes scored by /v1/score.", ["model"],
                                     registry=self.registry)
@@ -154,7 +155,8 @@ class _EngineCollector(Collector):
         for name, doc, value in (
             ("adaptlm_queue_depth", "Work items waiting to start.", stats.queued),
             ("adaptlm_active_sessions", "Sessions in the store.", stats.sessions),
-            ("adaptlm_session_store_bytes", "Tensor bytes the sessions hold.", stats.session_bytes),
+            ("adaptlm_session_store_bytes", "Bytes the sessions hold: their tensors (memory store), their export blobs "
+             "(Redis: the shared store's).", stats.session_bytes),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, value)
