@@ -132,3 +132,19 @@ def test_the_balancer_is_the_shared_configuration() -> None:
     mounts = {m["mountPath"]: m["subPath"] for m in nginx["volumeMounts"]}
     assert mounts == {"/etc/nginx/templates/adaptlm.conf.template": "adaptlm.conf.template",
                       "/etc/nginx/conf.d/default.conf": "empty.conf"}
+
+
+def test_the_drain_time_is_the_same_everywhere() -> None:
+    # docs/operations.md: "SIGTERM after a 5 s pre-stop pause, then the rest of the 60 s grace period, 55 s, to drain";
+    # compose and the systemd unit give the same 60 s before SIGKILL
+    pod = find("Deployment", "adaptlm")["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    pause = container(find("Deployment", "adaptlm"), "adaptlm")["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep" and 0 < int(pause[1]) < grace
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert re.search(rf"SIGTERM after a {pause[1]} s\s+pre-stop pause, then the rest of the {grace} s grace\s+period, "
+                     rf"{grace - int(pause[1])} s, to drain", operations), "docs/operations.md's drain times"
+    compose = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+    assert compose["x-adaptlm"]["stop_grace_period"] == f"{grace}s"
+    unit = (ROOT / "deploy" / "adaptlm.service").read_text()
+    assert re.search(rf"^TimeoutStopSec={grace}$", unit, flags=re.MULTILINE)
