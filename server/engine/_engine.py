@@ -122,6 +122,12 @@ class Engine:
         return self._scheduler.alive
 
     @property
+    def crashed(self) -> bool:
+        """The worker thread died (an error escaped it) after the model was loaded: the process cannot serve
+        again and should be restarted (`/healthz` fails)."""
+        return self._scheduler.crashed
+
+    @property
     def stats(self) -> EngineStats:
         """A copy of the work counters, with the session store's."""
         store = self.store.stats()
@@ -274,5 +280,7 @@ class Engine:
                                                words=tokenizer if isinstance(tokenizer, WordTokenizer) else None),
                     "call": CallExecutor(),
                 })
+        except BaseException:  # reported here, once, in the log's format (then /healthz fails: `crashed`)
+            log.critical("the engine thread died; this process serves no more model work", exc_info=True)
         finally:
             self._scheduler.fail_all(EngineUnavailable("the engine stopped"))

@@ -86,6 +86,7 @@ class Scheduler:
         self._busy: set[str] = set()  # sessions whose work is running
         self._executors: dict[Kind, Executor[Any]] = {}
         self._last_keystroke = -math.inf  # time.monotonic() of the last suggestion started
+        self._stop_asked = False  # `stop` was called: the worker's end is not a crash
 
     # -- any thread ------------------------------------------------------------------------------------
 
@@ -93,6 +94,11 @@ class Scheduler:
     def alive(self) -> bool:
         """The worker thread is taking work."""
         return self._running and self._worker is not None and self._worker.is_alive()
+
+    @property
+    def crashed(self) -> bool:
+        """The worker thread ended while taking work (an error escaped its loop), not by `stop`."""
+        return not self._stop_asked and self._worker is not None and not self._worker.is_alive()
 
     @property
     def waiting(self) -> int:
@@ -113,6 +119,7 @@ class Scheduler:
     def stop(self) -> None:
         """Take no more work; `run` returns once what is queued or running is done. Idempotent."""
         with self._lock:
+            self._stop_asked = True
             if self._running:
                 self._running = False
                 self._queue.put(None)

@@ -223,3 +223,25 @@ def test_session_settings_are_filled_and_checked_by_the_session_service(engine: 
         assert info.value.param == param
     session, _ = asyncio.run(engine.create_session(owner=None))
     assert session.config == default and session.ttl_s == engine.config.session_ttl_s
+
+
+def test_not_alive_once_the_engine_thread_dies(tiny_checkpoint: Path, serve_app: Any, assert_error: Any) -> None:
+    """An error that escapes the engine's loop ends its thread for good: readiness alone would leave the pod up
+    and unready forever (Kubernetes restarts only on failed liveness), so /healthz fails too. A stop (a drain) is
+    not a death: /healthz stays 200 then (test above)."""
+    with serve_app(Settings(checkpoint=tiny_checkpoint)) as live, httpx.Client(base_url=live.url) as client:
+        engine = live.app.state.engine
+        assert client.get("/healthz").status_code == 200 and not engine.crashed
+
+        def broken() -> None:
+            raise RuntimeError("a bug in the engine's loop")
+
+        engine._scheduler._executors["text"].step = broken
+        client.post("/v1/score", json={"text": "a"})  # wakes the loop, which dies; the request is failed
+        deadline = time.monotonic() + 10
+        while not engine.crashed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.crashed
+        assert assert_error(client.get("/healthz"), 503, "service_unavailable_error")["code"] == "engine_crashed"
+        assert_error(client.get("/readyz"), 503, "service_unavailable_error")
+        assert_error(client.post("/v1/score", json={"text": "a"}), 503, "service_unavailable_error")
