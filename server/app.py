@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 import socket
 import sys
@@ -34,9 +35,11 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.ratelimit import RateLimiter
 from server.request_id import RequestIdMiddleware, uvicorn_log_config
 from server.routes import ROUTERS
-from server.settings import Settings
+from server.settings import Settings, ignored_variables
 
 __all__ = ["create_app", "serve", "uvicorn_options"]
+
+log = logging.getLogger(__name__)
 
 
 def _version() -> str:
@@ -95,6 +98,8 @@ def create_app(settings: Settings) -> FastAPI:
         store = _session_store(settings)
         attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are
         kernel_dispatch.use(settings.kernels)
+        for message in ignored_variables():
+            log.warning("%s", message)
         engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         await asyncio.to_thread(engine.start)

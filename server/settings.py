@@ -46,7 +46,10 @@
 
 from __future__ import annotations
 
+import difflib
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
@@ -56,7 +59,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from models.device import DEVICE_PATTERN
 from models.precision import Precision
 
-__all__ = ["DEFAULT_CHECKPOINT", "LogLevel", "Settings"]
+__all__ = ["DEFAULT_CHECKPOINT", "LogLevel", "Settings", "ignored_variables"]
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "default"
 
@@ -186,3 +189,20 @@ class Settings(BaseSettings):
             raise ValueError(f"session_ttl_s ({self.session_ttl_s}) must be at most max_session_ttl_s "
                              f"({self.max_session_ttl_s})")
         return self
+
+
+# ADAPTLM_* variables of the tools beside the server (the client CLI's key, the load and soak tests', the tests')
+_TOOLS_VARIABLES = re.compile(r"ADAPTLM_(API_KEY|LOADTEST_\w+|SOAK_\w+|TEST_\w+|CRASH_\w+|SHARED)")
+
+
+def ignored_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """One message for each ADAPTLM_* variable in `environ` that is no setting of the server (nor a tool's), so
+    that a misspelt one (ADAPTLM_MAX_SESSION=...) is said at start-up instead of silently not applying."""
+    names = [f"ADAPTLM_{field.upper()}" for field in Settings.model_fields]
+    messages = []
+    for name in sorted(environ):
+        if name.startswith("ADAPTLM_") and name not in names and not _TOOLS_VARIABLES.fullmatch(name):
+            close = difflib.get_close_matches(name[8:], [n[8:] for n in names], n=1, cutoff=0.7)  # past the prefix
+            messages.append(f"{name} is not a setting of the server and is ignored"
+                            + (f" (did you mean ADAPTLM_{close[0]}?)" if close else ""))
+    return messages

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from server.settings import DEFAULT_CHECKPOINT, Settings
+from server.settings import DEFAULT_CHECKPOINT, Settings, ignored_variables
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +115,18 @@ def test_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("ADAPTLM_KERNELS", "triton")
         with pytest.raises(ValidationError, match="ADAPTLM_KERNELS=triton, but"):
             Settings()
+
+
+def test_a_misspelt_variable_is_said_at_start_up(tiny_checkpoint: Path, serve_app: Any,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """pydantic-settings reads the variables it knows: ADAPTLM_MAX_SESSION=10 applied nothing, silently."""
+    assert ignored_variables({"ADAPTLM_MAX_SESSION": "10", "ADAPTLM_MAX_SESSIONS": "5", "ADAPTLM_API_KEY": "k",
+                              "ADAPTLM_LOADTEST_USERS": "3", "ADAPTLM_BOGUS": "1", "HOME": "/root"}) == [
+        "ADAPTLM_BOGUS is not a setting of the server and is ignored",
+        "ADAPTLM_MAX_SESSION is not a setting of the server and is ignored (did you mean ADAPTLM_MAX_SESSIONS?)"]
+    monkeypatch.setenv("ADAPTLM_MAX_SESSION", "10")
+    with caplog.at_level(logging.WARNING, logger="server.app"), serve_app(Settings(checkpoint=tiny_checkpoint)):
+        pass
+    assert "ADAPTLM_MAX_SESSION is not a setting of the server and is ignored (did you mean ADAPTLM_MAX_SESSIONS?)" \
+        in caplog.text
