@@ -177,8 +177,11 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
     weights_path = d / "model.safetensors"
     save_id = meta.pop("save_id", None)
     weights = _read_tensors(weights_path, save_id)
-    with torch.device("meta"):
-        model = build_model(config)
+    try:
+        with torch.device("meta"):
+            model = build_model(config)
+    except (TypeError, ValueError) as e:  # a field of the wrong type or out of range (config_from_dict names them)
+        raise CheckpointError(f"{cfg_path}: cannot build the {config.arch} model ({e})") from None
     expected = {k: v.shape for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
@@ -211,13 +214,17 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
     for k, v in stats.items():
         if k.startswith("param.") and (k[6:] not in params or params[k[6:]].shape != v.shape):
             raise CheckpointError(f"{stats_path}: statistics {k!r} match no parameter of the model")
+    dyneval_json = _read_json(d / "dyneval.json")  # its own CheckpointError names the file
     try:
-        dyneval = DynEvalSettings(_read_json(d / "dyneval.json"))
+        dyneval = DynEvalSettings(dyneval_json)
     except ValueError as e:
         raise CheckpointError(f"{d / 'dyneval.json'}: {e}") from None
     card_path = d / "MODEL_CARD.md"
     if not card_path.is_file():
         raise CheckpointError(f"{card_path}: missing")
+    try:
+        card = card_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{card_path}: not UTF-8 text (byte {e.start})") from None
     return Checkpoint(model=model, config=config, meta=meta, stats=stats, dyneval=dyneval,
-                      model_hash=_sha256(weights_path), path=d, card=card_path.read_text(encoding="utf-8"),
-                      tokenizer=tokenizer)
+                      model_hash=_sha256(weights_path), path=d, card=card, tokenizer=tokenizer)

@@ -114,6 +114,26 @@ def test_other_architecture_and_bad_config(saved: tuple[MLSTM, Path]) -> None:
         load_checkpoint(path)
 
 
+def test_wrong_values_in_present_files_are_checkpoint_errors(saved: tuple[MLSTM, Path]) -> None:
+    """Files that are there but wrong raise CheckpointError naming the file once (the CLI's one line), never a
+    TypeError from building the model or a UnicodeDecodeError from the card."""
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "dyneval.json").write_text("[1]")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    assert str(e.value) == f"{path / 'dyneval.json'}: expected a JSON object"
+    (path / "dyneval.json").write_text("{}")
+    (path / "MODEL_CARD.md").write_bytes(b"\xff\xfe card")
+    with pytest.raises(CheckpointError, match="MODEL_CARD.md: not UTF-8"):
+        load_checkpoint(path)
+    (path / "MODEL_CARD.md").write_text("# card\n")
+    cfg["model"]["hidden"] = "wide"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json: "):
+        load_checkpoint(path)
+
+
 def test_not_a_directory(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         load_checkpoint(tmp_path / "nope")
