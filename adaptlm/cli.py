@@ -708,13 +708,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        args = build_parser().parse_args(argv)
+        status = int(args.func(args))
+        sys.stdout.flush()  # a closed standard output raises here, in the handler below, rather than at exit
+        return status
     except UsageError as e:
         _fail(str(e))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of standard output went away (`| head`): stop quietly, as a process that SIGPIPE ends would
+        # (Python ignores SIGPIPE, so the write raised); stdout goes to /dev/null so that the flush at exit cannot
+        # raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -101,6 +101,49 @@ def test_checkpoint_of_another_architecture(tiny_checkpoint: Path, tmp_path: Pat
     assert r.returncode == 2 and "unknown architecture 'compressive_transformer'" in r.stderr
 
 
+def test_stdout_closed_early_is_no_traceback(tiny_checkpoint: Path) -> None:
+    """`adaptlm generate ... | head -c 10`: the reader goes away; the command stops quietly, with the status of a
+    process that SIGPIPE ended (141), not a BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "adaptlm", "generate", "--checkpoint", str(tiny_checkpoint),
+                          "--prompt", "The ", "--max-tokens", "100000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    assert len(p.stdout.read(10)) == 10
+    p.stdout.close()
+    stderr = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, stderr
+    assert stderr == ""
+
+
+def test_ctrl_c_while_the_command_line_is_read_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT before the command starts (the parser builds, which imports the trainer's flags): 130, no traceback."""
+    from adaptlm import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["score", "-"]) == 130
+
+
+def test_broken_checkpoint_files_are_one_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A checkpoint whose files are there but wrong (a model card that is not UTF-8, a config field of the wrong
+    type): one line naming the file, status 2."""
+    import shutil
+
+    card, field = tmp_path / "card", tmp_path / "field"
+    shutil.copytree(tiny_checkpoint, card)
+    (card / "MODEL_CARD.md").write_bytes(b"\xff\xfe model card")
+    shutil.copytree(tiny_checkpoint, field)
+    cfg = json.loads((field / "config.json").read_text())
+    cfg["model"]["hidden"] = "wide"
+    (field / "config.json").write_text(json.dumps(cfg))
+    for ck, message in ((card, "MODEL_CARD.md: not UTF-8"), (field, "config.json: ")):
+        r = run("score", "--checkpoint", str(ck), str(DATA / "valid.txt"))
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_train_cli_writes_a_checkpoint(tmp_path: Path) -> None:
     r = run("train", "--preset", "tiny", "--data", str(DATA / "train.txt"), "--valid", str(DATA / "valid.txt"),
             "--out", str(tmp_path / "ck"), "--max-steps", "10", "--quiet")
