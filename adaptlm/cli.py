@@ -95,9 +95,12 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from models.sampling import SamplingParams, generate
+    from server.protocol import MAX_SEED
 
     if not args.prompt:
         raise UsageError("--prompt must not be empty")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:  # as /v1/generate: the same seed, the same text
+        raise UsageError(f"--seed must be between 0 and {MAX_SEED}")
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)

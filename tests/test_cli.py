@@ -64,6 +64,8 @@ def test_generate_is_seeded(tiny_checkpoint: Path) -> None:
         (("train", "--data", "{valid}", "--out", "{tmp}", "--max-minutes", "-1"), "max_minutes must be >= 0"),
         (("train", "--data", "{valid}", "--out", "{tmp}", "--threads", "-2"), "threads must be >= 0"),
         (("generate", "{ck}", "--prompt", "x", "--top-p", "2"), "top_p"),
+        (("generate", "{ck}", "--prompt", "x", "--seed", "99999999999999999999999"), "--seed must be between 0 and"),
+        (("generate", "{ck}", "--prompt", "x", "--seed", "-1"), "--seed must be between 0 and"),
         (("score", "{ck}", "{valid}", "--bogus"), "unrecognized arguments"),
         (("score", "{ck}", "{valid}", "--device", "tpu"), "device must be auto, cpu, cuda or cuda:N"),
         (("eval", "{ck}", "{valid}", "--device", "cuda:99"), "cuda:99"),
