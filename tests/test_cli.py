@@ -69,6 +69,8 @@ def test_generate_is_seeded(tiny_checkpoint: Path) -> None:
         (("score", "{ck}", "{valid}", "--bogus"), "unrecognized arguments"),
         (("score", "{ck}", "{valid}", "--device", "tpu"), "device must be auto, cpu, cuda or cuda:N"),
         (("eval", "{ck}", "{valid}", "--device", "cuda:99"), "cuda:99"),
+        (("serve", "--checkpoint", "{dir}", "--port", "1"), "config.json: missing"),
+        (("serve", "{ck}", "--device", "cuda:99", "--port", "1"), "cuda:99"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(tiny_checkpoint: Path, tmp_path: Path, args: tuple[str, ...],
