@@ -275,6 +275,14 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         raise UsageError("give either --url (a running server) or --checkpoint (a model in this process)")
     if args.suggestions < 1 or args.suggestions > 10:
         raise UsageError("--suggestions must be between 1 and 10")
+    if args.max_chars is not None and not 1 <= args.max_chars <= 64:  # the server's suggest range
+        raise UsageError("--max-chars must be between 1 and 64")
+    if args.progress < 0:
+        raise UsageError("--progress must not be negative (0: no progress lines)")
+    if not args.adapt and (args.lr is not None or args.decay is not None):
+        raise UsageError("--lr and --decay set the adaptation: they need --adapt")
+    if args.url is not None and args.device is not None:
+        raise UsageError("--device applies to --checkpoint (with --url the server's device runs the model)")
     for name in ("last_bytes", "warmup_bytes", "limit_bytes"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup_bytes" else 1):
@@ -329,23 +337,26 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         config = None
         cache = args.cache_weight or 0.0
         if args.adapt:
-            if args.adapt_mode == "full":
-                config = config_for("dynamic", ckpt.dyneval, lr=args.lr, decay=args.decay)
-            else:  # the server sessions' settings
-                section = ckpt.dyneval.get("session") or ckpt.dyneval.get("sparse", {})
-                from models.adaptation import DynEvalConfig
+            try:
+                if args.adapt_mode == "full":
+                    config = config_for("dynamic", ckpt.dyneval, lr=args.lr, decay=args.decay)
+                else:  # the server sessions' settings
+                    section = ckpt.dyneval.get("session") or ckpt.dyneval.get("sparse", {})
+                    from models.adaptation import DynEvalConfig
 
-                config = DynEvalConfig.from_dict(section, mode="sparse", cache=None,
-                                                 **{k: v for k, v in (("lr", args.lr), ("decay", args.decay))
-                                                    if v is not None})
-                if args.cache_weight is None:
-                    cache = float(section.get("cache_weight", 0.0))
+                    config = DynEvalConfig.from_dict(section, mode="sparse", cache=None,
+                                                     **{k: v for k, v in (("lr", args.lr), ("decay", args.decay))
+                                                        if v is not None})
+                    if args.cache_weight is None:
+                        cache = float(section.get("cache_weight", 0.0))
+            except ValueError as e:  # --lr nan, --decay -1
+                raise UsageError(str(e)) from None
             record.update({k: getattr(config, k) for k in ("rule", "lr", "decay", "segment")})
         record["checkpoint"] = str(ckpt.path)
         record["cache_weight"] = cache
         try:
             suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, tokenizer=ckpt.tokenizer,
-                                       max_chars=args.max_chars or 24,
+                                       max_chars=24 if args.max_chars is None else args.max_chars,
                                        cache_weight=cache)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -691,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     kb.add_argument("--text", required=True, help="the text to type (UTF-8); each line is a message")
     kb.add_argument("--url", help="a running server: suggestions under a session of it")
     kb.add_argument("--checkpoint", help="or a model in this process")
-    kb.add_argument("--device", default="auto", help="with --checkpoint: auto, cpu, cuda or cuda:N")
+    kb.add_argument("--device", help="with --checkpoint: auto (the default), cpu, cuda or cuda:N")
     kb.add_argument("--api-key", default=os.environ.get("ADAPTLM_API_KEY"), help="with --url")
     kb.add_argument("--suggestions", type=int, default=3, help="words offered at each keystroke (default: 3)")
     kb.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=False,

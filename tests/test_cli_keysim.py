@@ -65,6 +65,14 @@ def test_mistakes_exit_2(tiny_checkpoint: Path, text: Path, tmp_path: Path) -> N
         ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--cache-weight", "2"),
         ("--text", str(text), "--checkpoint", str(tmp_path)),  # not a checkpoint
         ("--checkpoint", str(tiny_checkpoint)),  # no --text
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--adapt", "--lr", "nan"),
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--adapt", "--adapt-mode", "full", "--decay", "-1"),
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--lr", "0.1"),  # --lr without --adapt
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--max-chars", "0"),
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--max-chars", "-3"),
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--max-chars", "65"),
+        ("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--progress", "-1"),
+        ("--text", str(text), "--url", "http://127.0.0.1:1", "--device", "cpu"),  # --device: in-process only
     ]
     for args in cases:
         r = keyboard_sim(*args)
