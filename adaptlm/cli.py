@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -58,6 +59,29 @@ def _read_text_arg(path: str) -> bytes:
     if not data:
         raise UsageError(f"{path}: empty text: nothing to score")
     return data
+
+
+def _check_output(path: str) -> None:
+    """Refuse an output path that cannot be written, before the work that fills it (which may take minutes)."""
+    out = Path(path)
+    if path.endswith("/") or out.is_dir():
+        raise UsageError(f"{path}: is a directory, not a file to write")
+    if not out.parent.is_dir():
+        raise UsageError(f"{path}: cannot write (no directory {str(out.parent)!r})")
+
+
+def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)` into a temporary file beside `path`, then rename it over `path`: the output is written whole or
+    not at all, so that a failure or Ctrl-C half-way leaves what was there (a checkpoint's dyneval.json stays
+    readable) and no partial file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot write ({e.strerror})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -163,16 +187,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from trainer.evaluation import EVAL_MODES, loss_curve, plot_curves, run_eval, write_curves_csv
 
     modes = [m for m in args.mode.split(",") if m]
+    if not modes:
+        raise UsageError(f"--mode: give at least one of {', '.join(EVAL_MODES)}")
     for m in modes:
         if m not in EVAL_MODES:
             raise UsageError(f"unknown mode {m!r}; choose from {', '.join(EVAL_MODES)}")
+    for flag, inner in _EVAL_FLAG_MODES.items():  # a setting no asked mode reads would be silently ignored
+        if getattr(args, flag) is not None and not any(EVAL_MODES[m][0] in inner for m in modes):
+            fits = ", ".join(m for m, (i, _, _) in EVAL_MODES.items() if i in inner)
+            raise UsageError(f"--{flag.replace('_', '-')} applies to the modes {fits}; --mode asks for {args.mode}")
     if args.window < 1:
         raise UsageError("--window must be positive")
     if args.limit < 0:
         raise UsageError("--limit must not be negative (0: the whole file)")
     for out in (args.csv, args.plot):  # before the evaluation, which may take minutes
-        if out and not Path(out).parent.is_dir():
-            raise UsageError(f"{out}: cannot write (no directory {str(Path(out).parent)!r})")
+        if out:
+            _check_output(out)
+    plot_format = _plot_format(args.plot) if args.plot else None
     data = _read_text_arg(args.file)
     if args.limit:
         data = data[: args.limit]
@@ -192,14 +223,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(records[0] if len(records) == 1 else records))
     title = f"{Path(args.file).name}: loss against position"
-    for out, write in ((args.csv, lambda path: write_curves_csv(path, curves)),
-                       (args.plot, lambda path: plot_curves(path, curves, title))):
-        if out:
-            try:
-                write(Path(out))
-            except OSError as e:
-                raise UsageError(f"{out}: cannot write ({e.strerror})") from None
+    if args.csv:
+        _write_whole(Path(args.csv), lambda path: write_curves_csv(path, curves))
+    if args.plot:
+        _write_whole(Path(args.plot), lambda path: plot_curves(path, curves, title, fmt=plot_format))
     return 0
+
+
+# eval's adaptation settings -> the inner modes (EVAL_MODES' first field) that read them
+_EVAL_FLAG_MODES = {"lr": ("full", "sparse"), "decay": ("full", "sparse"), "eps": ("full", "sparse"),
+                    "segment": ("full", "sparse"), "adapter_size": ("sparse",), "sites": ("full",),
+                    "layers_from": ("full",)}
+
+
+def _plot_format(path: str) -> str:
+    """The image format of --plot, from its suffix (none: PNG); one matplotlib cannot write is a usage error."""
+    from matplotlib.figure import Figure
+
+    fmt = Path(path).suffix[1:].lower() or "png"
+    supported = Figure().canvas.get_supported_filetypes()
+    if fmt not in supported:
+        raise UsageError(f"{path}: cannot write a plot as {fmt!r} (give a name ending in "
+                         f"{', '.join('.' + f for f in sorted(supported))})")
+    return fmt
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -212,8 +258,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("--bytes must be positive")
     if args.max_trials < 1:
         raise UsageError("--max-trials must be positive")
-    if not args.lr_start > 0:
-        raise UsageError("--lr-start must be positive")
+    if not 0 < args.lr_start < math.inf:
+        raise UsageError("--lr-start must be a finite positive number")
     if args.mode == "cache" and args.cache_window < 1:
         raise UsageError("--cache-window must be positive")
     data = _read_text_arg(args.valid)[: args.bytes]
@@ -259,7 +305,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         results[section] = entry
     dyneval["tuned"] = True
     dyneval["tuned_on"] = {"file": Path(args.valid).name, "bytes": len(data)}
-    (ckpt.path / "dyneval.json").write_text(json.dumps(dyneval, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(dyneval, indent=2, sort_keys=True) + "\n"
+    _write_whole(ckpt.path / "dyneval.json", lambda path: path.write_text(text))
     print(json.dumps({"static_bpb": static, **results}))
     return 0
 
@@ -522,15 +569,14 @@ def client_session_observe(client: Client, args: argparse.Namespace) -> int:
 
 
 def client_session_export(client: Client, args: argparse.Namespace) -> int:
+    if args.out != "-":
+        _check_output(args.out)
     blob = client.export_state(args.id)
     if args.out == "-":
         sys.stdout.buffer.write(blob)
         sys.stdout.buffer.flush()
     else:
-        try:
-            Path(args.out).write_bytes(blob)
-        except OSError as e:
-            raise UsageError(f"{args.out}: cannot write ({e.strerror})") from None
+        _write_whole(Path(args.out), lambda path: path.write_bytes(blob))
     return 0
 
 

@@ -85,6 +85,51 @@ def test_tune_cache_writes_the_neural_cache_settings(tiny_checkpoint: Path, tmp_
     assert r.returncode == 2 and "--cache-window must be positive" in r.stderr
 
 
+def test_eval_outputs_are_checked_first_and_written_whole(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """--plot and --csv are checked before the evaluation (a format matplotlib cannot write, a directory), so a
+    mistake costs no minutes and leaves nothing behind; a plot is written at exactly the path given (matplotlib
+    alone adds .png to a name without a suffix, and writes `DIR.png` for `DIR/`)."""
+    base = ("eval", "--checkpoint", str(tiny_checkpoint), str(DATA / "valid.txt"), "--limit", "500")
+    for flags, message in ((("--plot", str(tmp_path / "p.txt")), "cannot write a plot as 'txt'"),
+                           (("--csv", str(tmp_path)), "is a directory"),
+                           (("--plot", str(tmp_path) + "/"), "is a directory")):
+        r = run(*base, *flags)
+        assert r.returncode == 2, r.stderr
+        assert message in r.stderr and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert list(tmp_path.iterdir()) == []
+        assert not Path(str(tmp_path) + ".png").exists()
+    r = run(*base, "--plot", str(tmp_path / "curve"), "--csv", str(tmp_path / "c.csv"), "--window", "100")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv", "curve"]
+    assert (tmp_path / "curve").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_outputs_are_replaced_whole(tmp_path: Path) -> None:
+    """Outputs (tune's dyneval.json, eval's CSV and plot, a session export) are written to a temporary file beside
+    them and renamed: a write that stops half-way (a full disk, Ctrl-C) leaves the old file as it was and no
+    temporary file behind; a write that fails is one line (UsageError)."""
+    from adaptlm import cli
+
+    target = tmp_path / "dyneval.json"
+    target.write_text('{"old": true}')
+
+    def half_then_interrupted(path: Path) -> None:
+        path.write_text('{"new": tr')
+        raise KeyboardInterrupt
+
+    def half_then_disk_full(path: Path) -> None:
+        path.write_text('{"new": tr')
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(KeyboardInterrupt):
+        cli._write_whole(target, half_then_interrupted)
+    with pytest.raises(cli.UsageError, match="dyneval.json: cannot write \\(No space left on device\\)"):
+        cli._write_whole(target, half_then_disk_full)
+    assert target.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["dyneval.json"]
+    cli._write_whole(target, lambda path: path.write_text('{"new": true}'))
+    assert target.read_text() == '{"new": true}' and [p.name for p in tmp_path.iterdir()] == ["dyneval.json"]
+
+
 @pytest.mark.parametrize("args, message", [
     (("eval", "--window", "0"), "--window must be positive"),
     (("eval", "--limit", "-5"), "--limit must not be negative"),
@@ -93,7 +138,15 @@ def test_tune_cache_writes_the_neural_cache_settings(tiny_checkpoint: Path, tmp_
     (("tune", "--bytes", "0"), "--bytes must be positive"),
     (("tune", "--bytes", "-5"), "--bytes must be positive"),
     (("tune", "--max-trials", "0"), "--max-trials must be positive"),
-    (("tune", "--lr-start", "-1"), "--lr-start must be positive"),
+    (("tune", "--lr-start", "-1"), "--lr-start must be a finite positive number"),
+    (("tune", "--lr-start", "inf"), "--lr-start must be a finite positive number"),
+    (("eval", "--mode", ""), "--mode: give at least one of static"),
+    (("eval", "--mode", ",,"), "--mode: give at least one of static"),
+    (("eval", "--mode", "static", "--lr", "0.1"), "--lr applies to the modes dynamic, sparse"),
+    (("eval", "--mode", "static,cache", "--segment", "10"), "--segment applies to the modes dynamic, sparse"),
+    (("eval", "--mode", "dynamic", "--adapter-size", "4"), "--adapter-size applies to the modes sparse"),
+    (("eval", "--mode", "sparse", "--layers-from", "1"), "--layers-from applies to the modes dynamic"),
+    (("eval", "--mode", "sparse,cache", "--sites", "w_x"), "--sites applies to the modes dynamic"),
 ])
 def test_eval_and_tune_refuse_bad_numbers_in_one_line(tiny_checkpoint: Path, tmp_path: Path,
                                                       args: tuple[str, ...], message: str) -> None:

@@ -65,7 +65,9 @@ def write_curves_csv(path: Path, curves: Mapping[str, tuple[np.ndarray, np.ndarr
             w.writerow([int(pos), *[f"{curves[m][1][i]:.5f}" for m in modes]])
 
 
-def plot_curves(path: Path, curves: Mapping[str, tuple[np.ndarray, np.ndarray]], title: str) -> None:
+def plot_curves(path: Path, curves: Mapping[str, tuple[np.ndarray, np.ndarray]], title: str,
+                fmt: str | None = None) -> None:
+    """Write the plot to `path` as `fmt` (None: from the suffix of `path`, matplotlib's rule)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,5 +82,5 @@ def plot_curves(path: Path, curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=fmt)
     plt.close(fig)
