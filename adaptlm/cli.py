@@ -1,7 +1,7 @@
 """`adaptlm` command line: train, score, generate, eval, tune, serve, and `client ...` (the SDK, against a server).
 
 User mistakes (bad flags, unreadable files, bad checkpoints, empty text) print one line to stderr and
-exit with status 2; no tracebacks. `adaptlm client` commands print the server's error in one line and exit
+exit with status 2; no tracebacks. Ctrl-C exits 130; a standard output closed early (`| head`) 141, quietly. `adaptlm client` commands print the server's error in one line and exit
 with 2 when the request was at fault (a 4xx answer), 1 when the server failed or could not be reached.
 """
 
