@@ -423,13 +423,16 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
 # -- adaptlm client ...: the Python SDK (clients/) against a running server ------------------------------------
 
 
+_MAX_TIMEOUT_S = 1e6
+
+
 def _client(args: argparse.Namespace) -> Client:
     from clients import DEFAULT_BASE_URL, Client, RetryPolicy
 
     if args.max_retries < 0:
         raise UsageError("--max-retries must not be negative")
-    if args.timeout is not None and not args.timeout > 0:
-        raise UsageError("--timeout must be positive")
+    if args.timeout is not None and not 0 < args.timeout <= _MAX_TIMEOUT_S:  # a socket cannot wait for ever (inf)
+        raise UsageError(f"--timeout must be a positive number of seconds, at most {_MAX_TIMEOUT_S:.0f}")
     options: dict[str, Any] = {"api_key": args.api_key or None, "retry": RetryPolicy(max_retries=args.max_retries)}
     if args.timeout is not None:
         options["timeout"] = args.timeout

@@ -117,6 +117,10 @@ def test_client_mistakes_exit_2(live: LiveServer, tmp_path: Path) -> None:
     failed(adaptlm("session", "frobnicate", url=live.url), 2)
     failed(adaptlm("score", "x", url="localhost:8000"), 2)
     failed(adaptlm("score", "x", "--max-retries", "-1", url=live.url), 2)
+    for timeout in ("0", "nan", "inf", "1e300"):  # inf and 1e300 were an OverflowError traceback from the socket
+        assert "--timeout must be" in failed(adaptlm("health", "--timeout", timeout, url=live.url), 2)
+    err = failed(adaptlm("session", "export", "some-session-0123456789", "--out", str(tmp_path), url=live.url), 2)
+    assert "is a directory" in err  # before the request
 
 
 def test_an_unreachable_server_exits_1() -> None:
