@@ -1,8 +1,9 @@
 """`adaptlm` command line: train, score, generate, eval, tune, serve, and `client ...` (the SDK, against a server).
 
 User mistakes (bad flags, unreadable files, bad checkpoints, empty text) print one line to stderr and
-exit with status 2; no tracebacks. Ctrl-C exits 130; a standard output closed early (`| head`) 141, quietly. `adaptlm client` commands print the server's error in one line and exit
-with 2 when the request was at fault (a 4xx answer), 1 when the server failed or could not be reached.
+exit with status 2; no tracebacks. Ctrl-C exits 130; a standard output closed early (`| head`) 141, quietly.
+`adaptlm client` commands print the server's error in one line and exit with 2 when the request was at fault
+(a 4xx answer), 1 when the server failed or could not be reached.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     ckpt = _load(args.checkpoint, args.device)
     out = sys.stdout
-    for piece in generate(ckpt.model, args.prompt.encode("utf-8"), params, tokenizer=ckpt.tokenizer):
+    prompt = os.fsencode(args.prompt)  # the bytes given, UTF-8 or not (argv keeps undecodable bytes as surrogates)
+    for piece in generate(ckpt.model, prompt, params, tokenizer=ckpt.tokenizer):
         out.write(piece)
         out.flush()
     out.write("\n")

@@ -44,6 +44,13 @@ def test_generate_is_seeded(tiny_checkpoint: Path) -> None:
     assert a.stdout == b.stdout and len(a.stdout) > 1
 
 
+def test_generate_prompt_is_the_bytes_given(tiny_checkpoint: Path) -> None:
+    """A prompt that is not UTF-8 on the command line (`--prompt $'ab\\xff'`): a byte model continues those bytes
+    (was a UnicodeEncodeError traceback)."""
+    r = run("generate", "--checkpoint", str(tiny_checkpoint), "--prompt", "ab\udcff", "--max-tokens", "5")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
