@@ -412,8 +412,9 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),
                           on_message=progress)
     record.update(result.summary())
-    if args.json:
-        print(json.dumps(record))
+    if args.json:  # no word typed: accuracies and latencies are undefined (NaN), null in JSON
+        print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                          for k, v in record.items()}))
     else:
         print(f"KSR {record['ksr']:.4f} ({result.typed:,} keys typed + {result.selections:,} selections for "
               f"{result.chars:,} characters); next word top-1 {record['top1_accuracy']:.4f}, top-3 "

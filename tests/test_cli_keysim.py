@@ -92,3 +92,14 @@ def test_unreachable_server_is_one_line_and_status_1(text: Path) -> None:
     assert r.returncode == 1, err
     assert err.startswith("adaptlm: error: no answer from ") and err.count("\n") == 1, err
     assert "None" not in err, err
+
+
+def test_a_text_without_words_is_valid_json(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Lines with no word to type: the accuracies and latencies are undefined, null in the JSON (was NaN, which is
+    not JSON)."""
+    blank = tmp_path / "blank.txt"
+    blank.write_bytes(b"\n \n\n")
+    r = keyboard_sim("--text", str(blank), "--checkpoint", str(tiny_checkpoint), "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    out = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert out["words"] == 0 and out["top1_accuracy"] is None and out["suggest_ms_p50"] is None
