@@ -494,6 +494,8 @@ def client_score(client: Client, args: argparse.Namespace) -> int:
     text = _text_or_file(args.text, args.file, "text")
     if args.adapt and not args.session:
         raise UsageError("--adapt needs --session")
+    if args.logprobs and not args.json:  # the text line has no room for them
+        raise UsageError("--logprobs needs --json")
     result = client.score(text, logprobs=args.logprobs, session_id=args.session, adapt=args.adapt)
     if args.json:
         _print_model(result)

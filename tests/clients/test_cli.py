@@ -111,6 +111,7 @@ def test_client_mistakes_exit_2(live: LiveServer, tmp_path: Path) -> None:
     err = failed(adaptlm("score", url=live.url), 2)  # neither
     assert "give the text as an argument or with --file" in err and "not both" not in err
     failed(adaptlm("score", "x", "--adapt", url=live.url), 2)
+    assert "--logprobs needs --json" in failed(adaptlm("score", "x", "--logprobs", url=live.url), 2)  # was ignored
     failed(adaptlm("score", "--file", str(tmp_path / "missing.txt"), url=live.url), 2)
     failed(adaptlm("session", "import", "some-session-0123456789", "--file", str(tmp_path / "none"),
                    url=live.url), 2)
