@@ -5,9 +5,9 @@ w_mh (H, H); w_m (4H, H); m (B, k, k) acting on the first k units of h, k <= H. 
 adapted h'_t of every step, and the final h'_T, c_T (B, H).
 
     m_t = mx_t * (W_mh h'_{t-1})                eq. 3.5
-    z_t = zx_t + W_m m_t                        eq. 3.6
-    c_t = sig(f) * c_{t-1} + sig(i) * tanh(u)   eq. 3.8
-    h_t = sig(o) * tanh(c_t)                    eq. 3.9
+    z_t = zx_t + W_m m_t                        eq. 3.6-3.9 (input and gates)
+    c_t = sig(f) * c_{t-1} + sig(i) * tanh(u)   eq. 2.21 (the LSTM's cell update)
+    h_t = sig(o) * tanh(c_t)                    eq. 2.22
     h'_t = h_t + M h_t (first k units)          sec. 4.6
 
 Sparse dynamic evaluation needs dL/dM and nothing of the weights. Plain autograd records ~20 nodes per step
@@ -45,9 +45,9 @@ def adapted_mlstm_ref(mx: torch.Tensor, zx: torch.Tensor, h0: torch.Tensor, c0: 
     h, c, outs = h0, c0, []
     for mx_t, zx_t in zip(mx.unbind(1), zx.unbind(1), strict=True):
         mm = mx_t * (h @ w_mh.t())  # (B, H) eq. 3.5
-        i, f, o, u = (zx_t + mm @ w_m.t()).chunk(4, dim=1)  # (B, H) each, eq. 3.6
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(u)  # eq. 3.8
-        h = apply_adapter_ref(torch.sigmoid(o) * torch.tanh(c), m)  # eq. 3.9, then h' = h + M h
+        i, f, o, u = (zx_t + mm @ w_m.t()).chunk(4, dim=1)  # (B, H) each, eq. 3.6-3.9
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(u)  # eq. 2.21
+        h = apply_adapter_ref(torch.sigmoid(o) * torch.tanh(c), m)  # eq. 2.22, then h' = h + M h
         outs.append(h)
     return torch.stack(outs, dim=1), h, c  # (B, T, H)
 
@@ -81,11 +81,11 @@ class _AdaptedMLSTM(torch.autograd.Function):
         outs, kept = [], []
         for mx_t, zx_t in zip(mx.unbind(1), zx.unbind(1), strict=True):
             mm = mx_t * (h.to(w_mh.dtype) @ w_mh.t())  # (B, H) eq. 3.5
-            i, f, o, u = (zx_t + mm.to(w_m.dtype) @ w_m.t()).chunk(4, dim=1)  # eq. 3.6
+            i, f, o, u = (zx_t + mm.to(w_m.dtype) @ w_m.t()).chunk(4, dim=1)  # eq. 3.6-3.9
             si, sf, so, tu = torch.sigmoid(i), torch.sigmoid(f), torch.sigmoid(o), torch.tanh(u)
-            c = sf * c + si * tu  # (B, H) eq. 3.8
+            c = sf * c + si * tu  # (B, H) eq. 2.21
             tc = torch.tanh(c)
-            h_pre = so * tc  # (B, H) eq. 3.9
+            h_pre = so * tc  # (B, H) eq. 2.22
             h = apply_adapter_ref(h_pre, m)  # (B, H) h' = h + M h
             outs.append(h)
             kept.append((h_pre[:, :k], c, tc, si, sf, so, tu))
@@ -103,7 +103,7 @@ class _AdaptedMLSTM(torch.autograd.Function):
         T, B, H = cs.shape
         k = m.shape[-1]
         lowp = w_m.dtype if w_m.dtype != cs.dtype else None
-        # every step's local derivatives at once (eq. 3.8-3.9): dc_t += dh_t * p_t; dz_t = [dc, dc, dh, dc] * s_t,
+        # every step's local derivatives at once (eq. 2.21-2.22): dc_t += dh_t * p_t; dz_t = [dc, dc, dh, dc] * s_t,
         # with the fused sigmoid'/tanh' ops autograd itself uses (y' = g y (1 - y), g (1 - y^2)), written in place
         sig_bwd, tanh_bwd = torch.ops.aten.sigmoid_backward.grad_input, torch.ops.aten.tanh_backward.grad_input
         p = torch.ops.aten.tanh_backward(so, tcs)  # (T, B, H) dh_t/dc_t = sig(o) tanh'(c)
@@ -135,7 +135,7 @@ class _AdaptedMLSTM(torch.autograd.Function):
                     dh = torch.addmm(outs[t - 1], dmm, w_mh) if lowp is None else outs[t - 1] + _mm(dmm, w_mh)
                 else:
                     d_h0 = _mm(dmm, w_mh)
-            dc = dc * sfs[t]  # dL/dc_{t-1} through eq. 3.8
+            dc = dc * sfs[t]  # dL/dc_{t-1} through eq. 2.21
         if need_c0:
             d_c0 = dc
         d_m = torch.bmm(torch.stack(gs, dim=2), heads) if ctx.needs_input_grad[6] else None  # (B, k, k) sum_t g_t h_t^T

@@ -6,6 +6,9 @@
     h_t = sig(o) * tanh(c_t)
     h'_t = h_t + M h_t                      adaptation site on the first k units (thesis sec. 4.6)
 
+Eq. 3.5 is m_t, eq. 3.6-3.9 the input and the gates (from m_t instead of h_{t-1}); the cell and output updates are
+the LSTM's own, eq. 2.21-2.22, which ch. 3 does not restate.
+
 The input projections W_mx x and W_x x do not depend on the recurrence, so they are computed for the
 whole sequence in two matmuls before the time loop; the loop does two matmuls per step.
 
@@ -103,10 +106,10 @@ def mlstm_cell(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Ten
     m = mx * (h.to(w_mh.dtype) @ w_mh.t())  # (B, H) eq. 3.5
     # under bf16 autocast (or with bf16 weights) the matmuls come back in bf16; gates and the cell state stay in
     # c's dtype
-    z = zx.to(c.dtype) + (m.to(w_m.dtype) @ w_m.t()).to(c.dtype)  # (B, 4H) eq. 3.6
+    z = zx.to(c.dtype) + (m.to(w_m.dtype) @ w_m.t()).to(c.dtype)  # (B, 4H) eq. 3.6-3.9
     i, f, o, u = z.chunk(4, dim=1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(u)  # eq. 3.8
-    h = torch.sigmoid(o) * torch.tanh(c)  # eq. 3.9
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(u)  # eq. 2.21
+    h = torch.sigmoid(o) * torch.tanh(c)  # eq. 2.22
     return h, c
 
 
