@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from fastapi.testclient import TestClient
 
 from models.adaptation import (
@@ -103,6 +104,31 @@ def test_aux_weights_follow_the_schedule() -> None:
         assert all(v.dim() == 0 and v > 0 for v in out.aux.values())
     ablated = _model(aux_layers=False, aux_two_ahead=False).train()
     assert ablated(x, ablated.init_state(2)).aux == {}
+
+
+def test_aux_losses_equal_the_papers_targets_computed_by_hand() -> None:
+    """Paper, "Auxiliary Losses": block l's own classifier predicts the next byte and its extra classifier the byte
+    two ahead, at every position, the latter weighted 0.5; written out over one fresh window (positions 0..T-1)."""
+    model = _model().train()
+    model.set_training_progress(0.0)
+    x = _tokens(10, batch=2, seed=1)
+    T, D, H = x.shape[1], MODEL["d_model"], MODEL["n_head"]
+    out = model(x, model.init_state(2))
+    h, outs = model.embed(x), []
+    for l, block in enumerate(model.blocks):
+        h = h + model.pos[l][:T]  # the layer's own positional embedding
+        q, k, v = (t.view(2, T, H, D // H).transpose(1, 2) for t in block.qkv(block.ln1(h)).split(D, -1))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (2, H, T, D/H)
+        h = h + block.proj(att.transpose(1, 2).reshape(2, T, D))
+        h = h + block.mlp(block.ln2(h))
+        outs.append(h)
+    torch.testing.assert_close(out.logits, model.head(model.ln_f(h)))
+    for l in range(MODEL["n_layer"]):
+        if l < MODEL["n_layer"] - 1:
+            nxt = F.cross_entropy(model.aux["next"][l](outs[l][:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            torch.testing.assert_close(out.aux[f"layer{l}"], nxt)
+        two = F.cross_entropy(model.aux["two"][l](outs[l][:, :-2]).flatten(0, 1), x[:, 2:].flatten())
+        torch.testing.assert_close(out.aux[f"two{l}"], 0.5 * two)
 
 
 def test_training_only_heads_are_not_needed_to_score() -> None:
