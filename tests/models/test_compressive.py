@@ -312,6 +312,36 @@ def test_most_used_keeps_the_most_attended_evicted_slots_in_order() -> None:
         assert bool((state.tensors[f"cmem{i}"][0, :-3] == 0).all())
 
 
+def test_reconstruction_loss_and_compressed_memory_equal_the_papers_formulas_by_hand() -> None:
+    """Sec. 3.2 "Attention": at each eviction || attn(x, E) - attn(x, f(E)) ||^2 with x the completing segment's layer
+    inputs, E the evicted ones, content-only multi-head attention with the layer's LN, Q, K, V (mean squared error
+    here, averaged over the evictions of the call); sec. 3.1: cmem holds f(E) of each evicted segment in order."""
+    model = _model(n_layer=1, mem_len=6, cmem_len=4).train()  # segment 6, c = 3: 18 bytes evict twice
+    block = model.layers[0]
+    compressor = block.compressor_
+    with torch.no_grad():  # a conv that is not mean pooling
+        compressor.weight.add_(0.1 * torch.randn(compressor.weight.shape, generator=torch.Generator().manual_seed(1)))
+    x = _tokens(18, batch=2, seed=2)
+    out = model(x, model.init_state(2))
+    e = model.embed(x).detach()  # (2, 18, D) layer 0's inputs (dropout 0)
+
+    def f(old: torch.Tensor) -> torch.Tensor:
+        return F.conv1d(old.transpose(1, 2), compressor.weight, compressor.bias, stride=3).transpose(1, 2)
+
+    def attn(h: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(2, t.shape[1], 2, 8).transpose(1, 2)  # (2, H, L, Dh)
+        k, v = block.kv(block.ln1(mem)).chunk(2, -1)
+        q = block.q(block.ln1(h))
+        return torch.softmax(heads(q) @ heads(k).transpose(-1, -2) / 8**0.5, -1) @ heads(v)
+
+    evictions = [(e[:, 6:12], e[:, 0:6]), (e[:, 12:18], e[:, 6:12])]  # (queries' inputs, evicted inputs)
+    want = torch.stack([(attn(seg, old) - attn(seg, f(old))).pow(2).mean() for seg, old in evictions]).mean()
+    torch.testing.assert_close(out.aux["recon"], model.config.recon_weight * want)
+    torch.testing.assert_close(out.state.tensors["cmem0"], torch.cat([f(e[:, 0:6]), f(e[:, 6:12])], 1))
+    torch.testing.assert_close(out.state.tensors["mem0"][:, -6:], e[:, 12:18])
+
+
 @pytest.mark.parametrize("mode", ["conv", "dilated"])
 def test_gradient_isolation_of_the_reconstruction_loss(mode: str) -> None:
     """The LM loss gives the compressor no gradient; the reconstruction loss gives every other weight none (the
