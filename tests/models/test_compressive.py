@@ -183,9 +183,14 @@ def _reference_logits(model: CompressiveTransformer, state: State, tokens: torch
                                                ((26, 33), 3)])
 def test_relative_attention_by_distance_equals_a_full_score_reference(histories: tuple[int, ...], m: int) -> None:
     """Rows at different fills (empty, filling, pending bytes, full compressed memory), batched: each row's logits
-    equal the reference built from the definitions."""
+    equal the reference built from the definitions. u and v are drawn away from their zero initialisation, so that
+    the global content and positional biases (Transformer-XL terms (c), (d)) are checked too."""
     model = _model()
     with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for blk in model.layers:
+            blk.u.copy_(torch.randn(blk.u.shape, generator=g))
+            blk.v.copy_(2 * torch.randn(blk.v.shape, generator=g))
         states = [model(_tokens(n, seed=n), model.init_state(1)).state if n else model.init_state(1)
                   for n in histories]
         x = _tokens(m, batch=len(histories), seed=99)
