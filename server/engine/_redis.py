@@ -17,7 +17,9 @@ them together):
     <ns>:pins     sorted set "<instance>|<id>" -> lease end: sessions with work in flight on some server
     <ns>:owner    hash id -> owner; <ns>:o:<owner>, sorted set id -> last use; <ns>:obytes, hash owner -> bytes:
                   each owner's sessions: to make room, only owners over their share of the store
-                  (`owner_max_sessions`, `owner_max_bytes`) give up sessions, least recently used first
+                  (`owner_max_sessions`, `owner_max_bytes`) give up sessions, least recently used first; a
+                  record of an older server (in no owner's index until a write of this version) makes room as any
+                  did before shares
 
 Every change touching several keys is one Lua script, atomic across servers. An update writes only over the
 revision its work read (`SessionStore.update`): two servers working on one session at once are ordered by their
@@ -132,15 +134,15 @@ local function load(o)
     owned_b[o] = tonumber(redis.call('HGET', ns .. ':obytes', o) or '0')
   end
 end
-local function owner_of(v)  -- a record written before the owner index has its owner in its hash only
-  return redis.call('HGET', ns .. ':owner', v) or redis.call('HGET', skey(v), 'owner') or ''
-end
+-- The owner a session is counted for; false for a record written before the owner index (by an older server):
+-- no owner's count holds it, so it makes room as every session did then, least recently used first
+local function owner_of(v) return redis.call('HGET', ns .. ':owner', v) end
 load(owner)
 local old = redis.call('HGET', KEYS[3], id)
 if old then
   count = count - 1; bytes = bytes - tonumber(old)
   local was = owner_of(id)
-  load(was); owned[was] = owned[was] - 1; owned_b[was] = owned_b[was] - tonumber(old)
+  if was then load(was); owned[was] = owned[was] - 1; owned_b[was] = owned_b[was] - tonumber(old) end
 end
 owned[owner] = owned[owner] + 1; owned_b[owner] = owned_b[owner] + size  -- the new session counts for its owner
 local function fits() return count + 1 <= max_n and bytes + size <= max_b end
@@ -156,12 +158,13 @@ if not fits() then
       if v ~= id then
         local s = tonumber(redis.call('HGET', KEYS[3], v) or '0')
         local o = owner_of(v)
-        load(o)
+        if o then load(o) end
         local gone = redis.call('EXISTS', skey(v)) == 0
-        -- an idle session makes room only if its owner is over its share
-        if gone or (not pins[v] and (owned[o] > own_n or owned_b[o] > own_b)) then
+        -- an idle session makes room only if its owner is over its share (or it is counted for no owner)
+        if gone or (not pins[v] and (not o or owned[o] > own_n or owned_b[o] > own_b)) then
           table.insert(gone and expired or victims, v)
-          count = count - 1; bytes = bytes - s; owned[o] = owned[o] - 1; owned_b[o] = owned_b[o] - s
+          count = count - 1; bytes = bytes - s
+          if o then owned[o] = owned[o] - 1; owned_b[o] = owned_b[o] - s end
         end
       end
     end

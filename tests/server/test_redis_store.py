@@ -520,3 +520,47 @@ def test_serve_with_an_unreachable_redis_says_so_in_one_line(tiny_checkpoint: Pa
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("adaptlm: error: the session store "), r.stderr
     assert f"redis://127.0.0.1:{port}/2 does not answer" in lines[0] and "hunter2" not in r.stderr
+
+
+def owner_books(url: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The owner index as the scripts keep it (owner -> sessions, owner -> bytes; owners at zero left out), after
+    checking that it names every indexed session once, under the owner its record holds."""
+    with redis.Redis.from_url(url, decode_responses=True) as r:
+        ns = f"adaptlm:{{{HASH[:16]}}}"
+        index = r.hgetall(f"{ns}:owner")
+        sizes = {i: int(s) for i, s in r.hgetall(f"{ns}:size").items()}
+        assert set(index) <= set(sizes)
+        for i, owner in index.items():
+            assert r.hget(f"{ns}:s:{i}", "owner") in (owner, None)  # None: expired, not swept yet
+        counts = {o: r.zcard(f"{ns}:o:{o}") for o in set(index.values())}
+        assert counts == {o: list(index.values()).count(o) for o in set(index.values())}
+        obytes = {o: int(b) for o, b in r.hgetall(f"{ns}:obytes").items() if int(b)}
+        assert obytes == {o: sum(sizes[i] for i, w in index.items() if w == o) for o in set(index.values())}
+        return counts, obytes
+
+
+def forget_owner_index(url: str) -> None:
+    """Make the stored records look as a server of the version before the owner index wrote them."""
+    with redis.Redis.from_url(url) as r:
+        ns = f"adaptlm:{{{HASH[:16]}}}"
+        r.delete(f"{ns}:owner", f"{ns}:obytes", *r.keys(f"{ns}:o:*"))
+        for key in r.keys(f"{ns}:s:*"):
+            r.hdel(key, "revision")
+
+
+def test_records_written_before_the_owner_index_still_make_room(redis_url: str) -> None:
+    # after an upgrade the store is full of records no owner index counts: they make room as before (least
+    # recently used first), and are not taken for sessions of an owner within its share (which nothing evicts)
+    store = store_at(redis_url, max_sessions=3, owner_max_sessions=3, owner_max_bytes=10**9)
+    for name in "abc":
+        store.insert(make(name, owner="alice"))
+    forget_owner_index(redis_url)
+    store.insert(make("d", owner="alice"))
+    assert [store.contains(n) for n in "abcd"] == [False, True, True, True]
+    store.insert(make("e", owner="bob"))  # bob's first: alice's oldest (of the old version) makes room
+    assert [store.contains(n) for n in "bcde"] == [False, True, True, True]
+    assert owner_books(redis_url) == ({"alice": 1, "bob": 1}, {"alice": SIZE, "bob": SIZE})
+    store.insert(make("c", owner="alice"))  # an old record replaced: it is counted now, once
+    assert owner_books(redis_url) == ({"alice": 2, "bob": 1}, {"alice": 2 * SIZE, "bob": SIZE})
+    assert store.stats().sessions == 3 and store.stats().evictions["lru"] == 2
+
