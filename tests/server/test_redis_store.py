@@ -564,3 +564,25 @@ def test_records_written_before_the_owner_index_still_make_room(redis_url: str) 
     assert owner_books(redis_url) == ({"alice": 2, "bob": 1}, {"alice": 2 * SIZE, "bob": SIZE})
     assert store.stats().sessions == 3 and store.stats().evictions["lru"] == 2
 
+
+def test_the_owner_index_keeps_the_books_on_every_path(redis_url: str) -> None:
+    store = store_at(redis_url, max_sessions=4, owner_max_sessions=2, owner_max_bytes=10**9)
+    for name in "ab":
+        store.insert(make(name, owner="alice"))
+    store.insert(make("c", owner="bob"))
+    assert owner_books(redis_url) == ({"alice": 2, "bob": 1}, {"alice": 2 * SIZE, "bob": SIZE})
+    a = store.get("a", "alice")
+    assert a is not None and store.update(dataclasses.replace(a, last_token=3)) is not None  # an update
+    store.insert(make("b", owner="bob", k=8))  # replaced under another owner (an import once alice's expired)
+    big = len(export_session(make("b", owner="bob", k=8), HASH))
+    assert owner_books(redis_url) == ({"alice": 1, "bob": 2}, {"alice": SIZE, "bob": SIZE + big})
+    assert store.delete("c", "bob")  # a delete
+    assert owner_books(redis_url) == ({"alice": 1, "bob": 1}, {"alice": SIZE, "bob": big})
+    store.insert(make("x", owner="bob", ttl=0.2))
+    time.sleep(0.4)
+    assert store.sweep() == 1  # an expiry
+    assert owner_books(redis_url) == ({"alice": 1, "bob": 1}, {"alice": SIZE, "bob": big})
+    for name in "defg":  # evictions: bob over his share gives up his own, alice keeps hers
+        store.insert(make(name, owner="bob"))
+    assert store.contains("a") and store.stats().sessions == 4
+    assert owner_books(redis_url) == ({"alice": 1, "bob": 3}, {"alice": SIZE, "bob": 3 * SIZE})
