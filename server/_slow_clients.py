@@ -2,7 +2,7 @@
 likes, so a few thousand connections that send a byte a minute (or nothing) hold the server's sockets forever.
 
 - The head: `HeadDeadlineProtocol`, uvicorn's h11 protocol with a deadline from a connection's first byte (or its
-  opening) to the end of the request's headers; past it the client is answered 408 in the one error shape and the
+  opening; for a pipelined request, the answer to the one before it) to the end of the request's headers; past it the client is answered 408 in the one error shape and the
   connection is closed. (uvicorn's keep-alive timer only runs between requests, and any byte stops it.)
 - The body: `app.BodyLimitMiddleware` reads it with the same time allowed between two reads (its `idle_s`).
 """
@@ -46,6 +46,14 @@ class HeadDeadlineProtocol(H11Protocol):
         super().data_received(data)
         if self._head_deadline is not None and self.conn.their_state is not h11.IDLE:
             self._disarm()  # the head is in: the app (and BodyLimitMiddleware) has the request
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # a pipelined request's head that came in part behind the one just answered: no byte of it is to come
+        # through `data_received` first (an idle keep-alive connection, nothing buffered, stays the keep-alive's)
+        if (self._head_deadline is None and not self.transport.is_closing() and self.conn.their_state is h11.IDLE
+                and self.conn.trailing_data[0]):
+            self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -224,6 +224,23 @@ def test_slow_clients_are_answered_408_and_disconnected(tiny_checkpoint: Path, s
             assert c.get("/readyz").status_code == 200
 
 
+
+def test_a_pipelined_requests_head_has_the_same_deadline(tiny_checkpoint: Path, serve_app: Any) -> None:
+    """A request whose head came in part behind the one before it (pipelined) was bound only by the keep-alive's
+    75 s once the first was answered, and closed without a 408."""
+    request = (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n"
+               b'{"text":"ab"}')
+    with serve_app(Settings(checkpoint=tiny_checkpoint, client_timeout_s=1.0)) as live:
+        port = int(live.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(request + b"POST /v1/score HTTP/1.1\r\nHo")
+            answer, took = _read_until_closed(sock, 10)
+        first, _, second = answer.partition(b"HTTP/1.1 408 ")
+        assert first.startswith(b"HTTP/1.1 200 ") and first.count(b"HTTP/1.1 ") == 1, answer[:300]
+        _timeout_error(b"HTTP/1.1 408 " + second)
+        assert took < 5
+
+
 # -- rate limits -----------------------------------------------------------------------------------------------
 
 def test_the_token_bucket_refills_at_its_rate() -> None:
