@@ -21,7 +21,7 @@
 
 `AsyncClient` and `AsyncSession` are the same API for async code. Answers are the pydantic models of
 `server.protocol` (re-exported here); failures are `AdaptlmError` subclasses chosen by the server's
-`error.type`; 429 and 503 answers are retried as `RetryPolicy` says.
+`error.type`; 429 and 503 answers, and a 409 session_conflict, are retried as `RetryPolicy` says.
 """
 
 from clients._async_client import AsyncClient, AsyncSession

@@ -44,8 +44,9 @@ class Client:
 
     `api_key` is sent as `Authorization: Bearer <key>` (the SDK reads no environment variables). `timeout`:
     seconds, or an `httpx.Timeout` (default: 120 s to answer, 10 s to connect; None waits forever). `retry`:
-    how 429 and 503 answers are retried (`RetryPolicy`). `headers` are added to every request; `transport`
-    replaces httpx's (e.g. `httpx.MockTransport` in tests). Errors are raised as `AdaptlmError` subclasses.
+    how 429 and 503 answers, and a 409 session_conflict, are retried (`RetryPolicy`). `headers` are added to every
+    request; `transport` replaces httpx's (e.g. `httpx.MockTransport` in tests). Errors are raised as `AdaptlmError`
+    subclasses.
     Use it as a context manager, or call `close`.
     """
 
