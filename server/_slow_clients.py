@@ -2,8 +2,9 @@
 likes, so a few thousand connections that send a byte a minute (or nothing) hold the server's sockets forever.
 
 - The head: `HeadDeadlineProtocol`, uvicorn's h11 protocol with a deadline from a connection's first byte (or its
-  opening; for a pipelined request, the answer to the one before it) to the end of the request's headers; past it the client is answered 408 in the one error shape and the
-  connection is closed. (uvicorn's keep-alive timer only runs between requests, and any byte stops it.)
+  opening; for a pipelined request, the answer to the one before it) to the end of the request's headers; past it
+  the client is answered 408 in the one error shape and the connection is closed. (uvicorn's keep-alive timer only
+  runs between requests, and any byte stops it.)
 - The body: `app.BodyLimitMiddleware` reads it with the same time allowed between two reads (its `idle_s`).
 """
 
