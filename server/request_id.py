@@ -55,7 +55,7 @@ class RequestIdMiddleware(HTTPMiddleware):
 
 
 # Query parameters whose values are credentials (the keyboard page's `?key=`): an access line prints `key=***`.
-_SECRET_PARAM = re.compile(r"(?i)([?&](?:[a-z_]*key|[a-z_]*token|password|secret)=)[^&#]*")
+_SECRET_PARAM = re.compile(r"(?i)([?&](?:[a-z_.-]*key|[a-z_.-]*token|password|secret)=)[^&#]*")
 
 
 def redact_query(path: str) -> str:

@@ -411,12 +411,12 @@ def test_a_key_in_a_query_string_is_not_logged(log_format: str) -> None:
     fmt = uvicorn_log_config("text")["formatters"]["access"]["fmt"]
     formatter = JsonFormatter() if log_format == "json" else AccessFormatter(fmt, use_colors=False)
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
-                               ("127.0.0.1:5", "GET", "/keyboard?x=1&key=key-alice-0123456789&api_key=s3cret#k", "1.1",
-                                200), None)
+                               ("127.0.0.1:5", "GET", "/keyboard?x=1&key=key-alice-0123456789&api_key=s3cret"
+                                "&X-Api-Key=h1dden#k", "1.1", 200), None)
     assert RequestIdFilter().filter(record)  # the filter uvicorn_log_config puts on every handler
     line = formatter.format(record)
-    assert "key-alice" not in line and "s3cret" not in line, line
-    assert "/keyboard?x=1&key=***&api_key=***" in line, line
+    assert "key-alice" not in line and "s3cret" not in line and "h1dden" not in line, line
+    assert "/keyboard?x=1&key=***&api_key=***&X-Api-Key=***" in line, line
 
 
 # -- errors name no internals -----------------------------------------------------------------------------------
