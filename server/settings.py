@@ -19,7 +19,8 @@
     ADAPTLM_MAX_WAIT_MS      coming from idle, how long the engine waits for more work to fill a batch
     ADAPTLM_MAX_QUEUE        work items waiting to start; beyond it, 429 with Retry-After
     ADAPTLM_RETRY_AFTER_S    the Retry-After of a 429 (and of a 503 for a full session store)
-    ADAPTLM_MAX_SESSIONS     sessions kept in memory; the least recently used idle one makes room
+    ADAPTLM_MAX_SESSIONS     sessions kept in memory; the least recently used idle one (of a key over its share,
+                             below) makes room
     ADAPTLM_SESSION_MEMORY_BYTES   tensor bytes all sessions may hold (state, static state, adapter)
     ADAPTLM_MAX_SESSIONS_PER_KEY, ADAPTLM_SESSION_MEMORY_BYTES_PER_KEY   one API key's share of the two limits above
                              (default: the limit divided by the number of keys): when the store is full, only keys
