@@ -60,7 +60,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from models.device import DEVICE_PATTERN
 from models.precision import Precision
 
-__all__ = ["DEFAULT_CHECKPOINT", "LogLevel", "Settings", "ignored_variables"]
+__all__ = ["DEFAULT_CHECKPOINT", "TOOLS_VARIABLES", "LogLevel", "Settings", "ignored_variables"]
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "default"
 
@@ -192,8 +192,9 @@ class Settings(BaseSettings):
         return self
 
 
-# ADAPTLM_* variables of the tools beside the server (the client CLI's key, the load and soak tests', the tests')
-_TOOLS_VARIABLES = re.compile(r"ADAPTLM_(API_KEY|LOADTEST_\w+|SOAK_\w+|TEST_\w+|CRASH_\w+|SHARED)")
+# ADAPTLM_* variables of the tools beside the server (the client CLI's key, the load and soak tests', the tests'),
+# and the prefixes of their families as the docs name them (ADAPTLM_LOADTEST_*)
+TOOLS_VARIABLES = re.compile(r"ADAPTLM_(API_KEY|LOADTEST(_\w+)?|SOAK(_\w+)?|TEST_\w+|CRASH_\w+|SHARED)")
 
 
 def ignored_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -202,7 +203,7 @@ def ignored_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
     names = [f"ADAPTLM_{field.upper()}" for field in Settings.model_fields]
     messages = []
     for name in sorted(environ):
-        if name.startswith("ADAPTLM_") and name not in names and not _TOOLS_VARIABLES.fullmatch(name):
+        if name.startswith("ADAPTLM_") and name not in names and not TOOLS_VARIABLES.fullmatch(name):
             close = difflib.get_close_matches(name[8:], [n[8:] for n in names], n=1, cutoff=0.7)  # past the prefix
             messages.append(f"{name} is not a setting of the server and is ignored"
                             + (f" (did you mean ADAPTLM_{close[0]}?)" if close else ""))

@@ -7,12 +7,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from server.settings import TOOLS_VARIABLES as NOT_SETTINGS
 from server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
-# Variables of the tools, not of the server: the client CLI's key, the load test's and the tests' own.
-NOT_SETTINGS = re.compile(r"ADAPTLM_(API_KEY|LOADTEST(_\w+)?|SOAK_\w+|TEST_TRAIN_SEED|CRASH_TYPISTS|SHARED)")
 
 
 def settings_table() -> dict[str, tuple[str, str]]:
