@@ -7,10 +7,11 @@
   config.json's "tokenizer" names the tokenizer (absent: bytes, as every checkpoint before it was saved).
     MODEL_CARD.md       human-readable card
 
-A save writes every file to a temporary name and renames it into place, config.json last. It also draws a random
-"save_id" into config.json and into both safetensors files' metadata: a save that was killed between two renames
-leaves weights or statistics of one save beside the config of another, and the loader refuses that mix by name
-instead of serving weights with the MS_g of other weights. (A file without a save_id, as in checkpoints saved
+A save writes every file to a temporary name and renames it into place, config.json last. It also writes a
+"save_id" into config.json and into both safetensors files' metadata, a digest of the weights and statistics it
+saves (so saving the same tensors again writes the same files): a save that was killed between two renames leaves
+weights or statistics of one save beside the config of another, and the loader refuses that mix by name instead of
+serving weights with the MS_g of other weights. (A file without a save_id, as in checkpoints saved
 before it or rewritten by another tool, is not checked.)
 
 Training-only parameters (a model's auxiliary heads, `LanguageModel.training_only_parameters`) are listed in
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,9 +87,8 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
     False leaves the training-only parameters (and their statistics) out (module docstring)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    save_id = secrets.token_hex(8)  # ties this save's files together (module docstring)
     config = {"format": FORMAT_VERSION, "model": model.config.to_dict(), **(meta or {}),
-              "tokenizer": (tokenizer or ByteTokenizer()).to_dict(), "save_id": save_id}
+              "tokenizer": (tokenizer or ByteTokenizer()).to_dict()}
     dropped: set[str] = set()
     if model.training_only_parameters():  # which weights are not inference parameters (the model's docstring)
         config["training_only_parameters"] = model.training_only_parameters()
@@ -100,6 +99,7 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
                if k not in dropped}
     stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()
                if k.removeprefix("param.") not in dropped}
+    config["save_id"] = save_id = _digest(weights, stats_t)  # ties this save's files together (module docstring)
     header = {"format": str(FORMAT_VERSION), "save_id": save_id}
     staged: dict[str, Callable[[Path], object]] = {  # config.json last: its save_id names a complete save
         "model.safetensors": lambda p: save_file(weights, str(p), metadata=header),
@@ -113,6 +113,17 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
         write(tmp)
         tmp.replace(out / name)
     return out
+
+
+def _digest(*groups: Mapping[str, torch.Tensor]) -> str:
+    """16 hex digits of SHA-256 over the tensors' names, dtypes, shapes and bytes."""
+    h = hashlib.sha256()
+    for tensors in groups:
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # CPU, contiguous (as saved)
+    return h.hexdigest()[:16]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

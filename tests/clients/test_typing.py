@@ -19,7 +19,7 @@ USER_CODE = """
 
     def app() -> float:
         with Client("http://127.0.0.1:8000", timeout=60, retry=RetryPolicy(max_retries=3)) as client:
-            bpb: float = client.score("It is a truth").bits_per_byte
+            bpb: float = client.score("It is a truth").bits_per_byte or 0.0  # None: nothing scored (a word held back)
             with client.generate_stream("It was a dark", max_tokens=10) as stream:
                 for chunk in stream:
                     bpb += len(chunk)
@@ -57,7 +57,7 @@ USER_CODE = """
     async def async_app() -> float:
         async with AsyncClient("http://127.0.0.1:8000") as client:
             a, b = await asyncio.gather(client.score("a"), client.score("b"))
-            return a.bits_per_byte + b.bits_per_byte
+            return (a.bits_per_byte or 0.0) + (b.bits_per_byte or 0.0)
 """
 
 
