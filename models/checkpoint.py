@@ -122,7 +122,7 @@ def _digest(*groups: Mapping[str, torch.Tensor]) -> str:
         for name in sorted(tensors):
             t = tensors[name]
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy())  # CPU, contiguous (as saved)
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # CPU, contiguous (as saved)
     return h.hexdigest()[:16]
 
 
