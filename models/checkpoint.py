@@ -7,12 +7,11 @@
   config.json's "tokenizer" names the tokenizer (absent: bytes, as every checkpoint before it was saved).
     MODEL_CARD.md       human-readable card
 
-A save writes every file to a temporary name and renames it into place, config.json last. It also writes a
-"save_id" into config.json and into both safetensors files' metadata, a digest of the weights and statistics it
-saves (so saving the same tensors again writes the same files): a save that was killed between two renames leaves
-weights or statistics of one save beside the config of another, and the loader refuses that mix by name instead of
-serving weights with the MS_g of other weights. (A file without a save_id, as in checkpoints saved
-before it or rewritten by another tool, is not checked.)
+A save writes every file to a temporary name and renames it into place, config.json last, whose "save_id" is a
+digest of the weights and statistics saved. The loader computes it again from the files: a save killed between two
+renames leaves weights or statistics of one save beside the config of another, and the loader refuses that mix
+instead of serving weights with the MS_g of other weights (or with another save's settings). A checkpoint without a
+save_id (saved before it) is not checked; to keep tensors that another tool rewrote, delete the save_id.
 
 Training-only parameters (a model's auxiliary heads, `LanguageModel.training_only_parameters`) are listed in
 config.json's "training_only_parameters". A checkpoint saved with `training_only=False` leaves them out of
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.adaptation import DynEvalSettings
@@ -99,8 +98,8 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
                if k not in dropped}
     stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()
                if k.removeprefix("param.") not in dropped}
-    config["save_id"] = save_id = _digest(weights, stats_t)  # ties this save's files together (module docstring)
-    header = {"format": str(FORMAT_VERSION), "save_id": save_id}
+    config["save_id"] = _digest(weights, stats_t)  # the loader checks the files against it (module docstring)
+    header = {"format": str(FORMAT_VERSION)}  # one key: safetensors writes its metadata in no fixed order
     staged: dict[str, Callable[[Path], object]] = {  # config.json last: its save_id names a complete save
         "model.safetensors": lambda p: save_file(weights, str(p), metadata=header),
         "stats.safetensors": lambda p: save_file(stats_t, str(p), metadata=header),
@@ -138,19 +137,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _read_tensors(path: Path, save_id: object = None) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, refused if it carries a save_id other than config.json's `save_id`."""
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            theirs = (f.metadata() or {}).get("save_id")
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
-    if save_id is not None and theirs is not None and theirs != save_id:
-        raise CheckpointError(f"{path}: written by another save than config.json (save_id {theirs}, config.json "
-                              f"{save_id}): a save was interrupted; save the checkpoint again")
     for k, v in tensors.items():
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             raise CheckpointError(f"{path}: tensor {k!r} holds non-finite values")
@@ -187,7 +180,12 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
 
     weights_path = d / "model.safetensors"
     save_id = meta.pop("save_id", None)
-    weights = _read_tensors(weights_path, save_id)
+    weights = _read_tensors(weights_path)
+    stats_path = d / "stats.safetensors"
+    stored_stats = _read_tensors(stats_path)
+    if save_id is not None and _digest(weights, stored_stats) != save_id:
+        raise CheckpointError(f"{d}: model.safetensors and stats.safetensors are not the tensors config.json was saved "
+                              "with (a save was interrupted, or a file was replaced): save the checkpoint again")
     try:
         with torch.device("meta"):
             model = build_model(config)
@@ -219,8 +217,7 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
     if not trainable:
         model.freeze()
 
-    stats_path = d / "stats.safetensors"
-    stats = {k: v.to(device, dtype) for k, v in _read_tensors(stats_path, save_id).items()}
+    stats = {k: v.to(device, dtype) for k, v in stored_stats.items()}
     params = dict(model.named_parameters())
     for k, v in stats.items():
         if k.startswith("param.") and (k[6:] not in params or params[k[6:]].shape != v.shape):

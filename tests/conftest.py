@@ -44,6 +44,26 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def other_weights_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with one weight nudged by another tool: the same architecture, other weights (another
+    hash); its config.json's save_id is dropped, as such a rewrite must (models/checkpoint.py)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("other") / "tiny"
+    shutil.copytree(tiny_checkpoint, out)
+    weights = load_file(str(out / "model.safetensors"))
+    weights["head.bias"] = weights["head.bias"] + 0.01
+    save_file(weights, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    del config["save_id"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="session")
 def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny AWD-LSTM word checkpoint (issue 13), trained here: shared by the word-model tests (server, bench)."""
     from trainer.config import make_config

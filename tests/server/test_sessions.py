@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from safetensors.torch import load, load_file, save_file
+from safetensors.torch import load
 
 from models.adaptation import evaluate
 from models.base import Adapter, State
@@ -317,21 +317,11 @@ def test_invalid_imports(client: httpx.Client, assert_error: Any) -> None:
     assert_error(client.get(f"/v1/sessions/{good_id}"), 404, "not_found_error", "session_id")
 
 
-@pytest.fixture(scope="module")
-def other_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny checkpoint with one weight nudged: the same architecture, other weights (another hash)."""
-    out = tmp_path_factory.mktemp("other") / "tiny"
-    shutil.copytree(tiny_checkpoint, out)
-    weights = load_file(str(out / "model.safetensors"))
-    weights["head.bias"] = weights["head.bias"] + 0.01
-    save_file(weights, str(out / "model.safetensors"))
-    return out
-
-
-def test_import_into_another_checkpoint_is_refused(client: httpx.Client, other_checkpoint: Path, serve_app: Any,
+def test_import_into_another_checkpoint_is_refused(client: httpx.Client, other_weights_checkpoint: Path,
+                                                   serve_app: Any,
                                                    assert_error: Any) -> None:
     blob = client.get(f"/v1/sessions/{create(client, initial_text=TEXT)['id']}/state").content
-    with serve_app(Settings(checkpoint=other_checkpoint)) as live, httpx.Client(base_url=live.url) as other:
+    with serve_app(Settings(checkpoint=other_weights_checkpoint)) as live, httpx.Client(base_url=live.url) as other:
         r = other.put("/v1/sessions/moved-session-0123456789/state", content=blob)
         assert assert_error(r, 409, "conflict_error")["code"] == "checkpoint_mismatch"
         assert "other weights" in r.json()["error"]["message"]
