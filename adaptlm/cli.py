@@ -579,6 +579,8 @@ def client_session_observe(client: Client, args: argparse.Namespace) -> int:
 def client_session_export(client: Client, args: argparse.Namespace) -> int:
     if args.out != "-":
         _check_output(args.out)
+    elif sys.stdout.isatty():  # binary bytes would garble the terminal and be of no use there
+        raise UsageError("an export is binary: give --out FILE, or redirect standard output")
     blob = client.export_state(args.id)
     if args.out == "-":
         sys.stdout.buffer.write(blob)

@@ -165,3 +165,23 @@ def test_suggest(live: LiveServer, client: Client) -> None:
     err = failed(adaptlm("suggest", "x", "--k", "11", url=live.url), 2)
     assert "422" in err and "param k" in err
     failed(adaptlm("suggest", "x", "--session", "no-such-session-0000", url=live.url), 2)
+
+
+def test_an_export_is_not_written_to_a_terminal(live: LiveServer) -> None:
+    """Without --out, an export went to standard output even when that was a terminal: binary bytes on screen."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    try:
+        r = subprocess.run([sys.executable, "-m", "adaptlm", "client", "session", "export", "some-session-0123456789",
+                            "--url", live.url], stdout=terminal, stderr=subprocess.PIPE, cwd=ROOT, timeout=120)
+    finally:
+        os.close(terminal)
+    os.set_blocking(controller, False)
+    try:
+        shown = os.read(controller, 4096)
+    except (BlockingIOError, OSError):  # nothing was written to the terminal
+        shown = b""
+    os.close(controller)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.startswith("adaptlm: error: an export is binary") and shown == b"", (err, shown)
