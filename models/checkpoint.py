@@ -7,11 +7,12 @@
   config.json's "tokenizer" names the tokenizer (absent: bytes, as every checkpoint before it was saved).
     MODEL_CARD.md       human-readable card
 
-A save writes every file to a temporary name and renames it into place, config.json last, whose "save_id" is a
-digest of the weights and statistics saved. The loader computes it again from the files: a save killed between two
-renames leaves weights or statistics of one save beside the config of another, and the loader refuses that mix
-instead of serving weights with the MS_g of other weights (or with another save's settings). A checkpoint without a
-save_id (saved before it) is not checked; to keep tensors that another tool rewrote, delete the save_id.
+A save writes every file to a temporary name and renames it into place, config.json last, whose "sha256" holds the
+SHA-256 of model.safetensors and stats.safetensors as saved. The loader hashes the files (the weights' hash is the
+`model_hash` it computes anyway): a save killed between two renames leaves weights or statistics of one save beside
+the config of another, and the loader refuses that mix instead of serving weights with the MS_g of other weights (or
+with another save's settings). A checkpoint without "sha256" (saved before it) is not checked; to keep tensors that
+another tool rewrote, delete it.
 
 Training-only parameters (a model's auxiliary heads, `LanguageModel.training_only_parameters`) are listed in
 config.json's "training_only_parameters". A checkpoint saved with `training_only=False` leaves them out of
@@ -98,9 +99,10 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
                if k not in dropped}
     stats_t = {k: v.detach().to("cpu", stats_dtype).contiguous() for k, v in (stats or {}).items()
                if k.removeprefix("param.") not in dropped}
-    config["save_id"] = _digest(weights, stats_t)  # the loader checks the files against it (module docstring)
     header = {"format": str(FORMAT_VERSION)}  # one key: safetensors writes its metadata in no fixed order
-    staged: dict[str, Callable[[Path], object]] = {  # config.json last: its save_id names a complete save
+    hashes: dict[str, str] = {}
+    config["sha256"] = hashes  # filled as the tensor files are written; config.json goes last (module docstring)
+    staged: dict[str, Callable[[Path], object]] = {
         "model.safetensors": lambda p: save_file(weights, str(p), metadata=header),
         "stats.safetensors": lambda p: save_file(stats_t, str(p), metadata=header),
         "dyneval.json": lambda p: p.write_text(json.dumps(dict(dyneval or {}), indent=2, sort_keys=True) + "\n"),
@@ -110,19 +112,10 @@ def save_checkpoint(directory: str | Path, model: LanguageModel, *, stats: dict[
     for name, write in staged.items():
         tmp = out / f".{name}.tmp"
         write(tmp)
+        if name.endswith(".safetensors"):
+            hashes[name] = _sha256(tmp)
         tmp.replace(out / name)
     return out
-
-
-def _digest(*groups: Mapping[str, torch.Tensor]) -> str:
-    """16 hex digits of SHA-256 over the tensors' names, dtypes, shapes and bytes."""
-    h = hashlib.sha256()
-    for tensors in groups:
-        for name in sorted(tensors):
-            t = tensors[name]
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # CPU, contiguous (as saved)
-    return h.hexdigest()[:16]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -179,13 +172,15 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
         raise CheckpointError(f"{cfg_path}: architecture {config.arch!r}, expected {expect_arch!r}")
 
     weights_path = d / "model.safetensors"
-    save_id = meta.pop("save_id", None)
     weights = _read_tensors(weights_path)
     stats_path = d / "stats.safetensors"
     stored_stats = _read_tensors(stats_path)
-    if save_id is not None and _digest(weights, stored_stats) != save_id:
-        raise CheckpointError(f"{d}: model.safetensors and stats.safetensors are not the tensors config.json was saved "
-                              "with (a save was interrupted, or a file was replaced): save the checkpoint again")
+    saved = meta.pop("sha256", None)  # the files' hashes when they were saved (absent: saved before it)
+    model_hash = _sha256(weights_path)
+    for path, digest in (weights_path, model_hash), (stats_path, _sha256(stats_path)):
+        if isinstance(saved, dict) and saved.get(path.name) not in (None, digest):
+            raise CheckpointError(f"{path}: not the file config.json was saved with (a save was interrupted, or the "
+                                  "file was replaced): save the checkpoint again")
     try:
         with torch.device("meta"):
             model = build_model(config)
@@ -235,4 +230,4 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{card_path}: not UTF-8 text (byte {e.start})") from None
     return Checkpoint(model=model, config=config, meta=meta, stats=stats, dyneval=dyneval,
-                      model_hash=_sha256(weights_path), path=d, card=card, tokenizer=tokenizer)
+                      model_hash=model_hash, path=d, card=card, tokenizer=tokenizer)

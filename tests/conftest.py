@@ -46,7 +46,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def other_weights_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoint with one weight nudged by another tool: the same architecture, other weights (another
-    hash); its config.json's save_id is dropped, as such a rewrite must (models/checkpoint.py)."""
+    hash); its config.json's file hashes are dropped, as such a rewrite must (models/checkpoint.py)."""
     import json
     import shutil
 
@@ -58,7 +58,7 @@ def other_weights_checkpoint(tiny_checkpoint: Path, tmp_path_factory: pytest.Tem
     weights["head.bias"] = weights["head.bias"] + 0.01
     save_file(weights, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
-    del config["save_id"]
+    del config["sha256"]
     (out / "config.json").write_text(json.dumps(config))
     return out
 

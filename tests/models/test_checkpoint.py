@@ -193,14 +193,14 @@ def test_files_of_two_saves_are_refused(tmp_path: Path, name: str) -> None:
     later = save_checkpoint(tmp_path / "b", model, stats={k: v + 1 for k, v in stats.items()})
     assert load_checkpoint(first) and load_checkpoint(later)  # each save alone loads
     shutil.copy(later / name, first / name)  # the later save got this far, then died
-    with pytest.raises(CheckpointError, match="not the tensors config.json was saved with"):
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')}: not the file config.json was saved"):
         load_checkpoint(first)
 
 
 def test_the_same_tensors_make_the_same_files_and_an_old_checkpoint_loads(saved: tuple[MLSTM, Path],
                                                                           tmp_path: Path) -> None:
-    """The save_id is a digest of the tensors, so a save is reproducible; a checkpoint saved before it has none and
-    is not checked (the shipped ones)."""
+    """config.json holds the tensor files' hashes, and the same tensors make the same files; a checkpoint saved
+    before the hashes has none and is not checked (the shipped ones)."""
     model, path = saved
     stats = load_checkpoint(path).stats
     again = save_checkpoint(tmp_path / "again", model, stats=stats, dyneval={"lr": 1e-4}, meta={"name": "t"},
@@ -208,10 +208,10 @@ def test_the_same_tensors_make_the_same_files_and_an_old_checkpoint_loads(saved:
     for name in ("config.json", "model.safetensors", "stats.safetensors"):
         assert (again / name).read_bytes() == (path / name).read_bytes(), name
     config = json.loads((path / "config.json").read_text())
-    config["save_id"] = "0" * 16
+    config["sha256"]["stats.safetensors"] = "0" * 64
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="not the tensors config.json was saved with"):
+    with pytest.raises(CheckpointError, match="stats[.]safetensors: not the file config.json was saved with"):
         load_checkpoint(path)
-    del config["save_id"]
+    del config["sha256"]
     (path / "config.json").write_text(json.dumps(config))
     assert load_checkpoint(path).config.arch == "mlstm"
