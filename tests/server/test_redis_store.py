@@ -34,6 +34,7 @@ from server.engine import (
     export_session,
 )
 from server.settings import Settings
+from tests.server._stores import stale_reads_are_refused
 from trainer.evaluation import config_for
 
 HASH = "c" * 64
@@ -185,26 +186,9 @@ def test_update_only_replaces_a_present_session(store: RedisSessionStore) -> Non
 
 
 def test_an_update_from_a_stale_read_is_refused(redis_url: str) -> None:
-    # two servers read the same record and both write: the first write wins, the second is refused and changes
-    # nothing, instead of silently undoing the first
-    one, two = store_at(redis_url), store_at(redis_url)
-    one.insert(make("a"))
-    first, second = one.get("a", None), two.get("a", None)
-    assert first is not None and second is not None and first.revision == second.revision  # a touch is no change
-    written = one.update(dataclasses.replace(first, last_token=33, stats=SessionStats(bytes_observed=50)))
-    assert written is not None and written.revision not in (None, first.revision)
-    with pytest.raises(SessionConflict, match="changed by another request"):
-        two.update(dataclasses.replace(second, last_token=44, stats=SessionStats(bytes_observed=60)))
-    got = two.get("a", None)
-    assert got is not None and (got.last_token, got.stats.bytes_observed, got.revision) == (33, 50, written.revision)
-    assert two.stats().bytes == len(export_session(got, HASH))  # the first write's
-    assert two.update(dataclasses.replace(got, last_token=55)) is not None  # a read of the new record may write
-    # a session deleted and created again (or replaced by an import) takes no write from a read of the old one
-    old = one.get("a", None)
-    assert old is not None and two.delete("a", None)
-    two.insert(make("a"))
-    with pytest.raises(SessionConflict):
-        one.update(old)
+    # two servers on one Redis
+    old = stale_reads_are_refused(store_at(redis_url), store_at(redis_url), make,
+                                  lambda got: len(export_session(got, HASH)))
     with redis.Redis.from_url(redis_url) as r:  # the blob (an export) carries no revision
         blob = r.hget(r.keys("adaptlm:*:s:a")[0], "blob")
         assert isinstance(blob, bytes) and b"revision" not in blob and old.revision.encode() not in blob  # type: ignore[union-attr]

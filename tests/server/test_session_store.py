@@ -17,13 +17,13 @@ from server.engine import (
     AdaptationConfig,
     MemorySessionStore,
     Session,
-    SessionConflict,
     SessionImportError,
     SessionStats,
     SessionStoreFull,
     export_session,
     import_session,
 )
+from tests.server._stores import stale_reads_are_refused
 
 HASH = "a" * 64
 
@@ -133,26 +133,8 @@ def test_update_only_replaces_a_present_session() -> None:
 
 
 def test_an_update_from_a_stale_read_is_refused() -> None:
-    # two pieces of work read the same record (two replicas' observes): the first write wins, the second is refused
-    # and changes nothing, instead of silently undoing the first
     store = MemorySessionStore(max_sessions=10, max_bytes=10**9, clock=Clock())
-    store.insert(make("a"))
-    first, second = store.get("a", None), store.get("a", None)
-    assert first is not None and second is not None and first.revision == second.revision  # a touch is no change
-    written = store.update(dataclasses.replace(first, last_token=33, stats=SessionStats(bytes_observed=50)))
-    assert written is not None and written.revision not in (None, first.revision)
-    with pytest.raises(SessionConflict, match="changed by another request"):
-        store.update(dataclasses.replace(second, last_token=44, stats=SessionStats(bytes_observed=60)))
-    got = store.get("a", None)
-    assert got is not None and (got.last_token, got.stats.bytes_observed, got.revision) == (33, 50, written.revision)
-    assert store.stats().bytes == SIZE
-    assert store.update(dataclasses.replace(got, last_token=55)) is not None  # a read of the new record may write
-    # a session deleted and created again (or replaced by an import) takes no write from a read of the old one
-    old = store.get("a", None)
-    assert old is not None and store.delete("a", None)
-    store.insert(make("a"))
-    with pytest.raises(SessionConflict):
-        store.update(old)
+    old = stale_reads_are_refused(store, store, make, lambda _: SIZE)
     # the revision is the store's bookkeeping, not part of an export
     meta = _meta(export_session(old, HASH))
     assert meta == _meta(export_session(dataclasses.replace(old, revision=None), HASH))
