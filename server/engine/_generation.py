@@ -6,7 +6,8 @@ The job lives on the worker thread; every event crosses to the caller's event lo
 by setting the job's cancel flag (leaving the stream's `async with`), which the worker checks between tokens.
 
 With `adapt`, the session is claimed while the job runs, and when it ends the session observes the prompt and
-what was generated (thesis sec. 4.3), before any later work of the session.
+what was generated (thesis sec. 4.3), before any later work of the session; where another server changed the
+session in between (its write refused, SessionConflict), it observes them again on top of that change.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ __all__ = ["Event", "Finished", "GenerationExecutor", "GenerationJob", "Generati
            "TokenLogprob"]
 
 log = logging.getLogger(__name__)
+
+FOLLOW_TRIES = 3  # observes of a generation with `adapt` whose write another server's change refused, at most
 
 
 @dataclass(frozen=True)
@@ -327,8 +330,22 @@ class GenerationExecutor:
         data = job.prompt + bytes(job.generated)
         if job.failed or not data:
             return
+        self._observe_generated(job, data, FOLLOW_TRIES)
+
+    def _observe_generated(self, job: GenerationJob, data: bytes, tries: int) -> None:
+        """(Worker.) The session observes `data` first in line; where another server changed the session between
+        the observe's read and its write (SessionConflict: nothing was applied), it observes again on top of that
+        change, `tries` times in all. The generation's answer has gone: nobody would send it again."""
         follow = Text(data, "observe", session_id=job.session_id, owner=job.owner, counted=False)
-        follow.future.add_done_callback(_log_failure)
+
+        def done(future: Future[Any]) -> None:
+            error = future.exception()
+            if isinstance(error, SessionConflict) and tries > 1:
+                self._observe_generated(job, data, tries - 1)
+            else:
+                _log_failure(error)
+
+        follow.future.add_done_callback(done)
         self._scheduler.follow(follow)
 
     def fail(self, error: BaseException) -> None:
@@ -338,10 +355,9 @@ class GenerationExecutor:
         self._stats.active = 0
 
 
-def _log_failure(future: Future[Any]) -> None:
-    error = future.exception()
-    if isinstance(error, SessionConflict):  # the generation's answer has gone: nobody to send it again
-        log.warning("adapting a session on its generation was not applied: another request (on another server) "
-                    "changed the session meanwhile")
+def _log_failure(error: BaseException | None) -> None:
+    if isinstance(error, SessionConflict):
+        log.warning("adapting a session on its generation was not applied: other requests (on other servers) "
+                    "changed the session meanwhile, %d times", FOLLOW_TRIES)
     elif error is not None and not isinstance(error, SessionNotFound):
         log.error("adapting a session on its generation failed", exc_info=error)

@@ -410,6 +410,36 @@ def test_two_servers_working_on_one_session_at_once_apply_one_and_refuse_the_oth
         assert a.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == stats["bytes_observed"] + len(early)
 
 
+def test_a_generation_adapts_its_session_even_when_another_server_changed_it_meanwhile(
+        tiny_checkpoint: Path, redis_url: str, serve_app: Any) -> None:
+    # adapt_while_generating: the answer goes out, then the session observes prompt + generated; another server's
+    # observe lands between that observe's read and its write, so the write is refused and the observe done again
+    settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url)  # type: ignore[arg-type]
+    early, prompt = MORE[:60], "It is a truth"
+    with serve_app(settings) as one, serve_app(settings) as two, httpx.Client(base_url=one.url, timeout=60) as a, \
+            httpx.Client(base_url=two.url, timeout=60) as b:
+        sid = create(a, initial_text=TEXT)["id"]
+        held, release = hold_next_update(one)
+        try:
+            generated = a.post("/v1/generate", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                     "session_id": sid, "adapt_while_generating": True})
+            assert generated.status_code == 200, generated.text
+            assert held.wait(60)  # server one's observe of the generation has read the session and computed
+            observe(b, sid, early)  # server two writes first
+        finally:
+            release.set()
+        text = prompt + generated.json()["text"]
+        deadline = time.monotonic() + 30
+        while (stats := a.get(f"/v1/sessions/{sid}").json()["stats"])["bytes_observed"] < len(TEXT) + len(early) \
+                + len(text.encode()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats["bytes_observed"] == len(TEXT) + len(early) + len(text.encode())  # nothing lost
+        reference = create(b, initial_text=TEXT)["id"]  # one server given the observes in the order applied
+        observe(b, reference, early)
+        observe(b, reference, text)
+        assert {**probe(a, sid), "session_id": None} == {**probe(b, reference), "session_id": None}
+
+
 def test_owners_are_kept_in_redis(tiny_checkpoint: Path, redis_url: str, serve_app: Any, assert_error: Any) -> None:
     settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url, api_keys="key-a,key-b")  # type: ignore[arg-type]
     with serve_app(settings) as one, serve_app(settings) as two, \
