@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DERIVED", "Adapter", "LanguageModel", "ModelConfig", "Output", "Site", "State", "left_pad"]
+__all__ = ["DERIVED", "Adapter", "FeedForward", "LanguageModel", "ModelConfig", "Output", "Site", "State", "left_pad"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,22 @@ class State:
 
     def to(self, *args: Any, **kwargs: Any) -> State:
         return State({k: v.to(*args, **kwargs) for k, v in self.tensors.items()})
+
+
+class FeedForward(nn.Sequential):
+    """A transformer block's position-wise feed-forward: Linear -> ReLU -> dropout -> Linear. Dropout on the ReLU
+    activations is where Al-Rfou et al. (sec. "Model", "dropout in the attention and ReLU layers") and
+    Transformer-XL's position-wise net put it; the blocks drop the sub-layer's output on the residual as well. The
+    layers keep nn.Sequential's indices (`mlp.0`, `mlp.2`), so checkpoints' tensor names are unchanged."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
+        super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), nn.Linear(d_ff, d_model))
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.dropout(self[1](self[0](x)), self.dropout, self.training)  # (..., d_ff)
+        out: torch.Tensor = self[2](hidden)
+        return out
 
 
 def left_pad(t: torch.Tensor, length: int) -> torch.Tensor:

@@ -53,7 +53,7 @@ from torch import nn
 
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
-from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
+from models.base import Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State
 
 __all__ = ["BlockConfig", "CharTransformer", "CharTransformerConfig", "WindowedTransformer", "append_blocks",
            "resid_site", "slide_windows", "window_state"]
@@ -139,7 +139,7 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(D, 3 * D)
         self.proj = nn.Linear(D, D)
         self.ln2 = nn.LayerNorm(D)
-        self.mlp = nn.Sequential(nn.Linear(D, cfg.d_ff), nn.ReLU(), nn.Linear(cfg.d_ff, D))
+        self.mlp = FeedForward(D, cfg.d_ff, cfg.dropout)
 
     def forward(self, x: torch.Tensor, mem_k: torch.Tensor, mem_v: torch.Tensor,
                 key_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

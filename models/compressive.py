@@ -78,7 +78,7 @@ from torch import nn
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from kernels.compress import compress_memory, fixed_memory_update
-from models.base import DERIVED, Adapter, LanguageModel, ModelConfig, Output, Site, State, left_pad
+from models.base import DERIVED, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State, left_pad
 
 __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
 
@@ -200,7 +200,7 @@ class _Block(nn.Module):
         self.v = nn.Parameter(torch.zeros(H, D // H))  # and positional bias v
         self.proj = nn.Linear(D, D)
         self.ln2 = nn.LayerNorm(D)
-        self.mlp = nn.Sequential(nn.Linear(D, cfg.d_ff), nn.ReLU(), nn.Linear(cfg.d_ff, D))
+        self.mlp = FeedForward(D, cfg.d_ff, cfg.dropout)
         # f, absent without a compressed memory (cmem_len 0: no parameters that nothing reads)
         self.compressor = _Compressor(cfg) if cfg.cmem_len else None
         # the projected sinusoids by (device, dtype, autocast): W_{k,R}'s fingerprint and r (`positions`)

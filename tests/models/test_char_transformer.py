@@ -149,6 +149,33 @@ def test_training_only_heads_are_not_needed_to_score() -> None:
                                    rtol=0, atol=0)
 
 
+def test_feed_forward_dropout_falls_on_the_relu_activations() -> None:
+    """Al-Rfou et al.: "dropout in the attention and ReLU layers". In training a share p of the ReLU activations
+    reaching the second linear layer are zeroed (the rest scaled by 1 / (1 - p)); in evaluation it is the plain
+    Linear -> ReLU -> Linear, under nn.Sequential's tensor names. The compressive blocks use the same module."""
+    from models.base import FeedForward
+    from models.compressive import CompressiveConfig, CompressiveTransformer
+
+    torch.manual_seed(0)
+    ff = FeedForward(16, 256, dropout=0.5)
+    assert sorted(ff.state_dict()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    x = torch.randn(64, 16)
+    relu = torch.relu(ff[0](x))
+    seen: list[torch.Tensor] = []
+    ff[2].register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+    ff.train()(x)
+    dropped = (seen[-1] == 0) & (relu > 0)
+    assert 0.4 < float(dropped.sum() / (relu > 0).sum()) < 0.6  # about p of the active units
+    kept = seen[-1] != 0
+    torch.testing.assert_close(seen[-1][kept], relu[kept] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(ff.eval()(x), ff[2](relu))
+    assert isinstance(_model(dropout=0.3).blocks[0].mlp, FeedForward)
+    compressive = CompressiveTransformer(CompressiveConfig(d_model=16, n_layer=1, n_head=2, d_ff=32, segment=4,
+                                                           mem_len=4, cmem_len=2, rate=2, dropout=0.3))
+    assert isinstance(compressive.layers[0].mlp, FeedForward) and compressive.layers[0].mlp.dropout == 0.3
+
+
 @pytest.mark.parametrize("cuts", [[1, 2, 3], [5, 11, 12], [7, 19, 30], [40]])
 def test_state_carried_across_pieces_equals_one_forward(cuts: list[int]) -> None:
     """Within the window and past several slides: pieces with the K/V state equal one forward."""
