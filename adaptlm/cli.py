@@ -723,7 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--lr", type=float, help="eta (default: the checkpoint's tuned value)")
         parser.add_argument("--decay", type=float, help="lambda")
         parser.add_argument("--eps", type=float, help="epsilon of the RMS rules")
-        parser.add_argument("--segment", type=int, help="bytes per adaptation segment")
+        parser.add_argument("--segment", type=int, help="tokens per adaptation segment (bytes; words for a word "
+                            "model; default: the checkpoint's)")
         parser.add_argument("--sites", help="full mode: comma-separated parameter-name prefixes to adapt")
         parser.add_argument("--adapter-size", type=int,
                             help="sparse mode: units of the adaptation site (0: the whole site)")
@@ -740,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache: the neural cache's theta and lambda at --cache-window, for the eval modes with +cache")
     u.add_argument("--cache-window", type=int, default=2000, help="cache mode: the window (tokens) tuned at")
     u.add_argument("--bytes", type=int, default=20_000, help="tune on the first N bytes of the validation text")
-    u.add_argument("--segment", type=int)
+    u.add_argument("--segment", type=int, help="tokens per adaptation segment (bytes; words for a word model)")
     u.add_argument("--lr-start", type=float, default=1e-5)
     u.add_argument("--max-trials", type=int, default=30)
     u.add_argument("--layers-from", type=int, help="full mode: tune adapting the blocks from this one on only "

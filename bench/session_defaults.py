@@ -3,7 +3,10 @@ stream, score-then-update, for each (eta, lambda), on held-out personal text (th
 the keyboard benchmark uses the file's last 20 KB) and on in-domain prose that adaptation must not hurt.
 
     python -m bench.session_defaults [--checkpoint DIR] [--lrs 4e-5,1e-4,2e-4,5e-4] [--decays 0,1e-3,1e-2]
-                                     [--adapter-size 256] [--cache]
+                                     [--segments 20] [--adapter-size 256] [--cache]
+
+`--segments` (tokens per update: bytes for a byte model, words for a word model) adds a column of the grid: the
+thesis uses 5 for word-level and 20 for character-level RNNs (sec. 4.5), and each segment length has its own best eta.
 
 `--cache` adds, for each setting, the same sessions with the neural cache (the checkpoint's dyneval.json "cache"
 section: `adaptlm tune --mode cache`), as a session with `neural_cache` runs it; and the cache alone (static + cache).
@@ -33,6 +36,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     ap.add_argument("--lrs", type=floats, default=[4e-5, 1e-4, 2e-4, 5e-4])
     ap.add_argument("--decays", type=floats, default=[0.0, 1e-3, 1e-2])
+    ap.add_argument("--segments", type=lambda t: [int(x) for x in t.split(",") if x], default=None,
+                    help="tokens per update, comma-separated (default: the checkpoint's session segment)")
     ap.add_argument("--adapter-size", type=int, default=256)
     ap.add_argument("--cache", action="store_true", help="also with the neural cache (dyneval.json 'cache')")
     args = ap.parse_args()
@@ -45,17 +50,19 @@ def main() -> None:
     print(f"# session defaults grid, {ck.name}, sparse H={args.adapter_size}: {machine_line()}")
     if args.cache:
         print(f"# neural cache: {ck.dyneval.cache}")
-    print("| eta | lambda | " + " | ".join(f"{n}{label[m]} bpb | gain" for n, m in cols) + " |")
-    print("| ---: | ---: | " + " | ".join("---: | ---:" for _ in cols) + " |")
-    print("| static | | " + " | ".join(f"{static[n]:.3f} | " if m == "sparse" else
+    segments = args.segments or [ck.dyneval.session.segment]
+    print("| segment | eta | lambda | " + " | ".join(f"{n}{label[m]} bpb | gain" for n, m in cols) + " |")
+    print("| ---: | ---: | ---: | " + " | ".join("---: | ---:" for _ in cols) + " |")
+    print("| static | | | " + " | ".join(f"{static[n]:.3f} | " if m == "sparse" else
                                       "{:.3f} | {:+.1f}%".format(*_gain(run_eval(ck, data[n], "cache")[0], static[n]))
                                       for n, m in cols) + " |", flush=True)
-    for lr, decay in itertools.product(args.lrs, args.decays):
+    for segment, lr, decay in itertools.product(segments, args.lrs, args.decays):
         cells = []
         for name, mode in cols:
-            record = run_eval(ck, data[name], mode, lr=lr, decay=decay, adapter_units=args.adapter_size)[0]
+            record = run_eval(ck, data[name], mode, lr=lr, decay=decay, adapter_units=args.adapter_size,
+                              segment=segment)[0]
             cells.append("{:.3f} | {:+.1f}%".format(*_gain(record, static[name])))
-        print(f"| {lr:g} | {decay:g} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {segment} | {lr:g} | {decay:g} | " + " | ".join(cells) + " |", flush=True)
 
 
 def _gain(record: dict[str, float], static: float) -> tuple[float, float]:
