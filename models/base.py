@@ -98,12 +98,23 @@ class State:
             index = slice(index, index + 1)
         return State({k: v[index] for k, v in self.tensors.items()})
 
+    def take(self, index: torch.Tensor) -> State:
+        """Rows `index` (1-D int64), as `select` with an index, except that a tensor whose rows are all one row (a
+        batch of 1, or a stride-0 view of one: the branches of one state, `LanguageModel.branch`) stays such a view."""
+        return State({k: _one_row(v).expand(len(index), *v.shape[1:]) if _is_one_row(v) else v.index_select(0, index)
+                      for k, v in self.tensors.items()})
+
     @staticmethod
     def stack(states: list[State]) -> State:
         keys = states[0].tensors.keys()
         out = {}
         for k in keys:
             parts = [s.tensors[k] for s in states]
+            if all(_is_one_row(p) for p in parts) and len({(p.data_ptr(), p.shape[1:], p.stride()[1:], p.dtype,
+                                                             p.device) for p in parts}) == 1:
+                # rows that are all one shared row stay a view of it (branches of one state; no copy)
+                out[k] = _one_row(parts[0]).expand(sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+                continue
             if parts[0].dim() >= 2 and len({p.shape[1] for p in parts}) > 1:
                 L = max(p.shape[1] for p in parts)
                 parts = [left_pad(p, L) for p in parts]  # memories of different lengths: pad the oldest end
@@ -140,6 +151,15 @@ class FeedForward(nn.Sequential):
         hidden = F.dropout(self[1](self[0](x)), self.dropout, self.training)  # (..., d_ff)
         out: torch.Tensor = self[2](hidden)
         return out
+
+
+def _is_one_row(t: torch.Tensor) -> bool:
+    """Every row of `t` (B, ...) is the same memory: a batch of 1 or a stride-0 view of one row."""
+    return t.dim() >= 1 and t.shape[0] >= 1 and (t.shape[0] == 1 or t.stride(0) == 0)
+
+
+def _one_row(t: torch.Tensor) -> torch.Tensor:
+    return t[:1]
 
 
 def left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -285,6 +305,17 @@ class LanguageModel(nn.Module):
 
     def adaptation_sites(self) -> list[Site]:
         raise NotImplementedError
+
+    def branch(self, state: State) -> State:
+        """`state` in the form a search steps its branches in (suggestions, generation: many continuations of one
+        state, or one continued a token at a time). A model whose state is large may then keep what the rows share
+        once instead of copying it per row (the transformers: models/_branches.py); the forward keeps the form it is
+        given, with the same results. Idempotent. Here: the state itself."""
+        return state
+
+    def settle(self, state: State) -> State:
+        """A state in the usual form again (what `branch` made, for keeping: a session cursor). Here: itself."""
+        return state
 
     def training_only_parameters(self) -> list[str]:
         """Names of parameters only training reads (auxiliary heads): checkpoints keep them, so training resumes,

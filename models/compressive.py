@@ -75,9 +75,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels._dispatch import resolve_impl
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from kernels.compress import compress_memory, fixed_memory_update
+from models._branches import append_tail, shared, tree_attention
 from models.base import DERIVED, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State, left_pad
 
 __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
@@ -85,6 +87,7 @@ __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
 COMPRESSIONS = ("conv", "mean", "max", "dilated", "most_used")
 _DILATIONS = (1, 2)
 _PROBES: dict[torch.device, torch.Tensor] = {}
+TAIL_N = DERIVED + "tail_n"  # the branch form's marker: each row's bytes since the shared root (`branch`)
 
 
 def _fingerprint(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -373,6 +376,8 @@ class CompressiveTransformer(LanguageModel):
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: seen (B,), mem{l} (B, n_m+S-1, D), cmem{l} (B, n_cm, D);
         adapter: mats["resid"] (B, k, k). Cut into pieces at the segment grid (module docstring)."""
+        if TAIL_N in state.tensors:  # the branch form (`branch`)
+            return self._branch_forward(tokens, state, adapter)
         B, T = tokens.shape
         S = self.config.segment
         st = dict(state.tensors)
@@ -403,7 +408,104 @@ class CompressiveTransformer(LanguageModel):
                 aux["recon"] = 0.0 * torch.stack(weights).sum()
         return Output(logits=logits, state=State(st), aux=aux, hidden=hidden)
 
+    def branch(self, state: State) -> State:
+        """The branch form (models/_branches.py): this state as every row's root, with empty tails. `seen` stays each
+        row's own count; the memories and their cache are the root's, as of `seen - memo.tail_n`; `memo.tail_x{l}`
+        (B, t, D) and `memo.tail_kv{l}` (B, t, 2D) hold the layer inputs and keys/values of the row's bytes since.
+        With the Triton kernels (a GPU), the state itself: the kernels take the usual steps."""
+        if TAIL_N in state.tensors or resolve_impl(None, state.tensors["seen"]) == "triton":
+            return state
+        B, D = state.batch, self.config.d_model
+        ref = state.tensors["mem0"]
+        st = dict(state.tensors)
+        if "memo.sig0" not in st:
+            st.update({k: v for k, v in self.init_state(B).tensors.items() if k.startswith(DERIVED)})
+        st[TAIL_N] = torch.zeros(B, dtype=torch.long, device=ref.device)
+        for i in range(self.config.n_layer):
+            st[f"{DERIVED}tail_x{i}"] = ref.new_zeros(B, 0, D)
+            st[f"{DERIVED}tail_kv{i}"] = ref.new_zeros(B, 0, 2 * D)
+        return State(st)
+
+    def settle(self, state: State) -> State:
+        """The usual form: each row's tail written into its memories (no segment closes inside a tail)."""
+        if TAIL_N not in state.tensors:
+            return state
+        st = dict(state.tensors)
+        n = st.pop(TAIL_N)
+        for i in range(self.config.n_layer):
+            tx, tkv = st.pop(f"{DERIVED}tail_x{i}"), st.pop(f"{DERIVED}tail_kv{i}")
+            st[f"mem{i}"] = append_tail(st[f"mem{i}"], tx, n)  # (B, n_m+S-1, D)
+            st[f"{DERIVED}kv_mem{i}"] = append_tail(st[f"{DERIVED}kv_mem{i}"], tkv, n)  # (B, n_m+S-1, 2D)
+        B = n.shape[0]
+        return State({k: v.expand(B, *v.shape[1:]).contiguous() if shared(v) and B > 1 else v for k, v in st.items()})
+
     # -- internals -------------------------------------------------------------------------------------------
+
+    def _branch_forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None) -> Output:
+        """forward in the branch form: a step of one byte a row over a shared root where it can (`_branch_step`),
+        else the usual forward from the settled rows, returned with empty tails."""
+        st = state.tensors
+        out = self._branch_step(tokens, st, adapter) if self._can_branch(tokens, st) else None
+        if out is not None:
+            return out
+        out = self.forward(tokens, self.settle(state), adapter)
+        return Output(out.logits, self.branch(out.state), out.aux, out.hidden)
+
+    def _can_branch(self, tokens: torch.Tensor, st: dict[str, torch.Tensor]) -> bool:
+        """One byte a row, no gradient, the rows on one root whose cache is current, and no segment closing."""
+        if tokens.shape[1] != 1 or self.training or torch.is_grad_enabled():
+            return False
+        if not all(shared(st[f"{name}{i}"]) for i in range(self.config.n_layer)
+                   for name in ("mem", "cmem", "memo.kv_mem", "memo.kv_cmem", "memo.sig")):
+            return False
+        root = st["seen"] - st[TAIL_N]  # (B,)
+        if bool((root != root[0]).any()) or int(root[0] % self.config.segment + st[TAIL_N].max()) + 1 >= \
+                self.config.segment:
+            return False
+        return all(bool(st[f"memo.sig{i}"][0] == b.signature()) for i, b in enumerate(self.layers))
+
+    def _branch_step(self, tokens: torch.Tensor, st: dict[str, torch.Tensor], adapter: Adapter | None) -> Output:
+        """One byte a row (B, 1) on the shared root: the root's cached keys/values read in place by every row's
+        query (models/_branches.py), the row's tail apart; the same layers as `_piece` otherwise."""
+        cfg = self.config
+        B = tokens.shape[0]
+        D, H = cfg.d_model, cfg.n_head
+        Dh = D // H
+        n = st[TAIL_N]  # (B,)
+        nf, nc = (int(f[0]) for f in self.fills(st["seen"][:1] - n[:1]))  # the root's fills
+        Lr = nc + nf
+        t = st["memo.tail_x0"].shape[1]
+        j = torch.arange(Lr + t + 1, device=tokens.device).view(1, -1)  # (1, Lr+t+1) the keys: root, tail, own
+        dist = torch.where(j < Lr, Lr + n.view(B, 1) - j, Lr + t - j)  # (B, Lr+t+1) distance of each key
+        mats = adapter.mats["resid"] if adapter is not None else None
+        new = {k: v for k, v in st.items()}
+        new["seen"], new[TAIL_N] = st["seen"] + 1, n + 1
+        x = self.embed(tokens)  # (B, 1, D)
+        for i, block in enumerate(self.layers):
+            x_in = x
+            h = block.ln1(x)  # (B, 1, D)
+            q = block.q(h).view(B, H, Dh)  # (B, H, Dh)
+            kv_x = block.kv(h)  # (B, 1, 2D)
+            tkv = torch.cat([st[f"memo.tail_kv{i}"], kv_x.to(st[f"memo.tail_kv{i}"].dtype)], 1)  # (B, t+1, 2D)
+            new[f"memo.tail_kv{i}"] = tkv
+            new[f"memo.tail_x{i}"] = torch.cat([st[f"memo.tail_x{i}"], x_in], 1)  # (B, t+1, D)
+            tkv = tkv.to(kv_x.dtype)
+            roots = []
+            for mem, L in ((st[f"memo.kv_cmem{i}"], nc), (st[f"memo.kv_mem{i}"], nf)):
+                part = mem[0, mem.shape[1] - L :].to(kv_x.dtype)  # (L, 2D) the root's valid slots, in place
+                roots.append((part[:, :D].view(L, H, Dh).transpose(0, 1), part[:, D:].view(L, H, Dh).transpose(0, 1)))
+            r = block.positions(Lr + t + 1, x, st[f"memo.sig{i}"][0])  # (Lr+t+1, H, Dh) by distance
+            pos = ((q + block.v).transpose(0, 1) @ r.permute(1, 2, 0)).transpose(0, 1)  # (B, H, Lr+t+1) TXL (b)+(d)
+            bias = pos.gather(-1, dist.unsqueeze(1).expand(B, H, Lr + t + 1))  # (B, H, Lr+t+1) for each key
+            tk = tkv[..., :D].view(B, t + 1, H, Dh).transpose(1, 2)  # (B, H, t+1, Dh)
+            tv = tkv[..., D:].view(B, t + 1, H, Dh).transpose(1, 2)
+            att = tree_attention(q + block.u, roots, tk, tv, n + 1, Dh**-0.5, bias)  # (B, H, Dh) TXL (a)-(d)
+            x = x + block.proj(att.reshape(B, 1, D))  # (B, 1, D)
+            x = x + block.mlp(block.ln2(x))
+            if i == self.site_layer and mats is not None:
+                x = apply_adapter_positions(x, mats)  # (B, 1, D) h' = h + M h
+        hidden = self.ln_f(x)  # (B, 1, D)
+        return Output(logits=self.head(hidden), state=State(new), hidden=hidden)
 
     def _piece(self, x: torch.Tensor, st: dict[str, torch.Tensor], mats: torch.Tensor | None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:

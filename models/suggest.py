@@ -39,6 +39,7 @@ import heapq
 import itertools
 import math
 import unicodedata
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -218,7 +219,7 @@ def _gather(branches: list[_Branch]) -> tuple[list[_Branch], State]:
     parts = []
     for states, members in groups.values():
         index = torch.tensor([b.row for b in members], device=next(iter(states.tensors.values())).device)
-        parts.append(State({k: v.index_select(0, index) for k, v in states.tensors.items()}))  # (b, ...) each
+        parts.append(states.take(index))  # (b, ...) each; what the rows share (the branch form's root) stays shared
     return ordered, parts[0] if len(parts) == 1 else State.stack(parts)
 
 
@@ -298,6 +299,32 @@ def _char_len(data: bytes) -> int:
     return n
 
 
+class _Settled(Mapping[bytes, Cursor]):
+    """Cursors whose states may be in the model's branch form, settled (`LanguageModel.settle`) as they are read: a
+    search keeps every one-character continuation it expanded, its caller reads a few."""
+
+    def __init__(self, model: LanguageModel | None) -> None:
+        self._model = model
+        self._cursors: dict[bytes, tuple[Cursor, bool]] = {}  # -> (cursor, settled)
+
+    def put(self, key: bytes, cursor: Cursor) -> None:
+        self._cursors[key] = (cursor, self._model is None)
+
+    def __getitem__(self, key: bytes) -> Cursor:
+        cursor, settled = self._cursors[key]
+        if not settled:
+            assert self._model is not None
+            cursor = Cursor(self._model.settle(cursor.state), cursor.logprobs)
+            self._cursors[key] = (cursor, True)
+        return cursor
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._cursors))
+
+    def __len__(self) -> int:
+        return len(self._cursors)
+
+
 class WordSearch:
     """`complete_word` as a resumable search, so that a caller can batch the model steps of many searches (many
     typists) into one call: `request()` pops the branches of the next round and returns the batched step they
@@ -308,7 +335,8 @@ class WordSearch:
     feeding the character."""
 
     def __init__(self, cursor: Cursor, prefix: str, *, k: int = 3, max_chars: int = 24, min_prob: float = 1e-3,
-                 batch: int = 32, max_expansions: int = 2048, classes: TokenClasses = _BYTES) -> None:
+                 batch: int = 32, max_expansions: int = 2048, classes: TokenClasses = _BYTES,
+                 model: LanguageModel | None = None) -> None:
         if k < 1 or max_chars < 1 or batch < 1 or not 0 < min_prob <= 1:
             raise ValueError("k, max_chars and batch must be >= 1 and min_prob in (0, 1]")
         self.k, self.batch, self.max_expansions = k, batch, max_expansions
@@ -316,9 +344,13 @@ class WordSearch:
         self._found: list[Completion] = []
         self._popped: list[_Branch] = []
         self._cut = False
-        self.next_cursors: dict[bytes, Cursor] = {}  # one-character continuations expanded on the way
-        root = _Branch(b"", 0, 0, cursor.state, 0, 0.0)
-        self._search.expand([root], cursor.state, cursor.logprobs.double().cpu().unsqueeze(0))
+        # given the model, the branches are in its branch form (`LanguageModel.branch`: what they share, kept once),
+        # and the cursors handed out are settled (the usual form) as they are read
+        self._next = _Settled(model)
+        self.next_cursors: Mapping[bytes, Cursor] = self._next  # one-character continuations expanded on the way
+        state = model.branch(cursor.state) if model is not None else cursor.state
+        root = _Branch(b"", 0, 0, state, 0, 0.0)
+        self._search.expand([root], state, cursor.logprobs.double().cpu().unsqueeze(0))
 
     @property
     def model_calls(self) -> int:
@@ -361,7 +393,7 @@ class WordSearch:
         logprobs = logprobs.double().cpu()
         for i, branch in enumerate(popped):
             if branch.chars == 1 and branch.pending == 0:  # the model after the next character: keep it
-                self.next_cursors[branch.data] = Cursor(state.select(i), logprobs[i].float())
+                self._next.put(branch.data, Cursor(state.select(i), logprobs[i].float()))
         self._search.expand(popped, state, logprobs)
 
     def cut(self) -> None:
@@ -385,7 +417,7 @@ def complete_word(model: LanguageModel, cursor: Cursor, prefix: str, adapter: Ad
     """The k most probable completions of the word whose typed part `prefix` ends the context that `cursor`
     is at (see the module docstring). -> Suggestions without next characters."""
     search = WordSearch(cursor, prefix, k=k, max_chars=max_chars, min_prob=min_prob, batch=batch,
-                        max_expansions=max_expansions, classes=classes)
+                        max_expansions=max_expansions, classes=classes, model=model)
     while (request := search.request()) is not None:
         search.feed(*step(model, *request, adapter))
     return search.result()

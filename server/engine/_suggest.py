@@ -225,7 +225,8 @@ class SuggestRounds:
             try:
                 job.search = WordSearch(job.cursor, split_word(job.context)[1], k=job.k, max_chars=job.max_chars,
                                         min_prob=self.min_prob, batch=self.batch,
-                                        max_expansions=self.max_expansions, classes=self.classes)
+                                        max_expansions=self.max_expansions, classes=self.classes,
+                                        model=self.model)
             except ValueError as e:
                 job.error = e
                 self._ended.append(job)

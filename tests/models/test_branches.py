@@ -1,0 +1,181 @@
+"""The transformers' branch form (models/_branches.py, `LanguageModel.branch`): rows stepped over a shared root give
+the usual steps' log-probabilities and, settled, their states; the root is never copied; segment closings and
+window slides in the middle of a branch take the usual path; searches and generation give the same results.
+
+Both forms run in the same test on the same random model: a property, not one machine's numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from models._branches import append_tail, shared, tree_attention
+from models.base import Adapter, LanguageModel, State
+from models.char_transformer import CharTransformer, CharTransformerConfig
+from models.compressive import CompressiveConfig, CompressiveTransformer
+from models.suggest import WordSearch, advance, complete_word, split_word, step
+from tests._families import assert_states_close
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}  # float rounding of a different summation order, on any CPU
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _compressive(seed: int = 0) -> LanguageModel:
+    torch.manual_seed(seed)
+    # S = 6: a branch of a few bytes closes a segment (and evicts, compresses) in the middle
+    cfg = CompressiveConfig(d_model=16, n_layer=2, n_head=2, d_ff=32, segment=6, mem_len=9, cmem_len=4, rate=3)
+    model = CompressiveTransformer(cfg)
+    with torch.no_grad():  # u, v away from zero: the relative terms (c), (d) count
+        for b in model.layers:
+            b.u.normal_()
+            b.v.normal_()
+    return model.freeze()
+
+
+def _char(seed: int = 0) -> LanguageModel:
+    torch.manual_seed(seed)
+    # C = 10: a branch of a few bytes fills the window and slides in the middle
+    return CharTransformer(CharTransformerConfig(d_model=16, n_layer=2, n_head=2, d_ff=32, context=10,
+                                                 adapt_layer=0)).freeze()
+
+
+MODELS = {"compressive": _compressive, "char-transformer": _char}
+
+
+def _after(model: LanguageModel, data: bytes) -> State:
+    with torch.no_grad():
+        return model(torch.tensor([list(data)]), model.init_state(1)).state
+
+
+def _step(model: LanguageModel, state: State, tokens: list[int], adapter: Adapter | None = None
+          ) -> tuple[State, torch.Tensor]:
+    with torch.no_grad():
+        out = model(torch.tensor(tokens).view(-1, 1), state, adapter)
+    return out.state, model.log_probs(out)[:, -1]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("prefix", [0, 4, 17])
+def test_a_tree_of_branches_equals_the_usual_steps(name: str, prefix: int) -> None:
+    """Branches of different depths, regrouped between steps as a search regroups them (rows taken, parts stacked),
+    each under its own adapter, stepped over 7 rounds (past segment closings and window slides)."""
+    model = MODELS[name]()
+    root = _after(model, bytes(range(40, 40 + prefix)) if prefix else b"\n")
+    gen = torch.Generator().manual_seed(prefix)
+    usual, branch = root, model.branch(root)
+    assert model.branch(branch) is branch
+    rows = 1
+    for _ in range(7):
+        tokens = torch.randint(32, 127, (rows,), generator=gen).tolist()
+        k = model.adaptation_sites()[0].adapter_size()
+        adapter = Adapter({"resid": 0.1 * torch.randn(rows, k, k, generator=gen)})
+        usual, lp_usual = _step(model, usual, tokens, adapter)
+        branch, lp_branch = _step(model, branch, tokens, adapter)
+        torch.testing.assert_close(lp_branch, lp_usual, **TOL)
+        assert_states_close(model.settle(branch), usual, **TOL)
+        # regroup: some rows twice, some dropped, and a second part stacked (different depths: an older part)
+        index = torch.randint(0, rows, (min(rows + 2, 6),), generator=gen)
+        usual = State.stack([usual.take(index), usual.select(slice(0, 1))])
+        branch = State.stack([branch.take(index), branch.select(slice(0, 1))])
+        rows = usual.batch
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_root_is_shared_not_copied(name: str) -> None:
+    model = MODELS[name]()
+    root = model.branch(_after(model, b"\nIt is a tru"))  # 12 bytes: two more close no segment, fill no window
+    big = "mem0" if "mem0" in root.tensors else "k0"
+    rows = root.take(torch.zeros(5, dtype=torch.long))
+    assert shared(rows.tensors[big]) and rows.tensors[big].data_ptr() == root.tensors[big].data_ptr()
+    after, _ = _step(model, rows, [ord(c) for c in "uaeio"])
+    regrouped = State.stack([after.take(torch.tensor([0, 0, 3])), after.select(slice(1, 2))])
+    after, _ = _step(model, regrouped, [1, 2, 3, 4])
+    assert after.batch == 4 and shared(after.tensors[big])
+    assert after.tensors[big].data_ptr() == root.tensors[big].data_ptr()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generation_in_the_branch_form_equals_one_forward(name: str) -> None:
+    """Byte by byte from a branch-form state (crossing segment ends and window slides) equals one long forward."""
+    model = MODELS[name]()
+    data = bytes(range(50, 90))
+    with torch.no_grad():
+        whole = model.log_probs(model(torch.tensor([list(data)]), model.init_state(1)))[0]
+        state = model.branch(model.init_state(1))
+        for i, b in enumerate(data):
+            out = model(torch.tensor([[b]]), state)
+            state = out.state
+            torch.testing.assert_close(model.log_probs(out)[0, -1], whole[i], **TOL)
+    assert_states_close(model.settle(state), _after(model, data), **TOL)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("context", ["It is a tr", "and th", "she ", "a single ma"])
+def test_a_search_in_the_branch_form_finds_what_the_usual_one_finds(name: str, context: str) -> None:
+    model = MODELS[name](1)
+    cursor = advance(model, model.init_state(1), b"\n" + context.encode())
+    prefix = split_word(context)[1]
+    usual = WordSearch(cursor, prefix, k=5, max_chars=4, min_prob=1e-4, batch=8)
+    while (request := usual.request()) is not None:
+        usual.feed(*step(model, *request, None))
+    found = complete_word(model, cursor, prefix, k=5, max_chars=4, min_prob=1e-4, batch=8)
+    want = usual.result()
+    assert [c.text for c in found.completions] == [c.text for c in want.completions]
+    assert found.expansions == want.expansions
+    for a, b in zip(found.completions, want.completions, strict=True):
+        assert a.prob == pytest.approx(b.prob, rel=1e-4)
+    branched = WordSearch(cursor, prefix, k=5, max_chars=4, min_prob=1e-4, batch=8, model=model)
+    while (request := branched.request()) is not None:
+        branched.feed(*step(model, *request, None))
+    assert list(branched.next_cursors) == list(usual.next_cursors)
+    for key, c in usual.next_cursors.items():  # handed out settled: the usual form
+        d = branched.next_cursors[key]
+        assert_states_close(d.state, c.state, **TOL)
+        torch.testing.assert_close(d.logprobs, c.logprobs, **TOL)
+
+
+def test_state_take_and_stack_keep_one_shared_row_a_view() -> None:
+    row = torch.randn(1, 3, 2)
+    s = State({"m": row, "n": torch.tensor([7])})
+    t = s.take(torch.tensor([0, 0, 0]))
+    assert t.tensors["m"].stride(0) == 0 and torch.equal(t.tensors["m"], row.expand(3, 3, 2))
+    u = State.stack([t, s, t.select(slice(1, 2))])
+    assert u.tensors["m"].stride(0) == 0 and u.batch == 5 and torch.equal(u.tensors["n"], torch.tensor([7] * 5))
+    other = State({"m": torch.randn(1, 3, 2), "n": torch.tensor([8])})
+    mixed = State.stack([t, other])  # two different rows: a copy, as before
+    assert mixed.tensors["m"].stride(0) != 0 and torch.equal(mixed.tensors["m"][3], other.tensors["m"][0])
+
+
+def test_append_tail_drops_the_padding() -> None:
+    mem = torch.arange(8.0).view(2, 4, 1)  # rows [0..3], [4..7]
+    tail = torch.tensor([[0.0, 0.0, 10.0], [0.0, 20.0, 21.0]]).view(2, 3, 1)  # valid: the last 1 and the last 2
+    out = append_tail(mem, tail, torch.tensor([1, 2]))
+    assert out.view(2, 4).tolist() == [[1.0, 2.0, 3.0, 10.0], [6.0, 7.0, 20.0, 21.0]]
+
+
+def test_tree_attention_equals_attention_over_each_rows_keys() -> None:
+    gen = torch.Generator().manual_seed(0)
+    B, H, Dh, L, t = 3, 2, 4, 5, 3
+
+    def r(*shape: int) -> Any:
+        return torch.randn(*shape, generator=gen)
+    q, rk, rv, tk, tv, bias = r(B, H, Dh), r(H, L, Dh), r(H, L, Dh), r(B, H, t, Dh), r(B, H, t, Dh), r(B, H, L + t)
+    n = torch.tensor([1, 3, 2])
+    got = tree_attention(q, [(rk[:, :2], rv[:, :2]), (rk[:, 2:], rv[:, 2:])], tk, tv, n, 0.5, bias)
+    for b in range(B):
+        keep = list(range(L)) + list(range(L + t - int(n[b]), L + t))
+        k = torch.cat([rk, tk[b]], 1)[:, keep]  # (H, Lk, Dh)
+        v = torch.cat([rv, tv[b]], 1)[:, keep]
+        p = torch.softmax(0.5 * ((q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) + bias[b][:, keep]), -1)
+        torch.testing.assert_close(got[b], (p.unsqueeze(1) @ v).squeeze(1))
