@@ -209,6 +209,7 @@ class _Block(nn.Module):
         # the projected sinusoids by (device, dtype, autocast): W_{k,R}'s fingerprint and r (`positions`)
         self._positions: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.longest = cfg.cmem_len + cfg.mem_len + 2 * cfg.segment  # > any piece's keys (n_cm + n_m + S - 1 + S)
+        self._signature: tuple[tuple[tuple[int, int, int], ...], torch.Tensor] | None = None  # `signature`'s
 
     @property
     def compressor_(self) -> _Compressor:
@@ -222,8 +223,16 @@ class _Block(nn.Module):
 
     def signature(self) -> torch.Tensor:
         """The fingerprint of the weights the cached projections depend on (`project`'s and W_{k,R}, `positions`'):
-        a cached projection is stale when it changes. One per layer and call."""
-        return _fingerprint([self.ln1.weight, self.ln1.bias, self.kv.weight, self.kv.bias, self.r_net.weight])
+        a cached projection is stale when it changes. Weights that take no gradient (a frozen model's: constants)
+        keep theirs while the same tensors, unmodified (their version counters), hold them; others get one per
+        call."""
+        weights = [self.ln1.weight, self.ln1.bias, self.kv.weight, self.kv.bias, self.r_net.weight]
+        if any(w.requires_grad for w in weights):
+            return _fingerprint(weights)
+        key = tuple((id(w), w.data_ptr(), w._version) for w in weights)
+        if self._signature is None or self._signature[0] != key:
+            self._signature = (key, _fingerprint(weights))
+        return self._signature[1]
 
     def positions(self, n: int, like: torch.Tensor, sig: torch.Tensor | None) -> torch.Tensor:
         """r = W_{k,R} R[d] for d = 0..n-1 -> (n, H, Dh) (TXL sec. 3.3), like `like`'s device and dtype. Given the

@@ -160,7 +160,9 @@ class Stepper:
             self._generator.manual_seed(params.seed)
         else:
             self._generator.seed()
-        self._state = state if state is not None else model.init_state(1)
+        # the model's branch form: a state continued a token at a time keeps what it had and adds the new tokens' part
+        # (a transformer's memory is not shifted and copied at every token)
+        self._state = model.branch(state if state is not None else model.init_state(1))
         self._last_byte = self.tokenizer.bos if last_byte is None else last_byte  # the token the prompt follows
         self._logits: torch.Tensor | None = None  # (V,) log-probs of the next byte, once prefilled (model.log_probs)
         self.decoder = TextDecoder(params.stop)
