@@ -89,7 +89,7 @@ def measure(path: Path, text: bytes, device: torch.device) -> dict[str, object]:
     for _ in range(4):
         _sync(device)
         t0 = time.perf_counter()
-        cursor = advance(model, state, b"\n" + raw[:-1])
+        cursor = advance(model, state, b"\n" + raw)  # the model after the whole context
         suggest(model, cursor, context, tokenizer=ck.tokenizer)
         _sync(device)
         times.append(time.perf_counter() - t0)

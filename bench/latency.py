@@ -54,7 +54,7 @@ def main() -> None:
         times = []
         for _ in range(args.runs + 1):
             t0 = time.perf_counter()
-            cursor = advance(model, model.init_state(1), b"\n" + raw[:-1])
+            cursor = advance(model, model.init_state(1), b"\n" + raw)  # the model after the whole context
             found = suggest(model, cursor, context, tokenizer=ck.tokenizer)
             times.append((time.perf_counter() - t0) * 1e3)
         words = ", ".join(f"{c.text} {c.prob:.5f}" for c in found.completions)
