@@ -21,14 +21,11 @@
 # pydantic-settings, python-dotenv, annotated-types, typing-inspection, redis, for Python 3.12), they are installed to
 # /tmp/site first. SMOKE=1 runs the whole sequence at smoke size on any device (check it on a CPU first).
 #
-# Preparing it here (`.gpu/` is ignored through .git/info/exclude; the device tool carries it with carry [".gpu"]):
-#   echo /.gpu/ >> .git/info/exclude; mkdir -p .gpu/data .gpu/whl
-#   cp ../shared/data/gutenberg/*.txt ../shared/data/tinyshakespeare/input.txt .gpu/data/
-#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .gpu/whl fastapi==X starlette==X ...
-#   (the versions of .venv: `pip list`). Two runs, their costs: docs/benchmarks.md, "The transformer families and
-#   the Triton kernels on a GPU". A call: `DATA=.gpu/data TRAIN_MIN=2 BENCH_S=110 bash bench/gpu_run.sh` with
-#   carry [".gpu"] took 250-320 s of command time plus ~80 s of machine start.
+# Preparing it here, once per checkout: `bash bench/gpu_prepare.sh` (the texts and the wheels, at .venv's versions;
+# `.gpu/` is ignored through .git/info/exclude; the device tool carries it with carry [".gpu"]).
+# Two runs, their costs: docs/benchmarks.md, "The transformer families and the Triton kernels on a GPU". A call:
+# `DATA=.gpu/data TRAIN_MIN=2 BENCH_S=110 bash bench/gpu_run.sh` with carry [".gpu"] took 250-320 s of command time
+# plus ~80 s of machine start.
 set -u
 OUT=${OUT:-runs/gpu}
 DATA=${DATA:-.gpu/data}
