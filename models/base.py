@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DERIVED", "Adapter", "FeedForward", "LanguageModel", "ModelConfig", "Output", "Site", "State", "left_pad"]
+__all__ = ["DERIVED", "ROOT", "Adapter", "FeedForward", "LanguageModel", "ModelConfig", "Output", "Site", "State",
+           "left_pad"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Site:
 
 
 DERIVED = "memo."  # State tensors named so are caches a model can rebuild (`State.persistent`)
+ROOT = DERIVED + "root"  # in a state with `roots`: each row's root (B,) int64, an index into `State.roots`
 
 
 @dataclass
@@ -59,9 +61,16 @@ class State:
     boolean `mask` (B, L) marking each row's valid slots. `stack` then left-pads every tensor whose dim 1
     differs between the states (zeros; False in `mask`), so rows of different lengths batch together; the
     model must ignore the masked slots. Recurrent states (fixed shapes) stack with a plain `cat`.
+
+    `roots`, in a model's branch form (`LanguageModel.branch`), are what rows share, kept once: batch-1 states, row
+    b's being `roots[tensors[ROOT][b]]`. Row operations (`select`, `take`, `stack`) index the rows' tensors and keep
+    the roots the rows still name, never copying one: the rows of many searches (many typists) stack into one batch
+    whose rows point at their own searches' roots. Such a state is settled (`LanguageModel.settle`) before it is kept
+    or exported.
     """
 
     tensors: dict[str, torch.Tensor]
+    roots: tuple[State, ...] = ()
 
     @property
     def batch(self) -> int:
@@ -76,10 +85,12 @@ class State:
         """Without its derived tensors, those named `memo.*`: caches the model rebuilds from the rest when they are
         stale (the compressive model's keys and values). Exports and stores keep this; an import starts the derived
         tensors afresh from a new state."""
+        self._no_roots("persistent")
         return State({k: v for k, v in self.tensors.items() if not k.startswith(DERIVED)})
 
     def to_tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Flat, contiguous CPU tensors for serialisation (safetensors), names prefixed."""
+        self._no_roots("to_tensors")
         return {prefix + k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()}
 
     @staticmethod
@@ -91,21 +102,32 @@ class State:
         return next(iter(self.tensors.values())).device
 
     def detach(self) -> State:
-        return State({k: v.detach() for k, v in self.tensors.items()})
+        return State({k: v.detach() for k, v in self.tensors.items()}, tuple(r.detach() for r in self.roots))
 
     def select(self, index: torch.Tensor | slice | int) -> State:
         if isinstance(index, int):
             index = slice(index, index + 1)
-        return State({k: v[index] for k, v in self.tensors.items()})
+        return State({k: v[index] for k, v in self.tensors.items()})._keep(self.roots)
 
     def take(self, index: torch.Tensor) -> State:
         """Rows `index` (1-D int64), as `select` with an index, except that a tensor whose rows are all one row (a
-        batch of 1, or a stride-0 view of one: the branches of one state, `LanguageModel.branch`) stays such a view."""
+        batch of 1, or a stride-0 view of one) stays such a view."""
         return State({k: _one_row(v).expand(len(index), *v.shape[1:]) if _is_one_row(v) else v.index_select(0, index)
-                      for k, v in self.tensors.items()})
+                      for k, v in self.tensors.items()})._keep(self.roots)
 
     @staticmethod
     def stack(states: list[State]) -> State:
+        if any(s.roots for s in states):  # the branch form: the rows' roots in one tuple, each once
+            if not all(s.roots for s in states):
+                raise ValueError("cannot stack states in a branch form with states in the usual form")
+            roots: dict[int, tuple[int, State]] = {}
+            for s in states:
+                for r in s.roots:
+                    roots.setdefault(id(r), (len(roots), r))
+            states = [State({**s.tensors, ROOT: torch.tensor([roots[id(r)][0] for r in s.roots],
+                                                             device=s.tensors[ROOT].device)[s.tensors[ROOT]]})
+                      for s in states]
+            return State(State.stack(states).tensors, tuple(r for _, r in roots.values()))
         keys = states[0].tensors.keys()
         out = {}
         for k in keys:
@@ -124,6 +146,7 @@ class State:
     def where(self, rows: torch.Tensor, other: State) -> State:
         """Row b from this state where `rows[b]` (B,) bool, else from `other`; memories of different lengths are
         left-padded to the longer first, as `stack` does."""
+        self._no_roots("where")
         out = {}
         for k, mine in self.tensors.items():
             theirs = other.tensors[k]
@@ -134,7 +157,24 @@ class State:
         return State(out)
 
     def to(self, *args: Any, **kwargs: Any) -> State:
-        return State({k: v.to(*args, **kwargs) for k, v in self.tensors.items()})
+        return State({k: v.to(*args, **kwargs) for k, v in self.tensors.items()},
+                     tuple(r.to(*args, **kwargs) for r in self.roots))
+
+    def _keep(self, roots: tuple[State, ...]) -> State:
+        """These rows with the roots they name of `roots` (the others dropped, so that nothing keeps them alive)."""
+        if not roots:
+            return self
+        ids = self.tensors[ROOT]
+        used = torch.unique(ids)  # (R',) sorted
+        if len(used) == len(roots):
+            return State(self.tensors, roots)
+        renum = torch.full((len(roots),), -1, dtype=ids.dtype, device=ids.device)
+        renum[used] = torch.arange(len(used), device=ids.device)
+        return State({**self.tensors, ROOT: renum[ids]}, tuple(roots[i] for i in used.tolist()))
+
+    def _no_roots(self, what: str) -> None:
+        if self.roots:
+            raise ValueError(f"{what} of a state in a branch form: settle it first (`LanguageModel.settle`)")
 
 
 class FeedForward(nn.Sequential):
