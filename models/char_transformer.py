@@ -54,14 +54,14 @@ from torch import nn
 from kernels._dispatch import resolve_impl
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
-from models._branches import append_tail, shared, tree_attention
-from models.base import DERIVED, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State
+from models._branches import Group, append_tail, branch_forward, groups, root_rows, shared, tree_attention
+from models.base import DERIVED, ROOT, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State
 
 __all__ = ["BlockConfig", "CharTransformer", "CharTransformerConfig", "WindowedTransformer", "append_blocks",
            "resid_site", "slide_windows", "window_state"]
 
 TRAINING_ONLY_PREFIX = "aux."
-TAIL_N = DERIVED + "tail_n"  # the branch form's marker: each row's bytes since the shared root (`branch`)
+TAIL_N = DERIVED + "tail_n"  # the branch form's: each row's bytes since its root (`branch`)
 
 
 @dataclass(frozen=True)
@@ -150,16 +150,25 @@ class _Block(nn.Module):
         ones of [cache; chunk]. -> x, this chunk's keys and values."""
         B, T, D = x.shape
         H = self.n_head
-        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)  # (B, T, D) each
+        q, k, v = self.inputs(x)  # (B, T, D) each
         keys, vals = torch.cat([mem_k, k], 1), torch.cat([mem_v, v], 1)  # (B, C+T, D)
         qh = q.view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, Dh)
         kh = keys.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, C+T, Dh)
         vh = vals.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, C+T, Dh)
         att = memory_attention(qh, kh, vh, key_lengths=key_lengths)  # (B, H, T, Dh) causal, bottom-right aligned
+        return self.outputs(x, att.transpose(1, 2).reshape(B, T, D)), k, v
+
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's queries, keys and values of x (B, T, D), (B, T, D) each."""
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
+        return q, k, v
+
+    def outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """The block's output from its input x and the attention's att (B, T, D), heads concatenated: the
+        projection and the MLP, each added to the residual -> (B, T, D)."""
         p = self.dropout if self.training else 0.0
-        x = x + F.dropout(self.proj(att.transpose(1, 2).reshape(B, T, D)), p)  # (B, T, D)
-        x = x + F.dropout(self.mlp(self.ln2(x)), p)
-        return x, k, v
+        x = x + F.dropout(self.proj(att), p)  # (B, T, D)
+        return x + F.dropout(self.mlp(self.ln2(x)), p)
 
 
 def _classifier(cfg: CharTransformerConfig) -> nn.Module:
@@ -235,7 +244,7 @@ class CharTransformer(WindowedTransformer, LanguageModel):
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: tok, mask (B, C), k{l}, v{l} (B, C, D); adapter: mats["resid"] (B, k, k)."""
-        if TAIL_N in state.tensors:  # the branch form (`branch`)
+        if ROOT in state.tensors:  # the branch form (`branch`)
             return self._branch_forward(tokens, state, adapter)
         C, S, N = self.config.context, self.stride, self.config.n_layer
         mats = adapter.mats["resid"] if adapter is not None else None
@@ -249,83 +258,88 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         return Output(logits=logits, state=State(st), aux=aux, hidden=hidden)
 
     def branch(self, state: State) -> State:
-        """The branch form (models/_branches.py): this window as every row's root, with empty tails: `memo.tail_tok`
-        (B, t) and `memo.tail_k{l}`, `memo.tail_v{l}` (B, t, D) hold the row's bytes since the root and their keys and
-        values. With the Triton kernels (a GPU), the state itself: the kernels take the usual steps."""
-        if TAIL_N in state.tensors or resolve_impl(None, state.tensors["k0"]) == "triton":
+        """The branch form (models/_branches.py): each row's window as its root (one root when the rows are all one),
+        with empty tails: `memo.tail_tok` (B, t) and `memo.tail_k{l}`, `memo.tail_v{l}` (B, t, D) hold the row's
+        bytes since its root and their keys and values. With the Triton kernels (a GPU), the state itself: the
+        kernels take the usual steps."""
+        if ROOT in state.tensors or resolve_impl(None, state.tensors["k0"]) == "triton":
             return state
         B, D = state.batch, self.config.d_model
         ref = state.tensors["k0"]
-        st = dict(state.tensors)
-        st[TAIL_N] = torch.zeros(B, dtype=torch.long, device=ref.device)
-        st[f"{DERIVED}tail_tok"] = state.tensors["tok"].new_zeros(B, 0)
+        one = all(shared(v) for v in state.tensors.values())
+        ids = torch.zeros(B, dtype=torch.long, device=ref.device) if one else torch.arange(B, device=ref.device)
+        rows = {ROOT: ids, TAIL_N: torch.zeros(B, dtype=torch.long, device=ref.device),
+                f"{DERIVED}tail_tok": state.tensors["tok"].new_zeros(B, 0)}
         for i in range(self.config.n_layer):
-            st[f"{DERIVED}tail_k{i}"] = ref.new_zeros(B, 0, D)
-            st[f"{DERIVED}tail_v{i}"] = ref.new_zeros(B, 0, D)
-        return State(st)
+            rows[f"{DERIVED}tail_k{i}"] = ref.new_zeros(B, 0, D)
+            rows[f"{DERIVED}tail_v{i}"] = ref.new_zeros(B, 0, D)
+        return State(rows, tuple(state.select(i) for i in range(1 if one else B)))
 
     def settle(self, state: State) -> State:
-        """The usual form: each row's tail written into its window (a tail never reaches past the window's end)."""
-        if TAIL_N not in state.tensors:
+        """The usual form: each row's root with its tail written into its window (a tail never reaches past the
+        window's end); a copy per row."""
+        if ROOT not in state.tensors:
             return state
-        st = dict(state.tensors)
-        n = st.pop(TAIL_N)
-        tok = st.pop(f"{DERIVED}tail_tok")
-        st["tok"] = append_tail(st["tok"], tok, n)  # (B, C)
-        st["mask"] = append_tail(st["mask"], torch.ones_like(tok, dtype=torch.bool), n)
+        st, n = state.tensors, state.tensors[TAIL_N]
+        tok = st[f"{DERIVED}tail_tok"]
+        out = {"tok": append_tail(root_rows(state, "tok"), tok, n),  # (B, C)
+               "mask": append_tail(root_rows(state, "mask"), torch.ones_like(tok, dtype=torch.bool), n)}
         for i in range(self.config.n_layer):
             for name in ("k", "v"):
-                st[f"{name}{i}"] = append_tail(st[f"{name}{i}"], st.pop(f"{DERIVED}tail_{name}{i}"), n)  # (B, C, D)
-        B = n.shape[0]
-        return State({k: v.expand(B, *v.shape[1:]).contiguous() if shared(v) and B > 1 else v for k, v in st.items()})
+                out[f"{name}{i}"] = append_tail(root_rows(state, f"{name}{i}"), st[f"{DERIVED}tail_{name}{i}"], n)
+        out = {k: out[k] for k in state.roots[0].tensors}  # the usual order
+        return State({k: v.contiguous() if shared(v) and len(n) > 1 else v for k, v in out.items()})
 
     # -- internals -------------------------------------------------------------------------------------------
 
     def _branch_forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None) -> Output:
-        """forward in the branch form: a step of one byte a row over a shared root where it can, else the usual
-        forward from the settled rows, returned with empty tails."""
-        st = state.tensors
-        C = self.config.context
-        names = ["tok", "mask", *(f"{x}{i}" for i in range(self.config.n_layer) for x in "kv")]
-        if (tokens.shape[1] == 1 and not self.training and not torch.is_grad_enabled()
-                and all(shared(st[k]) for k in names)):
-            fill = int(st["mask"][0].sum())  # the root's
-            if fill + int(st[TAIL_N].max()) + 1 <= C:  # no slide inside
-                return self._branch_step(tokens, st, fill, adapter)
-        out = self.forward(tokens, self.settle(state), adapter)
-        return Output(out.logits, self.branch(out.state), out.aux, out.hidden)
+        """forward in the branch form (models/_branches.py, `branch_forward`): `_branch_step` for the rows whose byte
+        fits their window, the usual forward (a slide) for the others."""
+        return branch_forward(self, tokens, state, adapter, self._ready, self._branch_step)
 
-    def _branch_step(self, tokens: torch.Tensor, st: dict[str, torch.Tensor], fill: int, adapter: Adapter | None
-                     ) -> Output:
-        """One byte a row (B, 1) after the shared root's `fill` bytes and each row's tail: the root's keys and values
-        read in place by every row's query (models/_branches.py); the same layers as `append_blocks` otherwise."""
+    def _fills(self, state: State) -> torch.Tensor:
+        """Each row's root's fill (B,)."""
+        fills = torch.stack([r.tensors["mask"][0].sum() for r in state.roots])  # (R,)
+        return fills[state.tensors[ROOT]]
+
+    def _ready(self, state: State) -> torch.Tensor:
+        """The rows (B,) bool whose byte fits their window: no slide."""
+        return self._fills(state) + state.tensors[TAIL_N] < self.config.context
+
+    def _branch_step(self, tokens: torch.Tensor, state: State, mats: torch.Tensor | None) -> Output:
+        """One byte a row (B, 1) after its root's window and its tail: the root's keys and values read in place by its
+        rows' queries (models/_branches.py); the block's projections and MLP (`_Block.inputs`, `_Block.outputs`)
+        over all rows at once, as `append_blocks`."""
         B = tokens.shape[0]
         C, D, H = self.config.context, self.config.d_model, self.config.n_head
         Dh = D // H
+        st = state.tensors
         n = st[TAIL_N]  # (B,)
         t = st[f"{DERIVED}tail_tok"].shape[1]
-        mats = adapter.mats["resid"] if adapter is not None else None
+        rooted = [(rows, root, int(root.tensors["mask"][0].sum())) for rows, root in groups(state)]
         new = dict(st)
         new[TAIL_N] = n + 1
         new[f"{DERIVED}tail_tok"] = torch.cat([st[f"{DERIVED}tail_tok"], tokens], 1)  # (B, t+1)
-        pos = fill + n  # (B,) each row's position in the window
+        pos = self._fills(state) + n  # (B,) each row's position in the window
         x = self.embed(tokens)  # (B, 1, D)
         for i, block in enumerate(self.blocks):
             assert isinstance(block, _Block)
             x = x + self.pos[i][pos].unsqueeze(1)  # (B, 1, D) paper: a positional embedding per layer
-            q, k, v = block.qkv(block.ln1(x)).split(D, dim=-1)  # (B, 1, D) each
+            q, k, v = block.inputs(x)  # (B, 1, D) each
             tk = new[f"{DERIVED}tail_k{i}"] = torch.cat([st[f"{DERIVED}tail_k{i}"], k], 1)  # (B, t+1, D)
             tv = new[f"{DERIVED}tail_v{i}"] = torch.cat([st[f"{DERIVED}tail_v{i}"], v], 1)
-            rk = st[f"k{i}"][0, C - fill :].view(fill, H, Dh).transpose(0, 1)  # (H, fill, Dh) the root's, in place
-            rv = st[f"v{i}"][0, C - fill :].view(fill, H, Dh).transpose(0, 1)
-            att = tree_attention(q.view(B, H, Dh), [(rk, rv)], tk.view(B, t + 1, H, Dh).transpose(1, 2),
+            roots: list[Group] = []
+            for rows, root, fill in rooted:
+                rk = root.tensors[f"k{i}"][0, C - fill :].view(fill, H, Dh).transpose(0, 1)  # (H, fill, Dh) in place
+                rv = root.tensors[f"v{i}"][0, C - fill :].view(fill, H, Dh).transpose(0, 1)
+                roots.append((rows, [(rk, rv)]))
+            att = tree_attention(q.view(B, H, Dh), roots, tk.view(B, t + 1, H, Dh).transpose(1, 2),
                                  tv.view(B, t + 1, H, Dh).transpose(1, 2), n + 1, Dh**-0.5)  # (B, H, Dh)
-            x = x + block.proj(att.reshape(B, 1, D))  # (B, 1, D)
-            x = x + block.mlp(block.ln2(x))
+            x = block.outputs(x, att.reshape(B, 1, D))  # (B, 1, D)
             if i == self.site_layer and mats is not None:
                 x = apply_adapter_positions(x, mats)  # (B, 1, D) h' = h + M h
         hidden = self.ln_f(x)  # (B, 1, D)
-        return Output(logits=self.head(hidden), state=State(new), hidden=hidden)
+        return Output(logits=self.head(hidden), state=State(new, state.roots), hidden=hidden)
 
     def _append(self, tokens: torch.Tensor, st: dict[str, torch.Tensor], n: torch.Tensor,
                 mats: torch.Tensor | None, collect: bool

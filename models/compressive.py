@@ -79,15 +79,15 @@ from kernels._dispatch import resolve_impl
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from kernels.compress import compress_memory, fixed_memory_update
-from models._branches import append_tail, shared, tree_attention
-from models.base import DERIVED, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State, left_pad
+from models._branches import Group, append_tail, branch_forward, groups, root_rows, shared, tree_attention
+from models.base import DERIVED, ROOT, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State, left_pad
 
 __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
 
 COMPRESSIONS = ("conv", "mean", "max", "dilated", "most_used")
 _DILATIONS = (1, 2)
 _PROBES: dict[torch.device, torch.Tensor] = {}
-TAIL_N = DERIVED + "tail_n"  # the branch form's marker: each row's bytes since the shared root (`branch`)
+TAIL_N = DERIVED + "tail_n"  # the branch form's: each row's bytes since its root (`branch`)
 
 
 def _fingerprint(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -263,16 +263,24 @@ class _Block(nn.Module):
         nothing cached) -> (B, m, D), the piece's own keys and values (B, m, 2D)."""
         B, m, D = x.shape
         H = self.n_head
-        h = self.ln1(x)  # (B, m, D)
-        q = self.q(h)  # (B, m, D)
-        kv_x = self.kv(h)  # (B, m, 2D)
+        q, kv_x = self.inputs(x)  # (B, m, D), (B, m, 2D)
         k, v = torch.cat([ctx_kv.to(kv_x.dtype), kv_x], 1).chunk(2, -1)  # (B, Lc+m, D) each
         r = self.positions(k.shape[1], x, sig)  # (Lc+m, H, Dh) W_{k,R} R_{i-j}, indexed by distance
         att = memory_attention(_heads(q, H), _heads(k, H), _heads(v, H), rel=(r, self.u, self.v),
                                key_lengths=key_lengths)  # (B, H, m, Dh) TXL eq. terms (a)-(d), causal bottom-right
+        return self.outputs(x, att.transpose(1, 2).reshape(B, m, D)), kv_x
+
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's inputs of x (B, m, D): its queries (B, m, D) and its keys and values (B, m, 2D)."""
+        h = self.ln1(x)  # (B, m, D)
+        return self.q(h), self.kv(h)
+
+    def outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """The block's output from its input x and the attention's att (B, m, D), heads concatenated: the
+        projection and the MLP, each added to the residual -> (B, m, D)."""
         p = self.dropout if self.training else 0.0
-        x = x + F.dropout(self.proj(att.transpose(1, 2).reshape(B, m, D)), p)  # (B, m, D)
-        return x + F.dropout(self.mlp(self.ln2(x)), p), kv_x
+        x = x + F.dropout(self.proj(att), p)  # (B, m, D)
+        return x + F.dropout(self.mlp(self.ln2(x)), p)
 
     def _frozen_qkv(self, seg: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries of seg (B, Lq, D) and keys/values of keys (B, Lk, D) with detached copies of this layer's weights
@@ -385,7 +393,7 @@ class CompressiveTransformer(LanguageModel):
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         """tokens: (B, T) int64; state: seen (B,), mem{l} (B, n_m+S-1, D), cmem{l} (B, n_cm, D);
         adapter: mats["resid"] (B, k, k). Cut into pieces at the segment grid (module docstring)."""
-        if TAIL_N in state.tensors:  # the branch form (`branch`)
+        if ROOT in state.tensors:  # the branch form (`branch`)
             return self._branch_forward(tokens, state, adapter)
         B, T = tokens.shape
         S = self.config.segment
@@ -418,103 +426,100 @@ class CompressiveTransformer(LanguageModel):
         return Output(logits=logits, state=State(st), aux=aux, hidden=hidden)
 
     def branch(self, state: State) -> State:
-        """The branch form (models/_branches.py): this state as every row's root, with empty tails. `seen` stays each
-        row's own count; the memories and their cache are the root's, as of `seen - memo.tail_n`; `memo.tail_x{l}`
-        (B, t, D) and `memo.tail_kv{l}` (B, t, 2D) hold the layer inputs and keys/values of the row's bytes since.
-        With the Triton kernels (a GPU), the state itself: the kernels take the usual steps."""
-        if TAIL_N in state.tensors or resolve_impl(None, state.tensors["seen"]) == "triton":
+        """The branch form (models/_branches.py): each row's state as its root (one root when the rows are all one),
+        with empty tails. `seen` stays each row's own count; its root's memories and their cache are as of `seen -
+        memo.tail_n`; `memo.tail_x{l}` (B, t, D) and `memo.tail_kv{l}` (B, t, 2D) hold the layer inputs and
+        keys/values of the row's bytes since. With the Triton kernels (a GPU), the state itself: the kernels take
+        the usual steps."""
+        if ROOT in state.tensors or resolve_impl(None, state.tensors["seen"]) == "triton":
             return state
         B, D = state.batch, self.config.d_model
         ref = state.tensors["mem0"]
         st = dict(state.tensors)
         if "memo.sig0" not in st:
             st.update({k: v for k, v in self.init_state(B).tensors.items() if k.startswith(DERIVED)})
-        st[TAIL_N] = torch.zeros(B, dtype=torch.long, device=ref.device)
+        one = all(shared(v) for v in st.values())
+        rows = {"seen": st["seen"], ROOT: torch.zeros(B, dtype=torch.long, device=ref.device) if one else
+                torch.arange(B, device=ref.device), TAIL_N: torch.zeros(B, dtype=torch.long, device=ref.device)}
         for i in range(self.config.n_layer):
-            st[f"{DERIVED}tail_x{i}"] = ref.new_zeros(B, 0, D)
-            st[f"{DERIVED}tail_kv{i}"] = ref.new_zeros(B, 0, 2 * D)
-        return State(st)
+            rows[f"{DERIVED}tail_x{i}"] = ref.new_zeros(B, 0, D)
+            rows[f"{DERIVED}tail_kv{i}"] = ref.new_zeros(B, 0, 2 * D)
+        return State(rows, tuple(State(st).select(i) for i in range(1 if one else B)))
 
     def settle(self, state: State) -> State:
-        """The usual form: each row's tail written into its memories (no segment closes inside a tail)."""
-        if TAIL_N not in state.tensors:
+        """The usual form: each row's root with its tail written into its memories (no segment closes inside a
+        tail); a copy per row."""
+        if ROOT not in state.tensors:
             return state
-        st = dict(state.tensors)
-        n = st.pop(TAIL_N)
+        st, n = state.tensors, state.tensors[TAIL_N]
+        out = {k: st["seen"] if k == "seen" else root_rows(state, k) for k in state.roots[0].tensors}  # (B, ...)
         for i in range(self.config.n_layer):
-            tx, tkv = st.pop(f"{DERIVED}tail_x{i}"), st.pop(f"{DERIVED}tail_kv{i}")
-            st[f"mem{i}"] = append_tail(st[f"mem{i}"], tx, n)  # (B, n_m+S-1, D)
-            st[f"{DERIVED}kv_mem{i}"] = append_tail(st[f"{DERIVED}kv_mem{i}"], tkv, n)  # (B, n_m+S-1, 2D)
-        B = n.shape[0]
-        return State({k: v.expand(B, *v.shape[1:]).contiguous() if shared(v) and B > 1 else v for k, v in st.items()})
+            out[f"mem{i}"] = append_tail(out[f"mem{i}"], st[f"{DERIVED}tail_x{i}"], n)  # (B, n_m+S-1, D)
+            out[f"{DERIVED}kv_mem{i}"] = append_tail(out[f"{DERIVED}kv_mem{i}"], st[f"{DERIVED}tail_kv{i}"], n)
+        return State({k: v.contiguous() if shared(v) and len(n) > 1 else v for k, v in out.items()})
 
     # -- internals -------------------------------------------------------------------------------------------
 
     def _branch_forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None) -> Output:
-        """forward in the branch form: a step of one byte a row over a shared root where it can (`_branch_step`),
-        else the usual forward from the settled rows, returned with empty tails."""
-        st = state.tensors
-        out = self._branch_step(tokens, st, adapter) if self._can_branch(tokens, st) else None
-        if out is not None:
-            return out
-        out = self.forward(tokens, self.settle(state), adapter)
-        return Output(out.logits, self.branch(out.state), out.aux, out.hidden)
+        """forward in the branch form (models/_branches.py, `branch_forward`): `_branch_step` for the rows whose
+        byte closes no segment and whose root's key/value cache is current, the usual forward for the others."""
+        return branch_forward(self, tokens, state, adapter, self._ready, self._branch_step)
 
-    def _can_branch(self, tokens: torch.Tensor, st: dict[str, torch.Tensor]) -> bool:
-        """One byte a row, no gradient, the rows on one root whose cache is current, and no segment closing."""
-        if tokens.shape[1] != 1 or self.training or torch.is_grad_enabled():
-            return False
-        if not all(shared(st[f"{name}{i}"]) for i in range(self.config.n_layer)
-                   for name in ("mem", "cmem", "memo.kv_mem", "memo.kv_cmem", "memo.sig")):
-            return False
-        root = st["seen"] - st[TAIL_N]  # (B,)
-        if bool((root != root[0]).any()) or int(root[0] % self.config.segment + st[TAIL_N].max()) + 1 >= \
-                self.config.segment:
-            return False
-        return all(bool(st[f"memo.sig{i}"][0] == b.signature()) for i, b in enumerate(self.layers))
+    def _ready(self, state: State) -> torch.Tensor:
+        """The rows (B,) bool whose byte closes no segment and whose root's cache is current (its fingerprint)."""
+        sigs = [b.signature() for b in self.layers]
+        current = torch.tensor([all(bool(r.tensors[f"memo.sig{i}"][0] == s) for i, s in enumerate(sigs))
+                                for r in state.roots], device=state.tensors[ROOT].device)  # (R,)
+        return current[state.tensors[ROOT]] & (state.tensors["seen"] % self.config.segment != self.config.segment - 1)
 
-    def _branch_step(self, tokens: torch.Tensor, st: dict[str, torch.Tensor], adapter: Adapter | None) -> Output:
-        """One byte a row (B, 1) on the shared root: the root's cached keys/values read in place by every row's
-        query (models/_branches.py), the row's tail apart; the same layers as `_piece` otherwise."""
+    def _branch_step(self, tokens: torch.Tensor, state: State, mats: torch.Tensor | None) -> Output:
+        """One byte a row (B, 1) on its root: the root's cached keys/values read in place by its rows' queries
+        (models/_branches.py), each row's tail apart; the block's projections and MLP (`_Block.inputs`,
+        `_Block.outputs`) over all rows at once."""
         cfg = self.config
         B = tokens.shape[0]
         D, H = cfg.d_model, cfg.n_head
         Dh = D // H
+        st = state.tensors
         n = st[TAIL_N]  # (B,)
-        nf, nc = (int(f[0]) for f in self.fills(st["seen"][:1] - n[:1]))  # the root's fills
-        Lr = nc + nf
+        rooted = []  # (rows, root, its fills (n_cmem, n_fine))
+        for rows, root in groups(state):
+            nf, nc = (int(f[0]) for f in self.fills(root.tensors["seen"][:1]))
+            rooted.append((rows, root, nc, nf))
+        Lr = max(nc + nf for _, _, nc, nf in rooted)  # the most root keys a row has
         t = st["memo.tail_x0"].shape[1]
-        j = torch.arange(Lr + t + 1, device=tokens.device).view(1, -1)  # (1, Lr+t+1) the keys: root, tail, own
+        j = torch.arange(Lr + t + 1, device=tokens.device).view(1, -1)  # (1, Lr+t+1) keys: the root's, the tail
         dist = torch.where(j < Lr, Lr + n.view(B, 1) - j, Lr + t - j)  # (B, Lr+t+1) distance of each key
-        mats = adapter.mats["resid"] if adapter is not None else None
-        new = {k: v for k, v in st.items()}
+        new = dict(st)
         new["seen"], new[TAIL_N] = st["seen"] + 1, n + 1
         x = self.embed(tokens)  # (B, 1, D)
         for i, block in enumerate(self.layers):
-            x_in = x
-            h = block.ln1(x)  # (B, 1, D)
-            q = block.q(h).view(B, H, Dh)  # (B, H, Dh)
-            kv_x = block.kv(h)  # (B, 1, 2D)
+            new[f"memo.tail_x{i}"] = torch.cat([st[f"memo.tail_x{i}"], x], 1)  # (B, t+1, D)
+            q, kv_x = block.inputs(x)  # (B, 1, D), (B, 1, 2D)
+            q = q.view(B, H, Dh)
             tkv = torch.cat([st[f"memo.tail_kv{i}"], kv_x.to(st[f"memo.tail_kv{i}"].dtype)], 1)  # (B, t+1, 2D)
             new[f"memo.tail_kv{i}"] = tkv
-            new[f"memo.tail_x{i}"] = torch.cat([st[f"memo.tail_x{i}"], x_in], 1)  # (B, t+1, D)
             tkv = tkv.to(kv_x.dtype)
-            roots = []
-            for mem, L in ((st[f"memo.kv_cmem{i}"], nc), (st[f"memo.kv_mem{i}"], nf)):
-                part = mem[0, mem.shape[1] - L :].to(kv_x.dtype)  # (L, 2D) the root's valid slots, in place
-                roots.append((part[:, :D].view(L, H, Dh).transpose(0, 1), part[:, D:].view(L, H, Dh).transpose(0, 1)))
-            r = block.positions(Lr + t + 1, x, st[f"memo.sig{i}"][0])  # (Lr+t+1, H, Dh) by distance
+            roots: list[Group] = []
+            for rows, root, nc, nf in rooted:
+                parts = []
+                for mem, L in ((root.tensors[f"memo.kv_cmem{i}"], nc), (root.tensors[f"memo.kv_mem{i}"], nf)):
+                    part = mem[0, mem.shape[1] - L :].to(kv_x.dtype)  # (L, 2D) the root's valid slots, in place
+                    k, v = part.view(L, 2, H, Dh).permute(1, 2, 0, 3)  # (H, L, Dh) each
+                    parts.append((k, v))
+                roots.append((rows, parts))
+            sig = rooted[0][1].tensors[f"memo.sig{i}"][0]  # every root's: the current weights'
+            r = block.positions(Lr + t + 1, x, sig)  # (Lr+t+1, H, Dh) by distance
             pos = ((q + block.v).transpose(0, 1) @ r.permute(1, 2, 0)).transpose(0, 1)  # (B, H, Lr+t+1) TXL (b)+(d)
             bias = pos.gather(-1, dist.unsqueeze(1).expand(B, H, Lr + t + 1))  # (B, H, Lr+t+1) for each key
             tk = tkv[..., :D].view(B, t + 1, H, Dh).transpose(1, 2)  # (B, H, t+1, Dh)
             tv = tkv[..., D:].view(B, t + 1, H, Dh).transpose(1, 2)
             att = tree_attention(q + block.u, roots, tk, tv, n + 1, Dh**-0.5, bias)  # (B, H, Dh) TXL (a)-(d)
-            x = x + block.proj(att.reshape(B, 1, D))  # (B, 1, D)
-            x = x + block.mlp(block.ln2(x))
+            x = block.outputs(x, att.reshape(B, 1, D))  # (B, 1, D)
             if i == self.site_layer and mats is not None:
                 x = apply_adapter_positions(x, mats)  # (B, 1, D) h' = h + M h
         hidden = self.ln_f(x)  # (B, 1, D)
-        return Output(logits=self.head(hidden), state=State(new), hidden=hidden)
+        return Output(logits=self.head(hidden), state=State(new, state.roots), hidden=hidden)
 
     def _piece(self, x: torch.Tensor, st: dict[str, torch.Tensor], mats: torch.Tensor | None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:

@@ -192,8 +192,9 @@ class Stepper:
         """A second sequence from the same prefilled prompt, with its own parameters (seed, stops)."""
         if self._logits is None or self.tokens:
             raise RuntimeError("fork after prefill and before the first step")
-        other = Stepper(self.model, params, state=State({k: v.clone() for k, v in self._state.tensors.items()}),
-                        adapter=self.adapter, tokenizer=self.tokenizer)
+        # the roots of a branch form are never changed in place: shared, not copied
+        state = State({k: v.clone() for k, v in self._state.tensors.items()}, self._state.roots)
+        other = Stepper(self.model, params, state=state, adapter=self.adapter, tokenizer=self.tokenizer)
         other._logits = self._logits
         return other
 

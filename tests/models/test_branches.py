@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from models._branches import append_tail, shared, tree_attention
-from models.base import Adapter, LanguageModel, State
+from models._branches import append_tail, tree_attention
+from models.base import ROOT, Adapter, LanguageModel, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.compressive import CompressiveConfig, CompressiveTransformer
+from models.sampling import SamplingParams, Stepper
 from models.suggest import WordSearch, advance, complete_word, split_word, step
 from tests._families import assert_states_close
 
@@ -92,18 +93,67 @@ def test_a_tree_of_branches_equals_the_usual_steps(name: str, prefix: int) -> No
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+def test_rows_of_several_roots_step_together_as_the_usual_steps(name: str) -> None:
+    """The rows of five searches (several typists: roots after 1, 4, 5, 9 and 17 bytes, so at different fills, some
+    at a segment end or a full window on the first step) stacked into one step as the server's rounds stack them,
+    each row under its own adapter, over 8 rounds regrouped within each search: the log-probs and settled states
+    equal the usual steps' of the same rows, and the step keeps one root per search until its rows cross."""
+    model = MODELS[name]()
+    gen = torch.Generator().manual_seed(5)
+    usual = [_after(model, bytes(range(40, 40 + m))) for m in (1, 4, 5, 9, 17)]
+    branch = [model.branch(s) for s in usual]
+    k = model.adaptation_sites()[0].adapter_size()
+    for _ in range(8):
+        sizes = [s.batch for s in usual]
+        tokens = torch.randint(32, 127, (sum(sizes),), generator=gen).tolist()
+        adapter = Adapter({"resid": 0.1 * torch.randn(sum(sizes), k, k, generator=gen)})
+        stacked = State.stack(branch)
+        assert len(stacked.roots) == sum(len(b.roots) for b in branch)  # each search's roots, none copied
+        after_u, lp_u = _step(model, State.stack(usual), tokens, adapter)
+        after_b, lp_b = _step(model, stacked, tokens, adapter)
+        torch.testing.assert_close(lp_b, lp_u, **TOL)
+        assert_states_close(model.settle(after_b), after_u, **TOL)
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        usual, branch = [], []
+        for start, size in zip(starts, sizes, strict=True):
+            index = torch.randint(start, start + size, (min(size + 1, 4),), generator=gen)
+            usual.append(after_u.take(index))
+            branch.append(after_b.take(index))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_only_the_rows_that_cross_take_the_usual_path(name: str) -> None:
+    """Rows of a root whose next byte closes a segment (slides the window) and rows of a root far from it, in one
+    step: the latter still read their root in place (the same root, a tail of one byte), the former become roots of
+    their own (an empty tail); the log-probs are the usual steps'."""
+    model = MODELS[name]()
+    S = 6 if name == "compressive" else 10  # the tiny models' segment, window
+    far, near = _after(model, b"\nab"), _after(model, bytes(range(40, 40 + (2 * S - 1 if S == 6 else S))))
+    branched = model.branch(far)
+    state = State.stack([branched.take(torch.zeros(2, dtype=torch.long)), model.branch(near), branched])
+    # rows: far, far, near, far
+    roots = state.roots
+    after, lp = _step(model, state, [97, 98, 99, 100])
+    want = _step(model, State.stack([far, far, near, far]), [97, 98, 99, 100])[1]
+    torch.testing.assert_close(lp, want, **TOL)
+    ids = after.tensors["memo.root"].tolist()
+    assert after.roots[ids[0]] is roots[0] and ids[0] == ids[1] == ids[3]
+    assert after.roots[ids[2]] is not roots[1] and len(after.roots) == 2
+    assert after.tensors["memo.tail_n"].tolist() == [1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
 def test_the_root_is_shared_not_copied(name: str) -> None:
     model = MODELS[name]()
     root = model.branch(_after(model, b"\nIt is a tru"))  # 12 bytes: two more close no segment, fill no window
-    big = "mem0" if "mem0" in root.tensors else "k0"
+    big = "mem0" if "mem0" in root.roots[0].tensors else "k0"
+    ptr = root.roots[0].tensors[big].data_ptr()
     rows = root.take(torch.zeros(5, dtype=torch.long))
-    assert shared(rows.tensors[big]) and rows.tensors[big].data_ptr() == root.tensors[big].data_ptr()
     after, _ = _step(model, rows, [ord(c) for c in "uaeio"])
     regrouped = State.stack([after.take(torch.tensor([0, 0, 3])), after.select(slice(1, 2))])
     after, _ = _step(model, regrouped, [1, 2, 3, 4])
-    assert after.batch == 4 and shared(after.tensors[big])
-    assert after.tensors[big].data_ptr() == root.tensors[big].data_ptr()
-
+    assert after.batch == 4 and len(after.roots) == 1 and after.roots[0].tensors[big].data_ptr() == ptr
+    assert big not in after.tensors
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_generation_in_the_branch_form_equals_one_forward(name: str) -> None:
@@ -118,6 +168,31 @@ def test_generation_in_the_branch_form_equals_one_forward(name: str) -> None:
             state = out.state
             torch.testing.assert_close(model.log_probs(out)[0, -1], whole[i], **TOL)
     assert_states_close(model.settle(state), _after(model, data), **TOL)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generations_batched_and_a_fork_equal_each_alone(name: str) -> None:
+    """Three sequences (one a fork: its root shared with the sequence it forked from) fed in one step a byte at a
+    time (`Stepper.feed_many`, past segment ends and window slides) give each one's logits alone."""
+    model = MODELS[name]()
+
+    def steppers() -> list[Stepper]:
+        out = []
+        for prompt in (b"one", b"the second"):
+            s = Stepper(model, SamplingParams(max_tokens=50, seed=1))
+            s.prefill(prompt)
+            out.append(s)
+        return [*out, out[1].fork(SamplingParams(max_tokens=50, seed=2))]
+
+    batched, single = steppers(), steppers()
+    for _ in range(14):
+        tokens = [s.sample().token for s in batched]
+        assert [s.sample().token for s in single] == tokens
+        Stepper.feed_many(batched, tokens)
+        for s, t in zip(single, tokens, strict=True):
+            s.feed(t)
+        for a, b in zip(batched, single, strict=True):
+            torch.testing.assert_close(a._logits, b._logits, **TOL)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -157,6 +232,24 @@ def test_state_take_and_stack_keep_one_shared_row_a_view() -> None:
     assert mixed.tensors["m"].stride(0) != 0 and torch.equal(mixed.tensors["m"][3], other.tensors["m"][0])
 
 
+def test_state_roots_are_kept_once_and_renumbered() -> None:
+    """Rows of states in a branch form stack with their roots in one tuple, each root once (by identity), the rows'
+    root ids renumbered; selecting rows keeps only the roots they name; no root is copied."""
+    r0, r1, r2 = (State({"m": torch.full((1, 3), float(i))}) for i in range(3))
+    a = State({ROOT: torch.tensor([1, 0, 1])}, (r0, r1))
+    b = State({ROOT: torch.tensor([0, 1])}, (r2, r0))
+    both = State.stack([a, b])
+    assert both.roots == (r0, r1, r2) and all(x is y for x, y in zip(both.roots, (r0, r1, r2), strict=True))
+    assert both.tensors[ROOT].tolist() == [1, 0, 1, 2, 0]
+    few = both.take(torch.tensor([3, 1]))
+    assert few.roots[0] is r0 and few.roots[1] is r2 and few.tensors[ROOT].tolist() == [1, 0]
+    assert both.select(slice(0, 1)).roots[0] is r1
+    with pytest.raises(ValueError, match="settle"):
+        both.persistent()
+    with pytest.raises(ValueError, match="usual form"):
+        State.stack([a, State({ROOT: torch.tensor([0])})])
+
+
 def test_append_tail_drops_the_padding() -> None:
     mem = torch.arange(8.0).view(2, 4, 1)  # rows [0..3], [4..7]
     tail = torch.tensor([[0.0, 0.0, 10.0], [0.0, 20.0, 21.0]]).view(2, 3, 1)  # valid: the last 1 and the last 2
@@ -165,17 +258,32 @@ def test_append_tail_drops_the_padding() -> None:
 
 
 def test_tree_attention_equals_attention_over_each_rows_keys() -> None:
+    """Rows on two roots of different lengths (one in two parts), their rows interleaved, tails of different
+    lengths, against a softmax over each row's keys alone."""
     gen = torch.Generator().manual_seed(0)
-    B, H, Dh, L, t = 3, 2, 4, 5, 3
+    B, H, Dh, t = 4, 2, 4, 3
 
     def r(*shape: int) -> Any:
         return torch.randn(*shape, generator=gen)
-    q, rk, rv, tk, tv, bias = r(B, H, Dh), r(H, L, Dh), r(H, L, Dh), r(B, H, t, Dh), r(B, H, t, Dh), r(B, H, L + t)
-    n = torch.tensor([1, 3, 2])
-    got = tree_attention(q, [(rk[:, :2], rv[:, :2]), (rk[:, 2:], rv[:, 2:])], tk, tv, n, 0.5, bias)
+    lengths = [5, 2]  # each root's keys
+    rk, rv = [r(H, L, Dh) for L in lengths], [r(H, L, Dh) for L in lengths]
+    q, tk, tv, bias = r(B, H, Dh), r(B, H, t, Dh), r(B, H, t, Dh), r(B, H, max(lengths) + t)
+    n = torch.tensor([1, 3, 2, 3])
+    rows = [torch.tensor([0, 2]), torch.tensor([1, 3])]
+    got = tree_attention(q, [(rows[0], [(rk[0][:, :2], rv[0][:, :2]), (rk[0][:, 2:], rv[0][:, 2:])]),
+                             (rows[1], [(rk[1], rv[1])])], tk, tv, n, 0.5, bias)
     for b in range(B):
-        keep = list(range(L)) + list(range(L + t - int(n[b]), L + t))
-        k = torch.cat([rk, tk[b]], 1)[:, keep]  # (H, Lk, Dh)
-        v = torch.cat([rv, tv[b]], 1)[:, keep]
-        p = torch.softmax(0.5 * ((q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) + bias[b][:, keep]), -1)
+        g = 0 if b in rows[0].tolist() else 1
+        L, Lmax = lengths[g], max(lengths)
+        tail = list(range(t - int(n[b]), t))
+        k = torch.cat([rk[g], tk[b][:, tail]], 1)  # (H, Lk, Dh)
+        v = torch.cat([rv[g], tv[b][:, tail]], 1)
+        places = list(range(Lmax - L, Lmax)) + [Lmax + j for j in tail]  # the keys' places in the bias
+        p = torch.softmax(0.5 * ((q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) + bias[b][:, places]), -1)
         torch.testing.assert_close(got[b], (p.unsqueeze(1) @ v).squeeze(1))
+    one = tree_attention(q, [(slice(None), [(rk[0], rv[0])])], tk, tv, n, 0.5)  # one root: every row in one slice
+    for b in range(B):
+        keep = list(range(t - int(n[b]), t))
+        k, v = torch.cat([rk[0], tk[b][:, keep]], 1), torch.cat([rv[0], tv[b][:, keep]], 1)
+        p = torch.softmax(0.5 * (q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1), -1)
+        torch.testing.assert_close(one[b], (p.unsqueeze(1) @ v).squeeze(1))
