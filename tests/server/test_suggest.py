@@ -18,8 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from models.base import Adapter, State
+from models.base import ROOT, Adapter, State
+from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.checkpoint import load_checkpoint
+from models.compressive import CompressiveConfig, CompressiveTransformer
 from models.scoring import BOS, score_bytes
 from models.suggest import Completion, advance
 from models.wordcache import WordCache
@@ -336,6 +338,51 @@ def test_a_suggestion_joins_the_searches_in_progress(ckpt: Any) -> None:
         assert got is not None and want is not None
         assert [c.text for c in got.completions] == [c.text for c in want.completions]
         assert [c.prob for c in got.completions] == pytest.approx([c.prob for c in want.completions], rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["compressive", "char-transformer"])
+def test_typists_searching_together_on_a_transformer_copy_no_more_rows_than_alone(arch: str, monkeypatch: Any
+                                                                                   ) -> None:
+    """Four typists' searches in one batched step per round, on a transformer in its branch form (their rows on four
+    roots): each answers as it would alone, and the batch settles (copies into the usual form) only the rows the
+    searches alone settle too (a segment end, a window slide, the cursors handed out), not every row of a step."""
+    torch.manual_seed(0)
+    model: Any = (CompressiveTransformer(CompressiveConfig(d_model=16, n_layer=2, n_head=2, d_ff=32, segment=12,
+                                                           mem_len=12, cmem_len=4, rate=3))
+                  if arch == "compressive" else
+                  CharTransformer(CharTransformerConfig(d_model=16, n_layer=2, n_head=2, d_ff=32, context=24)))
+    model.freeze()
+    settled = [0]
+    settle = model.settle
+
+    def counting(state: State) -> State:
+        settled[0] += state.batch if ROOT in state.tensors else 0
+        return settle(state)
+    monkeypatch.setattr(model, "settle", counting)
+
+    def job(j: int) -> SuggestJob:
+        session = Session(id=f"s{j}", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
+                          config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
+                          static_state=model.init_state(1), last_token=BOS,
+                          adapter=Adapter({"resid": 0.1 * torch.ones(1, 4, 4)}))
+        return SuggestJob(session, TEXT[: 5 + 4 * j] + " th", 3, 4, 5)
+
+    def run(jobs: list[SuggestJob]) -> None:
+        run_suggestions(model, jobs, CursorCache(), min_prob=1e-2, batch=8, max_expansions=256, round_rows=128)
+
+    alone = []
+    for j in range(4):
+        alone.append(job(j))
+        run(alone[-1:])
+    by_itself, settled[0] = settled[0], 0
+    together = [job(j) for j in range(4)]
+    run(together)
+    assert settled[0] == by_itself
+    for got, want in zip(together, alone, strict=True):
+        assert got.result is not None and want.result is not None
+        assert [c.text for c in got.result.completions] == [c.text for c in want.result.completions]
+        assert [c.prob for c in got.result.completions] == pytest.approx([c.prob for c in want.result.completions],
+                                                                          rel=1e-5)
 
 
 def test_a_keystroke_no_search_foresaw_feeds_only_itself(ckpt: Any) -> None:
