@@ -1,11 +1,19 @@
 """What a keyboard user feels, per checkpoint: bench.families' "generate ms/byte" and "suggest ms" columns alone, each
 the median of several runs, with the suggestions found (to compare two versions of the code side by side).
 
-    python -m bench.latency [--checkpoints DIR ...] [--text FILE] [--runs 5] [--threads 1]
+    python -m bench.latency [--checkpoints DIR ...] [--text FILE] [--runs 5] [--threads 1] [--typists 8]
 
 generate ms/byte: a 256-byte prompt, then 64 bytes greedy, batch 1, the whole call divided by 64 (as bench.families);
 suggest ms: `advance` over a 256-byte context from the initial state, then `suggest` (word completions of a two-letter
 prefix and next characters).
+
+A second table, the server's keyboard path (`server.engine._suggest.run_suggestions`: the rounds of every search in
+progress batched into one model step; the contexts' cursors cached, as for a keystroke after the first): "1 typist ms"
+one session's suggestion, "N typists ms" N sessions' suggestions started together (N contexts of 200-260 bytes at
+different places in the text, so at different fills), until the last answers; "typing ms" one session typing 96
+keystrokes (contexts of 160 to 255 bytes: across the compressive checkpoint's segment end at 192 and the character
+transformer's window slide at 256), each keystroke's suggestion after the last's (the cursor cache feeding one byte),
+the mean, the 90th percentile and the slowest.
 """
 
 from __future__ import annotations
@@ -18,9 +26,21 @@ from pathlib import Path
 import torch
 
 from bench._common import ROOT, SHARED, machine_line
+from models.base import Adapter, LanguageModel
 from models.checkpoint import load_checkpoint
 from models.sampling import SamplingParams, generate
-from models.suggest import advance, suggest
+from models.scoring import BOS
+from models.suggest import Suggestions, advance, suggest
+from server.engine import AdaptationConfig, Session
+from server.engine._suggest import (
+    SUGGEST_BATCH,
+    SUGGEST_MAX_EXPANSIONS,
+    SUGGEST_MIN_PROB,
+    SUGGEST_ROUND_ROWS,
+    CursorCache,
+    SuggestJob,
+    run_suggestions,
+)
 
 FAMILIES = ("default", "char-transformer", "compressive")
 
@@ -32,6 +52,7 @@ def main() -> None:
     ap.add_argument("--text", default=str(SHARED / "gutenberg" / "chesterton-brown.txt"))
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--typists", type=int, default=8, help="sessions suggesting at once in the second table (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     text = Path(args.text).read_bytes()[:2000]
@@ -59,6 +80,53 @@ def main() -> None:
             times.append((time.perf_counter() - t0) * 1e3)
         words = ", ".join(f"{c.text} {c.prob:.5f}" for c in found.completions)
         print(f"| {Path(path).name} | {statistics.median(gen):.2f} | {statistics.median(times[1:]):.1f} | {words} |")
+    if args.typists:
+        _typists(args.checkpoints, text, args.typists, args.runs)
+
+
+def _typists(checkpoints: list[str], text: bytes, n: int, runs: int) -> None:
+    print(f"\n| checkpoint | 1 typist ms | {n} typists ms | typing ms mean / p90 / max | typist 1's completions |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for path in checkpoints:
+        model = load_checkpoint(Path(path), device=torch.device("cpu")).model
+        contexts = []
+        for j in range(n):
+            context = text[100 + 97 * j : 300 + 97 * j + 7 * j].decode("utf-8", errors="ignore")
+            contexts.append(context[: context.rfind(" ") + 3])  # inside a word: a two-letter prefix
+        sessions = [_session(model, f"s{j}") for j in range(n)]
+        cache = CursorCache()
+        _suggest(model, cache, sessions, contexts)  # the cursors, cached
+        one = [_suggest(model, cache, sessions[:1], contexts[:1])[0] for _ in range(runs)]
+        many = [_suggest(model, cache, sessions, contexts)[0] for _ in range(runs)]
+        words = ", ".join(f"{c.text} {c.prob:.5f}" for c in _suggest(model, cache, sessions, contexts)[1].completions)
+        typing, typist, cache = [], _session(model, "typing"), CursorCache()
+        for end in range(160, 256):
+            typing.append(_suggest(model, cache, [typist], [text[1000 : 1000 + end].decode("utf-8", "ignore")])[0])
+        typing.sort()
+        print(f"| {Path(path).name} | {statistics.median(one):.1f} | {statistics.median(many):.1f} | "
+              f"{statistics.mean(typing):.1f} / {typing[len(typing) * 9 // 10]:.1f} / {typing[-1]:.1f} | {words} |")
+
+
+def _session(model: LanguageModel, sid: str) -> Session:
+    sites = {s.name: s.adapter_size() for s in model.adaptation_sites()}
+    return Session(id=sid, owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
+                   config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=max(sites.values())),
+                   state=model.init_state(1), static_state=model.init_state(1), last_token=BOS,
+                   adapter=Adapter.zeros(sites, 1))
+
+
+def _suggest(model: LanguageModel, cache: CursorCache, sessions: list[Session], contexts: list[str]
+             ) -> tuple[float, Suggestions]:
+    """The suggestions of `sessions` at `contexts` started together -> (ms until the last answers, the second's, or
+    the first's)."""
+    jobs = [SuggestJob(s, c, 3, 24, 5) for s, c in zip(sessions, contexts, strict=True)]
+    t0 = time.perf_counter()
+    run_suggestions(model, jobs, cache, min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH,
+                    max_expansions=SUGGEST_MAX_EXPANSIONS, round_rows=SUGGEST_ROUND_ROWS)
+    ms = (time.perf_counter() - t0) * 1e3
+    result = jobs[min(1, len(jobs) - 1)].result
+    assert result is not None
+    return ms, result
 
 
 if __name__ == "__main__":
