@@ -17,6 +17,25 @@ def random_tokens(n: int, batch: int = 1, seed: int = 0) -> Any:
     return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+def assert_batched_steppers_equal_each_alone(steppers: Any, steps: int, **tol: float) -> None:
+    """Two sets of `Stepper`s made alike by `steppers()`: one fed a token each in one batched step
+    (`Stepper.feed_many`) `steps` times, the other each alone; they sample the same tokens and their next-token
+    log-probabilities agree within `tol` (torch.testing.assert_close's rtol/atol)."""
+    import torch
+
+    from models.sampling import Stepper
+
+    batched, single = steppers(), steppers()
+    for _ in range(steps):
+        tokens = [s.sample().token for s in batched]
+        assert [s.sample().token for s in single] == tokens
+        Stepper.feed_many(batched, tokens)
+        for s, t in zip(single, tokens, strict=True):
+            s.feed(t)
+        for a, b in zip(batched, single, strict=True):
+            torch.testing.assert_close(a._logits, b._logits, **tol)  # type: ignore[arg-type]
+
+
 def assert_states_close(a: Any, b: Any, **tol: float) -> None:
     """Two `State`s hold the same tensors: integer and boolean ones (positions, fills, masks, bytes) exactly, floating
     ones within `tol` (torch.testing.assert_close's rtol/atol)."""

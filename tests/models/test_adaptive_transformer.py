@@ -9,7 +9,6 @@ References are computed in the same run; tolerances, not one machine's numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,7 @@ MODEL: dict[str, Any] = {"vocab_size": V, "d_model": 16, "n_layer": 2, "n_head":
                          "cutoffs": (0.1, 0.3)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny matrices: one thread (two threads on a busy 2-core machine spin and wait, 100x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed: int = 0, **overrides: Any) -> AdaptiveTransformer:

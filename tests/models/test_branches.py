@@ -7,7 +7,6 @@ Both forms run in the same test on the same random model: a property, not one ma
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,17 +18,12 @@ from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.compressive import CompressiveConfig, CompressiveTransformer
 from models.sampling import SamplingParams, Stepper
 from models.suggest import WordSearch, advance, complete_word, split_word, step
-from tests._families import assert_states_close
+from tests._families import assert_batched_steppers_equal_each_alone, assert_states_close
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # float rounding of a different summation order, on any CPU
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _compressive(seed: int = 0) -> LanguageModel:
@@ -184,15 +178,7 @@ def test_generations_batched_and_a_fork_equal_each_alone(name: str) -> None:
             out.append(s)
         return [*out, out[1].fork(SamplingParams(max_tokens=50, seed=2))]
 
-    batched, single = steppers(), steppers()
-    for _ in range(14):
-        tokens = [s.sample().token for s in batched]
-        assert [s.sample().token for s in single] == tokens
-        Stepper.feed_many(batched, tokens)
-        for s, t in zip(single, tokens, strict=True):
-            s.feed(t)
-        for a, b in zip(batched, single, strict=True):
-            torch.testing.assert_close(a._logits, b._logits, **TOL)
+    assert_batched_steppers_equal_each_alone(steppers, 14, **TOL)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

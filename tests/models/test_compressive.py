@@ -54,13 +54,7 @@ TEXT = "It is a truth universally acknowledged, that a single man in possession 
 MORE = "However little known the feelings or views of such a man may be on his first entering a neighbourhood, this"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny shapes: one torch thread (several contend with each other and with the machine; see tests/_training)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed: int = 0, **overrides: Any) -> CompressiveTransformer:

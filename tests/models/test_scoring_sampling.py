@@ -6,6 +6,7 @@ import torch
 from models.mlstm import MLSTM, MLSTMConfig
 from models.sampling import SamplingParams, Stepper, TextDecoder, filter_logits, generate
 from models.scoring import BOS, score_bytes
+from tests._families import assert_batched_steppers_equal_each_alone
 
 
 @pytest.fixture(scope="module")
@@ -172,14 +173,7 @@ def test_feed_many_equals_feeding_each(model: MLSTM) -> None:
             out.append(s)
         return out
 
-    batched, single = steppers(), steppers()
-    for _ in range(6):
-        tokens = [s.sample().token for s in batched]
-        assert [s.sample().token for s in single] == tokens
-        Stepper.feed_many(batched, tokens)
-        for s, t in zip(single, tokens, strict=True):
-            s.feed(t)
-        for a, b in zip(batched, single, strict=True):
-            torch.testing.assert_close(a._logits, b._logits, rtol=1e-5, atol=1e-6)
+    assert_batched_steppers_equal_each_alone(steppers, 6, rtol=1e-5, atol=1e-6)
+    batched = steppers()
     with pytest.raises(ValueError, match="one token per stepper"):
         Stepper.feed_many(batched, [1])
