@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bench._common import ROOT, SHARED, machine_line
+from models.base import LanguageModel
 from models.checkpoint import load_checkpoint
 from models.device import resolve_device
 from models.sampling import SamplingParams, generate
@@ -47,6 +48,15 @@ def _train_tokens_per_s(path: Path) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def cold_bpb(model: LanguageModel, pieces: list[bytes], bos: int) -> float:
+    """Bits per byte of `pieces` (of one length), each a new stream as a new session or a stateless /v1/score reads
+    it (`score_bytes`): the initial state, the start token `bos` first, every byte of the piece scored. One batch of
+    independent rows. (Splitting the joined pieces into rows instead gave each row its first byte as the first
+    input, not `bos`, and left that byte unscored.)"""
+    rows = torch.tensor([[bos, *piece] for piece in pieces])  # (N, 1 + L)
+    return evaluate_bpb(model, rows.flatten(), streams=len(pieces))
+
+
 def measure(path: Path, text: bytes, device: torch.device) -> dict[str, object]:
     ck = load_checkpoint(path, device=device)
     model = ck.model
@@ -61,8 +71,7 @@ def measure(path: Path, text: bytes, device: torch.device) -> dict[str, object]:
     row["bpb"] = evaluate_bpb(model, text, streams=8)
     # cold starts: 64 pieces of 128 bytes from the text, each scored from the initial state (a new session's, a
     # stateless /v1/score's), as one batch of independent streams
-    pieces = b"".join(text[i * 1500 : i * 1500 + 128] for i in range(64))
-    row["cold_bpb"] = evaluate_bpb(model, pieces, streams=64)
+    row["cold_bpb"] = cold_bpb(model, [text[i * 1500 : i * 1500 + 128] for i in range(64)], ck.tokenizer.bos)
     data = text[: 32 * 2000]
     evaluate_bpb(model, data[:4000], streams=32)  # warm-up
     _sync(device)
