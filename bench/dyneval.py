@@ -127,7 +127,7 @@ def main() -> None:
                 cells.append(f"{bpb:.3f}")
             else:
                 cells.append(f"{bpb:.3f} ({100 * (static_bpb - bpb) / static_bpb:+.1f}%)")
-            speed.setdefault(name, []).append(res.bytes / max(res.seconds, 1e-9))
+            speed.setdefault(name, []).append(res.tokens / max(res.seconds, 1e-9))  # a word model's: words
             state[name] = res.state_bytes + (copy_bytes if with_copy else 0)
             if i == 0:
                 curves[name] = loss_curve(res.logprobs, 2000)
@@ -154,15 +154,16 @@ def main() -> None:
     for b in [int(s) for s in args.streams.split(",") if s]:
         texts = [text[j * args.stream_bytes : (j + 1) * args.stream_bytes] for j in range(b)]
         t0 = time.perf_counter()
-        evaluate_many(ck.model, texts, cfg, stats=ck.stats, max_streams=b)
+        total = sum(r.tokens for r in evaluate_many(ck.model, texts, cfg, stats=ck.stats, max_streams=b,
+                                                    tokenizer=ck.tokenizer))
         batched = time.perf_counter() - t0
-        one = min(b, 8)  # time a sample of single-stream runs and scale
+        one = min(b, 8)  # time a sample of single-stream runs and scale (tokens per second of the sample)
         t0 = time.perf_counter()
-        for t in texts[:one]:
-            evaluate_many(ck.model, [t], cfg, stats=ck.stats)
-        single = (time.perf_counter() - t0) * b / one
-        total = b * args.stream_bytes
-        print(f"| {b} | {total / batched:,.0f} | {total / single:,.0f} | {single / batched:.2f}x | |", flush=True)
+        sample = sum(evaluate_many(ck.model, [t], cfg, stats=ck.stats, tokenizer=ck.tokenizer)[0].tokens
+                     for t in texts[:one])
+        single = time.perf_counter() - t0
+        rate, alone = total / batched, sample / single
+        print(f"| {b} | {rate:,.0f} | {alone:,.0f} | {rate / alone:.2f}x | |", flush=True)
 
 
 if __name__ == "__main__":
