@@ -8,6 +8,11 @@ and with the copy model and the word cache.
 
     python -m bench.keyboard [--checkpoint DIR] [--texts emails,sms] [--systems presage,presage-learn,static,...]
                              [--limit-bytes N] [--warmup-bytes N] [--out runs/keyboard] [--force] [--table-only]
+                             [--suggest-budget-ms 0]
+
+The HTTP rows' servers run exact suggestion searches (`--suggest-budget-ms 0`), as the in-process rows do: under the
+served default (a 50 ms budget) a search on a busy machine answers with what it found in time, so KSR and top-k
+would depend on the load; each record keeps the budget and the share of suggestions it cut ("suggest_cut").
 
 Needs `make bench-deps` (Debian's presage and libpresage-data). Presage runs in this process through its C API
 (libpresage.so.1, ctypes): its past stream is the last 400 characters observed and the message typed so far;
@@ -53,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import DEFAULT_CHECKPOINT, ROOT, SHARED, machine_line
-from bench.server import serve
+from bench.server import serve, suggest_cut
 from clients import Client
 from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
 from models.adaptation import DynEvalSettings
@@ -322,15 +327,20 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
         checkpoint = ckpt.path
         if system in ("static", "sparse-nocopy"):  # the session without its copy model
             checkpoint = without_copy(ckpt.path, args.out / f"checkpoint-nocopy-{name}-{system}{at}")
-        with serve(str(checkpoint), log) as url, Client(url, timeout=600) as client, \
+        budget = args.suggest_budget_ms
+        with serve(str(checkpoint), log, suggest_budget_ms=budget) as url, Client(url, timeout=600) as client, \
                 SessionSuggester(client, lr=lr, cache_weight=cache, neural_cache=neural_cache) as suggester:
             info = suggester.session.info
             assert info is not None
             neural = info.adaptation.neural_cache  # a session with the neural cache has no copy model
             record.update({"lr": info.adaptation.lr, "decay": info.adaptation.decay,
                            "cache_weight": info.adaptation.cache_weight, "neural_cache": neural,
-                           "copy": ckpt.copy and checkpoint == ckpt.path and not neural})
+                           "copy": ckpt.copy and checkpoint == ckpt.path and not neural,
+                           "suggest_budget_ms": budget})
+            cut0 = suggest_cut(url)
             result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
+            # suggestions the budget cut short: their completions are what the search had found by then
+            record["suggest_cut"] = (suggest_cut(url) - cut0) / max(len(result.latencies_s), 1)
     record.update(result.summary())
     record["seconds"] = time.perf_counter() - t0
     return record
@@ -399,6 +409,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "keyboard")
     ap.add_argument("--db", type=Path, default=ROOT / "runs" / "keyboard" / "presage-train.db",
                     help="Presage's n-gram database (built there from the training text if missing)")
+    ap.add_argument("--suggest-budget-ms", type=float, default=0.0,
+                    help="the servers' ADAPTLM_SUGGEST_BUDGET_MS for the HTTP rows (default 0: exact searches, as the "
+                    "in-process rows; the served default, 50, cuts searches on a busy machine, so KSR then depends "
+                    "on the load)")
     ap.add_argument("--force", action="store_true", help="run again what OUT already has")
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()

@@ -85,6 +85,8 @@ def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path,
         assert 0 < rec["ksr"] < 1  # its commonest words are offered
         assert rec["ksr"] == pytest.approx(1 - (rec["typed"] + rec["selections"]) / rec["chars"])
         assert 0 <= rec["top1_accuracy"] <= rec["top3_accuracy"] <= 1
+        # exact searches unless asked (KSR must not depend on the machine's load), and the share cut recorded
+        assert rec["suggest_budget_ms"] == 0 and rec["suggest_cut"] == 0
     assert records["static"]["lr"] == 0 and records["sparse"]["lr"] > 0
     table = r.stdout.splitlines()
     assert table[0].startswith(f"# keyboard suggestions, k=3, {tag}: ")
