@@ -5,7 +5,7 @@ thread) until `loadtest/slo.toml` is missed; each level is a headless locust run
 `python -m loadtest.run --url URL` (the same runner and checker as `make loadtest`). Prints, per class, the
 highest level that met every objective with its requests/s, and the first that missed with what it missed.
 
-    python -m bench.capacity [--classes Scorer,Typist,Generator,OpenAICompletions] [--max-users 32] [--run-time 30s]
+    python -m bench.capacity [--classes Scorer,Typist,Generator,OpenAICompletions] [--max-users 128] [--run-time 30s]
 """
 
 from __future__ import annotations
