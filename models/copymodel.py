@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.copy_scan import compiled, scan_frozen_ref, scan_ref
-from models.base import Adapter, LanguageModel, Output, Site, State
+from models.base import ROOT, Adapter, LanguageModel, Output, Site, State
 
 __all__ = ["BUCKET_EDGES", "CONTEXT", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "branch_view", "frozen_stats",
            "merge_state", "split_state"]
@@ -129,10 +129,10 @@ class CopyConfig:
 
 
 def split_state(state: State) -> tuple[State, State | None]:
-    """A merged state -> (the network's part, the copy model's part or None)."""
+    """A merged state -> (the network's part, with the roots of a branch form, the copy model's part or None)."""
     net = {k: v for k, v in state.tensors.items() if not k.startswith(PREFIX)}
     copy = {k[len(PREFIX):]: v for k, v in state.tensors.items() if k.startswith(PREFIX)}
-    return State(net), State(copy) if copy else None
+    return State(net, state.roots), State(copy) if copy else None
 
 
 def branch_view(copy: State) -> State:
@@ -166,10 +166,10 @@ def frozen_stats(copy: State) -> State:
 
 
 def merge_state(net: State, copy: State | None) -> State:
-    """The network's state and the copy model's in one (its tensors prefixed `copy.`)."""
+    """The network's state and the copy model's in one (its tensors prefixed `copy.`; the network's roots kept)."""
     if copy is None:
         return net
-    return State({**net.tensors, **{PREFIX + k: v for k, v in copy.tensors.items()}})
+    return State({**net.tensors, **{PREFIX + k: v for k, v in copy.tensors.items()}}, net.roots)
 
 
 class CopyModel:
@@ -414,6 +414,17 @@ class CopyMixed(LanguageModel):
                                                   copy_state.tensors["ctxlen"], adapter.copy, index)
         return Output(logits=mixed, state=merge_state(out.state, State({"ctx": ctx, "ctxlen": ctxlen})),
                       hidden=out.hidden)
+
+    def branch(self, state: State) -> State:
+        """The network's branch form (its part of the state; each row's copy-model view stays its own)."""
+        if ROOT in state.tensors:
+            return state
+        net, copy = split_state(state)
+        return merge_state(self.base.branch(net), copy)
+
+    def settle(self, state: State) -> State:
+        net, copy = split_state(state)
+        return merge_state(self.base.settle(net), copy)
 
     def adaptation_sites(self) -> list[Site]:
         return self.base.adaptation_sites()

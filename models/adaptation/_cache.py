@@ -164,6 +164,12 @@ class CacheMixed(LanguageModel):
             mixed = mixed.index_copy(0, torch.tensor(rows, device=log_dist.device), part) if len(rows) < B else part
         return Output(logits=mixed, state=out.state, aux=out.aux, hidden=out.hidden)
 
+    def branch(self, state: State) -> State:
+        return self.base.branch(state)  # the state is the inner model's
+
+    def settle(self, state: State) -> State:
+        return self.base.settle(state)
+
     def adaptation_sites(self) -> list[Site]:
         return self.base.adaptation_sites()
 

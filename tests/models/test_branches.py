@@ -7,15 +7,18 @@ Both forms run in the same test on the same random model: a property, not one ma
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
 
 from models._branches import append_tail, tree_attention
+from models.adaptation import CacheConfig, CacheMixed
 from models.base import ROOT, Adapter, LanguageModel, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.compressive import CompressiveConfig, CompressiveTransformer
+from models.copymodel import CopyConfig, CopyMixed, CopyModel, branch_view, frozen_stats, merge_state
 from models.sampling import SamplingParams, Stepper
 from models.suggest import WordSearch, advance, complete_word, split_word, step
 from tests._families import assert_batched_steppers_equal_each_alone, assert_states_close
@@ -273,3 +276,33 @@ def test_tree_attention_equals_attention_over_each_rows_keys() -> None:
         k, v = torch.cat([rk[0], tk[b][:, keep]], 1), torch.cat([rv[0], tv[b][:, keep]], 1)
         p = torch.softmax(0.5 * (q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1), -1)
         torch.testing.assert_close(one[b], (p.unsqueeze(1) @ v).squeeze(1))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_served_wrappers_keep_the_branch_form(name: str) -> None:
+    """The server runs suggestions and generation on the network wrapped with the sessions' copy models and neural
+    caches (`SessionService.session_model`: CacheMixed(CopyMixed(network))): the wrappers branch and settle as the
+    network does (they were the identity, so the server never took the branch form), and steps through them, the
+    copy model mixed in, equal the usual form's."""
+    model = MODELS[name]()
+    copy = CopyModel(CopyConfig())
+    learned = copy.init_state(1)
+    text = b"\nIt is a truth universally acknowledged, that a truth is a truth"
+    with torch.no_grad():
+        _, learned = copy.mix(torch.full((1, len(text), 256), -math.log(256)), torch.tensor([list(text)]), learned)
+    served = CacheMixed(CopyMixed(model, copy), CacheConfig())
+    usual = merge_state(_after(model, text), branch_view(learned))
+    branch = served.branch(usual)
+    assert ROOT in branch.tensors and branch.roots and served.branch(branch) is branch
+    assert_states_close(served.settle(branch), usual, **TOL)
+    rows = torch.zeros(3, dtype=torch.long)
+    usual, branch = usual.take(rows), branch.take(rows)
+    adapter = Adapter({}, copy=frozen_stats(learned))
+    for tokens in ([32, 116, 97], [116, 114, 115], [117, 117, 32], [116, 32, 104], [104, 97, 116]):
+        with torch.no_grad():
+            u, b = served(torch.tensor(tokens).view(-1, 1), usual, adapter), served(
+                torch.tensor(tokens).view(-1, 1), branch, adapter)
+        torch.testing.assert_close(served.log_probs(b)[:, -1], served.log_probs(u)[:, -1], **TOL)
+        usual, branch = u.state, b.state
+        assert ROOT in branch.tensors
+        assert_states_close(served.settle(branch), usual, **TOL)
