@@ -68,6 +68,23 @@ def test_checkpoint_has_gradient_statistics(name: str) -> None:
     assert not [k for k in params if k.startswith("param.aux.")]  # training-only heads never adapt
 
 
+@pytest.mark.parametrize("name", ["char-transformer", "compressive"])
+def test_the_server_searches_the_shipped_transformers_in_the_branch_form(name: str) -> None:
+    """The model the engine's suggestions and generations run (the network wrapped for sessions) takes the branch
+    form (models/_branches.py) on a CPU: the wrappers once hid it, and only the bare network had it."""
+    from models.base import ROOT
+    from server.engine import Engine
+
+    engine = Engine(CHECKPOINTS / name, thread_name="engine-under-test")
+    engine.start()
+    try:
+        model = engine.sessions.session_model()
+        assert model is not engine.sessions._checkpoint().model  # wrapped, as sessions that adapt have it
+        assert ROOT in model.branch(model.init_state(1)).tensors
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("name", ["char-transformer", "compressive", "words"])
 def test_adaptlm_serve_runs_the_shipped_transformer(name: str, tmp_path: Path) -> None:
     """`adaptlm serve --checkpoint checkpoints/<family>` as a user starts it: scoring, streaming generation, a
