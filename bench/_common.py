@@ -1,4 +1,5 @@
-"""Shared helpers for bench scripts: where the data is, the machine line for docs/benchmarks.md."""
+"""Shared helpers for bench scripts: where the data is, the machine line for docs/benchmarks.md, the suggestion case
+the latency columns time."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import platform
 from pathlib import Path
 
 import torch
+
+from models.base import LanguageModel
+from models.scoring import BOS
+from models.suggest import Suggestions, advance, suggest
+from models.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("ADAPTLM_SHARED", ROOT.parent / "shared")) / "data"
@@ -29,3 +35,17 @@ def machine_line() -> str:
 
 def first_bytes(path: Path, n: int) -> bytes:
     return path.read_bytes()[:n]
+
+
+def word_context(text: bytes, start: int, end: int) -> str:
+    """text[start:end] as text, cut two characters into its last word: a context whose suggestions complete a
+    two-letter prefix."""
+    context = text[start:end].decode("utf-8", errors="ignore")
+    return context[: context.rfind(" ") + 3]
+
+
+def suggest_afresh(model: LanguageModel, context: str, tokenizer: Tokenizer) -> Suggestions:
+    """A suggestion from the initial state: the model fed the start token and the whole context (the cursor after
+    it), then `suggest`, as bench.families' and bench.latency's "suggest ms" time it."""
+    cursor = advance(model, model.init_state(1), bytes([BOS]) + context.encode())
+    return suggest(model, cursor, context, tokenizer=tokenizer)

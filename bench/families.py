@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-from bench._common import ROOT, SHARED, machine_line
+from bench._common import ROOT, SHARED, machine_line, suggest_afresh, word_context
 from models.base import LanguageModel
 from models.checkpoint import load_checkpoint
 from models.device import resolve_device
 from models.sampling import SamplingParams, generate
-from models.suggest import advance, suggest
 from trainer.train import evaluate_bpb
 
 FAMILIES = ("default", "char-transformer", "compressive")
@@ -101,17 +100,14 @@ def measure(path: Path, text: bytes, device: torch.device) -> dict[str, object]:
     n = 64
     row["prompt_ms"] = generate_ms(1)
     row["gen_ms"] = (generate_ms(n) - row["prompt_ms"]) / (n - 1)
-    context = text[1000:1256].decode("utf-8", errors="ignore")
-    cut = context.rfind(" ") + 3  # end inside a word: completions of a two-letter prefix
-    context = context[:cut]
+    context = word_context(text, 1000, 1256)
     raw = context.encode()
     state = model.init_state(1)
     times = []
     for _ in range(4):
         _sync(device)
         t0 = time.perf_counter()
-        cursor = advance(model, state, b"\n" + raw)  # the model after the whole context
-        suggest(model, cursor, context, tokenizer=ck.tokenizer)
+        suggest_afresh(model, context, ck.tokenizer)
         _sync(device)
         times.append(time.perf_counter() - t0)
     row["suggest_ms"] = statistics.median(times[1:]) * 1e3

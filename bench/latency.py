@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from bench._common import ROOT, SHARED, machine_line
+from bench._common import ROOT, SHARED, machine_line, suggest_afresh, word_context
 from models.adaptation import CacheMixed
 from models.base import Adapter, LanguageModel
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.sampling import SamplingParams, generate
 from models.scoring import BOS
-from models.suggest import Suggestions, advance, suggest
+from models.suggest import Suggestions
 from server.engine import AdaptationConfig, Session
 from server.engine._suggest import (
     SUGGEST_BATCH,
@@ -71,14 +71,11 @@ def main() -> None:
             t0 = time.perf_counter()
             "".join(generate(model, prompt, SamplingParams(max_tokens=64, temperature=0.0)))
             gen.append((time.perf_counter() - t0) * 1e3 / 64)
-        context = text[1000:1256].decode("utf-8", errors="ignore")
-        context = context[: context.rfind(" ") + 3]  # inside a word: completions of a two-letter prefix
-        raw = context.encode()
+        context = word_context(text, 1000, 1256)
         times = []
         for _ in range(args.runs + 1):
             t0 = time.perf_counter()
-            cursor = advance(model, model.init_state(1), b"\n" + raw)  # the model after the whole context
-            found = suggest(model, cursor, context, tokenizer=ck.tokenizer)
+            found = suggest_afresh(model, context, ck.tokenizer)
             times.append((time.perf_counter() - t0) * 1e3)
         words = ", ".join(f"{c.text} {c.prob:.5f}" for c in found.completions)
         print(f"| {Path(path).name} | {statistics.median(gen):.2f} | {statistics.median(times[1:]):.1f} | {words} |")
@@ -91,10 +88,7 @@ def _typists(checkpoints: list[str], text: bytes, n: int, runs: int) -> None:
     print("| --- | ---: | ---: | ---: | --- |")
     for path in checkpoints:
         model = _served(load_checkpoint(Path(path), device=torch.device("cpu")))
-        contexts = []
-        for j in range(n):
-            context = text[100 + 97 * j : 300 + 97 * j + 7 * j].decode("utf-8", errors="ignore")
-            contexts.append(context[: context.rfind(" ") + 3])  # inside a word: a two-letter prefix
+        contexts = [word_context(text, 100 + 97 * j, 300 + 97 * j + 7 * j) for j in range(n)]
         sessions = [_session(model, f"s{j}") for j in range(n)]
         cache = CursorCache()
         _suggest(model, cache, sessions, contexts)  # the cursors, cached
