@@ -297,14 +297,14 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         fits their window, the usual forward (a slide) for the others."""
         return branch_forward(self, tokens, state, adapter, self._ready, self._branch_step)
 
-    def _fills(self, state: State) -> torch.Tensor:
-        """Each row's root's fill (B,)."""
-        fills = torch.stack([r.tensors["mask"][0].sum() for r in state.roots])  # (R,)
-        return fills[state.tensors[ROOT]]
+    @staticmethod
+    def _root_fills(state: State) -> torch.Tensor:
+        """Each root's fill (R,), in `state.roots`' order."""
+        return torch.stack([r.tensors["mask"][0].sum() for r in state.roots])
 
     def _ready(self, state: State) -> torch.Tensor:
         """The rows (B,) bool whose byte fits their window: no slide."""
-        return self._fills(state) + state.tensors[TAIL_N] < self.config.context
+        return self._root_fills(state)[state.tensors[ROOT]] + state.tensors[TAIL_N] < self.config.context
 
     def _branch_step(self, tokens: torch.Tensor, state: State, mats: torch.Tensor | None) -> Output:
         """One byte a row (B, 1) after its root's window and its tail: the root's keys and values read in place by its
@@ -316,11 +316,13 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         st = state.tensors
         n = st[TAIL_N]  # (B,)
         t = st[f"{DERIVED}tail_tok"].shape[1]
-        rooted = [(rows, root, int(root.tensors["mask"][0].sum())) for rows, root in groups(state)]
+        fills = self._root_fills(state)  # (R,)
+        fill_of = {id(root): f for root, f in zip(state.roots, fills.tolist(), strict=True)}
+        rooted = [(rows, root, fill_of[id(root)]) for rows, root in groups(state)]
         new = dict(st)
         new[TAIL_N] = n + 1
         new[f"{DERIVED}tail_tok"] = torch.cat([st[f"{DERIVED}tail_tok"], tokens], 1)  # (B, t+1)
-        pos = self._fills(state) + n  # (B,) each row's position in the window
+        pos = fills[st[ROOT]] + n  # (B,) each row's position in the window
         x = self.embed(tokens)  # (B, 1, D)
         for i, block in enumerate(self.blocks):
             assert isinstance(block, _Block)
