@@ -163,18 +163,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("invalid settings: " + "; ".join(
             f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
     _device(settings.device)  # a device that is not here: one line, before uvicorn starts
-    # The server loads the checkpoint in its start-up, where a bad one is a traceback and exit status 3: read it
-    # once here onto the meta device (every check, no weights kept) to refuse it in one line first.
-    from models.checkpoint import CheckpointError, load_checkpoint
+    from models.checkpoint import CheckpointError
 
-    try:
-        load_checkpoint(settings.checkpoint, device="meta")
-    except CheckpointError as e:
-        raise UsageError(str(e)) from None
     level = "DEBUG" if settings.log_level == "trace" else settings.log_level.upper()
     logging.basicConfig(level=level)
     request_id.install(settings.log_format)  # the server's lines name the request they belong to
-    return serve(settings)
+    try:  # the engine loads the checkpoint before uvicorn starts: a bad one is this one line
+        return serve(settings)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:

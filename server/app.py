@@ -1,4 +1,6 @@
-"""The FastAPI app: `create_app(settings)`; its lifespan loads the model into the engine and stops it."""
+"""The FastAPI app: `create_app(settings)`; its lifespan loads the model into the engine (`start_engine`) and stops
+it. `serve` (`adaptlm serve`) starts the engine first and hands it to the app, so that a bad checkpoint is one line
+and exit status 2, read once."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kernels import _dispatch as kernel_dispatch
 from kernels import attention
+from models.checkpoint import CheckpointError
 from server._asgi import HTTPMiddleware
 from server._slow_clients import head_deadline_protocol
 from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
@@ -37,7 +40,7 @@ from server.request_id import RequestIdMiddleware, uvicorn_log_config
 from server.routes import ROUTERS
 from server.settings import Settings, ignored_variables
 
-__all__ = ["create_app", "serve", "uvicorn_options"]
+__all__ = ["create_app", "serve", "start_engine", "uvicorn_options"]
 
 log = logging.getLogger(__name__)
 
@@ -70,46 +73,67 @@ class _Server(uvicorn.Server):
 
 def serve(settings: Settings) -> int:
     """Serve `create_app(settings)` on settings.host:port until SIGTERM or SIGINT -> the exit status: 0 after a
-    clean drain (the work in flight finished, the sessions kept), 3 if the start-up failed."""
+    clean drain (the work in flight finished, the sessions kept), 3 if the start-up failed. The engine loads the
+    checkpoint before uvicorn starts: a bad one raises CheckpointError here (the CLI's one line and status 2), and
+    the checkpoint is read once (it was read twice, a check onto the meta device and then the load)."""
     problem = _unreachable_store(settings)
     if problem is not None:  # one line, rather than the start-up's traceback after the model has loaded
         print(f"adaptlm: error: {problem}", file=sys.stderr)  # noqa: T201 (the CLI's one line, before any logging)
         return 3
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+    try:
+        engine = start_engine(settings)
+    except Exception as e:
+        if isinstance(e, CheckpointError):  # the caller's to report (the CLI: one line, status 2)
+            raise
+        log.exception("the start-up failed")  # as a failed lifespan start-up: its traceback, uvicorn's status
+        return 3
+    config = uvicorn.Config(create_app(settings, engine=engine), host=settings.host, port=settings.port,
                             log_level=settings.log_level, log_config=uvicorn_log_config(settings.log_format),
                             **uvicorn_options(settings))
     server = _Server(config)
-    server.run()
+    try:
+        server.run()
+    finally:  # the lifespan stops the engine; where it never ran (the port was taken), stop it here
+        engine.stop()
     return 0 if server.started else 3  # uvicorn's own status for a failed start-up
 
 
-def create_app(settings: Settings) -> FastAPI:
+def start_engine(settings: Settings) -> Engine:
+    """The process-wide kernel settings, the session store and the engine with the checkpoint loaded (blocking:
+    not on the event loop) -> the engine; its `store` closes with it (`create_app`'s lifespan). Raises
+    CheckpointError on a bad checkpoint."""
+    config = EngineConfig(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
+                          max_queue=settings.max_queue, retry_after_s=settings.retry_after_s,
+                          session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s,
+                          suggest_budget_ms=settings.suggest_budget_ms, precision=settings.precision,
+                          device=settings.device)
+    store = _session_store(settings)
+    attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are
+    kernel_dispatch.use(settings.kernels)
+    for message in ignored_variables():
+        log.warning("%s", message)
+    engine = Engine(settings.checkpoint, config=config, store=store)
+    engine.start()
+    return engine
+
+
+def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     """The app for `settings`. Nothing is loaded until its lifespan starts (uvicorn, or TestClient as a
-    context manager); a bad checkpoint then fails the start-up with CheckpointError."""
+    context manager); a bad checkpoint then fails the start-up with CheckpointError. Given a started `engine`
+    (`start_engine`), the lifespan serves with it instead, and stops it and its store at shutdown."""
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        config = EngineConfig(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
-                              max_queue=settings.max_queue, retry_after_s=settings.retry_after_s,
-                              session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s,
-                              suggest_budget_ms=settings.suggest_budget_ms, precision=settings.precision,
-                              device=settings.device)
-        store = _session_store(settings)
-        attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are
-        kernel_dispatch.use(settings.kernels)
-        for message in ignored_variables():
-            log.warning("%s", message)
-        engine = Engine(settings.checkpoint, config=config, store=store)
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
-        await asyncio.to_thread(engine.start)
-        metrics.model = engine.info.name
+        running = engine if engine is not None else await asyncio.to_thread(start_engine, settings)
+        metrics.model = running.info.name
         metrics.start_counting_refusals()
-        metrics.kernel = engine.info.kernel
-        metrics.kernel_check_failed = bool(engine.info.kernel_check)
-        metrics.precision = engine.info.precision
-        metrics.engine_stats = lambda: engine.stats
-        app.state.engine = engine
+        metrics.kernel = running.info.kernel
+        metrics.kernel_check_failed = bool(running.info.kernel_check)
+        metrics.precision = running.info.precision
+        metrics.engine_stats = lambda: running.stats
+        app.state.engine = running
         try:
             yield
         finally:
@@ -117,8 +141,8 @@ def create_app(settings: Settings) -> FastAPI:
             # Redis that is all there is to keep (each change was written when it was made); the memory store
             # writes its snapshot file when it closes (ADAPTLM_SESSION_SNAPSHOT; without one its sessions end
             # with the process).
-            await asyncio.to_thread(engine.stop)
-            await asyncio.to_thread(store.close)
+            await asyncio.to_thread(running.stop)
+            await asyncio.to_thread(running.store.close)
 
     # redirect_slashes=False: a path with a trailing slash (`/v1/sessions/%2e%2e%2f`) is a 404 in the one error
     # shape, not a 307 to a Location built from the client's Host header.

@@ -95,3 +95,31 @@ def test_sigterm_finishes_the_work_and_keeps_the_sessions(tiny_checkpoint: Path,
         assert same_export(c.get(f"/v1/sessions/{sid}/state").content, blob)  # bit-identical through a restart
         assert c.post("/v1/score", json={"text": "the end", "session_id": sid}).json() == probe
         stop(proc, log)
+
+
+def test_serve_reads_the_checkpoint_once_and_stops_its_engine_when_the_port_is_taken(
+        tiny_checkpoint: Path, monkeypatch: Any) -> None:
+    """`adaptlm serve` loads the checkpoint before uvicorn starts (a bad one is the CLI's one line) and only then:
+    each file is hashed once (the CLI used to read it onto the meta device first, then the engine again). A start-up
+    that fails after the load (the port is taken) ends with uvicorn's status 3 and the engine stopped."""
+    import models.checkpoint as checkpoint
+    from adaptlm import cli
+    from server import app, request_id
+
+    hashed: list[str] = []
+    real_hash, real_start = checkpoint._sha256, app.start_engine
+    monkeypatch.setattr(checkpoint, "_sha256", lambda path: hashed.append(path.name) or real_hash(path))
+    engines: list[Any] = []
+    monkeypatch.setattr(app, "start_engine", lambda settings: engines.append(real_start(settings)) or engines[-1])
+    monkeypatch.setattr(request_id, "install", lambda log_format: None)  # leave pytest's log handlers alone
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        try:
+            cli.main(["serve", "--checkpoint", str(tiny_checkpoint), "--host", "127.0.0.1",
+                      "--port", str(taken.getsockname()[1])])
+            raise AssertionError("serve started on a port that is taken")
+        except SystemExit as e:
+            assert e.code == 3
+    assert sorted(hashed) == ["model.safetensors", "stats.safetensors"]
+    assert len(engines) == 1 and not engines[0].alive
