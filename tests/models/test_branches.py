@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from kernels import _dispatch as kernel_dispatch
 from models._branches import append_tail, tree_attention
 from models.adaptation import CacheConfig, CacheMixed
 from models.base import ROOT, Adapter, LanguageModel, State
@@ -51,39 +52,46 @@ def _char(seed: int = 0) -> LanguageModel:
 MODELS = {"compressive": _compressive, "char-transformer": _char}
 
 
-def _after(model: LanguageModel, data: bytes) -> State:
+def _after(model: LanguageModel, data: bytes, device: str = "cpu") -> State:
     with torch.no_grad():
-        return model(torch.tensor([list(data)]), model.init_state(1)).state
+        return model(torch.tensor([list(data)], device=device), model.init_state(1)).state
 
 
-def _step(model: LanguageModel, state: State, tokens: list[int], adapter: Adapter | None = None
-          ) -> tuple[State, torch.Tensor]:
+def _step(model: LanguageModel, state: State, tokens: list[int], adapter: Adapter | None = None,
+          device: str = "cpu") -> tuple[State, torch.Tensor]:
     with torch.no_grad():
-        out = model(torch.tensor(tokens).view(-1, 1), state, adapter)
+        out = model(torch.tensor(tokens, device=device).view(-1, 1), state, adapter)
     return out.state, model.log_probs(out)[:, -1]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("prefix", [0, 4, 17])
-def test_a_tree_of_branches_equals_the_usual_steps(name: str, prefix: int) -> None:
+def test_a_tree_of_branches_equals_the_usual_steps(name: str, prefix: int, device: str) -> None:
     """Branches of different depths, regrouped between steps as a search regroups them (rows taken, parts stacked),
-    each under its own adapter, stepped over 7 rounds (past segment closings and window slides)."""
-    model = MODELS[name]()
-    root = _after(model, bytes(range(40, 40 + prefix)) if prefix else b"\n")
-    gen = torch.Generator().manual_seed(prefix)
-    usual, branch = root, model.branch(root)
+    each under its own adapter, stepped over 7 rounds (past segment closings and window slides). On CUDA with the
+    reference kernels (a GPU served with ADAPTLM_KERNELS=reference: the Triton kernels keep the usual path)."""
+    model = MODELS[name]().to(device)
+    with kernel_dispatch.forced("reference"):
+        root = _after(model, bytes(range(40, 40 + prefix)) if prefix else b"\n", device)
+        branch = model.branch(root)
+        assert ROOT in branch.tensors
+        _tree_rounds(model, root, branch, torch.Generator().manual_seed(prefix), device)
+
+
+def _tree_rounds(model: LanguageModel, usual: State, branch: State, gen: torch.Generator, device: str) -> None:
     assert model.branch(branch) is branch
     rows = 1
     for _ in range(7):
         tokens = torch.randint(32, 127, (rows,), generator=gen).tolist()
         k = model.adaptation_sites()[0].adapter_size()
-        adapter = Adapter({"resid": 0.1 * torch.randn(rows, k, k, generator=gen)})
-        usual, lp_usual = _step(model, usual, tokens, adapter)
-        branch, lp_branch = _step(model, branch, tokens, adapter)
+        adapter = Adapter({"resid": 0.1 * torch.randn(rows, k, k, generator=gen).to(device)})
+        usual, lp_usual = _step(model, usual, tokens, adapter, device)
+        branch, lp_branch = _step(model, branch, tokens, adapter, device)
         torch.testing.assert_close(lp_branch, lp_usual, **TOL)
         assert_states_close(model.settle(branch), usual, **TOL)
         # regroup: some rows twice, some dropped, and a second part stacked (different depths: an older part)
-        index = torch.randint(0, rows, (min(rows + 2, 6),), generator=gen)
+        index = torch.randint(0, rows, (min(rows + 2, 6),), generator=gen).to(device)
         usual = State.stack([usual.take(index), usual.select(slice(0, 1))])
         branch = State.stack([branch.take(index), branch.select(slice(0, 1))])
         rows = usual.batch
