@@ -79,7 +79,7 @@ elif [ "${GPU_TESTS:-all}" = attention ]; then  # the attention kernel's compile
 elif [ "${GPU_TESTS:-all}" != 0 ]; then
     # the gpu tests, and the kernel tests (`interpreter` on a CPU) compiled on the GPU at their small odd shapes
     TRITON_INTERPRET=0 timeout 240 $PY -m pytest -q -p no:cacheprovider -m "gpu or interpreter" --timeout 200 \
-        tests/kernels tests/test_gpu.py tests/trainer > "$OUT/gpu-tests.log" 2>&1
+        tests/kernels tests/test_gpu.py tests/trainer tests/models/test_branches.py > "$OUT/gpu-tests.log" 2>&1
 else
     echo "GPU_TESTS=0: skipped" > "$OUT/gpu-tests.log"
 fi
