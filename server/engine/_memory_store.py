@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -10,7 +12,7 @@ import threading
 import time
 import zipfile
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from models.tokenizer import Tokenizer
@@ -34,6 +36,10 @@ class MemorySessionStore(SessionStore):
     have not expired. The file is a zip (stored, not compressed) of `export_session` blobs, one per session,
     and an `index.json` with each one's id, owner (the API key's hash), times and TTL: no pickle. It is
     written to a temporary file and renamed, so a crash mid-write leaves the previous snapshot whole.
+
+    Making room costs what it removes, not the store's size: expired sessions come off a heap by expiry time, and
+    victims from the LRU orders of the owners over their share, merged (`_victims`); pinned sessions met on the way
+    are stepped over one by one. Finding those owners looks at each owner once (owners are API keys: a few).
     """
 
     def __init__(self, *, max_sessions: int, max_bytes: int, clock: Callable[[], float] = time.time,
@@ -54,8 +60,14 @@ class MemorySessionStore(SessionStore):
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._bytes = 0
-        self._owned: Counter[str | None] = Counter()  # owner -> sessions
+        # owner -> its sessions, least recently used first, each with its tick: a number, new at each write and
+        # touch, that orders the sessions as `_sessions` does (so that owners' orders merge into the store's)
+        self._owned: dict[str | None, OrderedDict[str, int]] = {}
         self._owned_bytes: Counter[str | None] = Counter()  # owner -> their bytes
+        self._ticks = itertools.count()
+        # (expires_at, tick, id), a heap; an entry whose tick is no longer its session's is stale (the session was
+        # touched, written again or removed since) and is dropped when met, or when the heap is rebuilt
+        self._expiry: list[tuple[float, int, str]] = []
         self._pins: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter({"ttl": 0, "lru": 0})
 
@@ -70,8 +82,7 @@ class MemorySessionStore(SessionStore):
                 return None
             if touch:
                 session = dataclasses.replace(session, last_used=now)
-                self._sessions[session_id] = session
-                self._sessions.move_to_end(session_id)
+                self._put(session)
             return session
 
     def contains(self, session_id: str) -> bool:
@@ -81,10 +92,10 @@ class MemorySessionStore(SessionStore):
     def insert(self, session: Session) -> Session:
         session = dataclasses.replace(session, revision=new_revision())
         with self._lock:
-            if not self._fits(session, []):
-                self._sweep_locked()
+            if not self._fits(*self._stored_with(session)):
+                self._sweep_locked()  # expired sessions make room before live ones are evicted
             victims = self._victims(session)
-            if not self._fits(session, victims):  # refuse before evicting anything
+            if victims is None:  # refuse before evicting anything
                 raise SessionStoreFull(f"the session store is full ({len(self._sessions)} sessions, {self._bytes} "
                                        f"of {self.max_bytes} bytes) and no session can be evicted now")
             for key in victims:
@@ -197,60 +208,105 @@ class MemorySessionStore(SessionStore):
             return
         log.info("restored %d sessions from %s (%d skipped)", kept, path, skipped)
 
-    def _fits(self, session: Session, without: list[str]) -> bool:
-        """Would `session` fit within the limits once the sessions `without` are gone?"""
+    def _stored_with(self, session: Session) -> tuple[int, int]:
+        """The sessions and bytes stored once `session` is (in place of the record of its id), nothing evicted."""
         old = self._sessions.get(session.id)
-        gone = [self._sessions[k] for k in without] + ([old] if old is not None else [])
-        count = len(self._sessions) - len(gone) + 1
-        size = self._bytes - sum(s.nbytes for s in gone) + session.nbytes
+        count, size = len(self._sessions) + 1, self._bytes + session.nbytes
+        return (count, size) if old is None else (count - 1, size - old.nbytes)
+
+    def _fits(self, count: int, size: int) -> bool:
         return count <= self.max_sessions and size <= self.max_bytes
 
-    def _victims(self, session: Session) -> list[str]:
+    def _victims(self, session: Session) -> list[str] | None:
         """The idle sessions to evict for `session` to fit, least recently used first, taken only from owners over
-        their share: the new session's owner counting it (and not the record it replaces), the others as they are.
-        (Where they are not enough, `_fits` then refuses.)"""
+        their share: the new session's owner counting it (and not the record it replaces), the others as they are;
+        None if they are not enough. The sessions a walk down the whole LRU order would take, skipping the others;
+        but only the orders of the owners over their share are read, merged by tick."""
+        count, size = self._stored_with(session)
+        if self._fits(count, size):
+            return []
         old = self._sessions.get(session.id)
-        owned, owned_bytes = Counter(self._owned), Counter(self._owned_bytes)
-        if old is not None:
-            owned[old.owner] -= 1
-            owned_bytes[old.owner] -= old.nbytes
-        owned[session.owner] += 1
-        owned_bytes[session.owner] += session.nbytes
+
+        def over(n: int, b: int) -> bool:
+            return n > self.owner_max_sessions or b > self.owner_max_bytes
+
+        books: list[list[int]] = []  # of the owners over their share: their sessions and bytes, as counted
+        orders: list[Iterator[tuple[str, int]]] = []  # their sessions (id, tick), least recently used first
+        heads: list[tuple[int, int, str]] = []  # (tick, which owner, id): each owner's next session, a heap
+        for owner, order in self._owned.items():
+            n, b = len(order), self._owned_bytes[owner]
+            if old is not None and old.owner == owner:
+                n, b = n - 1, b - old.nbytes
+            if session.owner == owner:
+                n, b = n + 1, b + session.nbytes
+            if over(n, b):
+                orders.append(iter(order.items()))
+                books.append([n, b])
+                key, tick = next(orders[-1])  # an owner's order is never empty
+                heads.append((tick, len(orders) - 1, key))
+        heapq.heapify(heads)
         victims: list[str] = []
-        for key, stored in self._sessions.items():  # least recently used first
-            if self._fits(session, victims):
-                break
-            owner = stored.owner
-            if key == session.id or self._pins[key] or (owned[owner] <= self.owner_max_sessions
-                                                        and owned_bytes[owner] <= self.owner_max_bytes):
-                continue
-            victims.append(key)
-            owned[owner] -= 1
-            owned_bytes[owner] -= stored.nbytes
-        return victims
+        while heads and not self._fits(count, size):
+            _, i, key = heads[0]
+            if key != session.id and not self._pins[key]:
+                nbytes = self._sessions[key].nbytes
+                victims.append(key)
+                count, size = count - 1, size - nbytes
+                books[i][0] -= 1
+                books[i][1] -= nbytes
+                if not over(*books[i]):  # within its share now: the rest of its sessions stay
+                    heapq.heappop(heads)
+                    continue
+            following = next(orders[i], None)
+            if following is None:
+                heapq.heappop(heads)
+            else:
+                heapq.heapreplace(heads, (following[1], i, following[0]))
+        return victims if self._fits(count, size) else None
 
     def _put(self, session: Session) -> None:
         old = self._sessions.pop(session.id, None)
         if old is not None:
             self._bytes -= old.nbytes
-            self._owned[old.owner] -= 1
-            self._owned_bytes[old.owner] -= old.nbytes
+            self._disown(old)
+        tick = next(self._ticks)
         self._sessions[session.id] = session  # most recently used
         self._bytes += session.nbytes
-        self._owned[session.owner] += 1
+        self._owned.setdefault(session.owner, OrderedDict())[session.id] = tick
         self._owned_bytes[session.owner] += session.nbytes
+        heapq.heappush(self._expiry, (session.expires_at(), tick, session.id))
+        if len(self._expiry) > 2 * len(self._sessions) + 64:  # mostly stale entries (touches): rebuilt
+            self._expiry = [(s.expires_at(), self._owned[s.owner][k], k) for k, s in self._sessions.items()]
+            heapq.heapify(self._expiry)
+
+    def _disown(self, session: Session) -> None:
+        order = self._owned[session.owner]
+        del order[session.id]
+        self._owned_bytes[session.owner] -= session.nbytes
+        if not order:
+            del self._owned[session.owner], self._owned_bytes[session.owner]
 
     def _remove(self, session_id: str, reason: str | None) -> None:
         session = self._sessions.pop(session_id)
         self._bytes -= session.nbytes
-        self._owned[session.owner] -= 1
-        self._owned_bytes[session.owner] -= session.nbytes
+        self._disown(session)
         if reason is not None:
             self._evictions[reason] += 1
 
     def _sweep_locked(self) -> int:
-        now = self._clock()
-        expired = [k for k, s in self._sessions.items() if s.expired(now) and not self._pins[k]]
-        for k in expired:
-            self._remove(k, "ttl")
-        return len(expired)
+        """Remove the expired unpinned sessions, from the top of the expiry heap."""
+        now, expired, pinned = self._clock(), 0, []
+        while self._expiry and self._expiry[0][0] <= now:  # Session.expired: now >= expires_at
+            entry = heapq.heappop(self._expiry)
+            _, tick, key = entry
+            session = self._sessions.get(key)
+            if session is None or self._owned[session.owner][key] != tick:
+                continue  # stale
+            if self._pins[key]:
+                pinned.append(entry)  # it expires once unpinned: kept
+                continue
+            self._remove(key, "ttl")
+            expired += 1
+        for entry in pinned:
+            heapq.heappush(self._expiry, entry)
+        return expired

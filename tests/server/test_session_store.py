@@ -23,7 +23,12 @@ from server.engine import (
     export_session,
     import_session,
 )
-from tests.server._stores import stale_reads_are_refused
+from tests.server._stores import (
+    evictions_follow_the_lru_walk,
+    expired_sessions_make_room_first,
+    stale_reads_are_refused,
+    the_oldest_sessions_protected,
+)
 
 HASH = "a" * 64
 
@@ -92,6 +97,41 @@ def test_pinned_sessions_are_never_evicted() -> None:
     store.unpin("b")
     store.insert(make("c"))
     assert store.contains("a") and not store.contains("b") and store.contains("c")
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_evictions_follow_the_lru_walk(share: bool, seed: int) -> None:
+    evictions_follow_the_lru_walk(lambda **limits: MemorySessionStore(**limits, clock=Clock()), make,
+                                  lambda s: s.nbytes, share=share, seed=seed)
+
+
+def test_the_oldest_sessions_protected_by_a_share_are_passed_over() -> None:
+    the_oldest_sessions_protected(lambda **limits: MemorySessionStore(**limits, clock=Clock()), make)
+
+
+def test_expired_sessions_make_room_before_live_ones_are_evicted() -> None:
+    clock = Clock()
+
+    def pass_time(seconds: float) -> None:
+        clock.now += seconds
+
+    expired_sessions_make_room_first(lambda **limits: MemorySessionStore(**limits, clock=clock), make, pass_time)
+
+
+def test_touches_do_not_grow_the_expiry_heap() -> None:
+    """Each touch leaves a stale entry in the heap by expiry: it is rebuilt before they pile up, and a stale entry
+    (the expiry a touch since moved on) expires nothing."""
+    clock = Clock()
+    store = MemorySessionStore(max_sessions=10, max_bytes=10**9, clock=clock)
+    store.insert(make("a", ttl=10))
+    store.insert(make("b", ttl=10))
+    for _ in range(1000):
+        clock.now += 0.01
+        assert store.get("a", None) is not None
+    assert len(store._expiry) <= 2 * 2 + 64
+    clock.now += 5  # b's expiry (1010) has passed, a's (1020) has not
+    assert store.sweep() == 1 and store.contains("a") and not store.contains("b")
 
 
 def test_ttl_expiry_is_counted_and_extended_by_use() -> None:
