@@ -93,7 +93,7 @@ def evictions_follow_the_lru_walk(new_store: Callable[..., SessionStore], make: 
     for step in range(steps):
         key, op = rng.choice(ids), rng.random()
         if op < 0.55:
-            session = make(key, rng.choice(["alice", "bob", "carol", None]), k=rng.choice([4, 6]))
+            session = make(key, rng.choice(["alice", "bob", "carol", None]), k=rng.choice([4, 4, 10]))
             try:
                 store.insert(session)
                 stored = True
@@ -141,6 +141,21 @@ def the_oldest_sessions_protected(new_store: Callable[..., SessionStore], make: 
         store.insert(make("c0", "carol"))
     stats = store.stats()
     assert (stats.sessions, stats.evictions["lru"]) == (8, 3) and not store.contains("c0")
+
+
+def several_victims_until_within_share(new_store: Callable[..., SessionStore], make: Callable[..., Session],
+                                       stored_bytes: Callable[[Session], int]) -> None:
+    """A large session that needs several victims takes them from the owners over their share, least recently used
+    first, each owner until it is within its share."""
+    small, big = stored_bytes(make("x")), stored_bytes(make("x", k=32))
+    assert big > 3 * small
+    store = new_store(max_sessions=100, max_bytes=5 * small + big, owner_max_sessions=2, owner_max_bytes=10**9)
+    for name, owner in (("a0", "alice"), ("a1", "alice"), ("b0", "bob"), ("b1", "bob"), ("b2", "bob"),
+                        ("c0", "carol"), ("c1", "carol"), ("c2", "carol")):
+        store.insert(make(name, owner))
+    store.insert(make("b3", "bob", k=32))  # three small ones must go: Bob's two oldest, then Carol's oldest
+    assert [n for n in ("a0", "a1", "b0", "b1", "b2", "b3", "c0", "c1", "c2") if store.contains(n)] == [
+        "a0", "a1", "b2", "b3", "c1", "c2"]
 
 
 def expired_sessions_make_room_first(new_store: Callable[..., SessionStore], make: Callable[..., Session],

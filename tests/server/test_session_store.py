@@ -26,6 +26,7 @@ from server.engine import (
 from tests.server._stores import (
     evictions_follow_the_lru_walk,
     expired_sessions_make_room_first,
+    several_victims_until_within_share,
     stale_reads_are_refused,
     the_oldest_sessions_protected,
 )
@@ -108,6 +109,11 @@ def test_evictions_follow_the_lru_walk(share: bool, seed: int) -> None:
 
 def test_the_oldest_sessions_protected_by_a_share_are_passed_over() -> None:
     the_oldest_sessions_protected(lambda **limits: MemorySessionStore(**limits, clock=Clock()), make)
+
+
+def test_several_victims_are_taken_until_their_owners_are_within_their_share() -> None:
+    several_victims_until_within_share(lambda **limits: MemorySessionStore(**limits, clock=Clock()), make,
+                                       lambda s: s.nbytes)
 
 
 def test_expired_sessions_make_room_before_live_ones_are_evicted() -> None:
