@@ -27,6 +27,13 @@ writes, and the second is refused (SessionConflict), not lost. The limits (`max_
 `max_bytes`) are the shared store's: a server that inserts evicts the least recently used unpinned sessions of
 owners over their share, whichever server made them.
 
+Making room (`_INSERT`) costs what it removes, not the store's size (the script blocks Redis while it runs): first
+expired sessions, however recently used (index entries whose key Redis has dropped, looked for among those whose
+time in `<ns>:exp` has passed), then victims read from the sorted sets of the owners over their share only, merged
+by last use; pinned sessions met on the way are stepped over one by one, and every owner's count is read once
+(owners are API keys: a few). While the store holds records of an older server (counted for no owner), it walks
+the whole LRU order instead, past every session of the owners within their share.
+
 Pins: a server that starts work on a session (the engine's `pin`) leases it for `lease_s` seconds, renewed at
 every sweep (each second): while leased, Redis does not expire it and no server evicts it. A server that dies
 leaves leases that lapse by themselves. At `unpin`, the session's expiry goes back to last use + ttl.
@@ -137,6 +144,9 @@ end
 -- The owner a session is counted for; false for a record written before the owner index (by an older server):
 -- no owner's count holds it, so it makes room as every session did then, least recently used first
 local function owner_of(v) return redis.call('HGET', ns .. ':owner', v) end
+local function over(o) return owned[o] > own_n or owned_b[o] > own_b end
+local function size_of(v) return tonumber(redis.call('HGET', KEYS[3], v) or '0') end
+local function gone(v) return redis.call('EXISTS', skey(v)) == 0 end  -- expired: Redis dropped its key
 load(owner)
 local old = redis.call('HGET', KEYS[3], id)
 if old then
@@ -146,29 +156,92 @@ if old then
 end
 owned[owner] = owned[owner] + 1; owned_b[owner] = owned_b[owner] + size  -- the new session counts for its owner
 local function fits() return count + 1 <= max_n and bytes + size <= max_b end
-local expired, victims = {}, {}
-if not fits() then
+local expired, victims, taken = {}, {}, {}
+local function take(v, o, expiry)  -- out of the books (o: its owner, false for none), expired or evicted
+  local s = size_of(v)
+  taken[v] = true
+  table.insert(expiry and expired or victims, v)
+  count = count - 1; bytes = bytes - s
+  if o then owned[o] = owned[o] - 1; owned_b[o] = owned_b[o] - s end
+end
+-- Expired sessions make room first, however recently used: their index entries are among those whose expiry has
+-- passed (where the key of a pinned session is still there, its lease extending it)
+local start = 0
+while not fits() do
+  local batch = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', start, 100)
+  if #batch == 0 then break end
+  for _, v in ipairs(batch) do
+    if fits() then break end
+    if v ~= id and gone(v) then
+      local o = owner_of(v)
+      if o then load(o) end
+      take(v, o, true)
+    end
+  end
+  start = start + 100
+end
+if not fits() and redis.call('HLEN', ns .. ':owner') < redis.call('ZCARD', KEYS[1]) then
+  -- Records of an older server, counted for no owner (`owner_of`), are in the LRU order only: the walk down it,
+  -- which steps over every session of an owner within its share (the cost the merge below avoids)
   local pins = pinned(now)
-  local start = 0
+  start = 0
   while not fits() do
     local batch = redis.call('ZRANGE', KEYS[1], start, start + 99)  -- least recently used first
     if #batch == 0 then break end
     for _, v in ipairs(batch) do
       if fits() then break end
-      if v ~= id then
-        local s = tonumber(redis.call('HGET', KEYS[3], v) or '0')
+      if v ~= id and not taken[v] then
         local o = owner_of(v)
         if o then load(o) end
-        local gone = redis.call('EXISTS', skey(v)) == 0
+        local expiry = gone(v)
         -- an idle session makes room only if its owner is over its share (or it is counted for no owner)
-        if gone or (not pins[v] and (not o or owned[o] > own_n or owned_b[o] > own_b)) then
-          table.insert(gone and expired or victims, v)
-          count = count - 1; bytes = bytes - s
-          if o then owned[o] = owned[o] - 1; owned_b[o] = owned_b[o] - s end
-        end
+        if expiry or (not pins[v] and (not o or over(o))) then take(v, o, expiry) end
       end
     end
     start = start + 100
+  end
+elseif not fits() then
+  -- The sessions that walk would take, read from the owners over their share only: the least recently used idle
+  -- session among their orders (by last use, as the LRU order, a tie broken as there: by rank), until it fits;
+  -- an owner within its share after a victim gives no more
+  local pins = pinned(now)
+  local heads = {}  -- per owner over its share: a batch of its order (id, score, ...) and where it is in it
+  local all = redis.call('HGETALL', ns .. ':obytes')  -- owner, bytes, ...: every owner
+  for i = 1, #all, 2 do
+    local o = all[i]
+    if owned[o] == nil then owned[o], owned_b[o] = redis.call('ZCARD', okey(o)), tonumber(all[i + 1]) end
+    if over(o) then table.insert(heads, {owner = o, batch = {}, at = 1, start = 0}) end
+  end
+  local function head(h)  -- its owner's next session and its last use, or nil
+    if h.at > #h.batch then
+      h.batch, h.at = redis.call('ZRANGE', okey(h.owner), h.start, h.start + 31, 'WITHSCORES'), 1
+      h.start = h.start + 32
+    end
+    if h.at > #h.batch then return nil end
+    return h.batch[h.at], tonumber(h.batch[h.at + 1])
+  end
+  local function before(v, t, w, u)  -- v (last used t) before w (u) in the LRU order?
+    if t ~= u then return t < u end
+    return redis.call('ZRANK', KEYS[1], v) < redis.call('ZRANK', KEYS[1], w)
+  end
+  while not fits() do
+    local best, v, t
+    for _, h in ipairs(heads) do
+      if not h.done then
+        local w, u = head(h)
+        if w == nil then h.done = true
+        elseif best == nil or before(w, u, v, t) then best, v, t = h, w, u end
+      end
+    end
+    if best == nil then break end
+    best.at = best.at + 2
+    if v ~= id and not taken[v] then
+      local expiry = gone(v)
+      if expiry or not pins[v] then
+        take(v, best.owner, expiry)
+        best.done = not over(best.owner)
+      end
+    end
   end
 end
 for _, v in ipairs(expired) do unindex(v) end

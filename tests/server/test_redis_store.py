@@ -34,7 +34,13 @@ from server.engine import (
     export_session,
 )
 from server.settings import Settings
-from tests.server._stores import stale_reads_are_refused
+from tests.server._stores import (
+    evictions_follow_the_lru_walk,
+    expired_sessions_make_room_first,
+    several_victims_until_within_share,
+    stale_reads_are_refused,
+    the_oldest_sessions_protected,
+)
 from trainer.evaluation import config_for
 
 HASH = "c" * 64
@@ -144,6 +150,40 @@ def test_pinned_sessions_are_never_evicted(redis_url: str) -> None:
     store.unpin("b")
     store.insert(make("c"))
     assert store.contains("a") and not store.contains("b") and store.contains("c")
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("seed", range(2))
+def test_evictions_follow_the_lru_walk(redis_url: str, share: bool, seed: int) -> None:
+    evictions_follow_the_lru_walk(lambda **limits: store_at(redis_url, **limits), make,
+                                  lambda s: len(export_session(s, HASH)), share=share, seed=seed)
+
+
+def test_the_oldest_sessions_protected_by_a_share_are_passed_over(redis_url: str) -> None:
+    the_oldest_sessions_protected(lambda **limits: store_at(redis_url, **limits), make)
+
+
+def test_several_victims_are_taken_until_their_owners_are_within_their_share(redis_url: str) -> None:
+    several_victims_until_within_share(lambda **limits: store_at(redis_url, **limits), make,
+                                       lambda s: len(export_session(s, HASH)))
+
+
+def test_expired_sessions_make_room_before_live_ones_are_evicted(redis_url: str) -> None:
+    # Redis drops the expired keys; their index entries wait for a sweep, and must not count as live sessions
+    expired_sessions_make_room_first(lambda **limits: store_at(redis_url, **limits), make, time.sleep)
+
+
+def test_sessions_used_at_the_same_time_are_evicted_in_the_lru_orders_order(redis_url: str) -> None:
+    # the LRU order is a sorted set by last use, a tie ordered by id: the victims, read from each owner's own sorted
+    # set, are merged in that order (the ids here are inserted against it)
+    store = store_at(redis_url, max_sessions=4, owner_max_sessions=1, owner_max_bytes=10**9)
+    t = time.time()
+    for name, owner in (("s3", "bob"), ("s2", "alice"), ("s1", "bob"), ("s0", "alice")):
+        store.insert(dataclasses.replace(make(name, owner), last_used=t))
+    store.insert(dataclasses.replace(make("s4", "carol"), last_used=t))  # alice and bob over their share
+    assert [store.contains(f"s{i}") for i in range(5)] == [False, True, True, True, True]
+    store.insert(dataclasses.replace(make("s5", "carol"), last_used=t))  # bob and carol over theirs now
+    assert [store.contains(f"s{i}") for i in range(6)] == [False, False, True, True, True, True]
 
 
 def test_ttl_expiry_is_counted_and_extended_by_use(store: RedisSessionStore) -> None:
@@ -577,6 +617,22 @@ def test_records_written_before_the_owner_index_still_make_room(redis_url: str) 
     store.insert(make("c", owner="alice"))  # an old record replaced: it is counted now, once
     assert owner_books(redis_url) == ({"alice": 2, "bob": 1}, {"alice": 2 * SIZE, "bob": SIZE})
     assert store.stats().sessions == 3 and store.stats().evictions["lru"] == 2
+
+
+def test_among_records_written_before_the_owner_index_an_expired_one_is_counted_once(redis_url: str) -> None:
+    # the old records' walk comes after the expired sessions were taken out of the books: it steps over them
+    store = store_at(redis_url, max_bytes=3 * SIZE)
+    store.insert(make("x", ttl=0.3))  # the least recently used, and the walk's first
+    store.insert(make("a"))
+    store.insert(make("b"))
+    forget_owner_index(redis_url)
+    time.sleep(0.6)
+    big = make("big", k=16)
+    assert SIZE < len(export_session(big, HASH)) <= 2 * SIZE
+    store.insert(big)  # x's room, and a's
+    assert [store.contains(n) for n in ("x", "a", "b", "big")] == [False, False, True, True]
+    stats = store.stats()
+    assert dict(stats.evictions) == {"ttl": 1, "lru": 1} and stats.bytes <= 3 * SIZE
 
 
 def test_the_owner_index_keeps_the_books_on_every_path(redis_url: str) -> None:
