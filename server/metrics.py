@@ -143,6 +143,9 @@ class _EngineCollector(Collector):
              stats.cancelled_work),
             ("adaptlm_suggest_cut", "Keyboard suggestions answered inexactly: the time budget stopped the search.",
              stats.suggest_cut),
+            ("adaptlm_generation_adaptations_dropped", "Adaptations after a generation (adapt_while_generating) "
+             "dropped: other requests (on other servers) changed the session during each of its tries.",
+             stats.generation_adaptations_dropped),
         ):
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric(values, value)

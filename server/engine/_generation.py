@@ -7,7 +7,8 @@ by setting the job's cancel flag (leaving the stream's `async with`), which the 
 
 With `adapt`, the session is claimed while the job runs, and when it ends the session observes the prompt and
 what was generated (thesis sec. 4.3), before any later work of the session; where another server changed the
-session in between (its write refused, SessionConflict), it observes them again on top of that change.
+session in between (its write refused, SessionConflict), it observes them again on top of that change; refused
+`FOLLOW_TRIES` times, that adaptation is dropped, logged and counted (`EngineStats.generation_adaptations_dropped`).
 """
 
 from __future__ import annotations
@@ -338,12 +339,14 @@ class GenerationExecutor:
         change, `tries` times in all. The generation's answer has gone: nobody would send it again."""
         follow = Text(data, "observe", session_id=job.session_id, owner=job.owner, counted=False)
 
-        def done(future: Future[Any]) -> None:
+        def done(future: Future[Any]) -> None:  # (worker: the observe's result is set there)
             error = future.exception()
             if isinstance(error, SessionConflict) and tries > 1:
                 self._observe_generated(job, data, tries - 1)
-            else:
-                _log_failure(error)
+                return
+            if isinstance(error, SessionConflict):
+                self._stats.generation_adaptations_dropped += 1
+            _log_failure(error)
 
         follow.future.add_done_callback(done)
         self._scheduler.follow(follow)

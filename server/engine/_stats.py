@@ -25,6 +25,9 @@ class EngineStats:
     suggest_cut: int = 0  # suggestions whose word search the time budget stopped
     updates: int = 0  # session adapter updates applied
     nonfinite_resets: int = 0  # updates refused (or adapters reset) by the non-finite guard
+    # adaptations after a generation (`adapt_while_generating`) dropped: another server changed the session before
+    # the write of each of its tries (SessionConflict)
+    generation_adaptations_dropped: int = 0
     sessions: int = 0
     session_bytes: int = 0
     evictions: dict[str, int] = field(default_factory=dict)  # by reason: ttl, lru

@@ -204,6 +204,33 @@ def test_generate_can_adapt_the_session_afterwards(client: httpx.Client) -> None
     assert stats["updates"] == math.ceil((len(TEXT) + generated) / 20) + 1
 
 
+def test_an_adaptation_after_a_generation_refused_at_every_try_is_counted(tiny_checkpoint: Path,
+                                                                          serve_app: Any) -> None:
+    # each write of the generation's observe refused, as when other servers keep changing the session (Redis): it
+    # is tried FOLLOW_TRIES times, then dropped, which the log and adaptlm_generation_adaptations_dropped tell
+    from server.engine import SessionConflict
+    from server.engine._generation import FOLLOW_TRIES
+
+    with serve_app(Settings(checkpoint=tiny_checkpoint)) as live, httpx.Client(base_url=live.url) as c:
+        sid = create(c, initial_text=TEXT)["id"]
+        assert metric(c, "adaptlm_generation_adaptations_dropped_total") == 0
+        tries: list[str] = []
+
+        def refuse(session: Any) -> None:
+            tries.append(session.id)
+            raise SessionConflict(session.id)
+
+        live.app.state.engine.store.update = refuse
+        r = c.post("/v1/generate", json={"prompt": "It is", "max_tokens": 8, "session_id": sid,
+                                         "adapt_while_generating": True})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 30
+        while metric(c, "adaptlm_generation_adaptations_dropped_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric(c, "adaptlm_generation_adaptations_dropped_total") == 1 and tries == [sid] * FOLLOW_TRIES
+        assert c.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT)  # nothing applied
+
+
 def test_streamed_generation_from_a_session(client: httpx.Client, parse_sse: Any) -> None:
     sid = create(client, initial_text=TEXT)["id"]
     body = {"prompt": "", "max_tokens": 10, "temperature": 0, "session_id": sid}
