@@ -15,8 +15,8 @@ them together):
     <ns>:size     hash id -> bytes of its blob; <ns>:bytes, their sum: the memory accounting is the size of
                   the stored values (the tensors plus a few hundred bytes of header)
     <ns>:pins     sorted set "<instance>|<id>" -> lease end: sessions with work in flight on some server
-    <ns>:owner    hash id -> owner; <ns>:o:<owner>, sorted set id -> last use; <ns>:obytes, hash owner -> bytes:
-                  each owner's sessions: to make room, only owners over their share of the store
+    <ns>:owner    hash id -> owner; <ns>:o:<owner>, sorted set id -> last use; <ns>:obytes, hash owner -> bytes (owners
+                  with a session): each owner's sessions: to make room, only owners over their share of the store
                   (`owner_max_sessions`, `owner_max_bytes`) give up sessions, least recently used first; a
                   record of an older server (in no owner's index until a write of this version) makes room as any
                   did before shares
@@ -81,14 +81,18 @@ _PRELUDE = """
 local ns = ARGV[1]
 local function skey(id) return ns .. ':s:' .. id end
 local function okey(owner) return ns .. ':o:' .. owner end
+local function disown(owner, id, size)  -- id is no longer counted for owner; an owner of none is forgotten
+  redis.call('ZREM', okey(owner), id)
+  if redis.call('ZCARD', okey(owner)) == 0 then redis.call('HDEL', ns .. ':obytes', owner)
+  else redis.call('HINCRBY', ns .. ':obytes', owner, -size) end
+end
 local function unindex(id)
   local size = redis.call('HGET', KEYS[3], id)
   if size then redis.call('DECRBY', KEYS[4], size) end
   local owner = redis.call('HGET', ns .. ':owner', id)
   if owner then
-    redis.call('ZREM', okey(owner), id)
+    disown(owner, id, tonumber(size or '0'))
     redis.call('HDEL', ns .. ':owner', id)
-    redis.call('HINCRBY', ns .. ':obytes', owner, -tonumber(size or '0'))
   end
   redis.call('ZREM', KEYS[1], id)
   redis.call('ZREM', KEYS[2], id)
@@ -115,10 +119,7 @@ local function write(id, blob, owner, created, last_used, ttl, expires_at, size,
   redis.call('HSET', KEYS[3], id, size)
   redis.call('INCRBY', KEYS[4], tonumber(size) - old)
   local was = redis.call('HGET', ns .. ':owner', id)
-  if was then
-    redis.call('ZREM', okey(was), id)
-    redis.call('HINCRBY', ns .. ':obytes', was, -old)
-  end
+  if was then disown(was, id, old) end
   redis.call('HSET', ns .. ':owner', id, owner)
   redis.call('ZADD', okey(owner), last_used, id)
   redis.call('HINCRBY', ns .. ':obytes', owner, tonumber(size))

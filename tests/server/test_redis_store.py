@@ -577,8 +577,9 @@ def test_serve_with_an_unreachable_redis_says_so_in_one_line(tiny_checkpoint: Pa
 
 
 def owner_books(url: str) -> tuple[dict[str, int], dict[str, int]]:
-    """The owner index as the scripts keep it (owner -> sessions, owner -> bytes; owners at zero left out), after
-    checking that it names every indexed session once, under the owner its record holds."""
+    """The owner index as the scripts keep it (owner -> sessions, owner -> bytes), after checking that it names every
+    indexed session once, under the owner its record holds, and forgets an owner with no session left (owners are
+    API keys, and keys are retired: their entries would pile up in every insert's read of the owners)."""
     with redis.Redis.from_url(url, decode_responses=True) as r:
         ns = f"adaptlm:{{{HASH[:16]}}}"
         index = r.hgetall(f"{ns}:owner")
@@ -588,7 +589,7 @@ def owner_books(url: str) -> tuple[dict[str, int], dict[str, int]]:
             assert r.hget(f"{ns}:s:{i}", "owner") in (owner, None)  # None: expired, not swept yet
         counts = {o: r.zcard(f"{ns}:o:{o}") for o in set(index.values())}
         assert counts == {o: list(index.values()).count(o) for o in set(index.values())}
-        obytes = {o: int(b) for o, b in r.hgetall(f"{ns}:obytes").items() if int(b)}
+        obytes = {o: int(b) for o, b in r.hgetall(f"{ns}:obytes").items()}
         assert obytes == {o: sum(sizes[i] for i, w in index.items() if w == o) for o in set(index.values())}
         return counts, obytes
 
@@ -656,3 +657,17 @@ def test_the_owner_index_keeps_the_books_on_every_path(redis_url: str) -> None:
         store.insert(make(name, owner="bob"))
     assert store.contains("a") and store.stats().sessions == 4
     assert owner_books(redis_url) == ({"alice": 1, "bob": 3}, {"alice": SIZE, "bob": 3 * SIZE})
+
+
+def test_an_owner_with_no_session_left_is_forgotten(redis_url: str) -> None:
+    # deleted, evicted, or its only session written again under another owner: no entry is left for it
+    store = store_at(redis_url, max_sessions=2, owner_max_sessions=1, owner_max_bytes=10**9)
+    store.insert(make("a", owner="alice"))
+    store.insert(make("b", owner="bob"))
+    assert store.delete("a", "alice")
+    assert owner_books(redis_url) == ({"bob": 1}, {"bob": SIZE})
+    store.insert(make("c", owner="bob"))
+    store.insert(make("d", owner="carol"))  # bob is over his share: his oldest makes room
+    assert owner_books(redis_url) == ({"bob": 1, "carol": 1}, {"bob": SIZE, "carol": SIZE})
+    store.insert(make("c", owner="carol"))  # bob's last session written again under carol
+    assert owner_books(redis_url) == ({"carol": 2}, {"carol": 2 * SIZE})
