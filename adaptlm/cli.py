@@ -262,6 +262,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.mode == "cache" and args.cache_window < 1:
         raise UsageError("--cache-window must be positive")
     data = _read_text_arg(args.valid)[: args.bytes]
+    tuned_on = {"file": Path(args.valid).name, "bytes": len(data)}
     ckpt = _load(args.checkpoint, args.device)
     if ckpt.path is None:
         raise UsageError("checkpoint has no directory to write dyneval.json into")
@@ -280,7 +281,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                                             f" -> {t['bits_per_byte']:.4f}", file=sys.stderr))
         entry = {"window": cache.window, "theta": cache.theta, "lam": cache.lam,
                  "valid_bpb": min(t["bits_per_byte"] for t in trials), "valid_static_bpb": static,
-                 "trials": len(trials)}
+                 "trials": len(trials), "tuned_on": tuned_on}
         dyneval["cache"] = results["cache"] = entry
     for section in sections:
         layers = {"layers_from": args.layers_from} if section == "full" else {}
@@ -302,8 +303,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         entry.update({"valid_bpb": best_bpb, "valid_static_bpb": static, "trials": len(trials)})
         dyneval[section] = entry
         results[section] = entry
-    dyneval["tuned"] = True
-    dyneval["tuned_on"] = {"file": Path(args.valid).name, "bytes": len(data)}
+    if sections:  # "tuned" and "tuned_on" are of the adaptation sections: the cache alone (its own tuned_on) leaves
+        # them as they were, so that a checkpoint whose full and sparse settings are the trainer's does not claim more
+        dyneval["tuned"] = True
+        dyneval["tuned_on"] = tuned_on
     text = json.dumps(dyneval, indent=2, sort_keys=True) + "\n"
     _write_whole(ckpt.path / "dyneval.json", lambda path: path.write_text(text))
     print(json.dumps({"static_bpb": static, **results}))

@@ -73,8 +73,12 @@ def test_tune_cache_writes_the_neural_cache_settings(tiny_checkpoint: Path, tmp_
     r = run("tune", "--checkpoint", str(ck), "--valid", str(DATA / "valid.txt"), "--bytes", "1200",
             "--mode", "cache", "--cache-window", "300")
     assert r.returncode == 0, r.stderr
-    cache = json.loads((ck / "dyneval.json").read_text())["cache"]
+    dyneval = json.loads((ck / "dyneval.json").read_text())
+    cache = dyneval["cache"]
     assert cache["window"] == 300 and cache["trials"] == 21
+    # the cache says what it was tuned on; the full and sparse sections are still the trainer's, and not called tuned
+    assert cache["tuned_on"] == {"file": "valid.txt", "bytes": 1200}
+    assert dyneval["tuned"] is False and "tuned_on" not in dyneval
     assert cache["valid_bpb"] <= cache["valid_static_bpb"]
     rec = json.loads(run("eval", "--checkpoint", str(ck), str(DATA / "valid.txt"), "--limit", "1200",
                          "--mode", "cache", "--json").stdout)
