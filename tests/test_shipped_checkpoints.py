@@ -68,6 +68,18 @@ def test_checkpoint_has_gradient_statistics(name: str) -> None:
     assert not [k for k in params if k.startswith("param.aux.")]  # training-only heads never adapt
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_checkpoint_dynamic_evaluation_is_tuned(name: str) -> None:
+    """`adaptlm eval --mode dynamic|sparse` (and a session without a "session" section) use dyneval.json's "full" and
+    "sparse" sections: each must be `adaptlm tune`'s, measured better than static on its validation text, not the
+    trainer's untuned starting values (with which the word model lost 25% to static on held-out prose, full mode)."""
+    dyneval = json.loads((CHECKPOINTS / name / "dyneval.json").read_text())
+    assert dyneval["tuned"] is True and dyneval["tuned_on"]["bytes"] > 0
+    for section in ("full", "sparse"):
+        entry = dyneval[section]
+        assert entry["trials"] >= 1 and entry["valid_bpb"] < entry["valid_static_bpb"], (section, entry)
+
+
 @pytest.mark.parametrize("name", ["char-transformer", "compressive"])
 def test_the_server_searches_the_shipped_transformers_in_the_branch_form(name: str) -> None:
     """The model the engine's suggestions and generations run (the network wrapped for sessions) takes the branch
