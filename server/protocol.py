@@ -368,7 +368,8 @@ class AdaptationSettings(BaseModel):
     adapter_size: int
     rule: str = Field(description="The checkpoint's update rule (sgd, sgd_decay, rms, rms_decay).")
     eps: float
-    segment: int = Field(description="Bytes scored per update.")
+    segment: int = Field(description="Tokens scored per update (bytes; a word model's words: GET /v1/models "
+                                     "`tokenizer`).")
     cache_weight: float = Field(default=0.0, description="Weight of the word cache in keyboard suggestions.")
     neural_cache: bool = Field(default=False, description="Whether the session mixes in the neural cache.")
     copy_model: bool = Field(default=False, description="Whether the session mixes in a copy model (the checkpoint "

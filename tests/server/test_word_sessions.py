@@ -110,6 +110,18 @@ def test_a_score_that_adapts_on_only_the_pending_word_is_read_by_the_sdk(words_u
         assert nothing.logprobs is None and session.get().stats.bytes_observed == len("It was the")
 
 
+def test_a_session_adapts_once_per_segment_of_words(client: httpx.Client, tok: WordTokenizer) -> None:
+    """`adaptation.segment` counts the model's tokens (a word model's words), as the schema says (it said bytes): an
+    observe of n settled tokens makes ceil(n / segment) updates."""
+    sid = new(client)
+    segment = client.get(f"/v1/sessions/{sid}").json()["adaptation"]["segment"]
+    body = observe(client, sid, TEXT + "\n")
+    assert body["tokens"] == len(tok.tokens(TEXT + "\n")) and body["bytes"] == len((TEXT + "\n").encode())
+    assert body["updates"] == math.ceil(body["tokens"] / segment) < math.ceil(body["bytes"] / segment)
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    assert "words" in schemas["AdaptationSettings"]["properties"]["segment"]["description"]
+
+
 def test_a_session_adapts_on_repeated_text(client: httpx.Client) -> None:
     sid = new(client)
     text = TEXT[:300] + "\n"
