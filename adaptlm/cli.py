@@ -112,10 +112,16 @@ def cmd_score(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record))
     else:
-        per_word = f", {result.bits_per_token:.4f} bits per word, perplexity {2.0 ** result.bits_per_token:.2f}" \
-            if words else ""
+        per_word = _per_word(result.bits_per_token if words else None)
         print(f"{result.bits_per_byte:.4f} bits per byte{per_word} ({result.bytes} bytes, {result.bits:.1f} bits)")
     return 0
+
+
+def _per_word(bits_per_word: float | None) -> str:
+    """A word model's figures for a text line after its bits per byte (score, eval, client score); "" for bytes."""
+    if bits_per_word is None:
+        return ""
+    return f", {bits_per_word:.4f} bits per word, perplexity {2.0 ** bits_per_word:.2f}"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -216,9 +222,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         records.append(record)
         curves[m] = loss_curve(result.logprobs, args.window)
         if not args.json:
-            print(f"{m}: {record['bits_per_byte']:.4f} bits per byte ({record['bytes']} bytes, "
-                  f"{record['params_adapted']:,} parameters adapted, {record['state_bytes']:,} state bytes, "
-                  f"{record['seconds']:.1f} s)")
+            print(f"{m}: {record['bits_per_byte']:.4f} bits per byte{_per_word(record.get('bits_per_word'))} "
+                  f"({record['bytes']} bytes, {record['params_adapted']:,} parameters adapted, "
+                  f"{record['state_bytes']:,} state bytes, {record['seconds']:.1f} s)")
     if args.json:
         print(json.dumps(records[0] if len(records) == 1 else records))
     title = f"{Path(args.file).name}: loss against position"
@@ -502,7 +508,8 @@ def client_score(client: Client, args: argparse.Namespace) -> int:
     elif result.bits_per_byte is None:  # a word session's --adapt that only grew its pending word
         print(f"nothing scored yet (0 bytes: the text only grew the word {args.session} holds pending)")
     else:
-        print(f"{result.bits_per_byte:.4f} bits per byte ({result.bytes} bytes, {result.bits:.1f} bits)")
+        print(f"{result.bits_per_byte:.4f} bits per byte{_per_word(result.bits_per_word)} ({result.bytes} bytes, "
+              f"{result.bits:.1f} bits)")
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +147,31 @@ def test_completions_echo_scores_the_prompt_by_words(client: httpx.Client, refer
     assert expected.logprobs is not None
     assert lp["token_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx(expected.logprobs[1:], abs=1e-4)
+
+
+def test_the_cli_text_lines_give_a_word_model_its_bits_per_word(words_url: str, word_checkpoint: Path,
+                                                                 tmp_path: Path) -> None:
+    """`adaptlm score`, `adaptlm eval` and `adaptlm client score` print one line each; for a word model all three add
+    bits per word and perplexity (`eval` and `client score` left them out: only --json had them), the same figure."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent.parent
+    text = VALID.read_text(encoding="utf-8")[:400]
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+
+    def line(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "adaptlm", *args], capture_output=True, text=True, cwd=root,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        [out] = r.stdout.splitlines()
+        return out
+
+    figures = re.compile(r"(?:static: )?([0-9.]+) bits per byte, ([0-9.]+) bits per word, perplexity ([0-9.]+) \(")
+    lines = [line("score", str(tmp_path / "t.txt"), "--checkpoint", str(word_checkpoint)),
+             line("eval", str(tmp_path / "t.txt"), "--checkpoint", str(word_checkpoint), "--mode", "static"),
+             line("client", "score", text, "--url", words_url)]
+    found = [figures.match(out) for out in lines]
+    assert all(found), lines
+    local, evaluated, served = ([float(x) for x in m.groups()] for m in found if m is not None)
+    assert evaluated == pytest.approx(local, rel=1e-3) and served == pytest.approx(local, rel=1e-3)
