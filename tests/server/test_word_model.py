@@ -175,3 +175,25 @@ def test_the_cli_text_lines_give_a_word_model_its_bits_per_word(words_url: str, 
     assert all(found), lines
     local, evaluated, served = ([float(x) for x in m.groups()] for m in found if m is not None)
     assert evaluated == pytest.approx(local, rel=1e-3) and served == pytest.approx(local, rel=1e-3)
+
+
+def test_the_token_metrics_count_words(client: httpx.Client, reference: Checkpoint) -> None:
+    """adaptlm_prompt_tokens and adaptlm_generated_tokens count the model's tokens: a word model's words, as the usage
+    does (their help said bytes)."""
+
+    def counts() -> tuple[dict[str, float], str]:
+        text = client.get("/metrics").text
+        values = {m[1]: float(m[2]) for m in re.finditer(r"^(adaptlm_(?:prompt|generated)_tokens_total)\{[^}]*\} (\S+)",
+                                                          text, re.M)}
+        return values, text
+
+    before, _ = counts()
+    usage = client.post("/v1/generate", json={"prompt": PROMPT, "max_tokens": 9, "seed": 1}).json()["usage"]
+    after, text = counts()
+    assert after["adaptlm_generated_tokens_total"] - before["adaptlm_generated_tokens_total"] == 9
+    assert after["adaptlm_prompt_tokens_total"] - before["adaptlm_prompt_tokens_total"] == usage["prompt_tokens"]
+    assert usage["prompt_tokens"] == len(reference.tokenizer.encode(PROMPT)) < len(PROMPT.encode())
+    for name in ("adaptlm_prompt_tokens_total", "adaptlm_generated_tokens_total",
+                 "adaptlm_time_to_first_token_seconds", "adaptlm_inter_token_latency_seconds"):
+        [help_line] = [line for line in text.splitlines() if line.startswith(f"# HELP {name} ")]
+        assert "word" in help_line, help_line
