@@ -1,6 +1,6 @@
 """Serving a word-level checkpoint (issue 13): the tiny AWD-LSTM trained here, served for the stateless surfaces
-(score, generate, completions, models) with word counts and texts, and refusing sessions and keyboard suggestions
-with the one error shape."""
+(score, generate, completions, models, metrics, the CLI's lines) with word counts and texts; its sessions and
+suggestions are tests/server/test_word_sessions.py's."""
 
 from __future__ import annotations
 
