@@ -27,7 +27,7 @@ from models.copymodel import CopyConfig, CopyModel
 from models.tokenizer import ByteTokenizer, Tokenizer
 from models.wordcache import WordCache
 from server.engine._errors import SessionImportError
-from server.engine._session import AdaptationConfig, Session, SessionStats
+from server.engine._session import PENDING_MAX_BYTES, AdaptationConfig, Session, SessionStats
 
 __all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "export_session", "import_session"]
 
@@ -220,6 +220,9 @@ def _pending(value: Any, tokenizer: Tokenizer) -> bytes:
         pending = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise SessionImportError("the export's 'pending' is not base64") from None
+    if len(pending) > PENDING_MAX_BYTES:
+        raise SessionImportError(f"the export's 'pending' is {len(pending)} bytes; a session keeps at most "
+                                 f"{PENDING_MAX_BYTES}")
     if pending and tokenizer.split_stable(pending)[0]:
         raise SessionImportError("the export's 'pending' holds text that a session would have scored (a byte "
                                  "model's session has none; a word model's, at most the last word and the gap "

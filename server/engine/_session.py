@@ -18,7 +18,14 @@ from models.base import Adapter, State
 from models.copymodel import branch_view, frozen_stats, merge_state
 from models.wordcache import WordCache
 
-__all__ = ["AdaptationConfig", "Session", "SessionStats", "new_session_id"]
+__all__ = ["PENDING_MAX_BYTES", "AdaptationConfig", "Session", "SessionStats", "new_session_id"]
+
+# The most pending text a word session keeps (`Session.pending`: its last word, or run of spaces, and the gap before
+# it). One that never ends (text without spaces: a blob, Chinese or Japanese) grew with every observe, and every
+# suggestion read all of it (seconds on the engine's thread, a prefix of megabytes). No vocabulary holds a word or a
+# run of spaces that long (<unk> whatever follows), so an observe scores it as it stands; what follows starts a new
+# token (the one place where observing in pieces differs from observing at once).
+PENDING_MAX_BYTES = 1024
 
 
 def new_session_id() -> str:

@@ -7,10 +7,11 @@ state, adapter, next token, pending text, statistics and word cache); a text who
 segments, and its session stays as it was.
 
 A word model's session keeps `pending` text (`WordTokenizer.split_stable`: the last word, which may go on, and the
-gap before it). An observe scores and adapts on the tokens of the stable part of pending + text, continuing from the
-session's last token, and keeps the rest pending: its score is of that stable part (its bytes and tokens; none at
-all when it is empty: the text only grew the pending word). A session's score without adaptation ("peek") scores
-pending + text, the text taken as complete. A byte model's session has nothing pending: both read the text as sent.
+gap before it; more than PENDING_MAX_BYTES of it is scored as it stands). An observe scores and adapts on the tokens
+of the stable part of pending + text, continuing from the session's last token, and keeps the rest pending: its
+score is of that stable part (its bytes and tokens; none at all when it is empty: the text only grew the pending
+word). A session's score without adaptation ("peek") scores pending + text, the text taken as complete. A byte
+model's session has nothing pending: both read the text as sent.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from models.base import Adapter, State
 from models.checkpoint import Checkpoint
 from server.engine._errors import SessionNotFound
 from server.engine._scheduler import Scheduler, pack
-from server.engine._session import Session, SessionStats
+from server.engine._session import PENDING_MAX_BYTES, Session, SessionStats
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
 from server.engine._work import Work
@@ -124,6 +125,8 @@ class TextExecutor:
                 work.scored = session.pending + work.data
                 if work.mode == "observe":
                     work.scored, work.pending = self._ckpt.tokenizer.split_stable(work.scored)
+                    if len(work.pending) > PENDING_MAX_BYTES:  # <unk> whatever follows: scored as it stands
+                        work.scored, work.pending = work.scored + work.pending, b""
             inputs, targets = self._ckpt.tokenizer.stream(work.scored, last, ref.device)
         except Exception as e:
             work.fail(e)

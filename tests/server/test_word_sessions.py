@@ -215,6 +215,33 @@ def test_pending_text_is_exported_imported_and_reset(client: httpx.Client, asser
     assert observe(client, sid, "st")["pending_bytes"] == 2  # "st" alone: a word at the start of the text
 
 
+def test_pending_text_is_bounded(client: httpx.Client, tok: WordTokenizer, assert_error: Any) -> None:
+    """Text with no space in it (a blob, Chinese or Japanese) stayed pending whole and grew with every observe, and
+    every suggestion read all of it (a 3.6 MB prefix took 0.6 s on the shipped model): past PENDING_MAX_BYTES the
+    pending word, <unk> whatever follows, is scored as it stands; a suggestion then starts a new word; an export with
+    more pending is refused."""
+    from server.engine._session import PENDING_MAX_BYTES
+
+    sid = new(client)
+    half = "x" * (PENDING_MAX_BYTES // 2 + 1)
+    first = observe(client, sid, "Dear " + half)
+    assert first["bytes"] == len("Dear") and first["pending_bytes"] == len(" " + half)
+    second = observe(client, sid, half)
+    assert second["pending_bytes"] == 0 and second["bytes"] == len(" " + half + half)
+    assert second["tokens"] == 1 and tok.encode(" " + half + half) == [3]  # " <unk>"
+    for _ in range(3):  # no space ever: it never holds more than the bound
+        assert observe(client, sid, half)["pending_bytes"] <= PENDING_MAX_BYTES
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "ab"})
+    assert r.status_code == 200 and len(r.json()["prefix"]) <= PENDING_MAX_BYTES + 2, r.text[:200]
+    blob = client.get(f"/v1/sessions/{sid}/state").content
+    tensors, meta = load_tensors(blob), json.loads(_header_metadata(blob)["session"])
+    long = base64.b64encode(b" " + b"x" * PENDING_MAX_BYTES).decode()
+    header = {**_header_metadata(blob), "session": json.dumps({**meta, "pending": long})}
+    r = client.put(f"/v1/sessions/{'e' * 32}/state", content=save_tensors(tensors, metadata=header),
+                   headers={"content-type": "application/octet-stream"})
+    assert f"at most {PENDING_MAX_BYTES}" in assert_error(r, 422, "validation_error")["message"]
+
+
 def test_pending_text_survives_a_redis_round_trip(word_checkpoint: Path, serve_app: Any, redis_url: str) -> None:
     with serve_app(Settings(checkpoint=word_checkpoint, session_store=redis_url)) as live, \
             httpx.Client(base_url=live.url, timeout=60) as c:
