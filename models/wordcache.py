@@ -38,8 +38,10 @@ the next word is one the context was followed by before, and interpolates the or
 
 Words are split as `models.suggest` splits them (runs of letters, marks, numbers and apostrophes); a pair (a
 triple) is two (three) words with only spaces between them. A word cut by the end of an observed text is held
-until the next text says whether it goes on. The cache is bounded: past `max_words` words (or pairs, or
-triples), the least frequent half of that table is dropped; the recent words are the last `max_recent`. It is
+until the next text says whether it goes on. The cache is bounded: a word of more than MAX_WORD_BYTES UTF-8 bytes
+is no word a keyboard offers (a blob, a sentence of a script written without spaces) and is not counted (a pair
+or triple does not run across it); past `max_words` words (or pairs, or triples), the least frequent half of that
+table is dropped; the recent words are the last `max_recent`. It is
 plain data, serialised as JSON with the session (`to_dict` / `from_dict`, which also reads the older format
 without triples and recent words).
 """
@@ -54,7 +56,12 @@ from typing import Any
 
 from models.suggest import APOSTROPHES, Completion, is_word_char, split_word
 
-__all__ = ["WordCache", "mix_completions", "previous_word", "previous_words"]
+__all__ = ["MAX_WORD_BYTES", "WordCache", "mix_completions", "previous_word", "previous_words"]
+
+# The longest word counted, in UTF-8 bytes (German's long compounds are about 40). Text without spaces was one
+# word of any length, kept pending, counted, and written three times into the session's export, whose header the
+# import then refused past 1 MB (server/engine/_export.py); with this bound a full cache stays under 0.7 MB.
+MAX_WORD_BYTES = 48
 
 _SEP = "\t"  # joins the words of a pair or triple key (never part of a word)
 BETA = 1.0  # Witten-Bell: how much a context's distinct followers count against its evidence
@@ -80,6 +87,12 @@ def _clean(word: str) -> str:
 def _is_piece(text: str) -> bool:
     """Word characters only (an observed word as it was cut, its apostrophes included), with UTF-8 bytes."""
     return all(is_word_char(c) for c in text) and text.isprintable() and _has_utf8(text)
+
+
+def _head(piece: str) -> str:
+    """A pending word as kept: whole, or past MAX_WORD_BYTES only its first MAX_WORD_BYTES + 1 characters (more
+    than the bound, whatever they are)."""
+    return piece if len(piece.encode("utf-8")) <= MAX_WORD_BYTES else piece[: MAX_WORD_BYTES + 1]
 
 
 def _is_word(text: object) -> bool:
@@ -140,14 +153,17 @@ class WordCache:
             return
         pieces = list(_tokens(self.pending + text))
         self.pending = ""
-        if pieces and pieces[-1][0]:  # the text ends inside a word: wait for the rest
-            self.pending = pieces.pop()[1]
+        if pieces and pieces[-1][0]:  # the text ends inside a word: wait for the rest (past the bound, its start
+            self.pending = _head(pieces.pop()[1])  # only: enough to know it is too long when it ends)
         for is_word, piece in pieces:
             if not is_word:
                 if set(piece) - {" "}:  # punctuation, a line break: no pair across it
                     self.last = self.before_last = None
                 continue
             word = _clean(piece)
+            if len(word.encode("utf-8")) > MAX_WORD_BYTES:  # not a word to offer: as a mark, no pair across it
+                self.last = self.before_last = None
+                continue
             if not word:
                 continue
             self.words[word] = self.words.get(word, 0) + 1

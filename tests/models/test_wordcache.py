@@ -9,7 +9,7 @@ import json
 import pytest
 
 from models.suggest import Completion
-from models.wordcache import GAMMA, WordCache, mix_completions, previous_word, previous_words
+from models.wordcache import GAMMA, MAX_WORD_BYTES, WordCache, mix_completions, previous_word, previous_words
 
 
 def test_counts_words_pairs_and_triples_across_texts() -> None:
@@ -171,3 +171,28 @@ def test_a_cache_that_is_not_an_object_is_refused() -> None:
     for bad in (["x"], "x", 3, None):
         with pytest.raises(ValueError):
             WordCache.from_dict(bad)  # type: ignore[arg-type]
+
+
+def test_a_word_past_the_bound_is_not_counted_and_not_kept_whole() -> None:
+    """Text without spaces (a blob, a script written without them) was one word of any length: kept pending across
+    texts, counted, and written into the session's export three times (words, recent, last), so that a session which
+    had read 400 KB of it could no longer be imported. A word over MAX_WORD_BYTES is not counted and breaks the
+    pairs as a mark does; a pending one keeps only its start."""
+    cache = WordCache()
+    long = "x" * (MAX_WORD_BYTES + 1)
+    cache.observe("good morning " + long + " again morning ")
+    assert set(cache.words) == {"good", "morning", "again"}
+    assert cache.pairs == {"good\tmorning": 1, "again\tmorning": 1} and cache.triples == {}
+    assert cache.recent == ["good", "morning", "again", "morning"]
+    exact = "é" * (MAX_WORD_BYTES // 2)  # at the bound (in UTF-8 bytes): a word
+    cache.observe(f" {exact} ")
+    assert exact in cache.words
+    for _ in range(50):  # a word that never ends: its pending start is all that is kept
+        cache.observe("y" * 10_000)
+    assert len(cache.pending) == MAX_WORD_BYTES + 1
+    cache.observe(" morning")
+    assert not any(w.startswith("y") for w in cache.words) and cache.last is None
+    assert len(json.dumps(cache.to_dict())) < 2000
+    cache.observe("y" * (MAX_WORD_BYTES - 1))  # short pieces of a word that grows past the bound: not counted
+    cache.observe("yy ")
+    assert not any(w.startswith("y") for w in cache.words)

@@ -242,6 +242,22 @@ def test_pending_text_is_bounded(client: httpx.Client, tok: WordTokenizer, asser
     assert f"at most {PENDING_MAX_BYTES}" in assert_error(r, 422, "validation_error")["message"]
 
 
+def test_a_session_that_read_text_without_spaces_exports_and_imports(client: httpx.Client) -> None:
+    """The session's word cache counted such text as one word, kept whole across observes and written into the export
+    three times: past 1 MB of header the import refused the session's own export ("bad header"), and so would the
+    Redis store and the snapshot. Its words are bounded (models/wordcache.py MAX_WORD_BYTES)."""
+    sid = new(client)
+    for _ in range(2):
+        observe(client, sid, "x" * 400_000)
+    observe(client, sid, " and then some words.\n")
+    blob = client.get(f"/v1/sessions/{sid}/state").content
+    assert len(blob) < 100_000 + len(client.get(f"/v1/sessions/{new(client)}/state").content)
+    r = client.put(f"/v1/sessions/{'f' * 32}/state", content=blob, headers={"content-type": "application/octet-stream"})
+    assert r.status_code in (200, 201), r.text
+    suggested = client.post(f"/v1/sessions/{'f' * 32}/suggest", json={"context": "and th"}).json()
+    assert suggested["prefix"] == "th"
+
+
 def test_pending_text_survives_a_redis_round_trip(word_checkpoint: Path, serve_app: Any, redis_url: str) -> None:
     with serve_app(Settings(checkpoint=word_checkpoint, session_store=redis_url)) as live, \
             httpx.Client(base_url=live.url, timeout=60) as c:
