@@ -1,0 +1,109 @@
+"""Decoding alone, one byte a row after a prompt, at batch 1 and batch 8, on the bare network and on the model the
+server runs for adapting sessions (to compare two versions of the code side by side).
+
+    python -m bench.decode [--checkpoints DIR ...] [--text FILE] [--runs 5] [--threads 1] [--bytes 64] [--batch 8]
+
+"batch 1" is bench.families' "generate ms/byte": a greedy `generate` of a 256-byte prompt then n bytes, minus one of
+the prompt then one byte, over the n - 1 bytes after the first (the prompt's time left out). "batch B" is the server's
+generation step (`GenerationExecutor.step`): B sequences from B prompts (256 bytes each, at different places in the
+text, so at different fills), each prefilled alone, then a byte of every one sampled and fed in one batched forward
+(`Stepper.feed_many`), timed over the n - 1 steps after the first; ms a step, and a byte's share (÷ B). "served" runs
+the network inside `CacheMixed` (`SessionService.session_model` for adapting sessions; no session has a neural cache
+here, as in bench.latency's second table). Medians of `--runs`. The last column is a digest of the bytes generated,
+to check that two versions generate the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench._common import ROOT, SHARED, machine_line
+from models.adaptation import CacheMixed
+from models.base import LanguageModel
+from models.checkpoint import load_checkpoint
+from models.sampling import SamplingParams, Stepper, generate
+
+FAMILIES = ("default", "char-transformer", "compressive")
+
+
+def batch1_ms(model: LanguageModel, prompt: bytes, n: int, runs: int) -> tuple[float, bytes]:
+    """bench.families' decode-only figure: (a greedy call of n bytes - one of 1 byte) / (n - 1), medians of `runs`;
+    and the n bytes."""
+
+    def call(k: int) -> tuple[float, bytes]:
+        t0 = time.perf_counter()
+        text = "".join(generate(model, prompt, SamplingParams(max_tokens=k, temperature=0.0)))
+        return (time.perf_counter() - t0) * 1e3, text.encode()
+
+    call(8)  # warm-up
+    whole = [call(n) for _ in range(runs)]
+    first = [call(1)[0] for _ in range(runs)]
+    return (statistics.median(t for t, _ in whole) - statistics.median(first)) / (n - 1), whole[0][1]
+
+
+def batch_ms(model: LanguageModel, prompts: list[bytes], n: int, runs: int) -> tuple[float, bytes]:
+    """ms a step of len(prompts) greedy sequences fed together (`Stepper.feed_many`), over the n - 1 steps after the
+    first (median of `runs`); and the bytes generated, sequence after sequence."""
+
+    def once(k: int) -> tuple[float, bytes]:
+        steppers = []
+        for p in prompts:
+            s = Stepper(model, SamplingParams(max_tokens=k, temperature=0.0))
+            s.prefill(p)
+            steppers.append(s)
+        out = [bytearray() for _ in prompts]
+        tokens = [s.sample().token for s in steppers]  # the first byte: from the prompt's logits
+        t0 = time.perf_counter()
+        while True:
+            Stepper.feed_many(steppers, tokens)
+            tokens = [s.sample().token for s in steppers]
+            for o, t in zip(out, tokens, strict=True):
+                o.append(t)
+            if steppers[0].finish_reason is not None:
+                break
+        return (time.perf_counter() - t0) * 1e3 / (k - 1), b"".join(bytes(o) for o in out)
+
+    with torch.no_grad():
+        once(8)  # warm-up
+        timed = [once(n) for _ in range(runs)]
+    return statistics.median(t for t, _ in timed), timed[0][1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoints", nargs="+",
+                    default=[str(ROOT / "checkpoints" / f) for f in FAMILIES if (ROOT / "checkpoints" / f).is_dir()])
+    ap.add_argument("--text", default=str(SHARED / "gutenberg" / "chesterton-brown.txt"))
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bytes", type=int, default=64, help="bytes generated after each prompt")
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    text = Path(args.text).read_bytes()[: 1000 * args.batch + 256]
+    prompts = [text[1000 * b : 1000 * b + 256] for b in range(args.batch)]
+    print(f"# decode on cpu ({machine_line()})")
+    print(f"| checkpoint | model | batch 1 ms/byte | batch {args.batch} ms/step | batch {args.batch} ms/byte "
+          "| bytes digest |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    for path in args.checkpoints:
+        ck = load_checkpoint(Path(path), device=torch.device("cpu"))
+        # the wrapper in eval mode as its network: `generate` puts a model back in the mode it found it in, and a new
+        # module is in training mode, which would leave the network training (dropout on, no branch form)
+        served = CacheMixed(ck.model, ck.dyneval.cache).eval()
+        for name, model in (("bare", ck.model), ("served", served)):
+            one, gen1 = batch1_ms(model, prompts[0], args.bytes, args.runs)
+            many, genb = batch_ms(model, prompts, args.bytes, args.runs)
+            digest = hashlib.sha256(gen1 + genb).hexdigest()[:10]
+            print(f"| {Path(path).name} | {name} | {one:.3f} | {many:.2f} | {many / args.batch:.3f} | {digest} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
