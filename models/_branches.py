@@ -24,17 +24,51 @@ agree with the usual step to float rounding.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from models.base import ROOT, Adapter, LanguageModel, Output, State
 
-__all__ = ["Group", "append_tail", "branch_forward", "groups", "root_rows", "shared", "tree_attention"]
+__all__ = ["Group", "Parts", "append_tail", "branch_forward", "dense", "grow", "groups", "no_keys",
+           "own_keys", "root_memo", "root_rows", "row_attention", "shared", "tail_padding", "tree_attention"]
 
 # rows that share a root (an index (b,) into the batch, or a slice) and the root's keys and values, in parts in key
 # order, each (H, L_i, Dh)
 Group = tuple[torch.Tensor | slice, list[tuple[torch.Tensor, torch.Tensor]]]
+
+# each layer's keys and values before the rows' tails, in parts in key order: (H, L_i, Dh) each for one root,
+# (B*H, L_i, Dh) for rows of their own (`own_keys`)
+Parts = list[list[tuple[torch.Tensor, torch.Tensor]]]
+
+ROOM = 64  # the slots a tail's new buffer keeps free past it (`grow`)
+
+
+class _ById:
+    """A value kept for a tensor while it lives, by its identity (a plain dict keyed by `id`, its entry dropped when
+    the tensor goes; `torch.utils.weak.WeakIdKeyDictionary` costs several microseconds a lookup, and a step makes a
+    few dozen)."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+
+    def get(self, t: torch.Tensor) -> Any:
+        hit = self._d.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def put(self, t: torch.Tensor, value: Any) -> None:
+        key = id(t)
+        hit = self._d.get(key)
+        ref = hit[0] if hit is not None and hit[0]() is t else weakref.ref(t, lambda _: self._d.pop(key, None))
+        self._d[key] = (ref, value)
+
+
+_GROWN = _ById()  # a tail buffer -> the slots written (`grow`)
+_TRANSPOSED = _ById()  # a layer's weight -> (the layers' weights' versions and storage, the layers, their
+# weights transposed side by side, their biases: `dense`)
 
 
 def shared(t: torch.Tensor) -> bool:
@@ -43,11 +77,25 @@ def shared(t: torch.Tensor) -> bool:
 
 
 def groups(state: State) -> list[tuple[torch.Tensor | slice, State]]:
-    """The rows of a branch-form state by root: (the rows, an index or all of them, their root)."""
+    """The rows of a branch-form state by root, in the roots' order: (the rows, a slice where they are consecutive
+    (all of them for one root), else an index; their root)."""
     if len(state.roots) == 1:
         return [(slice(None), state.roots[0])]
     ids = state.tensors[ROOT]
-    return [(rows, state.roots[r]) for r in range(len(state.roots)) if len(rows := (ids == r).nonzero()[:, 0])]
+    rows: dict[int, list[int]] = {}
+    for b, r in enumerate(ids.tolist()):
+        rows.setdefault(r, []).append(b)
+    return [(slice(b[0], b[-1] + 1) if b[-1] - b[0] + 1 == len(b) else torch.tensor(b, device=ids.device),
+             state.roots[r]) for r, b in sorted(rows.items())]
+
+
+def root_memo(root: State, make: Callable[[State], Any]) -> Any:
+    """What `make` derives from a root's tensors (its fills, views of its keys and values by head), made at the first
+    step over the root and kept with it (`State.memo`; a root never changes) for its later steps."""
+    key = make.__qualname__
+    if key not in root.memo:
+        root.memo[key] = make(root)
+    return root.memo[key]
 
 
 def root_rows(state: State, name: str) -> torch.Tensor:
@@ -73,40 +121,147 @@ def append_tail(mem: torch.Tensor, tail: torch.Tensor, n: torch.Tensor) -> torch
     return ext.gather(1, src.view(B, L, *[1] * (ext.dim() - 2)).expand(B, L, *ext.shape[2:]))
 
 
-def tree_attention(qc: torch.Tensor, roots: list[Group], tk: torch.Tensor, tv: torch.Tensor, n: torch.Tensor,
-                   scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+def grow(tail: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """tail (B, t, ...) with new (B, 1, ...) after it -> (B, t+1, ...), the first t slots `tail`'s. A tail lives at
+    the start of a buffer with room past it: where `tail` is its buffer's newest view (all its rows, and no longer
+    view of the buffer was grown from it), `new` is written into the next slot and the longer view returned;
+    otherwise (a tail that rows were taken or stacked from, an older state stepped again, a full buffer) the tail is
+    copied into a new buffer with `ROOM` free slots. A step then writes its byte's slot instead of copying the whole
+    tail, and nothing an older state shows is ever written."""
+    t = tail.shape[1]
+    buf = tail._base
+    if (buf is not None and _GROWN.get(buf) == t and t < buf.shape[1] and buf.shape[0] == tail.shape[0]
+            and tail.data_ptr() == buf.data_ptr() and tail.stride() == buf.stride()):
+        buf[:, t : t + 1] = new
+    else:
+        buf = tail.new_empty(tail.shape[0], t + 1 + ROOM, *tail.shape[2:])
+        buf[:, :t] = tail
+        buf[:, t : t + 1] = new
+    _GROWN.put(buf, t + 1)
+    return buf[:, : t + 1]
+
+
+def tail_padding(n: torch.Tensor, t: int) -> torch.Tensor | None:
+    """The tails' padding (B, 1, t) bool, the first t - n (B,) slots of each row's tail (`tree_attention`'s
+    `pad`); None where every row's tail is all valid (every row fed since its root alike: generation)."""
+    if t == 0 or bool((n == t).all()):
+        return None
+    return (torch.arange(t, device=n.device).view(1, t) < (t - n).view(-1, 1)).unsqueeze(1)
+
+
+def dense(layer: nn.Linear | tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for a step's rows outside autograd, x (B, in) -> (B, out); several layers of one input at once,
+    their outputs side by side. The weights are kept transposed and contiguous, (in, out), beside the layers, made
+    again when a weight changes (its version or its storage): at a few rows a CPU's matrix product against that
+    layout takes 55-60% of the time of `F.linear`'s against (out, in) (192 -> 576 at one row: 7 against 12 us), and
+    a step is mostly such products."""
+    layers = layer if isinstance(layer, tuple) else (layer,)
+    key = tuple((w._version, w.data_ptr()) for w in (lin.weight for lin in layers))
+    hit = _TRANSPOSED.get(layers[0].weight)
+    if hit is None or hit[0] != key or len(hit[1]) != len(layers) or any(
+            a is not b for a, b in zip(hit[1], layers, strict=True)):
+        wt = torch.cat([lin.weight.detach().t() for lin in layers], 1).contiguous()  # (in, out)
+        bias = None if layers[0].bias is None else torch.cat([lin.bias.detach() for lin in layers])  # type: ignore[misc]
+        hit = (key, layers, wt, bias)
+        _TRANSPOSED.put(layers[0].weight, hit)
+    return torch.addmm(hit[3], x, hit[2]) if hit[3] is not None else x @ hit[2]
+
+
+def own_keys(state: State, views: Callable[[State], Parts]) -> tuple[int, Parts, torch.Tensor | None] | None:
+    """Where every row has a root of its own (a batch of 1), each layer's keys and values before the rows' tails,
+    for `row_attention`: the most keys L, each layer's parts (B*H, L_i, Dh) in key order, and which of the L places
+    are no keys (B, 1, 1, L) (None: none); None otherwise (`tree_attention`). `views(root)` gives a root's by head,
+    (H, L_i, Dh) parts."""
+    if state.batch != 1:
+        return None
+    layers = views(state.roots[0])
+    return sum(k.shape[1] for k, _ in layers[0]), layers, None
+
+
+def no_keys(root: torch.Tensor | None, tail: torch.Tensor | None, B: int, L: int, t: int) -> torch.Tensor | None:
+    """The places of [root keys ; tail] (B, 1, 1, L + t) that are no keys (`row_attention`'s `no_key`), from the
+    roots' padding (B, 1, 1, L) (`own_keys`) and the tails' (B, 1, t) (`tail_padding`), None where there is none;
+    None where neither has any."""
+    if root is None and tail is None:
+        return None
+    ref = root if root is not None else tail
+    assert ref is not None
+    root = root if root is not None else torch.zeros(B, 1, 1, L, dtype=torch.bool, device=ref.device)
+    tail = tail.view(B, 1, 1, t) if tail is not None else root.new_zeros(B, 1, 1, t)
+    return torch.cat([root.expand(B, 1, 1, L), tail], -1)
+
+
+def row_attention(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], tk: torch.Tensor,
+                  tv: torch.Tensor, no_key: torch.Tensor | None, scale: float, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """One query per row and head over keys of the row's own, causal (every key precedes the query): q (B*H, 1, Dh)
+    (with any content bias added); parts the keys and values before the rows' tails, (B*H, L_i, Dh) each in key
+    order (`own_keys`); tk, tv (B*H, t, Dh) the tails'; no_key (B, 1, 1, L + t) the places that are no keys (a
+    root's padding, a tail's) or None; bias (B*H, 1, L + t) added to the scores before scaling (relative positions).
+    -> (B*H, 1, Dh): softmax(scale (q . k + bias)) v, in float32 for the softmax as `kernels.memory_attention_ref`."""
+    s = torch.cat([*(torch.bmm(q, k.transpose(1, 2)) for k, _ in parts), torch.bmm(q, tk.transpose(1, 2))], -1)
+    if bias is not None:
+        s += bias
+    s *= scale  # (B*H, 1, L + t)
+    if no_key is not None:
+        s.view(no_key.shape[0], -1, *s.shape[1:]).masked_fill_(no_key, -math.inf)
+    p = torch.softmax(s if s.dtype == torch.float32 else s.float(), -1)
+    p = p if p.dtype == tv.dtype else p.to(tv.dtype)
+    L = s.shape[-1] - tk.shape[1]
+    out = torch.bmm(p[..., L:], tv)  # (B*H, 1, Dh) the tails'
+    start = 0
+    for k, v in parts:
+        out.baddbmm_(p[..., start : start + k.shape[1]], v)  # the root's
+        start += k.shape[1]
+    return out
+
+
+def tree_attention(qc: torch.Tensor, roots: list[Group], tk: torch.Tensor, tv: torch.Tensor,
+                   pad: torch.Tensor | None, scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row over its root's keys and the row's own tail, causal (every key precedes the query).
 
     qc (B, H, Dh) the queries (with any content bias added); roots: every row's group (`Group`: the rows of one root
     and its keys and values, (H, L_i, Dh) parts in key order); tk, tv (B, H, t, Dh) each row's own keys and values
-    after its root's, right-aligned, the last n (B,) valid (the row's own key last); bias (B, H, L + t) added to the
-    scores before scaling (relative positions), L the most keys a root has: a row's root keys take the last of the
-    first L places (those before are no keys). -> (B, H, Dh): softmax(scale (q . k + bias)) v over the row's valid
-    keys, in float32 for the softmax as `kernels.memory_attention_ref`."""
-    B, H, Dh = qc.shape
-    t = tk.shape[2]
+    after its root's, right-aligned, the valid ones last (the row's own key last), `pad` (B, 1, t) the others
+    (`tail_padding`; None: all valid); bias (B, H, L + t) added to the scores before scaling (relative positions), L
+    the most keys a root has: a row's root keys take the last of the first L places (those before are no keys).
+    -> (B, H, Dh): softmax(scale (q . k + bias)) v over the row's valid keys, in float32 for the softmax as
+    `kernels.memory_attention_ref`."""
+    B = qc.shape[0]
     sizes = [sum(k.shape[1] for k, _ in parts) for _, parts in roots]
     L = max(sizes)
-    s = qc.new_full((B, H, L + t), -math.inf)
-    for (rows, parts), Lg in zip(roots, sizes, strict=True):
-        qh = qc[rows].transpose(0, 1)  # (H, b, Dh) a root's rows are one matrix of queries per head
-        s[rows, :, L - Lg : L] = torch.cat([qh @ k.transpose(1, 2) for k, _ in parts], -1).transpose(0, 1)
-    s[..., L:] = (qc.unsqueeze(2) @ tk.transpose(2, 3)).squeeze(2)  # (B, H, t) the tails'
+    one = len(roots) == 1 and roots[0][0] == slice(None)  # every row on one root: one matrix of queries per head
+    if one:
+        s_root = _cat([qc.transpose(0, 1) @ k.transpose(1, 2) for k, _ in roots[0][1]]).transpose(0, 1)  # (B, H, L)
+    else:
+        s_root = qc.new_full((B, qc.shape[1], L), -math.inf)
+        for (rows, parts), Lg in zip(roots, sizes, strict=True):
+            qh = qc[rows].transpose(0, 1)  # (H, b, Dh) a root's rows are one matrix of queries per head
+            s_root[rows, :, L - Lg :] = _cat([qh @ k.transpose(1, 2) for k, _ in parts]).transpose(0, 1)
+    s = torch.cat([s_root, (qc.unsqueeze(2) @ tk.transpose(2, 3)).squeeze(2)], -1)  # (B, H, L + t) root, tail
     if bias is not None:
-        s = s + bias
-    s = s * scale
-    if t:
-        pad = torch.arange(t, device=qc.device).view(1, t) < (t - n).view(B, 1)  # (B, t) the tails' padding
-        s[..., L:] = s[..., L:].masked_fill(pad.unsqueeze(1), -math.inf)
-    p = torch.softmax(s.float(), -1).to(tv.dtype)  # (B, H, L + t)
+        s += bias
+    s *= scale
+    if pad is not None:
+        s[..., L:].masked_fill_(pad, -math.inf)
+    p = torch.softmax(s if s.dtype == torch.float32 else s.float(), -1)  # (B, H, L + t)
+    p = p if p.dtype == tv.dtype else p.to(tv.dtype)
     out = (p[..., L:].unsqueeze(2) @ tv).squeeze(2)  # (B, H, Dh) the tails'
     for (rows, parts), Lg in zip(roots, sizes, strict=True):
         pg = p[rows, :, L - Lg : L].transpose(0, 1)  # (H, b, Lg)
         start = 0
         for k, v in parts:
-            out[rows] += (pg[..., start : start + k.shape[1]] @ v).transpose(0, 1)  # (b, H, Dh) the root's
+            part = (pg[..., start : start + k.shape[1]] @ v).transpose(0, 1)  # (b, H, Dh) the root's
+            if isinstance(rows, slice):
+                out[rows].add_(part)  # in place through the view
+            else:
+                out.index_add_(0, rows, part)
             start += k.shape[1]
     return out
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
 
 def branch_forward(model: LanguageModel, tokens: torch.Tensor, state: State, adapter: Adapter | None,

@@ -67,10 +67,15 @@ class State:
     the roots the rows still name, never copying one: the rows of many searches (many typists) stack into one batch
     whose rows point at their own searches' roots. Such a state is settled (`LanguageModel.settle`) before it is kept
     or exported.
+
+    `memo` holds what a model derived once from a root's tensors (its fills, views of its keys and values by head:
+    models/_branches.py `root_memo`), for every later step over the root; a root is never changed in place, and
+    every operation that makes a new state starts an empty one.
     """
 
     tensors: dict[str, torch.Tensor]
     roots: tuple[State, ...] = ()
+    memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def batch(self) -> int:

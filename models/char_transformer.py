@@ -54,7 +54,23 @@ from torch import nn
 from kernels._dispatch import resolve_impl
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
-from models._branches import Group, append_tail, branch_forward, groups, root_rows, shared, tree_attention
+from models._branches import (
+    Group,
+    Parts,
+    append_tail,
+    branch_forward,
+    dense,
+    groups,
+    grow,
+    no_keys,
+    own_keys,
+    root_memo,
+    root_rows,
+    row_attention,
+    shared,
+    tail_padding,
+    tree_attention,
+)
 from models.base import DERIVED, ROOT, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State
 
 __all__ = ["BlockConfig", "CharTransformer", "CharTransformerConfig", "WindowedTransformer", "append_blocks",
@@ -150,7 +166,7 @@ class _Block(nn.Module):
         ones of [cache; chunk]. -> x, this chunk's keys and values."""
         B, T, D = x.shape
         H = self.n_head
-        q, k, v = self.inputs(x)  # (B, T, D) each
+        q, k, v = self.inputs(x).split(D, -1)  # (B, T, D) each
         keys, vals = torch.cat([mem_k, k], 1), torch.cat([mem_v, v], 1)  # (B, C+T, D)
         qh = q.view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, Dh)
         kh = keys.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, C+T, Dh)
@@ -158,17 +174,29 @@ class _Block(nn.Module):
         att = memory_attention(qh, kh, vh, key_lengths=key_lengths)  # (B, H, T, Dh) causal, bottom-right aligned
         return self.outputs(x, att.transpose(1, 2).reshape(B, T, D)), k, v
 
-    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The attention's queries, keys and values of x (B, T, D), (B, T, D) each."""
-        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
-        return q, k, v
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention's queries, keys and values of x (B, T, D) -> (B, T, 3D), [q ; k ; v] on the last dim."""
+        qkv: torch.Tensor = self.qkv(self.ln1(x))
+        return qkv
+
+    def step_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """`inputs` at one position a row outside autograd (a decode step): x (B, D) -> (B, 3D), through `dense`."""
+        return dense(self.qkv, self.ln1(x))
+
+    def step_outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """`outputs` at one position a row outside autograd (a decode step): x, att (B, D) -> (B, D), through
+        `dense`, the sums in place."""
+        x = dense(self.proj, att).add_(x)  # (B, D)
+        return dense(self.mlp[2], dense(self.mlp[0], self.ln2(x)).relu_()).add_(x)
 
     def outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """The block's output from its input x and the attention's att (B, T, D), heads concatenated: the
         projection and the MLP, each added to the residual -> (B, T, D)."""
-        p = self.dropout if self.training else 0.0
-        x = x + F.dropout(self.proj(att), p)  # (B, T, D)
-        return x + F.dropout(self.mlp(self.ln2(x)), p)
+        if self.training and self.dropout:
+            x = x + F.dropout(self.proj(att), self.dropout)  # (B, T, D)
+            return x + F.dropout(self.mlp(self.ln2(x)), self.dropout)
+        x = x + self.proj(att)  # (B, T, D)
+        return x + self.mlp(self.ln2(x))
 
 
 def _classifier(cfg: CharTransformerConfig) -> nn.Module:
@@ -259,9 +287,9 @@ class CharTransformer(WindowedTransformer, LanguageModel):
 
     def branch(self, state: State) -> State:
         """The branch form (models/_branches.py): each row's window as its root (one root when the rows are all one),
-        with empty tails: `memo.tail_tok` (B, t) and `memo.tail_k{l}`, `memo.tail_v{l}` (B, t, D) hold the row's
-        bytes since its root and their keys and values. With the Triton kernels (a GPU), the state itself: the
-        kernels take the usual steps."""
+        with empty tails: `memo.tail_tok` (B, t) and `memo.tail_kv{l}` (B, t, 2D) hold the row's bytes since its
+        root and their keys and values ([k ; v] on the last dim). With the Triton kernels (a GPU), the state itself:
+        the kernels take the usual steps."""
         if ROOT in state.tensors or resolve_impl(None, state.tensors["k0"]) == "triton":
             return state
         B, D = state.batch, self.config.d_model
@@ -271,8 +299,7 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         rows = {ROOT: ids, TAIL_N: torch.zeros(B, dtype=torch.long, device=ref.device),
                 f"{DERIVED}tail_tok": state.tensors["tok"].new_zeros(B, 0)}
         for i in range(self.config.n_layer):
-            rows[f"{DERIVED}tail_k{i}"] = ref.new_zeros(B, 0, D)
-            rows[f"{DERIVED}tail_v{i}"] = ref.new_zeros(B, 0, D)
+            rows[f"{DERIVED}tail_kv{i}"] = ref.new_zeros(B, 0, 2 * D)
         return State(rows, tuple(state.select(i) for i in range(1 if one else B)))
 
     def settle(self, state: State) -> State:
@@ -281,12 +308,14 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         if ROOT not in state.tensors:
             return state
         st, n = state.tensors, state.tensors[TAIL_N]
+        D = self.config.d_model
         tok = st[f"{DERIVED}tail_tok"]
         out = {"tok": append_tail(root_rows(state, "tok"), tok, n),  # (B, C)
                "mask": append_tail(root_rows(state, "mask"), torch.ones_like(tok, dtype=torch.bool), n)}
         for i in range(self.config.n_layer):
-            for name in ("k", "v"):
-                out[f"{name}{i}"] = append_tail(root_rows(state, f"{name}{i}"), st[f"{DERIVED}tail_{name}{i}"], n)
+            kv = st[f"{DERIVED}tail_kv{i}"]  # (B, t, 2D)
+            out[f"k{i}"] = append_tail(root_rows(state, f"k{i}"), kv[..., :D], n)
+            out[f"v{i}"] = append_tail(root_rows(state, f"v{i}"), kv[..., D:], n)
         out = {k: out[k] for k in state.roots[0].tensors}  # the usual order
         return State({k: v.contiguous() if shared(v) and len(n) > 1 else v for k, v in out.items()})
 
@@ -297,51 +326,72 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         fits their window, the usual forward (a slide) for the others."""
         return branch_forward(self, tokens, state, adapter, self._ready, self._branch_step)
 
-    @staticmethod
-    def _root_fills(state: State) -> torch.Tensor:
-        """Each root's fill (R,), in `state.roots`' order."""
-        return torch.stack([r.tensors["mask"][0].sum() for r in state.roots])
+    def _root_views(self, root: State) -> tuple[int, Parts]:
+        """A root's fill and each block's keys and values of its window's valid slots by head, [(k, v)] with (H, fill,
+        Dh) each, views of the window (made once per root: `root_memo`)."""
+        C, D, H = self.config.context, self.config.d_model, self.config.n_head
+        fill = int(root.tensors["mask"][0].sum())
+        views: Parts = []
+        for i in range(self.config.n_layer):
+            k, v = (root.tensors[f"{name}{i}"][0, C - fill :] for name in ("k", "v"))  # (fill, D) in place
+            views.append([(k.view(fill, H, D // H).transpose(0, 1), v.view(fill, H, D // H).transpose(0, 1))])
+        return fill, views
+
+    def _views(self, root: State) -> Parts:
+        return root_memo(root, self._root_views)[1]
+
+    def _row_fills(self, state: State) -> torch.Tensor | int:
+        """Each row's root's fill (B,); a number where the rows have one root."""
+        fills = [root_memo(r, self._root_views)[0] for r in state.roots]
+        if len(fills) == 1:
+            return fills[0]
+        return torch.tensor(fills, device=state.tensors[ROOT].device)[state.tensors[ROOT]]
 
     def _ready(self, state: State) -> torch.Tensor:
         """The rows (B,) bool whose byte fits their window: no slide."""
-        return self._root_fills(state)[state.tensors[ROOT]] + state.tensors[TAIL_N] < self.config.context
+        return state.tensors[TAIL_N] + self._row_fills(state) < self.config.context
 
     def _branch_step(self, tokens: torch.Tensor, state: State, mats: torch.Tensor | None) -> Output:
-        """One byte a row (B, 1) after its root's window and its tail: the root's keys and values read in place by its
-        rows' queries (models/_branches.py); the block's projections and MLP (`_Block.inputs`, `_Block.outputs`)
-        over all rows at once, as `append_blocks`."""
+        """One byte a row (B, 1) after its root's window and its tail, each row's tail grown by a slot (`grow`): one
+        row on its root reads its keys and values as one batch of heads (`row_attention`), rows on roots read them in
+        place by the root's rows' queries (`tree_attention`); the block's projections and MLP (`_Block.step_inputs`,
+        `_Block.step_outputs`) over all rows at once, as `append_blocks`."""
         B = tokens.shape[0]
-        C, D, H = self.config.context, self.config.d_model, self.config.n_head
+        D, H = self.config.d_model, self.config.n_head
         Dh = D // H
         st = state.tensors
         n = st[TAIL_N]  # (B,)
-        t = st[f"{DERIVED}tail_tok"].shape[1]
-        fills = self._root_fills(state)  # (R,)
-        fill_of = {id(root): f for root, f in zip(state.roots, fills.tolist(), strict=True)}
-        rooted = [(rows, root, fill_of[id(root)]) for rows, root in groups(state)]
+        t = st[f"{DERIVED}tail_tok"].shape[1] + 1  # the tails with this byte
+        own = own_keys(state, self._views)  # (L, keys and values, no-key places) or None
+        pad = tail_padding(n + 1, t)  # (B, 1, t) or None
+        if own is not None:
+            no_key = no_keys(own[2], pad, B, own[0], t)  # (B, 1, 1, L + t) or None
+        else:
+            rooted = [(rows, self._views(root)) for rows, root in groups(state)]
         new = dict(st)
         new[TAIL_N] = n + 1
-        new[f"{DERIVED}tail_tok"] = torch.cat([st[f"{DERIVED}tail_tok"], tokens], 1)  # (B, t+1)
-        pos = fills[st[ROOT]] + n  # (B,) each row's position in the window
-        x = self.embed(tokens)  # (B, 1, D)
+        new[f"{DERIVED}tail_tok"] = grow(st[f"{DERIVED}tail_tok"], tokens)  # (B, t)
+        pos = self.pos[:, self._row_fills(state) + n]  # (N, B, D) each row's positional embedding in every layer
+        x = self.embed(tokens[:, 0])  # (B, D)
         for i, block in enumerate(self.blocks):
             assert isinstance(block, _Block)
-            x = x + self.pos[i][pos].unsqueeze(1)  # (B, 1, D) paper: a positional embedding per layer
-            q, k, v = block.inputs(x)  # (B, 1, D) each
-            tk = new[f"{DERIVED}tail_k{i}"] = torch.cat([st[f"{DERIVED}tail_k{i}"], k], 1)  # (B, t+1, D)
-            tv = new[f"{DERIVED}tail_v{i}"] = torch.cat([st[f"{DERIVED}tail_v{i}"], v], 1)
-            roots: list[Group] = []
-            for rows, root, fill in rooted:
-                rk = root.tensors[f"k{i}"][0, C - fill :].view(fill, H, Dh).transpose(0, 1)  # (H, fill, Dh) in place
-                rv = root.tensors[f"v{i}"][0, C - fill :].view(fill, H, Dh).transpose(0, 1)
-                roots.append((rows, [(rk, rv)]))
-            att = tree_attention(q.view(B, H, Dh), roots, tk.view(B, t + 1, H, Dh).transpose(1, 2),
-                                 tv.view(B, t + 1, H, Dh).transpose(1, 2), n + 1, Dh**-0.5)  # (B, H, Dh)
-            x = block.outputs(x, att.reshape(B, 1, D))  # (B, 1, D)
+            x = x + pos[i]  # (B, D) paper: a positional embedding per layer
+            qkv = block.step_inputs(x)  # (B, 3D)
+            tkv = new[f"{DERIVED}tail_kv{i}"] = grow(st[f"{DERIVED}tail_kv{i}"], qkv[:, None, D:])  # (B, t, 2D)
+            if own is not None:
+                tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4).reshape(2, B * H, t, Dh)  # (B*H, t, Dh)
+                q = qkv[:, :D].reshape(B * H, 1, Dh)
+                att = row_attention(q, own[1][i], tk, tv, no_key, Dh**-0.5).view(B, D)
+            else:
+                tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4)  # (B, H, t, Dh) each
+                roots: list[Group] = [(rows, views[i]) for rows, views in rooted]
+                att = tree_attention(qkv[:, :D].view(B, H, Dh), roots, tk, tv, pad, Dh**-0.5).view(B, D)
+            x = block.step_outputs(x, att)  # (B, D)
             if i == self.site_layer and mats is not None:
-                x = apply_adapter_positions(x, mats)  # (B, 1, D) h' = h + M h
-        hidden = self.ln_f(x)  # (B, 1, D)
-        return Output(logits=self.head(hidden), state=State(new, state.roots), hidden=hidden)
+                x = apply_adapter_positions(x.unsqueeze(1), mats).squeeze(1)  # (B, D) h' = h + M h
+        hidden = self.ln_f(x)  # (B, D)
+        return Output(logits=dense(self.head, hidden).unsqueeze(1), state=State(new, state.roots),
+                      hidden=hidden.unsqueeze(1))
 
     def _append(self, tokens: torch.Tensor, st: dict[str, torch.Tensor], n: torch.Tensor,
                 mats: torch.Tensor | None, collect: bool

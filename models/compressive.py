@@ -79,7 +79,23 @@ from kernels._dispatch import resolve_impl
 from kernels.adapter import apply_adapter_positions
 from kernels.attention import memory_attention
 from kernels.compress import compress_memory, fixed_memory_update
-from models._branches import Group, append_tail, branch_forward, groups, root_rows, shared, tree_attention
+from models._branches import (
+    Group,
+    Parts,
+    append_tail,
+    branch_forward,
+    dense,
+    groups,
+    grow,
+    no_keys,
+    own_keys,
+    root_memo,
+    root_rows,
+    row_attention,
+    shared,
+    tail_padding,
+    tree_attention,
+)
 from models.base import DERIVED, ROOT, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State, left_pad
 
 __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
@@ -99,6 +115,12 @@ def _fingerprint(weights: list[torch.Tensor]) -> torch.Tensor:
         probe = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0x5EED)).to(flat.device)
         _PROBES[flat.device] = probe
     return torch.dot(flat, probe[: flat.numel()])
+
+
+def _like(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values in `dtype` (autocast computes in bf16 what the cache keeps in float32: a copy)."""
+    return parts if all(k.dtype == dtype for k, _ in parts) else [(k.to(dtype), v.to(dtype)) for k, v in parts]
 
 
 @dataclass(frozen=True)
@@ -245,7 +267,7 @@ class _Block(nn.Module):
             return fresh.view(n, H, D // H)
         key = (like.device, like.dtype, torch.is_autocast_enabled(like.device.type))
         hit = self._positions.get(key)
-        if hit is None or not bool(hit[0] == sig) or hit[1].shape[0] < n:
+        if hit is None or not (hit[0] is sig or bool(hit[0] == sig)) or hit[1].shape[0] < n:
             longest = max(n, self.longest)
             r = self.r_net(_sinusoid(longest, D, like.device, like.dtype)).view(longest, H, D // H).detach()
             hit = self._positions[key] = (sig, r)
@@ -270,6 +292,18 @@ class _Block(nn.Module):
                                key_lengths=key_lengths)  # (B, H, m, Dh) TXL eq. terms (a)-(d), causal bottom-right
         return self.outputs(x, att.transpose(1, 2).reshape(B, m, D)), kv_x
 
+    def step_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`inputs` at one position a row outside autograd (a decode step): x (B, D) -> (B, D), (B, 2D), through
+        `dense`."""
+        qkv = dense((self.q, self.kv), self.ln1(x))  # (B, 3D) one product for both
+        return qkv[:, : x.shape[-1]], qkv[:, x.shape[-1] :]
+
+    def step_outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """`outputs` at one position a row outside autograd (a decode step): x, att (B, D) -> (B, D), through
+        `dense`, the sums in place."""
+        x = dense(self.proj, att).add_(x)  # (B, D)
+        return dense(self.mlp[2], dense(self.mlp[0], self.ln2(x)).relu_()).add_(x)
+
     def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's inputs of x (B, m, D): its queries (B, m, D) and its keys and values (B, m, 2D)."""
         h = self.ln1(x)  # (B, m, D)
@@ -278,9 +312,11 @@ class _Block(nn.Module):
     def outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """The block's output from its input x and the attention's att (B, m, D), heads concatenated: the
         projection and the MLP, each added to the residual -> (B, m, D)."""
-        p = self.dropout if self.training else 0.0
-        x = x + F.dropout(self.proj(att), p)  # (B, m, D)
-        return x + F.dropout(self.mlp(self.ln2(x)), p)
+        if self.training and self.dropout:
+            x = x + F.dropout(self.proj(att), self.dropout)  # (B, m, D)
+            return x + F.dropout(self.mlp(self.ln2(x)), self.dropout)
+        x = x + self.proj(att)  # (B, m, D)
+        return x + self.mlp(self.ln2(x))
 
     def _frozen_qkv(self, seg: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries of seg (B, Lq, D) and keys/values of keys (B, Lk, D) with detached copies of this layer's weights
@@ -465,61 +501,98 @@ class CompressiveTransformer(LanguageModel):
         byte closes no segment and whose root's key/value cache is current, the usual forward for the others."""
         return branch_forward(self, tokens, state, adapter, self._ready, self._branch_step)
 
+    def _root_views(self, root: State) -> tuple[int, int, Parts]:
+        """A root's fills (compressed, fine) and each block's cached keys and values of its valid slots by head, in
+        key order ([cmem ; mem]: two parts of (k, v), (H, L, Dh) each), views of its cache (made once per root:
+        `root_memo`)."""
+        H = self.config.n_head
+        Dh = self.config.d_model // H
+        nf, nc = (int(f[0]) for f in self.fills(root.tensors["seen"][:1]))
+        views: Parts = []
+        for i in range(self.config.n_layer):
+            parts = []
+            for mem, L in ((root.tensors[f"memo.kv_cmem{i}"], nc), (root.tensors[f"memo.kv_mem{i}"], nf)):
+                k, v = mem[0, mem.shape[1] - L :].view(L, 2, H, Dh).permute(1, 2, 0, 3)  # (H, L, Dh) each, in place
+                parts.append((k, v))
+            views.append(parts)
+        return nc, nf, views
+
+    def _views(self, root: State) -> Parts:
+        return root_memo(root, self._root_views)[2]
+
+    @staticmethod
+    def _current(root: State, sigs: list[torch.Tensor]) -> bool:
+        """The root's key/value cache was made by the weights whose fingerprints are `sigs` (`_Block.signature`'s);
+        the answer kept with the root while the fingerprints are the same tensors (weights unchanged)."""
+        seen = root.memo.get("current")
+        if seen is not None and all(a is b for a, b in zip(seen[0], sigs, strict=True)):
+            return bool(seen[1])
+        ok = all(bool(root.tensors[f"memo.sig{i}"][0] == s) for i, s in enumerate(sigs))
+        root.memo["current"] = (sigs, ok)
+        return ok
+
     def _ready(self, state: State) -> torch.Tensor:
         """The rows (B,) bool whose byte closes no segment and whose root's cache is current (its fingerprint)."""
         sigs = [b.signature() for b in self.layers]
-        current = torch.tensor([all(bool(r.tensors[f"memo.sig{i}"][0] == s) for i, s in enumerate(sigs))
-                                for r in state.roots], device=state.tensors[ROOT].device)  # (R,)
-        return current[state.tensors[ROOT]] & (state.tensors["seen"] % self.config.segment != self.config.segment - 1)
+        current = [self._current(r, sigs) for r in state.roots]
+        open_segment = state.tensors["seen"] % self.config.segment != self.config.segment - 1  # (B,)
+        if len(current) == 1:
+            return open_segment if current[0] else torch.zeros_like(open_segment)
+        return torch.tensor(current, device=open_segment.device)[state.tensors[ROOT]] & open_segment
 
     def _branch_step(self, tokens: torch.Tensor, state: State, mats: torch.Tensor | None) -> Output:
-        """One byte a row (B, 1) on its root: the root's cached keys/values read in place by its rows' queries
-        (models/_branches.py), each row's tail apart; the block's projections and MLP (`_Block.inputs`,
-        `_Block.outputs`) over all rows at once."""
+        """One byte a row (B, 1) on its root, each row's tail apart, grown by a slot (`grow`): one row on its root
+        reads its cached keys/values as one batch of heads (`row_attention`), rows on roots read them in place by the
+        root's rows' queries (`tree_attention`); the block's projections and MLP (`_Block.step_inputs`,
+        `_Block.step_outputs`) over all rows at once."""
         cfg = self.config
         B = tokens.shape[0]
         D, H = cfg.d_model, cfg.n_head
         Dh = D // H
         st = state.tensors
         n = st[TAIL_N]  # (B,)
-        rooted = []  # (rows, root, its fills (n_cmem, n_fine))
-        for rows, root in groups(state):
-            nf, nc = (int(f[0]) for f in self.fills(root.tensors["seen"][:1]))
-            rooted.append((rows, root, nc, nf))
-        Lr = max(nc + nf for _, _, nc, nf in rooted)  # the most root keys a row has
-        t = st["memo.tail_x0"].shape[1]
-        j = torch.arange(Lr + t + 1, device=tokens.device).view(1, -1)  # (1, Lr+t+1) keys: the root's, the tail
-        dist = torch.where(j < Lr, Lr + n.view(B, 1) - j, Lr + t - j)  # (B, Lr+t+1) distance of each key
+        t = st["memo.tail_x0"].shape[1] + 1  # the tails with this byte
+        pad = tail_padding(n + 1, t)  # (B, 1, t) or None
+        own = own_keys(state, self._views)  # (L, keys and values, no-key places) or None
+        if own is not None:
+            Lr = own[0]  # the root keys of every row, its own right-aligned
+            no_key = no_keys(own[2], pad, B, Lr, t)  # (B, 1, 1, Lr + t) or None
+        else:
+            rooted = [(rows, root_memo(root, self._root_views)) for rows, root in groups(state)]
+            Lr = max(nc + nf for _, (nc, nf, _) in rooted)  # the most root keys a row has
+        j = torch.arange(Lr + t, device=tokens.device).view(1, -1)  # (1, Lr+t) keys: the root's, the tail
+        dist = torch.where(j < Lr, Lr + n.view(B, 1) - j, Lr + t - 1 - j)  # (B, Lr+t) distance of each key
+        dist = dist.unsqueeze(1).expand(B, H, Lr + t)  # (B, H, Lr+t)
+        sigs = [b.signature() for b in self.layers]  # every root's: the current weights' (`_ready`)
         new = dict(st)
         new["seen"], new[TAIL_N] = st["seen"] + 1, n + 1
-        x = self.embed(tokens)  # (B, 1, D)
+        x = self.embed(tokens[:, 0])  # (B, D)
         for i, block in enumerate(self.layers):
-            new[f"memo.tail_x{i}"] = torch.cat([st[f"memo.tail_x{i}"], x], 1)  # (B, t+1, D)
-            q, kv_x = block.inputs(x)  # (B, 1, D), (B, 1, 2D)
-            q = q.view(B, H, Dh)
-            tkv = torch.cat([st[f"memo.tail_kv{i}"], kv_x.to(st[f"memo.tail_kv{i}"].dtype)], 1)  # (B, t+1, 2D)
-            new[f"memo.tail_kv{i}"] = tkv
-            tkv = tkv.to(kv_x.dtype)
-            roots: list[Group] = []
-            for rows, root, nc, nf in rooted:
-                parts = []
-                for mem, L in ((root.tensors[f"memo.kv_cmem{i}"], nc), (root.tensors[f"memo.kv_mem{i}"], nf)):
-                    part = mem[0, mem.shape[1] - L :].to(kv_x.dtype)  # (L, 2D) the root's valid slots, in place
-                    k, v = part.view(L, 2, H, Dh).permute(1, 2, 0, 3)  # (H, L, Dh) each
-                    parts.append((k, v))
-                roots.append((rows, parts))
-            sig = rooted[0][1].tensors[f"memo.sig{i}"][0]  # every root's: the current weights'
-            r = block.positions(Lr + t + 1, x, sig)  # (Lr+t+1, H, Dh) by distance
-            pos = ((q + block.v).transpose(0, 1) @ r.permute(1, 2, 0)).transpose(0, 1)  # (B, H, Lr+t+1) TXL (b)+(d)
-            bias = pos.gather(-1, dist.unsqueeze(1).expand(B, H, Lr + t + 1))  # (B, H, Lr+t+1) for each key
-            tk = tkv[..., :D].view(B, t + 1, H, Dh).transpose(1, 2)  # (B, H, t+1, Dh)
-            tv = tkv[..., D:].view(B, t + 1, H, Dh).transpose(1, 2)
-            att = tree_attention(q + block.u, roots, tk, tv, n + 1, Dh**-0.5, bias)  # (B, H, Dh) TXL (a)-(d)
-            x = block.outputs(x, att.reshape(B, 1, D))  # (B, 1, D)
+            new[f"memo.tail_x{i}"] = grow(st[f"memo.tail_x{i}"], x.unsqueeze(1))  # (B, t, D)
+            q, kv_x = block.step_inputs(x)  # (B, D), (B, 2D)
+            kept = st[f"memo.tail_kv{i}"]
+            kv_x = kv_x if kv_x.dtype == kept.dtype else kv_x.to(kept.dtype)  # autocast: kept in the state's dtype
+            tkv = new[f"memo.tail_kv{i}"] = grow(kept, kv_x.unsqueeze(1))  # (B, t, 2D)
+            tkv = tkv if tkv.dtype == q.dtype else tkv.to(q.dtype)
+            r = block.positions(Lr + t, x, sigs[i])  # (Lr+t, H, Dh) by distance
+            qh = q.view(B, H, Dh)
+            pos = torch.bmm((qh + block.v).transpose(0, 1), r.permute(1, 2, 0)).transpose(0, 1)  # (B, H, Lr+t)
+            bias = pos.gather(-1, dist)  # (B, H, Lr+t) for each key, TXL (b)+(d)
+            if own is not None:
+                parts = _like(own[1][i], q.dtype)  # (B*H, L_i, Dh)
+                tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4).reshape(2, B * H, t, Dh)  # (B*H, t, Dh)
+                att = row_attention((qh + block.u).view(B * H, 1, Dh), parts, tk, tv, no_key, Dh**-0.5,
+                                    bias.view(B * H, 1, Lr + t)).view(B, D)  # TXL (a)-(d)
+            else:
+                tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4)  # (B, H, t, Dh) each
+                roots: list[Group] = [(rows, _like(views[i], q.dtype)) for rows, (_, _, views) in rooted]
+                att = tree_attention(qh + block.u, roots, tk, tv, pad, Dh**-0.5, bias).view(B, D)  # TXL (a)-(d)
+            x = block.step_outputs(x, att)  # (B, D)
             if i == self.site_layer and mats is not None:
-                x = apply_adapter_positions(x, mats)  # (B, 1, D) h' = h + M h
-        hidden = self.ln_f(x)  # (B, 1, D)
-        return Output(logits=self.head(hidden), state=State(new, state.roots), hidden=hidden)
+                x = apply_adapter_positions(x.unsqueeze(1), mats).squeeze(1)  # (B, D) h' = h + M h
+        hidden = self.ln_f(x)  # (B, D)
+        return Output(logits=dense(self.head, hidden).unsqueeze(1), state=State(new, state.roots),
+                      hidden=hidden.unsqueeze(1))
 
     def _piece(self, x: torch.Tensor, st: dict[str, torch.Tensor], mats: torch.Tensor | None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:

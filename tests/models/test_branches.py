@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import _dispatch as kernel_dispatch
-from models._branches import append_tail, tree_attention
+from models._branches import append_tail, dense, grow, no_keys, row_attention, tail_padding, tree_attention
 from models.adaptation import CacheConfig, CacheMixed
 from models.base import ROOT, Adapter, LanguageModel, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
@@ -267,8 +267,15 @@ def test_tree_attention_equals_attention_over_each_rows_keys() -> None:
     q, tk, tv, bias = r(B, H, Dh), r(B, H, t, Dh), r(B, H, t, Dh), r(B, H, max(lengths) + t)
     n = torch.tensor([1, 3, 2, 3])
     rows = [torch.tensor([0, 2]), torch.tensor([1, 3])]
+    pad = tail_padding(n, t)
     got = tree_attention(q, [(rows[0], [(rk[0][:, :2], rv[0][:, :2]), (rk[0][:, 2:], rv[0][:, 2:])]),
-                             (rows[1], [(rk[1], rv[1])])], tk, tv, n, 0.5, bias)
+                             (rows[1], [(rk[1], rv[1])])], tk, tv, pad, 0.5, bias)
+    # the same rows as runs of consecutive rows (slices), as `groups` gives them
+    perm = torch.tensor([0, 2, 1, 3])
+    runs = tree_attention(q[perm], [(slice(0, 2), [(rk[0][:, :2], rv[0][:, :2]), (rk[0][:, 2:], rv[0][:, 2:])]),
+                                    (slice(2, 4), [(rk[1], rv[1])])], tk[perm], tv[perm],
+                          tail_padding(n[perm], t), 0.5, bias[perm])
+    torch.testing.assert_close(runs, got[perm])
     for b in range(B):
         g = 0 if b in rows[0].tolist() else 1
         L, Lmax = lengths[g], max(lengths)
@@ -278,12 +285,83 @@ def test_tree_attention_equals_attention_over_each_rows_keys() -> None:
         places = list(range(Lmax - L, Lmax)) + [Lmax + j for j in tail]  # the keys' places in the bias
         p = torch.softmax(0.5 * ((q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) + bias[b][:, places]), -1)
         torch.testing.assert_close(got[b], (p.unsqueeze(1) @ v).squeeze(1))
-    one = tree_attention(q, [(slice(None), [(rk[0], rv[0])])], tk, tv, n, 0.5)  # one root: every row in one slice
+    one = tree_attention(q, [(slice(None), [(rk[0], rv[0])])], tk, tv, pad, 0.5)  # one root: every row in one slice
     for b in range(B):
         keep = list(range(t - int(n[b]), t))
         k, v = torch.cat([rk[0], tk[b][:, keep]], 1), torch.cat([rv[0], tv[b][:, keep]], 1)
         p = torch.softmax(0.5 * (q[b].unsqueeze(1) @ k.transpose(1, 2)).squeeze(1), -1)
         torch.testing.assert_close(one[b], (p.unsqueeze(1) @ v).squeeze(1))
+
+
+def test_row_attention_equals_tree_attention_of_one_row_per_root() -> None:
+    """Rows of keys of their own (in two parts, the roots right-aligned in L places, padding first), tails with
+    padding, a bias: what `tree_attention` gives each row with its root as a group of its own."""
+    gen = torch.Generator().manual_seed(1)
+    B, H, Dh, t, L = 3, 2, 4, 4, 6
+    sizes = [6, 4, 5]  # each row's root keys: the first in two parts (2 + 4), padding before the others
+
+    def r(*shape: int) -> Any:
+        return torch.randn(*shape, generator=gen)
+    q, tk, tv, bias = r(B, H, Dh), r(B, H, t, Dh), r(B, H, t, Dh), r(B, H, L + t)
+    keys = [(r(H, Lb, Dh), r(H, Lb, Dh)) for Lb in sizes]
+    n = torch.tensor([4, 2, 3])
+    groups = [(slice(b, b + 1), [(k[:, :2], v[:, :2]), (k[:, 2:], v[:, 2:])] if b == 0 else [(k, v)])
+              for b, (k, v) in enumerate(keys)]
+    want = tree_attention(q, groups, tk, tv, tail_padding(n, t), 0.5, bias)
+    stacked = torch.zeros(2, B, H, L, Dh)  # the roots right-aligned in L places, padding first
+    for b, (k, v) in enumerate(keys):
+        stacked[0, b, :, L - sizes[b] :], stacked[1, b, :, L - sizes[b] :] = k, v
+    k2, v2 = stacked.view(2, B * H, L, Dh)
+    parts = [(k2[:, :3], v2[:, :3]), (k2[:, 3:], v2[:, 3:])]  # any cut into parts: the same keys in key order
+    root_pad = (torch.arange(L).view(1, L) < L - torch.tensor(sizes).view(B, 1)).view(B, 1, 1, L)
+    got = row_attention(q.reshape(B * H, 1, Dh), parts, tk.reshape(B * H, t, Dh), tv.reshape(B * H, t, Dh),
+                        no_keys(root_pad, tail_padding(n, t), B, L, t), 0.5, bias.reshape(B * H, 1, L + t))
+    torch.testing.assert_close(got.view(B, H, Dh), want)
+    assert no_keys(None, None, B, L, t) is None
+
+
+def test_dense_is_the_layer_and_follows_its_weights() -> None:
+    """`dense` gives the layer's output (several layers side by side), and after the weights change in place or are
+    replaced, the new weights' (its transposed copy is made again)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(6, 5), torch.nn.Linear(6, 3)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(a, x), a(x))
+        torch.testing.assert_close(dense((a, b), x), torch.cat([a(x), b(x)], 1))
+        a.weight.mul_(2.0)  # in place: its version
+        b.weight.add_(1.0)
+        torch.testing.assert_close(dense(a, x), a(x))
+        torch.testing.assert_close(dense((a, b), x), torch.cat([a(x), b(x)], 1))
+        a.weight = torch.nn.Parameter(torch.randn(5, 6))  # replaced
+        torch.testing.assert_close(dense(a, x), a(x))
+
+
+def test_tail_padding_is_none_where_every_tail_is_whole() -> None:
+    assert tail_padding(torch.tensor([3, 3]), 3) is None and tail_padding(torch.tensor([0]), 0) is None
+    assert tail_padding(torch.tensor([1, 3]), 3).tolist() == [[[True, True, False]], [[False, False, False]]]
+
+
+def test_grow_writes_in_place_only_past_the_newest_view() -> None:
+    """A tail grown twice from the same state (a row stepped again, a fork) or taken from (rows of a batch) gets a copy;
+    the newest view of a buffer grows in place; what an older tail shows never changes; the values are the
+    concatenation's."""
+    a = torch.arange(6.0).view(2, 3, 1)
+    b = grow(a, torch.full((2, 1, 1), 10.0))  # not a buffer's view: a new buffer
+    assert torch.equal(b, torch.cat([a, torch.full((2, 1, 1), 10.0)], 1))
+    c = grow(b, torch.full((2, 1, 1), 11.0))  # b is its buffer's newest view: in place, the same buffer
+    assert c.data_ptr() == b.data_ptr() and torch.equal(c[:, :4], b) and c[:, 4].flatten().tolist() == [11.0, 11.0]
+    again = grow(b, torch.full((2, 1, 1), 12.0))  # b stepped again: a copy, c unchanged
+    assert again.data_ptr() != c.data_ptr() and c[:, 4].flatten().tolist() == [11.0, 11.0]
+    assert again[:, 4].flatten().tolist() == [12.0, 12.0] and torch.equal(again[:, :4], b)
+    row = grow(c[1:], torch.full((1, 1, 1), 13.0))  # a row of the batch: a copy
+    assert row.data_ptr() != c.data_ptr() and torch.equal(row[:, :5], c[1:]) and grow(c, c[:, :1]).shape == (2, 6, 1)
+    assert c.shape == (2, 5, 1) and c[:, 4].flatten().tolist() == [11.0, 11.0]
+    full = b
+    for i in range(80):  # past the buffer's room: a new buffer, the same values
+        full = grow(full, torch.full((2, 1, 1), float(i)))
+    assert full.shape == (2, 84, 1) and full[0, 4:, 0].tolist() == [float(i) for i in range(80)]
+    assert torch.equal(grow(a[:, :0], a[:, :1]), a[:, :1])  # an empty tail
 
 
 @pytest.mark.parametrize("name", list(MODELS))
