@@ -33,7 +33,7 @@ from torch import nn
 
 from models.base import ROOT, Adapter, LanguageModel, Output, State
 
-__all__ = ["Group", "Parts", "append_tail", "branch_forward", "dense", "grow", "groups", "no_keys",
+__all__ = ["Group", "Parts", "RootStack", "append_tail", "branch_forward", "dense", "grow", "groups", "no_keys",
            "own_keys", "root_memo", "root_rows", "row_attention", "shared", "tail_padding", "tree_attention"]
 
 # rows that share a root (an index (b,) into the batch, or a slice) and the root's keys and values, in parts in key
@@ -167,15 +167,67 @@ def dense(layer: nn.Linear | tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Te
     return torch.addmm(hit[3], x, hit[2]) if hit[3] is not None else x @ hit[2]
 
 
-def own_keys(state: State, views: Callable[[State], Parts]) -> tuple[int, Parts, torch.Tensor | None] | None:
-    """Where every row has a root of its own (a batch of 1), each layer's keys and values before the rows' tails,
-    for `row_attention`: the most keys L, each layer's parts (B*H, L_i, Dh) in key order, and which of the L places
-    are no keys (B, 1, 1, L) (None: none); None otherwise (`tree_attention`). `views(root)` gives a root's by head,
+class RootStack:
+    """The keys and values of several roots, one row each (generations fed together: `Stepper.feed_many`), in one
+    batch, so that a layer's attention is one matrix product for all rows (`row_attention`) instead of a few per root.
+    A copy of the roots' keys and values, made when the same roots are stepped a second time in a row (generation
+    steps them for many bytes; a keyboard search's first round, whose rows are the typists' cursors, never again) and
+    kept while they are (identity; not keeping them alive); made again when they change (a row slid its window, closed
+    a segment, or the batch changed)."""
+
+    def __init__(self) -> None:
+        self._roots: tuple[weakref.ref[State], ...] = ()  # the roots last asked for
+        self._made: tuple[int, Parts, torch.Tensor | None] | None = None  # their stack, once made
+
+    def _drop(self, _: object) -> None:
+        self._roots, self._made = (), None
+
+    def get(self, roots: tuple[State, ...], views: Callable[[State], Parts]
+            ) -> tuple[int, Parts, torch.Tensor | None] | None:
+        """roots (one per row, in the rows' order), `views(root)` each layer's keys and values of a root by head
+        -> the most keys L, each layer's [(k, v)] (B*H, L, Dh), each row's right-aligned, and which of the L places
+        are no keys (B, 1, 1, L) (None: none); None the first time these roots are asked for."""
+        if len(roots) != len(self._roots) or any(a is not b() for a, b in zip(roots, self._roots, strict=True)):
+            self._roots, self._made = tuple(weakref.ref(r, self._drop) for r in roots), None
+            return None
+        if self._made is None:
+            self._made = self._stack(roots, views)
+        return self._made
+
+    @staticmethod
+    def _stack(roots: tuple[State, ...], views: Callable[[State], Parts]) -> tuple[int, Parts, torch.Tensor | None]:
+        per_root = [views(r) for r in roots]
+        sizes = [sum(k.shape[1] for k, _ in layers[0]) for layers in per_root]
+        B, L = len(roots), max(sizes)
+        ref = per_root[0][0][0][0]
+        H, _, Dh = ref.shape
+        stacked: Parts = []
+        for i in range(len(per_root[0])):
+            k, v = ref.new_zeros(B, H, L, Dh), ref.new_zeros(B, H, L, Dh)
+            for b, layers in enumerate(per_root):
+                end = L
+                for pk, pv in reversed(layers[i]):  # right-aligned, the parts in key order
+                    k[b, :, end - pk.shape[1] : end], v[b, :, end - pk.shape[1] : end] = pk, pv
+                    end -= pk.shape[1]
+            stacked.append([(k.view(B * H, L, Dh), v.view(B * H, L, Dh))])
+        no_key = torch.arange(L, device=ref.device).view(1, L) < L - torch.tensor(sizes, device=ref.device).view(B, 1)
+        return L, stacked, no_key.view(B, 1, 1, L) if bool(no_key.any()) else None
+
+
+def own_keys(state: State, views: Callable[[State], Parts], stack: RootStack
+             ) -> tuple[int, Parts, torch.Tensor | None] | None:
+    """Where every row has a root of its own (a batch of 1, generations fed together), each layer's keys and values
+    before the rows' tails, for `row_attention`: the most keys L, each layer's parts (B*H, L_i, Dh) in key order, and
+    which of the L places are no keys (B, 1, 1, L) (None: none); None where rows share a root (a search:
+    `tree_attention`), and at the first step of several roots (`RootStack`). `views(root)` gives a root's by head,
     (H, L_i, Dh) parts."""
-    if state.batch != 1:
+    B = state.batch
+    if len(state.roots) != B:
         return None
-    layers = views(state.roots[0])
-    return sum(k.shape[1] for k, _ in layers[0]), layers, None
+    if B == 1:
+        layers = views(state.roots[0])
+        return sum(k.shape[1] for k, _ in layers[0]), layers, None
+    return stack.get(tuple(state.roots[r] for r in state.tensors[ROOT].tolist()), views)  # None: not yet stacked
 
 
 def no_keys(root: torch.Tensor | None, tail: torch.Tensor | None, B: int, L: int, t: int) -> torch.Tensor | None:

@@ -57,6 +57,7 @@ from kernels.attention import memory_attention
 from models._branches import (
     Group,
     Parts,
+    RootStack,
     append_tail,
     branch_forward,
     dense,
@@ -227,6 +228,7 @@ class CharTransformer(WindowedTransformer, LanguageModel):
             "two": nn.ModuleList(_classifier(config) for _ in range(N)),
         })
         self._progress = 0.0
+        self._stack = RootStack()  # the roots of generations fed together, stacked (`_branch_step`)
         with torch.no_grad():
             nn.init.normal_(self.embed.weight, std=0.1)
             nn.init.normal_(self.pos, std=0.02)
@@ -352,17 +354,18 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         return state.tensors[TAIL_N] + self._row_fills(state) < self.config.context
 
     def _branch_step(self, tokens: torch.Tensor, state: State, mats: torch.Tensor | None) -> Output:
-        """One byte a row (B, 1) after its root's window and its tail, each row's tail grown by a slot (`grow`): one
-        row on its root reads its keys and values as one batch of heads (`row_attention`), rows on roots read them in
-        place by the root's rows' queries (`tree_attention`); the block's projections and MLP (`_Block.step_inputs`,
-        `_Block.step_outputs`) over all rows at once, as `append_blocks`."""
+        """One byte a row (B, 1) after its root's window and its tail, each row's tail grown by a slot (`grow`): rows
+        with a root of their own read its keys and values in one batch (`row_attention`; several roots stacked:
+        `RootStack`), rows that share roots read them in place by the root's rows' queries (`tree_attention`); the
+        block's projections and MLP (`_Block.step_inputs`, `_Block.step_outputs`) over all rows at once, as
+        `append_blocks`."""
         B = tokens.shape[0]
         D, H = self.config.d_model, self.config.n_head
         Dh = D // H
         st = state.tensors
         n = st[TAIL_N]  # (B,)
         t = st[f"{DERIVED}tail_tok"].shape[1] + 1  # the tails with this byte
-        own = own_keys(state, self._views)  # (L, keys and values, no-key places) or None
+        own = own_keys(state, self._views, self._stack)  # (L, keys and values, no-key places) or None
         pad = tail_padding(n + 1, t)  # (B, 1, t) or None
         if own is not None:
             no_key = no_keys(own[2], pad, B, own[0], t)  # (B, 1, 1, L + t) or None

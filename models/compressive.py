@@ -82,6 +82,7 @@ from kernels.compress import compress_memory, fixed_memory_update
 from models._branches import (
     Group,
     Parts,
+    RootStack,
     append_tail,
     branch_forward,
     dense,
@@ -378,6 +379,7 @@ class CompressiveTransformer(LanguageModel):
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(D)
         self.head = nn.Linear(D, config.vocab_size)
+        self._stack = RootStack()  # the roots of generations fed together, stacked (`_branch_step`)
         with torch.no_grad():
             nn.init.normal_(self.embed.weight, std=0.1)
 
@@ -541,10 +543,10 @@ class CompressiveTransformer(LanguageModel):
         return torch.tensor(current, device=open_segment.device)[state.tensors[ROOT]] & open_segment
 
     def _branch_step(self, tokens: torch.Tensor, state: State, mats: torch.Tensor | None) -> Output:
-        """One byte a row (B, 1) on its root, each row's tail apart, grown by a slot (`grow`): one row on its root
-        reads its cached keys/values as one batch of heads (`row_attention`), rows on roots read them in place by the
-        root's rows' queries (`tree_attention`); the block's projections and MLP (`_Block.step_inputs`,
-        `_Block.step_outputs`) over all rows at once."""
+        """One byte a row (B, 1) on its root, each row's tail apart, grown by a slot (`grow`): rows with a root of
+        their own read its cached keys/values in one batch (`row_attention`; several roots stacked: `RootStack`),
+        rows that share roots read them in place by the root's rows' queries (`tree_attention`); the block's
+        projections and MLP (`_Block.step_inputs`, `_Block.step_outputs`) over all rows at once."""
         cfg = self.config
         B = tokens.shape[0]
         D, H = cfg.d_model, cfg.n_head
@@ -553,7 +555,7 @@ class CompressiveTransformer(LanguageModel):
         n = st[TAIL_N]  # (B,)
         t = st["memo.tail_x0"].shape[1] + 1  # the tails with this byte
         pad = tail_padding(n + 1, t)  # (B, 1, t) or None
-        own = own_keys(state, self._views)  # (L, keys and values, no-key places) or None
+        own = own_keys(state, self._views, self._stack)  # (L, keys and values, no-key places) or None
         if own is not None:
             Lr = own[0]  # the root keys of every row, its own right-aligned
             no_key = no_keys(own[2], pad, B, Lr, t)  # (B, 1, 1, Lr + t) or None

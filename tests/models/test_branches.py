@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import _dispatch as kernel_dispatch
-from models._branches import append_tail, dense, grow, no_keys, row_attention, tail_padding, tree_attention
+from models._branches import RootStack, append_tail, dense, grow, no_keys, row_attention, tail_padding, tree_attention
 from models.adaptation import CacheConfig, CacheMixed
 from models.base import ROOT, Adapter, LanguageModel, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
@@ -192,6 +192,35 @@ def test_generations_batched_and_a_fork_equal_each_alone(name: str) -> None:
     assert_batched_steppers_equal_each_alone(steppers, 14, **TOL)
 
 
+def _roomy(name: str) -> LanguageModel:
+    """The tiny model with a window (segments) long enough that rows step over the same roots for a few bytes."""
+    torch.manual_seed(0)
+    if name == "compressive":
+        cfg = CompressiveConfig(d_model=16, n_layer=2, n_head=2, d_ff=32, segment=12, mem_len=12, cmem_len=4, rate=3)
+        return CompressiveTransformer(cfg).freeze()
+    return CharTransformer(CharTransformerConfig(d_model=16, n_layer=2, n_head=2, d_ff=32, context=24)).freeze()
+
+
+@pytest.mark.parametrize("roomy", [False, True])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generations_of_roots_of_their_own_fed_together_equal_each_alone(name: str, roomy: bool) -> None:
+    """Four sequences from prompts of different lengths (roots at different fills), fed in one step a byte at a time
+    past segment ends and window slides: every row has a root of its own, so from the second step over the same
+    roots the step reads their keys stacked in one batch (`RootStack`, made again as rows cross), and gives each
+    one's logits alone."""
+    model = _roomy(name) if roomy else MODELS[name]()
+
+    def steppers() -> list[Stepper]:
+        out = []
+        for prompt in (b"one", b"the second", b"", b"a fourth, longer"):
+            s = Stepper(model, SamplingParams(max_tokens=50, seed=len(prompt)))
+            s.prefill(prompt)
+            out.append(s)
+        return out
+
+    assert_batched_steppers_equal_each_alone(steppers, 16, **TOL)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("context", ["It is a tr", "and th", "she ", "a single ma"])
 def test_a_search_in_the_branch_form_finds_what_the_usual_one_finds(name: str, context: str) -> None:
@@ -308,7 +337,7 @@ def test_row_attention_equals_tree_attention_of_one_row_per_root() -> None:
     groups = [(slice(b, b + 1), [(k[:, :2], v[:, :2]), (k[:, 2:], v[:, 2:])] if b == 0 else [(k, v)])
               for b, (k, v) in enumerate(keys)]
     want = tree_attention(q, groups, tk, tv, tail_padding(n, t), 0.5, bias)
-    stacked = torch.zeros(2, B, H, L, Dh)  # the roots right-aligned in L places, padding first
+    stacked = torch.zeros(2, B, H, L, Dh)  # the roots right-aligned in L places, as `RootStack` lays them out
     for b, (k, v) in enumerate(keys):
         stacked[0, b, :, L - sizes[b] :], stacked[1, b, :, L - sizes[b] :] = k, v
     k2, v2 = stacked.view(2, B * H, L, Dh)
@@ -318,6 +347,40 @@ def test_row_attention_equals_tree_attention_of_one_row_per_root() -> None:
                         no_keys(root_pad, tail_padding(n, t), B, L, t), 0.5, bias.reshape(B * H, 1, L + t))
     torch.testing.assert_close(got.view(B, H, Dh), want)
     assert no_keys(None, None, B, L, t) is None
+
+
+def test_root_stack_is_made_at_the_second_step_over_the_same_roots_and_keeps_none_alive() -> None:
+    """Roots stepped once (a search's first round) are not stacked; stepped again, their keys and values are stacked
+    right-aligned, padding first, and the stack is kept while the same roots come; another root, or a root gone,
+    drops it."""
+    import gc
+    import weakref
+
+    H, Dh = 2, 3
+    roots = [State({"x": torch.randn(1, L, H * Dh)}) for L in (4, 2)]
+
+    def views(root: State) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        kv = root.tensors["x"][0].view(-1, H, Dh).transpose(0, 1)  # (H, L, Dh)
+        return [[(kv[:, :1], 2 * kv[:, :1]), (kv[:, 1:], 2 * kv[:, 1:])]]  # one layer, two parts
+    stack = RootStack()
+    assert stack.get(tuple(roots), views) is None  # the first step over these roots
+    made = stack.get(tuple(roots), views)
+    assert made is not None and stack.get(tuple(roots), views) is made
+    L, layers, no_key = made
+    k, v = layers[0][0]
+    assert L == 4 and k.shape == (2 * H, 4, Dh) and no_key is not None
+    assert no_key.flatten().tolist() == [False] * 4 + [True, True, False, False]
+    for b, root in enumerate(roots):
+        want = root.tensors["x"][0].view(-1, H, Dh).transpose(0, 1)  # (H, L_b, Dh)
+        torch.testing.assert_close(k.view(2, H, 4, Dh)[b, :, 4 - want.shape[1] :], want)
+        torch.testing.assert_close(v.view(2, H, 4, Dh)[b, :, 4 - want.shape[1] :], 2 * want)
+    other = State({"x": torch.randn(1, 3, H * Dh)})
+    assert stack.get((roots[0], other), views) is None  # a row's root changed: again from the second step
+    assert stack.get((roots[0], other), views) is not None
+    gone = weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None and stack.get((roots[0], roots[1]), views) is None  # the stack kept no root alive
 
 
 def test_dense_is_the_layer_and_follows_its_weights() -> None:
