@@ -162,12 +162,27 @@ class Stepper:
             self._generator.seed()
         # the model's branch form: a state continued a token at a time keeps what it had and adds the new tokens' part
         # (a transformer's memory is not shifted and copied at every token)
-        self._state = model.branch(state if state is not None else model.init_state(1))
+        self._own: State = model.branch(state if state is not None else model.init_state(1))
+        # after `feed_many`: this sequence's state is row b of that step's batch (selected when needed; the next
+        # `feed_many` of the same sequences in the same order steps the batch itself, not a stack of the rows)
+        self._row: tuple[State, int] | None = None
         self._last_byte = self.tokenizer.bos if last_byte is None else last_byte  # the token the prompt follows
         self._logits: torch.Tensor | None = None  # (V,) log-probs of the next byte, once prefilled (model.log_probs)
         self.decoder = TextDecoder(params.stop)
         self.tokens = 0  # bytes sampled so far
         self.finish_reason: FinishReason | None = None
+
+    @property
+    def _state(self) -> State:
+        """This sequence's state: its row of the last `feed_many`'s batch, selected now if it was one."""
+        if self._row is not None:
+            batch, b = self._row
+            self._own, self._row = batch.select(b), None
+        return self._own
+
+    @_state.setter
+    def _state(self, state: State) -> None:
+        self._own, self._row = state, None
 
     @torch.no_grad()
     def prefill(self, prompt: bytes, *, logprobs: int | None = None, chunk: int = 1024) -> TopLogprobs | None:
@@ -238,13 +253,18 @@ class Stepper:
         model = steppers[0].model
         if any(s.model is not model for s in steppers):
             raise ValueError("feed_many needs steppers of one model")
-        state = State.stack([s._state for s in steppers])
+        last = steppers[0]._row[0] if steppers[0]._row is not None else None
+        if last is not None and last.batch == len(steppers) and all(
+                s._row is not None and s._row[0] is last and s._row[1] == b for b, s in enumerate(steppers)):
+            state = last  # the same sequences as the last step's, in its order
+        else:
+            state = State.stack([s._state for s in steppers])
         adapter = Adapter.stack_padded([s.adapter for s in steppers])
         x = torch.tensor(list(tokens), device=steppers[0].device).unsqueeze(1)  # (B, 1)
         out = model(x, state, adapter)  # logits (B, 1, V)
         lps = model.log_probs(out)  # (B, 1, V)
         for b, s in enumerate(steppers):
-            s._state, s._logits = out.state.select(b), lps[b, -1]
+            s._row, s._logits = (out.state, b), lps[b, -1]
 
     def step(self) -> Step:
         """Sample a byte and, unless the sequence is finished, feed it to the model."""

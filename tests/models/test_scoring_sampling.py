@@ -6,7 +6,7 @@ import torch
 from models.mlstm import MLSTM, MLSTMConfig
 from models.sampling import SamplingParams, Stepper, TextDecoder, filter_logits, generate
 from models.scoring import BOS, score_bytes
-from tests._families import assert_batched_steppers_equal_each_alone
+from tests._families import assert_batched_steppers_equal_each_alone, assert_states_close
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +177,37 @@ def test_feed_many_equals_feeding_each(model: MLSTM) -> None:
     batched = steppers()
     with pytest.raises(ValueError, match="one token per stepper"):
         Stepper.feed_many(batched, [1])
+
+
+def test_feed_many_steps_the_last_batch_when_the_sequences_come_again(model: MLSTM,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sequences in the same order step the last step's batch state itself (no stack of their rows); in
+    another order, fewer of them, or one of them fed alone in between, their rows are stacked again; each sequence's
+    state is its row throughout."""
+    from models.base import State
+
+    def steppers() -> list[Stepper]:
+        out = []
+        for prompt in (b"one", b"the second", b"3"):
+            s = Stepper(model, SamplingParams(max_tokens=50, seed=1))
+            s.prefill(prompt)
+            out.append(s)
+        return out
+
+    batched, single = steppers(), steppers()
+    stacks = []
+    stack = State.stack
+    monkeypatch.setattr(State, "stack", staticmethod(lambda states: stacks.append(len(states)) or stack(states)))
+    for order in ([0, 1, 2], [0, 1, 2], [0, 1, 2], [2, 0, 1], [2, 0, 1], [0, 1], "alone 1", [0, 1], [0, 1]):
+        if order == "alone 1":
+            batched[1].feed(7)
+            single[1].feed(7)
+            continue
+        Stepper.feed_many([batched[i] for i in order], [5] * len(order))
+        for i in order:
+            single[i].feed(5)
+        for a, b in zip(batched, single, strict=True):
+            torch.testing.assert_close(a._logits, b._logits, rtol=1e-5, atol=1e-6)
+    assert stacks == [3, 3, 2, 2]  # the first step, a new order, fewer sequences, one fed alone in between
+    for a, b in zip(batched, single, strict=True):
+        assert_states_close(a._state, b._state, rtol=1e-5, atol=1e-6)
