@@ -11,11 +11,17 @@ bytes the row fed since its root, right-aligned, the last `memo.tail_n` of them 
 
 A step of one byte a row computes the rows' projections, MLPs and head as one batch, and their attention per root
 (`tree_attention`): the queries of a root's rows read its keys in place (one matrix product per head for all of them:
-the branches are query rows), each row's tail apart, under one softmax. A row the form cannot step (its byte closes a
-segment or slides a window; its root's key/value cache is stale) takes the usual path alone: its root and tail
-settled (written into one usual-form row), the usual forward, and its new state becomes a root of its own
-(`branch_forward`); the other rows step over their roots as before. Several bytes at once, or a gradient, settle
-every row.
+the branches are query rows), each row's tail apart, under one softmax. Rows that each have a root of their own (one
+generation, or several fed together) read their keys as one batch of (row, head) matrices instead (`row_attention`;
+several roots stacked once into a copy, `RootStack`). A step is dispatch-bound at these models' sizes (hundreds of
+small ops a byte), so what does not change from step to step is made once: per root its fills and its keys viewed by
+head (`root_memo`), per step the tails' padding; a tail grows in place in a buffer with room (`grow`), and the
+step's linears multiply a transposed copy of their weights (`dense`).
+
+A row the form cannot step (its byte closes a segment or slides a window; its root's key/value cache is stale) takes
+the usual path alone: its root and tail settled (written into one usual-form row), the usual forward, and its new
+state becomes a root of its own (`branch_forward`); the other rows step over their roots as before. Several bytes at
+once, or a gradient, settle every row.
 
 The arithmetic is the usual step's: the same scores and the same softmax, the values summed per part, so results
 agree with the usual step to float rounding.
