@@ -128,23 +128,21 @@ def append_tail(mem: torch.Tensor, tail: torch.Tensor, n: torch.Tensor) -> torch
 
 
 def grow(tail: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """tail (B, t, ...) with new (B, 1, ...) after it -> (B, t+1, ...), the first t slots `tail`'s. A tail lives at
-    the start of a buffer with room past it: where `tail` is its buffer's newest view (all its rows, and no longer
+    """tail (B, t, ...) with new (B, ...) as its next slot -> (B, t+1, ...), the first t slots `tail`'s. A tail lives
+    at the start of a buffer with room past it: where `tail` is its buffer's newest view (all its rows, and no longer
     view of the buffer was grown from it), `new` is written into the next slot and the longer view returned;
     otherwise (a tail that rows were taken or stacked from, an older state stepped again, a full buffer) the tail is
     copied into a new buffer with `ROOM` free slots. A step then writes its byte's slot instead of copying the whole
     tail, and nothing an older state shows is ever written."""
     t = tail.shape[1]
     buf = tail._base
-    if (buf is not None and _GROWN.get(buf) == t and t < buf.shape[1] and buf.shape[0] == tail.shape[0]
+    if not (buf is not None and _GROWN.get(buf) == t and t < buf.shape[1] and buf.shape[0] == tail.shape[0]
             and tail.data_ptr() == buf.data_ptr() and tail.stride() == buf.stride()):
-        buf[:, t : t + 1] = new
-    else:
         buf = tail.new_empty(tail.shape[0], t + 1 + ROOM, *tail.shape[2:])
-        buf[:, :t] = tail
-        buf[:, t : t + 1] = new
+        buf.narrow(1, 0, t).copy_(tail)
+    buf.select(1, t).copy_(new)
     _GROWN.put(buf, t + 1)
-    return buf[:, : t + 1]
+    return buf.narrow(1, 0, t + 1)
 
 
 def tail_padding(n: torch.Tensor, t: int) -> torch.Tensor | None:
@@ -162,10 +160,11 @@ def dense(layer: nn.Linear | tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Te
     layout takes 55-60% of the time of `F.linear`'s against (out, in) (192 -> 576 at one row: 7 against 12 us), and
     a step is mostly such products."""
     layers = layer if isinstance(layer, tuple) else (layer,)
-    key = tuple((w._version, w.data_ptr()) for w in (lin.weight for lin in layers))
-    hit = _TRANSPOSED.get(layers[0].weight)
-    if hit is None or hit[0] != key or len(hit[1]) != len(layers) or any(
-            a is not b for a, b in zip(hit[1], layers, strict=True)):
+    w = layers[0].weight
+    hit = _TRANSPOSED.get(w)
+    key = [(w._version, w.data_ptr())] if len(layers) == 1 else [(lin.weight._version, lin.weight.data_ptr())
+                                                                 for lin in layers]
+    if hit is None or hit[0] != key or hit[1] != layers:  # (modules compare by identity)
         wt = torch.cat([lin.weight.detach().t() for lin in layers], 1).contiguous()  # (in, out)
         bias = None if layers[0].bias is None else torch.cat([lin.bias.detach() for lin in layers])  # type: ignore[misc]
         hit = (key, layers, wt, bias)

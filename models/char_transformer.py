@@ -373,14 +373,14 @@ class CharTransformer(WindowedTransformer, LanguageModel):
             rooted = [(rows, self._views(root)) for rows, root in groups(state)]
         new = dict(st)
         new[TAIL_N] = n + 1
-        new[f"{DERIVED}tail_tok"] = grow(st[f"{DERIVED}tail_tok"], tokens)  # (B, t)
+        new[f"{DERIVED}tail_tok"] = grow(st[f"{DERIVED}tail_tok"], tokens[:, 0])  # (B, t)
         pos = self.pos[:, self._row_fills(state) + n]  # (N, B, D) each row's positional embedding in every layer
         x = self.embed(tokens[:, 0])  # (B, D)
         for i, block in enumerate(self.blocks):
             assert isinstance(block, _Block)
             x = x + pos[i]  # (B, D) paper: a positional embedding per layer
             qkv = block.step_inputs(x)  # (B, 3D)
-            tkv = new[f"{DERIVED}tail_kv{i}"] = grow(st[f"{DERIVED}tail_kv{i}"], qkv[:, None, D:])  # (B, t, 2D)
+            tkv = new[f"{DERIVED}tail_kv{i}"] = grow(st[f"{DERIVED}tail_kv{i}"], qkv[:, D:])  # (B, t, 2D)
             if own is not None:
                 tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4).reshape(2, B * H, t, Dh)  # (B*H, t, Dh)
                 q = qkv[:, :D].reshape(B * H, 1, Dh)

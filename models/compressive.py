@@ -570,11 +570,11 @@ class CompressiveTransformer(LanguageModel):
         new["seen"], new[TAIL_N] = st["seen"] + 1, n + 1
         x = self.embed(tokens[:, 0])  # (B, D)
         for i, block in enumerate(self.layers):
-            new[f"memo.tail_x{i}"] = grow(st[f"memo.tail_x{i}"], x.unsqueeze(1))  # (B, t, D)
+            new[f"memo.tail_x{i}"] = grow(st[f"memo.tail_x{i}"], x)  # (B, t, D)
             q, kv_x = block.step_inputs(x)  # (B, D), (B, 2D)
             kept = st[f"memo.tail_kv{i}"]
             kv_x = kv_x if kv_x.dtype == kept.dtype else kv_x.to(kept.dtype)  # autocast: kept in the state's dtype
-            tkv = new[f"memo.tail_kv{i}"] = grow(kept, kv_x.unsqueeze(1))  # (B, t, 2D)
+            tkv = new[f"memo.tail_kv{i}"] = grow(kept, kv_x)  # (B, t, 2D)
             tkv = tkv if tkv.dtype == q.dtype else tkv.to(q.dtype)
             r = block.positions(Lr + t, x, sigs[i])  # (Lr+t, H, Dh) by distance
             qh = q.view(B, H, Dh)

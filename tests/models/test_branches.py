@@ -410,21 +410,23 @@ def test_grow_writes_in_place_only_past_the_newest_view() -> None:
     the newest view of a buffer grows in place; what an older tail shows never changes; the values are the
     concatenation's."""
     a = torch.arange(6.0).view(2, 3, 1)
-    b = grow(a, torch.full((2, 1, 1), 10.0))  # not a buffer's view: a new buffer
+    b = grow(a, torch.full((2, 1), 10.0))  # not a buffer's view: a new buffer
     assert torch.equal(b, torch.cat([a, torch.full((2, 1, 1), 10.0)], 1))
-    c = grow(b, torch.full((2, 1, 1), 11.0))  # b is its buffer's newest view: in place, the same buffer
+    c = grow(b, torch.full((2, 1), 11.0))  # b is its buffer's newest view: in place, the same buffer
     assert c.data_ptr() == b.data_ptr() and torch.equal(c[:, :4], b) and c[:, 4].flatten().tolist() == [11.0, 11.0]
-    again = grow(b, torch.full((2, 1, 1), 12.0))  # b stepped again: a copy, c unchanged
+    again = grow(b, torch.full((2, 1), 12.0))  # b stepped again: a copy, c unchanged
     assert again.data_ptr() != c.data_ptr() and c[:, 4].flatten().tolist() == [11.0, 11.0]
     assert again[:, 4].flatten().tolist() == [12.0, 12.0] and torch.equal(again[:, :4], b)
-    row = grow(c[1:], torch.full((1, 1, 1), 13.0))  # a row of the batch: a copy
-    assert row.data_ptr() != c.data_ptr() and torch.equal(row[:, :5], c[1:]) and grow(c, c[:, :1]).shape == (2, 6, 1)
+    row = grow(c[1:], torch.full((1, 1), 13.0))  # a row of the batch: a copy
+    assert row.data_ptr() != c.data_ptr() and torch.equal(row[:, :5], c[1:]) and grow(c, c[:, 0]).shape == (2, 6, 1)
     assert c.shape == (2, 5, 1) and c[:, 4].flatten().tolist() == [11.0, 11.0]
     full = b
     for i in range(80):  # past the buffer's room: a new buffer, the same values
-        full = grow(full, torch.full((2, 1, 1), float(i)))
+        full = grow(full, torch.full((2, 1), float(i)))
     assert full.shape == (2, 84, 1) and full[0, 4:, 0].tolist() == [float(i) for i in range(80)]
-    assert torch.equal(grow(a[:, :0], a[:, :1]), a[:, :1])  # an empty tail
+    assert torch.equal(grow(a[:, :0], a[:, 0]), a[:, :1])  # an empty tail
+    tok = grow(torch.zeros(3, 0, dtype=torch.long), torch.tensor([1, 2, 3]))  # (B, t) bytes
+    assert grow(tok, torch.tensor([4, 5, 6])).tolist() == [[1, 4], [2, 5], [3, 6]]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
