@@ -2,6 +2,7 @@
 server runs for adapting sessions (to compare two versions of the code side by side).
 
     python -m bench.decode [--checkpoints DIR ...] [--text FILE] [--runs 5] [--threads 1] [--bytes 64] [--batch 8]
+                           [--profile]
 
 "batch 1" is bench.families' "generate ms/byte": a greedy `generate` of a 256-byte prompt then n bytes, minus one of
 the prompt then one byte, over the n - 1 bytes after the first (the prompt's time left out). "batch B" is the server's
@@ -11,17 +12,25 @@ text, so at different fills), each prefilled alone, then a byte of every one sam
 the network inside `CacheMixed` (`SessionService.session_model` for adapting sessions; no session has a neural cache
 here, as in bench.latency's second table). Medians of `--runs`. The last column is a digest of the bytes generated,
 to check that two versions generate the same.
+
+`--profile` prints instead where a step's time goes, per checkpoint at batch 1 and batch B on the bare network: the
+steps after the first under `torch.profiler`, each top-level aten op's time (its children's included) by kind, the
+top-level ops a step, and Python's own share of the time under `cProfile` (which inflates it).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import hashlib
+import pstats
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench._common import ROOT, SHARED, machine_line
 from models.adaptation import CacheMixed
@@ -75,6 +84,72 @@ def batch_ms(model: LanguageModel, prompts: list[bytes], n: int, runs: int) -> t
     return statistics.median(t for t, _ in timed), timed[0][1]
 
 
+# the kinds of a step's top-level aten ops (`--profile`); the rest: "other"
+KINDS = {
+    "projections, MLP, head": ("addmm", "linear", "mm", "mv"),
+    "attention products": ("bmm", "matmul", "baddbmm_", "baddbmm"),
+    "state copies": ("cat", "index", "index_put_", "gather", "copy_", "clone", "stack", "index_select", "where",
+                     "index_copy", "index_add_", "contiguous"),
+    "softmax, masks, small elementwise": (
+        "softmax", "masked_fill", "masked_fill_", "new_full", "full", "arange", "lt", "le", "eq", "ne", "sub", "rsub",
+        "mul", "mul_", "add", "add_", "sum", "all", "any", "remainder", "bitwise_and", "clamp", "clamp_min",
+        "nonzero", "_unique2", "sort", "argsort", "zeros", "zeros_like", "new_zeros", "new_empty", "empty", "to",
+        "item", "relu", "relu_", "floor_divide", "minimum", "fill_", "embedding", "dropout", "is_nonzero",
+        "detach_", "lift_fresh"),
+    "views": ("view", "reshape", "slice", "select", "transpose", "permute", "expand", "split", "split_with_sizes",
+              "unbind", "unsqueeze", "squeeze", "as_strided", "alias", "narrow", "t", "_unsafe_view", "chunk",
+              "detach", "view_as"),
+    "layer norms": ("layer_norm",),
+    "log_softmax, greedy pick": ("log_softmax", "argmax"),
+}
+
+
+def profile_steps(model: LanguageModel, prompts: list[bytes], n: int) -> None:
+    """Print where the n - 1 steps after the first of len(prompts) greedy sequences spend their time (`--profile`)."""
+
+    def steppers() -> tuple[list[Stepper], list[int]]:
+        out = []
+        for p in prompts:
+            s = Stepper(model, SamplingParams(max_tokens=n, temperature=0.0))
+            s.prefill(p)
+            out.append(s)
+        return out, [s.sample().token for s in out]
+
+    def steps(rows: list[Stepper], tokens: list[int]) -> None:
+        for _ in range(n - 1):
+            Stepper.feed_many(rows, tokens)
+            tokens = [s.sample().token for s in rows]
+
+    kind = {op: k for k, ops in KINDS.items() for op in ops}
+    with torch.no_grad():
+        steps(*steppers())  # warm-up
+        rows, tokens = steppers()
+        t0 = time.perf_counter()
+        steps(rows, tokens)
+        wall = (time.perf_counter() - t0) * 1e3 / (n - 1)
+        rows, tokens = steppers()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            steps(rows, tokens)
+        rows, tokens = steppers()
+        python = cProfile.Profile()
+        python.runcall(steps, rows, tokens)
+    spent: dict[str, float] = defaultdict(float)
+    ops = 0
+    for e in prof.events():
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue
+        ops += 1
+        spent[kind.get(e.name[6:], "other")] += e.cpu_time_total
+    stats = pstats.Stats(python)
+    own = sum(v[2] for k, v in stats.stats.items() if not k[0].startswith("~"))  # type: ignore[attr-defined]
+    total = sum(spent.values())
+    print(f"batch {len(prompts)}: {wall:.2f} ms a step, {ops / (n - 1):.0f} top-level aten ops a step; "
+          f"Python's own time under cProfile {100 * own / stats.total_tt:.0f}%")  # type: ignore[attr-defined]
+    for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {100 * v / total:.0f}% |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoints", nargs="+",
@@ -84,11 +159,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bytes", type=int, default=64, help="bytes generated after each prompt")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="where a step's time goes, instead of the timings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     text = Path(args.text).read_bytes()[: 1000 * args.batch + 256]
     prompts = [text[1000 * b : 1000 * b + 256] for b in range(args.batch)]
     print(f"# decode on cpu ({machine_line()})")
+    if args.profile:
+        for path in args.checkpoints:
+            print(f"\n## {Path(path).name}")
+            model = load_checkpoint(Path(path), device=torch.device("cpu")).model
+            for rows in (prompts[:1], prompts):
+                profile_steps(model, rows, args.bytes)
+        return
     print(f"| checkpoint | model | batch 1 ms/byte | batch {args.batch} ms/step | batch {args.batch} ms/byte "
           "| bytes digest |")
     print("| --- | --- | ---: | ---: | ---: | --- |")
