@@ -166,7 +166,7 @@ def dense(layer: nn.Linear | tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Te
                                                                  for lin in layers]
     if hit is None or hit[0] != key or hit[1] != layers:  # (modules compare by identity)
         wt = torch.cat([lin.weight.detach().t() for lin in layers], 1).contiguous()  # (in, out)
-        bias = None if layers[0].bias is None else torch.cat([lin.bias.detach() for lin in layers])  # type: ignore[misc]
+        bias = None if layers[0].bias is None else torch.cat([lin.bias.detach() for lin in layers])
         hit = (key, layers, wt, bias)
         _TRANSPOSED.put(layers[0].weight, hit)
     return torch.addmm(hit[3], x, hit[2]) if hit[3] is not None else x @ hit[2]

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +167,7 @@ class _Block(nn.Module):
         ones of [cache; chunk]. -> x, this chunk's keys and values."""
         B, T, D = x.shape
         H = self.n_head
-        q, k, v = self.inputs(x).split(D, -1)  # (B, T, D) each
+        q, k, v = self.inputs(x).chunk(3, -1)  # (B, T, D) each
         keys, vals = torch.cat([mem_k, k], 1), torch.cat([mem_v, v], 1)  # (B, C+T, D)
         qh = q.view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, Dh)
         kh = keys.view(B, -1, H, D // H).transpose(1, 2)  # (B, H, C+T, Dh)
@@ -187,8 +187,9 @@ class _Block(nn.Module):
     def step_outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """`outputs` at one position a row outside autograd (a decode step): x, att (B, D) -> (B, D), through
         `dense`, the sums in place."""
+        up, down = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])
         x = dense(self.proj, att).add_(x)  # (B, D)
-        return dense(self.mlp[2], dense(self.mlp[0], self.ln2(x)).relu_()).add_(x)
+        return dense(down, dense(up, self.ln2(x)).relu_()).add_(x)
 
     def outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """The block's output from its input x and the attention's att (B, T, D), heads concatenated: the
@@ -197,7 +198,8 @@ class _Block(nn.Module):
             x = x + F.dropout(self.proj(att), self.dropout)  # (B, T, D)
             return x + F.dropout(self.mlp(self.ln2(x)), self.dropout)
         x = x + self.proj(att)  # (B, T, D)
-        return x + self.mlp(self.ln2(x))
+        h: torch.Tensor = self.mlp(self.ln2(x))  # (B, T, D)
+        return x + h
 
 
 def _classifier(cfg: CharTransformerConfig) -> nn.Module:
@@ -340,13 +342,14 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         return fill, views
 
     def _views(self, root: State) -> Parts:
-        return root_memo(root, self._root_views)[1]
+        views: Parts = root_memo(root, self._root_views)[1]
+        return views
 
     def _row_fills(self, state: State) -> torch.Tensor | int:
         """Each row's root's fill (B,); a number where the rows have one root."""
         fills = [root_memo(r, self._root_views)[0] for r in state.roots]
         if len(fills) == 1:
-            return fills[0]
+            return int(fills[0])
         return torch.tensor(fills, device=state.tensors[ROOT].device)[state.tensors[ROOT]]
 
     def _ready(self, state: State) -> torch.Tensor:

@@ -302,8 +302,9 @@ class _Block(nn.Module):
     def step_outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """`outputs` at one position a row outside autograd (a decode step): x, att (B, D) -> (B, D), through
         `dense`, the sums in place."""
+        up, down = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])
         x = dense(self.proj, att).add_(x)  # (B, D)
-        return dense(self.mlp[2], dense(self.mlp[0], self.ln2(x)).relu_()).add_(x)
+        return dense(down, dense(up, self.ln2(x)).relu_()).add_(x)
 
     def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's inputs of x (B, m, D): its queries (B, m, D) and its keys and values (B, m, 2D)."""
@@ -317,7 +318,8 @@ class _Block(nn.Module):
             x = x + F.dropout(self.proj(att), self.dropout)  # (B, m, D)
             return x + F.dropout(self.mlp(self.ln2(x)), self.dropout)
         x = x + self.proj(att)  # (B, m, D)
-        return x + self.mlp(self.ln2(x))
+        h: torch.Tensor = self.mlp(self.ln2(x))  # (B, m, D)
+        return x + h
 
     def _frozen_qkv(self, seg: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries of seg (B, Lq, D) and keys/values of keys (B, Lk, D) with detached copies of this layer's weights
@@ -520,7 +522,8 @@ class CompressiveTransformer(LanguageModel):
         return nc, nf, views
 
     def _views(self, root: State) -> Parts:
-        return root_memo(root, self._root_views)[2]
+        views: Parts = root_memo(root, self._root_views)[2]
+        return views
 
     @staticmethod
     def _current(root: State, sigs: list[torch.Tensor]) -> bool:
