@@ -73,7 +73,7 @@ class _ById:
 
 
 _GROWN = _ById()  # a tail buffer -> the slots written (`grow`)
-_TRANSPOSED = _ById()  # a layer's weight -> (the layers' weights' versions and storage, the layers, their
+_TRANSPOSED = _ById()  # a layer's weight -> (the layers' weights' and biases' versions and storage, the layers, their
 # weights transposed side by side, their biases: `dense`)
 
 
@@ -156,14 +156,12 @@ def tail_padding(n: torch.Tensor, t: int) -> torch.Tensor | None:
 def dense(layer: nn.Linear | tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Tensor:
     """layer(x) for a step's rows outside autograd, x (B, in) -> (B, out); several layers of one input at once,
     their outputs side by side. The weights are kept transposed and contiguous, (in, out), beside the layers, made
-    again when a weight changes (its version or its storage): at a few rows a CPU's matrix product against that
+    again when a weight or bias changes (its version or its storage): at a few rows a CPU's matrix product against that
     layout takes 55-60% of the time of `F.linear`'s against (out, in) (192 -> 576 at one row: 7 against 12 us), and
     a step is mostly such products."""
     layers = layer if isinstance(layer, tuple) else (layer,)
-    w = layers[0].weight
-    hit = _TRANSPOSED.get(w)
-    key = [(w._version, w.data_ptr())] if len(layers) == 1 else [(lin.weight._version, lin.weight.data_ptr())
-                                                                 for lin in layers]
+    hit = _TRANSPOSED.get(layers[0].weight)
+    key = [(t._version, t.data_ptr()) for lin in layers for t in (lin.weight, lin.bias) if t is not None]
     if hit is None or hit[0] != key or hit[1] != layers:  # (modules compare by identity)
         wt = torch.cat([lin.weight.detach().t() for lin in layers], 1).contiguous()  # (in, out)
         bias = None if layers[0].bias is None else torch.cat([lin.bias.detach() for lin in layers])

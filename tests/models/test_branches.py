@@ -384,8 +384,8 @@ def test_root_stack_is_made_at_the_second_step_over_the_same_roots_and_keeps_non
 
 
 def test_dense_is_the_layer_and_follows_its_weights() -> None:
-    """`dense` gives the layer's output (several layers side by side), and after the weights change in place or are
-    replaced, the new weights' (its transposed copy is made again)."""
+    """`dense` gives the layer's output (several layers side by side), and after the weights or biases change in place
+    or are replaced, the new ones' (its transposed copy is made again)."""
     torch.manual_seed(0)
     a, b = torch.nn.Linear(6, 5), torch.nn.Linear(6, 3)
     x = torch.randn(4, 6)
@@ -398,6 +398,10 @@ def test_dense_is_the_layer_and_follows_its_weights() -> None:
         torch.testing.assert_close(dense((a, b), x), torch.cat([a(x), b(x)], 1))
         a.weight = torch.nn.Parameter(torch.randn(5, 6))  # replaced
         torch.testing.assert_close(dense(a, x), a(x))
+        a.bias.add_(1.0)  # a bias alone (its weight unchanged)
+        b.bias.sub_(1.0)
+        torch.testing.assert_close(dense(a, x), a(x))
+        torch.testing.assert_close(dense((a, b), x), torch.cat([a(x), b(x)], 1))
 
 
 def test_tail_padding_is_none_where_every_tail_is_whole() -> None:

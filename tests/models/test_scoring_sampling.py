@@ -211,3 +211,19 @@ def test_feed_many_steps_the_last_batch_when_the_sequences_come_again(model: MLS
     assert stacks == [3, 3, 2, 2]  # the first step, a new order, fewer sequences, one fed alone in between
     for a, b in zip(batched, single, strict=True):
         assert_states_close(a._state, b._state, rtol=1e-5, atol=1e-6)
+
+
+def test_generating_through_the_served_wrappers_leaves_the_network_in_its_mode() -> None:
+    """The server's wrappers (CacheMixed, CopyMixed) take their network's mode when they are made: `generate` and
+    `score_bytes` put the model they are given back in its mode, which for a wrapper made in training mode (a new
+    module's) put a network in eval mode into training mode (dropout on, the transformers' branch form off)."""
+    from models.adaptation import CacheConfig, CacheMixed
+    from models.copymodel import CopyConfig, CopyMixed, CopyModel
+
+    net = MLSTM(MLSTMConfig(hidden=16, embed_dim=8)).eval()
+    for wrapper in (CacheMixed(net, CacheConfig()), CopyMixed(net, CopyModel(CopyConfig())),
+                    CacheMixed(CopyMixed(net, CopyModel(CopyConfig())), CacheConfig())):
+        assert not wrapper.training
+        "".join(generate(wrapper, "ab", SamplingParams(max_tokens=3, temperature=0.0)))
+        score_bytes(wrapper, b"abc")
+        assert not net.training and not wrapper.training
