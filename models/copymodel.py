@@ -398,7 +398,7 @@ class CopyMixed(LanguageModel):
         self.copy = copy
         self.config = base.config
         self.frozen = base.frozen
-        self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) must give it back as it was
+        self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) gives it back as it was
 
     def init_state(self, batch: int) -> State:
         return merge_state(self.base.init_state(batch), empty_view(batch, next(self.base.parameters()).device))

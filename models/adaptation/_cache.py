@@ -144,7 +144,7 @@ class CacheMixed(LanguageModel):
         self.cache_config = config
         self.config = base.config
         self.frozen = base.frozen
-        self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) must give it back as it was
+        self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) gives it back as it was
 
     def init_state(self, batch: int) -> State:
         return self.base.init_state(batch)
