@@ -461,10 +461,7 @@ def slide_windows(tokens: torch.Tensor, st: dict[str, torch.Tensor], context: in
         full = n == C
         if bool(full.any()):  # slide those rows' windows by S: re-encode their newest C-S tokens from position 0
             rows = full.nonzero()[:, 0]
-            sub = {k: v[rows] for k, v in st.items()}
-            fresh = init_state(len(rows)).tensors
-            _, _, new = append(sub["tok"][:, S:], fresh, torch.zeros_like(rows),
-                               mats[rows] if mats is not None else None, False)
+            new = _reencode(st["tok"][rows, S:], append, init_state, mats[rows] if mats is not None else None)
             st = {k: v.index_copy(0, rows, new[k]) for k, v in st.items()}
             n = n.masked_fill(full, C - S)
         m = min(T - i, int((C - n).min()))
@@ -475,6 +472,54 @@ def slide_windows(tokens: torch.Tensor, st: dict[str, torch.Tensor], context: in
         n = n + m
         i += m
     return finals, outs, st
+
+
+def _reencode(kept: torch.Tensor, append: AppendFn, init_state: Callable[[int], State], mats: torch.Tensor | None
+              ) -> dict[str, torch.Tensor]:
+    """Windows of the tokens `kept` (R, L), encoded from position 0 by `append` -> their state. Outside autograd,
+    rows that start with the same tokens under the same adapter (the branches of one keyboard search, the choices of
+    one prompt: they slide together, and differ only in their last bytes) have that start encoded once, then each
+    its own rest; the same keys and values as each row encoded alone (causal: a position reads only those before)."""
+    R, L = kept.shape
+    zeros = torch.zeros(R, dtype=torch.long, device=kept.device)
+    if R == 1 or torch.is_grad_enabled():  # (training: each row its own dropout)
+        return append(kept, init_state(R).tensors, zeros, mats, False)[2]
+    parts = []
+    for rows, start in _common_starts(kept, mats, L // 2):
+        m = mats[rows] if mats is not None else None
+        if len(rows) == 1:
+            parts.append((rows, append(kept[rows], init_state(1).tensors, zeros[:1], m, False)[2]))
+            continue
+        lead = rows[:1]
+        pre = append(kept[lead, :start], init_state(1).tensors, zeros[:1], mats[lead] if mats is not None else None,
+                     False)[2]  # the common start, once
+        shared = {k: v.expand(len(rows), *v.shape[1:]) for k, v in pre.items()}
+        if start < L:
+            shared = append(kept[rows, start:], shared, torch.full_like(rows, start), m, False)[2]
+        parts.append((rows, shared))
+    if len(parts) == 1:
+        return parts[0][1]
+    order = torch.cat([rows for rows, _ in parts]).argsort()  # (R,) each row's place in the parts
+    return {k: torch.cat([p[k] for _, p in parts])[order] for k in parts[0][1]}
+
+
+def _common_starts(tokens: torch.Tensor, mats: torch.Tensor | None, least: int) -> list[tuple[torch.Tensor, int]]:
+    """The rows of `tokens` (R, L) in groups that start with the same tokens (at least `least` of them) under the same
+    adapter matrix: [(rows, the length of the start they share)], each row in one group, in order of their first."""
+    R, L = tokens.shape
+    left = torch.ones(R, dtype=torch.bool, device=tokens.device)
+    groups = []
+    while bool(left.any()):
+        lead = int(left.nonzero()[0, 0])
+        same = (tokens == tokens[lead]).cumprod(1).sum(1)  # (R,) how many tokens each row starts with as the lead
+        if mats is not None:
+            same = same * (mats == mats[lead]).flatten(1).all(1)
+        member = left & (same >= max(least, 1))
+        member[lead] = True
+        rows = member.nonzero()[:, 0]
+        groups.append((rows, int(same[rows].min())))
+        left &= ~member
+    return groups
 
 
 def append_blocks(blocks: nn.ModuleList, x: torch.Tensor, tokens: torch.Tensor, st: dict[str, torch.Tensor],

@@ -201,6 +201,42 @@ def test_rows_at_different_fills_batch_like_each_alone() -> None:
     assert_rows_batch_like_each_alone(_model())
 
 
+@pytest.mark.parametrize("adapters", ["none", "one", "per row"])
+def test_rows_that_slide_together_encode_their_common_start_once(adapters: str) -> None:
+    """Rows of one history that differ in their last bytes (a keyboard search's branches, a prompt's choices) slide
+    their windows together: the start they share is encoded once (under one adapter; rows under different adapters
+    each alone), and every row's output and window equal its own forward alone."""
+    model = _model(adapt_layer=0)  # a site after the first block: the adapter shapes later blocks' keys and values
+    C, S, B = model.config.context, model.stride, 5
+    history = _tokens(C - 3)
+    tails = _tokens(4, B, seed=1)  # 3 bytes fill each window, the 4th slides it
+    k = model.adaptation_sites()[0].adapter_size()
+    gen = torch.Generator().manual_seed(2)
+    mats = {"none": None, "one": 0.1 * torch.randn(1, k, k, generator=gen).expand(B, k, k),
+            "per row": 0.1 * torch.randn(B, k, k, generator=gen)}[adapters]
+    adapter = None if mats is None else Adapter({"resid": mats})
+    with torch.no_grad():
+        root = model(history, model.init_state(1)).state
+        encoded: list[int] = []
+        append = model._append
+
+        def counting(tokens: torch.Tensor, *args: Any) -> Any:
+            encoded.append(tokens.numel())
+            return append(tokens, *args)
+
+        model._append = counting  # type: ignore[method-assign]
+        out = model(tails, root.take(torch.zeros(B, dtype=torch.long)), adapter)
+        del model._append
+        slid = sum(encoded) - B * tails.shape[1]  # the positions the slide re-encoded
+        for b in range(B):
+            alone = model(tails[b : b + 1], root, None if mats is None else Adapter({"resid": mats[b : b + 1]}))
+            torch.testing.assert_close(out.logits[b : b + 1], alone.logits, rtol=1e-4, atol=1e-5)
+            for name, value in alone.state.tensors.items():
+                torch.testing.assert_close(out.state.tensors[name][b : b + 1], value, rtol=1e-4, atol=1e-5)
+    kept = C - S  # each row's window keeps this many, of which all but its 3 own bytes are the history's
+    assert slid == (B * kept if adapters == "per row" else kept - 3 + B * 3)
+
+
 def test_generation_with_the_cache_equals_recomputation() -> None:
     """Greedy generation (one position per byte through the cache) is the argmax of a fresh forward over the whole
     text each time, past several slides of the window."""
