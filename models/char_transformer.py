@@ -34,7 +34,8 @@ it slides by the stride S: its newest C-S bytes are re-encoded from position 0 (
 next S bytes are appended. So every byte is predicted with between C-S and C-1 bytes of context (at least C/2 by
 default), and the amortised cost is 1 + (C-S)/S positions per byte (2 at S = C/2), attention over up to C keys. The
 procedure depends only on each row's stream, not on how it is cut into calls: pieces equal one forward exactly
-(up to float summation order). Rows of a batch slide independently (sessions at different fills batch together).
+(up to float summation order). Rows of a batch slide independently (sessions at different fills batch together);
+rows that slide together and start the same under one adapter (a search's branches) encode that start once.
 With the site after an intermediate layer the adapter also shapes the cached keys/values of later layers; a slide
 re-encodes with the adapter of that call.
 
