@@ -30,6 +30,7 @@ class ByteTokenizer(StreamMixin):
     kind = "bytes"
     vocab_size = 256
     bos = _NEWLINE  # the token before a stream's first one
+    unknown: tuple[int, ...] = ()  # no unknown token: every byte is its own
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ByteTokenizer) and other.to_dict() == self.to_dict()
@@ -65,6 +66,15 @@ class ByteTokenizer(StreamMixin):
         """(stable, pending) of text arriving in pieces (`WordTokenizer.split_stable`): a byte is its own token, so
         every byte is stable and nothing waits."""
         return data, b""
+
+    def heal(self, data: bytes) -> tuple[bytes, bytes]:
+        """(kept, held) of a prompt for token healing (`WordTokenizer.heal`): no byte token spans others, so no cut
+        moves and nothing is held."""
+        return data, b""
+
+    def continuing(self, held: bytes) -> torch.Tensor:
+        """The (n,) tokens that may come next while `held` is still to be generated: its first byte."""
+        return torch.tensor(list(held[:1]), dtype=torch.long)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for."""

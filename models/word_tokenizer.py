@@ -57,6 +57,9 @@ SPLITS: dict[str, re.Pattern[str]] = {
     "words": re.compile(r" ?(?:<unk>|\w+(?:['’]\w+)*|[^\w\s]" + _TAIL),
     "whitespace": re.compile(r" ?(?:\S+" + _TAIL),
 }
+# What may follow a text, one of each kind that decides where the tokenizer cuts it (a token looks at most a space
+# and one character ahead): token healing (`heal`) holds back the tokens that any of them changes.
+_PROBES = ("a", "'a", ".", "\n", " ", " a", " \n")
 
 
 class TextSize(NamedTuple):
@@ -73,6 +76,7 @@ class WordTokenizer(StreamMixin):
     bos = 0  # "\n": the token before a stream's first one
     eos = 0
     unk = _UNK_ID
+    unknown = (_UNK_ID, _SPACE_UNK_ID)  # the unknown word's ids, which generation never samples
 
     def __init__(self, vocab: Sequence[str], split: str = "words") -> None:
         if split not in SPLITS:
@@ -215,6 +219,46 @@ class WordTokenizer(StreamMixin):
         typed = self.tokens(text + "a")[-1][:-1]  # "a" goes on the word being typed, or starts the next one
         settled = text[: len(text) - len(typed)]
         return settled.encode("utf-8", errors="surrogateescape"), typed.encode("utf-8", errors="surrogateescape")
+
+    def heal(self, data: bytes) -> tuple[bytes, bytes]:
+        """Token healing: cut a prompt -> (kept, held), `held` the last tokens of `data` whose cut may still move with
+        what follows ("there was a " -> " ": after a space comes " the", never " " then "the"; " thi" of "a thi";
+        " don'" of "I don'", one token in " don't"; b"" when every cut stays: "cat.", "\n", a prompt ending in an
+        unfinished UTF-8 character). A generation conditions on `kept`, whose tokens begin those of every
+        continuation, and continues `held` as typed (`continuing`). Nothing is held when no vocabulary entry can
+        continue it (" zyzzy": the model reads its " <unk>")."""
+        stable, pending = self.split_stable(data)
+        try:
+            text = pending.decode("utf-8")
+        except UnicodeDecodeError:
+            return data, b""
+        tokens = self.tokens(text)
+        keep = len(tokens)
+        for probe in _PROBES:  # the first token that some continuation changes
+            after = self.tokens(text + probe)
+            keep = min(keep, next((i for i, (a, b) in enumerate(zip(tokens, after, strict=False)) if a != b), keep))
+        held = "".join(tokens[keep:]).encode("utf-8")
+        if not held or not self.continuing(held).numel():
+            return data, b""
+        return data[: len(data) - len(held)], held
+
+    def continuing(self, held: bytes) -> torch.Tensor:
+        """The (n,) ids of the tokens that may come next while `held` (`heal`'s, or what a token before left of it)
+        is still to be generated: the entries whose text starts with it (the words, and " \n" after a lone space;
+        never <unk>), and those that the tokenizer cuts from its start whatever follows, when the rest can be
+        continued in turn (" " of "  " before a word, which is " " + " the"; " don" of " don'", then "'"). A
+        token that merely spells a start of it (" th" + "is" for " thi") is no cut the tokenizer makes, and is left
+        out. Ascending ids."""
+        text = held.decode("utf-8")
+        extra = {i for i in (0, 1) if self._bytes[i].startswith(held)}  # "\n", " \n"
+        for probe in _PROBES:
+            first = self.tokens(text + probe)[0]
+            i = self._ids.get(first)
+            if (i is not None and i not in self.unknown and len(first) < len(text) and text.startswith(first)
+                    and self.continuing(held[len(first.encode("utf-8")):]).numel()):
+                extra.add(i)
+        words = self.ids_with_prefix(held)  # (n,) in byte order; none of them is in `extra` (shorter, or special)
+        return torch.cat([words, torch.tensor(sorted(extra), dtype=torch.long)]).sort().values  # (n + e,)
 
     def offered(self, ids: torch.Tensor, typed: bytes, max_chars: int) -> torch.Tensor:
         """A (n,) mask of the entries `ids` (n,) (those `ids_with_prefix(typed)` gives) that a keyboard may offer as

@@ -217,3 +217,69 @@ def test_the_word_being_typed_and_the_entries_a_keyboard_may_offer_for_it() -> N
         got = sorted(tok.vocab[i] for i, ok in zip(ids.tolist(), tok.offered(ids, typed, max_chars).tolist(),
                                                     strict=True) if ok)
         assert got == sorted(words), typed
+
+
+HEAL_TEXT = ("there was a thing, this and that; I think things. I don't know. They don't, don't they?  Two spaces.\n"
+             "   Indented. Then there the them then.\n")
+
+
+def test_heal_holds_back_the_tokens_that_what_follows_may_change() -> None:
+    """Token healing: a trailing space, a word cut short, a word with an apostrophe still open; nothing after a
+    mark, an end of line, or a word no entry continues."""
+    tok = WordTokenizer.build([HEAL_TEXT])
+    cases = {
+        "there was a ": ("there was a", " "),
+        "there was a thi": ("there was a", " thi"),
+        "there was a thing": ("there was a", " thing"),  # " things" may follow
+        "I don'": ("I", " don'"),  # " don't" is one token
+        "I think things.": ("I think things.", ""),
+        "I think\n": ("I think\n", ""),
+        "a  ": ("a", "  "),  # before a word, the run leaves its last space to it: [" ", " the"]
+        "a  th": ("a ", " th"),
+        "ther": ("", "ther"),  # at a line's start: "there", no space
+        "a zyzzy": ("a zyzzy", ""),  # no entry starts with " zyzzy": the model reads its " <unk>"
+        "": ("", ""),
+    }
+    for prompt, (kept, held) in cases.items():
+        assert tok.heal(prompt.encode()) == (kept.encode(), held.encode()), prompt
+    assert tok.heal("a caf\u00e9"[:-1].encode() + b"\xc3") == ("a caf\u00e9"[:-1].encode() + b"\xc3", b"")
+    assert ByteTokenizer().heal(b"there was a thi") == (b"there was a thi", b"")  # a byte is never cut
+
+
+def test_continuing_allows_the_tokenizers_own_cuts_and_never_unk() -> None:
+    tok = WordTokenizer.build([HEAL_TEXT])
+
+    def texts(held: str) -> set[str]:
+        ids = tok.continuing(held.encode())
+        assert ids.tolist() == sorted(ids.tolist())
+        return {tok.vocab[i] for i in ids.tolist()}
+
+    assert texts(" thi") == {" thing", " things", " think", " this"}  # not " th" + "ing": no cut the tokenizer makes
+    assert texts(" don'") == {" don't"}
+    assert " " in texts(" ") and " \n" in texts(" ") and " the" in texts(" ") and "the" not in texts(" ")
+    assert texts("  ") == {" ", "  "}  # " " then " Two", or a longer run ("  " + " Indented")
+    assert not any("<unk>" in t for t in texts(" ")) and not texts(" zyzzy")
+
+
+@pytest.mark.parametrize("split", ["words", "whitespace"])
+def test_healing_keeps_every_cut_of_every_continuation_and_allows_its_tokens(split: str) -> None:
+    """Whatever follows a prompt: the kept part's tokens begin the whole text's, and the whole text's own tokens
+    after them are allowed one by one by `continuing` until the held-back text is covered (when they are all in
+    the vocabulary)."""
+    tok = WordTokenizer.build([HEAL_TEXT], split=split)
+    follows = ["", "t", "ng", "s", "s.", " the", ".", "\n", " ", "  Two", "'t know", "n't", " \n", "\t", "k"]
+    for end in range(len(HEAL_TEXT) + 1):
+        prompt = HEAL_TEXT[:end].rsplit("\n", 1)[-1]
+        kept, held = tok.heal(prompt.encode())
+        assert kept + held == prompt.encode()
+        for follow in follows:
+            whole = tok.tokens(prompt + follow)
+            first = tok.tokens(kept)
+            assert whole[: len(first)] == first, (prompt, follow)
+            rest, after = held, whole[len(first):]
+            while rest and after and after[0] in tok.vocab:
+                token = tok.vocab.index(after[0])
+                assert token in tok.continuing(rest).tolist(), (prompt, follow, after[0])
+                data = after.pop(0).encode()
+                rest = rest[len(data):] if rest.startswith(data) else b"" if data.startswith(rest) else b"?"
+                assert rest != b"?"
