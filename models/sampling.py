@@ -4,6 +4,9 @@
 A step is two halves, `sample()` (no model call) and `feed(token)` (one model step), so that a server
 can check for cancellation between tokens, interleave sequences, or run the model steps of many
 sequences as one batched forward. `generate` is the plain loop over a `Stepper`.
+
+A word model's generation never samples the unknown word (docs/architecture.md, "Word-level models": masked before
+temperature, top-k and top-p; its log-probabilities stay in `Step.logits`). A byte model has no token masked.
 """
 
 from __future__ import annotations
@@ -136,7 +139,9 @@ class Step:
     token: int
     text: str  # text that became safe to give out with this byte (may be empty)
     offset: int  # index in the generated text of the character this byte starts or continues
-    logits: torch.Tensor  # (V,) the raw logits the byte was sampled from
+    # (V,) the raw log-probabilities the token was sampled from (before temperature, top-k, top-p and the unknown
+    # word's mask)
+    logits: torch.Tensor
 
 
 class Stepper:
@@ -171,6 +176,8 @@ class Stepper:
         self.decoder = TextDecoder(params.stop)
         self.tokens = 0  # bytes sampled so far
         self.finish_reason: FinishReason | None = None
+        unknown = self.tokenizer.unknown  # never sampled
+        self._unknown = torch.tensor(unknown, dtype=torch.long, device=self.device) if unknown else None
 
     @property
     def _state(self) -> State:
@@ -220,8 +227,10 @@ class Stepper:
             raise RuntimeError("prefill before sampling")
         if self.finish_reason is not None:
             raise RuntimeError("the sequence is finished")
-        logits = self._logits
-        token = sample_next(logits, self.params, self._generator)
+        logits = weights = self._logits  # (V,)
+        if self._unknown is not None:  # never write the unknown word; renormalised by the sampling's softmax
+            weights = weights.index_fill(0, self._unknown, -math.inf)  # (V,)
+        token = sample_next(weights, self.params, self._generator)
         offset = self.decoder.chars
         self.tokens += 1
         last = self.tokens == self.params.max_tokens

@@ -3,9 +3,12 @@ import math
 import pytest
 import torch
 
+from models.awd_lstm import AWDLSTM, AWDLSTMConfig
+from models.base import Output
 from models.mlstm import MLSTM, MLSTMConfig
-from models.sampling import SamplingParams, Stepper, TextDecoder, filter_logits, generate
+from models.sampling import SamplingParams, Step, Stepper, TextDecoder, filter_logits, generate
 from models.scoring import BOS, score_bytes
+from models.tokenizer import WordTokenizer
 from tests._families import assert_batched_steppers_equal_each_alone, assert_states_close
 
 
@@ -227,3 +230,53 @@ def test_generating_through_the_served_wrappers_leaves_the_network_in_its_mode()
         "".join(generate(wrapper, "ab", SamplingParams(max_tokens=3, temperature=0.0)))
         score_bytes(wrapper, b"abc")
         assert not net.training and not wrapper.training
+
+
+# -- a word model: the unknown word ---------------------------------------------------------------------------------
+
+WORD_TEXT = ("there was a thing, this and that; I think things. I don't know. They don't, don't they?  Two spaces.\n"
+             "   Indented. Then there the them then. A cat, a dog and a bird.\n")
+
+
+@pytest.fixture(scope="module")
+def words() -> tuple[AWDLSTM, WordTokenizer]:
+    tok = WordTokenizer.build([WORD_TEXT])
+    torch.manual_seed(0)
+    model = AWDLSTM(AWDLSTMConfig(vocab_size=tok.vocab_size, emb_size=8, hidden_size=16, layers=2)).eval()
+    return model, tok
+
+
+def word_steps(model: AWDLSTM, tok: WordTokenizer, prompt: str, params: SamplingParams) -> list[Step]:
+    stepper = Stepper(model, params, tokenizer=tok)
+    stepper.prefill(prompt.encode())
+    steps = []
+    while stepper.finish_reason is None:
+        steps.append(stepper.step())
+    return steps
+
+
+def test_the_unknown_word_is_never_sampled_but_still_scored(words: tuple[AWDLSTM, WordTokenizer],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """<unk> made the most likely token by far: greedy takes the best known token, sampling renormalises over the
+    known ones; the step's log-probs (what logprobs report) keep the model's own, <unk> included."""
+    model, tok = words
+    plain = model.log_probs
+
+    def unk_heavy(output: Output) -> torch.Tensor:
+        boost = torch.zeros(tok.vocab_size)
+        boost[list(tok.unknown)] = 20.0
+        return torch.log_softmax(plain(output) + boost, dim=-1)
+
+    monkeypatch.setattr(model, "log_probs", unk_heavy)
+    for params in (SamplingParams(max_tokens=20, temperature=0), SamplingParams(max_tokens=20, seed=4),
+                   SamplingParams(max_tokens=20, seed=5, top_k=3, top_p=0.5)):
+        for prompt in ("I think things.", "there was a "):
+            steps = word_steps(model, tok, prompt, params)
+            assert not {s.token for s in steps} & set(tok.unknown)
+            assert "<unk>" not in "".join(s.text for s in steps)
+            assert all(int(s.logits.argmax()) in tok.unknown for s in steps)
+            if params.temperature == 0:
+                for s in steps:
+                    known = s.logits.clone()
+                    known[list(tok.unknown)] = -math.inf
+                    assert s.token == int(known.argmax())
