@@ -5,8 +5,10 @@ A step is two halves, `sample()` (no model call) and `feed(token)` (one model st
 can check for cancellation between tokens, interleave sequences, or run the model steps of many
 sequences as one batched forward. `generate` is the plain loop over a `Stepper`.
 
-A word model's generation never samples the unknown word (docs/architecture.md, "Word-level models": masked before
-temperature, top-k and top-p; its log-probabilities stay in `Step.logits`). A byte model has no token masked.
+A word model's generation (docs/architecture.md, "Word-level models"): the prompt's last tokens whose cut may move
+with what follows are held back and continued as typed (token healing, `Stepper.prefill`), and the unknown word is
+never sampled (masked before temperature, top-k and top-p; its log-probabilities stay in `Step.logits`). A byte
+model's has neither: no byte is held, no token masked.
 """
 
 from __future__ import annotations
@@ -89,13 +91,16 @@ class TopLogprobs:
 
 def top_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> TopLogprobs:
     """logits: (T, V), targets: (T,) -> each target's natural-log probability under the raw (unfiltered,
-    temperature 1) distribution, and the k most likely tokens with theirs, most likely first."""
+    temperature 1) distribution, and the k most likely tokens with theirs, most likely first (at most those whose
+    logit is not -inf)."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # (T, V), as scoring computes it
     chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (T,)
-    top = torch.topk(logp, k, dim=-1) if k else None  # (T, k)
+    top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1) if k else None  # (T, k)
     ids: list[list[int]] = top.indices.tolist() if top is not None else [[] for _ in range(targets.numel())]
     lps: list[list[float]] = top.values.tolist() if top is not None else [[] for _ in range(targets.numel())]
-    return TopLogprobs(chosen.tolist(), [list(zip(i, v, strict=True)) for i, v in zip(ids, lps, strict=True)])
+    # logits at -inf (the tokens a healed position does not allow) are no alternatives
+    return TopLogprobs(chosen.tolist(), [[(t, lp) for t, lp in zip(i, v, strict=True) if lp != -math.inf]
+                                         for i, v in zip(ids, lps, strict=True)])
 
 
 class TextDecoder:
@@ -140,8 +145,10 @@ class Step:
     text: str  # text that became safe to give out with this byte (may be empty)
     offset: int  # index in the generated text of the character this byte starts or continues
     # (V,) the raw log-probabilities the token was sampled from (before temperature, top-k, top-p and the unknown
-    # word's mask)
+    # word's mask); while the prompt's held-back text is continued, -inf outside the tokens allowed there
     logits: torch.Tensor
+    data: bytes = b""  # the bytes the token adds to the generated text: its own, past `held`
+    held: bytes = b""  # the prompt's held-back text still to generate when the token was sampled (token healing)
 
 
 class Stepper:
@@ -176,6 +183,8 @@ class Stepper:
         self.decoder = TextDecoder(params.stop)
         self.tokens = 0  # bytes sampled so far
         self.finish_reason: FinishReason | None = None
+        # the end of the prompt that token healing held back (`prefill`), less what sampled tokens have covered
+        self._held = b""
         unknown = self.tokenizer.unknown  # never sampled
         self._unknown = torch.tensor(unknown, dtype=torch.long, device=self.device) if unknown else None
 
@@ -193,21 +202,34 @@ class Stepper:
 
     @torch.no_grad()
     def prefill(self, prompt: bytes, *, logprobs: int | None = None, chunk: int = 1024) -> TopLogprobs | None:
-        """Run the prompt (after the last byte of the state); with `logprobs` = k, also return every prompt
-        byte's log-probability and the top k at its position (the first byte's is conditioned on the BOS byte)."""
+        """Run the prompt (after the last token of the state); with `logprobs` = k, also return every prompt
+        token's log-probability and the top k at its position (the first token's is conditioned on the BOS token).
+
+        Token healing: the prompt's last tokens whose cut may move with what follows (`Tokenizer.heal`: a word
+        model's trailing " ", a word cut short; never a byte) are held back. The model reads the prompt without them,
+        and the first tokens sampled must continue them as typed (`Tokenizer.continuing`); the generated text is
+        what they add past the held-back text, so the prompt plus it is the text generated. The held tokens are
+        still scored as written."""
         if self._logits is not None:
             raise RuntimeError("prefill runs once")
-        ids = self.tokenizer.encode_tensor(prompt, self.device)  # (T,)
-        context = torch.cat([ids.new_tensor([self._last_byte]), ids])  # (T+1,) the token before, then the prompt
+        ids = self.tokenizer.encode_tensor(prompt, self.device)  # (T,) the prompt as written
+        _, held = self.tokenizer.heal(prompt)
+        n = ids.numel() - len(self.tokenizer.encode(held)) if held else ids.numel()  # the tokens read
+        context = torch.cat([ids.new_tensor([self._last_byte]), ids[:n]])  # (n+1,) the token before, then those
         scored = TopLogprobs() if logprobs is not None else None
         state = self._state
         for start in range(0, context.numel(), chunk):
             out = self.model(context[start : start + chunk].unsqueeze(0), state, self.adapter)  # logits (1, t, V)
             state = out.state
-            targets = context[start + 1 : start + chunk + 1]  # (t,) or (t-1,) in the last chunk
+            targets = ids[start : start + chunk]  # (t,): the tokens they predict; (t-1,) in the last chunk unhealed
             if scored is not None and targets.numel():
                 scored.extend(top_logprobs(self.model.log_probs(out)[0, : targets.numel()], targets, logprobs or 0))
         self._state, self._logits = state, self.model.log_probs(out)[0, -1]  # log-probs: the model's distribution
+        if scored is not None and ids.numel() - n > 1:  # the held tokens after the first, read on a copy
+            copy = State({k: v.clone() for k, v in state.tensors.items()}, state.roots)
+            rest = self.model(ids[n:-1].unsqueeze(0), copy, self.adapter)  # logits (1, T-n-1, V)
+            scored.extend(top_logprobs(self.model.log_probs(rest)[0], ids[n + 1 :], logprobs or 0))
+        self._held = held
         return scored
 
     def fork(self, params: SamplingParams) -> Stepper:
@@ -217,7 +239,7 @@ class Stepper:
         # the roots of a branch form are never changed in place: shared, not copied
         state = State({k: v.clone() for k, v in self._state.tensors.items()}, self._state.roots)
         other = Stepper(self.model, params, state=state, adapter=self.adapter, tokenizer=self.tokenizer)
-        other._logits = self._logits
+        other._logits, other._held = self._logits, self._held
         return other
 
     @torch.no_grad()
@@ -227,19 +249,27 @@ class Stepper:
             raise RuntimeError("prefill before sampling")
         if self.finish_reason is not None:
             raise RuntimeError("the sequence is finished")
-        logits = weights = self._logits  # (V,)
+        logits = held_logits = self._logits  # (V,)
+        held = self._held
+        if held:  # only the tokens that continue the held-back text as typed
+            allowed = self.tokenizer.continuing(held).to(self.device)  # (n,)
+            held_logits = torch.full_like(logits, -math.inf).index_copy_(0, allowed, logits[allowed])  # (V,)
+        weights = held_logits
         if self._unknown is not None:  # never write the unknown word; renormalised by the sampling's softmax
             weights = weights.index_fill(0, self._unknown, -math.inf)  # (V,)
         token = sample_next(weights, self.params, self._generator)
+        data = self.tokenizer.token_bytes(token)
+        self._held = held[len(data):]  # b"" once a token covers it (or was never held)
+        data = data[len(held):]  # past the held text (b"" for a token that covers a start of it)
         offset = self.decoder.chars
         self.tokens += 1
         last = self.tokens == self.params.max_tokens
-        text = self.decoder.push(self.tokenizer.token_bytes(token), final=last)
+        text = self.decoder.push(data, final=last)
         if self.decoder.stopped:
             self.finish_reason = "stop"
         elif last:
             self.finish_reason = "length"
-        return Step(token, text, offset, logits)
+        return Step(token, text, offset, held_logits, data, held)
 
     @torch.no_grad()
     def feed(self, token: int) -> None:

@@ -70,6 +70,9 @@ class Token:
     offset: int  # index in the sequence's generated text of the character this token starts or continues
     logprob: TokenLogprob | None
     time: float  # time.perf_counter() when it was sampled
+    # the prompt's held-back text still to generate when it was sampled (`Stepper.prefill`: token healing): the
+    # token, and each of its alternatives, adds its own text past it (the start of the token's text is the prompt's)
+    held: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -233,13 +236,13 @@ class GenerationJob(Work):
             self._first_token.setdefault(i, now)
             stats.generated_tokens += 1
             if i == 0 and self.adapt:
-                self.generated += self.tokenizer.token_bytes(step.token)
+                self.generated += step.data  # past the prompt's held-back text, which the prompt has
             logprob = None
             if self._logprobs is not None:
                 target = torch.tensor([step.token], device=step.logits.device)  # (1,)
                 scored = top_logprobs(step.logits.unsqueeze(0), target, self._logprobs)
                 logprob = TokenLogprob(scored.logprobs[0], tuple(scored.top[0]))
-            self._send(Token(i, step.token, step.text, step.offset, logprob, now))
+            self._send(Token(i, step.token, step.text, step.offset, logprob, now, step.held))
             if stepper.finish_reason is not None:
                 del self._steppers[i]
                 submitted = self.stream.submitted

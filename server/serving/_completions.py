@@ -5,7 +5,9 @@ A token is the model's (GET /v1/models `tokenizer`): a byte, or a word model's w
 its leading space included); `max_tokens` and the usage count them. Log-probabilities are under the model's raw
 distribution (temperature 1, no top-p), as scoring gives them. A generated token's logprobs entry goes out with the
 chunk whose text contains its first character, so that streamed and whole answers agree; tokens of a stop string
-are left out like its text.
+are left out like its text. A word model holds back the prompt's end that the first tokens continue (token healing,
+`Stepper.prefill`): such a token's entry shows what it adds past the prompt, its logprob under the distribution
+restricted to the tokens allowed there; echo lists the prompt's tokens as written.
 """
 
 from __future__ import annotations
@@ -106,17 +108,19 @@ async def _session_named(user: str | None, ctx: Context) -> str | None:
     return user
 
 
-def _show(tokenizer: Tokenizer, token: int) -> str:
-    """A token's text: a byte decoded alone (U+FFFD when it is part of a character), a word with its space."""
-    return tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+def _show(tokenizer: Tokenizer, token: int, held: bytes = b"") -> str:
+    """A token's text: a byte decoded alone (U+FFFD when it is part of a character), a word with its space; a token
+    that continues the prompt's held-back text `held` (token healing), what it adds past it ("ng" of " thing" after
+    "a thi"; "" for one that covers a start of it)."""
+    return tokenizer.token_bytes(token)[len(held):].decode("utf-8", errors="replace")
 
 
-def _top(tokenizer: Tokenizer, logprob: TokenLogprob, token: int) -> dict[str, float]:
+def _top(tokenizer: Tokenizer, logprob: TokenLogprob, token: int, held: bytes = b"") -> dict[str, float]:
     """The top alternatives and the chosen token (as OpenAI: up to logprobs + 1 entries). Bytes that show as the
     same string (U+FFFD) keep the most likely one's value."""
     top: dict[str, float] = {}
     for t, lp in (*logprob.top, (token, logprob.logprob)):
-        top.setdefault(_show(tokenizer, t), lp)
+        top.setdefault(_show(tokenizer, t, held), lp)
     return top
 
 
@@ -124,9 +128,9 @@ def _block(tokenizer: Tokenizer, tokens: list[Token], base: int) -> CompletionLo
     out = CompletionLogprobs()
     for t in tokens:
         assert t.logprob is not None
-        out.tokens.append(_show(tokenizer, t.token))
+        out.tokens.append(_show(tokenizer, t.token, t.held))
         out.token_logprobs.append(t.logprob.logprob)
-        out.top_logprobs.append(_top(tokenizer, t.logprob, t.token))
+        out.top_logprobs.append(_top(tokenizer, t.logprob, t.token, t.held))
         out.text_offset.append(base + t.offset)
     return out
 
@@ -208,7 +212,7 @@ class _Choice:
     logprobs: bool
     text: list[str] = field(default_factory=list)
     chars: int = 0  # generated characters released so far
-    held: list[Token] = field(default_factory=list)
+    waiting: list[Token] = field(default_factory=list)  # tokens whose entry waits for their first character
     released: list[CompletionLogprobs] = field(default_factory=list)
     finished: Finished | None = None
 
@@ -217,9 +221,9 @@ class _Choice:
         self.chars += len(token.text)
         if not self.logprobs:
             return token.text, None
-        self.held.append(token)
-        ready = [t for t in self.held if t.offset < self.chars]
-        self.held = self.held[len(ready):]
+        self.waiting.append(token)
+        ready = [t for t in self.waiting if t.offset < self.chars]
+        self.waiting = self.waiting[len(ready):]
         block = _block(self.tokenizer, ready, self.base) if ready else None
         if block is not None:
             self.released.append(block)
@@ -227,7 +231,7 @@ class _Choice:
 
     def finish(self, event: Finished) -> None:
         self.finished = event
-        self.held = []  # tokens of a stop string: their text never went out either
+        self.waiting = []  # tokens of a stop string: their text never went out either
 
     @property
     def finish_reason(self) -> FinishReason:

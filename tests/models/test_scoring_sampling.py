@@ -6,9 +6,9 @@ import torch
 from models.awd_lstm import AWDLSTM, AWDLSTMConfig
 from models.base import Output
 from models.mlstm import MLSTM, MLSTMConfig
-from models.sampling import SamplingParams, Step, Stepper, TextDecoder, filter_logits, generate
+from models.sampling import SamplingParams, Step, Stepper, TextDecoder, filter_logits, generate, sample_next
 from models.scoring import BOS, score_bytes
-from models.tokenizer import WordTokenizer
+from models.tokenizer import ByteTokenizer, WordTokenizer
 from tests._families import assert_batched_steppers_equal_each_alone, assert_states_close
 
 
@@ -232,7 +232,7 @@ def test_generating_through_the_served_wrappers_leaves_the_network_in_its_mode()
         assert not net.training and not wrapper.training
 
 
-# -- a word model: the unknown word ---------------------------------------------------------------------------------
+# -- a word model: token healing and the unknown word ----------------------------------------------------------------
 
 WORD_TEXT = ("there was a thing, this and that; I think things. I don't know. They don't, don't they?  Two spaces.\n"
              "   Indented. Then there the them then. A cat, a dog and a bird.\n")
@@ -255,6 +255,70 @@ def word_steps(model: AWDLSTM, tok: WordTokenizer, prompt: str, params: Sampling
     return steps
 
 
+def after(model: AWDLSTM, tok: WordTokenizer, text: bytes) -> torch.Tensor:
+    """(V,) log-probs of the next token after `text`, from the stream's start (a reference: one plain forward)."""
+    inputs = torch.tensor([[tok.bos, *tok.encode(text)]])
+    return torch.log_softmax(model(inputs, model.init_state(1)).logits[0, -1].float(), -1)
+
+
+@pytest.mark.parametrize("prompt", ["there was a ", "there was a thi", "I don'", "a  ", "Two spaces.  T", "ther"])
+def test_a_word_prompt_is_healed_and_continued_as_typed(words: tuple[AWDLSTM, WordTokenizer], prompt: str) -> None:
+    """The prompt's held-back end is not read: the first token is the best one, after the rest of the prompt, of
+    those that continue it as typed; the text generated is what the tokens add past it, so that the prompt plus
+    the text is the rest of the prompt plus the tokens' text."""
+    model, tok = words
+    kept, held = tok.heal(prompt.encode())
+    assert held
+    steps = word_steps(model, tok, prompt, SamplingParams(max_tokens=6, temperature=0))
+    allowed = tok.continuing(held)
+    expected = allowed[after(model, tok, kept)[allowed].argmax()]
+    assert steps[0].token == expected and steps[0].held == held
+    assert bool(torch.isinf(steps[0].logits).sum() == tok.vocab_size - allowed.numel())  # logprobs among them
+    ids = [s.token for s in steps]
+    text = "".join(s.text for s in steps)
+    assert prompt + text == (kept + tok.decode_bytes(ids)).decode()
+    assert b"".join(s.data for s in steps) == text.encode()
+    for seed in range(5):  # sampled: the same
+        steps = word_steps(model, tok, prompt, SamplingParams(max_tokens=4, seed=seed))
+        assert prompt + "".join(s.text for s in steps) == (kept + tok.decode_bytes([s.token for s in steps])).decode()
+
+
+def test_a_prompt_that_needs_no_healing_is_read_whole(words: tuple[AWDLSTM, WordTokenizer]) -> None:
+    model, tok = words
+    for prompt in ("I think things.", "a zyzzy", "Then\n"):
+        assert tok.heal(prompt.encode())[1] == b""
+        [step] = word_steps(model, tok, prompt, SamplingParams(max_tokens=1, temperature=0))
+        known = after(model, tok, prompt.encode())
+        torch.testing.assert_close(step.logits, known, rtol=1e-5, atol=1e-5)
+        known[list(tok.unknown)] = -math.inf
+        assert step.token == int(known.argmax())
+        assert step.held == b"" and step.data == tok.token_bytes(step.token)
+
+
+def test_healed_prompt_logprobs_score_the_prompt_as_written(words: tuple[AWDLSTM, WordTokenizer]) -> None:
+    model, tok = words
+    for prompt in ("I don'", "there was a thi", "a  ", "ther"):
+        stepper = Stepper(model, SamplingParams(max_tokens=3), tokenizer=tok)
+        scored = stepper.prefill(prompt.encode(), logprobs=2, chunk=2)
+        assert scored is not None and len(scored.logprobs) == len(tok.encode(prompt))
+        expected = score_bytes(model, prompt.encode(), logprobs=True, tokenizer=tok).logprobs
+        assert scored.logprobs == pytest.approx(expected, abs=1e-5)
+        # the held tokens are only scored: generation reads the prompt without them
+        kept = tok.heal(prompt.encode())[0]
+        torch.testing.assert_close(stepper._logits, after(model, tok, kept), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fork_continues_the_same_held_text(words: tuple[AWDLSTM, WordTokenizer]) -> None:
+    model, tok = words
+    first = Stepper(model, SamplingParams(max_tokens=4, seed=1), tokenizer=tok)
+    first.prefill(b"there was a thi")
+    forked = first.fork(SamplingParams(max_tokens=4, seed=2))
+    other = [forked.step() for _ in range(4)]
+    assert [s.token for s in other] == [s.token for s in word_steps(model, tok, "there was a thi",
+                                                                    SamplingParams(max_tokens=4, seed=2))]
+    assert other[0].held == b" thi"
+
+
 def test_the_unknown_word_is_never_sampled_but_still_scored(words: tuple[AWDLSTM, WordTokenizer],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """<unk> made the most likely token by far: greedy takes the best known token, sampling renormalises over the
@@ -274,9 +338,32 @@ def test_the_unknown_word_is_never_sampled_but_still_scored(words: tuple[AWDLSTM
             steps = word_steps(model, tok, prompt, params)
             assert not {s.token for s in steps} & set(tok.unknown)
             assert "<unk>" not in "".join(s.text for s in steps)
-            assert all(int(s.logits.argmax()) in tok.unknown for s in steps)
+            unheld = [s for s in steps if not s.held]
+            assert unheld and all(int(s.logits.argmax()) in tok.unknown for s in unheld)
             if params.temperature == 0:
-                for s in steps:
+                for s in unheld:
                     known = s.logits.clone()
                     known[list(tok.unknown)] = -math.inf
                     assert s.token == int(known.argmax())
+
+
+def test_byte_generation_is_plain_sampling_of_the_raw_logits(model: MLSTM) -> None:
+    """Bytes: nothing to heal, nothing masked: the steps are the model's raw logits through `sample_next` with the
+    seeded generator, the text their bytes (a reference loop, not the Stepper)."""
+    for prompt in (b"there was a ", b"there was a thi", b"caf\xc3", b" "):
+        for params in (SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=12, seed=3),
+                       SamplingParams(max_tokens=12, seed=4, temperature=0.7, top_k=20, top_p=0.9)):
+            assert ByteTokenizer().heal(prompt) == (prompt, b"")
+            generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+            state = model.init_state(1)
+            out = model(torch.tensor([[BOS, *prompt]]), state)
+            expected = []
+            for _ in range(params.max_tokens):
+                token = sample_next(model.log_probs(out)[0, -1], params, generator)
+                expected.append(token)
+                out = model(torch.tensor([[token]]), out.state)
+            stepper = Stepper(model, params)
+            stepper.prefill(prompt)
+            got = [stepper.step() for _ in range(params.max_tokens)]
+            assert [s.token for s in got] == expected
+            assert b"".join(s.data for s in got) == bytes(expected) and all(s.held == b"" for s in got)

@@ -90,7 +90,9 @@ def test_generate_is_the_library_stepper_with_max_tokens_words(client: httpx.Cli
     r = client.post("/v1/generate", json={"prompt": PROMPT, "max_tokens": 12, "seed": 7})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["text"] == text == reference.tokenizer.decode(ids)  # the words' own text, not bytes of ids
+    assert body["text"] == text
+    # the words' own text, not bytes of ids; the prompt's trailing space is held back, the first word's (healing)
+    assert PROMPT + text == PROMPT[:-1] + reference.tokenizer.decode(ids)
     assert body["finish_reason"] == "length"
     prompt_tokens = len(reference.tokenizer.encode(PROMPT))
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12,
@@ -120,13 +122,17 @@ def test_completions_count_words_and_give_their_texts(client: httpx.Client, refe
     prompt_tokens = len(tok.encode(PROMPT))
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 8, "total_tokens": prompt_tokens + 8}
     lp = choice["logprobs"]
-    assert lp["tokens"] == [tok.vocab[i] for i in ids]
-    assert lp["text_offset"] == list(itertools.accumulate([0] + [len(tok.vocab[i]) for i in ids[:-1]]))
-    for token, logits_, chosen, top in zip(ids, logits, lp["token_logprobs"], lp["top_logprobs"], strict=True):
-        logp = torch.log_softmax(logits_.float(), dim=-1)
+    # the first word's space is the prompt's (token healing): its entry, and its alternatives', show the rest
+    held = [1] + [0] * (len(ids) - 1)
+    shown = [tok.vocab[i][h:] for i, h in zip(ids, held, strict=True)]
+    assert lp["tokens"] == shown and "".join(shown) == text
+    assert lp["text_offset"] == list(itertools.accumulate([0] + [len(t) for t in shown[:-1]]))
+    for token, h, logits_, chosen, top in zip(ids, held, logits, lp["token_logprobs"], lp["top_logprobs"],
+                                              strict=True):
+        logp = torch.log_softmax(logits_.float(), dim=-1)  # the first: among the tokens that start with " "
         assert chosen == pytest.approx(float(logp[token]), abs=1e-4)
         best = torch.topk(logp, 2).indices.tolist()
-        assert set(top) == {tok.vocab[i] for i in [*best, token]}
+        assert set(top) == {tok.vocab[i][h:] for i in [*best, token]}
 
 
 def test_completions_echo_scores_the_prompt_by_words(client: httpx.Client, reference: Checkpoint) -> None:
@@ -197,3 +203,34 @@ def test_the_token_metrics_count_words(client: httpx.Client, reference: Checkpoi
                  "adaptlm_time_to_first_token_seconds", "adaptlm_inter_token_latency_seconds"):
         [help_line] = [line for line in text.splitlines() if line.startswith(f"# HELP {name} ")]
         assert "word" in help_line, help_line
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "It was the best of th"])
+def test_a_prompt_ending_in_a_space_or_part_of_a_word_is_continued_as_typed(client: httpx.Client,
+                                                                            reference: Checkpoint,
+                                                                            prompt: str) -> None:
+    """Token healing through the server: /v1/generate and /v1/completions (whole, streamed, echo and logprobs) give
+    what models.sampling gives: the continuation of the prompt as typed, its held-back end not repeated; echo's
+    logprobs list the prompt's tokens as written, then what each generated token adds, at its offset."""
+    tok = reference.tokenizer
+    assert isinstance(tok, WordTokenizer)
+    kept, held = tok.heal(prompt.encode())
+    assert held in (b" ", b" th")
+    text, ids, _ = library_generation(reference, prompt, SamplingParams(max_tokens=6, temperature=0))
+    assert (prompt + text).encode() == kept + tok.decode_bytes(ids) and tok.token_bytes(ids[0]).startswith(held)
+    assert not text.startswith(" ") or held != b" "
+    r = client.post("/v1/generate", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert r.json()["text"] == text
+    request = {"model": reference.name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True,
+               "logprobs": 1}
+    [choice] = client.post("/v1/completions", json=request).json()["choices"]
+    assert choice["text"] == prompt + text
+    lp = choice["logprobs"]
+    n = len(tok.encode(prompt))
+    assert lp["tokens"][:n] == [tok.vocab[i] for i in tok.encode(prompt)]  # the prompt as written
+    assert "".join(lp["tokens"][n:]) == text
+    assert lp["text_offset"][n:] == list(itertools.accumulate([len(prompt)] + [len(t) for t in lp["tokens"][n:-1]]))
+    assert all(held.decode() + t in tok.vocab for t in lp["top_logprobs"][n])  # alternatives that continue it too
+    with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as stream:
+        events = [json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == prompt + text

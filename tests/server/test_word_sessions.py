@@ -405,3 +405,17 @@ def test_the_keyboard_simulator_types_against_a_word_model(words_url: str, word_
     assert 0.0 <= result["ksr"] < 1.0 and result["chars"] > 50
     r = subprocess.run([*base, "--checkpoint", str(word_checkpoint)], capture_output=True, cwd=root, timeout=300)
     assert r.returncode == 2 and "needs a byte-level model" in r.stderr.decode() and b"Traceback" not in r.stderr
+
+
+def test_a_generation_that_adapts_observes_the_text_as_typed(client: httpx.Client) -> None:
+    """A prompt ending in a space, generated with adapt_while_generating: the session then observes the prompt and
+    the continuation (the held-back space once, not again with the first word's): the bytes of their text."""
+    sid = new(client)
+    prompt = TEXT[:200].rsplit(" ", 1)[0] + " "
+    r = client.post("/v1/generate", json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "session_id": sid,
+                                          "adapt_while_generating": True})
+    assert r.status_code == 200, r.text
+    text = r.json()["text"]
+    assert text and not text.startswith(" ")
+    observe(client, sid, "\n")  # queued after the generation's adaptation; settles the pending word
+    assert client.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len((prompt + text + "\n").encode())
