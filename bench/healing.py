@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import re
 
 from bench._common import DEFAULT_CHECKPOINT, ROOT, machine_line
+from models.base import LanguageModel
 from models.checkpoint import load_checkpoint
 from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
@@ -52,14 +54,13 @@ def first_word(prompt: str, continuation: str) -> str:
     return match.group(0) if match else ""
 
 
-def byte_bits(model: object, prompt: str, word: str) -> float:
-    """Bits the byte model gives `word` after `prompt` (from the stream start)."""
+def byte_bits(model: LanguageModel, prompt: str, word: str) -> float:
+    """Bits the byte model gives `word` after `prompt` (from the stream start); nan for no word."""
     if not word:
-        return float("nan")
-    result = score_bytes(model, (prompt + word).encode(), logprobs=True)  # type: ignore[arg-type]
+        return math.nan
+    result = score_bytes(model, (prompt + word).encode(), logprobs=True)
     assert result.logprobs is not None
-    n = len(word.encode())
-    return -sum(result.logprobs[-n:]) / 0.6931471805599453
+    return -sum(result.logprobs[-len(word.encode()):]) / math.log(2)
 
 
 def digest(max_tokens: int) -> str:
@@ -90,7 +91,7 @@ def main() -> None:
                                                                              temperature=0),
                                 tokenizer=words.tokenizer))
         bits = byte_bits(byte.model, prompt, first_word(prompt, text))
-        if bits == bits:
+        if not math.isnan(bits):
             total, counted = total + bits, counted + 1
         print(f"{bits:6.1f} bits  {prompt!r} + {text!r}")
     print(f"first words: {total / max(counted, 1):.1f} bits on average under the byte model ({counted} words)")
