@@ -251,7 +251,8 @@ class CompletionRequest(RequestModel):
     temperature: float | None = Field(default=1.0, ge=0, le=2, allow_inf_nan=False, strict=True)
     top_p: float | None = Field(default=1.0, ge=0, le=1, allow_inf_nan=False, strict=True,
                                 description="0 (OpenAI allows it): only the most likely token, as temperature 0.")
-    n: int | None = Field(default=1, ge=1, strict=True, description="Choices to generate (choice i uses seed + i).")
+    n: int | None = Field(default=1, ge=1, strict=True,
+                         description="Choices to generate of each prompt (choice i of the response uses seed + i).")
     stream: bool | None = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5, strict=True,
@@ -267,7 +268,9 @@ class CompletionRequest(RequestModel):
                                 description="Only n (or null): no candidates are generated beyond the n returned.")
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False, strict=True)]] | None = Field(
         default=None, description="Only empty (or null): biases are not implemented.")
-    seed: int | None = Field(default=None, ge=-MAX_SEED, le=MAX_SEED, strict=True)
+    seed: int | None = Field(default=None, ge=-MAX_SEED, le=MAX_SEED, strict=True,
+                             description="The same request and seed give the same choices: choice i (prompt p's "
+                                         "choice j is i = p * n + j) samples from seed + i.")
     user: str | None = Field(default=None, strict=True,
                              description="The id of one of your sessions (POST /v1/sessions): the prompt then "
                                          "continues that session's text under its adapter, and the session is left "

@@ -7,7 +7,8 @@ distribution (temperature 1, no top-p), as scoring gives them. A generated token
 chunk whose text contains its first character, so that streamed and whole answers agree; tokens of a stop string
 are left out like its text. A word model holds back the prompt's end that the first tokens continue (token healing,
 `Stepper.prefill`): such a token's entry shows what it adds past the prompt, its logprob under the distribution
-restricted to the tokens allowed there; echo lists the prompt's tokens as written.
+restricted to the tokens allowed there; echo lists the prompt's tokens as written. With a seed, choice i of the
+response samples from seed + i (each choice its own stream, whichever prompt it is of).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AsyncExitStack, aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Response
 
@@ -79,8 +80,11 @@ async def create_completion(body: CompletionRequest, ctx: Context) -> Completion
     # queue), those already submitted are cancelled.
     streams: list[GenerationStream] = []
     try:
-        for prompt in prompts:
-            streams.append(ctx.engine.generate(prompt, params, n=n, logprobs=body.logprobs,
+        for p, prompt in enumerate(prompts):
+            # choice i of the response (prompt p's choice j: i = p * n + j) samples from seed + i, the engine
+            # adding j: each prompt's choices their own streams, not the same draws as the first prompt's
+            seeded = params if params is None or params.seed is None else replace(params, seed=params.seed + p * n)
+            streams.append(ctx.engine.generate(prompt, seeded, n=n, logprobs=body.logprobs,
                                                prompt_logprobs=echo and body.logprobs is not None,
                                                session_id=session_id, owner=ctx.owner))
     except BaseException:

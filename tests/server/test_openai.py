@@ -203,10 +203,12 @@ def test_unimplemented_fields_are_refused_not_ignored(client: httpx.Client, asse
 
 def test_several_prompts_as_openai_numbers_them(oai: Any, model: str) -> None:
     """A list of prompts: `n` choices of each, prompt p's choice j at index p * n + j, each the text a request of
-    that prompt alone gives; the usage counts every prompt once and every choice."""
+    that prompt alone gives with the seed of its index (seed + p * n); the usage counts every prompt once and every
+    choice."""
     prompts = [PROMPT, "Call me Ishmael. ", "x"]
-    alone = [[c.text for c in oai.completions.create(model=model, prompt=p, max_tokens=10, seed=3, n=2).choices]
-             for p in prompts]
+    alone = [[c.text for c in oai.completions.create(model=model, prompt=p, max_tokens=10, seed=3 + 2 * i,
+                                                     n=2).choices]
+             for i, p in enumerate(prompts)]
     c = oai.completions.create(model=model, prompt=prompts, max_tokens=10, seed=3, n=2)
     assert [ch.index for ch in c.choices] == list(range(6))
     assert [ch.text for ch in c.choices] == [t for texts in alone for t in texts]
@@ -223,6 +225,17 @@ def test_several_prompts_as_openai_numbers_them(oai: Any, model: str) -> None:
     # prompt's end, not after it
     order = [(k.choices[0].index, k.choices[0].finish_reason) for k in chunks if k.choices]
     assert order.index(next(o for o in order if o[0] == 4)) < order.index((0, "length"))
+
+
+def test_each_choice_of_a_request_samples_from_its_own_seed(oai: Any, model: str) -> None:
+    """Choice i of a request samples from seed + i, whichever prompt it is of: the same prompt twice in a list gives
+    two choices, as n=2 does (the same seed for every prompt drew the same numbers for each prompt's first choice,
+    so that different prompts' samples went together); the same request again, the same choices."""
+    prompts = [PROMPT, PROMPT]
+    twice = [c.text for c in oai.completions.create(model=model, prompt=prompts, max_tokens=20, seed=5).choices]
+    n2 = [c.text for c in oai.completions.create(model=model, prompt=PROMPT, max_tokens=20, seed=5, n=2).choices]
+    assert twice == n2 and twice[0] != twice[1]
+    assert [c.text for c in oai.completions.create(model=model, prompt=prompts, max_tokens=20, seed=5).choices] == twice
 
 
 def test_the_schema_declares_400_not_422_on_the_openai_routes(client: httpx.Client) -> None:
