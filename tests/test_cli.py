@@ -51,6 +51,20 @@ def test_generate_prompt_is_the_bytes_given(tiny_checkpoint: Path) -> None:
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
+def test_generate_with_a_word_model_continues_the_prompt_as_typed(word_checkpoint: Path) -> None:
+    """`adaptlm generate` samples through models.sampling.generate, token healing included: after "It was the " the
+    first word comes without a second space, the same text as the library's."""
+    from models.sampling import SamplingParams, generate
+
+    r = run("generate", "--checkpoint", str(word_checkpoint), "--prompt", "It was the ", "--max-tokens", "6",
+            "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    ck = load_checkpoint(word_checkpoint)
+    expected = "".join(generate(ck.model, b"It was the ", SamplingParams(max_tokens=6, temperature=0),
+                                tokenizer=ck.tokenizer))
+    assert r.stdout == expected + "\n" and not r.stdout.startswith(" ") and "<unk>" not in r.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
