@@ -227,7 +227,7 @@ class WordTokenizer(StreamMixin):
         unfinished UTF-8 character). A generation conditions on `kept`, whose tokens begin those of every
         continuation, and continues `held` as typed (`continuing`). Nothing is held when no vocabulary entry can
         continue it (" zyzzy": the model reads its " <unk>")."""
-        stable, pending = self.split_stable(data)
+        _, pending = self.split_stable(data)  # the stable part's cuts stay whatever follows
         try:
             text = pending.decode("utf-8")
         except UnicodeDecodeError:
