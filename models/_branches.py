@@ -56,7 +56,7 @@ ROOM = 64  # the slots a tail's new buffer keeps free past it (`grow`)
 class _ById:
     """A value kept for a tensor while it lives, by its identity (a plain dict keyed by `id`, its entry dropped when
     the tensor goes; `torch.utils.weak.WeakIdKeyDictionary` costs several microseconds a lookup, and a step makes a
-    few dozen)."""
+    few dozen). A value must not hold the tensor, or what holds it, but weakly: the entry would keep it alive."""
 
     def __init__(self) -> None:
         self._d: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
@@ -73,8 +73,8 @@ class _ById:
 
 
 _GROWN = _ById()  # a tail buffer -> the slots written (`grow`)
-_TRANSPOSED = _ById()  # a layer's weight -> (the layers' weights' and biases' versions and storage, the layers, their
-# weights transposed side by side, their biases: `dense`)
+_TRANSPOSED = _ById()  # a layer's weight -> (the layers' weights' and biases' versions and storage, the layers
+# (weakly), their weights transposed side by side, their biases: `dense`)
 
 
 def shared(t: torch.Tensor) -> bool:
@@ -162,10 +162,11 @@ def dense(layer: nn.Linear | tuple[nn.Linear, ...], x: torch.Tensor) -> torch.Te
     layers = layer if isinstance(layer, tuple) else (layer,)
     hit = _TRANSPOSED.get(layers[0].weight)
     key = [(t._version, t.data_ptr()) for lin in layers for t in (lin.weight, lin.bias) if t is not None]
-    if hit is None or hit[0] != key or hit[1] != layers:  # (modules compare by identity)
+    if hit is None or hit[0] != key or [ref() for ref in hit[1]] != list(layers):  # (modules compare by identity)
         wt = torch.cat([lin.weight.detach().t() for lin in layers], 1).contiguous()  # (in, out)
         bias = None if layers[0].bias is None else torch.cat([lin.bias.detach() for lin in layers])
-        hit = (key, layers, wt, bias)
+        # the layers weakly: held here, a layer would keep its weight, and so this entry and its copy, alive for good
+        hit = (key, tuple(weakref.ref(lin) for lin in layers), wt, bias)
         _TRANSPOSED.put(layers[0].weight, hit)
     return torch.addmm(hit[3], x, hit[2]) if hit[3] is not None else x @ hit[2]
 

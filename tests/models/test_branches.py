@@ -404,6 +404,25 @@ def test_dense_is_the_layer_and_follows_its_weights() -> None:
         torch.testing.assert_close(dense((a, b), x), torch.cat([a(x), b(x)], 1))
 
 
+def test_dense_keeps_no_layer_alive() -> None:
+    """`dense`'s transposed copies go with their layers: a network stepped in the branch form once and dropped (a full
+    dynamic evaluation's private copy, a keyboard simulation's) is freed, its copies with it; they were kept, with
+    the layers and their weights, for the life of the process."""
+    import gc
+    import weakref
+
+    layer, pair = torch.nn.Linear(6, 5), (torch.nn.Linear(6, 3), torch.nn.Linear(6, 2))
+    model = _char()
+    with torch.no_grad():
+        dense(layer, torch.randn(2, 6))
+        dense(pair, torch.randn(2, 6))
+        _step(model, model.branch(_after(model, b"\nab")), [99])
+    gone = [weakref.ref(m) for m in (layer, *pair, model, model.head)]
+    del layer, pair, model
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * len(gone)
+
+
 def test_tail_padding_is_none_where_every_tail_is_whole() -> None:
     assert tail_padding(torch.tensor([3, 3]), 3) is None and tail_padding(torch.tensor([0]), 0) is None
     assert tail_padding(torch.tensor([1, 3]), 3).tolist() == [[[True, True, False]], [[False, False, False]]]
