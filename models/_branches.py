@@ -267,7 +267,10 @@ def row_attention(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]
     out = torch.bmm(p[..., L:], tv)  # (B*H, 1, Dh) the tails'
     start = 0
     for k, v in parts:
-        out.baddbmm_(p[..., start : start + k.shape[1]], v)  # the root's
+        if out.dtype == v.dtype:
+            out.baddbmm_(p[..., start : start + k.shape[1]], v)  # the root's
+        else:  # autocast made the tails' product bf16 from float32 keys; it casts no in-place op
+            out = torch.baddbmm(out, p[..., start : start + k.shape[1]], v)
         start += k.shape[1]
     return out
 
