@@ -90,9 +90,23 @@ def _is_piece(text: str) -> bool:
 
 
 def _head(piece: str) -> str:
-    """A pending word as kept: whole, or past MAX_WORD_BYTES only its first MAX_WORD_BYTES + 1 characters (more
-    than the bound, whatever they are)."""
-    return piece if len(piece.encode("utf-8")) <= MAX_WORD_BYTES else piece[: MAX_WORD_BYTES + 1]
+    """A pending word as kept: whole up to MAX_WORD_BYTES; past it, a shorter piece that counts as the whole one would
+    whatever the next text adds (the apostrophes that open or close a word are not the word's, `_clean`): its opening
+    apostrophes as one, runs of them within it cut to MAX_WORD_BYTES + 1 (a word holding one is too long either way),
+    up to its first other character past the bound (after which the word is too long whatever follows)."""
+    if len(piece.encode("utf-8")) <= MAX_WORD_BYTES:
+        return piece
+    core = piece.lstrip("".join(APOSTROPHES))
+    kept, size, run = [piece[: len(piece) - len(core)][:1]], 0, 0
+    for c in core:
+        run = run + 1 if c in APOSTROPHES else 0
+        if run > MAX_WORD_BYTES + 1:
+            continue
+        kept.append(c)
+        size += len(c.encode("utf-8"))
+        if size > MAX_WORD_BYTES and not run:
+            break
+    return "".join(kept)
 
 
 def _is_word(text: object) -> bool:

@@ -196,3 +196,25 @@ def test_a_word_past_the_bound_is_not_counted_and_not_kept_whole() -> None:
     cache.observe("y" * (MAX_WORD_BYTES - 1))  # short pieces of a word that grows past the bound: not counted
     cache.observe("yy ")
     assert not any(w.startswith("y") for w in cache.words)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_observing_in_pieces_counts_as_observing_at_once_past_the_bound(seed: int) -> None:
+    """Texts of words under and over MAX_WORD_BYTES, quoted ones among them ('...', whose apostrophes are not the
+    word's), with runs of apostrophes inside, cut anywhere into pieces: the pieces count what the whole text counts.
+    A pending word over the bound kept its first MAX_WORD_BYTES + 1 characters, so a quoted one (or one whose
+    apostrophes fell at the cut) was counted as the few letters kept, a word nobody wrote."""
+    import random
+
+    rng = random.Random(seed)
+    parts = ["a", "word", "x" * (MAX_WORD_BYTES - 1), "y" * (MAX_WORD_BYTES + 12), "é" * 30, "'", "'" * 3,
+             "\u2019" * (MAX_WORD_BYTES + 5), " ", " ", ". "]
+    for _ in range(30):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(1, 12))) + " end "
+        whole, pieces = WordCache(), WordCache()
+        whole.observe(text)
+        cuts = sorted(rng.sample(range(1, len(text)), min(rng.randint(1, 4), len(text) - 1)))
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            pieces.observe(text[a:b])
+            assert len(pieces.pending) <= 2 * MAX_WORD_BYTES + 4
+        assert pieces.to_dict() == whole.to_dict(), (text, cuts)
