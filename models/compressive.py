@@ -301,10 +301,11 @@ class _Block(nn.Module):
 
     def step_outputs(self, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """`outputs` at one position a row outside autograd (a decode step): x, att (B, D) -> (B, D), through
-        `dense`, the sums in place."""
+        `dense`; the residual sums out of place, in x's dtype as `outputs`' (float32 under a bf16 autocast, where a
+        sum into the product would round the residual stream to bf16)."""
         up, down = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])
-        x = dense(self.proj, att).add_(x)  # (B, D)
-        return dense(down, dense(up, self.ln2(x)).relu_()).add_(x)
+        x = x + dense(self.proj, att)  # (B, D)
+        return x + dense(down, dense(up, self.ln2(x)).relu_())
 
     def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's inputs of x (B, m, D): its queries (B, m, D) and its keys and values (B, m, 2D)."""

@@ -242,6 +242,21 @@ def test_the_branch_form_steps_under_bf16_autocast(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+def test_a_step_keeps_the_residual_stream_in_its_dtype_under_autocast(name: str) -> None:
+    """A block's one-position outputs (`step_outputs`, the decode step's) add to the residual stream as `outputs`
+    does: under a bf16 autocast the stream stays float32 (summed into the bf16 product, it was rounded to bf16)."""
+    model = MODELS[name]()
+    blocks = model.layers if name == "compressive" else model.blocks
+    D = model.config.d_model
+    x, att = torch.randn(3, D, generator=torch.Generator().manual_seed(0)), torch.randn(3, D)
+    for block in blocks:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            step, usual = block.step_outputs(x, att), block.outputs(x[:, None], att[:, None])[:, 0]
+        assert step.dtype == usual.dtype == torch.float32
+        torch.testing.assert_close(step, usual, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("context", ["It is a tr", "and th", "she ", "a single ma"])
 def test_a_search_in_the_branch_form_finds_what_the_usual_one_finds(name: str, context: str) -> None:
     model = MODELS[name](1)
