@@ -177,25 +177,37 @@ class RootStack:
     A copy of the roots' keys and values, made when the same roots are stepped a second time in a row (generation
     steps them for many bytes; a keyboard search's first round, whose rows are the typists' cursors, never again) and
     kept while they are (identity; not keeping them alive); made again when they change (a row slid its window, closed
-    a segment, or the batch changed)."""
+    a segment, or the batch changed). Roots asked for once in between (a search's first round between two generation
+    steps) do not drop the stack made: only roots asked for twice in a row replace it."""
 
     def __init__(self) -> None:
-        self._roots: tuple[weakref.ref[State], ...] = ()  # the roots last asked for
-        self._made: tuple[int, Parts, torch.Tensor | None] | None = None  # their stack, once made
+        self._asked: tuple[weakref.ref[State], ...] = ()  # roots asked for once, not stacked (yet)
+        self._roots: tuple[weakref.ref[State], ...] = ()  # the roots of the stack made
+        self._made: tuple[int, Parts, torch.Tensor | None] | None = None  # their stack
 
-    def _drop(self, _: object) -> None:
+    def _drop_asked(self, _: object) -> None:
+        self._asked = ()
+
+    def _drop_made(self, _: object) -> None:
         self._roots, self._made = (), None
+
+    @staticmethod
+    def _same(roots: tuple[State, ...], refs: tuple[weakref.ref[State], ...]) -> bool:
+        return len(roots) == len(refs) and all(a is b() for a, b in zip(roots, refs, strict=True))
 
     def get(self, roots: tuple[State, ...], views: Callable[[State], Parts]
             ) -> tuple[int, Parts, torch.Tensor | None] | None:
         """roots (one per row, in the rows' order), `views(root)` each layer's keys and values of a root by head
         -> the most keys L, each layer's [(k, v)] (B*H, L, Dh), each row's right-aligned, and which of the L places
         are no keys (B, 1, 1, L) (None: none); None the first time these roots are asked for."""
-        if len(roots) != len(self._roots) or any(a is not b() for a, b in zip(roots, self._roots, strict=True)):
-            self._roots, self._made = tuple(weakref.ref(r, self._drop) for r in roots), None
+        if self._made is not None and self._same(roots, self._roots):
+            return self._made
+        if not self._same(roots, self._asked):
+            self._asked = tuple(weakref.ref(r, self._drop_asked) for r in roots)
             return None
-        if self._made is None:
-            self._made = self._stack(roots, views)
+        self._asked = ()
+        self._roots = tuple(weakref.ref(r, self._drop_made) for r in roots)
+        self._made = self._stack(roots, views)
         return self._made
 
     @staticmethod

@@ -386,8 +386,8 @@ def test_row_attention_equals_tree_attention_of_one_row_per_root() -> None:
 
 def test_root_stack_is_made_at_the_second_step_over_the_same_roots_and_keeps_none_alive() -> None:
     """Roots stepped once (a search's first round) are not stacked; stepped again, their keys and values are stacked
-    right-aligned, padding first, and the stack is kept while the same roots come; another root, or a root gone,
-    drops it."""
+    right-aligned, padding first, and the stack is kept while the same roots come, and when other roots are asked for
+    once in between; other roots asked for twice replace it; the stack keeps no root alive."""
     import gc
     import weakref
 
@@ -410,12 +410,17 @@ def test_root_stack_is_made_at_the_second_step_over_the_same_roots_and_keeps_non
         torch.testing.assert_close(k.view(2, H, 4, Dh)[b, :, 4 - want.shape[1] :], want)
         torch.testing.assert_close(v.view(2, H, 4, Dh)[b, :, 4 - want.shape[1] :], 2 * want)
     other = State({"x": torch.randn(1, 3, H * Dh)})
+    assert stack.get((roots[1], roots[0]), views) is None  # other roots once (a search's first round) ...
+    assert stack.get(tuple(roots), views) is made  # ... leave the stack made as it was
     assert stack.get((roots[0], other), views) is None  # a row's root changed: again from the second step
-    assert stack.get((roots[0], other), views) is not None
+    again = stack.get((roots[0], other), views)
+    assert again is not None and again is not made and stack.get(tuple(roots), views) is None
     gone = weakref.ref(other)
     del other
     gc.collect()
-    assert gone() is None and stack.get((roots[0], roots[1]), views) is None  # the stack kept no root alive
+    assert gone() is None  # the stack kept no root alive
+    remade = stack.get(tuple(roots), views)  # asked for the second time in a row: stacked again
+    assert remade is not None and remade is not made and stack.get(tuple(roots), views) is remade
 
 
 def test_dense_is_the_layer_and_follows_its_weights() -> None:
