@@ -221,7 +221,8 @@ class Stepper:
         for start in range(0, context.numel(), chunk):
             out = self.model(context[start : start + chunk].unsqueeze(0), state, self.adapter)  # logits (1, t, V)
             state = out.state
-            targets = ids[start : start + chunk]  # (t,): the tokens they predict; (t-1,) in the last chunk unhealed
+            # (t,): the tokens they predict, up to the first held one; (t-1,) in the last chunk unhealed
+            targets = ids[start : min(start + chunk, n + 1)]
             if scored is not None and targets.numel():
                 scored.extend(top_logprobs(self.model.log_probs(out)[0, : targets.numel()], targets, logprobs or 0))
         self._state, self._logits = state, self.model.log_probs(out)[0, -1]  # log-probs: the model's distribution

@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -297,9 +298,9 @@ def test_a_prompt_that_needs_no_healing_is_read_whole(words: tuple[AWDLSTM, Word
 
 def test_healed_prompt_logprobs_score_the_prompt_as_written(words: tuple[AWDLSTM, WordTokenizer]) -> None:
     model, tok = words
-    for prompt in ("I don'", "there was a thi", "a  ", "ther"):
+    for prompt, chunk in itertools.product(("I don'", "there was a thi", "a  ", "ther", "I said: I don'"), (2, 1024)):
         stepper = Stepper(model, SamplingParams(max_tokens=3), tokenizer=tok)
-        scored = stepper.prefill(prompt.encode(), logprobs=2, chunk=2)
+        scored = stepper.prefill(prompt.encode(), logprobs=2, chunk=chunk)
         assert scored is not None and len(scored.logprobs) == len(tok.encode(prompt))
         expected = score_bytes(model, prompt.encode(), logprobs=True, tokenizer=tok).logprobs
         assert scored.logprobs == pytest.approx(expected, abs=1e-5)
