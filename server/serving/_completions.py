@@ -233,9 +233,18 @@ class _Choice:
             self.released.append(block)
         return token.text, block
 
-    def finish(self, event: Finished) -> None:
+    def finish(self, event: Finished) -> CompletionLogprobs | None:
+        """The choice is complete; -> the entries released with it. At a length finish all the text is out (the
+        decoder's last push is final): tokens still waiting added none (a token that covers only a start of the
+        prompt's held-back text) and are released now, at the end of the text. At a stop they are the stop
+        string's, whose text never went out either."""
         self.finished = event
-        self.waiting = []  # tokens of a stop string: their text never went out either
+        waiting, self.waiting = self.waiting, []
+        if not self.logprobs or event.finish_reason != "length" or not waiting:
+            return None
+        block = _block(self.tokenizer, waiting, self.base)
+        self.released.append(block)
+        return block
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -318,8 +327,9 @@ async def _chunks(streams: list[GenerationStream], job: _Job, include_usage: boo
                         yield sse(job.chunk([CompletionChoice(index=index, text=text, logprobs=released)]))
                 else:
                     index = first + event.index
-                    choices[index].finish(event)
-                    yield sse(job.chunk([CompletionChoice(index=index, text="", finish_reason=event.finish_reason)]))
+                    released = choices[index].finish(event)
+                    yield sse(job.chunk([CompletionChoice(index=index, text="", logprobs=released,
+                                                          finish_reason=event.finish_reason)]))
             if include_usage:
                 yield sse(job.chunk([], job.usage(choices)))
         except Exception as exc:

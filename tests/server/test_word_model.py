@@ -4,10 +4,12 @@ suggestions are tests/server/test_word_sessions.py's."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,10 @@ from models.checkpoint import Checkpoint, load_checkpoint
 from models.sampling import SamplingParams, Stepper
 from models.scoring import score_bytes
 from models.word_tokenizer import WordTokenizer
+from server.engine import Finished, GenerationStream, Token, TokenLogprob
 from server.engine._loading import load_model
+from server.protocol import CompletionResponse
+from server.serving._completions import _complete, _Job
 
 VALID = Path(__file__).resolve().parent.parent / "data" / "valid.txt"
 PROMPT = "It was the "
@@ -234,3 +239,33 @@ def test_a_prompt_ending_in_a_space_or_part_of_a_word_is_continued_as_typed(clie
     with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as stream:
         events = [json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data: {")]
     assert "".join(c["text"] for e in events for c in e["choices"]) == prompt + text
+
+
+def test_a_last_token_that_adds_nothing_past_the_held_text_keeps_its_logprobs_entry() -> None:
+    """max_tokens 1 where the token covers only a start of the held text (" " of a held "  "): its text is empty,
+    and its logprobs entry still comes out, whole and streamed (the chunk that finishes the choice); one entry per
+    token counted. At a stop, the stop string's tokens still have none."""
+    tok = WordTokenizer.build(["It was  I was"])
+    space, i_ = tok.encode("  I")
+    lp = TokenLogprob(-0.5, ((space, -0.5),))
+    job = _Job(id="cmpl-x", created=0, model="words", prompts=["It was  "], tokenizer=tok, n=1, echo=False,
+               logprobs=True)
+
+    async def complete(events: list[Token | Finished]) -> CompletionResponse:
+        stream = GenerationStream(1, 0.0, threading.Event())
+        for event in events:
+            stream._deliver(event)
+        return await _complete([stream], job)
+
+    partial = Token(0, space, "", 0, lp, 0.0, b"  ")
+    [choice] = asyncio.run(complete([partial, Finished(0, "length", 1, 0.0, 0.0, 2)])).choices
+    assert choice.text == "" and choice.logprobs is not None
+    assert choice.logprobs.tokens == [""] and choice.logprobs.text_offset == [0]
+    streamed = job.choices()[0]
+    assert streamed.add(partial) == ("", None)
+    block = streamed.finish(Finished(0, "length", 1, 0.0, 0.0, 2))
+    assert block is not None and block.tokens == [""]
+    stopped = job.choices()[0]  # a stop: the tokens whose text never went out have no entry
+    stopped.add(partial)
+    stopped.add(Token(0, i_, "", 0, lp, 0.0, b" "))
+    assert stopped.finish(Finished(0, "stop", 2, 0.0, 0.0, 2)) is None and stopped.released == []
