@@ -224,14 +224,16 @@ class WordTokenizer(StreamMixin):
         """Token healing: cut a prompt -> (kept, held), `held` the last tokens of `data` whose cut may still move with
         what follows ("there was a " -> " ": after a space comes " the", never " " then "the"; " thi" of "a thi";
         " don'" of "I don'", one token in " don't"; b"" when every cut stays: "cat.", "\n", a prompt ending in an
-        unfinished UTF-8 character). A generation conditions on `kept`, whose tokens begin those of every
-        continuation, and continues `held` as typed (`continuing`). Nothing is held when no vocabulary entry can
-        continue it (" zyzzy": the model reads its " <unk>")."""
-        _, pending = self.split_stable(data)  # the stable part's cuts stay whatever follows
+        unfinished UTF-8 character, or any bytes that are not UTF-8). A generation conditions on `kept`, whose tokens
+        begin those of every continuation, and continues `held` as typed (`continuing`). Nothing is held when no
+        vocabulary entry can continue it (" zyzzy": the model reads its " <unk>")."""
         try:
-            text = pending.decode("utf-8")
+            # split_stable cuts the text with U+FFFD for bad bytes: its cut is no offset into such bytes
+            data.decode("utf-8")
         except UnicodeDecodeError:
             return data, b""
+        _, pending = self.split_stable(data)  # the stable part's cuts stay whatever follows
+        text = pending.decode("utf-8")
         tokens = self.tokens(text)
         keep = len(tokens)
         for probe in _PROBES:  # the first token that some continuation changes

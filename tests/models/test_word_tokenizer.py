@@ -283,3 +283,13 @@ def test_healing_keeps_every_cut_of_every_continuation_and_allows_its_tokens(spl
                 data = after.pop(0).encode()
                 rest = rest[len(data):] if rest.startswith(data) else b"" if data.startswith(rest) else b"?"
                 assert rest != b"?"
+
+
+def test_heal_cuts_the_prompt_as_sent_when_it_has_invalid_utf8() -> None:
+    """A prompt with bytes that are not UTF-8 (Latin-1 "caf\\xe9", which `adaptlm generate` passes on as given):
+    nothing is held, as before token healing (the cut was a byte offset into the text with U+FFFD for each bad byte:
+    "...a thi" held "hi", " thi" read as " t" + "his", and "caf\xe9 It was the bes" went on "teem")."""
+    tok = WordTokenizer.build([HEAL_TEXT, "history"])
+    assert tok.heal(b"there was a thi")[1] == b" thi" and tok.heal(b"hi")[1] == b"hi"
+    for prompt in (b"\xff there was a thi", b"caf\xe9 there was a ", b"\xff\xfe I don'", b"\xe9t\xe9 thi"):
+        assert tok.heal(prompt) == (prompt, b""), prompt
