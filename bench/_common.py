@@ -3,6 +3,7 @@ the latency columns time."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -18,6 +19,14 @@ from models.tokenizer import Tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("ADAPTLM_SHARED", ROOT.parent / "shared")) / "data"
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "default"
+FAMILIES = ("default", "char-transformer", "compressive")  # the shipped byte-level checkpoints, one per family
+
+
+def family_args(ap: argparse.ArgumentParser) -> None:
+    """The flags the scripts that compare the families share: --checkpoints (the shipped ones present) and --text."""
+    ap.add_argument("--checkpoints", nargs="+",
+                    default=[str(ROOT / "checkpoints" / f) for f in FAMILIES if (ROOT / "checkpoints" / f).is_dir()])
+    ap.add_argument("--text", default=str(SHARED / "gutenberg" / "chesterton-brown.txt"))
 
 
 def machine_line() -> str:

@@ -32,13 +32,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench._common import ROOT, SHARED, machine_line
+from bench._common import family_args, machine_line
 from models.adaptation import CacheMixed
 from models.base import LanguageModel
 from models.checkpoint import load_checkpoint
 from models.sampling import SamplingParams, Stepper, generate
-
-FAMILIES = ("default", "char-transformer", "compressive")
 
 
 def batch1_ms(model: LanguageModel, prompt: bytes, n: int, runs: int) -> tuple[float, bytes]:
@@ -152,9 +150,7 @@ def profile_steps(model: LanguageModel, prompts: list[bytes], n: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoints", nargs="+",
-                    default=[str(ROOT / "checkpoints" / f) for f in FAMILIES if (ROOT / "checkpoints" / f).is_dir()])
-    ap.add_argument("--text", default=str(SHARED / "gutenberg" / "chesterton-brown.txt"))
+    family_args(ap)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bytes", type=int, default=64, help="bytes generated after each prompt")

@@ -25,14 +25,12 @@ from pathlib import Path
 
 import torch
 
-from bench._common import ROOT, SHARED, machine_line, suggest_afresh, word_context
+from bench._common import family_args, machine_line, suggest_afresh, word_context
 from models.base import LanguageModel
 from models.checkpoint import load_checkpoint
 from models.device import resolve_device
 from models.sampling import SamplingParams, generate
 from trainer.train import evaluate_bpb
-
-FAMILIES = ("default", "char-transformer", "compressive")
 
 
 def _sync(device: torch.device) -> None:
@@ -127,9 +125,7 @@ def _fmt(v: object, spec: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoints", nargs="+",
-                    default=[str(ROOT / "checkpoints" / f) for f in FAMILIES if (ROOT / "checkpoints" / f).is_dir()])
-    ap.add_argument("--text", default=str(SHARED / "gutenberg" / "chesterton-brown.txt"))
+    family_args(ap)
     ap.add_argument("--bytes", type=int, default=100_000, help="bytes of the text for bits per byte")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", help="also write the rows here")

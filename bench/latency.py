@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import ROOT, SHARED, machine_line, suggest_afresh, word_context
+from bench._common import family_args, machine_line, suggest_afresh, word_context
 from models.adaptation import CacheMixed
 from models.base import Adapter, LanguageModel
 from models.checkpoint import Checkpoint, load_checkpoint
@@ -44,14 +44,10 @@ from server.engine._suggest import (
     run_suggestions,
 )
 
-FAMILIES = ("default", "char-transformer", "compressive")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--checkpoints", nargs="+",
-                    default=[str(ROOT / "checkpoints" / f) for f in FAMILIES if (ROOT / "checkpoints" / f).is_dir()])
-    ap.add_argument("--text", default=str(SHARED / "gutenberg" / "chesterton-brown.txt"))
+    family_args(ap)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--typists", type=int, default=8, help="sessions suggesting at once in the second table (0: none)")
