@@ -40,7 +40,8 @@ from torch import nn
 from models.base import ROOT, Adapter, LanguageModel, Output, State
 
 __all__ = ["Group", "Parts", "RootStack", "append_tail", "branch_forward", "dense", "grow", "groups", "no_keys",
-           "own_keys", "root_memo", "root_rows", "row_attention", "shared", "tail_padding", "tree_attention"]
+           "own_keys", "root_memo", "root_rows", "row_attention", "shared", "step_attention", "tail_padding",
+           "tree_attention"]
 
 # rows that share a root (an index (b,) into the batch, or a slice) and the root's keys and values, in parts in key
 # order, each (H, L_i, Dh)
@@ -329,6 +330,23 @@ def tree_attention(qc: torch.Tensor, roots: list[Group], tk: torch.Tensor, tv: t
                 out.index_add_(0, rows, part)
             start += k.shape[1]
     return out
+
+
+def step_attention(q: torch.Tensor, tkv: torch.Tensor, own: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                   roots: list[Group] | None, no_key: torch.Tensor | None, pad: torch.Tensor | None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's attention in a branch step: q (B, H, Dh) (any content bias added), tkv (B, t, 2D) the tails' keys
+    and values ([k ; v]), over the rows' own roots' parts (`own`, (B*H, L_i, Dh): `row_attention`, with `no_key`) or
+    their groups' (`roots`: `tree_attention`, with `pad`); bias (B, H, L + t) or None -> (B, D), heads concatenated."""
+    B, H, Dh = q.shape
+    t = tkv.shape[1]
+    kv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4)  # (2, B, H, t, Dh)
+    if own is not None:
+        tk, tv = kv.reshape(2, B * H, t, Dh)  # (B*H, t, Dh) each
+        rows_bias = None if bias is None else bias.reshape(B * H, 1, -1)
+        return row_attention(q.reshape(B * H, 1, Dh), own, tk, tv, no_key, Dh**-0.5, rows_bias).view(B, H * Dh)
+    assert roots is not None
+    return tree_attention(q, roots, kv[0], kv[1], pad, Dh**-0.5, bias).view(B, H * Dh)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

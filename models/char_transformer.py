@@ -68,10 +68,9 @@ from models._branches import (
     own_keys,
     root_memo,
     root_rows,
-    row_attention,
     shared,
+    step_attention,
     tail_padding,
-    tree_attention,
 )
 from models.base import DERIVED, ROOT, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State
 
@@ -372,9 +371,8 @@ class CharTransformer(WindowedTransformer, LanguageModel):
         t = st[f"{DERIVED}tail_tok"].shape[1] + 1  # the tails with this byte
         own = own_keys(state, self._views, self._stack)  # (L, keys and values, no-key places) or None
         pad = tail_padding(n + 1, t)  # (B, 1, t) or None
-        if own is not None:
-            no_key = no_keys(own[2], pad, B, own[0], t)  # (B, 1, 1, L + t) or None
-        else:
+        no_key = no_keys(own[2], pad, B, own[0], t) if own is not None else None  # (B, 1, 1, L + t) or None
+        if own is None:
             rooted = [(rows, self._views(root)) for rows, root in groups(state)]
         new = dict(st)
         new[TAIL_N] = n + 1
@@ -386,14 +384,9 @@ class CharTransformer(WindowedTransformer, LanguageModel):
             x = x + pos[i]  # (B, D) paper: a positional embedding per layer
             qkv = block.step_inputs(x)  # (B, 3D)
             tkv = new[f"{DERIVED}tail_kv{i}"] = grow(st[f"{DERIVED}tail_kv{i}"], qkv[:, D:])  # (B, t, 2D)
-            if own is not None:
-                tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4).reshape(2, B * H, t, Dh)  # (B*H, t, Dh)
-                q = qkv[:, :D].reshape(B * H, 1, Dh)
-                att = row_attention(q, own[1][i], tk, tv, no_key, Dh**-0.5).view(B, D)
-            else:
-                tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4)  # (B, H, t, Dh) each
-                roots: list[Group] = [(rows, views[i]) for rows, views in rooted]
-                att = tree_attention(qkv[:, :D].view(B, H, Dh), roots, tk, tv, pad, Dh**-0.5).view(B, D)
+            roots: list[Group] | None = None if own is not None else [(rows, views[i]) for rows, views in rooted]
+            att = step_attention(qkv[:, :D].view(B, H, Dh), tkv, own[1][i] if own is not None else None, roots,
+                                 no_key, pad)  # (B, D)
             x = block.step_outputs(x, att)  # (B, D)
             if i == self.site_layer and mats is not None:
                 x = apply_adapter_positions(x.unsqueeze(1), mats).squeeze(1)  # (B, D) h' = h + M h

@@ -92,10 +92,9 @@ from models._branches import (
     own_keys,
     root_memo,
     root_rows,
-    row_attention,
     shared,
+    step_attention,
     tail_padding,
-    tree_attention,
 )
 from models.base import DERIVED, ROOT, Adapter, FeedForward, LanguageModel, ModelConfig, Output, Site, State, left_pad
 
@@ -560,6 +559,7 @@ class CompressiveTransformer(LanguageModel):
         t = st["memo.tail_x0"].shape[1] + 1  # the tails with this byte
         pad = tail_padding(n + 1, t)  # (B, 1, t) or None
         own = own_keys(state, self._views, self._stack)  # (L, keys and values, no-key places) or None
+        no_key = None
         if own is not None:
             Lr = own[0]  # the root keys of every row, its own right-aligned
             no_key = no_keys(own[2], pad, B, Lr, t)  # (B, 1, 1, Lr + t) or None
@@ -584,15 +584,10 @@ class CompressiveTransformer(LanguageModel):
             qh = q.view(B, H, Dh)
             pos = torch.bmm((qh + block.v).transpose(0, 1), r.permute(1, 2, 0)).transpose(0, 1)  # (B, H, Lr+t)
             bias = pos.gather(-1, dist)  # (B, H, Lr+t) for each key, TXL (b)+(d)
-            if own is not None:
-                parts = _like(own[1][i], q.dtype)  # (B*H, L_i, Dh)
-                tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4).reshape(2, B * H, t, Dh)  # (B*H, t, Dh)
-                att = row_attention((qh + block.u).view(B * H, 1, Dh), parts, tk, tv, no_key, Dh**-0.5,
-                                    bias.view(B * H, 1, Lr + t)).view(B, D)  # TXL (a)-(d)
-            else:
-                tk, tv = tkv.view(B, t, 2, H, Dh).permute(2, 0, 3, 1, 4)  # (B, H, t, Dh) each
-                roots: list[Group] = [(rows, _like(views[i], q.dtype)) for rows, (_, _, views) in rooted]
-                att = tree_attention(qh + block.u, roots, tk, tv, pad, Dh**-0.5, bias).view(B, D)  # TXL (a)-(d)
+            parts = _like(own[1][i], q.dtype) if own is not None else None  # (B*H, L_i, Dh)
+            roots: list[Group] | None = None if own is not None else [
+                (rows, _like(views[i], q.dtype)) for rows, (_, _, views) in rooted]
+            att = step_attention(qh + block.u, tkv, parts, roots, no_key, pad, bias)  # (B, D) TXL (a)-(d)
             x = block.step_outputs(x, att)  # (B, D)
             if i == self.site_layer and mats is not None:
                 x = apply_adapter_positions(x.unsqueeze(1), mats).squeeze(1)  # (B, D) h' = h + M h
