@@ -100,6 +100,7 @@ class WordTokenizer(StreamMixin):
         self._ids = ids
         self._pattern = pattern
         self._bytes = [t.encode("utf-8") for t in self.vocab]
+        self._continuing: dict[bytes, torch.Tensor] = {}  # `continuing`'s answers (each sampler's fork asks again)
         # the words (not the special tokens) in byte order, for a prefix's range by bisection (`with_prefix`)
         self._sorted = sorted(range(len(_SPECIALS), len(self.vocab)), key=self._bytes.__getitem__)
         self._sorted_bytes = [self._bytes[i] for i in self._sorted]
@@ -250,7 +251,16 @@ class WordTokenizer(StreamMixin):
         never <unk>), and those that the tokenizer cuts from its start whatever follows, when the rest can be
         continued in turn (" " of "  " before a word, which is " " + " the"; " don" of " don'", then "'"). A
         token that merely spells a start of it (" th" + "is" for " thi") is no cut the tokenizer makes, and is left
-        out. Ascending ids."""
+        out. Ascending ids (a tensor shared between calls: not to be written)."""
+        hit = self._continuing.get(held)
+        if hit is None:
+            if len(self._continuing) >= 1024:  # held texts are the ends of prompts: bounded, the oldest half dropped
+                for key in list(self._continuing)[:512]:
+                    del self._continuing[key]
+            hit = self._continuing[held] = self._continuing_ids(held)
+        return hit
+
+    def _continuing_ids(self, held: bytes) -> torch.Tensor:
         text = held.decode("utf-8")
         extra = {i for i in (0, 1) if self._bytes[i].startswith(held)}  # "\n", " \n"
         for probe in _PROBES:

@@ -259,6 +259,10 @@ def test_continuing_allows_the_tokenizers_own_cuts_and_never_unk() -> None:
     assert " " in texts(" ") and " \n" in texts(" ") and " the" in texts(" ") and "the" not in texts(" ")
     assert texts("  ") == {" ", "  "}  # " " then " Two", or a longer run ("  " + " Indented")
     assert not any("<unk>" in t for t in texts(" ")) and not texts(" zyzzy")
+    assert tok.continuing(b" thi") is tok.continuing(b" thi")  # worked out once (a request's forks ask again)
+    for i in range(1100):  # many held texts: the answers kept stay bounded, and right
+        tok.continuing(b" " + str(i).encode())
+    assert len(tok._continuing) <= 1024 and texts(" thi") == {" thing", " things", " think", " this"}
 
 
 @pytest.mark.parametrize("split", ["words", "whitespace"])
