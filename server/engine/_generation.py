@@ -6,7 +6,8 @@ The job lives on the worker thread; every event crosses to the caller's event lo
 by setting the job's cancel flag (leaving the stream's `async with`), which the worker checks between tokens.
 
 With `adapt`, the session is claimed while the job runs, and when it ends the session observes the prompt and
-what was generated (thesis sec. 4.3), before any later work of the session; where another server changed the
+the text sent for sequence 0 (thesis sec. 4.3: exactly what the client received, so not a stop string nor what its
+tokens add past it), before any later work of the session; where another server changed the
 session in between (its write refused, SessionConflict), it observes them again on top of that change; refused
 `FOLLOW_TRIES` times, that adaptation is dropped, logged and counted (`EngineStats.generation_adaptations_dropped`).
 """
@@ -150,7 +151,7 @@ class GenerationJob(Work):
 
     `params` None: no generation, only the prompt (its log-probabilities, if asked for). With `session_id`,
     it starts from that session's state and adapter; with `adapt`, it then has the session observe the prompt
-    and the bytes of sequence 0's tokens (`generated`).
+    and the text sent for sequence 0 (`generated`: without a stop string, as the answer).
     """
 
     kind = "generate"
@@ -163,7 +164,7 @@ class GenerationJob(Work):
         self._loop = loop
         self.prompt = prompt
         self.adapt = adapt
-        self.generated = bytearray()  # with `adapt`: the bytes of sequence 0's sampled tokens
+        self.generated = bytearray()  # with `adapt`: the UTF-8 bytes of the text sent for sequence 0
         self.tokenizer: Tokenizer = ByteTokenizer()  # what a token is: the executor gives it the checkpoint's
         self.prompt_tokens = 0  # once started
         self.failed = False
@@ -236,7 +237,10 @@ class GenerationJob(Work):
             self._first_token.setdefault(i, now)
             stats.generated_tokens += 1
             if i == 0 and self.adapt:
-                self.generated += step.data  # past the prompt's held-back text, which the prompt has
+                # the text the client receives, not the sampled bytes: a stop string's tokens (and what they add
+                # past it) are left out as the answer leaves them out; past the prompt's held-back text, which the
+                # prompt has; invalid UTF-8 as the U+FFFD sent
+                self.generated += step.text.encode("utf-8")
             logprob = None
             if self._logprobs is not None:
                 target = torch.tensor([step.token], device=step.logits.device)  # (1,)

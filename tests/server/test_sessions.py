@@ -204,6 +204,26 @@ def test_generate_can_adapt_the_session_afterwards(client: httpx.Client) -> None
     assert stats["updates"] == math.ceil((len(TEXT) + generated) / 20) + 1
 
 
+def test_a_generation_that_adapts_observes_the_answer_without_its_stop_string(client: httpx.Client) -> None:
+    """adapt_while_generating: the session observes the prompt and exactly the text of the answer. The stop string
+    that ended it was sampled but is not in the answer, so it is not observed either: the session is the one that
+    observed prompt + answer itself."""
+    body = {"prompt": TEXT, "max_tokens": 60, "seed": 3}  # sampled: greedy may repeat one byte
+    whole = client.post("/v1/generate", json={**body, "session_id": create(client)["id"]}).json()["text"]
+    j = max(j for j in range(len(whole)) if whole.find(whole[j]) == j)  # the last character seen for the first time
+    assert j > 0, whole
+    adapted, typed = create(client)["id"], create(client)["id"]
+    r = client.post("/v1/generate", json={**body, "stop": [whole[j]], "session_id": adapted,
+                                          "adapt_while_generating": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == whole[:j] and r.json()["finish_reason"] == "stop"
+    observe(client, typed, TEXT + whole[:j])
+    assert probe(client, adapted)["bits"] == pytest.approx(probe(client, typed)["bits"], rel=1e-5)  # queued after
+    stats = [client.get(f"/v1/sessions/{sid}").json()["stats"] for sid in (adapted, typed)]
+    assert stats[0]["bytes_observed"] == stats[1]["bytes_observed"] == len((TEXT + whole[:j]).encode())
+    assert stats[0]["updates"] == stats[1]["updates"]
+
+
 def test_an_adaptation_after_a_generation_refused_at_every_try_is_counted(tiny_checkpoint: Path,
                                                                           serve_app: Any) -> None:
     # each write of the generation's observe refused, as when other servers keep changing the session (Redis): it

@@ -423,3 +423,23 @@ def test_a_generation_that_adapts_observes_the_text_as_typed(client: httpx.Clien
     assert text and not text.startswith(" ")
     observe(client, sid, "\n")  # queued after the generation's adaptation; settles the pending word
     assert client.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len((prompt + text + "\n").encode())
+
+
+@pytest.mark.parametrize("end", [" ", " thi"])  # token healing holds " " (or " thi") back and continues it as typed
+def test_a_generation_that_adapts_observes_the_answer_without_its_stop_string(client: httpx.Client, end: str) -> None:
+    """The session observes the prompt and the text the client received: a word token that completes a stop string
+    was sampled whole (" deal" for the stop "e"), but neither the stop nor what the token adds past it is in the
+    answer, so neither is observed."""
+    prompt = TEXT[:200].rsplit(" ", 1)[0] + end
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+    whole = client.post("/v1/generate", json={**body, "session_id": new(client)}).json()["text"]
+    j = max(j for j in range(len(whole)) if whole.find(whole[j]) == j)  # the last character seen for the first time
+    assert j > 0, whole
+    sid = new(client)
+    r = client.post("/v1/generate", json={**body, "stop": [whole[j]], "session_id": sid,
+                                          "adapt_while_generating": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] == whole[:j] and r.json()["finish_reason"] == "stop"
+    observe(client, sid, "\n")  # queued after the generation's adaptation; settles the pending word
+    observed = client.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"]
+    assert observed == len((prompt + whole[:j] + "\n").encode())
