@@ -631,7 +631,8 @@ def _add_client_parsers(sub: Any) -> None:
     s.add_argument("--file", help="read the text from a file, - for standard input")
     s.add_argument("--session", help="score under this session")
     s.add_argument("--adapt", action="store_true", help="with --session: the session adapts on the text")
-    s.add_argument("--logprobs", action="store_true", help="with --json: each byte's log-probability")
+    s.add_argument("--logprobs", action="store_true",
+                   help="with --json: each token's log-probability (a byte; a word model's word, with token_texts)")
     s.add_argument("--json", action="store_true")
 
     g = leaf(csub, "generate", client_generate, "continue a prompt (POST /v1/generate)")

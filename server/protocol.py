@@ -124,8 +124,9 @@ class ScoreResponse(BaseModel):
                                                 "`adapt` whose text only grew its pending word, as its observe).")
     logprobs: list[float] | None = Field(default=None, description=(
         "Natural-log probability of each token, if asked: one entry per token of the model's tokenizer (GET "
-        "/v1/models `tokenizer`): a byte for a byte-level model; for a word-level model a word, a punctuation "
-        "character, an end of line or a run of other whitespace, with its one leading space (`tokens` entries)."))
+        "/v1/models `tokenizer`): a byte for a byte-level model, in the order of the text's UTF-8 bytes; for a "
+        "word-level model a word, a punctuation character, an end of line or a run of other whitespace, with its "
+        "one leading space (`token_texts` gives each one's text)."))
     session_id: str | None = Field(default=None, description="The session it was scored under, if any.")
     nonfinite_reset: bool = Field(default=False, description="The non-finite guard refused an adapter update (or "
                                                              "reset the adapter): the session kept its last good "
@@ -133,6 +134,11 @@ class ScoreResponse(BaseModel):
     # a word-level model only: absent for a byte-level one (whose tokens are the bytes), whose answer stays as it was
     tokens: int | None = Field(default=None, exclude_if=_absent, description=(
         "Word-level model only: the text's tokens (words, punctuation, ends of line), the words of bits_per_word."))
+    token_texts: list[str] | None = Field(default=None, exclude_if=_absent, description=(
+        "Word-level model only, with `logprobs`: the text of each token those are of, as written in the text "
+        "scored (its leading space included), so that joined they give that text: with a session, its pending text "
+        "and then this text (`adapt`: up to the last word, which stays pending). A word the vocabulary lacks keeps "
+        "its own letters; its log-probability is that of the unknown word, `<unk>` (as /v1/completions lists it)."))
     bits_per_word: float | None = Field(default=None, exclude_if=_absent,
                                         description="Word-level model only: bits / tokens.")
     perplexity: float | None = Field(default=None, exclude_if=_absent,

@@ -30,6 +30,7 @@ import torch
 from models.adaptation import DynEvalConfig, NeuralCache, Row, RuleCache, TextJob, batch_step
 from models.base import Adapter, State
 from models.checkpoint import Checkpoint
+from models.word_tokenizer import WordTokenizer
 from server.engine._errors import SessionNotFound
 from server.engine._scheduler import Scheduler, pack
 from server.engine._session import PENDING_MAX_BYTES, Session, SessionStats
@@ -56,6 +57,9 @@ class TextScore:
     nonfinite_reset: bool = False  # the non-finite guard refused an update or reset the adapter
     tokens: int = 0  # tokens scored (the model's: bytes, or a word model's words)
     pending_bytes: int = 0  # an observe of a word session: bytes left pending after it
+    # a word model's tokens as written in the text scored, one per log-probability, if those were asked for (a byte
+    # model's are the text's bytes)
+    token_texts: list[str] | None = None
 
     @property
     def bits_per_byte(self) -> float:
@@ -227,10 +231,12 @@ class TextExecutor:
             if self._sessions.store.update(session) is None:
                 raise SessionNotFound(session.id)  # deleted while it was being observed
             self._stats.updates += main.updates  # applied
+        tokenizer = self._ckpt.tokenizer
+        texts = tokenizer.tokens(work.scored) if work.logprobs and isinstance(tokenizer, WordTokenizer) else None
         return TextScore(bits=bits, bytes=len(work.scored), logprobs=lp.tolist() if work.logprobs else None,
                          static_bits=static_bits, updates=main.updates,
                          nonfinite_reset=bool(main.dropped or main.resets), tokens=int(lp.numel()),
-                         pending_bytes=len(work.pending))
+                         pending_bytes=len(work.pending), token_texts=texts)
 
 
 def _owned(state: State) -> State:

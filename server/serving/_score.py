@@ -33,5 +33,5 @@ async def create_score(body: ScoreRequest, ctx: Context) -> ScoreResponse | Resp
     per_word = result.bits_per_token if result.tokens else None
     return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=per_byte,
                          logprobs=result.logprobs, session_id=body.session_id, nonfinite_reset=result.nonfinite_reset,
-                         tokens=result.tokens, bits_per_word=per_word,
+                         tokens=result.tokens, token_texts=result.token_texts, bits_per_word=per_word,
                          perplexity=2.0 ** per_word if per_word is not None else None)

@@ -89,6 +89,26 @@ def test_score_reports_words_and_bytes_as_the_library(client: httpx.Client, refe
     assert -sum(body["logprobs"]) / math.log(2) == pytest.approx(body["bits"], rel=1e-6)
 
 
+def test_score_gives_each_token_its_text_as_completions_echo_lists_it(client: httpx.Client,
+                                                                     reference: Checkpoint) -> None:
+    """A word model's logprobs come with each token's text as written (joined: the text; a byte model's are the
+    text's bytes). /v1/completions' echo of the same text lists the same tokens (a word the vocabulary lacks as
+    " <unk>", at the offset of its own letters) with the same log-probabilities."""
+    tok = reference.tokenizer
+    text = "It was the best" + UNKNOWN + " of times.\n"
+    body = client.post("/v1/score", json={"text": text, "logprobs": True}).json()
+    texts = body["token_texts"]
+    assert texts == tok.tokens(text) and "".join(texts) == text and UNKNOWN in texts
+    assert len(texts) == len(body["logprobs"]) == body["tokens"]
+    echo = client.post("/v1/completions", json={"model": reference.name, "prompt": text, "max_tokens": 0,
+                                                "echo": True, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert echo["tokens"] == [tok.vocab[i] for i in tok.encode(text)] and " <unk>" in echo["tokens"]
+    ends = [*echo["text_offset"][1:], len(text)]
+    assert [text[a:b] for a, b in zip(echo["text_offset"], ends, strict=True)] == texts
+    assert echo["token_logprobs"][1:] == pytest.approx(body["logprobs"][1:], abs=1e-4)
+    assert "token_texts" not in client.post("/v1/score", json={"text": text}).json()  # only with logprobs
+
+
 def test_generate_is_the_library_stepper_with_max_tokens_words(client: httpx.Client, reference: Checkpoint) -> None:
     params = SamplingParams(max_tokens=12, seed=7)
     text, ids, _ = library_generation(reference, PROMPT, params)

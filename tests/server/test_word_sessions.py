@@ -142,6 +142,22 @@ def test_score_and_generation_continue_after_the_pending_text(client: httpx.Clie
     assert one["text"] == two["text"] and one["usage"]["completion_tokens"] == 6
 
 
+def test_a_session_score_gives_the_texts_of_the_tokens_it_scored(client: httpx.Client) -> None:
+    """With a session, a score's tokens are those of its pending text and the text (with `adapt`, up to the last word,
+    which stays pending): their texts say so, joined as `bytes` counts them."""
+    sid = new(client)
+    observe(client, sid, "It was the be")  # " be" pending
+    peek = client.post("/v1/score", json={"text": "st of times.", "session_id": sid, "logprobs": True}).json()
+    assert peek["token_texts"] == [" best", " of", " times", "."]
+    assert len(peek["logprobs"]) == peek["tokens"] == 4 and peek["bytes"] == len(" best of times.")
+    adapt = client.post("/v1/score", json={"text": "st of times", "session_id": sid, "logprobs": True,
+                                           "adapt": True}).json()
+    assert adapt["token_texts"] == [" best", " of"] and len(adapt["logprobs"]) == 2
+    assert adapt["bytes"] == len(" best of")
+    nothing = client.post("/v1/score", json={"text": "s", "session_id": sid, "logprobs": True, "adapt": True}).json()
+    assert nothing["token_texts"] == nothing["logprobs"] == [] and nothing["bytes"] == 0  # " timess" pending
+
+
 def test_completions_echo_offsets_count_from_the_prompt_after_the_pending_text(client: httpx.Client,
                                                                                tok: WordTokenizer) -> None:
     sid = new(client)
