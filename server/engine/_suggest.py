@@ -47,6 +47,7 @@ from models.suggest import (
 )
 from models.tokenizer import ByteTokenizer
 from models.word_tokenizer import WordTokenizer
+from models.wordcache import WordCache, previous_words
 from server.engine._errors import SessionsUnavailable
 from server.engine._session import Session
 from server.engine._session_service import SessionService
@@ -339,7 +340,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     of the next token. No search: a word is one token, so the model's ranking is exact (`exact` is always true). The
     session's word cache (`cache_weight` > 0) is mixed in as for a byte model (models/wordcache.py), reading the
     pending text and the context; it also offers the words the session typed that the vocabulary lacks (a name,
-    an address), which the model alone can only predict as <unk>."""
+    an address), which the model alone can only predict as <unk>; `next_chars` go on with them (`_cached_chars`)."""
     typing = session.pending + context.encode("utf-8")
     stable, tail = tokenizer.split_stable(typing)
     settled, typed = tokenizer.split_typed(tail)  # "  wo": "  " is settled before " wo"; "(": all of it
@@ -392,8 +393,30 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
             for char, p in tokenizer.first_char_probs(model.log_probs(after)[0, -1].double().exp()).items():
                 chars[char] = chars.get(char, 0.0) + ended * p
             calls += 1
+    if weight > 0 and n_chars > 0:  # the word cache's words go on too, as they are mixed into the completions
+        chars = _cached_chars(chars, session.words, typing.decode("utf-8", errors="replace"), prefix, weight,
+                              max_chars)
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
     return Suggestions(prefix, completions, next_, expansions=0, model_calls=calls, exact=True)
+
+
+def _cached_chars(chars: dict[str, float], words: WordCache, context: str, prefix: str, weight: float,
+                  max_chars: int) -> dict[str, float]:
+    """The next characters `chars` (the model's, given the typed `prefix`) with the session's word cache mixed in as
+    `WordCache.mix` mixes it into the completions (lam = weight conf): (1 - lam) p_model(c) + lam p_cache(the cached
+    words that go on with c). A completion's next character is then at least as likely as the completion, a word the
+    vocabulary lacks included: its letters come from the cache alone (the model has only <unk> for it)."""
+    before, typed = split_word(context)
+    earlier, previous = previous_words(before)
+    cached, conf = words.estimate(typed, previous, max_chars, earlier)
+    lam = weight * conf
+    if not cached or lam <= 0:
+        return chars
+    mixed = {c: (1 - lam) * p for c, p in chars.items()}
+    for word, p in cached.items():
+        if word.startswith(prefix) and len(word) > len(prefix):  # the words the completions may hold
+            mixed[word[len(prefix)]] = mixed.get(word[len(prefix)], 0.0) + lam * p
+    return mixed
 
 
 def _whole_utf8(data: bytes) -> bool:

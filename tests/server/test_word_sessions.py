@@ -373,6 +373,26 @@ def test_the_word_cache_offers_a_typed_word_the_vocabulary_lacks(client: httpx.C
     assert r.json()["completions"][0]["text"] == "ask"
 
 
+@pytest.mark.parametrize("context", ["Then Zy", "Then Zyxq", "Please a", "Please ask Zyxquorra ab", "Then "])
+def test_next_chars_go_on_with_the_completions_the_word_cache_offers(client: httpx.Client, context: str) -> None:
+    """The next characters count the word cache's words as the completions do, mixed in at the same weight: each
+    completion's next character is at least as likely as the completion. A word the vocabulary lacks had none at all
+    (the model has only " <unk>" for it): now its letters, from the cache alone."""
+    sid = new(client, adaptation={"cache_weight": 0.5})
+    observe(client, sid, "Please ask Zyxquorra about it.\nZyxquorra will know.\n")
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": context, "k": 5, "n_chars": 32})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    chars = {c["char"]: c["prob"] for c in body["next_chars"]}
+    assert body["completions"]
+    for c in body["completions"]:
+        assert chars.get(c["text"][len(body["prefix"])], 0.0) >= c["prob"] * (1 - 1e-9), (c, chars)
+    if context.startswith("Then Zy"):  # the one cached word that starts so: its next letter, as likely as it
+        [word] = body["completions"]
+        assert list(chars) == [word["text"][len(body["prefix"])]] and chars == pytest.approx({c: word["prob"]
+                                                                                              for c in chars})
+
+
 WORD = re.compile(r"\w+(?:['’]\w+)*")  # the tokenizer's words: what a keyboard may offer
 
 
