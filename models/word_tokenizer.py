@@ -282,6 +282,26 @@ class WordTokenizer(StreamMixin):
         added = chars[ids] - n  # (n,)
         return words[ids] & (spaced[ids] == typed.startswith(b" ")) & (added >= 1) & (added <= max_chars)
 
+    def unspaced(self, typed: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        """A word typed without the single space before it (at a line's start, after "(" or a quote: `typed` does not
+        start with a space) may be one the vocabulary holds only with that space (" actual" but no "actual"), which
+        the tokenizer writes there as `<unk>`. -> the (n,) ids of the entries " w" whose w starts with `typed`, as
+        `ids_with_prefix(b" " + typed)` gives them (byte order), and (n,) each one's share of the `<unk>` written there
+        (float64): over the spaced words that have no entry of their own, by their frequency in the training text,
+        which the ids' order gives (Zipf: 1 / rank); 0 for an entry whose word has one, or that is no word."""
+        ids = self.ids_with_prefix(b" " + typed)
+        return ids, self._unspaced_shares[ids]
+
+    @functools.cached_property
+    def _unspaced_shares(self) -> torch.Tensor:
+        """(V,) float64: `unspaced`'s share of each entry, summing to 1 over the spaced words without an entry of their
+        own (0 for every other entry)."""
+        spaced, words, _ = self._entry_kinds
+        shares = torch.tensor([1.0 / (i - len(_SPECIALS) + 1) if words[i] and spaced[i] and t[1:] not in self._ids
+                               else 0.0 for i, t in enumerate(self.vocab)], dtype=torch.float64)
+        total = float(shares.sum())
+        return shares / total if total > 0 else shares
+
     @functools.cached_property
     def _entry_kinds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(spaced, word, chars), each (V,): whether an entry starts with the single space before a body, whether its

@@ -354,9 +354,13 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     # whole vocabulary, so tensor work only (no Python pass over them)
     matching = tokenizer.ids_with_prefix(typed)
     probs = logprobs[matching].exp()  # (n,)
+    # a word typed without the space before it (at a line's start, after "("): most words have only a spaced entry,
+    # which the tokenizer writes there as <unk>, and they share its probability (`WordTokenizer.unspaced`)
+    unspaced, shares = tokenizer.unspaced(typed) if not typed.startswith(b" ") else (matching[:0], probs[:0])
+    unspaced_probs = math.exp(float(logprobs[tokenizer.unk])) * shares  # (m,)
     # P(word | text, the word starts so): the words that start so share the mass; the word cache's p_cache, mixed
     # with these, is conditioned so too
-    typed_mass = float(probs.sum())
+    typed_mass = float(probs.sum()) + float(unspaced_probs.sum())
     whole = tokenizer.token_id(typed) if typed else None  # the typed part as a token of its own, if it is one
     if whole is not None and tokenizer.is_special(whole):  # typed out (" <unk>"): not among the words
         typed_mass += math.exp(float(logprobs[whole]))
@@ -364,16 +368,19 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     space = typed.startswith(b" ")
     prefix = (typed[1:] if space else typed).decode("utf-8", errors="ignore")
 
-    def word(data: bytes) -> str:
-        return (data[1:] if space else data).decode("utf-8", errors="ignore")
+    def word(j: int) -> str:  # candidate j's word: without the space it has where the typed part has it, or unspaced
+        data = tokenizer.token_bytes(int(candidates[j]))
+        return (data[1:] if space or j >= len(matching) else data).decode("utf-8", errors="ignore")
 
     weight = session.config.cache_weight
+    candidates, candidate_probs = torch.cat([matching, unspaced]), torch.cat([probs, unspaced_probs])  # (n + m,)
+    offered = torch.cat([tokenizer.offered(matching, typed, max_chars),
+                         tokenizer.offered(unspaced, b" " + typed, max_chars) & (shares > 0)])
+    offered &= candidate_probs * norm >= SUGGEST_MIN_PROB
     # with the cache, more of the model's candidates: a cached word's own probability under the model counts
-    offered = tokenizer.offered(matching, typed, max_chars) & (probs * norm >= SUGGEST_MIN_PROB)  # (n,)
-    ranked = torch.argsort(torch.where(offered, probs, -1.0), descending=True, stable=True)
+    ranked = torch.argsort(torch.where(offered, candidate_probs, -1.0), descending=True, stable=True)
     best = [j for j in ranked[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)].tolist() if offered[j]]
-    completions = [Completion(word(tokenizer.token_bytes(int(matching[j]))), norm * float(probs[j]))
-                   for j in best]  # ties in byte order
+    completions = [Completion(word(j), norm * float(candidate_probs[j])) for j in best]  # ties in byte order
     if weight > 0:
         mixed = session.words.mix(completions, typing.decode("utf-8", errors="replace"), weight, k, max_chars)
         completions = [c for c in mixed if c.text.startswith(prefix) and len(c.text) > len(prefix)]
@@ -381,15 +388,20 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     calls = 1
     typed_text = typed.decode("utf-8", errors="strict") if _whole_utf8(typed) else None
     if not typed and n_chars > 0:  # nothing typed: the next token's first character, whatever it is
-        chars = tokenizer.first_char_probs(logprobs.exp())
+        chars = tokenizer.first_char_probs(logprobs.exp())  # <unk>'s first letter unknown: its unspaced words'
+        _add_next_chars(chars, tokenizer, b" ", unspaced_probs, 1.0)
     elif typed_text is not None and n_chars > 0:
-        mass = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # mass[j]: the first j words' probability
-        for char, start, end in tokenizer.by_next_char(typed):  # the words going on with each character
-            chars[char] = norm * float(mass[end] - mass[start])
-        if whole is not None:  # the typed part may end here: then the next token's first character follows
-            after = model(torch.tensor([[whole]], dtype=torch.long, device=device), out.state,
-                          session.adapter_with_copy())
+        _add_next_chars(chars, tokenizer, typed, probs, norm)  # the words going on with each character
+        _add_next_chars(chars, tokenizer, b" " + typed, unspaced_probs, norm)
+        # the typed part may end here (an entry, or an unspaced word: <unk>): the next token's first character follows
+        ended, end = 0.0, whole
+        if whole is not None:
             ended = norm * math.exp(float(logprobs[whole]))
+        elif unspaced.numel() and tokenizer.token_bytes(int(unspaced[0])) == b" " + typed and shares[0] > 0:
+            ended, end = norm * float(unspaced_probs[0]), tokenizer.unk
+        if end is not None:
+            after = model(torch.tensor([[end]], dtype=torch.long, device=device), out.state,
+                          session.adapter_with_copy())
             for char, p in tokenizer.first_char_probs(model.log_probs(after)[0, -1].double().exp()).items():
                 chars[char] = chars.get(char, 0.0) + ended * p
             calls += 1
@@ -398,6 +410,17 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
                               max_chars)
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
     return Suggestions(prefix, completions, next_, expansions=0, model_calls=calls, exact=True)
+
+
+def _add_next_chars(chars: dict[str, float], tokenizer: WordTokenizer, typed: bytes, probs: torch.Tensor,
+                    scale: float) -> None:
+    """Add to `chars` the probabilities `probs` (n,) of the entries that start with `typed` (`ids_with_prefix`'s, in
+    its order), times `scale`, summed by the character that follows `typed` in each."""
+    if not probs.numel():
+        return
+    mass = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # mass[j]: the first j entries' probability
+    for char, start, end in tokenizer.by_next_char(typed):
+        chars[char] = chars.get(char, 0.0) + scale * float(mass[end] - mass[start])
 
 
 def _cached_chars(chars: dict[str, float], words: WordCache, context: str, prefix: str, weight: float,

@@ -219,6 +219,23 @@ def test_the_word_being_typed_and_the_entries_a_keyboard_may_offer_for_it() -> N
         assert got == sorted(words), typed
 
 
+def test_unspaced_shares_unk_among_the_words_known_only_with_a_space() -> None:
+    """At a line's start a word without an entry of its own is written <unk>: the spaced words without one share it,
+    by the frequency order of their entries (1 / rank); words with an entry of their own, and marks, get none."""
+    tok = WordTokenizer.build(["the cat saw the dog , the cat ran ( far )\ncat\n"])
+    rank = {t: i - 3 for i, t in enumerate(tok.vocab)}  # 1 for the most frequent entry
+    ids, shares = tok.unspaced(b"")
+    assert ids.tolist() == tok.ids_with_prefix(b" ").tolist()
+    got = {tok.vocab[i]: s for i, s in zip(ids.tolist(), shares.tolist(), strict=True)}
+    only = [" saw", " dog", " ran", " far"]  # " the" and " cat" have "the" and "cat"; " ," " (" " )" are no words
+    assert {t for t, s in got.items() if s > 0} == set(only) and got[" the"] == got[" ,"] == 0
+    z = sum(1 / rank[t] for t in only)
+    assert got == pytest.approx({t: 1 / rank[t] / z if t in only else 0.0 for t in got})
+    ids, shares = tok.unspaced(b"d")
+    assert [tok.vocab[i] for i in ids.tolist()] == [" dog"] and shares.tolist() == pytest.approx([got[" dog"]])
+    assert tok.unspaced(b"x")[0].numel() == 0
+
+
 HEAL_TEXT = ("there was a thing, this and that; I think things. I don't know. They don't, don't they?  Two spaces.\n"
              "   Indented. Then there the them then.\n")
 

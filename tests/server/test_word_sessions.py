@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import re
+import string
 from pathlib import Path
 from typing import Any
 
@@ -373,7 +374,49 @@ def test_the_word_cache_offers_a_typed_word_the_vocabulary_lacks(client: httpx.C
     assert r.json()["completions"][0]["text"] == "ask"
 
 
-@pytest.mark.parametrize("context", ["Then Zy", "Then Zyxq", "Please a", "Please ask Zyxquorra ab", "Then "])
+def test_a_word_typed_at_a_line_start_may_be_one_the_vocabulary_has_only_with_a_space(
+        client: httpx.Client, word_checkpoint: Path, tok: WordTokenizer) -> None:
+    """At a line's start the tokenizer writes a word that has only a spaced entry (" saw" but no "saw") as <unk>, so
+    such words were never offered there. They share <unk>'s probability by their entries' frequency order
+    (`WordTokenizer.unspaced`) and compete with the entries of their own, all given the typed letter."""
+    stable = "It was.\n"
+    ckpt = load_checkpoint(word_checkpoint)
+    ckpt.model.eval()
+    with torch.no_grad():
+        ids = torch.tensor([[tok.bos, *tok.encode(stable)]])
+        probs = ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0, -1].double().exp()
+    spaced, shares = tok.unspaced(b"")
+    unspaced = {tok.vocab[i][1:]: float(probs[tok.unk]) * s for i, s in zip(spaced.tolist(), shares.tolist(),
+                                                                            strict=True) if s > 0}
+
+    def expected(letter: str) -> list[tuple[str, float]]:
+        words = {w: float(probs[i]) for i, w in enumerate(tok.vocab) if i >= 4 and WORD.fullmatch(w)
+                 and w.startswith(letter)}
+        words.update({w: p for w, p in unspaced.items() if w.startswith(letter)})
+        mass = sum(words.values()) + sum(float(probs[i]) for i, w in enumerate(tok.vocab) if i >= 4
+                                         and w.startswith(letter) and not WORD.fullmatch(w))
+        ranked = sorted(((w, p / mass) for w, p in words.items() if len(w) > 1), key=lambda wp: -wp[1])
+        return [(w, p) for w, p in ranked if p >= 1e-3][:5]
+
+    # a letter whose best words include one the vocabulary has only with a space
+    letter = next(c for c in string.ascii_letters if any(w in unspaced for w, _ in expected(c)))
+    sid = new(client, adaptation={"cache_weight": 0.0})
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": stable + letter, "k": 5, "n_chars": 32})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    best = expected(letter)
+    assert [c["text"] for c in body["completions"]] == [w for w, _ in best]
+    assert [c["prob"] for c in body["completions"]] == pytest.approx([p for _, p in best], rel=1e-4)
+    chars = {c["char"]: c["prob"] for c in body["next_chars"]}  # and their next letters with them
+    assert all(chars[w[1]] >= p * (1 - 1e-9) for w, p in best)
+    # such a word typed whole may end there: the model reads it as <unk>, and what follows that starts with a space
+    whole = next(w for w, _ in best if w in unspaced)
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": stable + whole, "n_chars": 32})
+    assert r.status_code == 200 and " " in {c["char"] for c in r.json()["next_chars"]}, r.text
+
+
+@pytest.mark.parametrize("context", ["Then Zy", "Then Zyxq", "Please a", "Please ask Zyxquorra ab", "Then ", "Then\nZy",
+                                     "It was (g"])
 def test_next_chars_go_on_with_the_completions_the_word_cache_offers(client: httpx.Client, context: str) -> None:
     """The next characters count the word cache's words as the completions do, mixed in at the same weight: each
     completion's next character is at least as likely as the completion. A word the vocabulary lacks had none at all
