@@ -430,6 +430,10 @@ class SessionStatsBody(BaseModel):
     static_bits: float = Field(description="Bits of the same text under the unadapted model.")
     static_bits_per_byte: float | None
     gain_over_static: float | None = Field(description="1 - bits / static_bits: the running gain of adaptation.")
+    pending_bytes: int = Field(default=0, description=(
+        "Bytes read but not yet scored (a word session's last word, which may go on; 0 for a byte model): "
+        "bytes_observed + pending_bytes is every UTF-8 byte the session has read, which tells a client whose observe "
+        "got no answer whether it was read."))
 
 
 class SessionResponse(BaseModel):

@@ -59,7 +59,7 @@ def session_response(session: Session, ctx: Context, result: TextScore | None = 
         stats=SessionStatsBody(bytes_observed=st.bytes_observed, updates=st.updates,
                                nonfinite_resets=st.nonfinite_resets, bits=st.bits, bits_per_byte=st.bits_per_byte,
                                static_bits=st.static_bits, static_bits_per_byte=st.static_bits_per_byte,
-                               gain_over_static=st.gain_over_static),
+                               gain_over_static=st.gain_over_static, pending_bytes=len(session.pending)),
         observed=observed(result) if result is not None else None)
 
 

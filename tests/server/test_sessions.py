@@ -90,7 +90,7 @@ def test_create_uses_the_checkpoint_settings(client: httpx.Client, ckpt: Any, sp
                                   "copy_model": False}  # nor a copy model
     assert body["stats"] == {"bytes_observed": 0, "updates": 0, "nonfinite_resets": 0, "bits": 0.0,
                              "bits_per_byte": None, "static_bits": 0.0, "static_bits_per_byte": None,
-                             "gain_over_static": None}
+                             "gain_over_static": None, "pending_bytes": 0}
     H, k = ckpt.config.hidden, sparse.adapter_units
     assert body["state_bytes"] == (4 * H + k * k) * 4  # (h, c) twice (adapted and static) + M, float32
     assert before <= body["created"] <= body["last_used"] and body["expires_at"] == body["last_used"] + body["ttl_s"]

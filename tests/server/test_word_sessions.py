@@ -96,6 +96,22 @@ def test_an_observe_that_only_grows_the_word_scores_nothing(client: httpx.Client
     assert body["stats"]["bytes_observed"] == len("It was the best")
 
 
+def test_the_session_says_what_it_read_including_its_pending_word(client: httpx.Client) -> None:
+    """A client whose observe got no answer (a timeout, a 502) asks the session what it read before sending the text
+    again (docs/operations.md): an observe that only grew the pending word leaves bytes_observed as it was, so
+    bytes_observed alone could not tell; bytes_observed + pending_bytes is every byte the session read."""
+    sid = new(client)
+    sent = "It was the be"
+    observe(client, sid, sent)
+    before = client.get(f"/v1/sessions/{sid}").json()["stats"]
+    assert before["bytes_observed"] + before["pending_bytes"] == len(sent)
+    observe(client, sid, "s")  # its answer "lost": was it read?
+    after = client.get(f"/v1/sessions/{sid}").json()["stats"]
+    assert after["bytes_observed"] == before["bytes_observed"]  # the question bytes_observed alone cannot answer
+    assert after["bytes_observed"] + after["pending_bytes"] == len(sent + "s")
+    assert client.post(f"/v1/sessions/{sid}/reset").json()["stats"]["pending_bytes"] == 0
+
+
 def test_a_score_that_adapts_on_only_the_pending_word_is_read_by_the_sdk(words_url: str) -> None:
     """A score with `adapt` reads the text as an observe does: one that only grows the pending word scores nothing, and
     its answer says so as the observe's does (bits_per_byte null), in a shape the SDK reads."""
