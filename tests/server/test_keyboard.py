@@ -254,3 +254,46 @@ def test_a_page_of_a_configured_origin_calls_the_api(tiny_checkpoint: Path, serv
         with serve_app(Settings(checkpoint=tiny_checkpoint, api_keys="key-one")) as live:  # type: ignore[arg-type]
             blocked = page.evaluate(CALL_FROM_PAGE, live.url)
             assert "error" in blocked and "fetch" in blocked["error"].lower(), blocked
+
+
+# -- what a typist meets: edits, a server that forgets, restarts or is slow ---------------------------------
+
+
+def read_by(url: str, session_id: str) -> int:
+    """Every UTF-8 byte the session has read."""
+    stats = httpx.get(f"{url}/v1/sessions/{session_id}").json()["stats"]
+    return int(stats["bytes_observed"] + stats["pending_bytes"])
+
+
+def test_sessions_the_server_lost_are_made_again(live: Any, page: Page) -> None:
+    # Expired (an hour idle), evicted, or a restart without a snapshot: the page's sessions are gone. It makes new
+    # ones, which read the committed text again, rather than answering every keystroke with a 404 until a reload.
+    open_keyboard(page, f"{live.url}/keyboard")
+    type_keys(page, "It is a truth. ")
+    page.wait_for_selector("#chart[data-points='1']", timeout=5000)
+    old = snapshot(page)["sessions"]
+    for session_id in old.values():
+        assert httpx.delete(f"{live.url}/v1/sessions/{session_id}").status_code == 204
+    page.keyboard.type("It was")
+    page.wait_for_function(CURRENT, timeout=10_000)
+    state = snapshot(page)
+    assert state["sessions"]["adapted"] not in old.values() and state["sessions"]["twin"] not in old.values()
+    assert state["shown"]["prefix"] == "was" and page.get_attribute("body", "data-state") == "ready"
+    page.wait_for_selector("#chart[data-points='1']", timeout=5000)
+    for session_id in state["sessions"].values():
+        assert read_by(live.url, session_id) == len("It is a truth. ")
+
+
+def test_a_failed_suggestion_leaves_no_stale_bar(live: Any, page: Page) -> None:
+    # The bar of an older keystroke cannot be accepted; shown after an error, it swallowed Tab for good (a keyboard
+    # trap: focus could not leave the text box).
+    open_keyboard(page, f"{live.url}/keyboard")
+    type_keys(page, "It is")
+    page.route("**/suggest", lambda route: route.fulfill(
+        status=500, content_type="application/json",
+        body='{"error": {"message": "boom", "type": "internal_error", "param": null, "code": null}}'))
+    page.keyboard.type(" a")
+    page.wait_for_selector("body[data-state=error]", timeout=5000)
+    assert page.locator("#bar button.word:not([disabled])").count() == 0 and snapshot(page)["shown"] is None
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") != "text"

@@ -11,6 +11,9 @@
   const K = 3;
   // A commit ends at Enter, or at sentence-ending punctuation (closing quotes or brackets may follow) and a space.
   const BOUNDARY = /[.!?]["'\u201d\u2019)\]]*[ \t]|\n/g;
+  // New sessions for lost ones at most this often: a server that loses them at once (a store full of busy
+  // sessions) must not be sent sessions in a loop.
+  const RENEW_MIN_MS = 10_000;
 
   const $ = (id) => document.getElementById(id);
   const text = $("text");
@@ -27,6 +30,7 @@
     twin: null,
     committed: "", // what the sessions have read: a prefix of the text area (see syncCommitted)
     observing: Promise.resolve(), // commits are sent one after the other, in order
+    renewedAt: -Infinity, // when lost sessions were last made again
     requested: null, // the context of the latest suggest request
     seq: 0,
     controller: null,
@@ -37,12 +41,17 @@
   };
 
   class ApiError extends Error {
-    constructor(status, message, retryAfter) {
+    constructor(status, message, { code = null, retryAfter = 1 } = {}) {
       super(message);
       this.status = status;
+      this.code = code; // the error's `code`
       this.retryAfter = retryAfter;
     }
   }
+
+  // The server no longer has the session (expired, evicted, a restart without a snapshot), or it is out of step
+  // with what the page sent: new sessions read the text again.
+  const renew = (e) => (e.status === 404 && e.code === "session_not_found") || e.code === "out_of_step";
 
   async function api(path, body, { method = "POST", signal, keepalive = false } = {}) {
     const headers = { "content-type": "application/json" };
@@ -55,7 +64,8 @@
     const data = await response.json().catch(() => null);
     if (!response.ok) {
       const message = data?.error?.message ?? `${response.status} ${response.statusText}`;
-      throw new ApiError(response.status, message, Number(response.headers.get("retry-after")) || 1);
+      throw new ApiError(response.status, message,
+                         { code: data?.error?.code ?? null, retryAfter: Number(response.headers.get("retry-after")) || 1 });
     }
     return data;
   }
@@ -79,7 +89,7 @@
 
   // -- sessions ---------------------------------------------------------------------------------------------
 
-  async function connect() {
+  async function connect(note = "") {
     const generation = ++state.generation;
     closeSessions();
     setStatus("connecting", "Connecting…");
@@ -98,8 +108,19 @@
       return;
     }
     clearProgress();
-    setStatus("ready", `Ready: session ${state.adapted.slice(0, 8)}… and its unadapted twin.`);
+    setStatus("ready", `${note}Ready: session ${state.adapted.slice(0, 8)}… and its unadapted twin.`);
     onInput(); // text already there is committed to the new sessions up to its last sentence end
+  }
+
+  // The server lost the sessions (or is out of step with them): new ones, which read the text again.
+  function sessionsLost(generation) {
+    if (generation !== state.generation) return; // an answer about sessions already replaced
+    if (performance.now() - state.renewedAt < RENEW_MIN_MS) {
+      setStatus("error", "The server keeps losing this page's sessions (is its session store full?): Connect tries again.");
+      return;
+    }
+    state.renewedAt = performance.now();
+    connect("The server no longer had this page's sessions (expired, evicted, or a restart): new ones read the text again. ");
   }
 
   function closeSessions() {
@@ -116,7 +137,9 @@
     try {
       await Promise.all(ids.map((id) => api(`sessions/${id}/reset`)));
     } catch (e) {
-      setStatus("error", e.message);
+      if (generation !== state.generation) return;
+      if (renew(e)) sessionsLost(generation);
+      else setStatus("error", `reset: ${e.message}`);
       return;
     }
     if (generation !== state.generation) return;
@@ -182,7 +205,9 @@
         draw();
       })
       .catch((e) => {
-        if (generation === state.generation) setStatus("error", `observe: ${e.message}`);
+        if (generation !== state.generation) return;
+        if (renew(e)) sessionsLost(generation);
+        else setStatus("error", `observe: ${e.message}`);
       });
   }
 
@@ -212,7 +237,7 @@
     // The sessions must have read every commit before the text that follows it is completed.
     await state.observing;
     if (seq !== state.seq) return;
-    const { adapted, twin } = state;
+    const { adapted, twin, generation } = state;
     const ask = (id) =>
       api(`sessions/${id}/suggest`, { context, k: K, n_chars: 0 }, { signal: controller.signal });
     const started = performance.now();
@@ -228,7 +253,12 @@
     } catch (e) {
       if (e.name === "AbortError" || seq !== state.seq) return;
       state.requested = null; // the next keystroke asks again
-      setStatus("error", `suggest: ${e.message}`);
+      // An older keystroke's suggestions cannot be accepted: shown, they would keep Tab from leaving the text box.
+      state.shown = null;
+      render(bar, [], true);
+      render(barStatic, [], false);
+      if (renew(e)) sessionsLost(generation);
+      else setStatus("error", `suggest: ${e.message}`);
     }
   }
 
@@ -385,7 +415,10 @@
   });
   $("reset").addEventListener("click", reset);
   window.addEventListener("resize", draw);
-  window.addEventListener("pagehide", closeSessions);
+  window.addEventListener("pagehide", () => {
+    state.generation++; // what is still under way for these sessions stops
+    closeSessions();
+  });
   window.addEventListener("pageshow", (event) => {
     if (event.persisted) connect(); // back from the page cache: its sessions were closed on leaving
   });
