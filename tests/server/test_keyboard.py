@@ -297,3 +297,26 @@ def test_a_failed_suggestion_leaves_no_stale_bar(live: Any, page: Page) -> None:
     assert page.locator("#bar button.word:not([disabled])").count() == 0 and snapshot(page)["shown"] is None
     page.keyboard.press("Tab")
     assert page.evaluate("document.activeElement.id") != "text"
+
+
+SLOW_OBSERVE = """(() => {
+  const real = window.fetch.bind(window);
+  window.fetch = async (url, init) => {
+    if (String(url).endsWith("/observe")) await new Promise((resolve) => setTimeout(resolve, 400));
+    return real(url, init);
+  };
+})();"""
+
+
+def test_reset_forgets_the_sentences_still_being_sent(live: Any, page: Page) -> None:
+    # A slow connection: Reset while commits are queued. The sessions must not read, after their reset, text that
+    # the page has cleared.
+    page.add_init_script(SLOW_OBSERVE)
+    open_keyboard(page, f"{live.url}/keyboard")
+    page.keyboard.type("One two three. Four five six. Seven eight. ")
+    page.click("#reset")
+    page.wait_for_function("() => adaptlmKeyboard.snapshot().shown?.context === ''", timeout=5000)
+    page.wait_for_timeout(1500)  # what a queued commit would take to arrive
+    assert page.input_value("#text") == "" and page.get_attribute("#chart", "data-points") == "0"
+    for session_id in snapshot(page)["sessions"].values():
+        assert read_by(live.url, session_id) == 0

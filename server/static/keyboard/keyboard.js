@@ -29,7 +29,7 @@
     adapted: null, // session ids
     twin: null,
     committed: "", // what the sessions have read: a prefix of the text area (see syncCommitted)
-    observing: Promise.resolve(), // commits are sent one after the other, in order
+    observing: Promise.resolve(), // commits (and resets) are sent one after the other, in order
     renewedAt: -Infinity, // when lost sessions were last made again
     requested: null, // the context of the latest suggest request
     seq: 0,
@@ -132,22 +132,23 @@
 
   async function reset() {
     if (!state.adapted) return;
-    const generation = ++state.generation;
+    const generation = ++state.generation; // the commits still queued are dropped (they check the generation)...
     const ids = [state.adapted, state.twin];
+    // ...and the one being sent is waited for: the sessions must not read the cleared text after their reset
+    const done = state.observing.then(() => Promise.all(ids.map((id) => api(`sessions/${id}/reset`))));
+    text.value = "";
+    state.saved = 0;
+    clearProgress();
+    state.observing = done.catch(() => {}); // the next suggestions and commits come after the reset
+    onInput();
+    text.focus();
     try {
-      await Promise.all(ids.map((id) => api(`sessions/${id}/reset`)));
+      await done;
     } catch (e) {
       if (generation !== state.generation) return;
       if (renew(e)) sessionsLost(generation);
       else setStatus("error", `reset: ${e.message}`);
-      return;
     }
-    if (generation !== state.generation) return;
-    text.value = "";
-    state.saved = 0;
-    clearProgress();
-    onInput();
-    text.focus();
   }
 
   function clearProgress() {
@@ -188,6 +189,7 @@
     const { generation, adapted, twin } = state;
     state.observing = state.observing
       .then(async () => {
+        if (generation !== state.generation) return; // reset, or new sessions, since it was committed: not theirs
         const [a, t] = await Promise.all([
           withRetry(() => api(`sessions/${adapted}/observe`, { text: sentence })),
           withRetry(() => api(`sessions/${twin}/observe`, { text: sentence })),
