@@ -320,3 +320,41 @@ def test_reset_forgets_the_sentences_still_being_sent(live: Any, page: Page) -> 
     assert page.input_value("#text") == "" and page.get_attribute("#chart", "data-points") == "0"
     for session_id in snapshot(page)["sessions"].values():
         assert read_by(live.url, session_id) == 0
+
+
+def test_a_commit_without_an_answer_is_read_once(live: Any, page: Page) -> None:
+    # The server restarting (connection refused), then an answer lost after the server read the text (a proxy's
+    # 502, a dropped connection): the page asks the session what it read, sends the first again and not the second.
+    open_keyboard(page, f"{live.url}/keyboard")
+    type_keys(page, "Good morning. ")
+    page.wait_for_selector("#chart[data-points='1']", timeout=5000)
+    down = {"refused": 0}
+
+    def refuse(route: Any) -> None:
+        down["refused"] += 1
+        route.abort("connectionrefused")
+
+    page.route("**/v1/**", refuse)
+    page.keyboard.type("How are you? ")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('not answering')",
+                           timeout=5000)
+    page.unroute("**/v1/**")
+    assert down["refused"] >= 2
+    page.wait_for_selector("#chart[data-points='2']", timeout=10_000)
+
+    def lose_the_answer(route: Any) -> None:
+        route.fetch()  # the server reads the text...
+        route.abort("connectionreset")  # ...and its answer never arrives
+
+    page.route("**/observe", lose_the_answer, times=2)  # both sessions' observes
+    page.keyboard.type("I am fine. ")
+    page.wait_for_selector("#chart[data-points='3']", timeout=10_000)
+    type_keys(page, "Th")
+    state = snapshot(page)
+    assert state["committed"] == "Good morning. How are you? I am fine. "
+    for session_id in state["sessions"].values():
+        assert read_by(live.url, session_id) == len(state["committed"])
+    # the chart has the lost answer's bits, from the session's statistics: the twin still equals static_bits
+    series = state["series"]
+    assert series["chars"] == [14, 13, 11] and all(0 < b < 16 for b in series["adapted"])
+    assert all(math.isclose(t, s, rel_tol=1e-4) for t, s in zip(series["twin"], series["static"], strict=True))

@@ -14,6 +14,7 @@
   // New sessions for lost ones at most this often: a server that loses them at once (a store full of busy
   // sessions) must not be sent sessions in a loop.
   const RENEW_MIN_MS = 10_000;
+  const encoder = new TextEncoder();
 
   const $ = (id) => document.getElementById(id);
   const text = $("text");
@@ -30,6 +31,7 @@
     twin: null,
     committed: "", // what the sessions have read: a prefix of the text area (see syncCommitted)
     observing: Promise.resolve(), // commits (and resets) are sent one after the other, in order
+    read: {}, // per session id, what its answers acknowledged: {bytes, bits, static_bits}
     renewedAt: -Infinity, // when lost sessions were last made again
     requested: null, // the context of the latest suggest request
     seq: 0,
@@ -43,15 +45,19 @@
   class ApiError extends Error {
     constructor(status, message, { code = null, retryAfter = 1 } = {}) {
       super(message);
-      this.status = status;
+      this.status = status; // 0: no answer came (the server down or restarting, or the connection broke)
       this.code = code; // the error's `code`
       this.retryAfter = retryAfter;
     }
   }
 
+  // No answer from the server itself, so the work may or may not have been done: the connection failed or broke,
+  // or a proxy answered for it (docs/operations.md, "When a replica dies").
+  const unanswered = (e) => e.status === 0 || e.status === 502 || e.status === 504;
   // The server no longer has the session (expired, evicted, a restart without a snapshot), or it is out of step
   // with what the page sent: new sessions read the text again.
   const renew = (e) => (e.status === 404 && e.code === "session_not_found") || e.code === "out_of_step";
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
   async function api(path, body, { method = "POST", signal, keepalive = false } = {}) {
     const headers = { "content-type": "application/json" };
@@ -59,7 +65,13 @@
     const init = { method, headers, signal, keepalive };
     if (body !== undefined) init.body = JSON.stringify(body);
     // Relative to the page: /keyboard -> /v1/..., and the same behind a proxy's path prefix.
-    const response = await fetch(`v1/${path}`, init);
+    let response;
+    try {
+      response = await fetch(`v1/${path}`, init);
+    } catch (e) {
+      if (e.name === "AbortError") throw e;
+      throw new ApiError(0, "the server is not answering");
+    }
     if (response.status === 204) return null;
     const data = await response.json().catch(() => null);
     if (!response.ok) {
@@ -67,17 +79,19 @@
       throw new ApiError(response.status, message,
                          { code: data?.error?.code ?? null, retryAfter: Number(response.headers.get("retry-after")) || 1 });
     }
+    if (data === null) throw new ApiError(0, "the answer broke off"); // the connection broke during the body
     return data;
   }
 
   // 429 and 503 come before the server did any work: a commit waits and tries again rather than being lost.
+  const busy = (e) => e.status === 429 || e.status === 503;
   async function withRetry(call, tries = 3) {
     for (let i = 1; ; i++) {
       try {
         return await call();
       } catch (e) {
-        if (i >= tries || !(e.status === 429 || e.status === 503)) throw e;
-        await new Promise((resolve) => setTimeout(resolve, 1000 * e.retryAfter));
+        if (i >= tries || !busy(e)) throw e;
+        await sleep(1000 * e.retryAfter);
       }
     }
   }
@@ -153,6 +167,7 @@
 
   function clearProgress() {
     state.committed = "";
+    state.read = {};
     state.observing = Promise.resolve();
     state.requested = null;
     state.series = { adapted: [], static: [], twin: [], chars: [] };
@@ -190,10 +205,7 @@
     state.observing = state.observing
       .then(async () => {
         if (generation !== state.generation) return; // reset, or new sessions, since it was committed: not theirs
-        const [a, t] = await Promise.all([
-          withRetry(() => api(`sessions/${adapted}/observe`, { text: sentence })),
-          withRetry(() => api(`sessions/${twin}/observe`, { text: sentence })),
-        ]);
+        const [a, t] = await Promise.all([send(adapted, sentence, generation), send(twin, sentence, generation)]);
         if (generation !== state.generation) return;
         const chars = [...sentence].length;
         state.series.adapted.push(a.bits / chars);
@@ -211,6 +223,52 @@
         if (renew(e)) sessionsLost(generation);
         else setStatus("error", `observe: ${e.message}`);
       });
+  }
+
+  // One session reads one commit, once. Without an answer (the server restarting, a proxy's 502, a connection
+  // that broke), the page waits for the server, then asks the session what it has read (docs/operations.md, "When
+  // a replica dies"): not the commit, it sends it again; the commit, its bits are the growth of the session's
+  // statistics since the answers before it.
+  async function send(id, sentence, generation) {
+    const read = (state.read[id] ??= { bytes: 0, bits: 0, static_bits: 0 });
+    const bytes = encoder.encode(sentence).length;
+    const acknowledged = (answer) => {
+      read.bytes += bytes;
+      read.bits += answer.bits;
+      read.static_bits += answer.static_bits;
+      return answer;
+    };
+    for (;;) {
+      let why;
+      try {
+        return acknowledged(await withRetry(() => api(`sessions/${id}/observe`, { text: sentence })));
+      } catch (e) {
+        if (!(unanswered(e) || busy(e))) throw e; // busy: still so after the retries
+        why = busy(e) ? `The server is busy (${e.message})` : "The server is not answering";
+      }
+      const { stats } = await whenAnswered(() => api(`sessions/${id}`, undefined, { method: "GET" }), generation, why);
+      const total = stats.bytes_observed + stats.pending_bytes;
+      if (total === read.bytes + bytes) {
+        return acknowledged({ bits: stats.bits - read.bits, static_bits: stats.static_bits - read.static_bits });
+      }
+      if (total !== read.bytes) { // another's text, or a server restored from an older snapshot
+        throw new ApiError(409, "the session has not read what this page sent", { code: "out_of_step" });
+      }
+    }
+  }
+
+  // `call` once the server answers again (tried every 0.5 s, then less often, up to 5 s; until the sessions change).
+  async function whenAnswered(call, generation, why) {
+    setStatus("error", `${why}: the sentence is sent when it is back…`);
+    for (let wait = 500; ; wait = Math.min(2 * wait, 5000)) {
+      await sleep(wait);
+      if (generation !== state.generation) throw new ApiError(0, "the sessions were replaced");
+      try {
+        return await call();
+      } catch (e) {
+        if (!(unanswered(e) || busy(e))) throw e;
+      }
+    }
   }
 
   // -- suggestions --------------------------------------------------------------------------------------------
