@@ -358,3 +358,30 @@ def test_a_commit_without_an_answer_is_read_once(live: Any, page: Page) -> None:
     series = state["series"]
     assert series["chars"] == [14, 13, 11] and all(0 < b < 16 for b in series["adapted"])
     assert all(math.isclose(t, s, rel_tol=1e-4) for t, s in zip(series["twin"], series["static"], strict=True))
+
+
+def test_editing_a_committed_sentence_completes_the_word_at_the_cursor(live: Any, page: Page) -> None:
+    open_keyboard(page, f"{live.url}/keyboard")
+    type_keys(page, "Hello wrld. ")
+    page.wait_for_selector("#chart[data-points='1']", timeout=5000)
+    # The typo fixed: the cursor after "w", then "o". The word at the cursor is "wo", not "o".
+    page.evaluate("() => document.getElementById('text').setSelectionRange(7, 7)")
+    type_keys(page, "o")
+    shown = snapshot(page)["shown"]
+    assert shown["context"] == "Hello wo" and shown["prefix"] == "wo"
+    # The sentence is read again whole when the next one ends, one point a sentence.
+    page.keyboard.press("End")
+    type_keys(page, "How are you? ")
+    page.wait_for_selector("#chart[data-points='3']", timeout=5000)
+    state = snapshot(page)
+    assert state["committed"] == "Hello world. How are you? " and state["series"]["chars"] == [12, 13, 13]
+
+
+def test_a_pasted_paragraph_is_a_point_a_sentence(live: Any, page: Page) -> None:
+    open_keyboard(page, f"{live.url}/keyboard")
+    page.keyboard.insert_text("It was the best of times. It was the worst of times! It was the age of")
+    page.wait_for_selector("#chart[data-points='2']", timeout=5000)
+    page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
+    state = snapshot(page)
+    assert state["series"]["chars"] == [len("It was the best of times. "), len("It was the worst of times! ")]
+    assert state["context"] == "It was the age of"

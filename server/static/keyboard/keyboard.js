@@ -29,7 +29,8 @@
     generation: 0, // bumped by connect and reset: answers for an older one are dropped
     adapted: null, // session ids
     twin: null,
-    committed: "", // what the sessions have read: a prefix of the text area (see syncCommitted)
+    committed: "", // what the sessions have read: a prefix of the text area until it is edited (see readUpTo)
+    marks: [], // where each commit ends in `committed`: the sentence ends an edit goes back to
     observing: Promise.resolve(), // commits (and resets) are sent one after the other, in order
     read: {}, // per session id, what its answers acknowledged: {bytes, bits, static_bits}
     renewedAt: -Infinity, // when lost sessions were last made again
@@ -167,6 +168,7 @@
 
   function clearProgress() {
     state.committed = "";
+    state.marks = [];
     state.read = {};
     state.observing = Promise.resolve();
     state.requested = null;
@@ -177,27 +179,48 @@
 
   // -- commits ------------------------------------------------------------------------------------------------
 
-  // Text already read cannot be unread: after an edit inside it, what the sessions read is taken to end where the
-  // edit starts, and the text from there is committed again (the sessions read it twice).
-  function syncCommitted() {
+  // Where the text the sessions have read ends in the text area as it is now. Text already read cannot be unread:
+  // after an edit inside it, the sessions are taken to have read up to the end of the last sentence before the edit
+  // (the word at the cursor is then the whole word), and the sentence with the edit is committed again, whole, when
+  // the next sentence ends (the sessions read it twice). An edit undone before then (a space deleted and typed
+  // again) changes nothing.
+  function readUpTo() {
     const value = text.value;
-    if (value.startsWith(state.committed)) return;
+    if (value.startsWith(state.committed)) return state.committed.length;
     let n = 0;
     while (n < state.committed.length && value[n] === state.committed[n]) n++;
-    if (n > 0 && isHighSurrogate(value.charCodeAt(n - 1))) n--;
-    state.committed = value.slice(0, n);
+    return lastMark(n);
+  }
+
+  function lastMark(n) {
+    for (let i = state.marks.length - 1; i >= 0; i--) if (state.marks[i] <= n) return state.marks[i];
+    return 0;
   }
 
   function commitSentences() {
     if (!state.adapted) return;
-    const pending = text.value.slice(state.committed.length, text.selectionStart);
-    let end = 0;
-    for (const match of pending.matchAll(BOUNDARY)) end = match.index + match[0].length;
-    const sentence = pending.slice(0, end);
-    // Blank lines wait for the next sentence: a point on the chart is a sentence.
-    if (sentence.trim() === "") return;
-    state.committed += sentence;
-    observe(sentence);
+    const base = readUpTo();
+    const pending = text.value.slice(base, Math.max(base, text.selectionStart));
+    // One commit a sentence (a pasted paragraph too): a point on the chart is a sentence. Blank lines wait for the
+    // next sentence.
+    const sentences = [];
+    let from = 0;
+    for (const match of pending.matchAll(BOUNDARY)) {
+      const end = match.index + match[0].length;
+      if (pending.slice(from, end).trim() === "") continue;
+      sentences.push(pending.slice(from, end));
+      from = end;
+    }
+    if (sentences.length === 0) return;
+    if (base < state.committed.length) { // an edit inside the committed text: from its sentence on, read again
+      state.committed = state.committed.slice(0, base);
+      state.marks = state.marks.filter((mark) => mark <= base);
+    }
+    for (const sentence of sentences) {
+      state.committed += sentence;
+      state.marks.push(state.committed.length);
+      observe(sentence);
+    }
   }
 
   function observe(sentence) {
@@ -273,11 +296,13 @@
 
   // -- suggestions --------------------------------------------------------------------------------------------
 
-  // What the user is typing: the text before the cursor since the last commit (the sessions have read the rest),
-  // at most the API's SUGGEST_MAX_CONTEXT characters (UTF-16 units, so never more code points).
+  // What the user is typing: the text before the cursor since the sessions' reading ends (they have read the rest;
+  // with the cursor in text they have read, since the start of its sentence), at most the API's
+  // SUGGEST_MAX_CONTEXT characters (UTF-16 units, so never more code points).
   function currentContext() {
     const before = text.value.slice(0, text.selectionStart);
-    let context = before.startsWith(state.committed) ? before.slice(state.committed.length) : before;
+    const base = readUpTo();
+    let context = before.slice(before.length >= base ? base : lastMark(before.length));
     if (context.length > SUGGEST_MAX_CONTEXT) {
       context = context.slice(-SUGGEST_MAX_CONTEXT);
       if (isLowSurrogate(context.charCodeAt(0))) context = context.slice(1);
@@ -428,7 +453,6 @@
   // -- events -------------------------------------------------------------------------------------------------
 
   function onInput() {
-    syncCommitted();
     commitSentences();
     updateStats();
     refresh();
@@ -483,9 +507,6 @@
     if (event.persisted) connect(); // back from the page cache: its sessions were closed on leaving
   });
 
-  function isHighSurrogate(code) {
-    return code >= 0xd800 && code <= 0xdbff;
-  }
   function isLowSurrogate(code) {
     return code >= 0xdc00 && code <= 0xdfff;
   }
