@@ -385,3 +385,17 @@ def test_a_pasted_paragraph_is_a_point_a_sentence(live: Any, page: Page) -> None
     state = snapshot(page)
     assert state["series"]["chars"] == [len("It was the best of times. "), len("It was the worst of times! ")]
     assert state["context"] == "It was the age of"
+
+
+def test_accepting_inside_a_word_replaces_the_whole_word(live: Any, page: Page) -> None:
+    open_keyboard(page, f"{live.url}/keyboard")
+    type_keys(page, "It is a truth unxversally")
+    # back to the typo: the cursor after "un"
+    page.evaluate("() => document.getElementById('text').setSelectionRange(16, 16)")
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
+    shown = snapshot(page)["shown"]
+    assert shown["prefix"] == "un" and shown["words"]
+    page.keyboard.press("Tab")
+    assert page.input_value("#text") == f"It is a truth {shown['words'][0]} "

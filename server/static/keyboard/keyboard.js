@@ -11,6 +11,8 @@
   const K = 3;
   // A commit ends at Enter, or at sentence-ending punctuation (closing quotes or brackets may follow) and a space.
   const BOUNDARY = /[.!?]["'\u201d\u2019)\]]*[ \t]|\n/g;
+  // The rest of a word after the cursor: letters, marks, digits and apostrophes, as the server's words (models/suggest.py).
+  const WORD_REST = /^[\p{L}\p{M}\p{N}'\u2019]*/u;
   // New sessions for lost ones at most this often: a server that loses them at once (a store full of busy
   // sessions) must not be sent sessions in a loop.
   const RENEW_MIN_MS = 10_000;
@@ -365,7 +367,9 @@
     if (!shown || shown.context !== currentContext() || !word.startsWith(shown.prefix)) return false;
     const start = text.selectionStart;
     const from = start - shown.prefix.length;
-    const end = text.selectionEnd;
+    let end = text.selectionEnd;
+    // The cursor inside a word (a typo being fixed): the suggestion replaces the whole word, its rest too.
+    if (end === start) end += WORD_REST.exec(text.value.slice(end))[0].length;
     const spaceFollows = text.value[end] === " ";
     text.setRangeText(spaceFollows ? word : `${word} `, from, end, "end");
     if (spaceFollows) text.selectionStart = text.selectionEnd = text.selectionEnd + 1;
