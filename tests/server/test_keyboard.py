@@ -399,3 +399,11 @@ def test_accepting_inside_a_word_replaces_the_whole_word(live: Any, page: Page) 
     assert shown["prefix"] == "un" and shown["words"]
     page.keyboard.press("Tab")
     assert page.input_value("#text") == f"It is a truth {shown['words'][0]} "
+
+
+def test_right_to_left_text_is_shown_right_to_left(live: Any, page: Page) -> None:
+    open_keyboard(page, f"{live.url}/keyboard")
+    page.keyboard.type("שלום")  # no key for it on the US layout: typed as text
+    page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
+    assert page.evaluate("getComputedStyle(document.getElementById('text')).direction") == "rtl"
+    assert page.get_attribute("#bar button.word", "dir") == "auto"  # a suggestion's own direction
