@@ -263,6 +263,32 @@ def test_streamed_generation_from_a_session(client: httpx.Client, parse_sse: Any
 # -- delete, reset, errors -------------------------------------------------------------------------------
 
 
+def test_an_observe_whose_client_timed_out_is_read_once_by_the_documented_recipe(live: Any) -> None:
+    """README (Python SDK) and docs/operations.md: after an observe that raised APITimeoutError, the text was read
+    whole or not at all (the server drops an observe whose client left before it finished), and the session's
+    bytes_observed + pending_bytes says which, so that the client sends it again only if it was not read."""
+    from clients import APITimeoutError, Client
+
+    text = f"{TEXT} {MORE} " * 2  # 440 bytes: more than the tiny model reads in 0.05 s
+    with Client(live.url, timeout=0.05) as hurried, Client(live.url, timeout=120) as patient:
+        session = patient.create_session()
+        with pytest.raises(APITimeoutError):
+            hurried.session(session.id).observe(text)
+
+        def read() -> int:
+            stats = session.get().stats
+            return stats.bytes_observed + stats.pending_bytes
+
+        seen = [read()]
+        while len(seen) < 3 or seen[-1] != seen[-2]:  # until the cancelled (or finished) work has settled
+            time.sleep(0.2)
+            seen.append(read())
+        assert seen[-1] in (0, len(text)), seen  # never a part of it
+        if seen[-1] == 0:
+            session.observe(text)  # not read: sent again
+        assert read() == len(text) and session.get().stats.updates > 0
+
+
 def test_delete(client: httpx.Client, assert_error: Any) -> None:
     sid = create(client)["id"]
     r = client.delete(f"/v1/sessions/{sid}")
