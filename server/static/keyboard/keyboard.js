@@ -272,7 +272,7 @@
         why = busy(e) ? `The server is busy (${e.message})` : "The server is not answering";
       }
       const { stats } = await whenAnswered(() => api(`sessions/${id}`, undefined, { method: "GET" }), generation, why);
-      const total = stats.bytes_observed + stats.pending_bytes;
+      const total = stats.bytes_observed + (stats.pending_bytes ?? 0); // none from a server older than the page
       if (total === read.bytes + bytes) {
         return acknowledged({ bits: stats.bits - read.bits, static_bits: stats.static_bits - read.static_bits });
       }
