@@ -11,7 +11,8 @@
   const K = 3;
   // A commit ends at Enter, or at sentence-ending punctuation (closing quotes or brackets may follow) and a space.
   const BOUNDARY = /[.!?]["'\u201d\u2019)\]]*[ \t]|\n/g;
-  // The rest of a word after the cursor: letters, marks, digits and apostrophes, as the server's words (models/suggest.py).
+  // The rest of a word after the cursor: letters, marks, digits and apostrophes, as the server's words
+  // (models/suggest.py).
   const WORD_REST = /^[\p{L}\p{M}\p{N}'\u2019]*/u;
   // New sessions for lost ones at most this often: a server that loses them at once (a store full of busy
   // sessions) must not be sent sessions in a loop.
@@ -79,8 +80,8 @@
     const data = await response.json().catch(() => null);
     if (!response.ok) {
       const message = data?.error?.message ?? `${response.status} ${response.statusText}`;
-      throw new ApiError(response.status, message,
-                         { code: data?.error?.code ?? null, retryAfter: Number(response.headers.get("retry-after")) || 1 });
+      const retryAfter = Number(response.headers.get("retry-after")) || 1;
+      throw new ApiError(response.status, message, { code: data?.error?.code ?? null, retryAfter });
     }
     if (data === null) throw new ApiError(0, "the answer broke off"); // the connection broke during the body
     return data;
@@ -133,11 +134,13 @@
   function sessionsLost(generation) {
     if (generation !== state.generation) return; // an answer about sessions already replaced
     if (performance.now() - state.renewedAt < RENEW_MIN_MS) {
-      setStatus("error", "The server keeps losing this page's sessions (is its session store full?): Connect tries again.");
+      setStatus("error",
+                "The server keeps losing this page's sessions (is its session store full?): Connect tries again.");
       return;
     }
     state.renewedAt = performance.now();
-    connect("The server no longer had this page's sessions (expired, evicted, or a restart): new ones read the text again. ");
+    connect("The server no longer had this page's sessions (expired, evicted, or a restart): "
+            + "new ones read the text again. ");
   }
 
   function closeSessions() {
