@@ -407,3 +407,38 @@ def test_right_to_left_text_is_shown_right_to_left(live: Any, page: Page) -> Non
     page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
     assert page.evaluate("getComputedStyle(document.getElementById('text')).direction") == "rtl"
     assert page.get_attribute("#bar button.word", "dir") == "auto"  # a suggestion's own direction
+
+
+SLOW_SUGGEST = """(() => {
+  const real = window.fetch.bind(window);
+  window.suggestDelayMs = 0;
+  window.fetch = async (url, init) => {
+    if (String(url).endsWith("/suggest") && window.suggestDelayMs) {
+      await new Promise((resolve) => setTimeout(resolve, window.suggestDelayMs));
+    }
+    return real(url, init);
+  };
+})();"""
+
+
+def test_tab_right_after_a_letter_accepts_the_word_the_bar_still_fits(live: Any, page: Page) -> None:
+    # A fast typist presses Tab before the answer to the last letter is back: the bar shown (one letter behind)
+    # still offers the word, so Tab takes it, rather than doing nothing.
+    page.add_init_script(SLOW_SUGGEST)
+    open_keyboard(page, f"{live.url}/keyboard")
+    type_keys(page, "It is a truth univ")
+    word = snapshot(page)["shown"]["words"][0]  # longer than "univ" (test_typing_accepting_and_committing)
+    page.evaluate("window.suggestDelayMs = 1500")
+    page.keyboard.type(word[4])
+    page.keyboard.press("Tab")
+    assert page.input_value("#text") == f"It is a truth {word} "
+    assert snapshot(page)["saved"] == len(word) - 5
+    # a letter none of the bar's words goes on with: Tab takes none of them
+    page.evaluate("window.suggestDelayMs = 0")
+    page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
+    words = snapshot(page)["shown"]["words"]
+    letter = next(c for c in "qzxjkvwy" if not any(w.startswith(c) for w in words))
+    page.evaluate("window.suggestDelayMs = 1500")
+    page.keyboard.type(letter)
+    page.keyboard.press("Tab")
+    assert page.input_value("#text") == f"It is a truth {word} {letter}"

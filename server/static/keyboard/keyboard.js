@@ -367,9 +367,16 @@
   // The suggestion replaces the typed part of the word and adds a space (or steps over the one already there).
   function accept(word) {
     const shown = state.shown;
-    if (!shown || shown.context !== currentContext() || !word.startsWith(shown.prefix)) return false;
+    const context = currentContext();
+    if (!shown || !context.startsWith(shown.context)) return false;
+    // The bar may be a keystroke or two behind (Tab pressed before the last letter's answer came back): its word
+    // still fits if what was typed since goes on with the same word and the word goes on with it.
+    const typed = context.slice(shown.context.length);
+    if (WORD_REST.exec(typed)[0] !== typed) return false;
+    const prefix = shown.prefix + typed;
+    if (!word.startsWith(prefix)) return false;
     const start = text.selectionStart;
-    const from = start - shown.prefix.length;
+    const from = start - prefix.length;
     let end = text.selectionEnd;
     // The cursor inside a word (a typo being fixed): the suggestion replaces the whole word, its rest too.
     if (end === start) end += WORD_REST.exec(text.value.slice(end))[0].length;
@@ -377,7 +384,7 @@
     text.setRangeText(spaceFollows ? word : `${word} `, from, end, "end");
     if (spaceFollows) text.selectionStart = text.selectionEnd = text.selectionEnd + 1;
     // Saved: the rest of the word and the space, less the one key that accepted it.
-    state.saved += [...word].length - [...shown.prefix].length;
+    state.saved += [...word].length - [...prefix].length;
     onInput();
     return true;
   }
