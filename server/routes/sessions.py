@@ -36,9 +36,10 @@ _BLOB: dict[str, Any] = {"content": {sessions.STATE_MEDIA_TYPE: {"schema": {"typ
 
 
 @router.post("", response_model=SessionResponse, status_code=201)
-async def create_session(body: SessionCreateRequest, ctx: ContextDep) -> SessionResponse | Response:
-    """A new session (optionally having observed `initial_text`)."""
-    return await sessions.create_session(body, ctx)
+async def create_session(ctx: ContextDep, body: SessionCreateRequest | None = None) -> SessionResponse | Response:
+    """A new session (optionally having observed `initial_text`); every field has a default, so the body may be left
+    out (`curl -X POST .../v1/sessions`)."""
+    return await sessions.create_session(body if body is not None else SessionCreateRequest(), ctx)
 
 
 @router.get("/{session_id}", response_model=SessionResponse)

@@ -97,6 +97,10 @@ def test_create_uses_the_checkpoint_settings(client: httpx.Client, ckpt: Any, sp
     assert body["observed"] is None
     assert client.get(f"/v1/sessions/{body['id']}").json()["stats"] == body["stats"]
     assert create(client)["id"] != body["id"]
+    # every field has a default, so no body at all (`curl -X POST`) is the same request
+    bare = client.post("/v1/sessions")
+    assert bare.status_code == 201, bare.text
+    assert bare.json()["adaptation"] == body["adaptation"] and bare.json()["id"] != body["id"]
 
 
 def test_observe_scores_before_adapting_like_dynamic_evaluation(client: httpx.Client, ckpt: Any,
