@@ -33,6 +33,10 @@ the next word is one the context was followed by before, and interpolates the or
   `max_recent` observed words of exp(-d / tau), d the words observed since (0 for the last); rho = 0.5,
   tau = 32 words, beta = 1. Where no recent word extends the prefix, q_1 is the frequencies alone.
 
+A prefix with a capital first letter and no other (`Li`) reads the cache with every word's first letter capitalised
+(`titled`: "life" counts for "Life"), so that a word the session typed in lowercase is offered at a sentence start
+after one character, as it is in lowercase.
+
 `candidates` gives p_cache(w) = s(w) / conf and `estimate` also conf; `mix` mixes p_cache at lam = weight conf
 (`mix_completions`), which is the equation above.
 
@@ -56,13 +60,18 @@ from typing import Any
 
 from models.suggest import APOSTROPHES, Completion, is_word_char, split_word
 
-__all__ = ["MAX_WORD_BYTES", "WordCache", "mix_completions", "previous_word", "previous_words"]
+__all__ = ["MAX_WORD_BYTES", "MIX_CANDIDATES", "WordCache", "mix_completions", "previous_word", "previous_words"]
 
 # The longest word counted, in UTF-8 bytes (German's long compounds are about 40). Text without spaces was one
 # word of any length, kept pending, counted, and written three times into the session's export, whose header the
 # import then refused past 1 MB (server/engine/_export.py); with this bound a full cache stays under 0.7 MB.
 MAX_WORD_BYTES = 48
 
+# The model's completions a mix reads (a byte model's search finds this many, then shows k): a cached word that the
+# model ranks 4th keeps its own probability under the model, where with only the shown 3 it counted 0 there. Chosen
+# on held-out text (docs/benchmarks.md, "Where the keystrokes go"): 3 -> MIX_CANDIDATES gained KSR on both texts, at
+# about twice the search's rows.
+MIX_CANDIDATES = 8
 _SEP = "\t"  # joins the words of a pair or triple key (never part of a word)
 BETA = 1.0  # Witten-Bell: how much a context's distinct followers count against its evidence
 GAMMA = 0.25  # the unigram level's trust against the model (module docstring)
@@ -107,6 +116,21 @@ def _head(piece: str) -> str:
         if size > MAX_WORD_BYTES and not run:
             break
     return "".join(kept)
+
+
+def _title(word: str) -> str:
+    """`word` with a capital first letter (the rest as it is)."""
+    return word[:1].upper() + word[1:]
+
+
+def _titled_keys(table: dict[str, int]) -> dict[str, int]:
+    """A pair or triple table with its last words written `_title` (the counts of keys that then agree added)."""
+    out: dict[str, int] = {}
+    for key, c in table.items():
+        ctx, _, word = key.rpartition(_SEP)
+        key = ctx + _SEP + _title(word)
+        out[key] = out.get(key, 0) + c
+    return out
 
 
 def _is_word(text: object) -> bool:
@@ -160,6 +184,7 @@ class WordCache:
     _after: dict[str, dict[str, int]] | None = field(default=None, repr=False, compare=False)
     _recency: dict[str, float] | None = field(default=None, repr=False, compare=False)
     _nbytes: int | None = field(default=None, repr=False, compare=False)
+    _titled: WordCache | None = field(default=None, repr=False, compare=False)
 
     def observe(self, text: str) -> None:
         """Count the words of a text the user wrote (it continues the last one)."""
@@ -191,7 +216,7 @@ class WordCache:
             self.recent.append(word)
         if len(self.recent) > self.max_recent:
             del self.recent[: len(self.recent) - self.max_recent]
-        self._sorted = self._after = self._recency = self._nbytes = None
+        self._sorted = self._after = self._recency = self._nbytes = self._titled = None
         self._prune()
 
     def _prune(self) -> None:
@@ -234,10 +259,32 @@ class WordCache:
                 self._recency[word] = self._recency.get(word, 0.0) + math.exp(-(n - 1 - i) / TAU)
         return self._recency
 
+    def titled(self) -> WordCache:
+        """This cache with every counted word written with a capital first letter ("life" counts as "Life", with
+        "Life"'s own counts; the words before it, the contexts, stay as they were): what a word typed with a
+        capital first letter is drawn from (`estimate`). Derived, rebuilt after an observe when first needed."""
+        if self._titled is None:
+            words: dict[str, int] = {}
+            for w, c in self.words.items():
+                words[_title(w)] = words.get(_title(w), 0) + c
+            pairs, triples = _titled_keys(self.pairs), _titled_keys(self.triples)
+            titled = WordCache(self.max_words, words, pairs, triples=triples, recent=[_title(w) for w in self.recent],
+                               max_recent=self.max_recent)
+            titled._titled = titled  # already titled: it reads its words as they are
+            self._titled = titled
+            self._nbytes = None  # it counts in this cache's size while it lives
+        return self._titled
+
     def estimate(self, prefix: str, previous: str | None, max_chars: int,
                  earlier: str | None = None) -> tuple[dict[str, float], float]:
         """(p_cache, conf) after the words `earlier` `previous` for every cached word that extends `prefix` by
-        1..max_chars characters (module docstring); ({}, 0) if there is none."""
+        1..max_chars characters (module docstring); ({}, 0) if there is none. A prefix that starts with a capital
+        and has no other (`Th`, `I`) is a word the session may have typed in lowercase, now at a sentence start or
+        capitalised: its candidates are drawn from the cache with capital first letters (`titled`), so that
+        "Life" is offered from "life" after its first letter as it would be in lowercase; a prefix in other
+        capitals (`WI`, `iP`) reads the words as they were typed."""
+        if prefix[:1].isupper() and not any(c.isupper() for c in prefix[1:]) and (titled := self.titled()) is not self:
+            return titled.estimate(prefix, previous, max_chars, earlier)
         found = self._extending(prefix, max_chars)
         if not found:
             return {}, 0.0
@@ -287,10 +334,13 @@ class WordCache:
     @property
     def nbytes(self) -> int:
         """A rough size in memory: a dict entry and a short string per word, pair and triple, a list entry and a
-        string per recent word. Kept until the next observe: the session store asks on every write."""
+        string per recent word (twice while the `titled` view lives). Kept until the next observe: the session
+        store asks on every write."""
         if self._nbytes is None:
             self._nbytes = sum(100 + len(k) for table in (self.words, self.pairs, self.triples) for k in table) \
                 + sum(60 + len(w) for w in self.recent)
+            if self._titled is not None and self._titled is not self:
+                self._nbytes += self._titled.nbytes
         return self._nbytes
 
     def copy(self) -> WordCache:

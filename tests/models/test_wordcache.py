@@ -9,7 +9,15 @@ import json
 import pytest
 
 from models.suggest import Completion
-from models.wordcache import GAMMA, MAX_WORD_BYTES, WordCache, mix_completions, previous_word, previous_words
+from models.wordcache import (
+    GAMMA,
+    MAX_WORD_BYTES,
+    MIX_CANDIDATES,
+    WordCache,
+    mix_completions,
+    previous_word,
+    previous_words,
+)
 
 
 def test_counts_words_pairs_and_triples_across_texts() -> None:
@@ -115,6 +123,43 @@ def test_the_unigram_fallback_does_not_outrank_the_models_words() -> None:
     assert cache.estimate("", "a", 24)[1] <= GAMMA
     assert [c.text for c in mixed] == ["best", "file", "report"]  # "report" from 0.02 to above "same" (recent)
     assert cache.mix(model, "I will send you the ", 0.0, 2, 24) == model[:2]  # weight 0: the model alone
+
+
+def test_a_capitalised_prefix_finds_the_words_typed_in_lowercase() -> None:
+    """A word the session typed in lowercase, typed again with a capital first letter (a sentence start, an SMS
+    written "Life is good"), is offered from that first letter, capitalised, with the counts of both forms; a
+    prefix in other capitals reads the words as typed."""
+    cache = WordCache()
+    cache.observe("i love life. life is good. my life is mine. Life goes on. the lamp is on\n")
+    p, conf = cache.estimate("L", None, 24)
+    assert set(p) == {"Life", "Love", "Lamp"} and p["Life"] > 0.5  # "life" 3 + "Life" 1 against 1 each
+    lower, lower_conf = cache.estimate("l", None, 24)
+    assert set(lower) == {"life", "love", "lamp"} and "Life" not in lower
+    # the context counts as it did: "life" followed "love", so "Life" follows "love" alike
+    after = cache.candidates("L", "love", 24)
+    assert after["Life"] == pytest.approx(cache.candidates("l", "love", 24)["life"], rel=0.05)
+    assert cache.estimate("I", None, 24)[0].keys() == {"Is"}  # "is" typed as "Is"; "i" adds nothing to "I"
+    assert cache.estimate("LI", None, 24) == ({}, 0.0)  # other capitals: as typed (none)
+    cache.observe("LIFE\n")
+    assert set(cache.estimate("LI", None, 24)[0]) == {"LIFE"} and "Life" in cache.estimate("Li", None, 24)[0]
+    # derived: a new observe is seen by the next estimate
+    cache.observe("lantern\n")
+    assert "Lantern" in cache.estimate("La", None, 24)[0]
+    assert cache.titled().titled() is cache.titled()
+
+
+def test_the_mix_reads_more_of_the_models_words_than_it_shows() -> None:
+    """A word the session typed after this context that the model ranks 4th: mixed with the model's 3 best its
+    probability under the model counts 0, and a cached word the model does not expect beats it; with the model's
+    MIX_CANDIDATES best it keeps its own and is shown."""
+    model = [Completion("apple", 0.30), Completion("best", 0.25), Completion("file", 0.20),
+             Completion("report", 0.15), Completion("same", 0.05)]
+    cache = WordCache()
+    cache.observe("the report. the zebra. the zebra. ")
+    shown = [c.text for c in cache.mix(model[:3], "see the ", 0.5, 3, 24)]
+    wide = [c.text for c in cache.mix(model[:MIX_CANDIDATES], "see the ", 0.5, 3, 24)]
+    assert MIX_CANDIDATES > 3 and "report" not in shown and "zebra" in shown
+    assert "report" in wide and "zebra" in wide
 
 
 def test_previous_words() -> None:
