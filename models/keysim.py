@@ -40,7 +40,7 @@ from models.base import Adapter, LanguageModel, State
 from models.copymodel import CopyMixed, CopyModel, branch_view, frozen_stats, merge_state
 from models.suggest import Cursor, advance, suggest
 from models.tokenizer import ByteTokenizer
-from models.wordcache import WordCache
+from models.wordcache import MIX_CANDIDATES, WordCache
 
 __all__ = ["ModelSuggester"]
 
@@ -140,7 +140,8 @@ class ModelSuggester:
             cursor = advance(self._forward, self.state, inputs, self.adapter)
             self.fed += len(inputs)
         self._cursor = (inputs, cursor)
-        found = suggest(self._forward, cursor, context, self.adapter, k=k, max_chars=self.max_chars, n_chars=0,
+        width = max(k, MIX_CANDIDATES) if self.cache_weight > 0 else k  # as a session (server/engine/_suggest.py)
+        found = suggest(self._forward, cursor, context, self.adapter, k=width, max_chars=self.max_chars, n_chars=0,
                         tokenizer=self.tokenizer)
         completions = self.words.mix(found.completions, context, self.cache_weight, k, self.max_chars)
         return [c.text for c in completions]

@@ -47,7 +47,7 @@ from models.suggest import (
 )
 from models.tokenizer import ByteTokenizer
 from models.word_tokenizer import WordTokenizer
-from models.wordcache import WordCache, previous_words
+from models.wordcache import MIX_CANDIDATES, WordCache, previous_words
 from server.engine._errors import SessionsUnavailable
 from server.engine._session import Session
 from server.engine._session_service import SessionService
@@ -224,7 +224,10 @@ class SuggestRounds:
         for job in jobs:
             assert job.cursor is not None
             try:
-                job.search = WordSearch(job.cursor, split_word(job.context)[1], k=job.k, max_chars=job.max_chars,
+                # with the word cache, the search finds more of the model's words than it shows: a cached word among
+                # them keeps its own probability under the model in the mix (models/wordcache.py, MIX_CANDIDATES)
+                width = max(job.k, MIX_CANDIDATES) if job.session.config.cache_weight > 0 else job.k
+                job.search = WordSearch(job.cursor, split_word(job.context)[1], k=width, max_chars=job.max_chars,
                                         min_prob=self.min_prob, batch=self.batch,
                                         max_expansions=self.max_expansions, classes=self.classes,
                                         model=self.model)
@@ -315,7 +318,9 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
         if job.session.config.cache_weight > 0:  # the session's word cache, mixed in (models/wordcache.py)
             mixed = job.session.words.mix(found.completions, job.context, job.session.config.cache_weight, job.k,
                                           job.max_chars)
-            found = dataclasses.replace(found, completions=mixed)
+        else:
+            mixed = found.completions[: job.k]
+        found = dataclasses.replace(found, completions=mixed)
     except Exception as e:  # one job's failure is its own
         job.error = e
         return

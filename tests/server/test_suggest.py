@@ -24,7 +24,7 @@ from models.checkpoint import load_checkpoint
 from models.compressive import CompressiveConfig, CompressiveTransformer
 from models.scoring import BOS, score_bytes
 from models.suggest import Completion, advance
-from models.wordcache import WordCache
+from models.wordcache import MIX_CANDIDATES, WordCache
 from server.engine import AdaptationConfig, Session
 from server.engine._suggest import SUGGEST_BATCH, CursorCache, SuggestJob, SuggestRounds, run_suggestions
 from server.settings import Settings
@@ -407,15 +407,16 @@ def test_a_keystroke_no_search_foresaw_feeds_only_itself(ckpt: Any) -> None:
 
 def test_the_word_cache_mixes_observed_words_into_the_completions(client: httpx.Client) -> None:
     """With cache_weight w, a completion's probability is (1 - lam) p_model + lam p_cache over the words the
-    session observed, lam = w times the cache's evidence for the context (models/wordcache.py): a word seen
-    after the same words is offered at once. Two sessions that read the same text without adapting (lr 0) differ
-    only in the cache."""
+    session observed, lam = w times the cache's evidence for the context (models/wordcache.py), p_model over the
+    model's MIX_CANDIDATES most probable words (however few are shown): a word seen after the same words is offered
+    at once. Two sessions that read the same text without adapting (lr 0) differ only in the cache."""
     text = "the zorblax meter. the zorblax method. the zorblax meter. "
     cached = create(client, initial_text=text, adaptation={"lr": 0.0, "cache_weight": 0.5})
     plain = create(client, initial_text=text, adaptation={"lr": 0.0, "cache_weight": 0.0})
     assert client.get(f"/v1/sessions/{cached}").json()["adaptation"]["cache_weight"] == 0.5
     for context in ("the zorblax me", "the zo", "a"):
-        model = [Completion(w["text"], w["prob"]) for w in suggest(client, plain, context=context, k=3)["completions"]]
+        model = [Completion(w["text"], w["prob"])
+                 for w in suggest(client, plain, context=context, k=MIX_CANDIDATES)["completions"]]
         words = WordCache()
         words.observe(text)
         expected = words.mix(model, context, 0.5, 3, 24)
