@@ -3,7 +3,7 @@ in this process (the session's sparse settings, the checkpoint's copy model and 
 on held-out personal text that no benchmark types, with every word's outcome recorded and its lost keystrokes
 classified.
 
-    python -m bench.keyboard_losses [--texts emails,sms] [--slices analysis|check] [--out runs/keyboard_losses]
+    python -m bench.keyboard_losses [--texts emails,sms] [--slice analysis|check] [--out runs/keyboard_losses]
 
 A word's *ideal* saving is what taking it before any of its characters would save: its length, plus its space when
 one follows, less the selection; its *loss* is the ideal less what the typist saved. Losses are classified by what
