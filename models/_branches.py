@@ -18,10 +18,12 @@ small ops a byte), so what does not change from step to step is made once: per r
 head (`root_memo`), per step the tails' padding; a tail grows in place in a buffer with room (`grow`), and the
 step's linears multiply a transposed copy of their weights (`dense`).
 
-A row the form cannot step (its byte closes a segment or slides a window; its root's key/value cache is stale) takes
-the usual path alone: its root and tail settled (written into one usual-form row), the usual forward, and its new
-state becomes a root of its own (`branch_forward`); the other rows step over their roots as before. Several bytes at
-once, or a gradient, settle every row.
+A row the form cannot step (its byte slides a window, or closes a segment the model does not close in the form; its
+root's key/value cache is stale) takes the usual path alone: its root and tail settled (written into one usual-form
+row), the usual forward, and its new state becomes a root of its own (`branch_forward`); the other rows step over
+their roots as before. Several bytes at once, or a gradient, settle every row. (The compressive model closes a
+segment in the form: the rows of a root that close it together get one new root holding the close, their tails
+kept; models/compressive.py, `_close`.)
 
 The arithmetic is the usual step's: the same scores and the same softmax, the values summed per part, so results
 agree with the usual step to float rounding.

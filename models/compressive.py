@@ -103,7 +103,8 @@ __all__ = ["COMPRESSIONS", "CompressiveConfig", "CompressiveTransformer"]
 COMPRESSIONS = ("conv", "mean", "max", "dilated", "most_used")
 _DILATIONS = (1, 2)
 _PROBES: dict[torch.device, torch.Tensor] = {}
-TAIL_N = DERIVED + "tail_n"  # the branch form's: each row's bytes since its root (`branch`)
+TAIL_N = DERIVED + "tail_n"  # the branch form's: each row's bytes in its tail (`branch`)
+FILLS = DERIVED + "fills"  # the branch form's roots': their valid compressed and fine slots (`branch`)
 
 
 def _fingerprint(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -467,10 +468,13 @@ class CompressiveTransformer(LanguageModel):
 
     def branch(self, state: State) -> State:
         """The branch form (models/_branches.py): each row's state as its root (one root when the rows are all one),
-        with empty tails. `seen` stays each row's own count; its root's memories and their cache are as of `seen -
-        memo.tail_n`; `memo.tail_x{l}` (B, t, D) and `memo.tail_kv{l}` (B, t, 2D) hold the layer inputs and
-        keys/values of the row's bytes since. With the Triton kernels (a GPU), the state itself: the kernels take
-        the usual steps."""
+        with empty tails. `seen` stays each row's own count; `memo.tail_x{l}` (B, t, D) and `memo.tail_kv{l}` (B, t,
+        2D) hold the layer inputs and keys/values of the row's last `memo.tail_n` bytes, the newest slots of its fine
+        memory, and its root the rest of its memories: their valid slots counted by the root's `memo.fills` (1, 2)
+        (compressed, fine). A root made here is the row's state as of `seen - memo.tail_n` (its fills follow from its
+        `seen`); one made by a segment's close in the form (`_close`) holds the memories after the close less the
+        tail's inputs, which stay in the rows' tails. Every root holds zeros outside its valid slots, as the usual
+        form does. With the Triton kernels (a GPU), the state itself: the kernels take the usual steps."""
         if ROOT in state.tensors or resolve_impl(None, state.tensors["seen"]) == "triton":
             return state
         B, D = state.batch, self.config.d_model
@@ -479,6 +483,7 @@ class CompressiveTransformer(LanguageModel):
         if "memo.sig0" not in st:
             st.update({k: v for k, v in self.init_state(B).tensors.items() if k.startswith(DERIVED)})
         one = all(shared(v) for v in st.values())
+        st[FILLS] = torch.stack(self.fills(st["seen"])[::-1], 1)  # (B, 2) compressed, fine
         rows = {"seen": st["seen"], ROOT: torch.zeros(B, dtype=torch.long, device=ref.device) if one else
                 torch.arange(B, device=ref.device), TAIL_N: torch.zeros(B, dtype=torch.long, device=ref.device)}
         for i in range(self.config.n_layer):
@@ -487,12 +492,11 @@ class CompressiveTransformer(LanguageModel):
         return State(rows, tuple(State(st).select(i) for i in range(1 if one else B)))
 
     def settle(self, state: State) -> State:
-        """The usual form: each row's root with its tail written into its memories (no segment closes inside a
-        tail); a copy per row."""
+        """The usual form: each row's root with its tail written into its fine memories; a copy per row."""
         if ROOT not in state.tensors:
             return state
         st, n = state.tensors, state.tensors[TAIL_N]
-        out = {k: st["seen"] if k == "seen" else root_rows(state, k) for k in state.roots[0].tensors}  # (B, ...)
+        out = {k: st["seen"] if k == "seen" else root_rows(state, k) for k in state.roots[0].tensors if k != FILLS}
         for i in range(self.config.n_layer):
             out[f"mem{i}"] = append_tail(out[f"mem{i}"], st[f"{DERIVED}tail_x{i}"], n)  # (B, n_m+S-1, D)
             out[f"{DERIVED}kv_mem{i}"] = append_tail(out[f"{DERIVED}kv_mem{i}"], st[f"{DERIVED}tail_kv{i}"], n)
@@ -502,7 +506,8 @@ class CompressiveTransformer(LanguageModel):
 
     def _branch_forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None) -> Output:
         """forward in the branch form (models/_branches.py, `branch_forward`): `_branch_step` for the rows whose
-        byte closes no segment and whose root's key/value cache is current, the usual forward for the others."""
+        root's key/value cache is current and whose byte closes no segment or one the form closes (`_ready`), the
+        usual forward for the others."""
         return branch_forward(self, tokens, state, adapter, self._ready, self._branch_step)
 
     def _root_views(self, root: State) -> tuple[int, int, Parts]:
@@ -511,7 +516,7 @@ class CompressiveTransformer(LanguageModel):
         `root_memo`)."""
         H = self.config.n_head
         Dh = self.config.d_model // H
-        nf, nc = (int(f[0]) for f in self.fills(root.tensors["seen"][:1]))
+        nc, nf = root.tensors[FILLS][0].tolist()
         views: Parts = []
         for i in range(self.config.n_layer):
             parts = []
@@ -537,13 +542,20 @@ class CompressiveTransformer(LanguageModel):
         return ok
 
     def _ready(self, state: State) -> torch.Tensor:
-        """The rows (B,) bool whose byte closes no segment and whose root's cache is current (its fingerprint)."""
+        """The rows (B,) bool whose root's cache is current (its fingerprint) and whose byte closes no segment, or
+        closes one over the root (`_close`): its tail, with this byte, at most n_m bytes (so that the slots the close
+        evicts are the root's) and, with "most_used" f (which weighs the slots by the segment's own queries), nothing
+        evicted."""
+        cfg = self.config
         sigs = [b.signature() for b in self.layers]
         current = [self._current(r, sigs) for r in state.roots]
-        open_segment = state.tensors["seen"] % self.config.segment != self.config.segment - 1  # (B,)
+        seen = state.tensors["seen"]  # (B,)
+        ok = (seen % cfg.segment != cfg.segment - 1) | (state.tensors[TAIL_N] < cfg.mem_len)  # (B,)
+        if cfg.cmem_len and cfg.compression == "most_used":
+            ok &= (seen % cfg.segment != cfg.segment - 1) | (seen < cfg.mem_len)
         if len(current) == 1:
-            return open_segment if current[0] else torch.zeros_like(open_segment)
-        return torch.tensor(current, device=open_segment.device)[state.tensors[ROOT]] & open_segment
+            return ok if current[0] else torch.zeros_like(ok)
+        return torch.tensor(current, device=ok.device)[state.tensors[ROOT]] & ok
 
     def _branch_step(self, tokens: torch.Tensor, state: State, mats: torch.Tensor | None) -> Output:
         """One byte a row (B, 1) on its root, each row's tail apart, grown by a slot (`grow`): rows with a root of
@@ -592,8 +604,64 @@ class CompressiveTransformer(LanguageModel):
             if i == self.site_layer and mats is not None:
                 x = apply_adapter_positions(x.unsqueeze(1), mats).squeeze(1)  # (B, D) h' = h + M h
         hidden = self.ln_f(x)  # (B, D)
-        return Output(logits=dense(self.head, hidden).unsqueeze(1), state=State(new, state.roots),
-                      hidden=hidden.unsqueeze(1))
+        closing = new["seen"] % cfg.segment == 0  # (B,) rows whose byte closed their segment
+        after = self._close(new, state.roots, closing) if bool(closing.any()) else State(new, state.roots)
+        return Output(logits=dense(self.head, hidden).unsqueeze(1), state=after, hidden=hidden.unsqueeze(1))
+
+    def _close(self, rows: dict[str, torch.Tensor], roots: tuple[State, ...], closing: torch.Tensor) -> State:
+        """The rows `closing` (B,) bool of a branch-form state (its tensors `rows`, its `roots`), whose byte just
+        closed their segment, on new roots that hold the close: their tails stay as they are (the segment's newest
+        inputs, now the newest of the fine memory) and the rows of one root whose tails are as long close it
+        together, once (`_closed`). The close's arithmetic is the usual path's, on the same slots."""
+        ids = rows[ROOT].clone()  # (B,)
+        made: dict[tuple[int, int], int] = {}
+        every = list(roots)
+        t_all, seen_all = rows[TAIL_N].tolist(), rows["seen"].tolist()
+        for b in closing.nonzero()[:, 0].tolist():
+            key = (int(ids[b]), t_all[b])
+            if key not in made:
+                made[key] = len(every)
+                every.append(self._closed(roots[key[0]], key[1], seen_all[b]))
+            ids[b] = made[key]
+        return State({**rows, ROOT: ids})._keep(tuple(every))
+
+    def _closed(self, root: State, t: int, seen: int) -> State:
+        """The root `root`'s rows with tails of t bytes, the last of which closed their segment at `seen` bytes ->
+        their new root: the slots that the close evicts from the fine memory (the root's oldest valid ones: t <= n_m)
+        compressed by f into the compressed memory, as the usual path's `_piece` does on the same slots (f's window,
+        the new compressed slots' keys and values, the compressed memory's FIFO), and cleared from a copy of the fine
+        memory and its cache; the root itself where nothing is evicted. Made once per root and tail length (kept
+        with the root: a search's rows at one depth cross in several rounds)."""
+        key = f"_closed{t}"
+        if key in root.memo:
+            closed: State = root.memo[key]
+            return closed
+        cfg = self.config
+        S, c, K, Lf = cfg.segment, cfg.rate, cfg.cmem_len, self.fine_slots
+        n_ev = min(max(seen - cfg.mem_len, 0), S)  # the slots evicted, a multiple of c
+        if n_ev == 0:
+            return root
+        nc, nf = root.tensors[FILLS][0].tolist()  # the root's valid slots before the close
+        first = Lf - nf  # the oldest valid fine slot, the first evicted
+        new = dict(root.tensors)
+        for i, block in enumerate(self.layers):
+            for name in (f"mem{i}", f"memo.kv_mem{i}"):
+                new[name] = root.tensors[name].clone()  # (1, Lf, ·)
+                new[name][:, first : first + n_ev] = 0
+            if not K:
+                continue  # no compressed memory: the evicted slots drop
+            # f's window as the usual path's: the S slots before the n_m kept, the last n_ev of them evicted, zeros
+            # before (the root's invalid slots)
+            win = root.tensors[f"mem{i}"][:, first + n_ev - S : first + n_ev]  # (1, S, D)
+            comp = block.compressor_(win)  # (1, S/c, D)
+            real = (torch.arange(S // c, device=win.device) >= (S - n_ev) // c).view(1, -1, 1)  # (1, S/c, 1)
+            for name, slots in ((f"cmem{i}", comp), (f"memo.kv_cmem{i}", block.project(comp))):
+                old = root.tensors[name]  # (1, K, ·)
+                new[name] = torch.cat([old, slots.to(old.dtype).masked_fill(~real, 0)], 1)[:, -K:]  # oldest drop
+        n_f, n_c = self.fills(torch.tensor([seen], device=root.tensors["seen"].device))
+        new[FILLS] = torch.stack([n_c, n_f - t], 1)  # (1, 2) the tail's t inputs are the rows'
+        closed = root.memo[key] = State(new)
+        return closed
 
     def _piece(self, x: torch.Tensor, st: dict[str, torch.Tensor], mats: torch.Tensor | None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:

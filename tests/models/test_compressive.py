@@ -452,6 +452,47 @@ def test_the_key_value_cache_equals_projecting_the_memory_afresh(mode: str) -> N
     assert bool(torch.isfinite(cached.tensors["memo.sig0"]).all())
 
 
+@pytest.mark.parametrize("mode", COMPRESSIONS)
+@pytest.mark.parametrize("history", [8, 15])
+def test_rows_that_close_a_segment_together_close_it_once(mode: str, history: int) -> None:
+    """A search's branches in the branch form (rows on one root, each its own bytes and adapter) that close their
+    segment in the same step close it once: f compresses the slots the root evicts for all of them, and the rows
+    step on over one new root, their tails kept. Every row's log-probs and settled state equal its own usual
+    forward alone. After 15 bytes the closes at 18 and 24 are over the root (tails of 3 and 9 bytes), the one at 30
+    on the usual path (a tail of 15 > n_m); after 8, the close at 12 (a partial window: 3 slots evicted) is over
+    the root, the one at 18 on the usual path, the one at 24 over each row's own root. With "most_used" f (each row
+    weighs the slots by its own segment's queries) every row compresses its own."""
+    model = _model(compression=mode, adapt_layer=0)  # the site after the first block: the adapter shapes the tails
+    B, T = 5, 16
+    tails = _tokens(T, B, seed=history)
+    k = model.adaptation_sites()[0].adapter_size()
+    mats = 0.1 * torch.randn(B, k, k, generator=torch.Generator().manual_seed(3))
+    compressed: list[int] = []  # the rows of every call of f
+    for block in model.layers:
+        inner = block.compressor_.forward
+        block.compressor_.forward = (  # type: ignore[method-assign]
+            lambda win, usage=None, inner=inner: (compressed.append(win.shape[0]), inner(win, usage))[1])
+    shared = [] if mode == "most_used" else {8: [12], 15: [18, 24]}[history]
+    with torch.no_grad():
+        root = model(_tokens(history, seed=1), model.init_state(1)).state
+        compressed.clear()
+        state, logprobs = model.branch(root).take(torch.zeros(B, dtype=torch.long)), []
+        for j in range(T):
+            out = model(tails[:, j : j + 1], state, Adapter({"resid": mats}))
+            state = out.state
+            logprobs.append(model.log_probs(out))
+            if history + j + 1 in shared:  # closed over the root: one new root, the tails kept
+                assert len(state.roots) == 1 and state.tensors["memo.tail_n"].tolist() == [j + 1] * B
+        rows = sum(compressed)
+        settled = model.settle(state)
+        for b in range(B):
+            alone = model(tails[b : b + 1], root, Adapter({"resid": mats[b : b + 1]}))
+            torch.testing.assert_close(torch.cat(logprobs, 1)[b : b + 1], model.log_probs(alone), rtol=1e-4,
+                                       atol=1e-5)
+            assert_states_close(settled.select(b), alone.state, rtol=1e-4, atol=1e-5)
+    assert rows == model.config.n_layer * (3 * B if mode == "most_used" else {8: 1 + 2 * B, 15: 2 + B}[history])
+
+
 def test_a_stale_cache_is_projected_afresh() -> None:
     """Weights changed in place (as full dynamic evaluation changes them) or needing a gradient: the call projects
     the memory afresh, and its keys still carry the gradient to the K/V weights."""
