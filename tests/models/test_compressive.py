@@ -452,7 +452,7 @@ def test_the_key_value_cache_equals_projecting_the_memory_afresh(mode: str) -> N
     assert bool(torch.isfinite(cached.tensors["memo.sig0"]).all())
 
 
-@pytest.mark.parametrize("mode", COMPRESSIONS)
+@pytest.mark.parametrize("mode", [*COMPRESSIONS, "none"])
 @pytest.mark.parametrize("history", [8, 15])
 def test_rows_that_close_a_segment_together_close_it_once(mode: str, history: int) -> None:
     """A search's branches in the branch form (rows on one root, each its own bytes and adapter) that close their
@@ -461,14 +461,16 @@ def test_rows_that_close_a_segment_together_close_it_once(mode: str, history: in
     forward alone. After 15 bytes the closes at 18 and 24 are over the root (tails of 3 and 9 bytes), the one at 30
     on the usual path (a tail of 15 > n_m); after 8, the close at 12 (a partial window: 3 slots evicted) is over
     the root, the one at 18 on the usual path, the one at 24 over each row's own root. With "most_used" f (each row
-    weighs the slots by its own segment's queries) every row compresses its own."""
-    model = _model(compression=mode, adapt_layer=0)  # the site after the first block: the adapter shapes the tails
+    weighs the slots by its own segment's queries) every row compresses its own; without a compressed memory
+    ("none") the evicted slots drop."""
+    # the site after the first block: the adapter shapes the tails
+    model = _model(adapt_layer=0, **({"cmem_len": 0} if mode == "none" else {"compression": mode}))
     B, T = 5, 16
     tails = _tokens(T, B, seed=history)
     k = model.adaptation_sites()[0].adapter_size()
     mats = 0.1 * torch.randn(B, k, k, generator=torch.Generator().manual_seed(3))
     compressed: list[int] = []  # the rows of every call of f
-    for block in model.layers:
+    for block in model.layers if mode != "none" else []:
         inner = block.compressor_.forward
         block.compressor_.forward = (  # type: ignore[method-assign]
             lambda win, usage=None, inner=inner: (compressed.append(win.shape[0]), inner(win, usage))[1])
@@ -490,7 +492,8 @@ def test_rows_that_close_a_segment_together_close_it_once(mode: str, history: in
             torch.testing.assert_close(torch.cat(logprobs, 1)[b : b + 1], model.log_probs(alone), rtol=1e-4,
                                        atol=1e-5)
             assert_states_close(settled.select(b), alone.state, rtol=1e-4, atol=1e-5)
-    assert rows == model.config.n_layer * (3 * B if mode == "most_used" else {8: 1 + 2 * B, 15: 2 + B}[history])
+    if mode != "none":
+        assert rows == model.config.n_layer * (3 * B if mode == "most_used" else {8: 1 + 2 * B, 15: 2 + B}[history])
 
 
 def test_a_stale_cache_is_projected_afresh() -> None:
