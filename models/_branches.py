@@ -119,11 +119,16 @@ def root_rows(state: State, name: str) -> torch.Tensor:
 
 def append_tail(mem: torch.Tensor, tail: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Each row's right-aligned memory mem (B, L, ...) with the last n (B,) entries of its tail (B, t, ...) appended,
-    the oldest dropping: -> (B, L, ...), the last L of [mem_b ; tail_b[t - n_b:]]."""
+    the oldest dropping: -> (B, L, ...), the last L of [mem_b ; tail_b[t - n_b:]]. Where every row appends as many
+    (one row: a cursor a search hands out, a generation's state) that is one copy of two slices; otherwise a gather
+    from the two concatenated (two copies)."""
     B, L = mem.shape[:2]
     t = tail.shape[1]
     if t == 0:
         return mem
+    if bool((n == n[0]).all()):
+        k = int(n[0])
+        return torch.cat([mem[:, k:].expand(B, L - k, *mem.shape[2:]), tail[:, t - k :]], 1)  # (B, L, ...)
     ext = torch.cat([mem.expand(B, *mem.shape[1:]), tail], 1)  # (B, L + t, ...)
     s = torch.arange(L, device=mem.device).view(1, L) + n.view(B, 1)  # (B, L) place in [mem ; the valid tail]
     src = torch.where(s < L, s, s + (t - n).view(B, 1))  # (B, L) place in ext: the tail's padding skipped

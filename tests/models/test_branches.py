@@ -318,6 +318,10 @@ def test_append_tail_drops_the_padding() -> None:
     tail = torch.tensor([[0.0, 0.0, 10.0], [0.0, 20.0, 21.0]]).view(2, 3, 1)  # valid: the last 1 and the last 2
     out = append_tail(mem, tail, torch.tensor([1, 2]))
     assert out.view(2, 4).tolist() == [[1.0, 2.0, 3.0, 10.0], [6.0, 7.0, 20.0, 21.0]]
+    same = append_tail(mem, tail, torch.tensor([2, 2]))  # every row as many: sliced, not gathered
+    assert same.view(2, 4).tolist() == [[2.0, 3.0, 0.0, 10.0], [6.0, 7.0, 20.0, 21.0]]
+    one = append_tail(mem[:1].expand(3, 4, 1), tail[1:].expand(3, 3, 1), torch.tensor([3, 3, 3]))  # one row's views
+    assert one.view(3, 4).tolist() == [[3.0, 0.0, 20.0, 21.0]] * 3
 
 
 def test_tree_attention_equals_attention_over_each_rows_keys() -> None:
