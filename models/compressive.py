@@ -620,8 +620,10 @@ class CompressiveTransformer(LanguageModel):
         for b in closing.nonzero()[:, 0].tolist():
             key = (int(ids[b]), t_all[b])
             if key not in made:
-                made[key] = len(every)
-                every.append(self._closed(roots[key[0]], key[1], seen_all[b]))
+                closed = self._closed(roots[key[0]], key[1], seen_all[b])
+                made[key] = key[0] if closed is roots[key[0]] else len(every)  # nothing evicted: the same root
+                if made[key] == len(every):
+                    every.append(closed)
             ids[b] = made[key]
         return State({**rows, ROOT: ids})._keep(tuple(every))
 

@@ -496,6 +496,19 @@ def test_rows_that_close_a_segment_together_close_it_once(mode: str, history: in
         assert rows == model.config.n_layer * (3 * B if mode == "most_used" else {8: 1 + 2 * B, 15: 2 + B}[history])
 
 
+def test_a_close_that_evicts_nothing_keeps_the_root() -> None:
+    """While the fine memory fills (the close at 6 of n_m = 9), a close in the branch form changes no memory: the rows
+    that close stay on the root they share with rows that do not (once in the roots, not twice), their tails kept."""
+    model = _model()
+    with torch.no_grad():
+        branched = model.branch(model(_tokens(2, seed=1), model.init_state(1)).state)
+        state = branched.take(torch.zeros(3, dtype=torch.long))
+        for j in range(3):
+            state = model(_tokens(1, 3, seed=j), state).state
+        state = State.stack([state, branched])  # three rows after 5 bytes, one after 2, on one root
+        state = model(_tokens(1, 4, seed=3), state).state  # the three close the first segment
+    assert state.roots == branched.roots and state.tensors["memo.tail_n"].tolist() == [4, 4, 4, 1]
+
 def test_a_stale_cache_is_projected_afresh() -> None:
     """Weights changed in place (as full dynamic evaluation changes them) or needing a gradient: the call projects
     the memory afresh, and its keys still carry the gradient to the K/V weights."""
