@@ -126,7 +126,7 @@ def append_tail(mem: torch.Tensor, tail: torch.Tensor, n: torch.Tensor) -> torch
     t = tail.shape[1]
     if t == 0:
         return mem
-    if bool((n == n[0]).all()):
+    if bool((n == n[0]).all()) and int(n[0]) <= L:
         k = int(n[0])
         return torch.cat([mem[:, k:].expand(B, L - k, *mem.shape[2:]), tail[:, t - k :]], 1)  # (B, L, ...)
     ext = torch.cat([mem.expand(B, *mem.shape[1:]), tail], 1)  # (B, L + t, ...)
