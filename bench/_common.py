@@ -14,7 +14,7 @@ import torch
 from models.base import LanguageModel
 from models.scoring import BOS
 from models.suggest import Suggestions, advance, suggest
-from models.tokenizer import Tokenizer
+from models.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("ADAPTLM_SHARED", ROOT.parent / "shared")) / "data"
@@ -53,7 +53,7 @@ def word_context(text: bytes, start: int, end: int) -> str:
     return context[: context.rfind(" ") + 3]
 
 
-def suggest_afresh(model: LanguageModel, context: str, tokenizer: Tokenizer) -> Suggestions:
+def suggest_afresh(model: LanguageModel, context: str, tokenizer: ByteTokenizer) -> Suggestions:
     """A suggestion from the initial state: the model fed the start token and the whole context (the cursor after
     it), then `suggest`, as bench.families' and bench.latency's "suggest ms" time it."""
     cursor = advance(model, model.init_state(1), bytes([BOS]) + context.encode())
