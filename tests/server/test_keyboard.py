@@ -322,6 +322,51 @@ def test_reset_forgets_the_sentences_still_being_sent(live: Any, page: Page) -> 
         assert read_by(live.url, session_id) == 0
 
 
+def done_by_the_server(route: Any) -> None:
+    """The request the page sent, made to the server from here (not `route.fetch()`: a route handler that calls it
+    while the other session's handler runs sometimes fails with "Route is already handled!")."""
+    request = route.request
+    r = httpx.request(request.method, request.url, content=request.post_data_buffer,
+                      headers={"content-type": "application/json"})
+    assert r.status_code < 300, r.text
+
+
+BUSY = '{"error": {"message": "busy", "type": "server_busy_error", "param": null, "code": null}}'
+
+
+@pytest.mark.parametrize("failure", ["busy", "refused", "answer lost"])
+def test_a_reset_without_an_answer_still_resets_the_sessions(live: Any, page: Page, failure: str) -> None:
+    # Reset clears the page's count of what the sessions read: a reset refused as busy (nothing done), one that never
+    # reached the server, or one whose answer was lost after the server did it, must leave the sessions reset all the
+    # same (they kept the cleared text, unseen, and read the next sentences on top of it).
+    open_keyboard(page, f"{live.url}/keyboard")
+    type_keys(page, "Good morning. ")
+    page.wait_for_selector("#chart[data-points='1']", timeout=5000)
+
+    def fail(route: Any) -> None:
+        if failure == "busy":
+            route.fulfill(status=503, content_type="application/json", body=BUSY)
+        elif failure == "refused":
+            route.abort("connectionrefused")
+        else:
+            done_by_the_server(route)  # the server resets the session...
+            route.abort("connectionreset")  # ...and its answer never arrives
+
+    page.route("**/reset", fail, times=2)  # both sessions' resets, once
+    page.click("#reset")
+    page.wait_for_function("() => adaptlmKeyboard.snapshot().shown?.context === ''", timeout=5000)
+    sessions = snapshot(page)["sessions"]
+    deadline = time.monotonic() + 10
+    while any(read_by(live.url, s) for s in sessions.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [read_by(live.url, s) for s in sessions.values()] == [0, 0]
+    type_keys(page, "Hi. ")
+    page.wait_for_selector("#chart[data-points='1']", timeout=10_000)
+    assert snapshot(page)["sessions"] == sessions
+    assert [read_by(live.url, s) for s in sessions.values()] == [len("Hi. ")] * 2
+    assert page.get_attribute("body", "data-state") == "ready"
+
+
 def test_a_commit_without_an_answer_is_read_once(live: Any, page: Page) -> None:
     # The server restarting (connection refused), then an answer lost after the server read the text (a proxy's
     # 502, a dropped connection): the page asks the session what it read, sends the first again and not the second.
@@ -343,7 +388,7 @@ def test_a_commit_without_an_answer_is_read_once(live: Any, page: Page) -> None:
     page.wait_for_selector("#chart[data-points='2']", timeout=10_000)
 
     def lose_the_answer(route: Any) -> None:
-        route.fetch()  # the server reads the text...
+        done_by_the_server(route)  # the server reads the text...
         route.abort("connectionreset")  # ...and its answer never arrives
 
     page.route("**/observe", lose_the_answer, times=2)  # both sessions' observes

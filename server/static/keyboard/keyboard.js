@@ -155,7 +155,7 @@
     const generation = ++state.generation; // the commits still queued are dropped (they check the generation)...
     const ids = [state.adapted, state.twin];
     // ...and the one being sent is waited for: the sessions must not read the cleared text after their reset
-    const done = state.observing.then(() => Promise.all(ids.map((id) => api(`sessions/${id}/reset`))));
+    const done = state.observing.then(() => Promise.all(ids.map((id) => resetSession(id, generation))));
     text.value = "";
     state.saved = 0;
     clearProgress();
@@ -168,6 +168,24 @@
       if (generation !== state.generation) return;
       if (renew(e)) sessionsLost(generation);
       else setStatus("error", `reset: ${e.message}`);
+    }
+  }
+
+  // A reset, done once: the page no longer counts what the sessions read before it, so one refused as busy past the
+  // retries, or without an answer, must not leave a session holding the cleared text. As for a commit (`send`): the
+  // page waits for the server, then asks the session what it holds; nothing, the reset was done.
+  async function resetSession(id, generation) {
+    for (;;) {
+      let why;
+      try {
+        return await withRetry(() => api(`sessions/${id}/reset`));
+      } catch (e) {
+        if (!(unanswered(e) || busy(e))) throw e;
+        why = busy(e) ? `The server is busy (${e.message})` : "The server is not answering";
+      }
+      const { stats } = await whenAnswered(() => api(`sessions/${id}`, undefined, { method: "GET" }), generation,
+                                           `${why}: Reset is done when it is back…`);
+      if (stats.bytes_observed + (stats.pending_bytes ?? 0) === 0) return;
     }
   }
 
@@ -274,7 +292,8 @@
         if (!(unanswered(e) || busy(e))) throw e; // busy: still so after the retries
         why = busy(e) ? `The server is busy (${e.message})` : "The server is not answering";
       }
-      const { stats } = await whenAnswered(() => api(`sessions/${id}`, undefined, { method: "GET" }), generation, why);
+      const { stats } = await whenAnswered(() => api(`sessions/${id}`, undefined, { method: "GET" }), generation,
+                                           `${why}: the sentence is sent when it is back…`);
       const total = stats.bytes_observed + (stats.pending_bytes ?? 0); // none from a server older than the page
       if (total === read.bytes + bytes) {
         return acknowledged({ bits: stats.bits - read.bits, static_bits: stats.static_bits - read.static_bits });
@@ -285,9 +304,10 @@
     }
   }
 
-  // `call` once the server answers again (tried every 0.5 s, then less often, up to 5 s; until the sessions change).
+  // `call` once the server answers again (tried every 0.5 s, then less often, up to 5 s; until the sessions change),
+  // the status line saying `why` meanwhile.
   async function whenAnswered(call, generation, why) {
-    setStatus("error", `${why}: the sentence is sent when it is back…`);
+    setStatus("error", why);
     for (let wait = 500; ; wait = Math.min(2 * wait, 5000)) {
       await sleep(wait);
       if (generation !== state.generation) throw new ApiError(0, "the sessions were replaced");
