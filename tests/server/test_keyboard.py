@@ -405,6 +405,18 @@ def test_a_commit_without_an_answer_is_read_once(live: Any, page: Page) -> None:
     assert all(math.isclose(t, s, rel_tol=1e-4) for t, s in zip(series["twin"], series["static"], strict=True))
 
 
+def test_a_commit_still_busy_after_the_retries_is_read_once(live: Any, page: Page) -> None:
+    # 503 at every try (the retries spent): nothing was read, so the page, once the server answers, sends it again.
+    open_keyboard(page, f"{live.url}/keyboard")
+    page.route("**/observe", lambda route: route.fulfill(status=503, content_type="application/json", body=BUSY),
+               times=6)  # both sessions, three tries each
+    page.keyboard.type("Good morning. ")  # its suggestions wait for the commit
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('busy')", timeout=10_000)
+    page.wait_for_selector("#chart[data-points='1']", timeout=15_000)
+    for session_id in snapshot(page)["sessions"].values():
+        assert read_by(live.url, session_id) == len("Good morning. ")
+
+
 def test_editing_a_committed_sentence_completes_the_word_at_the_cursor(live: Any, page: Page) -> None:
     open_keyboard(page, f"{live.url}/keyboard")
     type_keys(page, "Hello wrld. ")
