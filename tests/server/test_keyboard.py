@@ -417,6 +417,39 @@ def test_a_commit_still_busy_after_the_retries_is_read_once(live: Any, page: Pag
         assert read_by(live.url, session_id) == len("Good morning. ")
 
 
+TWIN = {"lr": 0, "cache_weight": 0, "copy_model": False, "neural_cache": False}  # the page's unadapted twin
+
+
+def test_a_commit_one_session_refuses_waits_for_the_other(live: Any, page: Page) -> None:
+    # The adapted session's observe fails (a 500) while the twin's never reaches the server: the next commit must wait
+    # for the twin's to be sent again, or the twin reads the sentences out of order.
+    open_keyboard(page, f"{live.url}/keyboard")
+    sessions = snapshot(page)["sessions"]
+
+    def fail(route: Any) -> None:
+        if sessions["adapted"] in route.request.url:
+            route.fulfill(status=500, content_type="application/json",
+                          body='{"error": {"message": "boom", "type": "internal_error", "param": null, "code": null}}')
+        else:
+            route.abort("connectionrefused")
+
+    page.route("**/observe", fail, times=2)  # the first commit's two observes
+    page.keyboard.type("One. Two. ")
+    page.wait_for_function("() => adaptlmKeyboard.snapshot().committed === 'One. Two. '", timeout=5000)
+    deadline = time.monotonic() + 10
+    while read_by(live.url, sessions["twin"]) < len("One. Two. ") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert snapshot(page)["sessions"] == sessions
+    assert read_by(live.url, sessions["twin"]) == len("One. Two. "), page.text_content("#status")
+    assert read_by(live.url, sessions["adapted"]) == len("Two. ")  # the 500: not read
+    # in order: the twin's state is that of a session that read "One. Two. "
+    reference = httpx.post(f"{live.url}/v1/sessions", json={"adaptation": TWIN}).json()["id"]
+    httpx.post(f"{live.url}/v1/sessions/{reference}/observe", json={"text": "One. Two. "}).raise_for_status()
+    bits = [httpx.post(f"{live.url}/v1/score", json={"text": "Three.", "session_id": sid}).json()["bits"]
+            for sid in (sessions["twin"], reference)]
+    assert bits[0] == pytest.approx(bits[1], rel=1e-5)
+
+
 def test_editing_a_committed_sentence_completes_the_word_at_the_cursor(live: Any, page: Page) -> None:
     open_keyboard(page, f"{live.url}/keyboard")
     type_keys(page, "Hello wrld. ")

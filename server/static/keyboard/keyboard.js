@@ -251,7 +251,12 @@
     state.observing = state.observing
       .then(async () => {
         if (generation !== state.generation) return; // reset, or new sessions, since it was committed: not theirs
-        const [a, t] = await Promise.all([send(adapted, sentence, generation), send(twin, sentence, generation)]);
+        // both settled before the next commit (Promise.all would go on at the first failure): a session still
+        // sending this one would otherwise read the next first, or take its read bytes for this one's
+        const sent = await Promise.allSettled([send(adapted, sentence, generation), send(twin, sentence, generation)]);
+        const failed = sent.find((r) => r.status === "rejected");
+        if (failed) throw failed.reason;
+        const [a, t] = sent.map((r) => r.value);
         if (generation !== state.generation) return;
         const chars = [...sentence].length;
         state.series.adapted.push(a.bits / chars);
