@@ -284,6 +284,25 @@ def test_sessions_the_server_lost_are_made_again(live: Any, page: Page) -> None:
         assert read_by(live.url, session_id) == len("It is a truth. ")
 
 
+def test_a_session_made_for_a_connect_that_failed_is_deleted(live: Any, page: Page) -> None:
+    # The twin refused (here a 500): the page cannot use the adapted session made beside it, and deletes it rather
+    # than leaving it in the store until its TTL (each retry of Connect would leave one more).
+    made: list[str] = []
+    page.on("response", lambda r: made.append(r.json()["id"])
+            if r.request.method == "POST" and r.url.endswith("/v1/sessions") and r.status == 201 else None)
+    page.route("**/v1/sessions", lambda route: route.fulfill(
+        status=500, content_type="application/json",
+        body='{"error": {"message": "boom", "type": "internal_error", "param": null, "code": null}}')
+        if '"lr":0' in (route.request.post_data or "") else route.continue_())
+    page.goto(f"{live.url}/keyboard")
+    page.wait_for_selector("body[data-state=error]", timeout=10_000)
+    assert len(made) == 1 and snapshot(page)["sessions"]["adapted"] is None
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{live.url}/v1/sessions/{made[0]}").status_code != 404:
+        assert time.monotonic() < deadline, "the session made for the failed connect was left in the store"
+        time.sleep(0.05)
+
+
 def test_a_failed_suggestion_leaves_no_stale_bar(live: Any, page: Page) -> None:
     # The bar of an older keystroke cannot be accepted; shown after an error, it swallowed Tab for good (a keyboard
     # trap: focus could not leave the text box).

@@ -112,13 +112,18 @@
     closeSessions();
     setStatus("connecting", "Connecting…");
     try {
-      const [adapted, twin] = await Promise.all([
+      const made = await Promise.allSettled([
         // the twin is the unadapted model: no steps, and none of the caches that remember the session's text
         api("sessions", {}),
         api("sessions", { adaptation: { lr: 0, cache_weight: 0, copy_model: false, neural_cache: false } })]);
-      if (generation !== state.generation) return;
-      state.adapted = adapted.id;
-      state.twin = twin.id;
+      const failed = made.find((r) => r.status === "rejected");
+      if (failed || generation !== state.generation) {
+        // not used (one of the two was refused, or a newer connect overtook this one): deleted, not left to expire
+        deleteSessions(made.filter((r) => r.status === "fulfilled").map((r) => r.value.id));
+        if (failed) throw failed.reason;
+        return;
+      }
+      [state.adapted, state.twin] = made.map((r) => r.value.id);
     } catch (e) {
       if (generation !== state.generation) return;
       setStatus("error", e.status === 401 ? `${e.message}: enter the server's API key above` : e.message);
@@ -143,10 +148,14 @@
             + "new ones read the text again. ");
   }
 
-  function closeSessions() {
-    for (const id of [state.adapted, state.twin]) {
+  function deleteSessions(ids) {
+    for (const id of ids) {
       if (id) api(`sessions/${id}`, undefined, { method: "DELETE", keepalive: true }).catch(() => {});
     }
+  }
+
+  function closeSessions() {
+    deleteSessions([state.adapted, state.twin]);
     state.adapted = state.twin = null;
   }
 
