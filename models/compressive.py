@@ -703,6 +703,8 @@ class CompressiveTransformer(LanguageModel):
             key_lengths = n_c + n_f + m  # (B,)
             o = torch.arange(L, device=x.device).view(1, L)
             src = torch.where(o >= L - n_f.view(B, 1), o, o - (Lf - n_f).view(B, 1)).clamp(min=0)  # (B, L)
+            valid = ((o >= cfg.cmem_len - n_c.view(B, 1)) & (o < cfg.cmem_len)) | (o >= L - n_f.view(B, 1))  # (B, L)
+            valid = valid.unsqueeze(-1)  # (B, L, 1) the slots a row's memories hold
 
             def context(cm: torch.Tensor, fm: torch.Tensor) -> torch.Tensor:
                 both = torch.cat([cm, fm], 1)  # (B, L, ·)
@@ -721,7 +723,8 @@ class CompressiveTransformer(LanguageModel):
                     part = block.project(context(cmem, mem))  # (B, Lc, 2D) the valid slots only
                     kv_cmem, kv_mem = left_pad(part[:, :nc], cfg.cmem_len), left_pad(part[:, nc:], Lf)
                 else:
-                    both = block.project(torch.cat([cmem, mem], 1))  # (B, L, 2D)
+                    # the padding projects to the LN bias's keys, not zeros: cleared, as a row alone has it
+                    both = block.project(torch.cat([cmem, mem], 1)).masked_fill(~valid, 0)  # (B, L, 2D)
                     kv_cmem, kv_mem = both[:, : cfg.cmem_len], both[:, cfg.cmem_len :]
             ctx_kv = context(kv_cmem, kv_mem)  # (B, Lc, 2D)
             x_in = x.detach()  # (B, m, D) memories are stop-gradient

@@ -529,6 +529,22 @@ def test_a_stale_cache_is_projected_afresh() -> None:
     assert float(model.blocks[0].kv.weight.grad.abs().sum()) > 0
 
 
+def test_stale_rows_at_different_fills_batch_like_each_alone() -> None:
+    """Rows whose caches are stale (imported or fresh sessions) at different fills, in one call: each row's state,
+    its key/value cache included, equals the row's alone; the cache holds zeros outside the valid slots, as a row
+    alone has them (the branch form's roots rely on it: models/_branches.py)."""
+    model = _model()
+    with torch.no_grad():
+        states = [_stale(model(_tokens(n, seed=n), model.init_state(1)).state) for n in (3, 11, 40)]
+        states.append(model.init_state(1))  # a fresh row: nothing seen
+        x = _tokens(2, batch=len(states), seed=9)
+        batched = model(x, State.stack(states))
+        for r, st in enumerate(states):
+            alone = model(x[r : r + 1], st)
+            torch.testing.assert_close(batched.logits[r : r + 1], alone.logits, rtol=1e-5, atol=1e-5)
+            assert_states_close(batched.state.select(r), alone.state, rtol=1e-5, atol=1e-6)
+
+
 def test_training_keeps_no_cache_and_exports_leave_it_out() -> None:
     """Training mode marks the cache stale (weights move every step); `State.persistent` drops the memo tensors."""
     model = _model().train()
