@@ -119,7 +119,10 @@ def _head(piece: str) -> str:
 
 
 def _title(word: str) -> str:
-    """`word` with a capital first letter (the rest as it is)."""
+    """`word` with a capital first letter (the rest as it is); a word with a capital past its first letter (iPhone,
+    eBay) as it is: such a word keeps its first letter at a sentence start too."""
+    if any(c.isupper() for c in word[1:]):
+        return word
     return word[:1].upper() + word[1:]
 
 

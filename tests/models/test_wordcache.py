@@ -263,3 +263,14 @@ def test_observing_in_pieces_counts_as_observing_at_once_past_the_bound(seed: in
             pieces.observe(text[a:b])
             assert len(pieces.pending) <= 2 * MAX_WORD_BYTES + 4
         assert pieces.to_dict() == whole.to_dict(), (text, cuts)
+
+
+def test_a_capitalised_prefix_leaves_words_with_inner_capitals_as_typed() -> None:
+    """A word written with a capital inside it (iPhone, eBay, macOS) keeps its first letter at a sentence start:
+    "I" does not offer "IPhone", a word nobody typed, and "iP" still offers "iPhone"."""
+    cache = WordCache()
+    cache.observe("my iPhone and eBay and life ")
+    assert "IPhone" not in cache.candidates("I", None, 24)
+    assert "EBay" not in cache.candidates("E", None, 24)
+    assert "Life" in cache.candidates("L", None, 24)
+    assert "iPhone" in cache.candidates("iP", None, 24)
