@@ -49,16 +49,18 @@ def assert_states_close(a: Any, b: Any, **tol: float) -> None:
             assert torch.equal(v, b.tensors[k]), k
 
 
-def assert_rows_batch_like_each_alone(model: Any, fills: tuple[int, ...] = (3, 11, 12, 25)) -> None:
-    """Rows whose states come from histories of different lengths (`fills` bytes), run as one batch, give each row's
-    logits and state as if it ran alone."""
+def assert_rows_batch_like_each_alone(model: Any, fills: tuple[int, ...] = (3, 11, 12, 25), *,
+                                     states: list[Any] | None = None, steps: int = 9) -> None:
+    """Rows whose states come from histories of different lengths (`fills` bytes; or the given one-row `states`),
+    run as one batch for `steps` bytes, give each row's logits and state as if it ran alone."""
     import torch
 
     from models.base import State
 
     with torch.no_grad():
-        states = [model(random_tokens(n, seed=n), model.init_state(1)).state for n in fills]
-        x = random_tokens(9, batch=len(fills), seed=9)
+        if states is None:
+            states = [model(random_tokens(n, seed=n), model.init_state(1)).state for n in fills]
+        x = random_tokens(steps, batch=len(states), seed=9)
         batched = model(x, State.stack(states))
         for r, st in enumerate(states):
             alone = model(x[r : r + 1], st)

@@ -536,13 +536,8 @@ def test_stale_rows_at_different_fills_batch_like_each_alone() -> None:
     model = _model()
     with torch.no_grad():
         states = [_stale(model(_tokens(n, seed=n), model.init_state(1)).state) for n in (3, 11, 40)]
-        states.append(model.init_state(1))  # a fresh row: nothing seen
-        x = _tokens(2, batch=len(states), seed=9)
-        batched = model(x, State.stack(states))
-        for r, st in enumerate(states):
-            alone = model(x[r : r + 1], st)
-            torch.testing.assert_close(batched.logits[r : r + 1], alone.logits, rtol=1e-5, atol=1e-5)
-            assert_states_close(batched.state.select(r), alone.state, rtol=1e-5, atol=1e-6)
+    states.append(model.init_state(1))  # a fresh row: nothing seen
+    assert_rows_batch_like_each_alone(model, states=states, steps=2)
 
 
 def test_training_keeps_no_cache_and_exports_leave_it_out() -> None:
