@@ -83,6 +83,10 @@ DEFAULT_TRAIN := $(filter-out %/austen-persuasion.txt %/chesterton-brown.txt,$(w
 default-checkpoint: install
 	$(VENV)/bin/adaptlm train --preset default --data $(DEFAULT_TRAIN) \
 		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out checkpoints/default --overwrite
+	$(MAKE) default-lexicon
+# its lexicon.txt (the dictionary prior of its keyboard suggestions, models/lexicon.py): the words of the same text
+default-lexicon:
+	$(VENV)/bin/python -m trainer.lexicon --data $(DEFAULT_TRAIN) --out checkpoints/default
 
 # How checkpoints/words was made (about an hour on 2 CPU cores; needs ../shared/data): the adaptive-input transformer
 # on the default's mix, then its full and sparse dynamic evaluation tuned on the first 10 KB of the validation book

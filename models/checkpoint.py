@@ -6,6 +6,9 @@
     dyneval.json        dynamic-evaluation settings (eta, lambda, eps, segment, ...), parsed into DynEvalSettings
   config.json's "tokenizer" names the tokenizer (absent: bytes, as every checkpoint before it was saved).
     MODEL_CARD.md       human-readable card
+    lexicon.txt         optional: the training text's words, one a line (models/lexicon.py), the dictionary prior
+                        of a byte model's keyboard suggestions; absent: no prior. Not covered by "sha256" (a word
+                        list ties to no weights: `python -m trainer.lexicon` writes or rewrites it at any time)
 
 A save writes every file to a temporary name and renames it into place, config.json last, whose "sha256" holds the
 SHA-256 of model.safetensors and stats.safetensors as saved. The loader hashes the files (the weights' hash is the
@@ -36,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from models.adaptation import DynEvalSettings
 from models.base import LanguageModel, ModelConfig
+from models.lexicon import LEXICON_FILE, Lexicon
 from models.registry import build_model, config_from_dict
 from models.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_dict
 
@@ -60,6 +64,7 @@ class Checkpoint:
     path: Path | None = None
     card: str = field(default="", repr=False)
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    lexicon: Lexicon | None = field(default=None, repr=False)  # lexicon.txt, if the directory has one
 
     @property
     def device(self) -> torch.device:
@@ -229,5 +234,10 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
         card = card_path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{card_path}: not UTF-8 text (byte {e.start})") from None
+    lexicon_path = d / LEXICON_FILE
+    try:
+        lexicon = Lexicon.read(lexicon_path) if lexicon_path.is_file() else None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{lexicon_path}: {e}") from None
     return Checkpoint(model=model, config=config, meta=meta, stats=stats, dyneval=dyneval,
-                      model_hash=model_hash, path=d, card=card, tokenizer=tokenizer)
+                      model_hash=model_hash, path=d, card=card, tokenizer=tokenizer, lexicon=lexicon)

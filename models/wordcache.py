@@ -56,11 +56,15 @@ import bisect
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from models.suggest import APOSTROPHES, Completion, is_word_char, split_word
 
-__all__ = ["MAX_WORD_BYTES", "MIX_CANDIDATES", "WordCache", "mix_completions", "previous_word", "previous_words"]
+if TYPE_CHECKING:
+    from models.lexicon import Lexicon
+
+__all__ = ["MAX_WORD_BYTES", "MIX_CANDIDATES", "WordCache", "counted_words", "mix_completions", "previous_word",
+           "previous_words"]
 
 # The longest word counted, in UTF-8 bytes (German's long compounds are about 40). Text without spaces was one
 # word of any length, kept pending, counted, and written three times into the session's export, whose header the
@@ -91,6 +95,15 @@ def _tokens(text: str) -> Iterable[tuple[bool, str]]:
 def _clean(word: str) -> str:
     """A word without the apostrophes that open or close it (quotes, not part of the word)."""
     return word.strip("".join(APOSTROPHES))
+
+
+def counted_words(text: str) -> Iterable[str]:
+    """The words of a whole text as `WordCache.observe` counts them (its word split, apostrophes that open or close
+    a word dropped, none over MAX_WORD_BYTES), in order; a word at the text's end counts (the text is whole)."""
+    for is_word, piece in _tokens(text):
+        word = _clean(piece) if is_word else ""
+        if word and len(word.encode("utf-8")) <= MAX_WORD_BYTES and _has_utf8(word):
+            yield word
 
 
 def _is_piece(text: str) -> bool:
@@ -324,15 +337,23 @@ class WordCache:
         return self.estimate(prefix, previous, max_chars, earlier)[0]
 
     def mix(self, completions: list[Completion], context: str, weight: float, k: int,
-            max_chars: int) -> list[Completion]:
+            max_chars: int, lexicon: Lexicon | None = None) -> list[Completion]:
         """The model's `completions` of the word being typed at the end of `context`, with this cache mixed in at
-        most at `weight` (lam = weight conf, module docstring): the k best."""
+        most at `weight` (lam = weight conf, module docstring): the k best, ranked under the checkpoint's
+        `lexicon` if there is one (`Lexicon.rank`: a word neither in it nor in this cache is demoted; each `prob`
+        stays the mixed probability)."""
         if weight <= 0:
-            return completions[:k]
-        before, prefix = split_word(context)
-        earlier, previous = previous_words(before)
-        cached, conf = self.estimate(prefix, previous, max_chars, earlier)
-        return mix_completions(completions, cached, weight * conf, k)
+            mixed = completions
+        else:
+            before, prefix = split_word(context)
+            earlier, previous = previous_words(before)
+            cached, conf = self.estimate(prefix, previous, max_chars, earlier)
+            mixed = mix_completions(completions, cached, weight * conf, len(completions) + len(cached))
+        return lexicon.rank(mixed, k, self) if lexicon is not None else mixed[:k]
+
+    def has(self, word: str) -> bool:
+        """Was `word` counted, as typed or, with a capital first letter, in lowercase (as `titled` reads it)?"""
+        return word in self.words or (word[:1].isupper() and word in self.titled().words)
 
     @property
     def nbytes(self) -> int:
