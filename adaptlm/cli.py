@@ -412,7 +412,7 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         try:
             suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, tokenizer=ckpt.tokenizer,
                                        max_chars=24 if args.max_chars is None else args.max_chars,
-                                       cache_weight=cache)
+                                       cache_weight=cache, lexicon=ckpt.lexicon)
         except ValueError as e:
             raise UsageError(str(e)) from None
         result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),

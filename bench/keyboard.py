@@ -314,7 +314,8 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
         copy = CopyModel(loaded.dyneval.copy) if system == "full-copy" and loaded.dyneval.copy is not None else None
         record.update({"lr": config.lr, "decay": config.decay, "rule": config.rule, "cache_weight": cache,
                        "copy": copy is not None})
-        suggester = ModelSuggester(loaded.model, config, stats=loaded.stats, cache_weight=cache, copy=copy)
+        suggester = ModelSuggester(loaded.model, config, stats=loaded.stats, cache_weight=cache, copy=copy,
+                                   lexicon=loaded.lexicon)
         result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
     else:
         # static: the adapter stays zero (lr 0), no word cache, no neural cache; the sessions: the server's defaults

@@ -198,7 +198,7 @@ def main() -> None:
         rel, w0, t0, t1 = SLICES[name][args.slice]
         warm, typed = split_text((SHARED / rel).read_bytes()[w0:t1], last_bytes=t1 - t0)
         sim = ModelSuggester(ckpt.model, ckpt.dyneval.session, stats=ckpt.stats, copy=copy,
-                             cache_weight=ckpt.dyneval.cache_weight)
+                             cache_weight=ckpt.dyneval.cache_weight, lexicon=ckpt.lexicon)
         rec = Recorder(sim, known)
         result = KeysimResult()
         start = time.perf_counter()

@@ -38,6 +38,7 @@ from models.adaptation import (
 )
 from models.base import Adapter, LanguageModel, State
 from models.copymodel import CopyMixed, CopyModel, branch_view, frozen_stats, merge_state
+from models.lexicon import Lexicon
 from models.suggest import Cursor, advance, suggest
 from models.tokenizer import ByteTokenizer
 from models.wordcache import MIX_CANDIDATES, WordCache
@@ -47,17 +48,20 @@ __all__ = ["ModelSuggester"]
 class ModelSuggester:
     """Implements `clients.keysim.Suggester` with a model in this process (module docstring). `config` None is
     static; `stats` are the checkpoint's MS_g statistics (the RMS rules need them); `cache_weight` > 0 mixes a
-    word cache of the observed text into the completions, as a server session does (`models.wordcache`)."""
+    word cache of the observed text into the completions, as a server session does (`models.wordcache`); `lexicon`
+    (the checkpoint's, `Checkpoint.lexicon`) ranks them under its dictionary prior, as the server does
+    (`models.lexicon`)."""
 
     def __init__(self, model: LanguageModel, config: DynEvalConfig | None = None, *,
                  stats: Mapping[str, torch.Tensor] | None = None, max_chars: int = 24,
                  cache_weight: float = 0.0, tokenizer: ByteTokenizer | None = None,
-                 copy: CopyModel | None = None) -> None:
+                 copy: CopyModel | None = None, lexicon: Lexicon | None = None) -> None:
         if not 0 <= cache_weight <= 1:
             raise ValueError(f"cache_weight must be in [0, 1], not {cache_weight}")
         self.model = model.eval()  # no dropout in what it suggests
         self.tokenizer = tokenizer or ByteTokenizer()
         self.cache_weight = cache_weight
+        self.lexicon = lexicon
         self.words = WordCache()
         self.config = config or DynEvalConfig(mode="static")
         self.max_chars = max_chars
@@ -143,7 +147,7 @@ class ModelSuggester:
         width = max(k, MIX_CANDIDATES) if self.cache_weight > 0 else k  # as a session (server/engine/_suggest.py)
         found = suggest(self._forward, cursor, context, self.adapter, k=width, max_chars=self.max_chars, n_chars=0,
                         tokenizer=self.tokenizer)
-        completions = self.words.mix(found.completions, context, self.cache_weight, k, self.max_chars)
+        completions = self.words.mix(found.completions, context, self.cache_weight, k, self.max_chars, self.lexicon)
         return [c.text for c in completions]
 
     def observe(self, text: str) -> None:

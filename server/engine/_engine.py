@@ -277,7 +277,9 @@ class Engine:
                     "text": TextExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
                     "suggest": SuggestExecutor(self.sessions.session_model(), self.sessions, self._stats,
                                                tokenizer=byte_tokenizer,
-                                               words=tokenizer if isinstance(tokenizer, WordTokenizer) else None),
+                                               words=tokenizer if isinstance(tokenizer, WordTokenizer) else None,
+                                               # a word model's vocabulary is its lexicon: its path ranks as it did
+                                               lexicon=model.ckpt.lexicon if byte_tokenizer is not None else None),
                     "call": CallExecutor(),
                 })
         except BaseException:  # reported here, once, in the log's format (then /healthz fails: `crashed`)

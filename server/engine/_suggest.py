@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from models.base import LanguageModel, State
+from models.lexicon import Lexicon
 from models.suggest import (
     Completion,
     Cursor,
@@ -200,8 +201,10 @@ class SuggestRounds:
     is running)."""
 
     def __init__(self, model: LanguageModel, cache: CursorCache, *, min_prob: float, batch: int,
-                 max_expansions: int, round_rows: int, classes: TokenClasses | None = None) -> None:
+                 max_expansions: int, round_rows: int, classes: TokenClasses | None = None,
+                 lexicon: Lexicon | None = None) -> None:
         self.model, self.cache = model, cache
+        self.lexicon = lexicon  # the checkpoint's words: the dictionary prior of the ranking (models/lexicon.py)
         self.classes = classes or TokenClasses.of(ByteTokenizer())  # what each token is to the word search
         self.min_prob, self.batch, self.max_expansions, self.round_rows = min_prob, batch, max_expansions, round_rows
         self.active: list[SuggestJob] = []
@@ -282,7 +285,7 @@ class SuggestRounds:
             if job.request is None:
                 job.request = job.search.request(limit)
             if job.request is None:
-                _finish(self.model, job, self.cache)
+                _finish(self.model, job, self.cache, self.lexicon)
                 done.append(job)
             else:
                 going.append(job)
@@ -290,10 +293,10 @@ class SuggestRounds:
 
 
 def run_suggestions(model: LanguageModel, jobs: list[SuggestJob], cache: CursorCache, *, min_prob: float,
-                    batch: int, max_expansions: int, round_rows: int) -> list[int]:
+                    batch: int, max_expansions: int, round_rows: int, lexicon: Lexicon | None = None) -> list[int]:
     """Answer every job (`SuggestRounds` until none is left) -> the rows of each batched model call."""
     rounds = SuggestRounds(model, cache, min_prob=min_prob, batch=batch, max_expansions=max_expansions,
-                           round_rows=round_rows)
+                           round_rows=round_rows, lexicon=lexicon)
     steps = [rows] if (rows := rounds.start(jobs)) is not None else []
     while rounds.active:
         rows, _ = rounds.round()
@@ -302,7 +305,7 @@ def run_suggestions(model: LanguageModel, jobs: list[SuggestJob], cache: CursorC
     return steps
 
 
-def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
+def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache, lexicon: Lexicon | None = None) -> None:
     assert job.search is not None and job.cursor is not None
     context = job.context.encode("utf-8")
     # The next keystroke is likely one of the characters the search expanded: keep the likeliest (the search
@@ -315,11 +318,10 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache) -> None:
     try:
         found = job.search.result()
         chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter_with_copy(), classes=job.search.classes)
-        if job.session.config.cache_weight > 0:  # the session's word cache, mixed in (models/wordcache.py)
-            mixed = job.session.words.mix(found.completions, job.context, job.session.config.cache_weight, job.k,
-                                          job.max_chars)
-        else:
-            mixed = found.completions[: job.k]
+        # the session's word cache, mixed in (models/wordcache.py; cache_weight 0: not mixed), then the k best under
+        # the lexicon's prior (a word neither in it nor typed by the session demoted; each prob stays as mixed)
+        mixed = job.session.words.mix(found.completions, job.context, job.session.config.cache_weight, job.k,
+                                      job.max_chars, lexicon)
         found = dataclasses.replace(found, completions=mixed)
     except Exception as e:  # one job's failure is its own
         job.error = e
@@ -477,7 +479,8 @@ class SuggestExecutor:
     rows = 0
 
     def __init__(self, model: LanguageModel, sessions: SessionService, stats: EngineStats, *,
-                 tokenizer: ByteTokenizer | None = None, refuse: str = "", words: WordTokenizer | None = None) -> None:
+                 tokenizer: ByteTokenizer | None = None, refuse: str = "", words: WordTokenizer | None = None,
+                 lexicon: Lexicon | None = None) -> None:
         self._sessions, self._stats = sessions, stats
         self._refuse = refuse  # why this model has no suggestions (SessionsUnavailable); "": it has
         self._model, self._words = model, words  # a word model: `word_suggestions`, answered at once
@@ -485,7 +488,8 @@ class SuggestExecutor:
         self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer, view=sessions.view_state),
                                      min_prob=SUGGEST_MIN_PROB,
                                      batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
-                                     round_rows=SUGGEST_ROUND_ROWS, classes=TokenClasses.of(tokenizer))
+                                     round_rows=SUGGEST_ROUND_ROWS, classes=TokenClasses.of(tokenizer),
+                                     lexicon=lexicon)
         self._started: list[Suggest] = []  # not yet fed
         self._searching: dict[SuggestJob, Suggest] = {}
 
