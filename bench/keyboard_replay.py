@@ -11,7 +11,9 @@ over those then replays exactly, in seconds.
 Variant keys: `width` (the model's completions mixed, 3 = the shown bar only), `fold` (the capitalised reading of the
 cache), `weight` (cache_weight), `beta` (rank by p * (characters added) ** beta: expected keys saved), `lex` (a
 factor on the completions that are neither a word of the training text, case-folded, nor a word the session typed:
-a dictionary prior, which a byte model's search does not have).
+a dictionary prior, which a byte model's search does not have, as the analysis first tried it), `prior` (the
+shipped prior, `models.lexicon.Lexicon.rank`: True for the checkpoint's lexicon.txt, or a lexicon file's path; the
+session's words stand in for its word cache, unbounded, as typed and with a capital first letter).
 """
 
 from __future__ import annotations
@@ -87,8 +89,19 @@ def record(name: str, out: Path, checkpoint: str) -> None:
             sim.observe(m)
 
 
+class _Seen:
+    """The session's words as `WordCache.has` reads them (the word cache unbounded)."""
+
+    def __init__(self, words: set[str]) -> None:
+        self.words = words
+
+    def has(self, word: str) -> bool:
+        return word in self.words or (word[:1].isupper() and word[:1].lower() + word[1:] in self.words)
+
+
 def bar(q: dict[str, Any], prefix: str, lexicon: set[str], seen: set[str], *, width: int = 8, fold: bool = True,
-        weight: float = 0.5, beta: float = 0.0, lex: float = 1.0, k: int = 3) -> list[str]:
+        weight: float = 0.5, beta: float = 0.0, lex: float = 1.0, k: int = 3, shipped: Any = None,
+        cased: set[str] | None = None) -> list[str]:
     cached, conf = (q["cache"], q["conf"]) if fold else (q["cache_typed"], q["conf_typed"])
     lam = weight * conf if cached else 0.0
     mixed = {t: (1 - lam) * p for t, p in q["model"][:width]}
@@ -101,13 +114,26 @@ def bar(q: dict[str, Any], prefix: str, lexicon: set[str], seen: set[str], *, wi
             p *= lex
         return -(p * (len(t) - len(prefix)) ** beta), t
 
+    if shipped is not None:  # models.lexicon's rule, as the server ranks
+        from models.suggest import Completion
+
+        ranked = [Completion(t, p) for t, p in sorted(mixed.items(), key=lambda kv: (-kv[1], kv[0]))]
+        return [c.text for c in shipped.rank(ranked, k, _Seen(cased or set()))]
     return [t for t, _ in sorted(mixed.items(), key=score)[:k]]
 
 
-def ksr(records: list[dict[str, Any]], warm: str, lexicon: set[str], **variant: Any) -> float:
+def ksr(records: list[dict[str, Any]], warm: str, lexicon: set[str], checkpoint: str = str(DEFAULT_CHECKPOINT),
+        **variant: Any) -> float:
     """The simulator's accounting (clients.keysim.type_message) over the recorded queries."""
     chars = typed = selections = 0
     seen = {w.lower() for w in re.findall(WORD, warm)}
+    from models.lexicon import LEXICON_FILE, Lexicon
+    from models.wordcache import counted_words
+
+    shipped = variant.pop("prior", None)
+    if shipped is not None:
+        variant["shipped"] = Lexicon.read(Path(checkpoint) / LEXICON_FILE if shipped is True else shipped)
+        variant["cased"] = cased = set(counted_words(warm))
     for r in records:
         m = r["m"]
         chars += len(m)
@@ -124,6 +150,8 @@ def ksr(records: list[dict[str, Any]], warm: str, lexicon: set[str], **variant: 
                 typed += 1
         typed += len(m) - i
         seen.update(x.lower() for x in re.findall(WORD, m))
+        if shipped is not None:
+            cased.update(counted_words(m))
     return 1 - (typed + selections) / chars
 
 
@@ -144,11 +172,13 @@ def main() -> None:
             print(f"{name}: recorded in {time.perf_counter() - t0:.0f} s", flush=True)
         return
     lexicon = {w.lower() for w in training_words()}
-    records = {n: [json.loads(line) for line in (args.out / f"{n}.jsonl").open()] for n in names}
+    # a recording in progress: its complete lines
+    records = {n: [json.loads(line) for line in (args.out / f"{n}.jsonl").open() if line.endswith("\n")]
+               for n in names}
     print("| variant | " + " | ".join(f"{n} KSR ({len(records[n])} messages)" for n in names) + " |")
     print("| --- | " + " | ".join("---:" for _ in names) + " |")
     for variant in eval(args.grid, {"__builtins__": {}, "dict": dict}):  # noqa: S307 (a grid the user typed)
-        print(f"| {variant} | " + " | ".join(f"{ksr(records[n], _slice(n)[0], lexicon, **variant):.4f}"
+        print(f"| {variant} | " + " | ".join(f"{ksr(records[n], _slice(n)[0], lexicon, args.checkpoint, **variant):.4f}"
                                             for n in names) + " |", flush=True)
 
 

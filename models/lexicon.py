@@ -24,15 +24,22 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from models.suggest import Completion
-from models.wordcache import WordCache, counted_words
+from models.wordcache import counted_words
 
-__all__ = ["LEXICON_FILE", "LEXICON_MIN_COUNT", "LEXICON_PENALTY", "Lexicon", "count_words", "write_lexicon"]
+__all__ = ["LEXICON_FILE", "LEXICON_MIN_COUNT", "LEXICON_PENALTY", "Lexicon", "Typed", "count_words", "write_lexicon"]
 
 LEXICON_FILE = "lexicon.txt"
 LEXICON_PENALTY = 0.1  # the factor on an unknown completion's score (module docstring)
 LEXICON_MIN_COUNT = 2  # a word seen once in millions of bytes is as often a typo or a name as a word
+
+
+class Typed(Protocol):
+    """The words a session typed (`WordCache.has`)."""
+
+    def has(self, word: str) -> bool: ...
 
 
 def _title(word: str) -> str:
@@ -67,7 +74,7 @@ class Lexicon:
     def known(self, word: str) -> bool:
         return word in self.words
 
-    def rank(self, completions: Sequence[Completion], k: int, cache: WordCache | None = None,
+    def rank(self, completions: Sequence[Completion], k: int, cache: Typed | None = None,
              penalty: float = LEXICON_PENALTY) -> list[Completion]:
         """The k best `completions` by prob, a word neither in this lexicon nor in `cache` counting prob x `penalty`
         (ties: the given order); each keeps its own prob."""

@@ -135,3 +135,12 @@ def test_adaptlm_serve_runs_the_shipped_transformer(name: str, tmp_path: Path) -
             assert state.status_code == 200 and len(state.content) > 1000
     finally:
         stop(proc)
+
+
+def test_the_default_checkpoint_ships_its_lexicon() -> None:
+    """A few hundred KB of the training text's words (models/lexicon.py): the common ones, not the fragments."""
+    lexicon = load_checkpoint(CHECKPOINTS / "default").lexicon
+    assert lexicon is not None and 10_000 < lexicon.listed < 100_000
+    assert (CHECKPOINTS / "default" / "lexicon.txt").stat().st_size < 512 * 1024
+    assert all(lexicon.known(w) for w in ("the", "The", "whale", "friend", "world", "don't"))
+    assert not any(lexicon.known(w) for w in ("wor", "Frien", "Ims"))

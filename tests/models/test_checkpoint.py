@@ -215,3 +215,14 @@ def test_the_same_tensors_make_the_same_files_and_an_old_checkpoint_loads(saved:
     del config["sha256"]
     (path / "config.json").write_text(json.dumps(config))
     assert load_checkpoint(path).config.arch == "mlstm"
+
+
+def test_a_lexicon_is_loaded_when_present_and_refused_when_broken(saved: tuple[MLSTM, Path]) -> None:
+    _, path = saved
+    assert load_checkpoint(path).lexicon is None  # absent: no prior
+    (path / "lexicon.txt").write_text("whale\nsea\n", encoding="utf-8")
+    lexicon = load_checkpoint(path).lexicon
+    assert lexicon is not None and lexicon.listed == 2 and lexicon.known("Whale")
+    (path / "lexicon.txt").write_text("whale\nnot one word\n", encoding="utf-8")
+    with pytest.raises(CheckpointError, match="lexicon.txt"):
+        load_checkpoint(path)

@@ -105,3 +105,22 @@ def test_the_word_cache_is_mixed_in_as_a_session_mixes_it(ckpt) -> None:  # type
     assert plain.suggest("The un", 3) == [c.text for c in model]
     with pytest.raises(ValueError, match="cache_weight"):
         ModelSuggester(ckpt.model, cache_weight=1.5)
+
+
+def test_the_lexicon_ranks_the_completions_as_a_session_ranks_them(ckpt) -> None:  # type: ignore[no-untyped-def]
+    from models.lexicon import Lexicon
+    from models.wordcache import MIX_CANDIDATES, WordCache
+
+    cursor_text = TEXT + "universally universal unique\n"
+    for weight in (0.0, 0.5):
+        plain = ModelSuggester(ckpt.model, cache_weight=weight)
+        plain.observe(cursor_text)
+        width = MIX_CANDIDATES if weight > 0 else 3
+        model = suggest(ckpt.model, advance(ckpt.model, plain.state, b"\nThe "), "The ", k=width, n_chars=0).completions
+        lexicon = Lexicon.of(c.text for c in model[len(model) // 2:])  # the less probable half: known
+        ranked = ModelSuggester(ckpt.model, cache_weight=weight, lexicon=lexicon)
+        ranked.observe(cursor_text)
+        words = WordCache()
+        words.observe(cursor_text)
+        expected = words.mix(model, "The ", weight, 3, 24, lexicon)
+        assert ranked.suggest("The ", 3) == [c.text for c in expected]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +23,10 @@ from models.base import ROOT, Adapter, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.checkpoint import load_checkpoint
 from models.compressive import CompressiveConfig, CompressiveTransformer
+from models.lexicon import LEXICON_FILE, LEXICON_PENALTY, Lexicon
 from models.scoring import BOS, score_bytes
 from models.suggest import Completion, advance
-from models.wordcache import MIX_CANDIDATES, WordCache
+from models.wordcache import MIX_CANDIDATES, WordCache, counted_words
 from server.engine import AdaptationConfig, Session
 from server.engine._suggest import SUGGEST_BATCH, CursorCache, SuggestJob, SuggestRounds, run_suggestions
 from server.settings import Settings
@@ -441,3 +443,32 @@ def test_cache_weight_is_validated(client: httpx.Client, assert_error: Any) -> N
     for weight in (-0.1, 1.5, "x"):
         r = client.post("/v1/sessions", json={"adaptation": {"cache_weight": weight}})
         assert_error(r, 422, "validation_error", "adaptation.cache_weight")
+
+
+def test_a_checkpoint_s_lexicon_ranks_the_completions(client: httpx.Client, tiny_checkpoint: Path, serve_app: Any,
+                                                      tmp_path: Path) -> None:
+    """With lexicon.txt in the checkpoint, a byte model's completions that are neither in it nor typed by the session
+    count prob x LEXICON_PENALTY in the ranking (models/lexicon.py); the probabilities reported stay the model's. The
+    same search without the file gives the candidates and their probabilities."""
+    text = "It is a truth universally acknowledged. "
+    context = "the "
+    plain_id = create(client, initial_text=text, adaptation={"lr": 0.0, "cache_weight": 0.0})
+    plain = [Completion(w["text"], w["prob"]) for w in suggest(client, plain_id, context=context, k=8)["completions"]]
+    words = [c.text for c in plain if list(counted_words(c.text)) == [c.text]]
+    assert len(words) >= 3
+    known = words[2::2]  # the third, the fifth...: each may rise above the unknown ones before it
+    shutil.copytree(tiny_checkpoint, tmp_path / "ck")
+    (tmp_path / "ck" / LEXICON_FILE).write_text("".join(w + "\n" for w in known), encoding="utf-8")
+    with serve_app(Settings(checkpoint=tmp_path / "ck")) as live, httpx.Client(base_url=live.url) as c:
+        sid = create(c, initial_text=text, adaptation={"lr": 0.0, "cache_weight": 0.0})
+        got = suggest(c, sid, context=context, k=8)["completions"]
+    session_words = WordCache()
+    session_words.observe(text)
+    expected = Lexicon.of(known).rank(plain, 8, session_words)
+    assert [w["text"] for w in got] == [c.text for c in expected]
+    assert [w["prob"] for w in got] == pytest.approx([c.prob for c in expected], rel=1e-5)  # as reported without
+    rank = {w["text"]: i for i, w in enumerate(got)}
+    for word in known:  # a known word comes before every unknown one less than 10 times as probable
+        probs = {c.text: c.prob for c in plain}
+        assert all(rank[word] < rank[c.text] for c in plain
+                   if c.text not in known and not session_words.has(c.text) and c.prob < probs[word] / LEXICON_PENALTY)
