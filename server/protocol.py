@@ -473,7 +473,9 @@ class SuggestRequest(RequestModel):
 class SuggestedWord(BaseModel):
     text: str = Field(description="The whole word: the typed part and its completion (no space or punctuation).")
     prob: float = Field(description="Probability that the word continues so and then ends (a space or ASCII "
-                                    "punctuation follows), given the session and the context.")
+                                    "punctuation follows), given the session and the context (the session's word "
+                                    "cache mixed in). Only the ranking applies a byte model's lexicon prior: this "
+                                    "number is not scaled by it.")
 
 
 class SuggestedChar(BaseModel):
@@ -483,8 +485,10 @@ class SuggestedChar(BaseModel):
 
 class SuggestResponse(BaseModel):
     prefix: str = Field(description="The typed part of the word the completions continue (may be empty).")
-    completions: list[SuggestedWord] = Field(description="The k most probable completions, most probable first; "
-                                                         "fewer when fewer have probability >= 0.001.")
+    completions: list[SuggestedWord] = Field(description=(
+        "The k best completions, best first; fewer when fewer have probability >= 0.001. Best: most probable, but "
+        "with a byte model whose checkpoint has a lexicon (lexicon.txt) a word neither in it nor typed by the "
+        "session ranks as if 0.1 times as probable, so `prob` need not decrease down the list."))
     next_chars: list[SuggestedChar] = Field(description="The most likely next characters, most likely first.")
     exact: bool = Field(default=True, description="False when the server's time budget (ADAPTLM_SUGGEST_BUDGET_MS) "
                                                   "stopped the word search: the completions are then the best found "
