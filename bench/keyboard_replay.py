@@ -89,19 +89,9 @@ def record(name: str, out: Path, checkpoint: str) -> None:
             sim.observe(m)
 
 
-class _Seen:
-    """The session's words as `WordCache.has` reads them (the word cache unbounded)."""
-
-    def __init__(self, words: set[str]) -> None:
-        self.words = words
-
-    def has(self, word: str) -> bool:
-        return word in self.words or (word[:1].isupper() and word[:1].lower() + word[1:] in self.words)
-
-
 def bar(q: dict[str, Any], prefix: str, lexicon: set[str], seen: set[str], *, width: int = 8, fold: bool = True,
         weight: float = 0.5, beta: float = 0.0, lex: float = 1.0, k: int = 3, shipped: Any = None,
-        cased: set[str] | None = None) -> list[str]:
+        cased: Any = None) -> list[str]:
     cached, conf = (q["cache"], q["conf"]) if fold else (q["cache_typed"], q["conf_typed"])
     lam = weight * conf if cached else 0.0
     mixed = {t: (1 - lam) * p for t, p in q["model"][:width]}
@@ -118,7 +108,7 @@ def bar(q: dict[str, Any], prefix: str, lexicon: set[str], seen: set[str], *, wi
         from models.suggest import Completion
 
         ranked = [Completion(t, p) for t, p in sorted(mixed.items(), key=lambda kv: (-kv[1], kv[0]))]
-        return [c.text for c in shipped.rank(ranked, k, _Seen(cased or set()))]
+        return [c.text for c in shipped.rank(ranked, k, cased)]
     return [t for t, _ in sorted(mixed.items(), key=score)[:k]]
 
 
@@ -128,12 +118,13 @@ def ksr(records: list[dict[str, Any]], warm: str, lexicon: set[str], checkpoint:
     chars = typed = selections = 0
     seen = {w.lower() for w in re.findall(WORD, warm)}
     from models.lexicon import LEXICON_FILE, Lexicon
-    from models.wordcache import counted_words
+    from models.wordcache import WordCache, counted_words
 
     shipped = variant.pop("prior", None)
     if shipped is not None:
         variant["shipped"] = Lexicon.read(Path(checkpoint) / LEXICON_FILE if shipped is True else shipped)
-        variant["cased"] = cased = set(counted_words(warm))
+        # the session's words, unbounded (no observe: no pruning), as its word cache reads them (`WordCache.has`)
+        variant["cased"] = cased = WordCache(words=dict.fromkeys(counted_words(warm), 1))
     for r in records:
         m = r["m"]
         chars += len(m)
@@ -151,7 +142,7 @@ def ksr(records: list[dict[str, Any]], warm: str, lexicon: set[str], checkpoint:
         typed += len(m) - i
         seen.update(x.lower() for x in re.findall(WORD, m))
         if shipped is not None:
-            cased.update(counted_words(m))
+            cased.words.update(dict.fromkeys(counted_words(m), 1))
     return 1 - (typed + selections) / chars
 
 

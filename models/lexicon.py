@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from models.suggest import Completion
-from models.wordcache import counted_words
+from models.wordcache import counted_words, title
 
 __all__ = ["LEXICON_FILE", "LEXICON_MIN_COUNT", "LEXICON_PENALTY", "Lexicon", "Typed", "count_words", "write_lexicon"]
 
@@ -42,13 +42,10 @@ class Typed(Protocol):
     def has(self, word: str) -> bool: ...
 
 
-def _title(word: str) -> str:
-    return word[:1].upper() + word[1:]
-
-
 @dataclass(frozen=True)
 class Lexicon:
-    """The known words: as listed and with a capital first letter (`known` is one set lookup)."""
+    """The known words: as listed and with a capital first letter (`title`: a word with a capital inside, "iPhone",
+    as listed), so that `known` is one set lookup."""
 
     words: frozenset[str]
     listed: int = 0  # the words the file listed (`words` also holds their capitalised forms)
@@ -56,7 +53,7 @@ class Lexicon:
     @classmethod
     def of(cls, words: Iterable[str]) -> Lexicon:
         listed = set(words)
-        return cls(frozenset(listed | {_title(w) for w in listed}), len(listed))
+        return cls(frozenset(listed | {title(w) for w in listed}), len(listed))
 
     @classmethod
     def read(cls, path: str | Path) -> Lexicon:

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from models.lexicon import Lexicon
 
 __all__ = ["MAX_WORD_BYTES", "MIX_CANDIDATES", "WordCache", "counted_words", "mix_completions", "previous_word",
-           "previous_words"]
+           "previous_words", "title"]
 
 # The longest word counted, in UTF-8 bytes (German's long compounds are about 40). Text without spaces was one
 # word of any length, kept pending, counted, and written three times into the session's export, whose header the
@@ -131,7 +131,7 @@ def _head(piece: str) -> str:
     return "".join(kept)
 
 
-def _title(word: str) -> str:
+def title(word: str) -> str:
     """`word` with a capital first letter (the rest as it is); a word with a capital past its first letter (iPhone,
     eBay) as it is: such a word keeps its first letter at a sentence start too."""
     if any(c.isupper() for c in word[1:]):
@@ -140,11 +140,11 @@ def _title(word: str) -> str:
 
 
 def _titled_keys(table: dict[str, int]) -> dict[str, int]:
-    """A pair or triple table with its last words written `_title` (the counts of keys that then agree added)."""
+    """A pair or triple table with its last words written `title` (the counts of keys that then agree added)."""
     out: dict[str, int] = {}
     for key, c in table.items():
         ctx, _, word = key.rpartition(_SEP)
-        key = ctx + _SEP + _title(word)
+        key = ctx + _SEP + title(word)
         out[key] = out.get(key, 0) + c
     return out
 
@@ -282,9 +282,9 @@ class WordCache:
         if self._titled is None:
             words: dict[str, int] = {}
             for w, c in self.words.items():
-                words[_title(w)] = words.get(_title(w), 0) + c
+                words[title(w)] = words.get(title(w), 0) + c
             pairs, triples = _titled_keys(self.pairs), _titled_keys(self.triples)
-            titled = WordCache(self.max_words, words, pairs, triples=triples, recent=[_title(w) for w in self.recent],
+            titled = WordCache(self.max_words, words, pairs, triples=triples, recent=[title(w) for w in self.recent],
                                max_recent=self.max_recent)
             titled._titled = titled  # already titled: it reads its words as they are
             self._titled = titled
@@ -354,7 +354,11 @@ class WordCache:
     def has(self, word: str) -> bool:
         """Was `word` counted, as typed or, with a capital first letter, with that letter in lowercase ("Life" from
         "life", as `titled` reads it; two set lookups, where building `titled` after an observe takes ms)?"""
-        return word in self.words or (word[:1].isupper() and word[:1].lower() + word[1:] in self.words)
+        if word in self.words:
+            return True
+        # `title`'s inverse: only a word with no other capital was capitalised
+        return word[:1].isupper() and not any(c.isupper() for c in word[1:]) \
+            and word[:1].lower() + word[1:] in self.words
 
     @property
     def nbytes(self) -> int:

@@ -92,3 +92,12 @@ def test_the_word_cache_mix_ranks_under_the_lexicon() -> None:
                                                                                             24)}.items()
     # cache weight 0: the model's completions alone, ranked under the lexicon all the same
     assert [c.text for c in cache.mix(model, "hello wo", 0.0, 2, 24, Lexicon.of(["world"]))] == ["world", "wor"]
+
+
+def test_a_word_with_a_capital_inside_is_not_capitalised() -> None:
+    """As the word cache's `titled` reads it: "iPhone" at a sentence start stays "iPhone"."""
+    lexicon = Lexicon.of(["iPhone", "life"])
+    cache = WordCache()
+    cache.observe("eBay and love ")
+    assert lexicon.known("Life") and lexicon.known("iPhone") and not lexicon.known("IPhone")
+    assert cache.has("Love") and cache.has("eBay") and not cache.has("EBay")
