@@ -34,10 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "there", file=sys.stderr)
         texts.append(text)
     counts = count_words(texts)
-    n = write_lexicon(args.out / LEXICON_FILE, counts, args.min_count)
-    if n == 0:
-        (args.out / LEXICON_FILE).unlink()
+    if not any(c >= args.min_count for c in counts.values()):  # refused before writing: a lexicon there stays
         ap.error(f"no word occurs {args.min_count} times in the data: no lexicon written")
+    n = write_lexicon(args.out / LEXICON_FILE, counts, args.min_count)
     size = (args.out / LEXICON_FILE).stat().st_size
     print(f"{args.out / LEXICON_FILE}: {n:,} words (of {len(counts):,} distinct, seen >= {args.min_count} times), "
           f"{size:,} bytes")

@@ -64,6 +64,10 @@ def test_the_cli_refuses_bad_input_with_exit_2(tmp_path: Path, case: str, capsys
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
     assert not (out / LEXICON_FILE).exists()
+    (out / LEXICON_FILE).write_text("whale\n", encoding="utf-8")  # a lexicon already there: a refusal keeps it
+    with pytest.raises(SystemExit):
+        main(args)
+    assert (out / LEXICON_FILE).read_text(encoding="utf-8") == "whale\n"
 
 
 def test_a_fragment_is_demoted_below_a_word_and_a_session_word_is_kept() -> None:
