@@ -79,7 +79,7 @@ def record(name: str, out: Path, checkpoint: str) -> None:
                     found = suggest(sim._forward, cursor, context, sim.adapter, k=WIDTH, max_chars=24, n_chars=0)
                     before, prefix = split_word(context)
                     earlier, previous = previous_words(before)
-                    cached, conf = sim.words.estimate(prefix, previous, 24, earlier)
+                    cached, conf = sim.words.estimate_at(context, 24)
                     raw, raw_conf = as_typed(sim.words, prefix, previous, earlier)
                     queries.append({"model": [[c.text, c.prob] for c in found.completions], "cache": top(cached),
                                     "conf": conf, "cache_typed": top(raw), "conf_typed": raw_conf})

@@ -345,11 +345,15 @@ class WordCache:
         if weight <= 0:
             mixed = completions
         else:
-            before, prefix = split_word(context)
-            earlier, previous = previous_words(before)
-            cached, conf = self.estimate(prefix, previous, max_chars, earlier)
+            cached, conf = self.estimate_at(context, max_chars)
             mixed = mix_completions(completions, cached, weight * conf, len(completions) + len(cached))
         return lexicon.rank(mixed, k, self) if lexicon is not None else mixed[:k]
+
+    def estimate_at(self, context: str, max_chars: int) -> tuple[dict[str, float], float]:
+        """`estimate` for the word being typed at the end of `context`, after the words before it."""
+        before, prefix = split_word(context)
+        earlier, previous = previous_words(before)
+        return self.estimate(prefix, previous, max_chars, earlier)
 
     def has(self, word: str) -> bool:
         """Was `word` counted, as typed or, with a capital first letter, with that letter in lowercase ("Life" from

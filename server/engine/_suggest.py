@@ -48,7 +48,7 @@ from models.suggest import (
 )
 from models.tokenizer import ByteTokenizer
 from models.word_tokenizer import WordTokenizer
-from models.wordcache import MIX_CANDIDATES, WordCache, previous_words
+from models.wordcache import MIX_CANDIDATES, WordCache
 from server.engine._errors import SessionsUnavailable
 from server.engine._session import Session
 from server.engine._session_service import SessionService
@@ -436,9 +436,7 @@ def _cached_chars(chars: dict[str, float], words: WordCache, context: str, prefi
     `WordCache.mix` mixes it into the completions (lam = weight conf): (1 - lam) p_model(c) + lam p_cache(the cached
     words that go on with c). A completion's next character is then at least as likely as the completion, a word the
     vocabulary lacks included: its letters come from the cache alone (the model has only <unk> for it)."""
-    before, typed = split_word(context)
-    earlier, previous = previous_words(before)
-    cached, conf = words.estimate(typed, previous, max_chars, earlier)
+    cached, conf = words.estimate_at(context, max_chars)
     lam = weight * conf
     if not cached or lam <= 0:
         return chars
