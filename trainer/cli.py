@@ -20,7 +20,7 @@ __all__ = ["add_train_arguments", "config_from_args", "run_command", "summary"]
 
 # trainable architectures (models/registry.py), named without importing torch
 _ARCHS = ("mlstm", "char-transformer", "compressive", "awd-lstm", "adaptive-transformer")
-_FLAGS = ("max_steps", "max_minutes", "batch_size", "bptt", "lr", "seed", "threads")
+_FLAGS = ("max_steps", "max_minutes", "batch_size", "bptt", "lr", "seed", "threads", "init_from")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +43,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--threads", type=int, help="torch threads (per process)")
+    p.add_argument("--init-from", metavar="CHECKPOINT",
+                   help="start from this checkpoint's weights (same architecture, model settings and tokenizer) on "
+                        "a fresh optimizer and schedule")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N"
                                                     " (under torchrun: cuda:LOCAL_RANK)")

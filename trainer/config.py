@@ -82,6 +82,10 @@ class TrainConfig:
     # each step's sequence length drawn around bptt (p = 0.95 bptt, else bptt / 2, then N(., 5)) and the learning
     # rate scaled by length / bptt (AWD-LSTM sec. 4.1); False: fixed chunks of bptt
     variable_bptt: bool = False
+    # a checkpoint directory whose weights start the run (a warm start: fine-tuning, or more training of a shipped
+    # model on a fresh schedule); its architecture, model settings and tokenizer must be this run's. "" : a fresh
+    # initialisation. A resumed run continues from its own state and ignores it
+    init_from: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -194,6 +194,30 @@ def lr_at(cfg: TrainConfig, step: int, seconds: float = 0.0) -> float:
     return cfg.lr + (cfg.lr_final - cfg.lr) * frac  # linear decay (thesis ch. 3 training setup)
 
 
+def _warm_start(model: LanguageModel, tokenizer: Tokenizer, path: Path) -> dict[str, Any]:
+    """Copy the weights of the checkpoint at `path` into `model` (a warm start, `TrainConfig.init_from`), which must
+    have been built from the same model settings with the same tokenizer; ValueError naming what differs. Returns
+    what the new checkpoint records of its parent: its name, weights hash and training (steps, seconds, data)."""
+    ck = load_checkpoint(path, trainable=True)
+    mine, theirs = model.config.to_dict(), ck.config.to_dict()
+    if mine != theirs:
+        diffs = ", ".join(f"{k} {mine.get(k)!r} here, {theirs.get(k)!r} there"
+                          for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))
+        raise ValueError(f"{path}: cannot start from its weights: other model settings ({diffs})")
+    if tokenizer.to_dict() != ck.tokenizer.to_dict():
+        raise ValueError(f"{path}: cannot start from its weights: its {ck.tokenizer.kind} tokenizer is not the one "
+                         f"this run builds from its data ({tokenizer.kind}, {tokenizer.vocab_size} tokens)")
+    with torch.no_grad():
+        model.load_state_dict(ck.model.state_dict())
+    trained = ck.meta.get("training", {})
+    earlier = trained.get("init_from", {})
+    return {"name": ck.name, "model_sha256": ck.model_hash,
+            "steps": trained.get("steps"), "seconds": trained.get("seconds"), "data": trained.get("data"),
+            # the whole lineage's optimizer steps and training seconds, this run's not counted
+            "total_steps": (trained.get("steps") or 0) + (earlier.get("total_steps") or 0),
+            "total_seconds": (trained.get("seconds") or 0.0) + (earlier.get("total_seconds") or 0.0)}
+
+
 def make_tokenizer(cfg: TrainConfig, text: bytes) -> Tokenizer:
     """The run's tokenizer: bytes, or a word vocabulary built from the training text (`cfg.tokenizer`)."""
     settings = dict(cfg.tokenizer)
@@ -432,6 +456,9 @@ def _model_card(cfg: TrainConfig, meta: dict[str, Any], model: LanguageModel) ->
         f"- Steps: {t['steps']} x {batch} x {cfg.bptt} {unit}; {optimizer}, clip {cfg.clip},"
         f" {t.get('precision', cfg.precision)}",
         f"- Training time: {t['seconds'] / 60:.1f} {'CPU-' if cfg.time_clock == 'cpu' else ''}min on {t['machine']}",
+        *([f"- Warm start: the weights of `{p['name']}` ({p['model_sha256'][:12]}; {p['total_steps']} steps, "
+           f"{p['total_seconds'] / 60:.1f} min of training before this run); this run's optimizer and schedule "
+           f"started afresh"] if (p := t.get("init_from")) else []),
         f"- Stored as: weights {cfg.weights_dtype}, statistics {cfg.stats_dtype} (loaded as float32)",
         f"- Validation bits per byte (best checkpoint, whole validation file): {m.get('valid_bpb', float('nan')):.4f}",
         *([f"- Validation perplexity (per token, every punctuation mark and end of line counted): "
@@ -490,6 +517,7 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
         model = build_model(model_cfg)
     except (TypeError, ValueError, RuntimeError) as e:  # e.g. a negative width: torch's RuntimeError
         raise ValueError(f"model settings {json.dumps(cfg.model)}: {str(e).splitlines()[0]}") from None
+    parent = _warm_start(model, tokenizer, Path(cfg.init_from)) if cfg.init_from and not resume else None
     model = model.to(device)
     model.train()
     net: torch.nn.Module = model
@@ -704,6 +732,7 @@ def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, val
             "valid": Path(valid_path).name if valid_path else None, "valid_bytes": len(valid_bytes),
             "steps": step, "seconds": seconds, "machine": machine, "device": device.type, "precision": precision,
             "torch": torch.__version__,
+            **({"init_from": parent} if parent else {}),
         },
     }
     card = _model_card(cfg, {**meta, "model_config": cfg.model}, model)

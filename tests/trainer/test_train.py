@@ -224,3 +224,49 @@ def test_a_loss_that_becomes_non_finite_stops_the_run(tmp_path: Path, monkeypatc
     assert e.value.step == 15 and steps[0] == 15  # it stopped at the first log line after the NaN
     assert (out / "last" / tt.STATE_FILE).is_file()  # step 10's state is kept
     assert run_command("trainer", lambda: train(cfg, [DATA / "valid.txt"], tmp_path / "again", progress=False)) == 1
+
+
+def test_init_from_starts_at_the_parent_weights_and_records_the_lineage(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    import json
+
+    from tests._training import train_on_test_data
+
+    parent = load_checkpoint(tiny_checkpoint)
+    parent_bpb = parent.meta["metrics"]["valid_bpb"]
+    # what the warm start alone gives (an lr of 1e-9 moves nothing), validated on the same text as the parent
+    child = tmp_path / "child"
+    train_on_test_data(make_config("tiny", {"init_from": str(tiny_checkpoint), "max_steps": 4, "lr": 1e-9,
+                                            "lr_final": 1e-9, "valid_every": 2, "stats_batches": 2}), child)
+    ck = load_checkpoint(child)
+    for k, v in parent.model.state_dict().items():
+        torch.testing.assert_close(ck.model.state_dict()[k], v, rtol=0, atol=1e-6)
+    assert ck.meta["metrics"]["valid_bpb"] == pytest.approx(parent_bpb, abs=1e-4)
+    lineage = ck.meta["training"]["init_from"]
+    assert lineage["model_sha256"] == parent.model_hash and lineage["steps"] == 40 and lineage["total_steps"] == 40
+    assert "Warm start" in ck.card and parent.model_hash[:12] in ck.card
+    # a grandchild counts the whole lineage; a fresh run from scratch has no init_from
+    grandchild = tmp_path / "grandchild"
+    train_on_test_data(make_config("tiny", {"init_from": str(child), "max_steps": 2, "stats_batches": 2}), grandchild)
+    meta = json.loads((grandchild / "config.json").read_text())
+    assert meta["training"]["init_from"]["total_steps"] == 44
+    assert "init_from" not in parent.meta["training"]
+
+
+def test_init_from_refuses_other_model_settings_before_writing(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from trainer.__main__ import main
+
+    out = tmp_path / "out"
+    code = main(["--preset", "tiny", "--data", str(TRAIN), "--out", str(out), "--init-from",
+                 str(tiny_checkpoint), "--config", str(_write(tmp_path / "wide.json", {"model": {"hidden": 96}})),
+                 "--quiet"])
+    assert code == 2 and not out.exists()
+    code = main(["--preset", "tiny", "--data", str(TRAIN), "--out", str(out), "--init-from",
+                 str(tmp_path / "nowhere"), "--quiet"])
+    assert code == 2 and not out.exists()
+
+
+def _write(path: Path, obj: dict[str, Any]) -> Path:
+    import json
+
+    path.write_text(json.dumps(obj))
+    return path
