@@ -16,12 +16,22 @@ Definitions (byte-level model, UTF-8 text):
   the probability of the space and punctuation in `next_chars`) and at most `max_chars`; every character of
   it is complete, valid UTF-8 (a branch that produces an invalid sequence is dropped);
 - `prob` = P(continuation, then a word end | context) = P(continuation bytes) x the summed probability of
-  every ASCII word-ending byte after them; the completions are the k most probable, most probable first.
+  every ASCII word-ending byte after them; the completions are the k most probable, most probable first;
+- *the next word after a mark* (`takes_space`): where nothing of the word is typed and the context ends in a
+  character that is neither a word character nor whitespace (punctuation: "Hi," "Done."; a symbol or an emoji), the
+  word may begin either directly ("(the") or after exactly one ASCII space (byte 0x20) that the keyboard inserts
+  ("Hi, there", as a phone keyboard offers the next word there). Both kinds compete in the one search: the space is
+  one more byte of a branch, so a spaced completion's `prob` is P(" ", then the word, then a word end | context),
+  computed by the model as every other byte; it is marked `Completion.space_before` and its `text` leaves the
+  space out. Without it, the only words after "Hi," were those glued to the comma, fragments the model gives tiny
+  probability ("ought"), where the space is what it predicts. An empty context, one ending in whitespace, and a word
+  with some of its characters typed keep the one kind (directly after the context).
 
 Search exactness: a completion is emitted only when it is at the top of the priority queue and no popped
 branch is still waiting for expansion, so (probabilities only shrink along a branch) the k completions are
-the k most probable ones above `min_prob`. `max_expansions` bounds the work; a search cut by it returns the
-best completions it has found (`Suggestions.exact` is then False).
+the k most probable ones above `min_prob` (after a mark, of both kinds: the space is one more branch).
+`max_expansions` bounds the work; a search cut by it returns the best completions it has found
+(`Suggestions.exact` is then False).
 
 Next characters: the top n bytes of the next-byte distribution that can start a character (ASCII or a
 UTF-8 lead byte). A lead byte stands for every character it starts; it is decoded best effort to its most
@@ -48,11 +58,13 @@ from models.base import Adapter, LanguageModel, State
 from models.tokenizer import ByteTokenizer
 
 __all__ = [
-    "APOSTROPHES", "Completion", "Cursor", "NextChar", "Suggestions", "WordSearch", "advance", "advance_many",
+    "APOSTROPHES", "SPACE", "Completion", "Cursor", "NextChar", "Suggestions", "WordSearch", "advance", "advance_many",
     "TokenClasses", "complete_word", "is_word_char", "next_chars", "row_adapters", "split_word", "step", "suggest",
+    "takes_space",
 ]
 
 APOSTROPHES = frozenset("'\u2019")
+SPACE = 0x20  # the one space a word after a mark may begin with (a byte token: ids are byte values)
 
 
 @dataclass(frozen=True)
@@ -108,10 +120,17 @@ def split_word(context: str) -> tuple[str, str]:
     return context[:i], context[i:]
 
 
+def takes_space(context: str) -> bool:
+    """May the word after `context` begin after a space the keyboard inserts (module docstring)? Where nothing of
+    it is typed and `context` ends in a character that is neither a word character nor whitespace."""
+    return bool(context) and not context[-1].isspace() and not split_word(context)[1]
+
+
 @dataclass(frozen=True)
 class Completion:
-    text: str  # the whole word: the typed prefix and the continuation, without the word end
-    prob: float  # P(continuation, then a word end | context)
+    text: str  # the whole word: the typed prefix and the continuation, without the word end (nor a space before)
+    prob: float  # P(continuation, then a word end | context); a spaced one's continuation starts with the space
+    space_before: bool = False  # the word begins after a space the keyboard inserts (`takes_space`)
 
 
 @dataclass(frozen=True)
@@ -128,6 +147,7 @@ class Suggestions:
     expansions: int = 0  # branches expanded (model rows)
     model_calls: int = 0  # batched model steps
     exact: bool = True  # False if max_expansions cut the search
+    space_share: float = 0.0  # `WordSearch.space_share`: 0 unless the word may begin after a space
 
 
 @dataclass(frozen=True)
@@ -207,6 +227,7 @@ class _Branch:
     states: State  # row `row` of it is the state before data[-1] is fed (a batch shared with its siblings)
     row: int
     logprob: float
+    space: bool = False  # data starts with the space before the word (not one of its characters)
 
 
 def _gather(branches: list[_Branch]) -> tuple[list[_Branch], State]:
@@ -273,7 +294,8 @@ class _Search:
         rows, tokens = torch.nonzero(allowed & (total >= self.log_min), as_tuple=True)
         for branch, end in zip(branches, ends.tolist(), strict=True):
             if branch.pending == 0 and branch.chars > 0 and end >= self.log_min:
-                self.push(end, Completion(self.prefix + branch.data.decode("utf-8"), math.exp(end)))
+                word = branch.data[1:] if branch.space else branch.data
+                self.push(end, Completion(self.prefix + word.decode("utf-8"), math.exp(end), branch.space))
         for i, b, logprob in zip(rows.tolist(), tokens.tolist(), total[rows, tokens].tolist(), strict=True):
             parent = branches[i]
             data = parent.data + bytes([b])
@@ -288,7 +310,7 @@ class _Search:
                     if not is_word_char(char):
                         continue  # non-ASCII punctuation: not a word end we count (module docstring)
                     chars += 1
-            self.push(logprob, _Branch(data, chars, pending, state, i, logprob))
+            self.push(logprob, _Branch(data, chars, pending, state, i, logprob, parent.space))
 
 
 def _char_len(data: bytes) -> int:
@@ -332,13 +354,21 @@ class WordSearch:
     returns None; then `result()`. `cut()` ends the search early (a time budget): the result is then the best
     completions found so far, marked inexact. `next_cursors` keeps the model after each one-character
     continuation the search expanded: the likely next keystrokes, whose suggestions can then start without
-    feeding the character."""
+    feeding the character (and, with `space`, after the space alone, the likeliest keystroke after a mark).
+
+    `space` (`takes_space(context)`; only with nothing typed): the word may also begin after one space (module
+    docstring). `space_share` is then the model's probability that it does, given that a word begins next:
+    P(" ") / (P(" ") + P(a byte that may start a word)), both of the next byte (a space followed by something else
+    than a word counts as one: the search does not know yet); 0 without `space`. The word cache splits its words
+    between the two kinds by it (`WordCache.mix`)."""
 
     def __init__(self, cursor: Cursor, prefix: str, *, k: int = 3, max_chars: int = 24, min_prob: float = 1e-3,
                  batch: int = 32, max_expansions: int = 2048, classes: TokenClasses = _BYTES,
-                 model: LanguageModel | None = None) -> None:
+                 model: LanguageModel | None = None, space: bool = False) -> None:
         if k < 1 or max_chars < 1 or batch < 1 or not 0 < min_prob <= 1:
             raise ValueError("k, max_chars and batch must be >= 1 and min_prob in (0, 1]")
+        if space and prefix:
+            raise ValueError("a word begins after a space only where nothing of it is typed")
         self.k, self.batch, self.max_expansions = k, batch, max_expansions
         self._search = _Search(prefix, max_chars, math.log(min_prob), classes)
         self._found: list[Completion] = []
@@ -350,7 +380,15 @@ class WordSearch:
         self.next_cursors: Mapping[bytes, Cursor] = self._next  # one-character continuations expanded on the way
         state = model.branch(cursor.state) if model is not None else cursor.state
         root = _Branch(b"", 0, 0, state, 0, 0.0)
-        self._search.expand([root], state, cursor.logprobs.double().cpu().unsqueeze(0))
+        logprobs = cursor.logprobs.double().cpu().unsqueeze(0)  # (1, V)
+        self._search.expand([root], state, logprobs)
+        self.space_share = 0.0
+        if space:  # the root's one more child: the space, from which only a word may follow (no completion itself)
+            spaced = float(logprobs[0, SPACE])
+            if spaced >= self._search.log_min:
+                self._search.push(spaced, _Branch(bytes([SPACE]), 0, 0, state, 0, spaced, space=True))
+            direct = float(torch.logsumexp(logprobs[0, classes.starts], 0))
+            self.space_share = 1.0 / (1.0 + math.exp(direct - spaced)) if spaced > -math.inf else 0.0
 
     @property
     def model_calls(self) -> int:
@@ -392,7 +430,8 @@ class WordSearch:
         popped, self._popped = self._popped, []
         logprobs = logprobs.double().cpu()
         for i, branch in enumerate(popped):
-            if branch.chars == 1 and branch.pending == 0:  # the model after the next character: keep it
+            # the model after the next character (or, after a mark, the space): keep it
+            if branch.pending == 0 and (branch.chars == 1 or branch.space and branch.chars == 0):
                 self._next.put(branch.data, Cursor(state.select(i), logprobs[i].float()))
         self._search.expand(popped, state, logprobs)
 
@@ -407,17 +446,18 @@ class WordSearch:
         if not exact:  # cut by the budget: the best completions seen so far
             rest = sorted((e for e in search.queue if isinstance(e[2], Completion)), key=lambda e: e[:2])
             found += [e[2] for e in rest if isinstance(e[2], Completion)][: self.k - len(found)]
-        return Suggestions(search.prefix, found, [], search.expansions, search.model_calls, exact)
+        return Suggestions(search.prefix, found, [], search.expansions, search.model_calls, exact, self.space_share)
 
 
 @torch.no_grad()
 def complete_word(model: LanguageModel, cursor: Cursor, prefix: str, adapter: Adapter | None = None, *, k: int = 3,
                   max_chars: int = 24, min_prob: float = 1e-3, batch: int = 32,
-                  max_expansions: int = 2048, classes: TokenClasses = _BYTES) -> Suggestions:
+                  max_expansions: int = 2048, classes: TokenClasses = _BYTES, space: bool = False) -> Suggestions:
     """The k most probable completions of the word whose typed part `prefix` ends the context that `cursor`
-    is at (see the module docstring). -> Suggestions without next characters."""
+    is at (see the module docstring); with `space`, also those after one space (`WordSearch`). -> Suggestions
+    without next characters."""
     search = WordSearch(cursor, prefix, k=k, max_chars=max_chars, min_prob=min_prob, batch=batch,
-                        max_expansions=max_expansions, classes=classes, model=model)
+                        max_expansions=max_expansions, classes=classes, model=model, space=space)
     while (request := search.request()) is not None:
         search.feed(*step(model, *request, adapter))
     return search.result()
@@ -456,12 +496,12 @@ def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | 
 def suggest(model: LanguageModel, cursor: Cursor, context: str, adapter: Adapter | None = None, *, k: int = 3,
             max_chars: int = 24, n_chars: int = 5, min_prob: float = 1e-3, batch: int = 32,
             max_expansions: int = 2048, tokenizer: ByteTokenizer | None = None) -> Suggestions:
-    """Completions of the word being typed at the end of `context` and the next characters; `cursor` is the
-    model after `context` (from `advance`). The tokenizer (the checkpoint's; bytes by default) says what each
-    token is to the search (`TokenClasses`)."""
+    """Completions of the word being typed at the end of `context` (after a mark, also of the next word after a
+    space: `takes_space`) and the next characters; `cursor` is the model after `context` (from `advance`). The
+    tokenizer (the checkpoint's; bytes by default) says what each token is to the search (`TokenClasses`)."""
     classes = TokenClasses.of(tokenizer) if tokenizer is not None else _BYTES
     _, prefix = split_word(context)
     found = complete_word(model, cursor, prefix, adapter, k=k, max_chars=max_chars, min_prob=min_prob, batch=batch,
-                          max_expansions=max_expansions, classes=classes)
+                          max_expansions=max_expansions, classes=classes, space=takes_space(context))
     return Suggestions(prefix, found.completions, next_chars(model, cursor, n_chars, adapter, classes=classes),
-                       found.expansions, found.model_calls, found.exact)
+                       found.expansions, found.model_calls, found.exact, found.space_share)

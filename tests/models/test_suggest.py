@@ -13,7 +13,17 @@ import torch
 from models.base import Adapter, LanguageModel, Output, Site, State
 from models.checkpoint import load_checkpoint
 from models.scoring import BOS, score_bytes
-from models.suggest import Cursor, advance, complete_word, next_chars, split_word, suggest
+from models.suggest import (
+    Cursor,
+    WordSearch,
+    advance,
+    complete_word,
+    next_chars,
+    split_word,
+    step,
+    suggest,
+    takes_space,
+)
 
 
 class Bigram(LanguageModel):
@@ -118,6 +128,57 @@ def test_search_matches_brute_force_on_a_bigram(context: str) -> None:
         _check(model, context, k=k, max_chars=4, min_prob=1e-3)
 
 
+def brute_force_both(model: LanguageModel, context: bytes, *, max_chars: int,
+                     min_prob: float) -> list[tuple[str, bool, float]]:
+    """After a mark: the words directly after `context` and those after one space, each enumerated from scratch (the
+    spaced ones from context + " ", times P(" " | context)) -> (word, after a space, prob), most probable first."""
+    direct = brute_force(model, context, "", max_chars=max_chars, min_prob=min_prob)
+    p_space = math.exp(float(_distribution(model, context)[ord(" ")]))
+    spaced = brute_force(model, context + b" ", "", max_chars=max_chars, min_prob=min_prob / p_space) \
+        if p_space >= min_prob else []
+    found = [(t, False, p) for t, p in direct] + [(t, True, p * p_space) for t, p in spaced]
+    return sorted(found, key=lambda f: -f[2])
+
+
+def _check_both(model: LanguageModel, context: str, *, k: int, max_chars: int, min_prob: float) -> list[bool]:
+    """The search after a mark against `brute_force_both` -> the space flags of the k found."""
+    assert takes_space(context)
+    data = context.encode()
+    expected = brute_force_both(model, data, max_chars=max_chars, min_prob=min_prob)
+    got = suggest(model, _cursor(model, data), context, k=k, max_chars=max_chars, min_prob=min_prob, n_chars=0)
+    assert got.exact and got.prefix == ""
+    assert [(c.text, c.space_before) for c in got.completions] == [(t, s) for t, s, _ in expected[:k]]
+    for c, (*_, p) in zip(got.completions, expected, strict=False):
+        assert c.prob == pytest.approx(p, rel=1e-4)
+    return [c.space_before for c in got.completions]
+
+
+@pytest.mark.parametrize("context", ["x!", "hi,", "caf\u00e9.", "a\U0001f600", "("])
+def test_after_a_mark_the_search_also_offers_words_after_a_space(context: str) -> None:
+    """A context that ends in punctuation or a symbol: the word may begin directly or after one space, both kinds
+    in one search on one probability (the space one more byte of the branch), as brute force finds them."""
+    model = _bigram()
+    with torch.no_grad():  # as in text: a space after "!" "," "." and an emoji (its last byte 0x80), none after "("
+        for b in b"!,.\x80":
+            model.table[b, ord(" ")] = 12.0
+        model.table[ord("("), ord(" ")] = 0.0
+    for k in (1, 3, 10):
+        flags = _check_both(model, context, k=k, max_chars=4, min_prob=1e-3)
+        assert flags[0] == (context != "("), flags
+    # without the space (complete_word's default), the search is the one it was: the words glued to the mark
+    got = complete_word(model, _cursor(model, context.encode()), "", k=3, max_chars=4)
+    assert not any(c.space_before for c in got.completions)
+
+
+def test_takes_space() -> None:
+    for context in ("Hi,", "Done.", "ok!", "great \U0001f600", "(", '"', "x—"):
+        assert takes_space(context), context
+    for context in ("", "Hi, ", "Hi,\n", "hello", "hello wor", "don'", "Hi,\u00a0", "2"):
+        assert not takes_space(context), context
+    with pytest.raises(ValueError):
+        WordSearch(Cursor(State({}), torch.zeros(256)), "wo", space=True)
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint: Path) -> LanguageModel:
     return load_checkpoint(tiny_checkpoint).model
@@ -126,6 +187,57 @@ def tiny(tiny_checkpoint: Path) -> LanguageModel:
 @pytest.mark.parametrize("context", ["It is a truth univ", "she said th", "and "])
 def test_search_matches_brute_force_on_a_trained_model(tiny: LanguageModel, context: str) -> None:
     _check(tiny, context, k=5, max_chars=5, min_prob=0.01)
+
+
+@pytest.mark.parametrize("context", ["Hi,", "It was done.", "she said \U0001f600", "and he said: ("])
+def test_the_words_after_a_mark_on_a_trained_model(tiny: LanguageModel, context: str) -> None:
+    """On the trained model (too small to be sure of the space after a comma: which kind wins is the bigram test's):
+    after a mark both kinds, each with the probability brute force computes."""
+    _check_both(tiny, context, k=10, max_chars=3, min_prob=3e-4)
+
+
+def test_a_word_being_typed_is_searched_as_it_was(tiny: LanguageModel) -> None:
+    context = "It is a truth, univ"
+    got = suggest(tiny, _cursor(tiny, context.encode()), context, k=5, n_chars=0)
+    plain = complete_word(tiny, _cursor(tiny, context.encode()), "univ", k=5)
+    assert got.completions == plain.completions and got.completions and got.space_share == 0.0
+    assert not any(c.space_before for c in got.completions)
+
+
+def test_the_spaced_completion_s_probability_is_the_model_s(tiny: LanguageModel) -> None:
+    """A spaced completion after "It was done." is P(" " word end | context) scored directly, as
+    `test_advance_continues_a_cursor` checks the direct kind; the share of the space among the ways a word begins is
+    the next byte's."""
+    context = b"It was done."
+    cursor = _cursor(tiny, context)
+    found = suggest(tiny, cursor, context.decode(), k=50, n_chars=0, min_prob=1e-4)  # the tiny model likes "done.o"
+    best = next(c for c in found.completions if c.space_before)
+    text = context + b" " + best.text.encode()
+    scored = score_bytes(tiny, text, logprobs=True)
+    assert scored.logprobs is not None and scored.state is not None
+    end = advance(tiny, scored.state, text[-1:]).logprobs.double()
+    p = math.exp(sum(scored.logprobs[len(context):]) + float(torch.logsumexp(end[WORD_ENDS], 0)))
+    assert best.prob == pytest.approx(p, rel=1e-4) and " " not in best.text
+    # what may start a word: an ASCII letter, digit or apostrophe, or a UTF-8 lead byte
+    lp = _distribution(tiny, context).exp()
+    starts = [b for b in range(128) if chr(b).isalnum() or chr(b) == "'"] + list(range(0xC2, 0xF5))
+    assert found.space_share == pytest.approx(float(lp[ord(" ")] / (lp[ord(" ")] + lp[starts].sum())), rel=1e-6)
+    # the search left the cursor after the space: the likeliest next keystroke feeds nothing
+    search = WordSearch(cursor, "", k=3, space=True)
+    while (request := search.request()) is not None:
+        search.feed(*step(tiny, *request, None))
+    assert b" " in search.next_cursors
+    after = advance(tiny, cursor.state, b" ")
+    assert torch.allclose(search.next_cursors[b" "].logprobs, after.logprobs, atol=1e-5)
+
+
+def test_an_empty_context_and_a_space_are_unchanged(tiny: LanguageModel) -> None:
+    for context in ("", "Hi, ", "Hi,\n"):
+        data = context.encode()
+        got = suggest(tiny, _cursor(tiny, data), context, k=5, n_chars=0)
+        plain = complete_word(tiny, _cursor(tiny, data), "", k=5)
+        assert got.completions == plain.completions and got.space_share == 0.0
+        assert not any(c.space_before for c in got.completions)
 
 
 def test_utf8_completions_are_whole_characters() -> None:
