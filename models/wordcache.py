@@ -40,6 +40,22 @@ after one character, as it is in lowercase.
 `candidates` gives p_cache(w) = s(w) / conf and `estimate` also conf; `mix` mixes p_cache at lam = weight conf
 (`mix_completions`), which is the equation above.
 
+After a mark ("Hi," "Done." an emoji: `models.suggest.takes_space`) the model's completions are of two kinds, the
+word directly after the mark and the word after a space the keyboard inserts (`Completion.space_before`), and a
+cached word is offered as both, its cache probability split by the model's own odds of the space
+(`WordSearch.space_share`, sigma: P(" ") against P(a word character) next):
+
+    p(" " w) = (1 - lam) p_model(" " w) + lam sigma p_cache(w)
+    p(w)     = (1 - lam) p_model(w)     + lam (1 - sigma) p_cache(w)
+
+The cache counts words, not what separates them (a pair or triple never spans punctuation), so it has no evidence
+of its own about the space; the model has, from the text just typed: "Hi," is followed by a space, "(" by the word.
+So the cache says which word, the model says where it begins, and the cache's mass stays lam in all. A rule on the
+mark ("spaced after punctuation, direct after an opening bracket or quote") would have to decide for each of the
+marks of every script, and is wrong for the ambiguous ones (a closing or opening '"', "-", "/"), where the model
+reads the context. Where the model is sure (sigma near 1 after "Hi,", near 0 after "("), this offers the word in
+one kind, as a phone keyboard does; in between, in both, each with its probability. Elsewhere sigma = 0: as before.
+
 Words are split as `models.suggest` splits them (runs of letters, marks, numbers and apostrophes); a pair (a
 triple) is two (three) words with only spaces between them. A word cut by the end of an observed text is held
 until the next text says whether it goes on. The cache is bounded: a word of more than MAX_WORD_BYTES UTF-8 bytes
@@ -337,16 +353,18 @@ class WordCache:
         return self.estimate(prefix, previous, max_chars, earlier)[0]
 
     def mix(self, completions: list[Completion], context: str, weight: float, k: int,
-            max_chars: int, lexicon: Lexicon | None = None) -> list[Completion]:
+            max_chars: int, lexicon: Lexicon | None = None, space: float = 0.0) -> list[Completion]:
         """The model's `completions` of the word being typed at the end of `context`, with this cache mixed in at
         most at `weight` (lam = weight conf, module docstring): the k best, ranked under the checkpoint's
         `lexicon` if there is one (`Lexicon.rank`: a word neither in it nor in this cache is demoted; each `prob`
-        stays the mixed probability)."""
+        stays the mixed probability). `space`: the model's probability that the word begins after a space the
+        keyboard inserts (`WordSearch.space_share`; 0 where it may not), which splits each cached word between
+        the two kinds (module docstring)."""
         if weight <= 0:
             mixed = completions
         else:
             cached, conf = self.estimate_at(context, max_chars)
-            mixed = mix_completions(completions, cached, weight * conf, len(completions) + len(cached))
+            mixed = mix_completions(completions, cached, weight * conf, len(completions) + 2 * len(cached), space)
         return lexicon.rank(mixed, k, self) if lexicon is not None else mixed[:k]
 
     def estimate_at(self, context: str, max_chars: int) -> tuple[dict[str, float], float]:
@@ -413,14 +431,17 @@ class WordCache:
 
 
 def mix_completions(completions: list[Completion], cached: Mapping[str, float], weight: float,
-                    k: int) -> list[Completion]:
+                    k: int, space: float = 0.0) -> list[Completion]:
     """The k best words under (1 - lam) p_model + lam p_cache with lam = `weight` (`WordCache.mix` passes
-    weight conf, module docstring); `completions` are the model's (whole words, the typed prefix included) and
-    `cached` p_cache of the cached words."""
+    weight conf, module docstring); `completions` are the model's (whole words, the typed prefix included; a word
+    after a space and the same word directly are two) and `cached` p_cache of the cached words, offered directly
+    with the share 1 - `space` of it and after a space with the share `space` (module docstring)."""
     if not cached or weight <= 0:
         return completions[:k]
-    mixed = {c.text: (1 - weight) * c.prob for c in completions}
+    mixed = {(c.text, c.space_before): (1 - weight) * c.prob for c in completions}
     for word, p in cached.items():
-        mixed[word] = mixed.get(word, 0.0) + weight * p
+        for key, share in ((word, False), 1.0 - space), ((word, True), space):
+            if share > 0:
+                mixed[key] = mixed.get(key, 0.0) + weight * p * share
     best = sorted(mixed.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-    return [Completion(word, p) for word, p in best]
+    return [Completion(word, p, spaced) for (word, spaced), p in best]

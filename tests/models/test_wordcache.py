@@ -180,6 +180,30 @@ def test_mixing() -> None:
     assert mix_completions(model, cached, 0.0, 3) == model
 
 
+def test_after_a_mark_a_cached_word_begins_where_the_model_says() -> None:
+    """After a mark the model's completions are of two kinds (directly, after a space); a cached word is offered in
+    both, p_cache split by the model's odds of the space, so its total weight is the one it had; the same word in the
+    model's two kinds stays two completions. No space share: all direct, as before."""
+    model = [Completion("there", 0.30, True), Completion("the", 0.10, True), Completion("the", 0.02)]
+    cached = {"there": 0.5, "zorblax": 0.5}
+    mixed = mix_completions(model, cached, 0.5, 6, space=0.9)
+    got = {(c.text, c.space_before): c.prob for c in mixed}
+    assert got == pytest.approx({("there", True): 0.15 + 0.5 * 0.9 * 0.5, ("zorblax", True): 0.5 * 0.9 * 0.5,
+                                 ("the", True): 0.05, ("zorblax", False): 0.5 * 0.1 * 0.5,
+                                 ("there", False): 0.5 * 0.1 * 0.5, ("the", False): 0.01})
+    assert [(c.text, c.space_before) for c in mixed[:3]] == [("there", True), ("zorblax", True), ("the", True)]
+    assert sum(got.values()) == pytest.approx(0.5 * 0.42 + 0.5)
+    # the model sure of the space ("Hi,"): cached words only after it; sure it is not ("("): only directly
+    assert all(c.space_before for c in mix_completions(model[:2], cached, 0.5, 9, space=1.0))
+    assert not any(c.space_before for c in mix_completions(model[2:], cached, 0.5, 9, space=0.0))
+    # through the cache: after "Hi," its unigram level (punctuation starts afresh), split the same way
+    cache = WordCache()
+    cache.observe("there we go. there it is. ")
+    p, conf = cache.estimate("", None, 24)
+    assert cache.mix(model, "Hi,", 0.5, 4, 24, space=0.9) == mix_completions(model, p, 0.5 * conf, 4, space=0.9)
+    assert not any(c.space_before for c in cache.mix(model[2:], "Hi,", 0.5, 4, 24))
+
+
 def test_bounded_and_serialised() -> None:
     cache = WordCache(max_words=8, max_recent=16)
     cache.observe(" ".join(f"w{i}" for i in range(20)) + " w1 w1 w2 w1 w1 w2 ")
