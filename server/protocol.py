@@ -463,7 +463,8 @@ class SuggestRequest(RequestModel):
                          description="The text typed so far in the current message (may be empty); it continues the "
                                      "session's text and does not change the session (of a long one, only about the "
                                      "last 256 UTF-8 bytes are read). The word being completed is its end after the "
-                                     "last space or punctuation (empty after one: the next word).")
+                                     "last space or punctuation (empty after one: the next word; after punctuation "
+                                     "or a symbol, also after a space the keyboard inserts: `space_before`).")
     k: int = Field(default=3, ge=1, le=10, strict=True, description="Word completions to return.")
     max_chars: int = Field(default=24, ge=1, le=64, strict=True,
                            description="The most characters a completion may add to the typed part of the word.")
@@ -474,8 +475,15 @@ class SuggestedWord(BaseModel):
     text: str = Field(description="The whole word: the typed part and its completion (no space or punctuation).")
     prob: float = Field(description="Probability that the word continues so and then ends (a space or ASCII "
                                     "punctuation follows), given the session and the context (the session's word "
-                                    "cache mixed in). Only the ranking applies a byte model's lexicon prior: this "
-                                    "number is not scaled by it.")
+                                    "cache mixed in); with `space_before`, that a space, then the word, follows. "
+                                    "Only the ranking applies a byte model's lexicon prior: this number is not scaled "
+                                    "by it.")
+    space_before: bool = Field(default=False, description=(
+        "Insert a space before `text`: the word begins after a space the user has not typed. Offered only where "
+        "nothing of the word is typed and `context` ends in a character that is neither a letter, digit or apostrophe "
+        "nor whitespace (\"Hi,\" \"Done.\" an emoji): there the next word may follow directly (after \"(\") or "
+        "after a space (after \"Hi,\": \" there\"), and both kinds compete on `prob`. False: `text` continues "
+        "`context` as it is."))
 
 
 class SuggestedChar(BaseModel):

@@ -45,6 +45,7 @@ from models.suggest import (
     row_adapters,
     split_word,
     step,
+    takes_space,
 )
 from models.tokenizer import ByteTokenizer
 from models.word_tokenizer import WordTokenizer
@@ -233,7 +234,7 @@ class SuggestRounds:
                 job.search = WordSearch(job.cursor, split_word(job.context)[1], k=width, max_chars=job.max_chars,
                                         min_prob=self.min_prob, batch=self.batch,
                                         max_expansions=self.max_expansions, classes=self.classes,
-                                        model=self.model)
+                                        model=self.model, space=takes_space(job.context))
             except ValueError as e:
                 job.error = e
                 self._ended.append(job)
@@ -318,15 +319,17 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache, lexicon: 
     try:
         found = job.search.result()
         chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter_with_copy(), classes=job.search.classes)
-        # the session's word cache, mixed in (models/wordcache.py; cache_weight 0: not mixed), then the k best under
-        # the lexicon's prior (a word neither in it nor typed by the session demoted; each prob stays as mixed)
+        # the session's word cache, mixed in (models/wordcache.py; cache_weight 0: not mixed; after a mark each cached
+        # word split between the two kinds by the model's odds of the space), then the k best under the lexicon's
+        # prior (a word neither in it nor typed by the session demoted; each prob stays as mixed)
         mixed = job.session.words.mix(found.completions, job.context, job.session.config.cache_weight, job.k,
-                                      job.max_chars, lexicon)
+                                      job.max_chars, lexicon, found.space_share)
         found = dataclasses.replace(found, completions=mixed)
     except Exception as e:  # one job's failure is its own
         job.error = e
         return
-    job.result = Suggestions(found.prefix, found.completions, chars, found.expansions, found.model_calls, found.exact)
+    job.result = Suggestions(found.prefix, found.completions, chars, found.expansions, found.model_calls, found.exact,
+                             found.space_share)
 
 
 @torch.no_grad()

@@ -147,6 +147,7 @@ async def suggest(session_id: str, body: SuggestRequest, ctx: Context) -> Sugges
     ctx.metrics.suggest_latency.labels(ctx.metrics.model).observe(time.perf_counter() - start)
     ctx.metrics.suggest_expansions.labels(ctx.metrics.model).observe(result.expansions)
     return SuggestResponse(prefix=result.prefix,
-                           completions=[SuggestedWord(text=c.text, prob=c.prob) for c in result.completions],
+                           completions=[SuggestedWord(text=c.text, prob=c.prob, space_before=c.space_before)
+                                        for c in result.completions],
                            next_chars=[SuggestedChar(char=c.char, prob=c.prob) for c in result.next_chars],
                            exact=result.exact)

@@ -26,6 +26,7 @@ from models.compressive import CompressiveConfig, CompressiveTransformer
 from models.lexicon import LEXICON_FILE, LEXICON_PENALTY, Lexicon
 from models.scoring import BOS, score_bytes
 from models.suggest import Completion, advance
+from models.suggest import suggest as library_suggest
 from models.wordcache import MIX_CANDIDATES, WordCache, counted_words
 from server.engine import AdaptationConfig, Session
 from server.engine._suggest import SUGGEST_BATCH, CursorCache, SuggestJob, SuggestRounds, run_suggestions
@@ -98,6 +99,58 @@ def test_probabilities_agree_with_the_model(client: httpx.Client, ckpt: Any) -> 
         one = score_bytes(ckpt.model, char["char"].encode(), state=scored.state, last_byte=context.encode()[-1],
                           adapter=adapter)
         assert char["prob"] == pytest.approx(2.0 ** -one.bits, rel=1e-4)
+
+
+def test_after_a_mark_the_next_word_may_come_after_a_space(copy_checkpoint: Path, serve_app: Any) -> None:
+    """After "Hi," (nothing of the word typed, the context ending in punctuation) a completion may begin after a space
+    the keyboard inserts: `space_before`, its prob P(" " word end | "Hi,") = P(" " | "Hi,") P(word end | "Hi, ") (the
+    next character's and the completion's after the space); a word being typed, and a context ending in a space,
+    have none (the field false, as before). The tiny network gives the space 0.02-0.2 after a mark, less than a
+    letter glued to it; a session whose copy model read "Hi, there." (and "Hi, you." "Hi, all.") often enough for its
+    mixer to trust the copy expects it. (Against the network scored from scratch: tests/models/test_suggest.py; the
+    search reads the copy model without learning from its own branches, as the score route does.)"""
+    with serve_app(Settings(checkpoint=copy_checkpoint, suggest_budget_ms=0)) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as c:
+        sid = create(c, adaptation={"lr": 0.0, "cache_weight": 0.0})
+        r = c.post(f"/v1/sessions/{sid}/observe", json={"text": "Hi, there. Hi, you. Hi, all. " * 10})
+        assert r.status_code == 200, r.text
+        body = suggest(c, sid, context="Hi,", k=10, n_chars=1)
+        assert body["prefix"] == "" and all(set(w) == {"text", "prob", "space_before"} for w in body["completions"])
+        best = {(w["text"], w["space_before"]) for w in body["completions"][:3]}
+        assert best == {("there", True), ("you", True), ("all", True)}, body
+        [space] = body["next_chars"]
+        assert space["char"] == " "
+        after = {w["text"]: w["prob"] for w in suggest(c, sid, context="Hi, ", k=10)["completions"]}
+        for word in body["completions"][:3]:
+            assert word["prob"] == pytest.approx(space["prob"] * after[word["text"]], rel=1e-5)
+        for typed in ("Hi, th", "Hi, ", ""):
+            assert not any(w["space_before"] for w in suggest(c, sid, context=typed, k=10)["completions"])
+
+
+def test_after_a_mark_the_word_cache_splits_its_words_by_the_model_s_space(ckpt: Any) -> None:
+    """A session with a word cache, after "Hi,": its words are mixed in as the library mixes them, each split between
+    the two kinds by the search's `space_share` (models/wordcache.py)."""
+    model = ckpt.model
+    words = WordCache()
+    words.observe("there we go. there it is. ")
+    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
+                      config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4, cache_weight=0.5),
+                      state=model.init_state(1), static_state=model.init_state(1), last_token=BOS,
+                      adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}), words=words)
+    job = SuggestJob(session, "Hi,", 20, 24, 0)
+    run_suggestions(model, [job], CursorCache(), min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
+    found = library_suggest(model, advance(model, model.init_state(1), bytes([BOS]) + b"Hi,"), "Hi,",
+                            k=max(20, MIX_CANDIDATES), n_chars=0)  # the width the engine searches
+    assert 0 < found.space_share < 1
+    expected = words.mix(found.completions, "Hi,", 0.5, 20, 24, space=found.space_share)
+    assert job.result is not None and job.result.space_share == pytest.approx(found.space_share, rel=1e-5)
+    got = job.result.completions
+    assert [(c.text, c.space_before) for c in got] == [(c.text, c.space_before) for c in expected]
+    assert [c.prob for c in got] == pytest.approx([c.prob for c in expected], rel=1e-5)
+    # the tiny model's space is unlikely after "Hi,": the cached "there" mostly directly, the rest after a space
+    unsplit = {c.text: c.prob for c in words.mix(found.completions, "Hi,", 0.5, 20, 24)}
+    direct = {c.text: c.prob for c in got if not c.space_before}
+    assert unsplit["there"] * (1 - found.space_share) <= direct["there"] * (1 + 1e-9) < unsplit["there"]
 
 
 def test_the_session_is_not_changed(client: httpx.Client) -> None:
