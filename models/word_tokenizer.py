@@ -282,6 +282,12 @@ class WordTokenizer(StreamMixin):
         added = chars[ids] - n  # (n,)
         return words[ids] & (spaced[ids] == typed.startswith(b" ")) & (added >= 1) & (added <= max_chars)
 
+    def words_of(self, ids: torch.Tensor, *, spaced: bool) -> torch.Tensor:
+        """A (n,) mask of the entries `ids` (n,) that are words (`offered`'s, of any length) written with the single
+        space before them (`spaced`: " there") or without ("there")."""
+        kinds, words, _ = self._entry_kinds
+        return words[ids] & (kinds[ids] == spaced)
+
     def unspaced(self, typed: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         """A word typed without the single space before it (at a line's start, after "(" or a quote: `typed` does not
         start with a space) may be one the vocabulary holds only with that space (" actual" but no "actual"), which

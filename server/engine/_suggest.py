@@ -350,7 +350,14 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     of the next token. No search: a word is one token, so the model's ranking is exact (`exact` is always true). The
     session's word cache (`cache_weight` > 0) is mixed in as for a byte model (models/wordcache.py), reading the
     pending text and the context; it also offers the words the session typed that the vocabulary lacks (a name,
-    an address), which the model alone can only predict as <unk>; `next_chars` go on with them (`_cached_chars`)."""
+    an address), which the model alone can only predict as <unk>; `next_chars` go on with them (`_cached_chars`).
+
+    After a mark (`models.suggest.takes_space`: nothing typed, `context` ending in punctuation or a symbol, "Hi,")
+    the next word may come directly ("(the": the unspaced entries, and the spaced words as <unk>) or after a space
+    that the keyboard inserts: the spaced entries (" there", the tokenizer's token after "Hi,") are offered too, with
+    their own probability given the same typed part (nothing), marked `space_before`, as the byte search offers
+    them; the word cache's words split between the two kinds by the model's odds of a spaced word (`space_share`:
+    the spaced words' and " <unk>"'s mass against the unspaced words' and "<unk>"'s)."""
     typing = session.pending + context.encode("utf-8")
     stable, tail = tokenizer.split_stable(typing)
     settled, typed = tokenizer.split_typed(tail)  # "  wo": "  " is settled before " wo"; "(": all of it
@@ -377,22 +384,36 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     norm = 1.0 / typed_mass if typed_mass > 0 else 0.0
     space = typed.startswith(b" ")
     prefix = (typed[1:] if space else typed).decode("utf-8", errors="ignore")
-
-    def word(j: int) -> str:  # candidate j's word: without the space it has where the typed part has it, or unspaced
-        data = tokenizer.token_bytes(int(candidates[j]))
-        return (data[1:] if space or j >= len(matching) else data).decode("utf-8", errors="ignore")
+    # after a mark, the entries of the words after a space too (matching holds them: nothing is typed), marked
+    spaced_words = torch.zeros_like(matching, dtype=torch.bool)  # (n,)
+    space_share = 0.0
+    if not typed and takes_space(context):
+        spaced_words = tokenizer.offered(matching, b" ", max_chars)
+        unk, spaced_unk = tokenizer.unknown  # "<unk>", " <unk>": an unknown word, directly or after a space
+        spaced_mass = float(probs[tokenizer.words_of(matching, spaced=True)].sum()) \
+            + math.exp(float(logprobs[spaced_unk]))
+        direct_mass = float(probs[tokenizer.words_of(matching, spaced=False)].sum()) + math.exp(float(logprobs[unk]))
+        space_share = spaced_mass / (spaced_mass + direct_mass) if spaced_mass > 0 else 0.0
 
     weight = session.config.cache_weight
     candidates, candidate_probs = torch.cat([matching, unspaced]), torch.cat([probs, unspaced_probs])  # (n + m,)
-    offered = torch.cat([tokenizer.offered(matching, typed, max_chars),
+    spaced_kind = torch.cat([spaced_words, torch.zeros_like(unspaced, dtype=torch.bool)])  # (n + m,)
+
+    def word(j: int) -> str:  # candidate j's word: without the space it has where the typed part has it, or unspaced
+        data = tokenizer.token_bytes(int(candidates[j]))
+        return (data[1:] if space or j >= len(matching) or spaced_kind[j] else data).decode("utf-8", errors="ignore")
+
+    offered = torch.cat([tokenizer.offered(matching, typed, max_chars) | spaced_words,
                          tokenizer.offered(unspaced, b" " + typed, max_chars) & (shares > 0)])
     offered &= candidate_probs * norm >= SUGGEST_MIN_PROB
     # with the cache, more of the model's candidates: a cached word's own probability under the model counts
     ranked = torch.argsort(torch.where(offered, candidate_probs, -1.0), descending=True, stable=True)
     best = [j for j in ranked[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)].tolist() if offered[j]]
-    completions = [Completion(word(j), norm * float(candidate_probs[j])) for j in best]  # ties in byte order
+    completions = [Completion(word(j), norm * float(candidate_probs[j]), bool(spaced_kind[j]))
+                   for j in best]  # ties in byte order
     if weight > 0:
-        mixed = session.words.mix(completions, typing.decode("utf-8", errors="replace"), weight, k, max_chars)
+        mixed = session.words.mix(completions, typing.decode("utf-8", errors="replace"), weight, k, max_chars,
+                                  space=space_share)
         completions = [c for c in mixed if c.text.startswith(prefix) and len(c.text) > len(prefix)]
     chars: dict[str, float] = {}
     calls = 1
@@ -417,9 +438,10 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
             calls += 1
     if weight > 0 and n_chars > 0:  # the word cache's words go on too, as they are mixed into the completions
         chars = _cached_chars(chars, session.words, typing.decode("utf-8", errors="replace"), prefix, weight,
-                              max_chars)
+                              max_chars, space_share)
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
-    return Suggestions(prefix, completions, next_, expansions=0, model_calls=calls, exact=True)
+    return Suggestions(prefix, completions, next_, expansions=0, model_calls=calls, exact=True,
+                       space_share=space_share)
 
 
 def _add_next_chars(chars: dict[str, float], tokenizer: WordTokenizer, typed: bytes, probs: torch.Tensor,
@@ -434,11 +456,12 @@ def _add_next_chars(chars: dict[str, float], tokenizer: WordTokenizer, typed: by
 
 
 def _cached_chars(chars: dict[str, float], words: WordCache, context: str, prefix: str, weight: float,
-                  max_chars: int) -> dict[str, float]:
+                  max_chars: int, space: float = 0.0) -> dict[str, float]:
     """The next characters `chars` (the model's, given the typed `prefix`) with the session's word cache mixed in as
     `WordCache.mix` mixes it into the completions (lam = weight conf): (1 - lam) p_model(c) + lam p_cache(the cached
     words that go on with c). A completion's next character is then at least as likely as the completion, a word the
-    vocabulary lacks included: its letters come from the cache alone (the model has only <unk> for it)."""
+    vocabulary lacks included: its letters come from the cache alone (the model has only <unk> for it). After a
+    mark, the share `space` of each cached word goes on with the space before it."""
     cached, conf = words.estimate_at(context, max_chars)
     lam = weight * conf
     if not cached or lam <= 0:
@@ -446,7 +469,9 @@ def _cached_chars(chars: dict[str, float], words: WordCache, context: str, prefi
     mixed = {c: (1 - lam) * p for c, p in chars.items()}
     for word, p in cached.items():
         if word.startswith(prefix) and len(word) > len(prefix):  # the words the completions may hold
-            mixed[word[len(prefix)]] = mixed.get(word[len(prefix)], 0.0) + lam * p
+            for char, share in (word[len(prefix)], 1.0 - space), (" ", space):
+                if share > 0:
+                    mixed[char] = mixed.get(char, 0.0) + lam * p * share
     return mixed
 
 

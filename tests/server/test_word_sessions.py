@@ -432,11 +432,12 @@ def test_a_word_typed_at_a_line_start_may_be_one_the_vocabulary_has_only_with_a_
 
 
 @pytest.mark.parametrize("context", ["Then Zy", "Then Zyxq", "Please a", "Please ask Zyxquorra ab", "Then ", "Then\nZy",
-                                     "It was (g"])
+                                     "It was (g", "Please ask,", "It was ("])
 def test_next_chars_go_on_with_the_completions_the_word_cache_offers(client: httpx.Client, context: str) -> None:
     """The next characters count the word cache's words as the completions do, mixed in at the same weight: each
     completion's next character is at least as likely as the completion. A word the vocabulary lacks had none at all
-    (the model has only " <unk>" for it): now its letters, from the cache alone."""
+    (the model has only " <unk>" for it): now its letters, from the cache alone. After a mark, a completion offered
+    after a space goes on with the space."""
     sid = new(client, adaptation={"cache_weight": 0.5})
     observe(client, sid, "Please ask Zyxquorra about it.\nZyxquorra will know.\n")
     r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": context, "k": 5, "n_chars": 32})
@@ -445,7 +446,8 @@ def test_next_chars_go_on_with_the_completions_the_word_cache_offers(client: htt
     chars = {c["char"]: c["prob"] for c in body["next_chars"]}
     assert body["completions"]
     for c in body["completions"]:
-        assert chars.get(c["text"][len(body["prefix"])], 0.0) >= c["prob"] * (1 - 1e-9), (c, chars)
+        first = " " if c["space_before"] else c["text"][len(body["prefix"])]
+        assert chars.get(first, 0.0) >= c["prob"] * (1 - 1e-9), (c, chars)
     if context.startswith("Then Zy"):  # the one cached word that starts so: its next letter, as likely as it
         [word] = body["completions"]
         assert list(chars) == [word["text"][len(body["prefix"])]] and chars == pytest.approx({c: word["prob"]
@@ -453,6 +455,42 @@ def test_next_chars_go_on_with_the_completions_the_word_cache_offers(client: htt
 
 
 WORD = re.compile(r"\w+(?:['’]\w+)*")  # the tokenizer's words: what a keyboard may offer
+
+
+@pytest.mark.parametrize("context", ["It was the end,", "It was so.", "He said (", "Then \U0001f600"])
+def test_after_a_mark_the_next_word_may_come_after_a_space(client: httpx.Client, word_checkpoint: Path,
+                                                          tok: WordTokenizer, context: str) -> None:
+    """After a mark (nothing typed, the context ending in punctuation or a symbol) the words the tokenizer writes after
+    a space (" there": what follows "Hi," in text) are offered as well as those without it, marked `space_before`,
+    as a byte model's search offers them; each with its probability given nothing typed (the mass of every entry but
+    the specials, and <unk>'s shared by the spaced words without an entry of their own, as at a line start)."""
+    sid = new(client, adaptation={"cache_weight": 0.0})
+    r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": context, "k": 10, "n_chars": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ckpt = load_checkpoint(word_checkpoint)
+    ckpt.model.eval()
+    with torch.no_grad():
+        ids = torch.tensor([[tok.bos, *tok.encode(context)]])
+        probs = ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0, -1].double().exp()
+    spaced, shares = tok.unspaced(b"")
+    words = {(w[1:], True): float(probs[i]) for i, w in enumerate(tok.vocab) if i >= 4 and w[0] == " "
+             and WORD.fullmatch(w[1:])}
+    words.update({(w, False): float(probs[i]) for i, w in enumerate(tok.vocab) if i >= 4 and WORD.fullmatch(w)})
+    words.update({(tok.vocab[i][1:], False): float(probs[tok.unk]) * p
+                  for i, p in zip(spaced.tolist(), shares.tolist(), strict=True) if p > 0})
+    mass = float(probs[4:].sum() + probs[tok.unk])
+    ranked = sorted(((key, p / mass) for key, p in words.items() if len(key[0]) <= 24), key=lambda kp: -kp[1])
+    best = [(key, p) for key, p in ranked if p >= 1e-3][:10]
+    assert body["prefix"] == "" and body["completions"]
+    assert [(c["text"], c["space_before"]) for c in body["completions"]] == [key for key, _ in best]
+    assert [c["prob"] for c in body["completions"]] == pytest.approx([p for _, p in best], rel=1e-4)
+    if not context.endswith("("):  # the word after a comma, a full stop or an emoji: after a space (" the" ...)
+        assert body["completions"][0]["space_before"], body
+    # typed, or after a space: as before, the flag false
+    for typed in (context + "th", context + " "):
+        r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": typed, "k": 10})
+        assert r.status_code == 200 and not any(c["space_before"] for c in r.json()["completions"]), r.text
 
 
 @pytest.mark.parametrize("context", ["", "It was.\n", "It was the ", "It was the", "It was the b", "It was. ",
