@@ -551,8 +551,8 @@ def client_suggest(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_model(result)
     else:
-        for word in result.completions:
-            print(f"{word.text}\t{word.prob:.4f}")
+        for word in result.completions:  # as a keyboard inserts it: after a mark, maybe with a space before it
+            print(f"{' ' if word.space_before else ''}{word.text}\t{word.prob:.4f}")
     return 0
 
 
@@ -655,7 +655,8 @@ def _add_client_parsers(sub: Any) -> None:
     su.add_argument("--k", type=int, help="word completions (default: the server's, 3)")
     su.add_argument("--max-chars", type=int, help="longest completion in characters (default: 24)")
     su.add_argument("--n-chars", type=int, help="most likely next characters (default: 5)")
-    su.add_argument("--json", action="store_true", help="the whole answer as JSON (next characters too)")
+    su.add_argument("--json", action="store_true", help="the whole answer as JSON (next characters too); without "
+                    "it, a word and its probability a line, a word offered after a space (space_before) with the space")
 
     se = csub.add_parser("session", help="adaptive sessions (/v1/sessions)")
     ssub = se.add_subparsers(dest="session_command", required=True, parser_class=_Parser)

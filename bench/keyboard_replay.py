@@ -14,6 +14,11 @@ factor on the completions that are neither a word of the training text, case-fol
 a dictionary prior, which a byte model's search does not have, as the analysis first tried it), `prior` (the
 shipped prior, `models.lexicon.Lexicon.rank`: True for the checkpoint's lexicon.txt, or a lexicon file's path; the
 session's words stand in for its word cache, unbounded, as typed and with a capital first letter).
+
+After a mark (a word that follows "(" or "-" directly: `models.suggest.takes_space`) the search also finds words after
+a space; they are recorded as the keyboard would insert them, with the space (never the word typed there, as in
+`clients.keysim`), with the search's `space_share` ("space"), by which the replay splits the cache's words as
+`WordCache.mix` does (records made before it have none: all direct).
 """
 
 from __future__ import annotations
@@ -81,8 +86,10 @@ def record(name: str, out: Path, checkpoint: str) -> None:
                     earlier, previous = previous_words(before)
                     cached, conf = sim.words.estimate_at(context, 24)
                     raw, raw_conf = as_typed(sim.words, prefix, previous, earlier)
-                    queries.append({"model": [[c.text, c.prob] for c in found.completions], "cache": top(cached),
-                                    "conf": conf, "cache_typed": top(raw), "conf_typed": raw_conf})
+                    queries.append({"model": [[" " + c.text if c.space_before else c.text, c.prob]
+                                              for c in found.completions], "cache": top(cached),
+                                    "conf": conf, "cache_typed": top(raw), "conf_typed": raw_conf,
+                                    "space": found.space_share})
                 words.append({"word": m[start:end], "start": start, "end": end, "q": queries})
             f.write(json.dumps({"m": m, "words": words}) + "\n")
             f.flush()
@@ -95,8 +102,11 @@ def bar(q: dict[str, Any], prefix: str, lexicon: set[str], seen: set[str], *, wi
     cached, conf = (q["cache"], q["conf"]) if fold else (q["cache_typed"], q["conf_typed"])
     lam = weight * conf if cached else 0.0
     mixed = {t: (1 - lam) * p for t, p in q["model"][:width]}
+    space = q.get("space", 0.0)  # after a mark: the share of the cache's words offered after a space
     for t, p in cached:
-        mixed[t] = mixed.get(t, 0.0) + lam * p
+        for key, share in (t, 1.0 - space), (" " + t, space):
+            if share > 0:
+                mixed[key] = mixed.get(key, 0.0) + lam * p * share
 
     def score(item: tuple[str, float]) -> tuple[float, str]:
         t, p = item

@@ -220,10 +220,13 @@ class Client:
                 n_chars: int | None = None) -> SuggestResponse:
         """`POST /v1/sessions/{id}/suggest`: keyboard suggestions under the session's adaptation, without
         changing it: the k most probable completions of the word being typed at the end of `context` (the
-        message so far), and the most likely next characters.
+        message so far), and the most likely next characters. After a mark ("Hi," "Done." an emoji) a completion
+        may be the next word after a space the keyboard inserts: `space_before` (insert " " + text).
 
             s = client.suggest(session.id, "I will see you tomor")
             [w.text for w in s.completions]   # e.g. ['tomorrow', ...]
+            s = client.suggest(session.id, "Hi,")
+            [(" " if w.space_before else "") + w.text for w in s.completions]   # e.g. [' there', ...]
         """
         return self._request(_calls.suggest(session_id, context, k, max_chars, n_chars))
 

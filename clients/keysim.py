@@ -6,7 +6,9 @@ The typist, message by message (a message is a line; its newline is its last cha
 - before each word (a maximal run of word characters, as in `models.suggest`: letters, marks, digits and the
   apostrophes ' and ’ inside a word) and after each of its characters but the last, the typist asks for the
   k best completions of the word being typed, the context being the message so far;
-- when the intended word is among them, one keystroke selects it. The keyboard inserts the word and a space:
+- when the intended word is among them, one keystroke selects it (a completion the keyboard would insert after a
+  space, offered after a mark, `space_before`, is not: here the word follows the character before it directly, and
+  the typist asks for no word before typing the space that precedes one). The keyboard inserts the word and a space:
   if the text's next character is a space, that space is saved too; if it is anything else (punctuation, a
   newline, the end), the inserted space is no help: the typist types the next character as usual (smart
   punctuation replaces the space at no cost, so nothing is charged for it either);
@@ -54,7 +56,9 @@ class Suggester(Protocol):
 
     def suggest(self, context: str, k: int) -> Sequence[str]:
         """The k most likely whole words (typed part and completion) for the word being typed at the end of
-        `context`, the message typed so far; most likely first. A word already typed in full is not one."""
+        `context`, the message typed so far; most likely first. A word already typed in full is not one. A word that
+        the keyboard would insert after a space (after a mark: "Hi," then " there") is given as inserted, with that
+        space, so that it never passes for the word typed directly after the mark."""
         ...
 
     def observe(self, text: str) -> None:
@@ -230,7 +234,7 @@ class SessionSuggester:
 
     def suggest(self, context: str, k: int) -> list[str]:
         answer = self.session.suggest(context, k=k, max_chars=self.max_chars, n_chars=0)
-        return [w.text for w in answer.completions]
+        return [" " + w.text if w.space_before else w.text for w in answer.completions]
 
     def observe(self, text: str) -> None:
         self.session.observe(text)

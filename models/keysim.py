@@ -147,8 +147,9 @@ class ModelSuggester:
         width = max(k, MIX_CANDIDATES) if self.cache_weight > 0 else k  # as a session (server/engine/_suggest.py)
         found = suggest(self._forward, cursor, context, self.adapter, k=width, max_chars=self.max_chars, n_chars=0,
                         tokenizer=self.tokenizer)
-        completions = self.words.mix(found.completions, context, self.cache_weight, k, self.max_chars, self.lexicon)
-        return [c.text for c in completions]
+        completions = self.words.mix(found.completions, context, self.cache_weight, k, self.max_chars, self.lexicon,
+                                     found.space_share)
+        return [" " + c.text if c.space_before else c.text for c in completions]  # as inserted (`Suggester`)
 
     def observe(self, text: str) -> None:
         data = text.encode("utf-8")

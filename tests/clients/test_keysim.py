@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clients import Client, NotFoundError
+from clients import Client, NotFoundError, SuggestedWord, SuggestResponse
 from clients.keysim import (
     KeysimResult,
     SessionSuggester,
@@ -113,6 +113,24 @@ def test_a_selection_before_punctuation_saves_only_the_rest_of_the_word() -> Non
     assert (result.typed, result.selections, result.chars) == (2, 1, 3)
     assert result.ksr == 0.0
     assert fake.observed == []  # type_message types only; simulate observes
+
+
+def test_a_word_offered_after_a_space_is_not_the_word_after_the_mark() -> None:
+    """After "(" the typist wants "the" glued to it; a " the" the keyboard would insert after a space (`space_before`,
+    given with its space) is no match, and counts as a slot of the bar."""
+    fake = Scripted({"(": [" the", "a", "the"]})
+    result = KeysimResult()
+    type_message(fake, "(the)\n", 2, result)
+    assert (result.top1, result.top3, result.selections) == (0, 1, 0)  # "the" third: not among the k = 2 shown
+    session = SessionSuggester.__new__(SessionSuggester)  # the SDK's answer, mapped: the space before, as inserted
+
+    class Answer:
+        def suggest(self, context: str, **_: object) -> SuggestResponse:
+            words = [SuggestedWord(text="there", prob=0.5, space_before=True), SuggestedWord(text="a", prob=0.1)]
+            return SuggestResponse(prefix="", completions=words, next_chars=[])
+
+    session.session, session.max_chars = Answer(), None  # type: ignore[assignment]
+    assert session.suggest("Hi,", 3) == [" there", "a"]
 
 
 def test_words_and_messages() -> None:

@@ -124,3 +124,18 @@ def test_the_lexicon_ranks_the_completions_as_a_session_ranks_them(ckpt) -> None
         words.observe(cursor_text)
         expected = words.mix(model, "The ", weight, 3, 24, lexicon)
         assert ranked.suggest("The ", 3) == [c.text for c in expected]
+
+
+def test_a_word_after_a_mark_comes_with_the_space_the_keyboard_inserts(ckpt) -> None:  # type: ignore[no-untyped-def]
+    """After a mark the search also offers the next word after a space (`space_before`): the simulator's suggester
+    gives it as inserted, " word", so that it never passes for the word typed directly after the mark; the word cache
+    is split between the two kinds by the search's space share, as a session splits it."""
+    s = ModelSuggester(ckpt.model, cache_weight=0.5)
+    s.observe(TEXT)
+    cursor = advance(ckpt.model, ckpt.model.init_state(1), bytes([BOS]) + (TEXT + "It was done.").encode())
+    found = suggest(ckpt.model, cursor, TEXT + "It was done.", k=50, n_chars=0)
+    assert any(c.space_before for c in found.completions)  # the tiny model: after 10-20 words glued to the "."
+    expected = s.words.mix(found.completions, "It was done.", 0.5, 50, 24, space=found.space_share)
+    assert s.suggest("It was done.", 50) == [(" " if c.space_before else "") + c.text for c in expected]
+    assert any(w.startswith(" ") for w in s.suggest("It was done.", 50))
+    assert not any(w.startswith(" ") for w in s.suggest("It was do", 50))
