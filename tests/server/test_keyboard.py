@@ -551,3 +551,41 @@ def test_tab_right_after_a_letter_accepts_the_word_the_bar_still_fits(live: Any,
     page.keyboard.type(letter)
     page.keyboard.press("Tab")
     assert page.input_value("#text") == f"It is a truth {word} {letter}"
+
+
+def test_a_word_after_a_mark_is_inserted_after_a_space(copy_live: Any, page: Page) -> None:
+    # After "Hi," the bar offers the next word, inserted after a space (`space_before`), as a phone keyboard does: the
+    # sessions' copy model has read "Hi, there." (and "Hi, you." "Hi, all.") often enough to expect the space.
+    page.add_init_script(SLOW_SUGGEST)
+    open_keyboard(page, f"{copy_live.url}/keyboard")
+    page.keyboard.insert_text("Hi, there. Hi, you. Hi, all. " * 10)
+    page.wait_for_selector("#chart[data-points='30']", timeout=30_000)
+    page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
+    type_keys(page, "Hi,")
+    shown = snapshot(page)["shown"]
+    word = shown["words"][0]
+    assert shown["prefix"] == "" and shown["spaced"][0] and word in ("there", "you", "all"), shown
+    assert page.get_attribute("#bar button.word[data-rank='0']", "data-space") == "1"
+    before, saved = page.input_value("#text"), snapshot(page)["saved"]
+    page.keyboard.press("Tab")
+    assert page.input_value("#text") == f"{before} {word} "
+    assert snapshot(page)["saved"] == saved + 1 + len(word)  # the space before it, the word, the space after, less Tab
+
+    # A bar a keystroke behind: the space typed since is the one the word needed (not a second one).
+    type_keys(page, "Hi,")
+    before, words = page.input_value("#text"), snapshot(page)["shown"]["words"]
+    page.evaluate("window.suggestDelayMs = 1500")
+    page.keyboard.type(" ")
+    page.keyboard.press("Tab")
+    assert page.input_value("#text") == f"{before} {words[0]} "
+    # A letter typed right after the mark: a word offered after a space does not go on with it, and Tab takes none.
+    page.evaluate("window.suggestDelayMs = 0")
+    page.wait_for_function(CURRENT, timeout=SUGGEST_WITHIN_MS)
+    type_keys(page, "Hi,")
+    shown = snapshot(page)["shown"]
+    assert not any(w.startswith("t") for w, spaced in zip(shown["words"], shown["spaced"], strict=True) if not spaced)
+    before = page.input_value("#text")
+    page.evaluate("window.suggestDelayMs = 1500")
+    page.keyboard.type("t")
+    page.keyboard.press("Tab")
+    assert page.input_value("#text") == f"{before}t"

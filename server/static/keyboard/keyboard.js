@@ -40,7 +40,7 @@
     requested: null, // the context of the latest suggest request
     seq: 0,
     controller: null,
-    shown: null, // {context, prefix, words, wordsStatic, ms}: what the bars show
+    shown: null, // {context, prefix, words, spaced, wordsStatic, spacedStatic, ms}: what the bars show
     saved: 0,
     series: { adapted: [], static: [], twin: [], chars: [] }, // per commit: bits per character, characters
     bits: { adapted: 0, static: 0, chars: 0 },
@@ -370,7 +370,11 @@
       if (seq !== state.seq) return;
       const words = a.completions.map((w) => w.text);
       const wordsStatic = t ? t.completions.map((w) => w.text) : [];
-      state.shown = { context, prefix: a.prefix, words, wordsStatic, ms: performance.now() - started };
+      // After a mark ("Hi,") a word may be the next one after a space the keyboard inserts: `space_before`.
+      const spaced = a.completions.map((w) => w.space_before === true);
+      const spacedStatic = t ? t.completions.map((w) => w.space_before === true) : [];
+      state.shown = { context, prefix: a.prefix, words, spaced, wordsStatic, spacedStatic,
+                      ms: performance.now() - started };
       render(bar, a.completions, true);
       render(barStatic, t ? t.completions : [], false);
       if (document.body.dataset.state !== "ready") setStatus("ready", "Ready.");
@@ -392,20 +396,27 @@
       button.disabled = !word;
       button.textContent = word ? word.text : "";
       button.dataset.word = word ? word.text : "";
-      button.title = word ? `p = ${word.prob.toPrecision(2)}` : "";
+      button.dataset.space = word && word.space_before ? "1" : "";
+      button.title = word ? `p = ${word.prob.toPrecision(2)}${word.space_before ? ", after a space" : ""}` : "";
       if (keys) button.dataset.key = i === 0 ? "Tab" : `Alt+${i + 1}`;
     });
     el.dataset.count = String(completions.length);
   }
 
-  // The suggestion replaces the typed part of the word and adds a space (or steps over the one already there).
-  function accept(word) {
+  // The suggestion replaces the typed part of the word and adds a space (or steps over the one already there). A word
+  // offered after a mark with `space_before` ("Hi," then "there") is inserted after a space: " there ".
+  function accept(word, spaced = false) {
     const shown = state.shown;
     const context = currentContext();
     if (!shown || !context.startsWith(shown.context)) return false;
     // The bar may be a keystroke or two behind (Tab pressed before the last letter's answer came back): its word
-    // still fits if what was typed since goes on with the same word and the word goes on with it.
-    const typed = context.slice(shown.context.length);
+    // still fits if what was typed since goes on with the same word and the word goes on with it (after the space,
+    // for a word offered after one: the space typed since is the one the word needed).
+    let typed = context.slice(shown.context.length);
+    let space = "";
+    if (spaced && typed.startsWith(" ")) typed = typed.slice(1);
+    else if (spaced && typed === "") space = " ";
+    else if (spaced) return false; // a letter typed right after the mark: the word does not follow a space
     if (WORD_REST.exec(typed)[0] !== typed) return false;
     const prefix = shown.prefix + typed;
     if (!word.startsWith(prefix)) return false;
@@ -415,10 +426,11 @@
     // The cursor inside a word (a typo being fixed): the suggestion replaces the whole word, its rest too.
     if (end === start) end += WORD_REST.exec(text.value.slice(end))[0].length;
     const spaceFollows = text.value[end] === " ";
-    text.setRangeText(spaceFollows ? word : `${word} `, from, end, "end");
+    text.setRangeText(spaceFollows ? space + word : `${space}${word} `, from, end, "end");
     if (spaceFollows) text.selectionStart = text.selectionEnd = text.selectionEnd + 1;
-    // Saved: the rest of the word and the space, less the one key that accepted it.
-    state.saved += [...word].length - [...prefix].length;
+    // Saved: the space before it if the keyboard put it there, the rest of the word and the space after, less the
+    // one key that accepted it.
+    state.saved += space.length + [...word].length - [...prefix].length;
     onInput();
     return true;
   }
@@ -525,13 +537,13 @@
     const word = state.shown?.words[rank];
     if (word === undefined) return;
     event.preventDefault(); // even when the bar is a keystroke behind: Tab here means "accept", not "leave"
-    accept(word);
+    accept(word, state.shown.spaced[rank]);
   });
   for (const el of [bar, barStatic]) {
     el.addEventListener("mousedown", (event) => event.preventDefault()); // keep the focus (and cursor) in the text
     el.addEventListener("click", (event) => {
       const button = event.target.closest("button.word");
-      if (button && !button.disabled) accept(button.dataset.word);
+      if (button && !button.disabled) accept(button.dataset.word, button.dataset.space === "1");
       text.focus();
     });
   }
