@@ -23,9 +23,9 @@ Definitions (byte-level model, UTF-8 text):
   ("Hi, there", as a phone keyboard offers the next word there). Both kinds compete in the one search: the space is
   one more byte of a branch, so a spaced completion's `prob` is P(" ", then the word, then a word end | context),
   computed by the model as every other byte; it is marked `Completion.space_before` and its `text` leaves the
-  space out. Without it, the only words after "Hi," were those glued to the comma, fragments the model gives tiny
-  probability ("ought"), where the space is what it predicts. An empty context, one ending in whitespace, and a word
-  with some of its characters typed keep the one kind (directly after the context).
+  space out. The model nearly always predicts the space after "Hi,": the words glued to the comma alone are
+  fragments of tiny probability ("ought"). An empty context, one ending in whitespace, and a word with some of its
+  characters typed keep the one kind (directly after the context).
 
 Search exactness: a completion is emitted only when it is at the top of the priority queue and no popped
 branch is still waiting for expansion, so (probabilities only shrink along a branch) the k completions are
