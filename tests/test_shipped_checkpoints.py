@@ -137,10 +137,19 @@ def test_adaptlm_serve_runs_the_shipped_transformer(name: str, tmp_path: Path) -
         stop(proc)
 
 
-def test_the_default_checkpoint_ships_its_lexicon() -> None:
+@pytest.mark.parametrize("name", ["default", "char-transformer", "compressive"])
+def test_the_byte_checkpoints_ship_their_lexicon(name: str) -> None:
     """A few hundred KB of the training text's words (models/lexicon.py): the common ones, not the fragments."""
-    lexicon = load_checkpoint(CHECKPOINTS / "default").lexicon
+    lexicon = load_checkpoint(CHECKPOINTS / name).lexicon
     assert lexicon is not None and 10_000 < lexicon.listed < 100_000
-    assert (CHECKPOINTS / "default" / "lexicon.txt").stat().st_size < 512 * 1024
+    assert (CHECKPOINTS / name / "lexicon.txt").stat().st_size < 512 * 1024
     assert all(lexicon.known(w) for w in ("the", "The", "whale", "friend", "world", "don't"))
     assert not any(lexicon.known(w) for w in ("wor", "Frien", "Ims"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_session_has_a_word_cache(name: str) -> None:
+    """A keyboard session of any shipped checkpoint mixes in the words it observed (models/wordcache.py): the
+    transformers once had no `session` section, so their sessions ran with cache_weight 0 (docs/benchmarks.md,
+    "Keystrokes with the transformer checkpoints")."""
+    assert load_checkpoint(CHECKPOINTS / name).dyneval.cache_weight > 0
