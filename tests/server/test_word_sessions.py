@@ -304,18 +304,24 @@ def test_pending_text_survives_a_redis_round_trip(word_checkpoint: Path, serve_a
         assert observe(c, sid, "st of")["bytes"] == len(" best")
 
 
-def library_next_word(word_checkpoint: Path, stable: str, prefix: str) -> list[tuple[str, float]]:
-    """The next-word distribution after `stable` (from the stream's start), restricted to entries starting with
-    `prefix`, specials left out, most probable first: computed with the library alone."""
+def next_token_probs(word_checkpoint: Path, text: str) -> torch.Tensor:
+    """(V,) the word model's next-token probabilities after `text` read from the stream's start: the library alone."""
     ckpt = load_checkpoint(word_checkpoint)
     ckpt.model.eval()
     tok = ckpt.tokenizer
     assert isinstance(tok, WordTokenizer)
     with torch.no_grad():
-        ids = torch.tensor([[tok.bos, *tok.encode(stable)]])
-        lp = ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0, -1].double()
-    entries = [(tok.vocab[i], math.exp(float(lp[i]))) for i in range(4, tok.vocab_size)
-               if tok.vocab[i].startswith(prefix)]
+        ids = torch.tensor([[tok.bos, *tok.encode(text)]])
+        return ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0, -1].double().exp()
+
+
+def library_next_word(word_checkpoint: Path, stable: str, prefix: str) -> list[tuple[str, float]]:
+    """The next-word distribution after `stable` (from the stream's start), restricted to entries starting with
+    `prefix`, specials left out, most probable first: computed with the library alone."""
+    tok = load_checkpoint(word_checkpoint).tokenizer
+    assert isinstance(tok, WordTokenizer)
+    probs = next_token_probs(word_checkpoint, stable)
+    entries = [(tok.vocab[i], float(probs[i])) for i in range(4, tok.vocab_size) if tok.vocab[i].startswith(prefix)]
     return sorted(entries, key=lambda e: -e[1])
 
 
@@ -396,11 +402,7 @@ def test_a_word_typed_at_a_line_start_may_be_one_the_vocabulary_has_only_with_a_
     such words were never offered there. They share <unk>'s probability by their entries' frequency order
     (`WordTokenizer.unspaced`) and compete with the entries of their own, all given the typed letter."""
     stable = "It was.\n"
-    ckpt = load_checkpoint(word_checkpoint)
-    ckpt.model.eval()
-    with torch.no_grad():
-        ids = torch.tensor([[tok.bos, *tok.encode(stable)]])
-        probs = ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0, -1].double().exp()
+    probs = next_token_probs(word_checkpoint, stable)
     spaced, shares = tok.unspaced(b"")
     unspaced = {tok.vocab[i][1:]: float(probs[tok.unk]) * s for i, s in zip(spaced.tolist(), shares.tolist(),
                                                                             strict=True) if s > 0}
@@ -468,11 +470,7 @@ def test_after_a_mark_the_next_word_may_come_after_a_space(client: httpx.Client,
     r = client.post(f"/v1/sessions/{sid}/suggest", json={"context": context, "k": 10, "n_chars": 0})
     assert r.status_code == 200, r.text
     body = r.json()
-    ckpt = load_checkpoint(word_checkpoint)
-    ckpt.model.eval()
-    with torch.no_grad():
-        ids = torch.tensor([[tok.bos, *tok.encode(context)]])
-        probs = ckpt.model.log_probs(ckpt.model(ids, ckpt.model.init_state(1)))[0, -1].double().exp()
+    probs = next_token_probs(word_checkpoint, context)
     spaced, shares = tok.unspaced(b"")
     words = {(w[1:], True): float(probs[i]) for i, w in enumerate(tok.vocab) if i >= 4 and w[0] == " "
              and WORD.fullmatch(w[1:])}
