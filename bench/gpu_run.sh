@@ -6,14 +6,16 @@
 #      times, the fastest) and `python -m bench.kernels` (the Triton kernels against their references) under the
 #      fastest correct attention setting.
 # FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. GPU_TESTS=attention runs only
-# the attention kernel's compiled tests, GPU_TESTS=0 none (bench.attention_variants checks every attention setting).
-# Results go to $OUT (default runs/gpu): gpu.txt (the card), gpu-tests.log, attention_variants.md and .json,
-# kernels.md, kernels.json, host_overhead.md and .json (the launchers' host time per call, real launches),
+# the attention kernel's compiled tests, GPU_TESTS=fastest runs its `gpu` tests after step 3's probe, under the fastest
+# correct setting (the one a run would make the default), GPU_TESTS=0 none (bench.attention_variants checks every
+# attention setting). Results go to $OUT (default runs/gpu): gpu.txt (the card, then the gpu tests' log: the device
+# tool brings back 8 files), attention_variants.md, .json and .log, kernels.md, kernels.json, host_overhead.md and
+# .json (the launchers' host time per call, real launches),
 # families.md and families.json (bench.families: the trained checkpoints beside the default), one
 # <arch>.tgz per trained checkpoint (the checkpoint and its train.jsonl; its resumable state left out).
 #
 #   DATA=.gpu/data TRAIN_MIN=3 bash bench/gpu_run.sh
-#   FAMILIES=0 GPU_TESTS=0 VARIANTS_S=300 BENCH_S=180 HOST_S=40 bash bench/gpu_run.sh   # the kernels alone, ~9.5 min
+#   FAMILIES=0 GPU_TESTS=fastest VARIANTS_S=270 TESTS_S=90 BENCH_S=160 HOST_S=30 bash bench/gpu_run.sh  # kernels, ~9.5 min
 #
 # DATA holds the training texts (see the Makefile's DEFAULT_TRAIN: the mix the default checkpoint was trained on),
 # austen-persuasion.txt for validation and chesterton-brown.txt (the held-out book) for the families table. Where
@@ -71,19 +73,22 @@ for arch in $ARCHS; do
 done
 
 stamp "gpu tests"
-if [ "${SMOKE:-0}" = 1 ]; then
-    $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py > "$OUT/gpu-tests.log" 2>&1
+LOG="$OUT/gpu.txt"
+if [ "${GPU_TESTS:-all}" = fastest ]; then
+    echo "GPU_TESTS=fastest: after the attention settings' probe" | tee -a "$LOG"
+elif [ "${SMOKE:-0}" = 1 ]; then
+    $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py >> "$LOG" 2>&1
 elif [ "${GPU_TESTS:-all}" = attention ]; then  # the attention kernel's compiled tests alone
     TRITON_INTERPRET=0 timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 200 \
-        tests/kernels/test_attention.py > "$OUT/gpu-tests.log" 2>&1
+        tests/kernels/test_attention.py >> "$LOG" 2>&1
 elif [ "${GPU_TESTS:-all}" != 0 ]; then
     # the gpu tests, and the kernel tests (`interpreter` on a CPU) compiled on the GPU at their small odd shapes
     TRITON_INTERPRET=0 timeout 240 $PY -m pytest -q -p no:cacheprovider -m "gpu or interpreter" --timeout 200 \
-        tests/kernels tests/test_gpu.py tests/trainer tests/models/test_branches.py > "$OUT/gpu-tests.log" 2>&1
+        tests/kernels tests/test_gpu.py tests/trainer tests/models/test_branches.py >> "$LOG" 2>&1
 else
-    echo "GPU_TESTS=0: skipped" > "$OUT/gpu-tests.log"
+    echo "GPU_TESTS=0: skipped" >> "$LOG"
 fi
-tail -n 15 "$OUT/gpu-tests.log"
+tail -n 15 "$LOG"
 
 for pid in $pids; do wait "$pid"; done
 if [ -n "$ARCHS" ]; then
@@ -109,6 +114,12 @@ cat "$OUT/attention_variants.md"
 # bench.kernels under the fastest correct attention setting (the shipped one where the probe found none)
 TUNING=$($PY -c "import json, sys; print(json.load(open(sys.argv[1])).get('fastest') or '')" \
     "$OUT/attention_variants.json" 2>/dev/null)
+if [ "${GPU_TESTS:-all}" = fastest ]; then
+    stamp "the attention kernel's gpu tests under ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped}"
+    ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped} TRITON_INTERPRET=0 timeout "${TESTS_S:-120}" $PY -m pytest -q \
+        -p no:cacheprovider -m gpu --timeout 100 tests/kernels/test_attention.py >> "$LOG" 2>&1
+    tail -n 15 "$LOG"
+fi
 stamp "kernel benchmark (ADAPTLM_ATTENTION_TUNING=${TUNING:-shipped})"
 QUICK=""
 if [ "${SMOKE:-0}" = 1 ]; then QUICK="--quick"; fi
