@@ -168,40 +168,44 @@ def gather_probe(device: torch.device, smoke: bool) -> list[dict[str, Any]]:
 SDPA_ROWS = ["sdpa+bias", "sdpa+bias built"]  # bench.kernels' baselines: the bias built before timing, or per call
 
 
-def timings(settings: list[str], device: torch.device, smoke: bool) -> list[dict[str, Any]]:
+def timings(settings: list[str], device: torch.device, smoke: bool,
+            done: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
     """Each setting's times (a setting of SDPA_ROWS: SDPA's at the same inputs, for the targets' ratios). Decoding
-    (Lq = 1, the forward alone: sessions generate without gradients) is one of the cases."""
+    (Lq = 1, the forward alone: sessions generate without gradients) is one of the cases. The settings of one case are
+    timed in turns (bench.kernels' `alternating`: rounds of each, the least of its round medians): timed one setting
+    after another, the plain forward, the same kernel under settings that change only `rel`, ranged over 2x on an
+    H200. `done(rows)` after each case: a run stopped by its time limit keeps the cases it timed."""
     b = Bench(device, quick=smoke)
     B, H, D = (1, 2, 16) if smoke else (8, 8, 64)
     scale = D**-0.5
     shapes = [(16, 48, True), (1, 48, True)] if smoke else [(128, 512, True), (512, 2048, True), (512, 4096, True),
                                                             (512, 4096, False), (1, 4096, True)]
-    rows = []
-    for setting in settings:
-        if setting not in SDPA_ROWS:
-            attention.TUNING = Tuning.parse(setting)
-        for Lq, Lk, rel in shapes:
-            for mode in ("fwd", "fwd+bwd") if rel and Lq > 1 else ("fwd",):
-                x = [t.requires_grad_(True) for t in _inputs(B, H, Lq, Lk, D, torch.float16, rel, device)]
-                q, k, v = x[:3]
-                r = tuple(x[4:]) if rel else None
-                full = torch.full((B,), Lk, device=device)  # every key valid: the checks' compiled kernels serve
-                with torch.no_grad():
-                    prebuilt = _sdpa_bias(q, Lk, r, scale)  # type: ignore[arg-type]
-
-                def call(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v, r: Any = r,
-                         setting: str = setting, prebuilt: torch.Tensor = prebuilt,
-                         full: torch.Tensor = full) -> torch.Tensor:
-                    if setting in SDPA_ROWS:  # SDPA(q + u, k, v) under the explicit bias, as bench.kernels times it
-                        bias = prebuilt if setting == "sdpa+bias" else _sdpa_bias(q, k.shape[2], r, scale)
-                        qu = q if r is None else q + r[1].view(1, H, 1, D)
-                        return F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, scale=scale)
-                    return memory_attention(q, k, v, rel=r, key_lengths=full, impl="triton")
-                case = f"Lq{Lq} Lk{Lk}{' rel' if rel else ''}"
-                b.case(f"{mode}", case, setting,
-                       lambda call=call, mode=mode, x=x: _fwd_bwd(call, x[:3] + x[4:]) if mode == "fwd+bwd" else call)
-                res = b.results[-1]
-                rows.append({"setting": setting, "mode": mode, "case": case, "ms": res.ms, "error": res.error})
+    tunings = {s: Tuning.parse(s) for s in settings if s not in SDPA_ROWS}
+    rows: list[dict[str, Any]] = []
+    for Lq, Lk, rel in shapes:
+        for mode in ("fwd", "fwd+bwd") if rel and Lq > 1 else ("fwd",):
+            x = [t.requires_grad_(True) for t in _inputs(B, H, Lq, Lk, D, torch.float16, rel, device)]
+            q, k, v = x[:3]
+            r = tuple(x[4:]) if rel else None
+            full = torch.full((B,), Lk, device=device)  # every key valid: the checks' compiled kernels serve
+            with torch.no_grad():
+                prebuilt = _sdpa_bias(q, Lk, r, scale)  # type: ignore[arg-type]
+            case = f"Lq{Lq} Lk{Lk}{' rel' if rel else ''}"
+            first = len(b.results)
+            with b.alternating():
+                for setting in settings:
+                    def call(setting: str = setting) -> torch.Tensor:
+                        if setting in SDPA_ROWS:  # SDPA(q + u, k, v) under the explicit bias, as bench.kernels
+                            bias = prebuilt if setting == "sdpa+bias" else _sdpa_bias(q, k.shape[2], r, scale)
+                            qu = q if r is None else q + r[1].view(1, H, 1, D)
+                            return F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, scale=scale)
+                        attention.TUNING = tunings[setting]  # the launch reads it: each contender its own
+                        return memory_attention(q, k, v, rel=r, key_lengths=full, impl="triton")
+                    b.case(mode, case, setting,
+                           lambda call=call: _fwd_bwd(call, x[:3] + x[4:]) if mode == "fwd+bwd" else call)
+            rows += [{"setting": res.impl, "mode": mode, "case": case, "ms": res.ms, "error": res.error}
+                     for res in b.results[first:]]
+            done(rows)
     return rows
 
 
@@ -221,15 +225,17 @@ def fastest(times: list[dict[str, Any]], settings: list[str]) -> tuple[str, floa
     return best, math.exp(scored[best] - base) if base is not None else float("nan")
 
 
-def eligible(passed: list[str], device: torch.device) -> list[str]:
-    """The settings that may be named fastest: on CUDA, those checked in bfloat16 as well (`BF16`)."""
-    return [s for s in passed if device.type != "cuda" or s in BF16]
+def eligible(passed: list[str], device: torch.device, bf16: set[str]) -> list[str]:
+    """The settings that may be named fastest: on CUDA, those checked in bfloat16 as well (`bf16`)."""
+    return [s for s in passed if device.type != "cuda" or s in bf16]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script on any device")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--settings", help="';'-separated settings to check and time instead of the list (each checked in "
+                    "bfloat16 too), e.g. 'shipped;skew=smem;gather16=1,skew=smem'")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -245,25 +251,30 @@ def main() -> None:
         for p in probe:
             print(f"| {p['warps']} | {p['gather16']} | {p['carry']} | {p['err']:.3g} | "
                   f"{'yes' if p['ok'] else 'NO ' + p.get('error', '')} |")
-        # each setting checked, then timed if correct; the JSON rewritten after each, so a run stopped by its time
-        # limit keeps what it measured
-        times = timings(SDPA_ROWS, device, args.smoke)
+        # each setting checked, then the correct ones timed in turns, case by case; the JSON rewritten after each
+        # check and each case, so a run stopped by its time limit keeps what it measured
+        settings = args.settings.split(";") if args.settings else SETTINGS
+        bf16 = set(settings) if args.settings else BF16
         checks: list[dict[str, Any]] = []
         passed: list[str] = []
-        for s in SETTINGS:
-            mine = [check(s, dt, device, args.smoke) for dt in (torch.float16, torch.bfloat16)
-                    if dt == torch.float16 or (device.type == "cuda" and s in BF16)]  # the interpreter: no bf16 dots
-            checks += mine
-            if all(c["ok"] for c in mine):
-                passed.append(s)
-                times += timings([s], device, args.smoke)
+        times: list[dict[str, Any]] = []
+
+        def save(rows: list[dict[str, Any]]) -> None:
             if args.json:  # whole or not at all: a run killed while writing leaves the previous version
-                best = fastest(times, eligible(passed, device))
+                best = fastest(rows, eligible(passed, device, bf16)) if rows else None
                 partial = args.json.with_suffix(".tmp")
                 partial.write_text(json.dumps({
                     "machine": machine_line(), "device": card, "triton": triton.__version__, "probe": probe,
-                    "checks": checks, "times": times, "fastest": best[0] if best else None}, indent=1))
+                    "checks": checks, "times": rows, "fastest": best[0] if best else None}, indent=1))
                 os.replace(partial, args.json)
+        for s in settings:
+            mine = [check(s, dt, device, args.smoke) for dt in (torch.float16, torch.bfloat16)
+                    if dt == torch.float16 or (device.type == "cuda" and s in bf16)]  # the interpreter: no bf16 dots
+            checks += mine
+            if all(c["ok"] for c in mine):
+                passed.append(s)
+            save(times)
+        times = timings(SDPA_ROWS + passed, device, args.smoke, save)
         print("\n## Correctness (out and every gradient against the fp32 reference; ratio <= 1 passes)\n\n"
               "| setting | dtype | ok | worst | ratio | out max error |\n| --- | --- | --- | --- | ---: | ---: |")
         for c in checks:
@@ -278,7 +289,7 @@ def main() -> None:
             cells = [f"{by[mc]['ms']:.3f}" if by.get(mc) and by[mc]["ms"] is not None else
                      (by[mc]["error"] if by.get(mc) else "-") for mc in cases]
             print(f"| {s} | " + " | ".join(cells) + " |")
-        best = fastest(times, eligible(passed, device))
+        best = fastest(times, eligible(passed, device, bf16))
         if best is not None:
             print(f"\nfastest: {best[0]} (geometric mean of its times over {passed[0]}'s: {best[1]:.2f}; "
                   f"{'of those checked in bfloat16 too' if device.type == 'cuda' else 'interpreted'})")

@@ -5,10 +5,10 @@
 #   3. then, on the quiet GPU, `python -m bench.attention_variants` (which attention settings compile correctly, their
 #      times, the fastest) and `python -m bench.kernels` (the Triton kernels against their references) under the
 #      fastest correct attention setting.
-# FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. GPU_TESTS=attention runs only
-# the attention kernel's compiled tests, GPU_TESTS=fastest runs its `gpu` tests after step 3's probe, under the fastest
-# correct setting (the one a run would make the default), GPU_TESTS=0 none (bench.attention_variants checks every
-# attention setting). Results go to $OUT (default runs/gpu): gpu.txt (the card, then the gpu tests' log: the device
+# FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. VARIANTS='a;b;c' narrows step
+# 3's attention settings to those. GPU_TESTS=attention runs only the attention kernel's compiled tests, GPU_TESTS=fastest
+# its `gpu` tests after step 3's probe, under the fastest correct setting (the one a run would make the default),
+# GPU_TESTS=0 none (bench.attention_variants checks every attention setting). Results go to $OUT (default runs/gpu): gpu.txt (the card, then the gpu tests' log: the device
 # tool brings back 8 files), attention_variants.md, .json and .log, kernels.md, kernels.json, host_overhead.md and
 # .json (the launchers' host time per call, real launches),
 # families.md and families.json (bench.families: the trained checkpoints beside the default), one
@@ -107,6 +107,7 @@ stamp "attention settings"
 rm -f "$OUT/attention_variants.json"  # an earlier run's (another card, another build) must not name the fastest
 VSMOKE=""
 if [ "${SMOKE:-0}" = 1 ]; then VSMOKE="--smoke"; fi
+if [ -n "${VARIANTS:-}" ]; then VSMOKE="$VSMOKE --settings $VARIANTS"; fi  # ';'-separated, no spaces: the candidates
 env -u TRITON_INTERPRET timeout "${VARIANTS_S:-240}" $PY -m bench.attention_variants $VSMOKE \
     --json "$OUT/attention_variants.json" > "$OUT/attention_variants.md" 2> "$OUT/attention_variants.log"
 cat "$OUT/attention_variants.md"

@@ -39,6 +39,22 @@ def test_smoke_run_checks_and_times_every_setting(tmp_path: Path) -> None:
     assert got["fastest"] in SETTINGS and f"fastest: {got['fastest']} (" in r.stdout
 
 
+@pytest.mark.interpreter
+def test_settings_named_are_the_ones_checked_and_timed(tmp_path: Path) -> None:
+    # a second GPU call narrows the list to the candidates: only those are checked, timed (in turns) and may win
+    pytest.importorskip("triton")
+    named = ["shipped", "gather16=1,skew=smem,dr=diagonal"]
+    r = _run("--smoke", "--settings", ";".join(named), "--json", str(tmp_path / "v.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "v.json").read_text())
+    from bench.attention_variants import SDPA_ROWS
+
+    assert [c["setting"] for c in got["checks"]] == named
+    timed = [t["setting"] for t in got["times"] if t["ms"] and t["ms"] > 0]
+    assert set(timed) == set(named) | set(SDPA_ROWS) and len(timed) == 3 * len(set(timed))  # 3 cases each
+    assert got["fastest"] in named
+
+
 def test_fastest_is_the_smallest_geometric_mean_of_the_fully_timed() -> None:
     from bench.attention_variants import fastest
 
@@ -67,6 +83,6 @@ def test_on_cuda_only_settings_checked_in_bfloat16_may_be_fastest() -> None:
     from bench.attention_variants import BF16, SETTINGS, eligible
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert eligible(SETTINGS, cpu) == SETTINGS
-    assert set(eligible(SETTINGS, cuda)) == BF16 and "splits=0" not in eligible(SETTINGS, cuda)
+    assert eligible(SETTINGS, cpu, BF16) == SETTINGS
+    assert set(eligible(SETTINGS, cuda, BF16)) == BF16 and "splits=0" not in eligible(SETTINGS, cuda, BF16)
     assert BF16 <= set(SETTINGS)
