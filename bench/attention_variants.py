@@ -169,21 +169,25 @@ SDPA_ROWS = ["sdpa+bias", "sdpa+bias built"]  # bench.kernels' baselines: the bi
 
 
 def timings(settings: list[str], device: torch.device, smoke: bool,
-            done: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+            done: Callable[[list[dict[str, Any]]], None] = lambda rows: None, graphs: bool = False
+            ) -> list[dict[str, Any]]:
     """Each setting's times (a setting of SDPA_ROWS: SDPA's at the same inputs, for the targets' ratios). Decoding
     (Lq = 1, the forward alone: sessions generate without gradients) is one of the cases. The settings of one case are
     timed in turns (bench.kernels' `alternating`: rounds of each, the least of its round medians): timed one setting
     after another, the plain forward, the same kernel under settings that change only `rel`, ranged over 2x on an
-    H200. `done(rows)` after each case: a run stopped by its time limit keeps the cases it timed."""
-    b = Bench(device, quick=smoke)
+    H200. `done(rows)` after each case: a run stopped by its time limit keeps the cases it timed. `graphs`: timed
+    through CUDA graphs (the GPU's time without the Python launch, bench.kernels' Bench)."""
+    b = Bench(device, quick=smoke, graphs=graphs)
     B, H, D = (1, 2, 16) if smoke else (8, 8, 64)
     scale = D**-0.5
     shapes = [(16, 48, True), (1, 48, True)] if smoke else [(128, 512, True), (512, 2048, True), (512, 4096, True),
-                                                            (512, 4096, False), (1, 4096, True)]
+                                                            (128, 512, False), (512, 2048, False), (512, 4096, False),
+                                                            (1, 4096, True)]
     tunings = {s: Tuning.parse(s) for s in settings if s not in SDPA_ROWS}
     rows: list[dict[str, Any]] = []
     for Lq, Lk, rel in shapes:
-        for mode in ("fwd", "fwd+bwd") if rel and Lq > 1 else ("fwd",):
+        # under graphs the forward alone (a backward captured in a graph is another question than the kernel's time)
+        for mode in ("fwd", "fwd+bwd") if rel and Lq > 1 and not graphs else ("fwd",):
             x = [t.requires_grad_(True) for t in _inputs(B, H, Lq, Lk, D, torch.float16, rel, device)]
             q, k, v = x[:3]
             r = tuple(x[4:]) if rel else None
@@ -194,15 +198,16 @@ def timings(settings: list[str], device: torch.device, smoke: bool,
             first = len(b.results)
             with b.alternating():
                 for setting in settings:
-                    def call(setting: str = setting) -> torch.Tensor:
+                    def call(setting: str = setting, q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
+                             r: Any = r, prebuilt: torch.Tensor = prebuilt, full: torch.Tensor = full) -> torch.Tensor:
                         if setting in SDPA_ROWS:  # SDPA(q + u, k, v) under the explicit bias, as bench.kernels
                             bias = prebuilt if setting == "sdpa+bias" else _sdpa_bias(q, k.shape[2], r, scale)
                             qu = q if r is None else q + r[1].view(1, H, 1, D)
                             return F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, scale=scale)
                         attention.TUNING = tunings[setting]  # the launch reads it: each contender its own
                         return memory_attention(q, k, v, rel=r, key_lengths=full, impl="triton")
-                    b.case(mode, case, setting,
-                           lambda call=call: _fwd_bwd(call, x[:3] + x[4:]) if mode == "fwd+bwd" else call)
+                    b.case(mode, case, setting, lambda call=call, x=x, mode=mode:
+                           _fwd_bwd(call, x[:3] + x[4:]) if mode == "fwd+bwd" else call)
             rows += [{"setting": res.impl, "mode": mode, "case": case, "ms": res.ms, "error": res.error}
                      for res in b.results[first:]]
             done(rows)
@@ -234,6 +239,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script on any device")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--graphs", action="store_true", help="time through CUDA graphs: the GPU's time alone, without the "
+                    "host's launch between calls")
     ap.add_argument("--settings", help="';'-separated settings to check and time instead of the list (each checked in "
                     "bfloat16 too), e.g. 'shipped;skew=smem;gather16=1,skew=smem'")
     args = ap.parse_args()
@@ -274,13 +281,14 @@ def main() -> None:
             if all(c["ok"] for c in mine):
                 passed.append(s)
             save(times)
-        times = timings(SDPA_ROWS + passed, device, args.smoke, save)
+        times = timings(SDPA_ROWS + passed, device, args.smoke, save, graphs=args.graphs)
         print("\n## Correctness (out and every gradient against the fp32 reference; ratio <= 1 passes)\n\n"
               "| setting | dtype | ok | worst | ratio | out max error |\n| --- | --- | --- | --- | ---: | ---: |")
         for c in checks:
             print(f"| {c['setting']} | {c['dtype']} | {'yes' if c['ok'] else 'NO'} | {c['worst']} | "
                   f"{c['ratio']:.2f} | {c['out_err']:.3g} |{' ' + c['error'] if c['error'] else ''}")
-        print(f"\n## Times, ms ({'B1 H2 D16' if args.smoke else 'B8 H8 D64'} fp16; the settings that passed)\n")
+        print(f"\n## Times, ms ({'B1 H2 D16' if args.smoke else 'B8 H8 D64'} fp16; the settings that passed"
+              f"{'; CUDA graphs: the GPU alone' if args.graphs else ''})\n")
         cases = list(dict.fromkeys((t["mode"], t["case"]) for t in times))
         print("| setting | " + " | ".join(f"{m} {c}" for m, c in cases) + " |")
         print("| --- |" + " ---: |" * len(cases))

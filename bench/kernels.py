@@ -68,8 +68,10 @@ class Result:
 
 
 class Bench:
-    def __init__(self, device: torch.device, quick: bool) -> None:
-        self.device, self.quick = device, quick
+    def __init__(self, device: torch.device, quick: bool, graphs: bool = False) -> None:
+        # graphs: on CUDA, time through a CUDA graph of many calls (triton's do_bench_cudagraph): the GPU's time alone,
+        # without the Python launch between calls (which a short kernel waits for under do_bench) or the L2 flush
+        self.device, self.quick, self.graphs = device, quick, graphs
         self.results: list[Result] = []
         # cases made inside `alternating()`, timed when it ends: (row, timed function)
         self._group: list[tuple[Result, Fn]] | None = None
@@ -81,9 +83,12 @@ class Bench:
         """Median time of `fn` in ms (on CUDA, triton's do_bench over `share` of the usual time)."""
         if self.device.type == "cuda":
             try:
-                from triton.testing import do_bench
+                from triton.testing import do_bench, do_bench_cudagraph
             except ImportError:
                 return self._cuda_events(fn)
+            if self.graphs:
+                return float(do_bench_cudagraph(fn, rep=max(1, int((40 if self.quick else 100) * share)),
+                                                return_mode="median"))
             return float(do_bench(fn, warmup=max(1, int((10 if self.quick else 25) * share)),
                                   rep=max(1, int((40 if self.quick else 100) * share)), return_mode="median"))
         fn()  # warm-up
