@@ -7,14 +7,12 @@ what every correct one is worth. Later settings are here too: the lean tiles (fe
 through shared memory (`skew=smem`, no warp shuffles) and the forward's key splits (`splits=0`: FlashDecoding when the
 query tiles leave SMs idle). Each setting is checked, then timed if correct:
 
-1. a probe of `tl.gather` alone: the diagonal gather of a `tl.dot` result, as the kernel does it, at 4 and 8 warps,
-   in fp32 and rounded to fp16, then the same carried over a loop (the half-range pattern), against torch;
-2. for each setting, the kernel at test_cuda_realistic_shape's inputs (B2 H4 Lq128 Lk384 D64, key lengths 384 and
+1. for each setting, the kernel at test_cuda_realistic_shape's inputs (B2 H4 Lq128 Lk384 D64, key lengths 384 and
    200, rel; fp16 and bf16): the out and every gradient against the fp32 reference, by the kernel tolerance rule
    (tests/kernels/_tolerance.py): "ratio" is the worst error over its allowance, <= 1 passes (bfloat16 too for
    four settings: each check compiles its own kernels, and device time is scarce); a setting with key splits is
    also checked decoding (Lq = 1, 2,048 keys);
-3. for each setting that passed: forward and forward+backward times (triton.testing.do_bench medians) at B8 H8 D64
+2. for each setting that passed: forward and forward+backward times (triton.testing.do_bench medians) at B8 H8 D64
    fp16 with rel, the forward without rel, and the forward decoding (Lq = 1, 4,096 keys, rel), with every key valid
    given as key lengths; before them SDPA's at the same inputs, given the explicit bias built
    before timing (`sdpa+bias`, the issue's baseline) and built in every call (`sdpa+bias built`), as bench.kernels;
@@ -107,64 +105,6 @@ def check(setting: str, dtype: torch.dtype, device: torch.device, smoke: bool) -
                 "out_err": float("nan"), "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
 
 
-def gather_probe(device: torch.device, smoke: bool) -> list[dict[str, Any]]:
-    """tl.gather of a tl.dot result along its diagonals, as the kernel does it, alone: warps x dtype x loop carry."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def probe(A, R, OUT, M: tl.constexpr, N: tl.constexpr, STEPS: tl.constexpr, GATHER16: tl.constexpr,
-              CARRY: tl.constexpr):
-        # step s: the lower half is A R[(s+1)N : (s+2)N]^T, the upper half A R[sN : (s+1)N]^T (the previous step's
-        # lower half: carried with CARRY, computed afresh without); OUT[s] (M, N) takes entry (i, i - j + N - 1) of
-        # [lower, upper], as the attention kernel's `_on_two_halves` does
-        rows = tl.arange(0, M)
-        cols = tl.arange(0, 16)[None, :]
-        a = tl.load(A + rows[:, None] * 16 + cols)  # (M, 16)
-        t = rows[:, None] - tl.arange(0, N)[None, :] + (N - 1)
-        low = t < N
-        p_hi = tl.dot(a, tl.trans(tl.load(R + tl.arange(0, N)[:, None] * 16 + cols)))
-        if GATHER16:
-            p_hi = p_hi.to(tl.float16)
-        for s in range(STEPS):
-            p_lo = tl.dot(a, tl.trans(tl.load(R + ((s + 1) * N + tl.arange(0, N))[:, None] * 16 + cols)))
-            if GATHER16:
-                p_lo = p_lo.to(tl.float16)
-            if not CARRY:
-                p_hi = tl.dot(a, tl.trans(tl.load(R + (s * N + tl.arange(0, N))[:, None] * 16 + cols)))
-                if GATHER16:
-                    p_hi = p_hi.to(tl.float16)
-            o = tl.where(low, tl.gather(p_lo, tl.where(low, t, 0), 1), tl.gather(p_hi, tl.where(low, 0, t - N), 1))
-            tl.store(OUT + s * M * N + rows[:, None] * N + tl.arange(0, N)[None, :], o.to(tl.float32))
-            p_hi = p_lo
-
-    M = N = 16 if smoke else 64
-    steps = 2 if smoke else 4
-    g = torch.Generator().manual_seed(3)
-    a = torch.randn(M, 16, generator=g).to(device, torch.float16)
-    r = torch.randn((steps + 1) * N, 16, generator=g).to(device, torch.float16)
-    i = torch.arange(M, device=device).view(M, 1)
-    j = torch.arange(N, device=device).view(1, N)
-    rows = []
-    for warps in (4, 8):
-        for gather16 in (False, True):
-            want = []
-            for s in range(steps):
-                pw = a.float() @ torch.cat([r[(s + 1) * N:(s + 2) * N], r[s * N:(s + 1) * N]]).float().T  # (M, 2N)
-                want.append((pw.half().float() if gather16 else pw).gather(1, (i - j + N - 1).expand(M, N)))
-            for carry in (False, True):
-                out = torch.empty(steps, M, N, device=device)
-                row: dict[str, Any] = {"warps": warps, "gather16": gather16, "carry": carry}
-                try:
-                    probe[(1,)](a, r, out, M, N, steps, gather16, carry, num_warps=warps)
-                    err = (out - torch.stack(want)).abs().max().item()
-                    row.update(err=err, ok=err < (2e-2 if gather16 else 2e-3))
-                except Exception as e:
-                    row.update(err=float("nan"), ok=False, error=f"{type(e).__name__}: {e}"[:120])
-                rows.append(row)
-    return rows
-
-
 SDPA_ROWS = ["sdpa+bias", "sdpa+bias built"]  # bench.kernels' baselines: the bias built before timing, or per call
 
 
@@ -252,12 +192,6 @@ def main() -> None:
     print(f"# memory_attention settings\n\n{machine_line()}\n\nGPU: {card}; torch {torch.__version__}, "
           f"triton {triton.__version__}\n")
     with torch.inference_mode(False):
-        probe = gather_probe(device, args.smoke)
-        print("## tl.gather of a tl.dot result, alone\n\n| warps | gather16 | carried | max error | ok |\n"
-              "| ---: | --- | --- | ---: | --- |")
-        for p in probe:
-            print(f"| {p['warps']} | {p['gather16']} | {p['carry']} | {p['err']:.3g} | "
-                  f"{'yes' if p['ok'] else 'NO ' + p.get('error', '')} |")
         # each setting checked, then the correct ones timed in turns, case by case; the JSON rewritten after each
         # check and each case, so a run stopped by its time limit keeps what it measured
         settings = args.settings.split(";") if args.settings else SETTINGS
@@ -271,8 +205,8 @@ def main() -> None:
                 best = fastest(rows, eligible(passed, device, bf16)) if rows else None
                 partial = args.json.with_suffix(".tmp")
                 partial.write_text(json.dumps({
-                    "machine": machine_line(), "device": card, "triton": triton.__version__, "probe": probe,
-                    "checks": checks, "times": rows, "fastest": best[0] if best else None}, indent=1))
+                    "machine": machine_line(), "device": card, "triton": triton.__version__, "checks": checks,
+                    "times": rows, "fastest": best[0] if best else None}, indent=1))
                 os.replace(partial, args.json)
         for s in settings:
             mine = [check(s, dt, device, args.smoke) for dt in (torch.float16, torch.bfloat16)

@@ -32,7 +32,6 @@ def test_smoke_run_checks_and_times_every_setting(tmp_path: Path) -> None:
 
     assert [c["setting"] for c in got["checks"]] == SETTINGS  # float16 only: the interpreter mis-handles bf16 dots
     assert all(c["ok"] and 0 <= c["ratio"] <= 1 for c in got["checks"]), got["checks"]
-    assert len(got["probe"]) == 8 and all(p["ok"] for p in got["probe"])
     timed = {t["setting"] for t in got["times"] if t["ms"] and t["ms"] > 0}
     assert timed == set(SETTINGS) | set(SDPA_ROWS)
     assert "| rewrite | float16 | yes |" in r.stdout
