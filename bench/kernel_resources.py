@@ -4,7 +4,8 @@ Triton compiles for Hopper (sm_90) on any machine; `cuobjdump --dump-resource-us
 each cubin's registers a thread (REG, at most 255) and its stack (STACK: bytes a thread spilled to local memory, read
 and written in the kernel's inner loop), and `cuobjdump -sass` its instructions, counted once each (the inner loop
 dominates them), with the warp shuffles among them. Spills and code length are the speed signals a CPU can give:
-every setting the GPU probe (`bench.attention_variants`) times is listed here.
+every setting the GPU probe (`bench.attention_variants`) times is listed here (the shipped kernel and its forward
+in key splits, with the combine kernel that merges them).
 
 The figures are the installed triton's. The GPU machine's image had triton 3.6.0; to see its code here:
 
@@ -29,16 +30,15 @@ from typing import Any
 os.environ.pop("TRITON_INTERPRET", None)  # compiled code only (read when triton is imported)
 
 # float32 buffers; KL is int32; other capitals: the dtype
-FP32_BUFFERS = {"LSE", "L", "DELTA", "DQ", "DQR", "DR", "DRP", "OP", "MP", "LP"}
+FP32_BUFFERS = {"LSE", "L", "DELTA", "DQ", "DQR", "DR", "OP", "MP", "LP"}
 FLOATS = {"qk_scale", "scale"}
-SETTINGS = ["shipped", "tiles=hopper", "tiles=lean", "gather16=1", "half_range=1", "tiles=lean,dr=diagonal",
-            "rewrite", "skew=smem", "tiles=lean,skew=smem", "rewrite,skew=smem"]
+SETTINGS = ["shipped", "splits=0"]
 
 
 def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool, key_lengths: bool,
                              tune: Any) -> Any:
-    """Compile one of kernels.attention's kernels ("fwd", "dq", "dkdv", "dr", and "combine" which merges the forward's
-    key splits) for sm_90 at the launcher's tiles for these shapes and `tune` (a kernels.attention.Tuning). dtype:
+    """Compile one of kernels.attention's kernels ("fwd", "dq", "dkdv", and "combine" which merges the forward's key
+    splits) for sm_90 at the launcher's tiles for these shapes and `tune` (a kernels.attention.Tuning). dtype:
     "fp16", "bf16" or "fp32". The forward is compiled as it runs split when `tune.splits` is not 1."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -49,27 +49,20 @@ def compile_attention_kernel(which: str, dtype: str, D: int, Lq: int, rel: bool,
     attention._triton()  # binds tl, wraps the kernels
     kernel = {"fwd": attention._memory_attention_kernel, "dq": attention._memory_attention_bwd_dq_kernel,
               "dkdv": attention._memory_attention_bwd_dkdv_kernel,
-              "dr": attention._memory_attention_bwd_dr_kernel,
               "combine": attention._memory_attention_combine_kernel}[which]
-    bm, bn, warps, stages = attention._block_sizes(D, Lq, True, rel, "fwd" if which == "combine" else which,
-                                                   tune.tiles)
+    bm, bn, warps, stages = attention._block_sizes(D, Lq, True)
     consts: dict[str, Any] = {"HEAD_D": D, "HAS_KL": key_lengths, "PREC": "ieee" if dtype == "fp32" else "tf32",
-                              "GATHER16": tune.gather16, "SKEW_SMEM": tune.skew == "smem"}
+                              "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_W": triton.next_power_of_2(bm + bn - 1),
+                              "HAS_REL": rel}
     if which == "combine":
         consts = {"HEAD_D": D, "BLOCK": 16}
         warps = 4 if D <= 64 else 8
-    elif which == "dr":
-        consts.update(BLOCK=bn, BLOCK_W=2 * bn)
-    else:
-        consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=triton.next_power_of_2(bm + bn - 1), HAS_REL=rel)
     if which == "fwd":
-        consts.update(HALF_RANGE=tune.half_range and bm == bn, SPLIT=tune.splits != 1)
-    if which == "dq":
-        consts["DR_ATOMIC"] = tune.dr == "atomic"
+        consts["SPLIT"] = tune.splits != 1
     params = inspect.signature(kernel.fn).parameters
     fp32 = FP32_BUFFERS | ({"O"} if which == "fwd" and consts["SPLIT"] else set())  # split: partial sums in O
     sig = {name: "constexpr" if name in consts else "*fp32" if name in fp32 else
-           "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name not in ("B", "H") else
+           "*i32" if name == "KL" else f"*{dtype}" if name.isupper() and name != "H" else
            "fp32" if name in FLOATS else "i32" for name in params}
     attrs, ints = {}, launch_ints(D, Lq)
     for i, name in enumerate(params):  # what a launch tells the compiler of its arguments (triton's specialisation)
@@ -94,8 +87,8 @@ def launch_ints(D: int, Lq: int, B: int = 8, H: int = 8, Lk: int = 4096) -> dict
     k = {"b": H * Lk * D, "h": Lk * D, "n": D}
     ints = {f"sq{a}": v for a, v in q.items()} | {f"sd{a}": v for a, v in q.items()}
     ints |= {f"sk{a}": v for a, v in k.items()} | {f"sv{a}": v for a, v in k.items()}
-    return ints | {"srl": H * D, "srh": D, "B": B, "H": H, "Lq": Lq, "Lk": Lk, "keys_per_split": Lk,
-                   "rows": B * H * Lq, "n_split": 2, "batch_per_program": 1}
+    return ints | {"srl": H * D, "srh": D, "H": H, "Lq": Lq, "Lk": Lk, "keys_per_split": Lk, "rows": B * H * Lq,
+                   "n_split": 2}
 
 
 def _cuobjdump(compiled: Any, flag: str) -> str:
@@ -141,12 +134,13 @@ def main() -> None:
     for setting in SETTINGS:
         tune = attention.Tuning.parse(setting)
         for D, Lq, rel in [(64, 512, True), (64, 512, False), (64, 1, True), (128, 256, True)]:
-            for which in ("fwd", "dq", "dkdv", "dr"):
-                if which == "dr" and (not rel or tune.dr != "diagonal"):
-                    continue
-                if Lq == 1 and which != "fwd":
+            # the key splits change the forward alone, and add the combine kernel
+            for which in ("fwd", "dq", "dkdv") if tune.splits == 1 else ("fwd", "combine"):
+                if Lq == 1 and which not in ("fwd", "combine"):
                     continue  # decoding serves without gradients
-                bm, bn, warps, _ = attention._block_sizes(D, Lq, True, rel, which, tune.tiles)
+                bm, bn, warps, _ = attention._block_sizes(D, Lq, True)
+                if which == "combine":
+                    bm, bn, warps = 16, D, 4 if D <= 64 else 8  # rows x head dim
                 compiled = compile_attention_kernel(which, "fp16", D, Lq, rel, True, tune)
                 regs, stack = resources(compiled)
                 count, shuffles = instructions(compiled)

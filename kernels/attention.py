@@ -16,31 +16,29 @@ The Triton kernel is FlashAttention-2 (Dao 2023, alg. 1 forward, alg. 2 backward
 batch, head) runs the online softmax over the key tiles a tile can see (tiles wholly before a row's padding or past
 the causal edge are never visited; only the tiles that straddle an edge are masked), fp32 accumulation, and saves
 the log-sum-exp. The positional term is computed by distance, in the tile: the tile's distances form one range of
-BLOCK_M + BLOCK_N - 1 values, so (q + v_bias) R_range^T is one small matmul, and entry (i, j) picks its column
-d(i, j) with a gather along the tile's diagonals; no (Lq, Lk) bias exists in memory. The backward recomputes the
+BLOCK_M + BLOCK_N - 1 values, so (q + v_bias) R_range^T is one small matmul, rounded to the inputs' dtype as the
+reference's matmul rounds it, and entry (i, j) picks its column d(i, j) along the tile's diagonals by one gather over
+the flattened tile, through shared memory; no (Lq, Lk) bias exists in memory. The backward recomputes the
 probabilities from the log-sum-exp: one kernel per key tile for dk, dv; one per query tile for dq, whose
 positional part scatters dS back into the distance range, giving dq's r-term and dr (fp32 atomics) from the same
 tile. du and dv_bias are the sums over batch and queries of dq's content and positional parts.
 
-`Tuning` (ADAPTLM_ATTENTION_TUNING) changes how the kernels run, never what they compute: the GPU-verified default
-("shipped"), one setting per change of run 2's rewrite (8-warp tiles, 16-bit gathers, half distance ranges carried
-across square key tiles, dr by tile diagonals in a fourth kernel without atomics), lean tiles (few register spills)
-the skew between distance and key order through shared memory instead of warp shuffles, and key splits for query
-tiles too few to fill the GPU (decoding; FlashDecoding: each split's partial softmax sums, merged by a combine
-kernel). The rewrite as a whole
-failed the compiled `rel` test on an H200 (Triton 3.6) and passes the interpreter's; `python -m
-bench.attention_variants` runs each setting compiled to tell which change is at fault, and which is fastest.
+`Tuning` (ADAPTLM_ATTENTION_TUNING) changes how the kernels run, never what they compute; its one setting is the
+forward's key splits for query tiles too few to fill the GPU (decoding; FlashDecoding: each split's partial softmax
+sums, merged by a combine kernel). The other settings (run 2's rewrite as its changes, other tiles, dr by tile
+diagonals, fp32 gathers, the skew by warp shuffles) were measured compiled on an H200 in session 18 and removed: the
+half distance ranges computed wrong results, the others were slower than this kernel (docs/benchmarks.md,
+"memory_attention on the H200: the settings settled").
 
 Known limits:
 - head dims 16, 32, 64, 128; float32, float16, bfloat16 on CUDA (the CPU interpreter: float32 and float16 only,
   it mis-handles bfloat16 dots); q, k, v, r, u, v_bias share one dtype and device. float32 runs full-precision
   (IEEE) dots, not TF32.
-- dr is summed with fp32 atomics by default: its last bits vary run to run (the other gradients are deterministic;
-  dr=diagonal makes dr deterministic too).
+- dr is summed with fp32 atomics: its last bits vary run to run (the other gradients are deterministic).
 - a row with no visible key (key_lengths[b] < Lq, against the contract) gives NaN, as the reference does with rel
   (without rel the reference is SDPA's, which gives zeros).
-- block sizes are fixed per head dim and `Tuning.tiles` (no autotuning); decoding (Lq = 1) runs one 16-row tile per
-  (batch, head), and by default one program over all its keys (`Tuning.splits` splits them, FlashDecoding).
+- block sizes are fixed per head dim (no autotuning); decoding (Lq = 1) runs one 16-row tile per (batch, head), and
+  by default one program over all its keys (`Tuning.splits` splits them, FlashDecoding).
 - Triton is imported at the first launch, and TRITON_INTERPRET is read then: one process runs the kernels either
   interpreted or compiled, not both.
 - the reference builds the (Lq, Lk) score matrix (the Triton kernel does not).
@@ -52,8 +50,8 @@ import functools
 import math
 import os
 import threading
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,70 +68,42 @@ HEAD_DIMS = (16, 32, 64, 128)
 
 @dataclass(frozen=True)
 class Tuning:
-    """How the Triton kernels run, never what they compute: every setting gives the same op within the kernel
-    tolerance (the interpreter tests run each). The default is the kernel GPU-verified in run 1 (docs/benchmarks.md).
-    Run 2's rewrite failed the compiled `rel` test as a whole; its changes are settings here, one each
-    (`bench.attention_variants` runs each compiled on a GPU; `bench.kernel_resources` prints their spills anywhere).
+    """How the Triton kernels run, never what they compute (the interpreter tests check each setting against the
+    reference): the one kernel of the module docstring, its forward's keys split or not. The other settings (tiles,
+    16-bit gathers, half distance ranges, dr by tile diagonals, the skew) were experiments for one GPU question,
+    settled compiled on an H200 in session 18: their winner is the only kernel now, the rest were wrong or slower
+    (docs/benchmarks.md, "memory_attention on the H200: the settings settled").
 
-    tiles: "v1" (4 warps at head dims <= 64), "hopper" (the rewrite's per-kernel tiles: 8 warps with rel, 128 x 64
-        forward tiles without) or "lean" (4 warps, smaller tiles with rel: few register spills).
-    gather16: the positional scores are rounded to the inputs' dtype before the diagonal gather (half the shuffled
-        bytes; the reference's matmul rounds them the same way).
-    half_range: square forward tiles compute only the lower half of each distance range (the upper half is the
-        previous key tile's lower half).
-    dr: "atomic" (summed by the dq kernel with fp32 atomics) or "diagonal" (one program per tile diagonal sums it
-        in registers; deterministic).
-    skew: how a tile's scores move between distance and key order (the positional term forward, dS backward):
-        "shuffle" (tl.gather along rows: warp shuffles, the register layout converted through shared memory around
-        it) or "smem" (one gather over the flattened tile, through shared memory with no layout conversion; compiled
-        for sm_90 the forward `rel` kernel has a quarter fewer instructions and no spills, `bench.kernel_resources`).
     splits: the forward's key splits per query tile (FlashDecoding: each split's partial softmax sums, then one
         merge): 1 none, n that many, 0 by the GPU's SM count when the query tiles alone leave SMs idle (decoding
         sessions: one query row each, B * H programs)."""
 
-    tiles: str = "v1"
-    gather16: bool = False
-    half_range: bool = False
-    dr: str = "atomic"
-    skew: str = "shuffle"
     splits: int = 1
 
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "shipped": {}, "rewrite": {"tiles": "hopper", "gather16": True, "half_range": True, "dr": "diagonal"}}
-
     def __post_init__(self) -> None:
-        if self.tiles not in ("v1", "hopper", "lean") or self.dr not in ("atomic", "diagonal") or \
-                self.skew not in ("shuffle", "smem") or self.splits < 0:
-            raise ValueError(f"attention tuning: tiles must be v1, hopper or lean, dr atomic or diagonal, skew shuffle "
-                             f"or smem, splits >= 0: {self}")
+        if self.splits < 0:
+            raise ValueError(f"attention tuning: splits must be >= 0: {self}")
 
     @classmethod
     def parse(cls, text: str) -> Tuning:
-        """"shipped" | "rewrite" | comma-separated key=value over the shipped settings (or over a preset named first),
-        e.g. "gather16=1,half_range=1" or "rewrite,tiles=v1"."""
+        """"" or "shipped": the default; comma-separated key=count over it, "shipped" optionally first, e.g.
+        "splits=0"."""
         items = [t.strip() for t in text.split(",") if t.strip()]
-        settings: dict[str, Any] = {}
-        if items and "=" not in items[0]:
-            if items[0] not in cls.PRESETS:
-                raise ValueError(f"attention tuning: unknown preset {items[0]!r} (shipped, rewrite)")
-            settings.update(cls.PRESETS[items.pop(0)])
-        kinds = {f.name: f.type for f in fields(cls)}
+        if items and items[0] == "shipped":
+            items.pop(0)
+        keys = [f.name for f in fields(cls)]
+        settings: dict[str, int] = {}
         for item in items:
             key, _, value = item.partition("=")
             key, value = key.strip(), value.strip()
-            if key not in kinds or not value:
-                raise ValueError(f"attention tuning: {item!r} is not one of {', '.join(kinds)} = value")
-            if kinds[key] in (bool, "bool"):
-                if value.lower() not in ("0", "1", "true", "false"):
-                    raise ValueError(f"attention tuning: {key} takes 0 or 1, not {value!r}")
-                settings[key] = value.lower() in ("1", "true")
-            elif kinds[key] in (int, "int"):
-                if not value.isdigit():
-                    raise ValueError(f"attention tuning: {key} takes a count, not {value!r}")
-                settings[key] = int(value)
-            else:
-                settings[key] = value
-        return replace(cls(), **settings)
+            if key not in keys or not value:
+                raise ValueError(f"attention tuning: {item!r} is not a setting (the settings: "
+                                 f"{', '.join(f'{k}=<count>' for k in keys)}, after an optional \"shipped\", the "
+                                 "default)")
+            if not value.isdigit():
+                raise ValueError(f"attention tuning: {key} takes a count, not {value!r}")
+            settings[key] = int(value)
+        return cls(**settings)
 
 
 TUNING: Tuning | None = None  # None: ADAPTLM_ATTENTION_TUNING, read at the first launch; tests and benches set it
@@ -250,62 +220,42 @@ def _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W: tl.constexpr):
 
 
 @_jit
-def _skewed(src, idx, SKEW_SMEM: tl.constexpr):
-    """tl.gather(src, idx, 1): out[ii, jj] = src[ii, idx[ii, jj]] for 2-D src, idx with as many rows. SKEW_SMEM: as one
-    gather over the flattened tile, which Triton lowers through shared memory (the tile stored once, each output
-    loaded from where it points) instead of the warp shuffles of a gather along rows (a few per output and the
-    register layout changes around them)."""
-    if SKEW_SMEM:
-        ROWS: tl.constexpr = src.shape[0]
-        WIDTH: tl.constexpr = src.shape[1]
-        COLS: tl.constexpr = idx.shape[1]
-        flat = tl.arange(0, ROWS)[:, None] * WIDTH + idx
-        out = tl.gather(tl.reshape(src, [ROWS * WIDTH]), tl.reshape(flat, [ROWS * COLS]), 0)
-        return tl.reshape(out, [ROWS, COLS])
-    return tl.gather(src, idx, 1)
+def _skewed(src, idx):
+    """tl.gather(src, idx, 1): out[ii, jj] = src[ii, idx[ii, jj]] for 2-D src, idx with as many rows, as one gather
+    over the flattened tile, which Triton lowers through shared memory (the tile stored once, each output loaded from
+    where it points): a gather along rows is warp shuffles with the register layout converted around them, slower
+    on an H200 (session 18)."""
+    ROWS: tl.constexpr = src.shape[0]
+    WIDTH: tl.constexpr = src.shape[1]
+    COLS: tl.constexpr = idx.shape[1]
+    flat = tl.arange(0, ROWS)[:, None] * WIDTH + idx
+    out = tl.gather(tl.reshape(src, [ROWS * WIDTH]), tl.reshape(flat, [ROWS * COLS]), 0)
+    return tl.reshape(out, [ROWS, COLS])
 
 
 @_jit
-def _on_diagonals(pw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKEW_SMEM: tl.constexpr):
+def _on_diagonals(pw, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """pw (BLOCK_M, BLOCK_W) by distance -> (BLOCK_M, BLOCK_N) by key: (ii, jj) takes pw[ii, ii - jj + BLOCK_N - 1]."""
     t = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :] + (BLOCK_N - 1)
-    return _skewed(pw, t, SKEW_SMEM)
+    return _skewed(pw, t)
 
 
 @_jit
-def _on_two_halves(p_lo, p_hi, BLOCK: tl.constexpr, SKEW_SMEM: tl.constexpr):
-    """Square tiles: the distance range as two (BLOCK, BLOCK) halves, p_lo for t < BLOCK and p_hi for t >= BLOCK ->
-    (BLOCK, BLOCK) by key, as `_on_diagonals` of their concatenation."""
-    t = tl.arange(0, BLOCK)[:, None] - tl.arange(0, BLOCK)[None, :] + (BLOCK - 1)
-    low = t < BLOCK
-    return tl.where(low, _skewed(p_lo, tl.where(low, t, 0), SKEW_SMEM),
-                    _skewed(p_hi, tl.where(low, 0, t - BLOCK), SKEW_SMEM))
-
-
-@_jit
-def _by_distance(qv, rw, PREC: tl.constexpr, GATHER16: tl.constexpr):
-    """(q + v_bias) R^T for distance rows rw: (BLOCK_M, rows), fp32, or rounded to q's dtype with GATHER16."""
-    pw = tl.dot(qv, tl.trans(rw), input_precision=PREC)
-    if GATHER16:
-        pw = pw.to(qv.dtype)
-    return pw
-
-
-@_jit
-def _positional(qv, rw, PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _positional(qv, rw, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(BLOCK_M, BLOCK_N) fp32: (q_i + v_bias) . r[d(i, j)], Transformer-XL terms (b) + (d), from the tile's distance
-    rows rw (BLOCK_W, D)."""
-    return _on_diagonals(_by_distance(qv, rw, PREC, GATHER16), BLOCK_M, BLOCK_N, SKEW_SMEM).to(tl.float32)
+    rows rw (BLOCK_W, D). The scores by distance are rounded to q's dtype before the gather, as the reference's
+    matmul rounds them (half the bytes moved; nothing for fp32)."""
+    pw = tl.dot(qv, tl.trans(rw), input_precision=PREC).to(qv.dtype)  # (BLOCK_M, BLOCK_W)
+    return _on_diagonals(pw, BLOCK_M, BLOCK_N).to(tl.float32)
 
 
 @_jit
-def _to_distances(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SKEW_SMEM: tl.constexpr):
+def _to_distances(ds, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """ds (BLOCK_M, BLOCK_N) by key -> (BLOCK_M, BLOCK_W) by distance: g[ii, t] = ds[ii, ii - t + BLOCK_N - 1]
     (zero where that key is outside the tile); the adjoint of `_on_diagonals`."""
     jj = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_W)[None, :] + (BLOCK_N - 1)
     inside = (jj >= 0) & (jj < BLOCK_N)
-    return tl.where(inside, _skewed(ds, tl.where(inside, jj, 0), SKEW_SMEM), 0.0)
+    return tl.where(inside, _skewed(ds, tl.where(inside, jj, 0)), 0.0)
 
 
 @_jit
@@ -327,11 +277,8 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE, L,
                              H, Lq, Lk, qk_scale, keys_per_split,
                              HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_W: tl.constexpr, HAS_REL: tl.constexpr, HAS_KL: tl.constexpr,
-                             PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr,
-                             HALF_RANGE: tl.constexpr, SPLIT: tl.constexpr):
+                             PREC: tl.constexpr, SPLIT: tl.constexpr):
     """Forward: one (query tile, batch * head) per program -> O (B, H, Lq, D), LSE (B, H, Lq) in log2 units.
-    HALF_RANGE (square tiles): the next key tile's distances are this one's less BLOCK_N, so the upper half of its
-    range is this tile's lower half, carried over: one (BLOCK_M, BLOCK_N) positional matmul per tile.
     SPLIT (FlashDecoding): program (tile, bh, s) sees only keys [s, s + 1) * keys_per_split (a multiple of BLOCK_N)
     and writes its unnormalised partial sums: O (S, B * H * Lq, D) the accumulator, LSE its running max, L its
     denominator (fp32); `_memory_attention_combine_kernel` merges the splits."""
@@ -354,9 +301,6 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE, L,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    if HAS_REL and HALF_RANGE:  # the first tile's upper half
-        p_hi = _by_distance(qv, _rel_rows(r_base, srl, Lk - Lq + start_m - first + 1, Lk, offs_d, BLOCK_N), PREC,
-                            GATHER16)  # (BLOCK_M, BLOCK_N)
     for start_n in range(first, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
@@ -364,13 +308,8 @@ def _memory_attention_kernel(Q, K, V, R, U, VB, KL, O, LSE, L,
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N) (q + u) . k
         if HAS_REL:
             d0 = Lk - Lq + start_m - start_n - (BLOCK_N - 1)
-            if HALF_RANGE:
-                p_lo = _by_distance(qv, _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_N), PREC, GATHER16)
-                s += _on_two_halves(p_lo, p_hi, BLOCK_N, SKEW_SMEM).to(tl.float32)  # + (q + v) . r[d]
-                p_hi = p_lo
-            else:
-                s += _positional(qv, _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W), PREC, GATHER16, SKEW_SMEM,
-                                 BLOCK_M, BLOCK_N)  # + (q + v) . r[d]
+            rw = _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W)  # (BLOCK_W, D)
+            s += _positional(qv, rw, PREC, BLOCK_M, BLOCK_N)  # + (q + v) . r[d]
         s = s * qk_scale
         if (start_n < full0) | (start_n >= full1):
             s = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), s, float("-inf"))
@@ -422,10 +361,9 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DQ, D
                                     H, Lq, Lk, qk_scale, scale,
                                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                     BLOCK_W: tl.constexpr, HAS_REL: tl.constexpr, HAS_KL: tl.constexpr,
-                                    PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr,
-                                    DR_ATOMIC: tl.constexpr):
-    """Backward over the key tiles of one query tile -> DQ (content part), DQR (positional part), and with DR_ATOMIC
-    dr by fp32 atomics into DR (otherwise the dr kernel sums it)."""
+                                    PREC: tl.constexpr):
+    """Backward over the key tiles of one query tile -> DQ (content part), DQR (positional part), and dr by fp32
+    atomics into DR (Lr, H, D)."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -452,7 +390,7 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DQ, D
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_REL:
             rw = _rel_rows(r_base, srl, d0, Lk, offs_d, BLOCK_W)  # (BLOCK_W, D)
-            s += _positional(qv, rw, PREC, GATHER16, SKEW_SMEM, BLOCK_M, BLOCK_N)
+            s += _positional(qv, rw, PREC, BLOCK_M, BLOCK_N)
         p = tl.exp2(s * qk_scale - lse[:, None])  # (BLOCK_M, BLOCK_N)
         if (start_n < full0) | (start_n >= full1):
             p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
@@ -460,13 +398,12 @@ def _memory_attention_bwd_dq_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DQ, D
         ds = p * (dp - delta[:, None])  # dL/d(score), FlashAttention-2 eq. dS = P o (dP - rowsum(dO o O))
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         if HAS_REL:
-            g = _to_distances(ds, BLOCK_M, BLOCK_N, BLOCK_W, SKEW_SMEM).to(k.dtype)  # (BLOCK_M, BLOCK_W) dS by distance
+            g = _to_distances(ds, BLOCK_M, BLOCK_N, BLOCK_W).to(k.dtype)  # (BLOCK_M, BLOCK_W) dS by distance
             dqr += tl.dot(g, rw, input_precision=PREC)
-            if DR_ATOMIC:
-                dr = tl.dot(tl.trans(g), qv, input_precision=PREC) * scale  # (BLOCK_W, D) sum_i dS(i, d) (q_i + v)
-                dist = d0 + tl.arange(0, BLOCK_W)
-                tl.atomic_add(DR + dist[:, None].to(tl.int64) * (H * HEAD_D) + h * HEAD_D + offs_d[None, :], dr,
-                              mask=(dist[:, None] >= 0) & (dist[:, None] < Lk))
+            dr = tl.dot(tl.trans(g), qv, input_precision=PREC) * scale  # (BLOCK_W, D) sum_i dS(i, d) (q_i + v)
+            dist = d0 + tl.arange(0, BLOCK_W)
+            tl.atomic_add(DR + dist[:, None].to(tl.int64) * (H * HEAD_D) + h * HEAD_D + offs_d[None, :], dr,
+                          mask=(dist[:, None] >= 0) & (dist[:, None] < Lk))
     out = bh * Lq * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :]
     tl.store(DQ + out, dq * scale, mask=rows)
     if HAS_REL:
@@ -479,7 +416,7 @@ def _memory_attention_bwd_dkdv_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DK,
                                       H, Lq, Lk, qk_scale, scale,
                                       HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                       BLOCK_W: tl.constexpr, HAS_REL: tl.constexpr, HAS_KL: tl.constexpr,
-                                      PREC: tl.constexpr, GATHER16: tl.constexpr, SKEW_SMEM: tl.constexpr):
+                                      PREC: tl.constexpr):
     """Backward over the query tiles that see one key tile -> DK, DV (B, H, Lk, D)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -517,7 +454,7 @@ def _memory_attention_bwd_dkdv_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DK,
         s = tl.dot(qu, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_REL:
             rw = _rel_rows(r_base, srl, Lk - Lq + start_m - start_n - (BLOCK_N - 1), Lk, offs_d, BLOCK_W)
-            s += _positional(qv, rw, PREC, GATHER16, SKEW_SMEM, BLOCK_M, BLOCK_N)
+            s += _positional(qv, rw, PREC, BLOCK_M, BLOCK_N)
         p = tl.exp2(s * qk_scale - lse[:, None])
         if (start_m < full0) | (start_m >= full1):
             p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
@@ -528,66 +465,6 @@ def _memory_attention_bwd_dkdv_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DK,
     out = bh * Lk * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=cols)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=cols)
-
-
-@_jit
-def _memory_attention_bwd_dr_kernel(Q, K, V, R, U, VB, KL, DO, LSE, DELTA, DRP,
-                                    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, srl, srh, sdb, sdh, sdm,
-                                    B, H, Lq, Lk, qk_scale, scale, batch_per_program,
-                                    HEAD_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
-                                    HAS_KL: tl.constexpr, PREC: tl.constexpr, GATHER16: tl.constexpr,
-                                    SKEW_SMEM: tl.constexpr):
-    """dr by tile diagonals: square BLOCK x BLOCK tiles with one m - n (query tile m, key tile n) share one distance
-    range of BLOCK_W = 2 * BLOCK rows (d0 .. d0 + 2 BLOCK - 2, the last row empty), so one program per (diagonal,
-    head, batch group) sums dS by distance times (q + v_bias) over the diagonal's tiles in registers and writes it
-    once -> DRP (batch groups, diagonals, BLOCK_W, H, D) fp32; `_dr_from_diagonals` adds the overlapping halves of
-    neighbouring diagonals (no atomics: dr is deterministic)."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    grp = tl.program_id(2)
-    n_m = tl.cdiv(Lq, BLOCK)
-    n_n = tl.cdiv(Lk, BLOCK)
-    diag = c - (n_n - 1)  # m - n
-    d0 = Lk - Lq + diag * BLOCK - (BLOCK - 1)
-    offs_d = tl.arange(0, HEAD_D)
-    rw = _rel_rows(R + h * srh, srl, d0, Lk, offs_d, BLOCK_W)  # (BLOCK_W, D), the diagonal's distances
-    # query tiles m with key tile n = m - diag in range; none if the diagonal lies past the causal edge
-    m_lo = tl.maximum(diag, 0)
-    m_hi = tl.minimum(n_m, diag + n_n)
-    m_hi = tl.where(-diag * BLOCK > Lk - Lq + BLOCK - 1, m_lo, m_hi)
-    acc = tl.zeros([BLOCK_W, HEAD_D], tl.float32)
-    for b in range(grp * batch_per_program, tl.minimum(B, (grp + 1) * batch_per_program)):
-        lo = 0
-        if HAS_KL:
-            lo = tl.maximum(Lk - tl.load(KL + b), 0)
-        b64 = tl.cast(b, tl.int64)
-        q_base = Q + b64 * sqb + h * sqh
-        do_base = DO + b64 * sdb + h * sdh
-        k_base = K + b64 * skb + h * skh
-        v_base = V + b64 * svb + h * svh
-        row0 = (b64 * H + h) * Lq
-        for m in range(tl.maximum(m_lo, diag + lo // BLOCK), m_hi):  # key tiles wholly in the padding skipped
-            offs_m = m * BLOCK + tl.arange(0, BLOCK)
-            offs_n = (m - diag) * BLOCK + tl.arange(0, BLOCK)
-            rows = offs_m[:, None] < Lq
-            q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=rows, other=0.0)  # (BLOCK, D)
-            do = tl.load(do_base + offs_m[:, None] * sdm + offs_d[None, :], mask=rows, other=0.0)
-            lse = tl.load(LSE + row0 + offs_m, mask=offs_m < Lq, other=float("inf"))
-            delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < Lq, other=0.0)
-            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
-            qu, qv = _biased(q, U, VB, h, offs_d, HEAD_D, True)
-            s = tl.dot(qu, tl.trans(k), input_precision=PREC)
-            s += _positional(qv, rw, PREC, GATHER16, SKEW_SMEM, BLOCK, BLOCK)
-            p = tl.exp2(s * qk_scale - lse[:, None])
-            p = tl.where(_visible(offs_m, offs_n, Lq, Lk, lo), p, 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            g = _to_distances(ds, BLOCK, BLOCK, BLOCK_W, SKEW_SMEM).to(q.dtype)  # (BLOCK, BLOCK_W) dS by distance
-            acc += tl.dot(tl.trans(g), qv, input_precision=PREC)  # (BLOCK_W, D)
-    offs_w = tl.arange(0, BLOCK_W)
-    part = DRP + ((grp * tl.num_programs(0) + c) * BLOCK_W + offs_w[:, None]).to(tl.int64) * (H * HEAD_D)
-    tl.store(part + h * HEAD_D + offs_d[None, :], acc * scale)
 
 
 # -- launchers -------------------------------------------------------------------------------------------------------
@@ -623,49 +500,17 @@ def _triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: 
     return None
 
 
-def _block_sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str = "fwd",
-                 tiles: str = "v1") -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for kernel "fwd", "dq", "dkdv" or "dr" (square BLOCK_N tiles).
-    The interpreter gets small tiles (its cost is per element, and small tiles exercise the tile edges on small test
-    shapes).
-
-    tiles "v1" (GPU-verified, run 1): 64 x 64 (or 16-row decoding) tiles, 4 warps at head dims <= 64. "hopper" (the
-    rewrite's, picked from the compiled SASS: few or no register spills): 8 warps for the positional gathers (each
-    warp owns whole rows, about BLOCK_W / 32 shuffles per element), FlashAttention-2's 128 x 64 forward tiles without
-    rel once Lq >= 256. "lean": 4 warps (clear of Triton's cross-warpgroup wait bug before its fix, triton#11047)
-    and smaller tiles with rel, picked so the compiled code barely spills (the v1 dq kernel spills 2.4 KB a thread
-    at D = 64; `python -m bench.kernel_resources` prints every kernel's registers and spills without a GPU)."""
+def _block_sizes(D: int, Lq: int, is_cuda: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward and both backward kernels: 64 x 64 tiles (16-row
+    tiles decoding, 64 x 32 at head dim 128), 4 warps at head dims <= 64, else 8 (GPU-verified in run 1; the other
+    tiles measured on an H200 in session 18 were slower). The interpreter gets small tiles (its cost is per element,
+    and small tiles exercise the tile edges on small test shapes). `python -m bench.kernel_resources` prints each
+    kernel's registers and spills at these tiles without a GPU."""
     if not is_cuda:
         return 16, 16, 4, 1
-    if kernel == "dr":
-        if tiles == "v1":
-            return (32, 32, 4, 2) if D <= 64 else (16, 16, 4, 2)
-        if tiles == "lean":
-            return 16, 16, 4, 2
-        return (32, 32, 8, 2) if D <= 64 else (16, 16, 4, 2)
-    if tiles == "lean":  # 4 warps; with rel no spills at D <= 64 and at most 120 bytes a thread at D = 128 (3.6)
-        if Lq <= 16:
-            return (16, 32, 4, 2) if D <= 64 else (16, 16, 4, 2)
-        if not rel:
-            return (64, 64, 4, 2) if D <= 64 else (64, 32, 4, 2)
-        if D <= 64:
-            return {"fwd": (32, 32, 4, 2), "dq": (16, 32, 4, 2), "dkdv": (16, 64, 4, 2)}[kernel]
-        return {"fwd": (16, 32, 4, 2), "dq": (16, 16, 4, 2), "dkdv": (16, 32, 4, 2)}[kernel]
-    if tiles == "v1":
-        block_m = 16 if Lq <= 16 else 64
-        block_n = 64 if D <= 64 else 32
-        return block_m, block_n, 4 if D <= 64 else 8, 2
-    if Lq <= 16:  # decoding: one 16-row tile
-        return 16, 64 if D <= 64 else 32, 4, 3 if kernel == "fwd" else 2
-    if D > 64:
-        if kernel == "fwd":
-            return ((128, 64, 8, 2) if Lq >= 256 else (64, 32, 4, 2)) if not rel else (64, 64, 8, 2)
-        return (32, 32, 8, 2) if rel else (64, 32, 8, 2)
-    if kernel == "fwd":
-        if rel:
-            return 64, 64, 8, 3
-        return (128, 64, 8, 3) if Lq >= 256 else (64, 64, 4, 3)
-    return (32, 64, 8, 2) if rel else (64, 64, 8, 2)
+    block_m = 16 if Lq <= 16 else 64
+    block_n = 64 if D <= 64 else 32
+    return block_m, block_n, 4 if D <= 64 else 8, 2
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -685,7 +530,7 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
     kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
     _triton()
     tune = tuning()
-    bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, "fwd", tune.tiles)
+    bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda)
     tiles = cdiv(Lq, bm)
     splits = _key_splits(tune.splits, tiles * B * H, Lk, bn, _sms(q.device))
     per = cdiv(cdiv(Lk, splits), bn) * bn  # keys a split sees, whole key tiles
@@ -703,9 +548,7 @@ def _memory_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel
         H, Lq, Lk, scale * math.log2(math.e), per,
         HEAD_D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=next_pow2(bm + bn - 1),
         HAS_REL=rel is not None, HAS_KL=key_lengths is not None,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", GATHER16=tune.gather16,
-        SKEW_SMEM=tune.skew == "smem", HALF_RANGE=tune.half_range and bm == bn, SPLIT=splits > 1, num_warps=warps,
-        num_stages=stages)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1, num_warps=warps, num_stages=stages)
     if splits > 1:
         rows, block = B * H * Lq, 16 if q.is_cuda else 8
         _memory_attention_combine_kernel[(cdiv(rows, block),)](
@@ -734,39 +577,6 @@ def _key_splits(setting: int, programs: int, Lk: int, block_n: int, sms: int) ->
     return max(1, min(setting, -(-Lk // block_n)))
 
 
-def _dr_from_diagonals(drp: torch.Tensor, Lq: int, Lk: int, Lr: int, T: int) -> torch.Tensor:
-    """drp (groups, C, 2T, H, D): diagonal c's sums for distances d0(c) + t, d0(c) = Lk - Lq + (c - nN + 1) T - T + 1
-    with nN = cdiv(Lk, T) -> (Lr, H, D) fp32. Row t + T of diagonal c and row t of c + 1 are one distance: add the
-    halves, flatten, slice."""
-    part = drp.sum(0)  # (C, 2T, H, D)
-    C, _, H, D = part.shape
-    edge = part.new_zeros((1, T, H, D))
-    by_block = torch.cat([part[:, :T], edge]) + torch.cat([edge, part[:, T:]])  # (C + 1, T, H, D)
-    off = (-(-Lk // T) - 1) * T - (Lk - Lq) + T - 1  # flat row of distance 0
-    dr = by_block.reshape((C + 1) * T, H, D)[off : off + Lk]  # (Lk, H, D)
-    return dr if Lr == Lk else torch.cat([dr, dr.new_zeros((Lr - Lk, H, D))])
-
-
-def _dr_by_diagonals(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, common: tuple[torch.Tensor, ...],
-                     strides: tuple[int, ...], scales: tuple[float, float], Lr: int, flags: dict[str, Any],
-                     tiles: str) -> torch.Tensor:
-    """dr (Lr, H, D) fp32 from the dr kernel: one program per (tile diagonal, head, batch group)."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    _triton()
-    _, T, warps, stages = _block_sizes(D, Lq, q.is_cuda, True, "dr", tiles)  # square T x T tiles
-    C = cdiv(Lq, T) + cdiv(Lk, T) - 1  # tile diagonals
-    sms = _sms(q.device) or 1  # the interpreter: as one SM
-    groups = max(1, min(B, (2 * sms) // (C * H)))  # batch groups: enough programs to fill the GPU
-    per = cdiv(B, groups)
-    groups = cdiv(B, per)
-    drp = torch.empty((groups, C, 2 * T, H, D), dtype=torch.float32, device=q.device)
-    _memory_attention_bwd_dr_kernel[(C, H, groups)](
-        q, k, v, *common, drp, *strides, B, H, Lq, Lk, *scales, per, BLOCK=T, BLOCK_W=2 * T, num_warps=warps,
-        num_stages=stages, **flags)
-    return _dr_from_diagonals(drp, Lq, Lk, Lr, T)
-
-
 def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, rel: Rel | None, key_lengths: torch.Tensor | None,
                           scale: float) -> tuple[torch.Tensor | None, ...]:
@@ -779,10 +589,8 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dk = torch.zeros((B, H, Lk, D), dtype=k.dtype, device=q.device)  # (B, H, Lk, D)
     dv = torch.zeros((B, H, Lk, D), dtype=v.dtype, device=q.device)
     r, u, vb = rel if rel is not None else (q, q, q)
-    tune = tuning()
-    diagonal = rel is not None and tune.dr == "diagonal" and dq.numel() != 0  # the dr kernel writes dr, last
-    dr = torch.zeros((r.shape[0], H, D), dtype=torch.float32, device=q.device) if rel is not None and not diagonal \
-        else dq  # (Lr, H, D): the dq kernel's atomics sum into it
+    # (Lr, H, D): the dq kernel's atomics sum into it
+    dr = torch.zeros((r.shape[0], H, D), dtype=torch.float32, device=q.device) if rel is not None else dq
     if dq.numel() != 0:
         delta = (do.float() * out.float()).sum(-1)  # (B, H, Lq) rowsum(dO o O), FlashAttention-2 preprocessing
         kl = key_lengths.to(torch.int32).contiguous() if key_lengths is not None else lse
@@ -792,22 +600,14 @@ def _memory_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                    v.stride(0), v.stride(1), v.stride(2), r.stride(0), r.stride(1),
                    do.stride(0), do.stride(1), do.stride(2))
         scales = (scale * math.log2(math.e), scale)
-        flags = dict(HEAD_D=D, HAS_KL=key_lengths is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                     GATHER16=tune.gather16, SKEW_SMEM=tune.skew == "smem")
-
-        def meta(kernel: str) -> tuple[int, int, dict[str, Any]]:
-            bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda, rel is not None, kernel, tune.tiles)
-            return bm, bn, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=next_pow2(bm + bn - 1),
-                                HAS_REL=rel is not None, num_warps=warps, num_stages=stages, **flags)
-
-        bm, _, dq_meta = meta("dq")
+        bm, bn, warps, stages = _block_sizes(D, Lq, q.is_cuda)
+        meta = dict(HEAD_D=D, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=next_pow2(bm + bn - 1), HAS_REL=rel is not None,
+                    HAS_KL=key_lengths is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                    num_warps=warps, num_stages=stages)
         _memory_attention_bwd_dq_kernel[(cdiv(Lq, bm), B * H)](
-            q, k, v, *common, dq, dqr, dr, *strides, H, Lq, Lk, *scales, DR_ATOMIC=not diagonal, **dq_meta)
-        _, bn, dkdv_meta = meta("dkdv")
+            q, k, v, *common, dq, dqr, dr, *strides, H, Lq, Lk, *scales, **meta)
         _memory_attention_bwd_dkdv_kernel[(cdiv(Lk, bn), B * H)](
-            q, k, v, *common, dk, dv, *strides, H, Lq, Lk, *scales, **dkdv_meta)
-        if diagonal:
-            dr = _dr_by_diagonals(q, k, v, common, strides, scales, r.shape[0], flags, tune.tiles)
+            q, k, v, *common, dk, dv, *strides, H, Lq, Lk, *scales, **meta)
     if rel is None:
         return dq.to(q.dtype), dk, dv, None, None, None
     du = dq.sum((0, 2)).to(u.dtype)  # (H, D): d score / d u = d score / d q through the content term

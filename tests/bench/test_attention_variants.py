@@ -1,6 +1,6 @@
-"""`python -m bench.attention_variants --smoke`: the script a GPU session runs to tell which of the attention rewrite's
-changes breaks compiled code. Here it runs in the Triton interpreter at tiny shapes, where every setting is correct,
-so it must report every check passed and time each setting."""
+"""`python -m bench.attention_variants --smoke`: the script a GPU session runs to check the attention kernel's settings
+compiled and time them. Here it runs in the Triton interpreter at tiny shapes, where every setting is correct, so it
+must report every check passed and time each setting."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_smoke_run_checks_and_times_every_setting(tmp_path: Path) -> None:
     assert all(c["ok"] and 0 <= c["ratio"] <= 1 for c in got["checks"]), got["checks"]
     timed = {t["setting"] for t in got["times"] if t["ms"] and t["ms"] > 0}
     assert timed == set(SETTINGS) | set(SDPA_ROWS)
-    assert "| rewrite | float16 | yes |" in r.stdout
+    assert "| splits=0 | float16 | yes |" in r.stdout
     assert got["fastest"] in SETTINGS and f"fastest: {got['fastest']} (" in r.stdout
 
 
@@ -42,7 +42,7 @@ def test_smoke_run_checks_and_times_every_setting(tmp_path: Path) -> None:
 def test_settings_named_are_the_ones_checked_and_timed(tmp_path: Path) -> None:
     # a second GPU call narrows the list to the candidates: only those are checked, timed (in turns) and may win
     pytest.importorskip("triton")
-    named = ["shipped", "gather16=1,skew=smem,dr=diagonal"]
+    named = ["shipped", "splits=2"]
     r = _run("--smoke", "--settings", ";".join(named), "--json", str(tmp_path / "v.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads((tmp_path / "v.json").read_text())
@@ -82,6 +82,6 @@ def test_on_cuda_only_settings_checked_in_bfloat16_may_be_fastest() -> None:
     from bench.attention_variants import BF16, SETTINGS, eligible
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert eligible(SETTINGS, cpu, BF16) == SETTINGS
-    assert set(eligible(SETTINGS, cuda, BF16)) == BF16 and "splits=0" not in eligible(SETTINGS, cuda, BF16)
-    assert BF16 <= set(SETTINGS)
+    assert eligible(["shipped", "splits=3"], cpu, {"shipped"}) == ["shipped", "splits=3"]  # the interpreter: fp16 only
+    assert eligible(["shipped", "splits=3"], cuda, {"shipped"}) == ["shipped"]
+    assert eligible(SETTINGS, cuda, BF16) == SETTINGS and BF16 <= set(SETTINGS)

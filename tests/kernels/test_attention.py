@@ -129,11 +129,10 @@ def test_cuda_realistic_shape(dtype: torch.dtype, rel: bool, D: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", ["splits=0", "splits=0,skew=smem"])
-def test_cuda_decoding_in_key_splits(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_decoding_in_key_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     # one query row per (session, head): the automatic splits (two programs per SM) and their merge, forward and
     # gradients (the merged log-sum-exp feeds the backward)
-    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(setting))
+    monkeypatch.setattr(attention, "TUNING", attention.Tuning(splits=0))
     programs = B * 4
     assert attention._key_splits(0, programs, 2048, 64, torch.cuda.get_device_properties(0).multi_processor_count) > 1
     x = _inputs(1, 2048, 64, torch.float16, True, seed=5, device="cuda", heads=4)
@@ -204,10 +203,8 @@ def test_masking_boundary() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("setting", ["shipped", "dr=diagonal"])
-def test_empty_segment(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Lq = 0 (nothing to attend from): empty output, zero gradients everywhere (dr too, whichever kernel sums it)
-    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(setting))
+def test_empty_segment() -> None:
+    # Lq = 0 (nothing to attend from): empty output, zero gradients everywhere (dr too: no kernel runs)
     x = _inputs(0, 7, 16, torch.float32, rel=True)
     got = _run(memory_attention, x, True, torch.float32, impl="triton")
     assert got[0].shape == (B, H, 0, 16)
@@ -269,45 +266,10 @@ def test_launcher_refuses_what_the_kernel_cannot_run() -> None:
         memory_attention(x["q"], x["k"].half(), x["v"], impl="triton")
 
 
-TUNED_CASES = [  # the rel cases where each setting changes something: padded rows, decoding, odd lengths, fp16
-    pytest.param(37, 113, 16, True, [60, 113], torch.float32, id="odd-rel-padded-f32"),
-    pytest.param(37, 113, 64, True, [37, 90], torch.float16, id="odd-rel-padded-d64-f16"),
-    pytest.param(1, 29, 32, True, [1, 20], torch.float16, id="decode-rel-padded-f16"),
-    pytest.param(24, 24, 16, True, None, torch.float16, id="no-memory-rel-f16"),
-]
-
-
-@interpreted
-@pytest.mark.parametrize("setting", ["rewrite", "gather16=1", "half_range=1", "dr=diagonal", "skew=smem",
-                                     "rewrite,skew=smem"])
-@pytest.mark.parametrize(("Lq", "Lk", "D", "rel", "key_lengths", "dtype"), TUNED_CASES)
-def test_every_tuning_computes_the_same_op(setting: str, Lq: int, Lk: int, D: int, rel: bool,
-                                           key_lengths: list[int] | None, dtype: torch.dtype,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(setting))
-    _compare(Lq, Lk, D, rel, key_lengths, dtype)
-
-
-@interpreted
-@pytest.mark.parametrize("skew", ["shuffle", "smem"])
-@pytest.mark.parametrize("blocks", [(32, 32), (32, 16)], ids=["square-32", "tall"])
-def test_half_range_and_diagonal_dr_at_other_tiles(blocks: tuple[int, int], skew: str,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    # half_range carries the upper half across key tiles only on square tiles (tall ones take the full range); the dr
-    # kernel's diagonals at 32 x 32 tiles (its own sizes: kernel="dr")
-    def sizes(D: int, Lq: int, is_cuda: bool, rel: bool = False, kernel: str = "fwd", tiles: str = "v1"):  # type: ignore[no-untyped-def]
-        return (32, 32, 4, 1) if kernel == "dr" else (*blocks, 4, 1)
-
-    monkeypatch.setattr(attention, "_block_sizes", sizes)
-    monkeypatch.setattr(attention, "TUNING", attention.Tuning.parse(f"rewrite,skew={skew}"))
-    _compare(70, 150, 16, True, [70, 101], torch.float32)
-
-
 SPLIT_CASES = [  # key splits: decoding, splits starting on tiles some rows cannot see, padding (empty splits)
     pytest.param("splits=3", 1, 29, 32, True, [1, 20], torch.float16, id="decode-rel-padded-f16"),
     pytest.param("splits=3", 37, 113, 16, True, [60, 113], torch.float32, id="odd-rel-padded-f32"),
-    pytest.param("splits=2,half_range=1", 37, 113, 16, True, [60, 113], torch.float32, id="half-range"),
-    pytest.param("splits=5,skew=smem", 5, 70, 16, False, [5, 33], torch.float32, id="no-rel-smem"),
+    pytest.param("splits=5", 5, 70, 16, False, [5, 33], torch.float32, id="no-rel"),
     pytest.param("splits=64", 24, 24, 16, True, None, torch.float16, id="more-than-key-tiles"),
 ]
 
@@ -333,12 +295,13 @@ def test_key_splits_by_sm_count() -> None:
 
 
 def test_tuning_settings_parse_and_refuse() -> None:
+    # the server validates ADAPTLM_ATTENTION_TUNING at start with parse: a removed setting is refused with the valid
+    # ones named
     T = attention.Tuning
-    assert T.parse("") == T() == T.parse("shipped")
-    assert T.parse("rewrite") == T(tiles="hopper", gather16=True, half_range=True, dr="diagonal")
-    assert T.parse("rewrite, tiles=v1") == T(tiles="v1", gather16=True, half_range=True, dr="diagonal")
-    assert T.parse("gather16=1,dr=diagonal") == T(gather16=True, dr="diagonal")
-    assert T.parse("skew=smem") == T(skew="smem") and T.parse("splits=0").splits == 0
-    for bad in ["fast", "gather16=2", "tiles=ampere", "warps=8", "dr=", "skew=registers", "splits=-1", "splits=a"]:
-        with pytest.raises(ValueError, match="attention tuning"):
+    assert T.parse("") == T() == T.parse("shipped") == T(splits=1)
+    assert T.parse("splits=0") == T(splits=0) == T.parse(" shipped , splits = 0 ")
+    for bad in ["fast", "rewrite", "gather16=1", "skew=smem", "tiles=v1", "half_range=1", "dr=atomic", "warps=8",
+                "splits=", "splits=-1", "splits=a", "splits=0,shipped"]:
+        with pytest.raises(ValueError, match="attention tuning") as info:
             T.parse(bad)
+        assert "splits" in str(info.value), bad  # names the valid key

@@ -236,9 +236,9 @@ def test_attention_tuning_setting_reaches_the_kernels(serve_app: Any, tiny_check
     from kernels import attention
 
     monkeypatch.setattr(attention, "TUNING", attention.TUNING)  # restored after the test
-    with serve_app(Settings(checkpoint=tiny_checkpoint, attention_tuning="tiles=lean,dr=diagonal")) as live:
+    with serve_app(Settings(checkpoint=tiny_checkpoint, attention_tuning="splits=0")) as live:
         assert httpx.get(f"{live.url}/readyz").status_code == 200
-        assert attention.tuning() == attention.Tuning(tiles="lean", dr="diagonal")
+        assert attention.tuning() == attention.Tuning(splits=0)
 
 
 def test_kernels_setting_reaches_the_dispatcher(serve_app: Any, tiny_checkpoint: Path,

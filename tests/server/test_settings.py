@@ -61,7 +61,7 @@ def test_rejects_an_invalid_port_from_the_environment(monkeypatch: pytest.Monkey
     {"session_snapshot": "s.zip", "session_store": "redis://localhost:6379/0"},  # Redis keeps its own sessions
     {"suggest_budget_ms": -1}, {"suggest_budget_ms": float("nan")},
     {"precision": "fp8"}, {"precision": "float16"},
-    {"attention_tuning": "fast"}, {"attention_tuning": "tiles=ampere"}, {"attention_tuning": "gather16=2"},
+    {"attention_tuning": "fast"}, {"attention_tuning": "tiles=v1"}, {"attention_tuning": "splits=-1"},
     {"kernels": "cuda"}, {"kernels": "fast"},
 ])
 def test_rejects_invalid_settings(overrides: dict[str, object]) -> None:
@@ -95,9 +95,9 @@ def test_attention_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels.attention import Tuning
 
     assert Settings().attention_tuning == "" and Tuning.parse(Settings().attention_tuning) == Tuning()
-    monkeypatch.setenv("ADAPTLM_ATTENTION_TUNING", "tiles=lean,dr=diagonal")
-    assert Tuning.parse(Settings().attention_tuning) == Tuning(tiles="lean", dr="diagonal")
-    monkeypatch.setenv("ADAPTLM_ATTENTION_TUNING", "tiles=lean,warps=8")
+    monkeypatch.setenv("ADAPTLM_ATTENTION_TUNING", "splits=0")
+    assert Tuning.parse(Settings().attention_tuning) == Tuning(splits=0)
+    monkeypatch.setenv("ADAPTLM_ATTENTION_TUNING", "splits=0,warps=8")
     with pytest.raises(ValidationError, match="warps=8"):
         Settings()
 
