@@ -2,12 +2,12 @@
 # One GPU run, everything a session with a lent GPU machine measures, in one command (device time is scarce):
 #   1. the transformer families' `gpu` presets train on the public-domain mix, side by side on the one GPU;
 #   2. meanwhile the `gpu`-marked tests run (correctness only: they share the GPU with the training);
-#   3. then, on the quiet GPU, `python -m bench.attention_variants` (which attention settings compile correctly, their
-#      times, the fastest) and `python -m bench.kernels` (the Triton kernels against their references) under the
-#      fastest correct attention setting.
-# FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. VARIANTS='a;b;c' narrows step
-# 3's attention settings to those. GPU_TESTS=attention runs only the attention kernel's compiled tests, GPU_TESTS=fastest
-# its `gpu` tests after step 3's probe, under the fastest correct setting (the one a run would make the default),
+#   3. then, on the quiet GPU, `python -m bench.attention_variants` (the attention kernel's settings, shipped and its
+#      forward in key splits: correct compiled, their times, the fastest) and `python -m bench.kernels` (the Triton
+#      kernels against their references) under the fastest correct attention setting.
+# FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. VARIANTS='a;b;c' names step 3's
+# attention settings instead (e.g. 'shipped;splits=4'). GPU_TESTS=attention runs only the attention kernel's compiled
+# tests, GPU_TESTS=fastest its `gpu` tests after step 3's checks, under the fastest correct setting,
 # GPU_TESTS=0 none (bench.attention_variants checks every attention setting). Results go to $OUT (default runs/gpu): gpu.txt (the card, then the gpu tests' log: the device
 # tool brings back 8 files), attention_variants.md, .json and .log, kernels.md, kernels.json, host_overhead.md and
 # .json (the launchers' host time per call, real launches),
@@ -75,7 +75,7 @@ done
 stamp "gpu tests"
 LOG="$OUT/gpu.txt"
 if [ "${GPU_TESTS:-all}" = fastest ]; then
-    echo "GPU_TESTS=fastest: after the attention settings' probe" | tee -a "$LOG"
+    echo "GPU_TESTS=fastest: after the attention settings' checks" | tee -a "$LOG"
 elif [ "${SMOKE:-0}" = 1 ]; then
     $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py >> "$LOG" 2>&1
 elif [ "${GPU_TESTS:-all}" = attention ]; then  # the attention kernel's compiled tests alone
@@ -112,7 +112,7 @@ env -u TRITON_INTERPRET timeout "${VARIANTS_S:-240}" $PY -m bench.attention_vari
     --json "$OUT/attention_variants.json" > "$OUT/attention_variants.md" 2> "$OUT/attention_variants.log"
 cat "$OUT/attention_variants.md"
 
-# bench.kernels under the fastest correct attention setting (the shipped one where the probe found none)
+# bench.kernels under the fastest correct attention setting (the shipped one where the checks found none)
 TUNING=$($PY -c "import json, sys; print(json.load(open(sys.argv[1])).get('fastest') or '')" \
     "$OUT/attention_variants.json" 2>/dev/null)
 if [ "${GPU_TESTS:-all}" = fastest ]; then

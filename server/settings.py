@@ -30,8 +30,8 @@
     ADAPTLM_MAX_SESSION_TTL_S      the longest `ttl_s` a client may ask for
     ADAPTLM_KERNELS          auto (default: Triton on CUDA when it is installed) | triton | reference
     ADAPTLM_ATTENTION_TUNING how the Triton attention kernels run on a GPU, never what they compute
-                             (kernels.attention.Tuning: `shipped` (default), `rewrite`, or `key=value,...` such as
-                             `tiles=lean,dr=diagonal`); the kernels' implementation itself is ADAPTLM_KERNELS
+                             (kernels.attention.Tuning: `shipped` (default) or `splits=N`, the forward's key splits,
+                             0 by the GPU's SM count); the kernels' implementation itself is ADAPTLM_KERNELS
     ADAPTLM_SESSION_STORE    where sessions live: `memory` (this process; lost when it ends) or a Redis URL
                              `redis://[:password@]host:port/db` (`rediss://` for TLS): shared by every server
                              using it, kept across restarts; the session limits above are then the shared store's
