@@ -7,15 +7,15 @@
 #      kernels against their references) under the fastest correct attention setting.
 # FAMILIES=0 skips the training and the families table (step 1): the kernel work alone. VARIANTS='a;b;c' names step 3's
 # attention settings instead (e.g. 'shipped;splits=4'). GPU_TESTS=attention runs only the attention kernel's compiled
-# tests, GPU_TESTS=fastest its `gpu` tests after step 3's checks, under the fastest correct setting,
-# GPU_TESTS=0 none (bench.attention_variants checks every attention setting). Results go to $OUT (default runs/gpu): gpu.txt (the card, then the gpu tests' log: the device
-# tool brings back 8 files), attention_variants.md, .json and .log, kernels.md, kernels.json, host_overhead.md and
-# .json (the launchers' host time per call, real launches),
-# families.md and families.json (bench.families: the trained checkpoints beside the default), one
-# <arch>.tgz per trained checkpoint (the checkpoint and its train.jsonl; its resumable state left out).
+# tests, GPU_TESTS=fastest its `gpu` tests after step 3's checks, under the fastest correct setting, GPU_TESTS=0 none
+# (bench.attention_variants checks every attention setting). Results go to $OUT (default runs/gpu): gpu.txt (the card,
+# then the gpu tests' log: the device tool brings back 8 files), attention_variants.md, .json and .log, kernels.md,
+# kernels.json, host_overhead.md and .json (the launchers' host time per call, real launches), families.md and
+# families.json (bench.families: the trained checkpoints beside the default), one <arch>.tgz per trained checkpoint
+# (the checkpoint and its train.jsonl; its resumable state left out).
 #
 #   DATA=.gpu/data TRAIN_MIN=3 bash bench/gpu_run.sh
-#   FAMILIES=0 GPU_TESTS=fastest VARIANTS_S=270 TESTS_S=90 BENCH_S=160 HOST_S=30 bash bench/gpu_run.sh  # kernels, ~9.5 min
+#   FAMILIES=0 GPU_TESTS=fastest VARIANTS_S=270 TESTS_S=90 BENCH_S=160 HOST_S=30 bash bench/gpu_run.sh  # kernels, ~5 min
 #
 # DATA holds the training texts (see the Makefile's DEFAULT_TRAIN: the mix the default checkpoint was trained on),
 # austen-persuasion.txt for validation and chesterton-brown.txt (the held-out book) for the families table. Where
@@ -27,7 +27,8 @@
 # `.gpu/` is ignored through .git/info/exclude; the device tool carries it with carry [".gpu"]).
 # Two runs, their costs: docs/benchmarks.md, "The transformer families and the Triton kernels on a GPU". A call:
 # `DATA=.gpu/data TRAIN_MIN=2 BENCH_S=110 bash bench/gpu_run.sh` with carry [".gpu"] took 250-320 s of command time
-# plus ~80 s of machine start.
+# plus ~80 s of machine start. The kernels alone (FAMILIES=0, carry [".gpu/whl"]: the texts are for training) took
+# 262-308 s plus ~40 s of start in session 18 ("memory_attention on the H200: the settings settled").
 set -u
 OUT=${OUT:-runs/gpu}
 DATA=${DATA:-.gpu/data}
