@@ -15,7 +15,7 @@
 # (the checkpoint and its train.jsonl; its resumable state left out).
 #
 #   DATA=.gpu/data TRAIN_MIN=3 bash bench/gpu_run.sh
-#   FAMILIES=0 GPU_TESTS=fastest VARIANTS_S=270 TESTS_S=90 BENCH_S=160 HOST_S=30 bash bench/gpu_run.sh  # kernels, ~5 min
+#   FAMILIES=0 GPU_TESTS=fastest VARIANTS_S=270 TESTS_S=90 BENCH_S=160 HOST_S=30 bash bench/gpu_run.sh  # ~5 min
 #
 # DATA holds the training texts (see the Makefile's DEFAULT_TRAIN: the mix the default checkpoint was trained on),
 # austen-persuasion.txt for validation and chesterton-brown.txt (the held-out book) for the families table. Where
