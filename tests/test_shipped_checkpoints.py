@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from models.adaptation import DynEvalSettings
 from models.checkpoint import CHECKPOINT_FILES, load_checkpoint
 from models.scoring import score_bytes
 from server.launch import free_port, stop, wait_ready
@@ -153,3 +154,11 @@ def test_every_shipped_session_has_a_word_cache(name: str) -> None:
     transformers once had no `session` section, so their sessions ran with cache_weight 0 (docs/benchmarks.md,
     "Keystrokes with the transformer checkpoints")."""
     assert load_checkpoint(CHECKPOINTS / name).dyneval.cache_weight > 0
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_only_the_default_checkpoint_ships_a_copy_model(name: str) -> None:
+    """What DynEvalSettings' comment says: the default checkpoint's sessions mix in a copy model (dyneval.json "copy",
+    `python -m bench.copy_defaults`); the transformers and the word model have no such section."""
+    dyneval = DynEvalSettings(json.loads((CHECKPOINTS / name / "dyneval.json").read_text()))
+    assert (dyneval.copy is not None) == (name == "default")

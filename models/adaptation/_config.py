@@ -169,8 +169,9 @@ class DynEvalSettings(Mapping[str, Any]):
         cache = self.config("cache").cache
         assert cache is not None
         self.cache = cache
-        # the sessions' copy model (models/copymodel.py): on when the checkpoint has the section (the shipped ones
-        # do: `python -m bench.copy_defaults` writes it); absent, null or false: off
+        # the sessions' copy model (models/copymodel.py): on when the checkpoint has the section (of the shipped
+        # ones only checkpoints/default does: `python -m bench.copy_defaults` writes it; the transformers and the word
+        # model have none); absent, null or false: off
         section = self._raw.get("copy")
         try:
             self.copy = CopyConfig.from_dict(section) if section not in (None, False) else None
