@@ -357,16 +357,24 @@ def without_copy(checkpoint: Path, out: Path) -> Path:
     return out
 
 
+SESSION_VARIANT = {"sparse": "as served", "sparse-nocache": "without the word cache",
+                   "sparse-nocopy": "without the copy model", "sparse-noneural": "without the neural cache"}
+
+
 def row_label(system: str, r: dict[str, Any], checkpoint: str | None) -> str:
-    """The table's name of a result `r` of `system`; `checkpoint`: the name our rows carry (None: none)."""
+    """The table's name of a result `r` of `system`; `checkpoint`: the name our rows carry (None: none).
+
+    A session's or full dynamic evaluation's parts are named from what the record says ran (its "copy",
+    "neural_cache" and "cache_weight"), not from the system's name: a checkpoint without a copy section (the
+    transformers) runs "sparse" without one. Records written before they kept "copy" get the system's name."""
     label = SYSTEMS[system]
     words = r.get("tokenizer", "bytes") != "bytes"
-    if words and system.startswith("sparse"):  # no copy model; the neural cache and the word cache as it says
-        extra = (" + neural cache" if r.get("neural_cache") else "") + (" + word cache" if r.get("cache_weight")
-                                                                         else "")
-        served = "as served" if system == "sparse" else "without the neural cache" if system == "sparse-noneural" \
-            else "without the word cache"
-        label = f"ours, session {served}: adapter{extra} (HTTP)"
+    parts = (" + copy model" if r.get("copy") else "") + (" + neural cache" if r.get("neural_cache") else "") + \
+        (" + word cache" if r.get("cache_weight") else "")
+    if system in SESSION_VARIANT and ("copy" in r or words):  # a word model's records never have a copy model
+        label = f"ours, session {SESSION_VARIANT[system]}: adapter{parts} (HTTP)"
+    elif system.startswith("full") and "copy" in r:
+        label = f"ours, full dynamic evaluation{parts} (in-process)"
     if checkpoint is not None and not system.startswith("presage"):
         label = label.replace("ours", f"ours ({checkpoint}{', word model' if words else ''})", 1)
     if system != "static" and r.get("lr"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench._common import DEFAULT_CHECKPOINT
-from bench.keyboard import SYSTEMS, CheckpointInfo, choose_systems, inspect_checkpoint, result_path
+from bench.keyboard import SYSTEMS, CheckpointInfo, choose_systems, inspect_checkpoint, result_path, row_label
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
@@ -48,6 +48,27 @@ def test_the_checkpoint_is_read_from_its_json_files(word_checkpoint: Path) -> No
     words = inspect_checkpoint(word_checkpoint)
     assert (words.tag, words.tokenizer, words.copy) == (word_checkpoint.name, "words", False)
     assert words.name == word_checkpoint.name
+
+
+def test_a_row_names_what_ran_not_what_its_system_would_run_on_the_default() -> None:
+    # the default checkpoint's session: adapter, copy model, word cache, as the system's name says
+    served = {"tokenizer": "bytes", "copy": True, "neural_cache": False, "cache_weight": 0.5, "lr": 1e-4}
+    assert row_label("sparse", served, None) == f"{SYSTEMS['sparse']} (lr 0.0001, cache 0.5)"
+    assert row_label("sparse-nocache", {**served, "cache_weight": 0.0}, None) == \
+        f"{SYSTEMS['sparse-nocache']} (lr 0.0001, cache 0)"
+    assert row_label("sparse-nocopy", {**served, "copy": False}, None) == \
+        f"{SYSTEMS['sparse-nocopy']} (lr 0.0001, cache 0.5)"
+    # a byte checkpoint without a copy section (the transformers): its session has none, and the row says so
+    transformer = {**served, "copy": False, "lr": 8e-5}
+    assert row_label("sparse", transformer, "compressive") == \
+        "ours (compressive), session as served: adapter + word cache (HTTP) (lr 8e-05, cache 0.5)"
+    assert row_label("full-copy", {"tokenizer": "bytes", "copy": False, "cache_weight": 0.5, "lr": 2e-5}, None) == \
+        "ours, full dynamic evaluation + word cache (in-process) (lr 2e-05, cache 0.5)"
+    assert row_label("full", {"tokenizer": "bytes", "copy": False, "cache_weight": 0.0, "lr": 2e-5}, None) == \
+        f"{SYSTEMS['full']} (lr 2e-05, cache 0)"
+    # a record written before records kept "copy": the system's name
+    assert row_label("sparse", {"tokenizer": "bytes", "cache_weight": 0.5, "lr": 1e-4}, None) == \
+        f"{SYSTEMS['sparse']} (lr 0.0001, cache 0.5)"
 
 
 def keyboard(shared: Path, *args: str) -> subprocess.CompletedProcess[str]:
