@@ -1,7 +1,8 @@
 """The grid behind the checkpoint's copy-model settings (dyneval.json "copy", models/copymodel.py): window, count
 smoothing alpha and the mixer's step lr, on the held-out personal text of bench/session_defaults.py (the first 30 KB
 of SMS messages; the keyboard benchmark uses the file's last 20 KB) with in-domain prose as a guard; then the
-mixer's prior, the final weights of the chosen setting on those two texts, checked on slices that no step above read.
+mixer's prior, the final weights of the chosen setting on those two texts, checked on slices that no step above read,
+beside the checkpoint's present "copy" section on the same slices (`--write` replaces it whatever they say: compare).
 
     python -m bench.copy_defaults [--checkpoint DIR] [--lrs 0.005,0.01,0.02,0.05] [--alphas 0.015625,0.0625,0.25]
                                   [--windows 16384,32768] [--prior sms|mean] [--write]
@@ -175,23 +176,33 @@ def main() -> None:
     chosen = CopyConfig(window=window, orders=args.orders, alpha=alpha, lr=lr)
     with_prior = CopyConfig(window=window, orders=args.orders, alpha=alpha, lr=lr,
                             weights=tuple(tuple(float(v) + 0.0 for v in r) for r in prior))
+    # what the checkpoint ships now, on the same slices: the choice replaces it only if it does better there
+    shipped = ck.dyneval.copy
     print()
-    print("| held-out slice | static | session | session + copy | + prior | gain vs session | + prior |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| held-out slice | static | session | session + copy | + prior | gain vs session | + prior | "
+          "checkpoint's copy section | gain vs session |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     held: dict[str, tuple[float, float, float]] = {}
     for name, (text, lps) in check.items():
         st, ss = bpb(name, lps["static"], text), bpb(name, lps["session"], text)
         plain = mixed_bits(CopyModel(chosen), [lps["session"]], text, seg)[0][0] / len(text)
         primed = mixed_bits(CopyModel(with_prior), [lps["session"]], text, seg)[0][0] / len(text)
         held[name] = (ss, plain, primed)
+        now = "none | "
+        if shipped is not None:
+            sb = mixed_bits(CopyModel(shipped), [lps["session"]], text, seg)[0][0] / len(text)
+            now = f"{sb:.3f} | {100 * (1 - sb / ss):+.1f}%"
         print(f"| {name} | {st:.3f} | {ss:.3f} | {plain:.3f} | {primed:.3f} | {100 * (1 - plain / ss):+.1f}% | "
-              f"{100 * (1 - primed / ss):+.1f}% |", flush=True)
+              f"{100 * (1 - primed / ss):+.1f}% | {now} |", flush=True)
 
     if args.write:
         path = Path(args.checkpoint) / "dyneval.json"
         data = json.loads(path.read_text())
         sms, prose = held["SMS 130-150 KB"], held["prose 60-80 KB"]
-        note = (f"copy model mixed into sessions, chosen on held-out personal text (`python -m bench.copy_defaults`): "
+        weights = json.loads((Path(args.checkpoint) / "config.json").read_text())["sha256"]["model.safetensors"]
+        note = (f"copy model mixed into sessions, chosen on held-out personal text (`python -m bench.copy_defaults`, "
+                f"on the weights of model.safetensors sha256 {weights[:12]}, under the session's lr {session.lr:g} "
+                f"decay {session.decay:g}): "
                 f"the best gain over the session (sparse, session settings) on the first 30 KB of "
                 f"messages/sms_ham.train.txt ({100 * gains['SMS']:+.1f}%) that does not hurt in-domain prose "
                 f"(Persuasion bytes 20-40 KB: {100 * gains['prose']:+.1f}%); weights: the prior, the mixer's final "
