@@ -45,10 +45,8 @@ from kernels import attention  # noqa: E402
 from kernels.attention import Tuning, memory_attention, memory_attention_ref  # noqa: E402
 from tests.kernels._tolerance import kernel_error_ratio  # noqa: E402
 
-SETTINGS = ["shipped", "splits=0"]
-# also in bfloat16 (each check compiles its own kernels); on CUDA only these may be named fastest, since
-# bench/gpu_run.sh then times bench.kernels' bfloat16 rows under it
-BF16 = {"shipped", "splits=0"}
+SETTINGS = ["shipped", "splits=0"]  # on CUDA each is checked in bfloat16 too: gpu_run.sh times bench.kernels' bfloat16
+# rows under the fastest
 GRADS = ["out", "dq", "dk", "dv", "dr", "du", "dv_bias"]
 
 
@@ -164,11 +162,6 @@ def fastest(times: list[dict[str, Any]], settings: list[str]) -> tuple[str, floa
     return best, math.exp(scored[best] - base) if base is not None else float("nan")
 
 
-def eligible(passed: list[str], device: torch.device, bf16: set[str]) -> list[str]:
-    """The settings that may be named fastest: on CUDA, those checked in bfloat16 as well (`bf16`)."""
-    return [s for s in passed if device.type != "cuda" or s in bf16]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script on any device")
@@ -189,14 +182,13 @@ def main() -> None:
         # each setting checked, then the correct ones timed in turns, case by case; the JSON rewritten after each
         # check and each case, so a run stopped by its time limit keeps what it measured
         settings = args.settings.split(";") if args.settings else SETTINGS
-        bf16 = set(settings) if args.settings else BF16
         checks: list[dict[str, Any]] = []
         passed: list[str] = []
         times: list[dict[str, Any]] = []
 
         def save(rows: list[dict[str, Any]]) -> None:
             if args.json:  # whole or not at all: a run killed while writing leaves the previous version
-                best = fastest(rows, eligible(passed, device, bf16)) if rows else None
+                best = fastest(rows, passed) if rows else None
                 partial = args.json.with_suffix(".tmp")
                 partial.write_text(json.dumps({
                     "machine": machine_line(), "device": card, "triton": triton.__version__, "checks": checks,
@@ -204,7 +196,7 @@ def main() -> None:
                 os.replace(partial, args.json)
         for s in settings:
             mine = [check(s, dt, device, args.smoke) for dt in (torch.float16, torch.bfloat16)
-                    if dt == torch.float16 or (device.type == "cuda" and s in bf16)]  # the interpreter: no bf16 dots
+                    if dt == torch.float16 or device.type == "cuda"]  # the interpreter: no bf16 dots
             checks += mine
             if all(c["ok"] for c in mine):
                 passed.append(s)
@@ -225,10 +217,10 @@ def main() -> None:
             cells = [f"{by[mc]['ms']:.3f}" if by.get(mc) and by[mc]["ms"] is not None else
                      (by[mc]["error"] if by.get(mc) else "-") for mc in cases]
             print(f"| {s} | " + " | ".join(cells) + " |")
-        best = fastest(times, eligible(passed, device, bf16))
+        best = fastest(times, passed)
         if best is not None:
             print(f"\nfastest: {best[0]} (geometric mean of its times over {passed[0]}'s: {best[1]:.2f}; "
-                  f"{'of those checked in bfloat16 too' if device.type == 'cuda' else 'interpreted'})")
+                  f"{'checked in bfloat16 too' if device.type == 'cuda' else 'interpreted'})")
     attention.TUNING = None
     if args.json:
         print(f"\nwrote {args.json}")

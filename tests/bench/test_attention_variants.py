@@ -73,15 +73,3 @@ def test_without_cuda_it_needs_smoke() -> None:
         pytest.skip("a CUDA device is present")
     r = _run()
     assert r.returncode == 2 and "no CUDA device" in r.stderr
-
-
-def test_on_cuda_only_settings_checked_in_bfloat16_may_be_fastest() -> None:
-    # bench/gpu_run.sh times bench.kernels' bfloat16 rows under the fastest setting: it must have been checked so
-    import torch
-
-    from bench.attention_variants import BF16, SETTINGS, eligible
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert eligible(["shipped", "splits=3"], cpu, {"shipped"}) == ["shipped", "splits=3"]  # the interpreter: fp16 only
-    assert eligible(["shipped", "splits=3"], cuda, {"shipped"}) == ["shipped"]
-    assert eligible(SETTINGS, cuda, BF16) == SETTINGS and BF16 <= set(SETTINGS)
