@@ -217,21 +217,17 @@ def left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
 class Adapter:
     """Per-row adaptation matrices, one per site: `mats[site] : (B, k, k)` acting on the first k units.
 
-    `copy`, when given, is what else the rows' sessions learned: their copy models' statistics (models/copymodel.py),
-    one row per session, and `copy_index` (B,) the session of each row (None: all rows read row 0). Only
-    `models.copymodel.CopyMixed` reads them; the matrices' operations below leave them out. `cache` and
-    `cache_index` are the same for the sessions' neural caches (their memories of (hidden state, next token) pairs,
-    `models.adaptation.NeuralCache.to_state`), which only `models.adaptation.CacheMixed` reads."""
+    `memories` carries what else the rows' sessions learned, for a search or sampling that reads them
+    (`models.memory.MemoryMixed`): per memory name, (one view per session, the session of each row (B,) int64, -1
+    for a row whose session has none; None: every row reads view 0). The matrices' operations below leave them out.
+    """
 
     mats: dict[str, torch.Tensor]
-    copy: State | None = None
-    copy_index: torch.Tensor | None = None
-    cache: State | None = None
-    cache_index: torch.Tensor | None = None
+    memories: dict[str, tuple[list[Any], torch.Tensor | None]] = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
-        """Rows; an adapter with no matrices (only a copy model, full dynamic evaluation's) counts as one."""
+        """Rows; an adapter with no matrices (only memories, full dynamic evaluation's) counts as one."""
         return next(iter(self.mats.values())).shape[0] if self.mats else 1
 
     @staticmethod
@@ -274,49 +270,21 @@ class Adapter:
         return Adapter(out).with_sessions(adapters, [a.batch if a is not None else 1 for a in adapters])
 
     def with_sessions(self, adapters: Sequence[Adapter | None], rows: Sequence[int]) -> Adapter:
-        """These matrices, with the copy models and neural caches of `adapters` (`stack_copies`), whose adapter i
-        stands for rows[i] consecutive rows."""
-        copy, copy_index = Adapter.stack_copies(adapters, rows)
-        cache, cache_index = Adapter.stack_copies(adapters, rows, "cache")
-        return Adapter(self.mats, copy=copy, copy_index=copy_index, cache=cache, cache_index=cache_index)
-
-    @staticmethod
-    def stack_copies(adapters: Sequence[Adapter | None], rows: Sequence[int], kind: str = "copy"
-                     ) -> tuple[State | None, torch.Tensor | None]:
-        """The copy models (`kind` "copy") or neural caches ("cache") of `adapters` (batch 1 each) in one batch, and
-        the row of each of the rows[i] rows of adapter i (-1: that adapter has none, its rows read the network
-        alone). (None, None) if none has one. Neural caches of different lengths are left-padded (`State.stack`:
-        the padding's `valid` is False)."""
-        given = [a for a in adapters if a is not None and getattr(a, kind) is not None]
-        if not given:
-            return None, None
-        index, n = [], 0
-        for a, r in zip(adapters, rows, strict=True):
-            if a is not None and getattr(a, kind) is not None:
-                index += [n] * r
-                n += 1
-            else:
-                index += [-1] * r
-        states = [getattr(a, kind) for a in given]
-        return _stacked(kind, states), torch.tensor(index, device=states[0].batch_device())
-
-
-_LAST_STACK: dict[str, tuple[list[State], State]] = {}  # per kind, the last stack, with the states it was made of
-
-
-def _stacked(kind: str, copies: list[State]) -> State:
-    """`State.stack(copies)`, reused while the same state objects are stacked again (a keyboard search stacks its
-    sessions' copy statistics, ~420 KB each with their index, every round; the rounds of one search stack the same
-    ones). One state is its own stack. The states are never changed in place (a session's observe makes new ones),
-    and the memo holds them, so identity is enough."""
-    if len(copies) == 1:
-        return copies[0]
-    last = _LAST_STACK.get(kind)
-    if last is not None and len(last[0]) == len(copies) and all(a is b for a, b in zip(last[0], copies, strict=True)):
-        return last[1]
-    stacked = State.stack(copies)
-    _LAST_STACK[kind] = (list(copies), stacked)
-    return stacked
+        """These matrices, with the memories of `adapters` (one session each, view 0 of each memory), whose
+        adapter i stands for rows[i] consecutive rows."""
+        names = dict.fromkeys(name for a in adapters if a is not None for name in a.memories)
+        memories: dict[str, tuple[list[Any], torch.Tensor | None]] = {}
+        for name in names:
+            views: list[Any] = []
+            index: list[int] = []
+            for a, r in zip(adapters, rows, strict=True):
+                if a is not None and name in a.memories:
+                    index += [len(views)] * r
+                    views.append(a.memories[name][0][0])
+                else:
+                    index += [-1] * r
+            memories[name] = (views, torch.tensor(index))
+        return Adapter(self.mats, memories)
 
 
 @dataclass

@@ -32,12 +32,12 @@ byte when it arrives as the next input, so a call's last prediction waits in the
 next call's first input, and outputs depend only on the stream, not on how calls cut it.
 
 Two paths. `mix` (observing and scoring a session's text) learns: history, counts and mixer weights change with
-every byte. `CopyMixed` (sampling, the keyboard's word search) reads a session's history and mixer without changing
-them (`Adapter.copy`: the search's branches share one session's, as they share its adapter M): a hypothetical
-continuation keeps only the last 254 bytes it read (`branch_view`), and the match of each slot whose predecessor is
-the new byte is measured backwards against them (the same lengths: a match is the common suffix of the history
-before a slot and what was read; only at the window's oldest edge, whose earlier bytes are gone, can it be
-shorter). A branch of the search costs 254 bytes, not a window.
+every byte. `CopyMemory.read` (sampling, the keyboard's word search, through `models.memory.MemoryMixed`) reads a
+session's history and mixer without changing them (the search's branches share one session's, as they share its
+adapter M): a hypothetical continuation keeps only the last 254 bytes it read (`branch_view`), and the match of
+each slot whose predecessor is the new byte is measured backwards against them (the same lengths: a match is the
+common suffix of the history before a slot and what was read; only at the window's oldest edge, whose earlier bytes
+are gone, can it be shorter). A branch of the search costs 254 bytes, not a window.
 
 Layout (batch B, window W, V = 256, F = K + 3 features, NB buckets): `hist` (B, W) uint8, `match` (B, W) uint8,
 `fill` (B,) int64 bytes held, `uni` (B, V) float32 order-0 counts, `weights` (B, NB, F) float32, `feat` (B, F, V)
@@ -48,23 +48,27 @@ and row: a few passes over the W bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels.copy_scan import compiled, scan_frozen_ref, scan_ref
-from models.base import ROOT, Adapter, LanguageModel, Output, Site, State
+from models.base import State
+from models.memory import Memory, MemorySettings, NoSettings, register
 
-__all__ = ["BUCKET_EDGES", "CONTEXT", "CopyConfig", "CopyMixed", "CopyModel", "STATS", "branch_view", "frozen_stats",
-           "merge_state", "split_state"]
+if TYPE_CHECKING:
+    from models.checkpoint import Checkpoint
+
+__all__ = ["BUCKET_EDGES", "CONTEXT", "CopyConfig", "CopyMemory", "CopyModel", "STATS", "branch_view", "empty_view",
+           "frozen_stats"]
 
 # match-length buckets: the mixer's weight set for a match of l bytes is the last edge <= l (0: no match)
 BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
-PREFIX = "copy."  # names of the copy model's tensors in a merged state
-STATS = ("hist", "fill", "uni", "weights")  # what the frozen path reads of a session (Adapter.copy)
+STATS = ("hist", "fill", "uni", "weights")  # what the frozen path reads of a session (`CopyMemory.view`)
 PAIRS = ("pairs_off", "pairs_pos")  # and, on a CPU with numba, the history's index by byte pair (`frozen_stats`)
 _CAP = 254  # match lengths stop growing here (a uint8)
 CONTEXT = 254  # bytes a CopyMixed row keeps of what it read: its longest match
@@ -128,13 +132,6 @@ class CopyConfig:
         return out
 
 
-def split_state(state: State) -> tuple[State, State | None]:
-    """A merged state -> (the network's part, with the roots of a branch form, the copy model's part or None)."""
-    net = {k: v for k, v in state.tensors.items() if not k.startswith(PREFIX)}
-    copy = {k[len(PREFIX):]: v for k, v in state.tensors.items() if k.startswith(PREFIX)}
-    return State(net, state.roots), State(copy) if copy else None
-
-
 def branch_view(copy: State) -> State:
     """What `CopyMixed` carries per row of a stream whose copy-model state is `copy` (the learning path's): the last
     CONTEXT bytes it read and how many of them are real."""
@@ -163,13 +160,6 @@ def frozen_stats(copy: State) -> State:
     pos = torch.zeros(hist.shape, dtype=torch.int32)
     fused[2](hist.numpy(), fill.numpy(), off.numpy(), pos.numpy())
     return State({**stats, "pairs_off": off, "pairs_pos": pos})
-
-
-def merge_state(net: State, copy: State | None) -> State:
-    """The network's state and the copy model's in one (its tensors prefixed `copy.`; the network's roots kept)."""
-    if copy is None:
-        return net
-    return State({**net.tensors, **{PREFIX + k: v for k, v in copy.tensors.items()}}, net.roots)
 
 
 class CopyModel:
@@ -386,49 +376,79 @@ class CopyModel:
         return torch.log_softmax(torch.einsum("bf,bfv->bv", w, feat), -1)
 
 
-class CopyMixed(LanguageModel):
-    """The network with a session's copy model mixed in, for sampling and the keyboard's word search: it reads the
-    sessions' statistics (`Adapter.copy`, one row per session; `Adapter.copy_index` the session of each row) and
-    never changes them; each row's state carries the last bytes it read (`copy.ctx`, `copy.ctxlen`: `branch_view`)
-    besides the network's."""
+_LAST_STACK: list[tuple[list[State], State]] = []  # the last stack of sessions' statistics, with what it was made of
 
-    def __init__(self, base: LanguageModel, copy: CopyModel) -> None:
-        super().__init__()
-        self.base = base
-        self.copy = copy
-        self.config = base.config
-        self.frozen = base.frozen
-        self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) gives it back as it was
 
-    def init_state(self, batch: int) -> State:
-        return merge_state(self.base.init_state(batch), empty_view(batch, next(self.base.parameters()).device))
+def _stacked(stats: list[State]) -> State:
+    """`State.stack(stats)`, reused while the same state objects are stacked again: a keyboard search stacks its
+    sessions' statistics (~420 KB each with their index) every round, and the rounds of one search stack the same
+    ones. One state is its own stack. Views are never changed in place (a session's observe makes new ones) and the
+    cache holds them, so identity is enough."""
+    if len(stats) == 1:
+        return stats[0]
+    if _LAST_STACK and len(_LAST_STACK[0][0]) == len(stats) and all(
+            a is b for a, b in zip(_LAST_STACK[0][0], stats, strict=True)):
+        return _LAST_STACK[0][1]
+    stacked = State.stack(stats)
+    _LAST_STACK[:] = [(list(stats), stacked)]
+    return stacked
 
-    def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
-        net_state, copy_state = split_state(state)
-        out = self.base(tokens, net_state, adapter if adapter is not None and adapter.mats else None)
-        if copy_state is None or adapter is None or adapter.copy is None:  # no copy model: the network alone
-            return Output(logits=out.logits, state=merge_state(out.state, copy_state), hidden=out.hidden)
-        B = tokens.shape[0]
-        index = adapter.copy_index if adapter.copy_index is not None else torch.zeros(
-            B, dtype=torch.long, device=tokens.device)
-        mixed, ctx, ctxlen = self.copy.mix_frozen(self.base.log_probs(out), tokens, copy_state.tensors["ctx"],
-                                                  copy_state.tensors["ctxlen"], adapter.copy, index)
-        return Output(logits=mixed, state=merge_state(out.state, State({"ctx": ctx, "ctxlen": ctxlen})),
-                      hidden=out.hidden)
 
-    def branch(self, state: State) -> State:
-        """The network's branch form (its part of the state; each row's copy-model view stays its own)."""
-        if ROOT in state.tensors:
-            return state
-        net, copy = split_state(state)
-        return merge_state(self.base.branch(net), copy)
+@register
+class CopyMemory(Memory):
+    """The copy model as a session memory (module docstring): on for every session where the checkpoint's
+    dyneval.json has a "copy" section, unless a session turns it off."""
 
-    def settle(self, state: State) -> State:
-        net, copy = split_state(state)
-        return merge_state(self.base.settle(net), copy)
+    name = "copy"
+    kind = "distribution"
 
-    def adaptation_sites(self) -> list[Site]:
-        return self.base.adaptation_sites()
+    def __init__(self, model: CopyModel) -> None:
+        self.model = model
 
-    def log_probs(self, output: Output) -> torch.Tensor:
-        return torch.log_softmax(output.logits.float(), -1)  # the network's logits, or log p_mix unchanged
+    @classmethod
+    def build(cls, ckpt: Checkpoint) -> CopyMemory | None:
+        config = ckpt.dyneval.copy
+        if config is None or ckpt.tokenizer.vocab_size > 256:
+            return None
+        return cls(CopyModel(config, ckpt.tokenizer.vocab_size))
+
+    def defaults(self) -> MemorySettings:
+        return NoSettings()
+
+    def warm_up(self, device: torch.device) -> None:
+        self.model.warm_up(device)
+
+    def init(self, settings: MemorySettings, device: torch.device) -> State:
+        return self.model.init_state(1, device)
+
+    def restore(self, settings: MemorySettings, tensors: dict[str, torch.Tensor], meta: Any,
+                device: torch.device) -> State:
+        if not tensors:  # an export from a server without a copy model starts one afresh
+            return self.init(settings, device)
+        state = State({k: v.to(device) for k, v in tensors.items()})
+        if state.batch != 1:
+            raise ValueError("a session's copy model has one row")
+        self.model.check_state(state)
+        return state
+
+    def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+              hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+        mixed, after = self.model.mix(log_dist, inputs, State.stack(list(states)), mask)
+        return mixed, [after.select(j) for j in range(len(states))]
+
+    def view(self, state: Any) -> State:
+        return frozen_stats(state)
+
+    def branch_state(self, state: Any, batch: int, device: torch.device) -> State:
+        if state is None:
+            return empty_view(batch, device)
+        view = branch_view(state)
+        return view if batch == 1 else State({k: v.expand(batch, *v.shape[1:]) for k, v in view.tensors.items()})
+
+    def read(self, log_dist: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor | None,
+             branch: State | None, views: Sequence[Any], index: torch.Tensor) -> tuple[torch.Tensor, State | None]:
+        if branch is None:
+            raise ValueError("a search row of a session with a copy model carries its last bytes (`branch_state`)")
+        mixed, ctx, ctxlen = self.model.mix_frozen(log_dist, tokens, branch.tensors["ctx"], branch.tensors["ctxlen"],
+                                                   _stacked(list(views)), index)
+        return mixed, State({"ctx": ctx, "ctxlen": ctxlen})

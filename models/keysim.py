@@ -22,74 +22,78 @@ is kept between suggestions, so each keystroke feeds only the characters it adde
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 
-from models.adaptation import (
-    STATIC_SEGMENT,
-    DynEvalConfig,
-    FullStream,
-    Row,
-    RuleCache,
-    TextJob,
-    batch_step,
-    sparse_rule,
-)
+from models.adaptation import STATIC_SEGMENT, AdapterMemory, DynEvalConfig, FullStream, sparse_sites
 from models.base import Adapter, LanguageModel, State
-from models.copymodel import CopyMixed, CopyModel, branch_view, frozen_stats, merge_state
+from models.copymodel import CopyMemory, CopyModel, branch_view, frozen_stats
 from models.lexicon import Lexicon
+from models.memory import Memory, MemoryMixed, merge_branches
+from models.session import SessionModel
 from models.suggest import Cursor, advance, suggest
 from models.tokenizer import ByteTokenizer
-from models.wordcache import MIX_CANDIDATES, WordCache
+from models.wordcache import WordsMemory, WordsSettings
 
 __all__ = ["ModelSuggester"]
+
 
 class ModelSuggester:
     """Implements `clients.keysim.Suggester` with a model in this process (module docstring). `config` None is
     static; `stats` are the checkpoint's MS_g statistics (the RMS rules need them); `cache_weight` > 0 mixes a
     word cache of the observed text into the completions, as a server session does (`models.wordcache`); `lexicon`
     (the checkpoint's, `Checkpoint.lexicon`) ranks them under its dictionary prior, as the server does
-    (`models.lexicon`)."""
+    (`models.lexicon`). Static and sparse modes run the server's session (`models.session`)."""
 
     def __init__(self, model: LanguageModel, config: DynEvalConfig | None = None, *,
                  stats: Mapping[str, torch.Tensor] | None = None, max_chars: int = 24,
                  cache_weight: float = 0.0, tokenizer: ByteTokenizer | None = None,
                  copy: CopyModel | None = None, lexicon: Lexicon | None = None) -> None:
-        if not 0 <= cache_weight <= 1:
-            raise ValueError(f"cache_weight must be in [0, 1], not {cache_weight}")
         self.model = model.eval()  # no dropout in what it suggests
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.cache_weight = cache_weight
         self.lexicon = lexicon
-        self.words = WordCache()
         self.config = config or DynEvalConfig(mode="static")
         self.max_chars = max_chars
         ref = next(model.parameters())
         self.device = ref.device
-        self.last = self.tokenizer.bos
         self.fed = 0  # tokens fed to the model by suggestions (the cursor cache's work)
         self._cursor: tuple[bytes, Cursor] | None = None  # (context bytes, the model after them)
         self._full: FullStream | None = None
-        self._mixed: CopyMixed | None = None
-        self._rules = RuleCache()
+        self._mixed: LanguageModel | None = None
         self.copy = copy  # a copy model mixed into scores and suggestions, as a session with one
-        self._frozen: tuple[State, State] | None = None  # (copy state, its frozen_stats)
+        self._frozen: tuple[State, State] | None = None  # full mode: (copy state, its frozen_stats)
+        memories: dict[str, Memory] = {}
+        asked: dict[str, dict[str, object] | None] = {"words": WordsSettings(weight=cache_weight).model_dump()}
         mode = self.config.mode
-        rule = None
-        mats = None
+        segment = STATIC_SEGMENT
         if mode == "sparse":
-            sites, rule = sparse_rule(model, self.config, stats)
-            mats = {s: torch.zeros(k, k, dtype=ref.dtype, device=ref.device) for s, k in sites.items()}
+            sites = sparse_sites(model, self.config.adapter_units)
+            size = max(sites.values())
+            memories["adapter"] = AdapterMemory(model, stats, self.config, size, size)
+            segment = self.config.segment
         elif mode == "full":
             self._full = FullStream(model, self.config, stats, copy)  # a private copy of the weights adapts
-        # static and sparse: the stream, as a server session's
-        self._row = Row(model.init_state(1), mats, rule, copy=copy.init_state(1, ref.device) if copy else None)
+        if copy is not None and mode != "full":
+            memories["copy"] = CopyMemory(copy)
+        memories["words"] = WordsMemory()
+        self.sessions = SessionModel(model, self.tokenizer, memories, segment)
+        self.session = self.sessions.fresh(self.sessions.config(asked))
+
+    @property
+    def words(self) -> object:
+        return self.session.memories["words"]
+
+    @property
+    def last(self) -> int:
+        return self.session.last_token
 
     @property
     def updates(self) -> int:
-        return self._full.updates + self._full.skipped if self._full is not None else (
-            self._row.updates + self._row.dropped)
+        if self._full is not None:
+            return self._full.updates + self._full.skipped
+        return self.session.stats.updates + self.session.stats.nonfinite_resets
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -98,35 +102,32 @@ class ModelSuggester:
 
     @property
     def _forward(self) -> LanguageModel:
-        model = self._full.model if self._full is not None else self.model
+        if self._full is None:
+            return self.sessions.search_model
         if self.copy is None:
-            return model
-        if self._mixed is None or self._mixed.base is not model:
-            self._mixed = CopyMixed(model, self.copy)
+            return self._full.model
+        if self._mixed is None or self._mixed.base is not self._full.model:  # type: ignore[attr-defined]
+            self._mixed = MemoryMixed(self._full.model, [CopyMemory(self.copy)])
         return self._mixed
 
     @property
-    def _copy_state(self) -> State | None:
-        return self._full.copy if self._full is not None else self._row.copy
-
-    @property
     def adapter(self) -> Adapter | None:
-        mats = self._row.mats
-        copy = self._copy_state
-        stats = None
-        if copy is not None:  # indexed once per copy state (a learning step makes a new one), not per keystroke
-            if self._frozen is None or self._frozen[0] is not copy:
-                self._frozen = (copy, frozen_stats(copy))
-            stats = self._frozen[1]
-        if mats is None:
-            return Adapter({}, copy=stats) if stats is not None else None
-        return Adapter({s: m.unsqueeze(0) for s, m in mats.items()}, copy=stats)
+        if self._full is None:
+            adapter = self.sessions.adapter(self.session)
+            return adapter if adapter.mats or adapter.memories else None
+        copy = self._full.copy
+        if copy is None:
+            return None
+        if self._frozen is None or self._frozen[0] is not copy:  # indexed once per copy state, not per keystroke
+            self._frozen = (copy, frozen_stats(copy))
+        return Adapter({}, {"copy": ([self._frozen[1]], None)})
 
     @property
     def state(self) -> State:
-        state = self._full.state if self._full is not None else self._row.state
-        copy = self._copy_state
-        return merge_state(state, branch_view(copy)) if copy is not None else state
+        if self._full is None:
+            return self.sessions.view_state(self.session)
+        copy = self._full.copy
+        return merge_branches(self._full.state, {"copy": branch_view(copy)}) if copy is not None else self._full.state
 
     # -- the Suggester protocol ---------------------------------------------------------------------------
 
@@ -144,28 +145,25 @@ class ModelSuggester:
             cursor = advance(self._forward, self.state, inputs, self.adapter)
             self.fed += len(inputs)
         self._cursor = (inputs, cursor)
-        width = max(k, MIX_CANDIDATES) if self.cache_weight > 0 else k  # as a session (server/engine/_suggest.py)
+        width = self.sessions.search_width(self.session, k)  # as a server session's
         found = suggest(self._forward, cursor, context, self.adapter, k=width, max_chars=self.max_chars, n_chars=0,
                         tokenizer=self.tokenizer)
-        completions = self.words.mix(found.completions, context, self.cache_weight, k, self.max_chars, self.lexicon,
-                                     found.space_share)
+        completions = self.sessions.rank(self.session, found.completions, context, k, self.max_chars, self.lexicon,
+                                         found.space_share)
         return [" " + c.text if c.space_before else c.text for c in completions]  # as inserted (`Suggester`)
 
     def observe(self, text: str) -> None:
         data = text.encode("utf-8")
         if not data:
             return
-        inputs, targets = self.tokenizer.stream(data, self.last, self.device)  # (T,)
         if self._full is not None:
+            inputs, targets = self.tokenizer.stream(data, self.last, self.device)  # (T,)
             n = self.config.segment
             for start in range(0, inputs.numel(), n):
                 self._full.step(inputs[None, start:start + n], targets[None, start:start + n])
+            words = self.sessions.memories["words"].observe_text(self.session.memories["words"], text)
+            self.session = dataclasses.replace(self.session, last_token=self.tokenizer.last_token(data),
+                                               memories={**self.session.memories, "words": words})
         else:
-            job = TextJob(inputs, targets, [self._row])
-            segment = self.config.segment if self.config.mode == "sparse" else STATIC_SEGMENT
-            while not job.done:
-                batch_step(self.model, [job], segment, self._rules, self.copy)
-            self._row.logprobs.clear()  # only the stream's state and adapter are kept
-        self.last = self.tokenizer.last_token(data)
+            self.session = self.sessions.observe(self.session, data, shadow=False)
         self._cursor = None
-        self.words.observe(text)

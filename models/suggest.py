@@ -163,7 +163,7 @@ def _rows(adapter: Adapter | None, batch: int) -> Adapter | None:
     if adapter is None or adapter.batch == batch:
         return adapter
     return Adapter({k: m.expand(batch, -1, -1) for k, m in adapter.mats.items()},  # (B, k, k)
-                   copy=adapter.copy, cache=adapter.cache)  # every row reads the one session's copy model, cache
+                   adapter.memories)  # every row reads the one session's memories (index None: view 0)
 
 
 @torch.no_grad()

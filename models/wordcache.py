@@ -74,13 +74,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+from pydantic import Field
+
+from models.memory import Memory, MemorySettings, register
 from models.suggest import APOSTROPHES, Completion, is_word_char, split_word
 
 if TYPE_CHECKING:
+    from models.checkpoint import Checkpoint
     from models.lexicon import Lexicon
 
-__all__ = ["MAX_WORD_BYTES", "MIX_CANDIDATES", "WordCache", "counted_words", "mix_completions", "previous_word",
-           "previous_words", "title"]
+__all__ = ["MAX_WORD_BYTES", "MIX_CANDIDATES", "WordCache", "WordsMemory", "WordsSettings", "counted_words",
+           "mix_completions", "previous_word", "previous_words", "title"]
 
 # The longest word counted, in UTF-8 bytes (German's long compounds are about 40). Text without spaces was one
 # word of any length, kept pending, counted, and written three times into the session's export, whose header the
@@ -445,3 +450,54 @@ def mix_completions(completions: list[Completion], cached: Mapping[str, float], 
                 mixed[key] = mixed.get(key, 0.0) + weight * p * share
     best = sorted(mixed.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
     return [Completion(word, p, spaced) for (word, spaced), p in best]
+
+
+class WordsSettings(MemorySettings):
+    weight: float = Field(default=0.0, ge=0, le=1, allow_inf_nan=False,
+                          description="Weight of the word cache in keyboard suggestions (0: not mixed).")
+
+
+@register
+class WordsMemory(Memory):
+    """The word cache as a session memory: it counts the words the session observed and mixes them into keyboard
+    suggestions at `weight` (0: counted, not mixed). Its state is a `WordCache`, exported as its `to_dict`."""
+
+    name = "words"
+    kind = "words"
+    settings_type = WordsSettings
+
+    def __init__(self, weight: float = 0.0) -> None:
+        self.weight = weight
+
+    @classmethod
+    def build(cls, ckpt: Checkpoint) -> WordsMemory:
+        return cls(ckpt.dyneval.cache_weight)
+
+    def defaults(self) -> WordsSettings:
+        return WordsSettings(weight=self.weight)
+
+    def init(self, settings: MemorySettings, device: torch.device) -> WordCache:
+        return WordCache()
+
+    def export(self, state: Any) -> tuple[dict[str, torch.Tensor], Any]:
+        return {}, state.to_dict()
+
+    def restore(self, settings: MemorySettings, tensors: dict[str, torch.Tensor], meta: Any,
+                device: torch.device) -> WordCache:
+        if tensors:
+            raise ValueError("the word cache has no tensors")
+        return WordCache.from_dict(meta or {})
+
+    def observe_text(self, state: Any, text: str) -> WordCache:
+        words = state.copy()  # a new object: the stored record may be read meanwhile
+        words.observe(text)
+        return words
+
+    def search_width(self, settings: MemorySettings, k: int) -> int:
+        assert isinstance(settings, WordsSettings)
+        return max(k, MIX_CANDIDATES) if settings.weight > 0 else k
+
+    def rank(self, state: Any, settings: MemorySettings, completions: list[Any], context: str, k: int,
+             max_chars: int, lexicon: Any, space: float) -> list[Any]:
+        assert isinstance(settings, WordsSettings)
+        return list(state.mix(completions, context, settings.weight, k, max_chars, lexicon, space))

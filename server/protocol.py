@@ -348,31 +348,39 @@ class CompletionResponse(BaseModel):
 
 
 class AdaptationParams(RequestModel):
-    """A session's sparse dynamic evaluation (thesis sec. 4.6); what is left out comes from the checkpoint."""
+    """A session's memories and their settings; what is left out comes from the checkpoint. The settings' ranges are
+    the memories' own (models/memory.py), checked when the session is made (a 422 naming the field)."""
 
-    lr: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True,
-                             description="Learning rate eta (at most 1e4).")
-    decay: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False, strict=True,
-                                description="Decay lambda towards the unadapted model (M = 0).")
-    adapter_size: int | None = Field(default=None, ge=1, strict=True,
-                                     description="k: M is k x k on the first k units of the adaptation site "
-                                                 "(at most the site's units).")
-    cache_weight: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False, strict=True,
-                                       description="Weight of the session's word cache (the words it observed) "
-                                                   "mixed into keyboard suggestions; 0 turns it off.")
+    memories: dict[str, dict[str, Any] | None] | None = Field(
+        default=None, description="Settings of the session's memories by name (the model's are listed in a "
+                                  "session's `adaptation.memories`): an object of settings to change, or null to "
+                                  "turn the memory off. The fields below are shorthands for the shipped memories'.")
+    lr: float | None = Field(default=None, strict=True, description="Learning rate eta of the sparse adapter, in "
+                             "[0, 1e4] (memories.adapter.lr).")
+    decay: float | None = Field(default=None, strict=True, description="Decay lambda towards the unadapted model "
+                                "(M = 0), in [0, 1] (memories.adapter.decay).")
+    adapter_size: int | None = Field(default=None, strict=True,
+                                     description="k >= 1: M is k x k on the first k units of the adaptation site "
+                                                 "(at most the site's units; memories.adapter.size).")
+    cache_weight: float | None = Field(default=None, strict=True,
+                                       description="Weight in [0, 1] of the session's word cache (the words it "
+                                                   "observed) mixed into keyboard suggestions; 0 turns it off "
+                                                   "(memories.words.weight).")
     neural_cache: bool | None = Field(default=None, strict=True,
                                       description="Mix the neural cache (Grave et al. 2017: the session's recent "
                                                   "hidden states and the tokens that followed them) into every "
                                                   "prediction of the session, with the checkpoint's window, theta "
-                                                  "and lambda; it takes the copy model's place.")
+                                                  "and lambda; it takes the copy model's place (memories.cache).")
     copy_model: bool | None = Field(default=None, strict=True,
                                     description="Mix the session's copy model (what it observed that repeats) into "
                                                 "its predictions, where the checkpoint has one (the default). False: "
                                                 "the network alone; with lr 0 and cache_weight 0, the unadapted "
-                                                "model.")
+                                                "model (memories.copy).")
 
 
 class AdaptationSettings(BaseModel):
+    memories: dict[str, dict[str, Any]] = Field(default_factory=dict,
+                                                description="The session's memories that are on, with their settings.")
     lr: float
     decay: float
     adapter_size: int

@@ -8,7 +8,8 @@
     FullStream         full dynamic evaluation of one stream (a private copy of the weights)
 """
 
-from models.adaptation._cache import CacheMixed, NeuralCache, read_memory
+from models.adaptation._adapter_memory import MAX_SESSION_LR, AdapterMemory, AdapterSettings, adapter_limits
+from models.adaptation._cache import CacheMemory, NeuralCache, hidden_size, read_memory
 from models.adaptation._config import EVAL_MODES, MODES, RULES, CacheConfig, DynEvalConfig, DynEvalSettings
 from models.adaptation._evaluate import EvalResult, evaluate, evaluate_many, split_documents
 from models.adaptation._full import FullStream, adapted_parameter_names
@@ -25,8 +26,9 @@ from models.adaptation._sparse import (
 from models.adaptation._step import DIVERGED_BITS, STATIC_SEGMENT, Row, RuleCache, TextJob, batch_step
 
 __all__ = [
-    "DIVERGED_BITS", "EVAL_MODES", "MODES", "RULES", "STATIC_SEGMENT", "CacheConfig", "CacheMixed", "DynEvalConfig",
-    "DynEvalSettings", "EvalResult", "FullStream", "NeuralCache", "Row", "RuleCache", "ScoreStep", "SparseStep",
-    "TextJob", "UpdateRule", "adapted_parameter_names", "adapter_ms_g", "batch_step", "evaluate", "evaluate_many",
+    "DIVERGED_BITS", "EVAL_MODES", "MAX_SESSION_LR", "MODES", "RULES", "STATIC_SEGMENT", "AdapterMemory",
+    "AdapterSettings", "CacheConfig", "CacheMemory", "DynEvalConfig", "DynEvalSettings", "EvalResult", "FullStream",
+    "NeuralCache", "Row", "RuleCache", "ScoreStep", "SparseStep", "TextJob", "UpdateRule", "adapter_limits",
+    "adapted_parameter_names", "adapter_ms_g", "batch_step", "evaluate", "evaluate_many", "hidden_size",
     "read_memory", "score_step", "sparse_rule", "sparse_sites", "sparse_step", "split_documents",
 ]

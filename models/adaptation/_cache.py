@@ -10,20 +10,26 @@ of a stream) gets p_model unchanged.
 
 Sessions (the server): a session's memory is kept between its texts as a State (`to_state` / `from_state`: "keys"
 (1, L, H), "values" (1, L), "valid" (1, L), L <= window). Observing its text runs `mix`, which learns; sampling
-and the keyboard's search read it through `CacheMixed` (`read_memory`), which never changes it: a hypothetical
+and the keyboard's search read it through `CacheMemory.read` (`read_memory`), which never changes it: a hypothetical
 continuation is predicted from the pairs the session observed, not from its own.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from models.adaptation._config import CacheConfig
-from models.base import Adapter, LanguageModel, Output, Site, State
+from models.base import LanguageModel, State
+from models.memory import Memory, MemorySettings, NoSettings, register
 
-__all__ = ["CacheMixed", "NeuralCache", "read_memory"]
+if TYPE_CHECKING:
+    from models.checkpoint import Checkpoint
+
+__all__ = ["CacheMemory", "NeuralCache", "hidden_size", "read_memory"]
 
 
 class NeuralCache:
@@ -133,46 +139,88 @@ def _read_memory(log_dist: torch.Tensor, hidden: torch.Tensor, memory: State, co
     return _mixture(log_dist, scores, values.unsqueeze(0).expand(R, -1), has, config.lam)
 
 
-class CacheMixed(LanguageModel):
-    """A model with its rows' sessions' neural caches mixed in, for sampling and the keyboard's word search: it reads
-    the memories (`Adapter.cache`, one row per session; `Adapter.cache_index` the session of each row, -1 none) and
-    never changes them. A row without a memory gets the inner model's output unchanged."""
+@register
+class CacheMemory(Memory):
+    """The neural cache as a session memory: a session's memory of (hidden state, next token) pairs, mixed into every
+    prediction of the session; it takes the copy model's place (a session remembers its own text by one of them).
+    Its state is `NeuralCache.to_state`'s ("keys" (1, L, H) float32, "values" (1, L) int64, "valid" (1, L) bool),
+    or None before the session observed a token; its window, theta and lam are the checkpoint's (dyneval.json
+    "cache"). Off unless the checkpoint's "session" section or the session asks for it."""
 
-    def __init__(self, base: LanguageModel, config: CacheConfig) -> None:
-        super().__init__()
-        self.base = base
-        self.cache_config = config
-        self.config = base.config
-        self.frozen = base.frozen
-        self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) gives it back as it was
+    name = "cache"
+    kind = "distribution"
+    replaces = ("copy",)
+    needs_hidden = True
 
-    def init_state(self, batch: int) -> State:
-        return self.base.init_state(batch)
+    def __init__(self, config: CacheConfig, hidden: int = 0, vocab_size: int = 0, on: bool = False) -> None:
+        self.config, self.hidden, self.vocab_size, self.on = config, hidden, vocab_size, on
 
-    def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
-        out: Output = self.base(tokens, state, adapter)
-        if adapter is None or adapter.cache is None:
-            return out
-        if out.hidden is None:
-            raise ValueError("the neural cache needs the model's hidden states (Output.hidden)")
-        log_dist = self.base.log_probs(out).float()  # (B, T, V)
+    @classmethod
+    def build(cls, ckpt: Checkpoint) -> CacheMemory | None:
+        hidden = hidden_size(ckpt.model, ckpt.tokenizer.bos)
+        if hidden is None:
+            return None
+        return cls(ckpt.dyneval.cache, hidden, ckpt.tokenizer.vocab_size, ckpt.dyneval.neural_cache)
+
+    def defaults(self) -> MemorySettings | None:
+        return NoSettings() if self.on else None
+
+    def init(self, settings: MemorySettings, device: torch.device) -> None:
+        return None  # no pairs yet
+
+    def restore(self, settings: MemorySettings, tensors: dict[str, torch.Tensor], meta: Any,
+                device: torch.device) -> State | None:
+        if not tensors:
+            return None
+        keys, values, valid = tensors.get("keys"), tensors.get("values"), tensors.get("valid")
+        if keys is None or values is None or valid is None or len(tensors) != 3:
+            raise ValueError("the neural cache needs exactly cache.keys, cache.values and cache.valid")
+        H = self.hidden
+        L = keys.shape[1] if keys.dim() == 3 else -1
+        if (keys.dtype != torch.float32 or keys.dim() != 3 or keys.shape[0] != 1 or keys.shape[2] != H
+                or values.dtype != torch.int64 or tuple(values.shape) != (1, L)
+                or valid.dtype != torch.bool or tuple(valid.shape) != (1, L)):
+            raise ValueError(f"the neural cache is not of shapes (1, L, {H}) float32, (1, L) int64 and (1, L) bool "
+                             "(another model?)")
+        if L > self.config.window:
+            raise ValueError(f"the neural cache holds {L} pairs, more than its window ({self.config.window})")
+        if not bool(torch.isfinite(keys).all()):
+            raise ValueError("cache.keys holds non-finite values")
+        if L and not (0 <= int(values.min()) and int(values.max()) < self.vocab_size):
+            raise ValueError(f"cache.values are not token ids of this model (0 to {self.vocab_size - 1})")
+        return State({"keys": keys.to(device), "values": values.to(device), "valid": valid.to(device)})
+
+    def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+              hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+        assert hidden is not None, "the neural cache needs Output.hidden"
+        out = log_dist.float().clone()
+        lengths = mask.sum(1).tolist()
+        after = []
+        for j, state in enumerate(states):  # each row its own memory, of its own length
+            t = int(lengths[j])
+            cache = NeuralCache.from_state(self.config, state)
+            out[j : j + 1, :t] = cache.mix(log_dist[j : j + 1, :t], hidden[j : j + 1, :t], targets[j : j + 1, :t])
+            after.append(cache.to_state())
+        return out, after
+
+    def read(self, log_dist: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor | None,
+             branch: State | None, views: Sequence[Any], index: torch.Tensor) -> tuple[torch.Tensor, State | None]:
+        assert hidden is not None
         B = tokens.shape[0]
-        index = adapter.cache_index.tolist() if adapter.cache_index is not None else [0] * B
+        rows_of = index.tolist()
         mixed = log_dist
-        for s in sorted(set(index) - {-1}):
-            rows = [b for b in range(B) if index[b] == s]
-            part = read_memory(log_dist[rows], out.hidden[rows], adapter.cache.select(s), self.cache_config)
+        for s in sorted(set(rows_of) - {-1}):
+            if views[s] is None:  # an empty memory: the distribution unchanged
+                continue
+            rows = [b for b in range(B) if rows_of[b] == s]
+            part = read_memory(log_dist[rows], hidden[rows], views[s], self.config)
             mixed = mixed.index_copy(0, torch.tensor(rows, device=log_dist.device), part) if len(rows) < B else part
-        return Output(logits=mixed, state=out.state, aux=out.aux, hidden=out.hidden)
+        return mixed, None
 
-    def branch(self, state: State) -> State:
-        return self.base.branch(state)  # the state is the inner model's
 
-    def settle(self, state: State) -> State:
-        return self.base.settle(state)
-
-    def adaptation_sites(self) -> list[Site]:
-        return self.base.adaptation_sites()
-
-    def log_probs(self, output: Output) -> torch.Tensor:
-        return torch.log_softmax(output.logits.float(), -1)  # log p of the mixture, or the model's logits
+@torch.no_grad()
+def hidden_size(model: LanguageModel, bos: int) -> int | None:
+    """H of the hidden states the model hands its output layer (`Output.hidden`), or None if it gives none."""
+    ref = next(model.parameters())
+    out = model(torch.tensor([[bos]], device=ref.device), model.init_state(1))
+    return int(out.hidden.shape[-1]) if out.hidden is not None else None

@@ -12,7 +12,6 @@ adapted weights are a private copy (the shared model is never written).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,19 +19,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.adaptation._cache import NeuralCache
+from models.adaptation._cache import CacheMemory
 from models.adaptation._config import DynEvalConfig
 from models.adaptation._full import FullStream, adapted_parameter_names
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import eval_mode, sparse_rule
 from models.adaptation._step import STATIC_SEGMENT, Row, RuleCache, TextJob, batch_step
 from models.base import LanguageModel, State
-from models.copymodel import CopyModel
+from models.copymodel import CopyMemory, CopyModel
+from models.memory import Memory, NoSettings
+from models.scoring import LN2
 from models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["EvalResult", "adapted_parameter_names", "evaluate", "evaluate_many", "split_documents"]
 
-LN2 = math.log(2.0)
 
 
 @dataclass
@@ -88,17 +88,22 @@ def _batched_streams(model: LanguageModel, docs: Sequence[bytes], config: DynEva
                      copy: CopyModel | None = None) -> list[_Stream]:
     """Static or sparse evaluation of B streams at once, through `batch_step`; a finished text leaves the batch."""
     ref = next(model.parameters())
+    memories: dict[str, Memory] = {}
+    if copy is not None:
+        memories["copy"] = CopyMemory(copy)
+    if config.cache:
+        memories = {"cache": CacheMemory(config.cache)}  # it takes the copy model's place
     jobs = []
     for doc in docs:
         inputs, targets = tokenizer.stream(doc, None, ref.device)
         mats = {s: torch.zeros(k, k, dtype=ref.dtype, device=ref.device) for s, k in sites.items()} if rule else None
-        row = Row(model.init_state(1), mats, rule, NeuralCache(config.cache) if config.cache else None,
-                  copy.init_state(1, ref.device) if copy is not None else None)
+        row = Row(model.init_state(1), mats, rule,
+                  memories={name: m.init(NoSettings(), ref.device) for name, m in memories.items()})
         jobs.append(TextJob(inputs, targets, [row]))
     segment = config.segment if rule is not None else STATIC_SEGMENT
     rules = RuleCache()
     while running := [job for job in jobs if not job.done]:
-        batch_step(model, running, segment, rules, copy)
+        batch_step(model, running, segment, rules, memories)
     out = []
     for job in jobs:
         row = job.rows[0]

@@ -21,16 +21,16 @@ job redoes the segment in the next step.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from models.adaptation._cache import NeuralCache
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import score_step, sparse_step
 from models.base import Adapter, LanguageModel, State
-from models.copymodel import CopyModel
+from models.memory import Memory
 
 __all__ = ["DIVERGED_BITS", "STATIC_SEGMENT", "Row", "RuleCache", "TextJob", "batch_step", "usable_rows"]
 
@@ -45,8 +45,9 @@ class Row:
     state: State  # batch 1
     mats: dict[str, torch.Tensor] | None = None  # site -> (k, k)
     rule: UpdateRule | None = None
-    cache: NeuralCache | None = None  # the neural cache (ALGORITHMS.md §4) mixed into this row's scores
-    copy: State | None = None  # batch 1: the row's copy model (models/copymodel.py), mixed into its scores; learns
+    # the row's distribution memories (models/memory.py) by name, mixed into its scores in the order of
+    # `batch_step`'s `memories`; each learns from the segment
+    memories: dict[str, Any] = field(default_factory=dict)
     logprobs: list[torch.Tensor] = field(default_factory=list)  # (t,) per segment, natural log
     updates: int = 0
     dropped: int = 0  # updates the non-finite guard refused
@@ -107,10 +108,11 @@ def usable_rows(logprobs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rules: RuleCache | None = None,
-               copy: CopyModel | None = None) -> int:
-    """Advance every job by one segment (`segment` tokens) in one batched call; -> rows in the batch. Rows with a
-    `copy` state score under the network mixed with `copy` (all such rows in one call), which learns the segment;
-    the adapters learn from the network's own scores, so that without a copy model a row is exactly as before."""
+               memories: Mapping[str, Memory] | None = None) -> int:
+    """Advance every job by one segment (`segment` tokens) in one batched call; -> rows in the batch. Rows with
+    distribution memories score under the network mixed with them, in the order of `memories` (each memory's rows
+    in one call), and each memory learns the segment; the adapters learn from the network's own scores, so that
+    without memories a row scores exactly as the network does."""
     rows = [row for job in jobs for row in job.rows]
     spans = [min(segment, job.targets.numel() - job.pos) for job in jobs]  # this step's tokens of each job
     lengths = [t for job, t in zip(jobs, spans, strict=True) for _ in job.rows]
@@ -139,17 +141,16 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     failed_t = torch.zeros(len(rows), dtype=torch.bool, device=ref.device)  # (B,) updates the guard refused
     cached: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # batch row -> (log_dist, hidden) (1, n, .)
 
-    if any(row.copy is not None for row in rows) and copy is None:
-        raise ValueError("rows with a copy-model state need the copy model")
+    memories = memories or {}
+    for row in rows:
+        if unknown := set(row.memories) - set(memories):
+            raise ValueError(f"rows with the memories {sorted(unknown)} need them in `memories`")
 
     def keep_dist(index: list[int], log_dist: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
         for j, i in enumerate(index):
-            if rows[i].cache is not None:
-                assert log_dist is not None and hidden is not None, "the neural cache needs Output.hidden"
-                cached[i] = (log_dist[j : j + 1], hidden[j : j + 1])
-            elif rows[i].copy is not None:
+            if rows[i].memories:
                 assert log_dist is not None
-                cached[i] = (log_dist[j : j + 1], None)
+                cached[i] = (log_dist[j : j + 1], hidden[j : j + 1] if hidden is not None else None)
 
     if learn:
         part = [rows[i] for i in learn]
@@ -171,7 +172,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     if keep:
         part = [rows[i] for i in keep]
         index = _to(keep, ref.device)
-        with_dist = any(row.cache is not None or row.copy is not None for row in part)
+        with_dist = any(row.memories for row in part)
         scored = score_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]),
                             _stacked_adapter(part), keep_dist=with_dist, row_lengths=[lengths[i] for i in keep])
         logprobs[index] = scored.logprobs.to(logprobs.dtype)
@@ -181,17 +182,26 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     # the guard's one read back from the device a step: per row, are its scores usable, and was its update refused?
     usable_t = usable_rows(logprobs, length_t)  # (B,)
     usable, failed = torch.stack([usable_t, failed_t]).tolist()
-    # the copy-model rows, mixed in one call (their new states are kept only where the segment stands, below)
-    copied = [i for i, row in enumerate(rows) if row.copy is not None]
-    mixed_copy: dict[int, tuple[torch.Tensor, State]] = {}
-    if copied:
-        assert copy is not None
-        index = _to(copied, ref.device)
-        log_net = torch.cat([cached[i][0] for i in copied])  # (b, n, V)
-        mixed, after = copy.mix(log_net, x[index], State.stack([c for i in copied if (c := rows[i].copy) is not None]),
-                                mask[index])
-        picked = mixed.gather(-1, y[index].unsqueeze(-1)).squeeze(-1)  # (b, n)
-        mixed_copy = {i: (picked[j], after.select(j)) for j, i in enumerate(copied)}
+    # each memory's rows mixed in one call, memory after memory (their new states are kept only where the segment
+    # stands, below)
+    dists = {i: d for i, (d, _) in cached.items()}  # batch row -> (1, n, V) its distribution so far
+    learned: dict[int, dict[str, Any]] = {}  # batch row -> its memories' states after the segment
+    for name, memory in memories.items():
+        mine_rows = [i for i, row in enumerate(rows) if name in row.memories]
+        if not mine_rows:
+            continue
+        index = _to(mine_rows, ref.device)
+        hidden = None
+        if memory.needs_hidden:
+            parts = [cached[i][1] for i in mine_rows]
+            if any(h is None for h in parts):
+                raise ValueError(f"the {name} memory needs the model's hidden states (Output.hidden)")
+            hidden = torch.cat([h for h in parts if h is not None])  # (b, n, H)
+        mixed, after = memory.learn(torch.cat([dists[i] for i in mine_rows]), x[index], y[index], mask[index], hidden,
+                                    [rows[i].memories[name] for i in mine_rows])
+        for j, i in enumerate(mine_rows):
+            dists[i] = mixed[j : j + 1]
+            learned.setdefault(i, {})[name] = after[j]
     b = 0
     for job in jobs:
         mine = range(b, b + len(job.rows))
@@ -207,16 +217,9 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
         for i, row in zip(mine, job.rows, strict=True):
             t = lengths[i]
             lp = logprobs[i, :t]
-            if row.cache is not None:
-                log_dist, hidden = cached[i]
-                yi = y[i : i + 1, :t]
-                hid = hidden[:, :t] if hidden is not None else None
-                assert hid is not None
-                mixed = row.cache.mix(log_dist[:, :t], hid, yi)  # (1, t, V)
-                lp = mixed.gather(-1, yi.unsqueeze(-1))[0, :, 0].to(logprobs.dtype)
-            elif row.copy is not None:
-                lp = mixed_copy[i][0][:t].to(logprobs.dtype)
-                row.copy = mixed_copy[i][1]
+            if i in learned:
+                lp = dists[i][0, :t].gather(-1, y[i, :t].unsqueeze(-1))[:, 0].to(logprobs.dtype)
+                row.memories = {**row.memories, **learned[i]}
             row.logprobs.append(lp)
             row.state = new_state[i]
             if row.rule is not None and row.mats is not None:

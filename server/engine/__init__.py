@@ -17,15 +17,16 @@ from server.engine._export import export_session, import_session
 from server.engine._generation import Event, Finished, GenerationStream, PromptScored, Token, TokenLogprob
 from server.engine._memory_store import MemorySessionStore
 from server.engine._redis import RedisSessionStore
-from server.engine._session import AdaptationConfig, Session, SessionStats
+from server.engine._session import Session, SessionConfig, SessionStats
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore, StoreStats
 from server.engine._suggest import Suggestions
 
 __all__ = [
-    "AdaptationConfig", "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event",
-    "Finished", "GenerationStream", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
-    "RedisSessionStore", "Session", "SessionConflict", "SessionImportError", "SessionLimits", "SessionNotFound",
-    "SessionStats", "SessionStore", "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable", "StoreStats",
-    "Suggestions", "TextScore", "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
+    "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event", "Finished",
+    "GenerationStream", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
+    "RedisSessionStore", "Session", "SessionConfig", "SessionConflict", "SessionImportError", "SessionLimits",
+    "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull", "SessionStoreUnavailable",
+    "SessionsUnavailable", "StoreStats", "Suggestions", "TextScore", "Token", "TokenLogprob", "export_session",
+    "import_session", "new_session_id",
 ]

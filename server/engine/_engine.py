@@ -40,7 +40,7 @@ from server.engine._generation import GenerationExecutor, GenerationJob, Generat
 from server.engine._loading import ModelInfo, SessionLimits, load_model
 from server.engine._memory_store import MemorySessionStore
 from server.engine._scheduler import Scheduler
-from server.engine._session import AdaptationConfig, Session, new_session_id
+from server.engine._session import Session, SessionConfig, new_session_id
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore
@@ -204,12 +204,13 @@ class Engine:
 
     # -- sessions ----------------------------------------------------------------------------------
 
-    async def create_session(self, *, owner: str | None, config: AdaptationConfig | None = None,
+    async def create_session(self, *, owner: str | None, config: SessionConfig | None = None,
                              ttl_s: float | None = None, initial_text: bytes | None = None
                              ) -> tuple[Session, TextScore | None]:
         """A new session (`sessions.config()`: the checkpoint's defaults, for no `config`); with `initial_text`,
         it has observed that text when this returns. Raises InvalidSessionSettings."""
-        config = self.sessions.check(config) if config is not None else self.sessions.config()
+        self.sessions.limits()
+        config = config if config is not None else self.sessions.config()
         ttl = self.sessions.ttl(ttl_s)
         session_id = new_session_id()
         create = functools.partial(self.sessions.create, session_id, owner, ttl, config)

@@ -279,9 +279,9 @@ class GenerationExecutor:
                 session = self._sessions.get(job.session_id, job.owner)
                 # a word session's pending text (its last word, perhaps unfinished) comes before the prompt
                 start = {"state": self._sessions.view_state(session), "last_token": session.last_token,
-                         "adapter": session.adapter_with_copy(), "prefix": session.pending}
-            # the network mixed with the session's copy model, when sessions have one (models/copymodel.py); every
-            # generation runs the one model, so that all of them step in one batch
+                         "adapter": self._sessions.model.adapter(session), "prefix": session.pending}
+            # the network mixed with the sessions' memories (models/memory.py); every generation runs the one model,
+            # so that all of them step in one batch
             done = job.start(self._sessions.session_model(), self._stats, **start)
         except Exception as e:
             job.fail(e)

@@ -15,7 +15,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from models.tokenizer import Tokenizer
+from models.session import SessionModel
 from server.engine._errors import SessionConflict, SessionImportError, SessionStoreFull
 from server.engine._export import export_session, import_session
 from server.engine._session import Session
@@ -56,6 +56,7 @@ class MemorySessionStore(SessionStore):
         self.owner_max_bytes = owner_max_bytes or 0
         self.snapshot = Path(snapshot) if snapshot is not None else None
         self._model_hash: str | None = None
+        self._model: SessionModel | None = None
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
@@ -140,10 +141,10 @@ class MemorySessionStore(SessionStore):
         with self._lock:
             return StoreStats(sessions=len(self._sessions), bytes=self._bytes, evictions=dict(self._evictions))
 
-    def bind(self, model_hash: str, template: Session, tokenizer: Tokenizer | None = None) -> None:
-        self._model_hash = model_hash
+    def bind(self, model_hash: str, template: Session, sessions: SessionModel) -> None:
+        self._model_hash, self._model = model_hash, sessions
         if self.snapshot is not None and self.snapshot.exists():
-            self._restore(self.snapshot, model_hash, template, tokenizer)
+            self._restore(self.snapshot, model_hash, template, sessions)
 
     def close(self) -> None:
         """Write the snapshot, if there is one to write (without a path the sessions end with the process)."""
@@ -160,7 +161,8 @@ class MemorySessionStore(SessionStore):
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
             for i, session in enumerate(sessions):
                 member = f"{i}.safetensors"
-                z.writestr(member, export_session(session, model_hash))
+                assert self._model is not None
+                z.writestr(member, export_session(session, model_hash, self._model))
                 index.append({"member": member, "id": session.id, "owner": session.owner,
                               "created": session.created, "last_used": session.last_used, "ttl_s": session.ttl_s})
             z.writestr("index.json", json.dumps({"format": SNAPSHOT_FORMAT, "model_hash": model_hash,
@@ -168,7 +170,7 @@ class MemorySessionStore(SessionStore):
         os.replace(tmp, path)
         log.info("wrote %d sessions to %s", len(sessions), path)
 
-    def _restore(self, path: Path, model_hash: str, template: Session, tokenizer: Tokenizer | None) -> None:
+    def _restore(self, path: Path, model_hash: str, template: Session, sessions: SessionModel) -> None:
         """Read a snapshot back; a snapshot of other weights, or one that cannot be read, is left alone (and
         said so in the log): the server starts without those sessions rather than not at all."""
         now, kept, skipped = self._clock(), 0, 0
@@ -184,7 +186,7 @@ class MemorySessionStore(SessionStore):
                 for entry in index["sessions"]:  # least recently used first, so the LRU order comes back
                     try:
                         session, _ = import_session(z.read(entry["member"]), model_hash=model_hash,
-                                                    template=template, tokenizer=tokenizer)
+                                                    template=template, sessions=sessions)
                         owner = entry["owner"]
                         if owner is not None and not isinstance(owner, str):
                             raise TypeError("an owner is a string or null")

@@ -66,7 +66,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from models.tokenizer import Tokenizer
+from models.session import SessionModel
 from server.engine._errors import SessionConflict, SessionImportError, SessionStoreFull, SessionStoreUnavailable
 from server.engine._export import export_session, import_session
 from server.engine._session import Session
@@ -337,7 +337,7 @@ class _Bound:
     template: Session
     keys: tuple[str, str, str, str, str]  # lru, exp, size, bytes, pins
     ns: str
-    tokenizer: Tokenizer | None = None  # None: bytes
+    sessions: SessionModel
 
 
 class RedisSessionStore(SessionStore):
@@ -378,10 +378,10 @@ class RedisSessionStore(SessionStore):
 
     # -- the interface -----------------------------------------------------------------------------
 
-    def bind(self, model_hash: str, template: Session, tokenizer: Tokenizer | None = None) -> None:
+    def bind(self, model_hash: str, template: Session, sessions: SessionModel) -> None:
         ns = f"adaptlm:{{{model_hash[:16]}}}"
         keys = (f"{ns}:lru", f"{ns}:exp", f"{ns}:size", f"{ns}:bytes", f"{ns}:pins")
-        self._bound = _Bound(model_hash, template, keys, ns, tokenizer)
+        self._bound = _Bound(model_hash, template, keys, ns, sessions)
         with self._errors("connect to"):
             self._redis.ping()
             self._measure_skew()
@@ -394,7 +394,7 @@ class RedisSessionStore(SessionStore):
         bound = self._binding()
         try:
             session, _ = import_session(blob, model_hash=bound.model_hash, template=bound.template,
-                                        tokenizer=bound.tokenizer)
+                                        sessions=bound.sessions)
         except SessionImportError as e:
             log.error("session %s in Redis cannot be read (%s); treating it as absent", session_id[:8], e)
             return None
@@ -546,7 +546,8 @@ class RedisSessionStore(SessionStore):
 
     def _record(self, session: Session) -> list[str | bytes]:
         """A stored session as script arguments: id, blob, owner, created, last_used, ttl, expires_at, size."""
-        blob = export_session(session, self._binding().model_hash)
+        bound = self._binding()
+        blob = export_session(session, bound.model_hash, bound.sessions)
         return [session.id, blob, session.owner or "", repr(session.created), repr(session.last_used),
                 repr(session.ttl_s), repr(session.expires_at()), str(len(blob))]
 

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from models.tokenizer import Tokenizer
+from models.session import SessionModel
 from server.engine._session import Session
 
 __all__ = ["SessionStore", "StoreStats", "new_revision"]
@@ -84,11 +84,11 @@ class SessionStore(ABC):
     def stats(self) -> StoreStats: ...
 
     @abstractmethod
-    def bind(self, model_hash: str, template: Session, tokenizer: Tokenizer | None = None) -> None:
+    def bind(self, model_hash: str, template: Session, sessions: SessionModel) -> None:
         """Called by the engine once its checkpoint is loaded, before any other call: the weights' hash, a
-        fresh session of the model (its tensor layouts, dtype and device) and its tokenizer (None: bytes; what a
-        session's next token and pending text may be). A store that serialises sessions needs them to read them
-        back; it may also check here that it is reachable (SessionStoreUnavailable)."""
+        fresh session of the model (what a record read back starts from) and the sessions' model (its memories and
+        tokenizer: what a record holds). A store that serialises sessions needs them to read them back; it may also
+        check here that it is reachable (SessionStoreUnavailable)."""
 
     @abstractmethod
     def close(self) -> None:

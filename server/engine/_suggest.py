@@ -24,14 +24,14 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from models.base import LanguageModel, State
+from models.base import Adapter, LanguageModel, State
 from models.lexicon import Lexicon
+from models.session import SessionModel
 from models.suggest import (
     Completion,
     Cursor,
@@ -49,7 +49,7 @@ from models.suggest import (
 )
 from models.tokenizer import ByteTokenizer
 from models.word_tokenizer import WordTokenizer
-from models.wordcache import MIX_CANDIDATES, WordCache
+from models.wordcache import WordCache, WordsMemory, WordsSettings
 from server.engine._errors import SessionsUnavailable
 from server.engine._session import Session
 from server.engine._session_service import SessionService
@@ -120,9 +120,11 @@ class CursorCache:
     """Worker-thread only. At most `sessions` sessions, `per_session` cursors each (least recently used go)."""
 
     def __init__(self, sessions: int = 256, per_session: int = 32, tokenizer: ByteTokenizer | None = None,
-                 view: Callable[[Session], State] = Session.view_state) -> None:
+                 model: SessionModel | None = None) -> None:
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.view = view  # a session's state to continue from (`SessionService.view_state`)
+        # what a session's search continues from and reads (`SessionModel.view_state`, `.adapter`); without a
+        # session model, the session's own state and adapter (a session without memories)
+        self.model = model
         self.sessions = sessions
         self.per_session = per_session
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -133,7 +135,22 @@ class CursorCache:
         plan = self.plan(session, context)
         if isinstance(plan, Cursor):
             return plan
-        return self.put(session, context, advance(model, plan.state, plan.inputs, session.adapter_with_copy()))
+        return self.put(session, context, advance(model, plan.state, plan.inputs, self.adapter(session)))
+
+    def view(self, session: Session) -> State:
+        return self.model.view_state(session) if self.model is not None else session.state
+
+    def adapter(self, session: Session) -> Adapter:
+        return self.model.adapter(session) if self.model is not None else session.adapter
+
+    def search_width(self, session: Session, k: int) -> int:
+        return self.model.search_width(session, k) if self.model is not None else k
+
+    def rank(self, session: Session, completions: list[Completion], context: str, k: int, max_chars: int,
+             lexicon: Lexicon | None, space: float) -> list[Completion]:
+        if self.model is None:
+            return lexicon.rank(completions, k, None) if lexicon is not None else completions[:k]
+        return list(self.model.rank(session, completions, context, k, max_chars, lexicon, space))
 
     def plan(self, session: Session, context: bytes) -> Cursor | Feed:
         """The cached cursor after the session's text and `context`, or what must be fed to make it (from the
@@ -221,16 +238,16 @@ class SuggestRounds:
             if isinstance(plan, Cursor):
                 job.cursor = plan
         if feeds:
-            made = advance_many(self.model, [(plan.state, plan.inputs, job.session.adapter_with_copy())
+            made = advance_many(self.model, [(plan.state, plan.inputs, self.cache.adapter(job.session))
                                              for job, plan in feeds])
             for (job, _), cursor in zip(feeds, made, strict=True):
                 job.cursor = self.cache.put(job.session, job.context.encode("utf-8"), cursor)
         for job in jobs:
             assert job.cursor is not None
             try:
-                # with the word cache, the search finds more of the model's words than it shows: a cached word among
-                # them keeps its own probability under the model in the mix (models/wordcache.py, MIX_CANDIDATES)
-                width = max(job.k, MIX_CANDIDATES) if job.session.config.cache_weight > 0 else job.k
+                # with a word memory, the search finds more of the model's words than it shows: a remembered word
+                # among them keeps its own probability under the model in the mix (models/wordcache.py)
+                width = self.cache.search_width(job.session, job.k)
                 job.search = WordSearch(job.cursor, split_word(job.context)[1], k=width, max_chars=job.max_chars,
                                         min_prob=self.min_prob, batch=self.batch,
                                         max_expansions=self.max_expansions, classes=self.classes,
@@ -256,7 +273,7 @@ class SuggestRounds:
             return None, done
         requests = [(job, job.request) for job in self.active if job.request is not None]
         sizes = [len(tokens) for _, (_, tokens) in requests]
-        adapter = row_adapters([job.session.adapter_with_copy() for job, _ in requests], sizes)
+        adapter = row_adapters([self.cache.adapter(job.session) for job, _ in requests], sizes)
         state, logprobs = step(self.model, State.stack([s for _, (s, _) in requests]),
                                [t for _, (_, tokens) in requests for t in tokens], adapter)
         start = 0
@@ -318,12 +335,12 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache, lexicon: 
     cache.put(job.session, context, job.cursor)
     try:
         found = job.search.result()
-        chars = next_chars(model, job.cursor, job.n_chars, job.session.adapter_with_copy(), classes=job.search.classes)
-        # the session's word cache, mixed in (models/wordcache.py; cache_weight 0: not mixed; after a mark each cached
-        # word split between the two kinds by the model's odds of the space), then the k best under the lexicon's
-        # prior (a word neither in it nor typed by the session demoted; each prob stays as mixed)
-        mixed = job.session.words.mix(found.completions, job.context, job.session.config.cache_weight, job.k,
-                                      job.max_chars, lexicon, found.space_share)
+        chars = next_chars(model, job.cursor, job.n_chars, cache.adapter(job.session), classes=job.search.classes)
+        # the session's word memories mixed in (models/wordcache.py: after a mark each remembered word split between
+        # the two kinds by the model's odds of the space), then the k best under the lexicon's prior (a word neither
+        # in it nor typed by the session demoted; each prob stays as mixed)
+        mixed = cache.rank(job.session, found.completions, job.context, job.k, job.max_chars, lexicon,
+                           found.space_share)
         found = dataclasses.replace(found, completions=mixed)
     except Exception as e:  # one job's failure is its own
         job.error = e
@@ -334,7 +351,7 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache, lexicon: 
 
 @torch.no_grad()
 def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Session, context: str, *, k: int,
-                     n_chars: int, max_chars: int) -> Suggestions:
+                     n_chars: int, max_chars: int, sessions: SessionModel) -> Suggestions:
     """A word model's keyboard suggestions: one model step from the session (its text, then its pending text and
     the stable part of `context`: `WordTokenizer.split_stable`, and a punctuation mark or a gap before the word being
     typed: `split_typed`) gives the next word's distribution; the completions are the k most probable vocabulary
@@ -364,8 +381,8 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     stable += settled
     ids = [session.last_token, *tokenizer.encode(stable)]
     device = next(model.parameters()).device
-    out = model(torch.tensor([ids], dtype=torch.long, device=device), session.view_state(),
-                session.adapter_with_copy())
+    adapter = sessions.adapter(session)
+    out = model(torch.tensor([ids], dtype=torch.long, device=device), sessions.view_state(session), adapter)
     logprobs = model.log_probs(out)[0, -1].double().cpu()  # (V,)
     # the words (no end of line, no <unk>) that continue the typed part, in byte order: after a space, nearly the
     # whole vocabulary, so tensor work only (no Python pass over them)
@@ -395,7 +412,9 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
         direct_mass = float(probs[tokenizer.words_of(matching, spaced=False)].sum()) + math.exp(float(logprobs[unk]))
         space_share = spaced_mass / (spaced_mass + direct_mass) if spaced_mass > 0 else 0.0
 
-    weight = session.config.cache_weight
+    words = session.memories.get(WordsMemory.name)
+    settings = session.config.get(WordsMemory.name)
+    weight = settings.weight if isinstance(settings, WordsSettings) and words is not None else 0.0
     candidates, candidate_probs = torch.cat([matching, unspaced]), torch.cat([probs, unspaced_probs])  # (n + m,)
     spaced_kind = torch.cat([spaced_words, torch.zeros_like(unspaced, dtype=torch.bool)])  # (n + m,)
 
@@ -412,8 +431,8 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     completions = [Completion(word(j), norm * float(candidate_probs[j]), bool(spaced_kind[j]))
                    for j in best]  # ties in byte order
     if weight > 0:
-        mixed = session.words.mix(completions, typing.decode("utf-8", errors="replace"), weight, k, max_chars,
-                                  space=space_share)
+        mixed = words.mix(completions, typing.decode("utf-8", errors="replace"), weight, k, max_chars,
+                          space=space_share)
         completions = [c for c in mixed if c.text.startswith(prefix) and len(c.text) > len(prefix)]
     chars: dict[str, float] = {}
     calls = 1
@@ -431,13 +450,12 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
         elif unspaced.numel() and tokenizer.token_bytes(int(unspaced[0])) == b" " + typed and shares[0] > 0:
             ended, end = norm * float(unspaced_probs[0]), tokenizer.unk
         if end is not None:
-            after = model(torch.tensor([[end]], dtype=torch.long, device=device), out.state,
-                          session.adapter_with_copy())
+            after = model(torch.tensor([[end]], dtype=torch.long, device=device), out.state, adapter)
             for char, p in tokenizer.first_char_probs(model.log_probs(after)[0, -1].double().exp()).items():
                 chars[char] = chars.get(char, 0.0) + ended * p
             calls += 1
     if weight > 0 and n_chars > 0:  # the word cache's words go on too, as they are mixed into the completions
-        chars = _cached_chars(chars, session.words, typing.decode("utf-8", errors="replace"), prefix, weight,
+        chars = _cached_chars(chars, words, typing.decode("utf-8", errors="replace"), prefix, weight,
                               max_chars, space_share)
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
     return Suggestions(prefix, completions, next_, expansions=0, model_calls=calls, exact=True,
@@ -511,7 +529,7 @@ class SuggestExecutor:
         self._refuse = refuse  # why this model has no suggestions (SessionsUnavailable); "": it has
         self._model, self._words = model, words  # a word model: `word_suggestions`, answered at once
         tokenizer = tokenizer or ByteTokenizer()
-        self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer, view=sessions.view_state),
+        self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer, model=sessions.model),
                                      min_prob=SUGGEST_MIN_PROB,
                                      batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
                                      round_rows=SUGGEST_ROUND_ROWS, classes=TokenClasses.of(tokenizer),
@@ -530,7 +548,8 @@ class SuggestExecutor:
             session = self._sessions.get(work.target, work.owner)
             if self._words is not None:
                 work.future.set_result(word_suggestions(self._model, self._words, session, work.context,
-                                                        k=work.k, n_chars=work.n_chars, max_chars=work.max_chars))
+                                                        k=work.k, n_chars=work.n_chars, max_chars=work.max_chars,
+                                                        sessions=self._sessions.model))
                 return
         except Exception as e:
             work.fail(e)

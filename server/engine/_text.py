@@ -17,23 +17,21 @@ model's session has nothing pending: both read the text as sent.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from models.adaptation import DynEvalConfig, NeuralCache, Row, RuleCache, TextJob, batch_step
-from models.base import Adapter, State
+from models.adaptation import RuleCache, TextJob
 from models.checkpoint import Checkpoint
+from models.scoring import LN2
+from models.session import Observed
 from models.word_tokenizer import WordTokenizer
 from server.engine._errors import SessionNotFound
 from server.engine._scheduler import Scheduler, pack
-from server.engine._session import PENDING_MAX_BYTES, Session, SessionStats
+from server.engine._session import Session
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
 from server.engine._work import Work
@@ -41,7 +39,6 @@ from server.engine._work import Work
 __all__ = ["Text", "TextExecutor", "TextScore"]
 
 log = logging.getLogger(__name__)
-LN2 = math.log(2.0)
 Mode = Literal["static", "peek", "observe"]
 
 
@@ -81,6 +78,7 @@ class Text(Work):
         super().__init__(session_id=session_id, owner=owner, counted=counted)
         self.data, self.mode, self.logprobs, self.create = data, mode, logprobs, create
         self.job: TextJob | None = None  # its rows, once started
+        self.text: Observed | None = None  # what the session model made of it, once started
         self.session: Session | None = None  # the record it started from
         self.scored = data  # the text whose tokens it scores (a word session: with the pending text; stable part)
         self.pending = b""  # an observe: the session's pending text after it
@@ -106,37 +104,18 @@ class TextExecutor:
 
     def start(self, work: Text) -> None:
         """Read the session and set up the rows."""
-        model = self._ckpt.model
         try:
             session = None
             if work.create is not None:
                 session = work.create()
             elif work.session_id is not None:
                 session = self._sessions.get(work.session_id, work.owner)
-            ref = next(model.parameters())
-            if session is None:
-                rows = [Row(model.init_state(1))]
-                last = None  # the stream's start: the tokenizer's BOS
-            else:
-                mats = {k: m[0] for k, m in session.adapter.mats.items()}  # (k, k)
-                rule = self._sessions.rule(session.config) if work.mode == "observe" else None
-                cache = (NeuralCache.from_state(self._sessions.limits().cache, session.cache)
-                         if session.config.neural_cache else None)
-                rows = [Row(session.state, mats, rule, cache=cache, copy=session.copy)]
-                if work.mode == "observe":
-                    rows.append(Row(session.static_state))
-                last = session.last_token
-                work.scored = session.pending + work.data
-                if work.mode == "observe":
-                    work.scored, work.pending = self._ckpt.tokenizer.split_stable(work.scored)
-                    if len(work.pending) > PENDING_MAX_BYTES:  # <unk> whatever follows: scored as it stands
-                        work.scored, work.pending = work.scored + work.pending, b""
-            inputs, targets = self._ckpt.tokenizer.stream(work.scored, last, ref.device)
+            text = self._sessions.model.start(session, work.data, work.mode)
         except Exception as e:
             work.fail(e)
             return
-        work.session = session
-        work.job = TextJob(inputs[: targets.numel()], targets, rows)
+        work.session, work.text = session, text
+        work.job, work.scored, work.pending = text.job, text.scored, text.pending
         self._scheduler.claim(work.session_id)
         if not work.scored:  # an observe that only grew the pending word: nothing to score
             self.finish(work)
@@ -164,11 +143,8 @@ class TextExecutor:
             self._texts = running = [*running[taken:], *stepping]  # the others go first next time
         else:
             stepping = running
-        assert self._sessions.base is not None or all(t.mode == "static" for t in running)
-        config = self._sessions.base or DynEvalConfig(mode="static")
         try:
-            rows = batch_step(self._ckpt.model, [t.job for t in stepping if t.job is not None], config.segment,
-                              self._stacked, self._sessions.copy_model)
+            rows = self._sessions.model.step([t.job for t in stepping if t.job is not None], self._stacked)
         except Exception as e:
             log.exception("a batched step failed; failing its %d items", len(stepping))
             for work in stepping:
@@ -208,26 +184,12 @@ class TextExecutor:
         static_bits = None
         self._stats.nonfinite_resets += main.dropped + main.resets
         if work.mode == "observe":
-            assert work.session is not None and main.mats is not None
+            assert work.session is not None and work.text is not None
             shadow = work.job.rows[1]
             static_bits = -shadow.total_logprob() / LN2 if shadow.logprobs else 0.0
-            old = work.session
-            stats = SessionStats(bytes_observed=old.stats.bytes_observed + len(work.scored),
-                                 updates=old.stats.updates + main.updates,
-                                 nonfinite_resets=old.stats.nonfinite_resets + main.dropped + main.resets,
-                                 bits=old.stats.bits + bits, static_bits=old.stats.static_bits + static_bits)
-            words = old.words.copy()  # copied: the stored record may be read meanwhile
-            words.observe(work.scored.decode("utf-8", errors="ignore"))
-            session = dataclasses.replace(
-                old, last_used=time.time(), state=_owned(main.state), static_state=_owned(shadow.state),
-                last_token=self._ckpt.tokenizer.last_token(work.scored) if work.scored else old.last_token,
-                pending=work.pending,
-                adapter=Adapter({k: m.unsqueeze(0).clone() for k, m in main.mats.items()}),
-                stats=stats, words=words, copy=_owned(main.copy) if main.copy is not None else None,
-                cache=_owned(memory) if main.cache is not None and (memory := main.cache.to_state()) is not None
-                else old.cache)
-            # written only over the record `old` was read as: SessionConflict if another server wrote the session
-            # meanwhile (this observe is then not applied at all, and its client may send it again)
+            session = self._sessions.model.observed(work.session, work.text, bits, static_bits)
+            # written only over the record `work.session` was read as: SessionConflict if another server wrote the
+            # session meanwhile (this observe is then not applied at all, and its client may send it again)
             if self._sessions.store.update(session) is None:
                 raise SessionNotFound(session.id)  # deleted while it was being observed
             self._stats.updates += main.updates  # applied
@@ -237,8 +199,3 @@ class TextExecutor:
                          static_bits=static_bits, updates=main.updates,
                          nonfinite_reset=bool(main.dropped or main.resets), tokens=int(lp.numel()),
                          pending_bytes=len(work.pending), token_texts=texts)
-
-
-def _owned(state: State) -> State:
-    """A state that owns its memory (not a view into a batch), fit to be stored."""
-    return State({k: v.clone() for k, v in state.tensors.items()})

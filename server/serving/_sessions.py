@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from fastapi import Response
 
-from server.engine import AdaptationConfig, InvalidSessionSettings, Session, TextScore
+from server.engine import InvalidSessionSettings, Session, SessionConfig, TextScore
 from server.errors import UnprocessableEntityError
 from server.protocol import (
     AdaptationParams,
@@ -34,6 +35,11 @@ __all__ = ["create_session", "delete_session", "export_state", "get_session", "i
 
 STATE_MEDIA_TYPE = "application/octet-stream"
 
+# The request's flat settings: shorthands for the shipped memories' (memory, setting; None: the memory on or off)
+_SHORTHANDS: dict[str, tuple[str, str | None]] = {
+    "lr": ("adapter", "lr"), "decay": ("adapter", "decay"), "adapter_size": ("adapter", "size"),
+    "cache_weight": ("words", "weight"), "neural_cache": ("cache", None), "copy_model": ("copy", None)}
+
 
 def observed(result: TextScore) -> ObserveResponse:
     static = result.static_bits if result.static_bits is not None else float("nan")
@@ -48,13 +54,15 @@ def observed(result: TextScore) -> ObserveResponse:
 def session_response(session: Session, ctx: Context, result: TextScore | None = None) -> SessionResponse:
     limits = ctx.engine.session_limits()
     st = session.stats
+    on = session.config.to_dict()
+    adapter, words = on.get("adapter", {}), on.get("words", {})
     return SessionResponse(
         id=session.id, model=ctx.engine.info.name, created=session.created, last_used=session.last_used,
         expires_at=session.expires_at(), ttl_s=session.ttl_s,
-        adaptation=AdaptationSettings(lr=session.config.lr, decay=session.config.decay,
-                                      adapter_size=session.config.adapter_size, rule=limits.rule, eps=limits.eps,
-                                      segment=limits.segment, cache_weight=session.config.cache_weight,
-                                      neural_cache=session.config.neural_cache, copy_model=session.copy is not None),
+        adaptation=AdaptationSettings(memories=on, lr=adapter.get("lr", 0.0), decay=adapter.get("decay", 0.0),
+                                      adapter_size=adapter.get("size", 0), rule=limits.rule, eps=limits.eps,
+                                      segment=limits.segment, cache_weight=words.get("weight", 0.0),
+                                      neural_cache="cache" in on, copy_model="copy" in on),
         state_bytes=session.nbytes,
         stats=SessionStatsBody(bytes_observed=st.bytes_observed, updates=st.updates,
                                nonfinite_resets=st.nonfinite_resets, bits=st.bits, bits_per_byte=st.bits_per_byte,
@@ -63,16 +71,34 @@ def session_response(session: Session, ctx: Context, result: TextScore | None = 
         observed=observed(result) if result is not None else None)
 
 
-def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[AdaptationConfig, float]:
-    """The request's adaptation settings and TTL, completed and checked by the engine's session service (the
+def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionConfig, float]:
+    """The request's memory settings and TTL, completed and checked by the engine's session service (the
     checkpoint's defaults and limits, the server's TTLs); what it refuses is a 422 on the request's field."""
     p = body.adaptation or AdaptationParams()
+    asked: dict[str, dict[str, Any] | None] = {k: dict(v) if v is not None else None
+                                               for k, v in (p.memories or {}).items()}
+    flat: dict[tuple[str, str], str] = {}  # (memory, setting) -> the shorthand the request used
+    for name, (memory, setting) in _SHORTHANDS.items():
+        value = getattr(p, name)
+        if value is None or (name == "copy_model" and value and memory not in ctx.engine.sessions.model.memories):
+            continue  # copy_model: on "where the checkpoint has one"
+        if setting is None:
+            if not value:
+                asked[memory] = None
+            elif asked.get(memory) is None:
+                asked[memory] = {}
+        else:
+            mine = asked.get(memory)
+            asked[memory] = {**(mine or {}), setting: value}
+        flat[(memory, setting or "")] = name
     try:
-        config = ctx.engine.sessions.config(lr=p.lr, decay=p.decay, adapter_size=p.adapter_size,
-                                            cache_weight=p.cache_weight, neural_cache=p.neural_cache,
-                                            copy_model=p.copy_model)
+        config = ctx.engine.sessions.config(asked)
     except InvalidSessionSettings as e:
-        raise _unprocessable(e, f"adaptation.{e.param}") from None
+        memory, _, setting = (e.param or "").partition(".")
+        short = flat.get((memory, setting))
+        if short is None and memory in ("cache", "copy") and e.code == "unsupported":
+            short = flat.get((memory, ""))
+        raise _unprocessable(e, f"adaptation.{short}" if short else f"adaptation.memories.{e.param}") from None
     try:
         return config, ctx.engine.sessions.ttl(body.ttl_s)
     except InvalidSessionSettings as e:

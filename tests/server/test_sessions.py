@@ -21,6 +21,7 @@ from safetensors.torch import load
 from models.adaptation import evaluate
 from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
+from models.memory import SessionConfig
 from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
 from server.settings import Settings
@@ -83,7 +84,10 @@ def test_create_uses_the_checkpoint_settings(client: httpx.Client, ckpt: Any, sp
     before = time.time()
     body = create(client)
     assert len(body["id"]) >= 32 and body["object"] == "session" and body["model"] == ckpt.name
-    assert body["adaptation"] == {"lr": sparse.lr, "decay": sparse.decay, "adapter_size": sparse.adapter_units,
+    adaptation = dict(body["adaptation"])
+    assert adaptation.pop("memories") == {  # the session's memories that are on
+        "adapter": {"lr": sparse.lr, "decay": sparse.decay, "size": sparse.adapter_units}, "words": {"weight": 0.0}}
+    assert adaptation == {"lr": sparse.lr, "decay": sparse.decay, "adapter_size": sparse.adapter_units,
                                   "rule": sparse.rule, "eps": sparse.eps, "segment": sparse.segment,
                                   "cache_weight": 0.0,  # the tiny checkpoint sets no word cache
                                   "neural_cache": False,  # nor the neural cache
@@ -155,8 +159,8 @@ def test_score_under_a_session_without_adapting_leaves_it_unchanged(client: http
     # the reference: the session's state, next byte and adapter, scored with fixed weights
     t, meta = blob_tensors(before), blob_meta(before)["session"]
     expected = score_bytes(ckpt.model, PROBE.encode(), state=State({"h": t["state.h"], "c": t["state.c"]}),
-                           last_byte=meta["last_byte"], adapter=Adapter({"h": t["adapter.h"]}), logprobs=True)
-    assert meta["last_byte"] == TEXT.encode()[-1]
+                           last_byte=meta["last_token"], adapter=Adapter({"h": t["adapter.h"]}), logprobs=True)
+    assert meta["last_token"] == TEXT.encode()[-1]
     assert first["bits"] == pytest.approx(expected.bits, rel=1e-5)
     assert first["bits"] != pytest.approx(probe(client, create(client)["id"])["bits"], rel=1e-3)  # adaptation shows
 
@@ -187,7 +191,7 @@ def test_generate_from_a_session(client: httpx.Client, ckpt: Any) -> None:
     assert r.status_code == 200, r.text
     t, meta = blob_tensors(exported), blob_meta(exported)["session"]
     expected = "".join(generate(ckpt.model, b" The", SamplingParams(max_tokens=24, seed=7),
-                                state=State({"h": t["state.h"], "c": t["state.c"]}), last_byte=meta["last_byte"],
+                                state=State({"h": t["state.h"], "c": t["state.c"]}), last_byte=meta["last_token"],
                                 adapter=Adapter({"h": t["adapter.h"]})))
     assert r.json()["text"] == expected
     assert same_export(client.get(f"/v1/sessions/{sid}/state").content, exported)  # not modified
@@ -232,7 +236,7 @@ def test_an_adaptation_after_a_generation_refused_at_every_try_is_counted(tiny_c
                                                                           serve_app: Any) -> None:
     # each write of the generation's observe refused, as when other servers keep changing the session (Redis): it
     # is tried FOLLOW_TRIES times, then dropped, which the log and adaptlm_generation_adaptations_dropped tell
-    from server.engine import SessionConflict
+    from server.engine import SessionConfig, SessionConflict
     from server.engine._generation import FOLLOW_TRIES
 
     with serve_app(Settings(checkpoint=tiny_checkpoint)) as live, httpx.Client(base_url=live.url) as c:
@@ -517,7 +521,9 @@ def test_an_exploding_session_keeps_its_last_good_values(live: Any, client: http
     # session that diverges anyway, through some other cause, would be
     store = live.app.state.engine.store
     record = store.get(sid, None)
-    store.update(dataclasses.replace(record, config=dataclasses.replace(record.config, lr=1e38)))
+    memories = dict(record.config.memories)
+    memories["adapter"] = memories["adapter"].model_copy(update={"lr": 1e38})  # past its validation
+    store.update(dataclasses.replace(record, config=SessionConfig(memories)))
     result = observe(client, sid, TEXT)
     assert result["nonfinite_reset"] is True and math.isfinite(result["bits"])
     stats = client.get(f"/v1/sessions/{sid}").json()["stats"]
