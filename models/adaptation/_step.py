@@ -1,4 +1,4 @@
-"""The one score-then-update step (ALGORITHMS.md §2-3; thesis fig. 4.1), batched over streams.
+"""The one score-then-update step (thesis fig. 4.1; docs/algorithms.md §2-3), batched over streams.
 
 Offline evaluation (`evaluate_many`), the server's engine and the keyboard simulator all run text through
 `batch_step`. A `TextJob` is one text and the rows (streams) that read it; each `Row` has its own state,
@@ -45,7 +45,7 @@ class Row:
     state: State  # batch 1
     mats: dict[str, torch.Tensor] | None = None  # site -> (k, k)
     rule: UpdateRule | None = None
-    cache: NeuralCache | None = None  # the neural cache (ALGORITHMS.md §4) mixed into this row's scores
+    cache: NeuralCache | None = None  # the neural cache (docs/algorithms.md §4) mixed into this row's scores
     copy: State | None = None  # batch 1: the row's copy model (models/copymodel.py), mixed into its scores; learns
     logprobs: list[torch.Tensor] = field(default_factory=list)  # (t,) per segment, natural log
     updates: int = 0

@@ -1,4 +1,4 @@
-"""The session record: one text stream adapted online (sparse dynamic evaluation, ALGORITHMS.md §3).
+"""The session record: one text stream adapted online (sparse dynamic evaluation, docs/algorithms.md §3).
 
 A session holds the recurrent state after everything it has observed, the next input token, its adapter M
 (zeros at the start), and a second, never-adapted state of the same text, so that the bits it would have cost
@@ -44,8 +44,8 @@ class AdaptationConfig:
     decay: float
     adapter_size: int  # k: M is (k, k) on the first k units of every adaptation site
     cache_weight: float = 0.0  # lam of the word cache in keyboard suggestions (models/wordcache.py); 0: off
-    # the neural cache (ALGORITHMS.md §4, models/adaptation/_cache.py) mixed into every prediction of the session; it
-    # takes the copy model's place: a session remembers its own text by one of them
+    # the neural cache (docs/algorithms.md §4, models/adaptation/_cache.py) mixed into every prediction of the
+    # session; it takes the copy model's place: a session remembers its own text by one of them
     neural_cache: bool = False
     # the per-session copy model (models/copymodel.py), where the checkpoint has one; off: the network alone (with lr
     # 0 and no caches, the unadapted model, e.g. the keyboard page's twin)

@@ -37,7 +37,7 @@ __all__ = ["SessionService"]
 
 _RULE_CACHE = 256  # update rules kept, by (lr, decay, adapter size)
 # The largest learning rate a session may ask for: far above any rate that adapts (the checkpoints' tuned ones are
-# 1e-6 to 1e-2), and far below those that overflow: lr 1e20 left an adapter whose generations were NaN (a 500)
+# 1e-6 to 1e-2), and far below those that overflow (at lr 1e20 an adapter's generations are NaN, a 500)
 MAX_SESSION_LR = 1e4
 
 
