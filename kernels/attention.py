@@ -1,7 +1,8 @@
 # mypy: disable-error-code="no-untyped-def"
-# (the Triton functions stay untyped: their annotations are read by Triton, STYLE.md "kernel bodies may stay untyped")
+# (the Triton functions stay untyped: Triton reads their annotations itself)
 """Memory attention: causal attention over [compressed memory; memory; current segment] (Compressive Transformer,
-ALGORITHMS.md §7), with optional Transformer-XL relative terms (Dai et al. 2019, sec. 3.3).
+Rae et al. 2020, sec. 3; docs/algorithms.md §7), with optional Transformer-XL relative terms (Dai et al. 2019,
+sec. 3.3).
 
 Layout: q (B, H, Lq, D); k, v (B, H, Lk, D), Lk >= Lq, the last Lq keys are the queries' own positions.
 Query i may attend key j iff j <= Lk - Lq + i (causal, aligned bottom-right: every memory slot is visible).

@@ -28,7 +28,7 @@ cut the vocabulary into frequency bands by id), ties by the token string (code p
 
 Scoring: word-level results are per token, every punctuation mark and end of line included (the PTB / WikiText
 convention); `size(text)` gives the tokens and the UTF-8 bytes of a text, so that a scorer reports bits per word =
-bits / tokens and bits per byte = bits / bytes (ALGORITHMS.md §10). Bits per byte compare with a byte model only on
+bits / tokens and bits per byte = bits / bytes (docs/algorithms.md §13). Bits per byte compare with a byte model only on
 text without <unk>: an unknown token is predicted as a class, not spelt.
 """
 
