@@ -30,7 +30,7 @@ PENDING_MAX_BYTES = 1024
 
 def new_session_id() -> str:
     """192 random bits, URL-safe (32 characters), never starting with "-" (a command line would read such an id
-    as an option: `adaptlm client session get -x...` failed for about one id in 64)."""
+    as an option: `adaptlm client session get -x...` would fail, and one random id in 64 starts so)."""
     while (session_id := secrets.token_urlsafe(24)).startswith("-"):
         pass
     return session_id
