@@ -1,4 +1,4 @@
-"""Word-level models on PTB and WikiText-2 (issue 13): validation perplexity of word checkpoints under static
+"""Word-level models on PTB and WikiText-2: validation perplexity of word checkpoints under static
 scoring, the neural cache, and sparse and full dynamic evaluation, in domain (PTB valid) and out of domain
 (WikiText-2 valid scored by a PTB-trained model). PTB and WikiText are research-only: the checkpoints this reads are
 trained under runs/ and never shipped.

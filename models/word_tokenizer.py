@@ -1,4 +1,4 @@
-"""Word-level tokenizer (issue 13): a vocabulary built from training text, most frequent first, saved with the
+"""Word-level tokenizer: a vocabulary built from training text, most frequent first, saved with the
 checkpoint (config.json "tokenizer": {"kind": "words", "split": ..., "vocab": [...]}).
 
 Tokenisation rule (**decision**; lossless, in the spirit of GPT-2's pre-tokeniser). Text is cut, left to right, into
