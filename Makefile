@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install system-deps serve test soak lint clean bench-deps loadtest
+.PHONY: install system-deps serve test soak lint clean bench-deps loadtest need-data
 
 install: system-deps $(STAMP)
 
@@ -76,37 +76,43 @@ lint: install
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
-# How checkpoints/default was made (about 4 hours on 2 CPU cores; needs ../shared/data): the preset's 4,000 steps,
+# How checkpoints/default was made (about 4 hours on 2 CPU cores; needs DATA): the preset's 4,000 steps,
 # then 95 minutes more from those weights on a fresh schedule (trainer/default_more.toml), its full and sparse dynamic
 # evaluation tuned on the first 10 KB of the validation book, and its lexicon. dyneval.json's "session" and "copy"
 # sections were chosen on held-out personal text (`python -m bench.session_defaults`, `python -m bench.copy_defaults
 # --write`; docs/benchmarks.md) and carried over to the second run's weights with its own eps (the trainer's rule).
-SHARED_DATA ?= ../shared/data
-DEFAULT_TRAIN := $(filter-out %/austen-persuasion.txt %/chesterton-brown.txt,$(wildcard $(SHARED_DATA)/gutenberg/*.txt)) \
-	$(SHARED_DATA)/tinyshakespeare/input.txt
-default-checkpoint: install
+# DATA: the corpora directory (`make default-checkpoint DATA=...`, or $ADAPTLM_DATA; docs/benchmarks.md, "The
+# corpora"). The texts are not in the repository, so these targets stop (status 2) without it.
+DATA ?= $(ADAPTLM_DATA)
+DEFAULT_TRAIN := $(filter-out %/austen-persuasion.txt %/chesterton-brown.txt,$(wildcard $(DATA)/gutenberg/*.txt)) \
+	$(DATA)/tinyshakespeare/input.txt
+need-data:
+	@if [ -z "$(DATA)" ] || [ ! -d "$(DATA)" ]; then \
+		echo "DATA is not a directory: pass the corpora directory, make $(MAKECMDGOALS) DATA=... (or set ADAPTLM_DATA);" \
+			"docs/benchmarks.md, \"The corpora\"" >&2; exit 2; fi
+default-checkpoint: need-data install
 	$(VENV)/bin/adaptlm train --preset default --data $(DEFAULT_TRAIN) \
-		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out runs/default-first --overwrite
+		--valid $(DATA)/gutenberg/austen-persuasion.txt --out runs/default-first --overwrite
 	$(VENV)/bin/adaptlm train --preset default --config trainer/default_more.toml --init-from runs/default-first \
-		--data $(DEFAULT_TRAIN) --valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out checkpoints/default --overwrite
+		--data $(DEFAULT_TRAIN) --valid $(DATA)/gutenberg/austen-persuasion.txt --out checkpoints/default --overwrite
 	rm -rf checkpoints/default/last
 	$(VENV)/bin/adaptlm tune --checkpoint checkpoints/default --mode both --bytes 10000 --max-trials 16 \
-		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt
+		--valid $(DATA)/gutenberg/austen-persuasion.txt
 	$(MAKE) default-lexicon
 # its lexicon.txt (the dictionary prior of its keyboard suggestions, models/lexicon.py): the words of the same text
-default-lexicon:
+default-lexicon: need-data
 	$(VENV)/bin/python -m trainer.lexicon --data $(DEFAULT_TRAIN) --out checkpoints/default
 
-# How checkpoints/words was made (about an hour on 2 CPU cores; needs ../shared/data): the adaptive-input transformer
+# How checkpoints/words was made (about an hour on 2 CPU cores; needs DATA): the adaptive-input transformer
 # on the default's mix, then its full and sparse dynamic evaluation tuned on the first 10 KB of the validation book
 # (as the other shipped checkpoints') and its neural cache on the first 30 KB of the SMS messages (the keyboard
 # benchmark types the file's last 20 KB); dyneval.json's "session" section is the grid's choice (docs/benchmarks.md,
 # `python -m bench.session_defaults --checkpoint checkpoints/words --cache`).
-words-checkpoint: install
+words-checkpoint: need-data install
 	$(VENV)/bin/adaptlm train --arch adaptive-transformer --preset small --data $(DEFAULT_TRAIN) \
-		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt --out checkpoints/words --overwrite
+		--valid $(DATA)/gutenberg/austen-persuasion.txt --out checkpoints/words --overwrite
 	rm -rf checkpoints/words/last
 	$(VENV)/bin/adaptlm tune --checkpoint checkpoints/words --mode both --bytes 10000 --max-trials 16 \
-		--valid $(SHARED_DATA)/gutenberg/austen-persuasion.txt
+		--valid $(DATA)/gutenberg/austen-persuasion.txt
 	$(VENV)/bin/adaptlm tune --checkpoint checkpoints/words --mode cache --cache-window 1000 --bytes 30000 \
-		--valid $(SHARED_DATA)/messages/sms_ham.train.txt
+		--valid $(DATA)/messages/sms_ham.train.txt

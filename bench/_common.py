@@ -1,5 +1,5 @@
-"""Shared helpers for bench scripts: where the data is, the machine line for docs/benchmarks.md, the suggestion case
-the latency columns time."""
+"""Helpers the bench scripts have in common: where the corpora are, the machine line for docs/benchmarks.md, the
+suggestion case the latency columns time."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import datetime
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -17,7 +18,10 @@ from models.suggest import Suggestions, advance, suggest
 from models.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("ADAPTLM_SHARED", ROOT.parent / "shared")) / "data"
+# the corpora directory (docs/benchmarks.md, "The corpora"): the texts are not in the repository, so a script that
+# reads one needs this variable
+DATA_VARIABLE = "ADAPTLM_DATA"
+FAMILY_TEXT = "gutenberg/chesterton-brown.txt"  # the --text of family_args, in the corpora directory
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "default"
 FAMILIES = ("default", "char-transformer", "compressive")  # the shipped byte-level checkpoints, one per family
 
@@ -26,7 +30,32 @@ def family_args(ap: argparse.ArgumentParser) -> None:
     """The flags the scripts that compare the families share: --checkpoints (the shipped ones present) and --text."""
     ap.add_argument("--checkpoints", nargs="+",
                     default=[str(ROOT / "checkpoints" / f) for f in FAMILIES if (ROOT / "checkpoints" / f).is_dir()])
-    ap.add_argument("--text", default=str(SHARED / "gutenberg" / "chesterton-brown.txt"))
+    ap.add_argument("--text", help=f"the text to time on (default: {FAMILY_TEXT} of ${DATA_VARIABLE})")
+
+
+def family_text(args: argparse.Namespace) -> Path:
+    """The --text of `family_args`: the one given, or the corpora directory's FAMILY_TEXT."""
+    return Path(args.text) if args.text else data_file(FAMILY_TEXT)
+
+
+def data_dir() -> Path:
+    """The corpora directory, $ADAPTLM_DATA. Unset or not a directory: a message and exit status 2, as for a bad
+    command line, since a script that reads a corpus cannot run without it."""
+    value = os.environ.get(DATA_VARIABLE, "")
+    if not value:
+        print(f"{DATA_VARIABLE} is not set: this script reads corpora that are not in the repository; set it to the "
+              "corpora directory (docs/benchmarks.md, \"The corpora\")", file=sys.stderr)
+        raise SystemExit(2)
+    path = Path(value)
+    if not path.is_dir():
+        print(f"{DATA_VARIABLE}={value} is not a directory (docs/benchmarks.md, \"The corpora\")", file=sys.stderr)
+        raise SystemExit(2)
+    return path
+
+
+def data_file(rel: str | Path) -> Path:
+    """A file or folder of the corpora directory, by its path in there (e.g. "gutenberg/austen-persuasion.txt")."""
+    return data_dir() / rel
 
 
 def machine_line() -> str:

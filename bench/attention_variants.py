@@ -1,7 +1,7 @@
 """memory_attention's kernel settings (`kernels.attention.Tuning`) side by side: correctness compiled, then speed.
 
-The settings of run 2's rewrite and the experiments after it were settled compiled on an H200 in session 18 (the
-winner is the only kernel now: docs/benchmarks.md, "memory_attention on the H200: the settings settled"). Two remain:
+The kernel's settings were chosen compiled on an H200 (the fastest correct one is the only kernel: docs/benchmarks.md,
+"memory_attention on the H200: the settings settled"). Two remain:
 the shipped kernel and its forward in key splits (`splits=0`: FlashDecoding when the query tiles leave SMs idle), or
 any setting named with --settings. Each setting is checked, then timed if correct:
 

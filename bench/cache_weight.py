@@ -17,7 +17,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from bench._common import DEFAULT_CHECKPOINT, ROOT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file, machine_line
 from bench.server import serve
 from clients import Client
 from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
@@ -53,7 +53,7 @@ def main() -> None:
 
     for name in args.texts.split(","):
         rel, w0, t0, t1 = SLICES[name]
-        data = (SHARED / rel).read_bytes()[w0:t1]
+        data = data_file(rel).read_bytes()[w0:t1]
         warm, typed = split_text(data, last_bytes=t1 - t0)
         if words:  # the server's sessions, the session defaults but the weight
             args.out.mkdir(parents=True, exist_ok=True)

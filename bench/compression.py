@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import time
 
-from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
 from models.checkpoint import load_checkpoint
 from models.scoring import score_bytes
 
@@ -49,7 +49,7 @@ def main() -> None:
     print("| text | bytes | adaptlm (static) | xz -9 | zstd -19 | seconds |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for label, rel, limit in TEXTS:
-        data = (SHARED / rel).read_bytes()
+        data = data_file(rel).read_bytes()
         if limit is None:
             data = data[: args.limit]
         t0 = time.perf_counter()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
 from models.adaptation import DynEvalConfig, evaluate_many
 from models.base import State
 from models.checkpoint import Checkpoint, load_checkpoint
@@ -110,7 +110,7 @@ def main() -> None:
           f"decay {session.decay:g}, segments of {seg}: {machine_line()}")
 
     # the shortcut (record once, mix many times) against the served path, on a prefix
-    probe = (SHARED / TUNE["SMS"][0]).read_bytes()[:1500]
+    probe = data_file(TUNE["SMS"][0]).read_bytes()[:1500]
     served = evaluate_many(ck.model, [probe], session, stats=ck.stats, copy=CopyModel(CopyConfig()))[0].bits
     replay = mixed_bits(CopyModel(CopyConfig()), [distributions(ck, probe, session)], probe, seg)[0][0]
     print(f"check: session + copy on 1,500 SMS bytes, evaluate_many {served:.3f} bits, replayed {replay:.3f} bits")
@@ -118,7 +118,7 @@ def main() -> None:
 
     def load(spec: tuple[str, int, int]) -> tuple[bytes, dict[str, torch.Tensor]]:
         rel, a, b = spec
-        text = (SHARED / rel).read_bytes()[a:b]
+        text = data_file(rel).read_bytes()[a:b]
         return text, {"static": distributions(ck, text, static), "session": distributions(ck, text, session)}
 
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench._common import SHARED, machine_line
+from bench._common import data_file, machine_line
 from models.base import State
 from models.copymodel import CopyConfig, CopyModel, branch_view
 
@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"# copy model in a search: {machine_line()}, a session that has read {args.bytes:,} bytes "
           f"of {TEXT}")
-    data = (SHARED / TEXT).read_bytes()[: args.bytes + 4096]
+    data = data_file(TEXT).read_bytes()[: args.bytes + 4096]
     model = CopyModel(CopyConfig(window=32768))
     n = args.bytes
     uniform = torch.full((1, n, 256), -math.log(256))

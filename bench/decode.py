@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench._common import family_args, machine_line
+from bench._common import family_args, family_text, machine_line
 from models.adaptation import CacheMixed
 from models.base import LanguageModel
 from models.checkpoint import load_checkpoint
@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="where a step's time goes, instead of the timings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    text = Path(args.text).read_bytes()[: 1000 * args.batch + 256]
+    text = family_text(args).read_bytes()[: 1000 * args.batch + 256]
     prompts = [text[1000 * b : 1000 * b + 256] for b in range(args.batch)]
     print(f"# decode on cpu ({machine_line()})")
     if args.profile:

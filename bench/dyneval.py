@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
 from models.adaptation import DynEvalConfig, evaluate_many
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.copymodel import CopyConfig, CopyModel
@@ -114,7 +114,7 @@ def main() -> None:
     state: dict[str, int] = {}
     for i, key in enumerate(args.texts.split(",")):
         label, rel = TEXTS[key]
-        data = (SHARED / rel).read_bytes()[: args.limit]
+        data = data_file(rel).read_bytes()[: args.limit]
         cells, curves = [], {}
         static_bpb = None
         for name, cfg, with_copy in cols:
@@ -146,7 +146,7 @@ def main() -> None:
         return
     print()
     # batched sparse adaptation: B independent streams in one batch vs the same streams one at a time
-    text = (SHARED / TEXTS["book"][1]).read_bytes()
+    text = data_file(TEXTS["book"][1]).read_bytes()
     cfg = config_for("sparse", ck.dyneval)
     print(f"| streams | batched tokens/s | one at a time tokens/s | speed-up | ({args.stream_bytes} bytes each, "
           f"H={cfg.adapter_units}) |")

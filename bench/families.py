@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import family_args, machine_line, suggest_afresh, word_context
+from bench._common import family_args, family_text, machine_line, suggest_afresh, word_context
 from models.base import LanguageModel
 from models.checkpoint import load_checkpoint
 from models.device import resolve_device
@@ -131,9 +131,10 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     device = resolve_device(args.device)
-    text = Path(args.text).read_bytes()[: args.bytes]
+    text_path = family_text(args)
+    text = text_path.read_bytes()[: args.bytes]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_line()
-    print(f"# architectures side by side on {device.type} ({where}); text {Path(args.text).name}, "
+    print(f"# architectures side by side on {device.type} ({where}); text {text_path.name}, "
           f"{len(text):,} bytes")
     print("| checkpoint | arch | parameters | disk MB | train min | train tok/s | valid bits/byte (card) | bits/byte "
           "| cold 128 B bits/byte | score tok/s (32 streams) "

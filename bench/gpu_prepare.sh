@@ -6,17 +6,20 @@
 #
 #   bash bench/gpu_prepare.sh            # then, with the device tool: FAMILIES=0 ... bash bench/gpu_run.sh
 #
-# SHARED (default ../shared, or $ADAPTLM_SHARED) holds the corpora; PY the Python whose versions are pinned.
+# DATA (or $ADAPTLM_DATA) is the corpora directory (docs/benchmarks.md, "The corpora"); PY the Python whose versions
+# are pinned.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SHARED=${SHARED:-${ADAPTLM_SHARED:-../shared}}
+DATA=${DATA:-${ADAPTLM_DATA:-}}
+[ -n "$DATA" ] && [ -d "$DATA" ] || {
+    echo "gpu_prepare: set DATA or ADAPTLM_DATA to the corpora directory (docs/benchmarks.md, \"The corpora\")" >&2; exit 2; }
 PY=${PY:-.venv/bin/python}
 PACKAGES="fastapi starlette uvicorn pydantic pydantic_core pydantic-settings python-dotenv annotated-types
           typing-inspection redis"
 
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
 mkdir -p .gpu/data .gpu/whl
-cp "$SHARED"/data/gutenberg/*.txt "$SHARED"/data/tinyshakespeare/input.txt .gpu/data/
+cp "$DATA"/gutenberg/*.txt "$DATA"/tinyshakespeare/input.txt .gpu/data/
 
 pins=()
 for p in $PACKAGES; do

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._common import DEFAULT_CHECKPOINT, ROOT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file, machine_line
 from bench.server import serve, suggest_cut
 from clients import Client
 from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
@@ -88,8 +88,8 @@ PAST_CHARS = 400  # of observed text in Presage's past stream (it reads the last
 
 
 def train_files() -> list[Path]:
-    books = sorted(p for p in (SHARED / "gutenberg").glob("*.txt") if p.name not in HELD_OUT)
-    return [*books, SHARED / "tinyshakespeare" / "input.txt"]
+    books = sorted(p for p in data_file("gutenberg").glob("*.txt") if p.name not in HELD_OUT)
+    return [*books, data_file("tinyshakespeare/input.txt")]
 
 
 # -- Presage ---------------------------------------------------------------------------------------------------
@@ -444,7 +444,7 @@ def main() -> None:
             print(f"skipping {system} on {ckpt.name} (tokenizer {ckpt.tokenizer!r}): {reason}", file=sys.stderr)
         for name in names:
             label, rel, last = TEXTS[name]
-            warm, measured = split_text((SHARED / rel).read_bytes(), last_bytes=last, warmup_bytes=args.warmup_bytes,
+            warm, measured = split_text(data_file(rel).read_bytes(), last_bytes=last, warmup_bytes=args.warmup_bytes,
                                         limit_bytes=args.limit_bytes)
             for system in systems:
                 path = result_path(args.out, name, system, ckpt.tag)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._common import DEFAULT_CHECKPOINT, ROOT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file, machine_line
 from clients.keysim import KeysimResult, Suggester, messages, split_text, split_words
 
 SLICES = {  # name -> {slice: (file, warm-up start, typed start, typed end)}
@@ -196,7 +196,7 @@ def main() -> None:
     print(f"# keyboard losses, {ckpt.name}, slice {args.slice}: {machine_line()}", flush=True)
     for name in args.texts.split(","):
         rel, w0, t0, t1 = SLICES[name][args.slice]
-        warm, typed = split_text((SHARED / rel).read_bytes()[w0:t1], last_bytes=t1 - t0)
+        warm, typed = split_text(data_file(rel).read_bytes()[w0:t1], last_bytes=t1 - t0)
         sim = ModelSuggester(ckpt.model, ckpt.dyneval.session, stats=ckpt.stats, copy=copy,
                              cache_weight=ckpt.dyneval.cache_weight, lexicon=ckpt.lexicon)
         rec = Recorder(sim, known)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._common import DEFAULT_CHECKPOINT, ROOT, SHARED
+from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file
 from bench.keyboard_losses import SLICES, training_words
 from clients.keysim import messages, split_text, split_words
 
@@ -43,7 +43,7 @@ DEFAULT_GRID = "[dict(width=3, fold=False), dict(width=3), dict(width=8), dict(w
 
 def _slice(name: str) -> tuple[str, str]:
     rel, w0, t0, t1 = SLICES[name]["analysis"]
-    return split_text((SHARED / rel).read_bytes()[w0:t1], last_bytes=t1 - t0)
+    return split_text(data_file(rel).read_bytes()[w0:t1], last_bytes=t1 - t0)
 
 
 def record(name: str, out: Path, checkpoint: str) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import family_args, machine_line, suggest_afresh, word_context
+from bench._common import family_args, family_text, machine_line, suggest_afresh, word_context
 from models.adaptation import CacheMixed
 from models.base import Adapter, LanguageModel
 from models.checkpoint import Checkpoint, load_checkpoint
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--typists", type=int, default=8, help="sessions suggesting at once in the second table (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    text = Path(args.text).read_bytes()[:2000]
+    text = family_text(args).read_bytes()[:2000]
     print(f"# latency on cpu ({machine_line()})")
     print("| checkpoint | generate ms/byte | suggest ms | completions |")
     print("| --- | ---: | ---: | --- |")

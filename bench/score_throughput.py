@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
 from models.checkpoint import load_checkpoint
 from models.scoring import score_bytes
 from trainer.train import evaluate_bpb
@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--bytes", type=int, default=20_000, help="bytes per stream")
     args = ap.parse_args()
     ck = load_checkpoint(args.checkpoint)
-    text = (SHARED / "gutenberg" / "chesterton-brown.txt").read_bytes()
+    text = data_file("gutenberg/chesterton-brown.txt").read_bytes()
     print(f"# scoring throughput, {ck.name}: {machine_line()}")
     print("| batch (streams) | bytes scored | seconds | tokens/s |")
     print("| ---: | ---: | ---: | ---: |")

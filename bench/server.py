@@ -49,14 +49,14 @@ import httpx
 import numpy as np
 import torch
 
-from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
 from clients import AsyncClient, Client
 from models.precision import resolve_precision
 from server.launch import stop, wait_ready
 from server.protocol import SUGGEST_MAX_CONTEXT, SuggestResponse
 from server.settings import Settings
 
-MESSAGES = SHARED / "messages" / "enron-farmer-d.first2672.txt"
+MESSAGES = "messages/enron-farmer-d.first2672.txt"  # the default --messages, in the corpora directory
 SEPARATOR = "\n\n"  # e-mails are separated by a blank line
 
 
@@ -354,7 +354,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     ap.add_argument("--only", choices=["suggest", "observe", "emails", "mixed"])
-    ap.add_argument("--messages", type=Path, default=MESSAGES, help="e-mails separated by blank lines")
+    ap.add_argument("--messages", type=Path,
+                    help=f"e-mails separated by blank lines (default: {MESSAGES} of $ADAPTLM_DATA)")
     ap.add_argument("--typists", type=ints, default=[1, 10, 50], help="concurrency levels of the suggest part")
     ap.add_argument("--keystrokes", type=int, default=200, help="timed keystrokes per typist")
     ap.add_argument("--key-interval-ms", type=float, default=200.0, help="a typist's pace (0: saturate the server)")
@@ -376,6 +377,8 @@ def main() -> None:
                     help="PNG of the running gain ('' for none)")
     ap.add_argument("--max-seconds", type=float, default=1800, help="time bound of each level / server / e-mail run")
     args = ap.parse_args()
+    if args.messages is None:
+        args.messages = data_file(MESSAGES)
     auto = resolve_precision("auto", torch.device("cpu"))
     print(f"# server, {Path(args.checkpoint).name} over loopback HTTP: {machine_line()}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, precision auto = {auto} here")

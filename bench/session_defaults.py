@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from bench._common import DEFAULT_CHECKPOINT, SHARED, machine_line
+from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
 from models.checkpoint import load_checkpoint
 from trainer.evaluation import run_eval
 
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--cache", action="store_true", help="also with the neural cache (dyneval.json 'cache')")
     args = ap.parse_args()
     ck = load_checkpoint(args.checkpoint)
-    data = {name: (SHARED / rel).read_bytes()[a:b] for name, (rel, a, b) in TEXTS.items()}
+    data = {name: data_file(rel).read_bytes()[a:b] for name, (rel, a, b) in TEXTS.items()}
     static = {name: run_eval(ck, text, "static")[0]["bits_per_byte"] for name, text in data.items()}
     modes = ["sparse", "sparse+cache"] if args.cache else ["sparse"]
     cols = [(n, m) for n in data for m in modes]

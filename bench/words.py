@@ -1,4 +1,4 @@
-"""Word-level models on PTB and WikiText-2 (issue 13): validation perplexity of word checkpoints under static
+"""Word-level models on PTB and WikiText-2: validation perplexity of word checkpoints under static
 scoring, the neural cache, and sparse and full dynamic evaluation, in domain (PTB valid) and out of domain
 (WikiText-2 valid scored by a PTB-trained model). PTB and WikiText are research-only: the checkpoints this reads are
 trained under runs/ and never shipped.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from bench._common import SHARED, machine_line
+from bench._common import data_file, machine_line
 from models.adaptation import CacheConfig, DynEvalConfig, evaluate
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.word_tokenizer import WordTokenizer
@@ -73,8 +73,8 @@ def main() -> None:
     ap.add_argument("--last-iterate", action="store_true", help="also score the run's last iterate (SGD's)")
     args = ap.parse_args()
     print(f"# word models: {machine_line()}")
-    ptb = (SHARED / PTB_VALID).read_bytes()
-    wt2 = (SHARED / WT2_VALID).read_bytes()
+    ptb = data_file(PTB_VALID).read_bytes()
+    wt2 = data_file(WT2_VALID).read_bytes()
     runs = [(path, False) for path in args.checkpoints]
     if args.last_iterate:
         runs += [(path, True) for path in args.checkpoints]

@@ -1,4 +1,5 @@
-"""Per-session adapters h' = h + M h on the first A units of each row (thesis sec. 4.6; ALGORITHMS.md §3).
+"""Per-session adapters h' = h + M h on the first A units of each row (Krause's thesis
+sec. 4.6, eq. 4.8; docs/algorithms.md §3).
 
 `batched_adapter`: h (N, H) rows of many sessions, m (S, A, A) one adapter per session with A <= H, index (N,) the
 session of each row (any order, repeats, sessions unused) -> out (N, H):

@@ -1,7 +1,8 @@
 # mypy: disable-error-code="no-untyped-def"
-# (the Triton functions stay untyped: their annotations are read by Triton, STYLE.md "kernel bodies may stay untyped")
+# (the Triton functions stay untyped: Triton reads their annotations itself)
 """Memory attention: causal attention over [compressed memory; memory; current segment] (Compressive Transformer,
-ALGORITHMS.md §7), with optional Transformer-XL relative terms (Dai et al. 2019, sec. 3.3).
+Rae et al. 2020, sec. 3; docs/algorithms.md §7), with optional Transformer-XL relative terms (Dai et al. 2019,
+sec. 3.3).
 
 Layout: q (B, H, Lq, D); k, v (B, H, Lk, D), Lk >= Lq, the last Lq keys are the queries' own positions.
 Query i may attend key j iff j <= Lk - Lq + i (causal, aligned bottom-right: every memory slot is visible).
@@ -25,10 +26,9 @@ tile. du and dv_bias are the sums over batch and queries of dq's content and pos
 
 `Tuning` (ADAPTLM_ATTENTION_TUNING) changes how the kernels run, never what they compute; its one setting is the
 forward's key splits for query tiles too few to fill the GPU (decoding; FlashDecoding: each split's partial softmax
-sums, merged by a combine kernel). The other settings (run 2's rewrite as its changes, other tiles, dr by tile
-diagonals, fp32 gathers, the skew by warp shuffles) were measured compiled on an H200 in session 18 and removed: the
-half distance ranges computed wrong results, the others were slower than this kernel (docs/benchmarks.md,
-"memory_attention on the H200: the settings settled").
+sums, merged by a combine kernel). No other setting is kept: measured compiled on an H200, the alternatives (other
+tiles, dr by tile diagonals, fp32 gathers, the skew by warp shuffles) were slower than this kernel and half distance
+ranges computed wrong results (docs/benchmarks.md, "memory_attention on the H200: the settings settled").
 
 Known limits:
 - head dims 16, 32, 64, 128; float32, float16, bfloat16 on CUDA (the CPU interpreter: float32 and float16 only,
@@ -71,7 +71,7 @@ class Tuning:
     """How the Triton kernels run, never what they compute (the interpreter tests check each setting against the
     reference): the one kernel of the module docstring, its forward's keys split or not. The other settings (tiles,
     16-bit gathers, half distance ranges, dr by tile diagonals, the skew) were experiments for one GPU question,
-    settled compiled on an H200 in session 18: their winner is the only kernel now, the rest were wrong or slower
+    settled compiled on an H200: their winner is the only kernel now, the rest were wrong or slower
     (docs/benchmarks.md, "memory_attention on the H200: the settings settled").
 
     splits: the forward's key splits per query tile (FlashDecoding: each split's partial softmax sums, then one
@@ -224,7 +224,7 @@ def _skewed(src, idx):
     """tl.gather(src, idx, 1): out[ii, jj] = src[ii, idx[ii, jj]] for 2-D src, idx with as many rows, as one gather
     over the flattened tile, which Triton lowers through shared memory (the tile stored once, each output loaded from
     where it points): a gather along rows is warp shuffles with the register layout converted around them, slower
-    on an H200 (session 18)."""
+    on an H200 (docs/benchmarks.md, "memory_attention on the H200: the settings settled")."""
     ROWS: tl.constexpr = src.shape[0]
     WIDTH: tl.constexpr = src.shape[1]
     COLS: tl.constexpr = idx.shape[1]
@@ -502,8 +502,8 @@ def _triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel: 
 
 def _block_sizes(D: int, Lq: int, is_cuda: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward and both backward kernels: 64 x 64 tiles (16-row
-    tiles decoding, 64 x 32 at head dim 128), 4 warps at head dims <= 64, else 8 (GPU-verified in run 1; the other
-    tiles measured on an H200 in session 18 were slower). The interpreter gets small tiles (its cost is per element,
+    tiles decoding, 64 x 32 at head dim 128), 4 warps at head dims <= 64, else 8 (checked on a GPU; the other
+    tiles measured on an H200 were slower). The interpreter gets small tiles (its cost is per element,
     and small tiles exercise the tile edges on small test shapes). `python -m bench.kernel_resources` prints each
     kernel's registers and spills at these tiles without a GPU."""
     if not is_cuda:

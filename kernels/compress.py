@@ -1,5 +1,5 @@
-"""Compressive-memory compression and the FIFO memory update (Compressive Transformer, Rae et al. 2019, sec. 3.1;
-ALGORITHMS.md §7).
+"""Compressive-memory compression and the FIFO memory update (Compressive Transformer, Rae et al. 2020, sec. 3.1;
+docs/algorithms.md §7).
 
 `compress_memory`: mem (B, N, D), N a multiple of `rate` c -> compressed (B, N / c, D).
 mode "mean" / "max": pool each run of c slots; "conv": 1-D convolution, kernel = stride = c, weight (D, D, c) in

@@ -1,5 +1,5 @@
-"""Adaptive input embeddings and the adaptive softmax (Baevski & Auli 2019, papers/ file 003; Grave et al. 2017;
-ALGORITHMS.md §8), for word-level models whose vocabulary is sorted by frequency (models/word_tokenizer.py).
+"""Adaptive input embeddings and the adaptive softmax (Baevski & Auli 2019, sec. 3; Grave et al. 2017;
+docs/algorithms.md §8), for word-level models whose vocabulary is sorted by frequency (models/word_tokenizer.py).
 
 Bands. `cutoffs` c_1 < ... < c_{n-1} cut the ids into bands V_1 = [0, c_1) (the head, the most frequent words),
 V_2 = [c_1, c_2), ..., V_n = [c_{n-1}, V) (the tail). Band i (counted from 0 here) has dimension d_i = d // k**i,
@@ -15,7 +15,7 @@ No scale on the adaptive input's output: the paper (sec. 3) adds none; a transfo
 by sqrt(d) (Vaswani et al.; fairseq's embed_scale) does so itself. The head has no projection (sec. 3: it made
 results worse); `dropout` acts on the tail projections' outputs only, in training (sec. 5.4, "tail dropout").
 
-Tying (sec. 3, "Weight sharing"; ALGORITHMS.md §8): `AdaptiveSoftmax.tie(adaptive_input)` makes the softmax use the
+Tying (sec. 3, "Weight sharing"; docs/algorithms.md §8): `AdaptiveSoftmax.tie(adaptive_input)` makes the softmax use the
 input's Parameters themselves: H = E_1 (the head words; the n-1 cluster rows C stay the softmax's own), O_i = E_i,
 and, with `projections=True` (the paper's WikiText-103 setting; False: its billion word one), P_i = W_i, the same
 (d, d_i) tensor read as h @ W_i on the way out and e @ W_i^T on the way in. The input's head projection W_1 is never

@@ -1,5 +1,5 @@
 """Transformer language model with adaptive input representations and an adaptive softmax (Baevski & Auli 2019,
-papers/ file 003; ALGORITHMS.md §8), for word vocabularies sorted by frequency (models/word_tokenizer.py).
+sec. 3-4; docs/algorithms.md §8), for word vocabularies sorted by frequency (models/word_tokenizer.py).
 
     x = s * AdaptiveInput(w) + PE[pos]      s = sqrt(d); PE sinusoidal over the window's positions (sec. 4.1)
     block l:  x += Attn(LN(x))              pre-LN (sec. 4.1), causal, over the current window

@@ -1,4 +1,4 @@
-"""AWD-LSTM: the weight-dropped word-level LSTM of Merity et al. (file 002; ALGORITHMS.md §5).
+"""AWD-LSTM: the weight-dropped word-level LSTM of Merity et al. 2018 (docs/algorithms.md §5).
 
     x_t        = E'[w_t]                                       embedding dropout: whole rows of E (sec. 4.3)
     z_t        = W x_t + b_ih + U' h_{t-1} + b_hh              blocks i, f, g, o (nn.LSTM's order)

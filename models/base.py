@@ -1,4 +1,4 @@
-"""The one model interface every architecture implements (ARCHITECTURE.md, "The one model interface").
+"""The one model interface every architecture implements (docs/architecture.md, "The model interface").
 
 `State` and `Adapter` are explicit per-request objects with a leading batch dimension: they can be
 sliced per session, stacked into a batch and serialised; they never live inside the shared module.
@@ -32,11 +32,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Site:
-    """Where `h' = h + M h` may be applied (ALGORITHMS.md §3): an adapter M (k, k) acts on the first k of the
-    `dim` units of a vector. `layer` is the block it sits in (0 = the first; -1 = after the last), `per_step` says
-    whether it is applied at every time step of a recurrence (the mLSTM's hidden state, feeding the next step)
-    or once per position on a layer's output (a transformer block's residual stream). `units` is this site's
-    default adapter size k (0: the whole `dim`)."""
+    """Where `h' = h + M h` may be applied (Krause's thesis sec. 4.6, eq. 4.8; docs/algorithms.md §3): an
+    adapter M (k, k) acts on the first k of the `dim` units of a vector. `layer` is the block it sits in (0 = the
+    first; -1 = after the last), `per_step` says whether it is applied at every time step of a recurrence (the
+    mLSTM's hidden state, feeding the next step) or once per position on a layer's output (a transformer block's
+    residual stream). `units` is this site's default adapter size k (0: the whole `dim`)."""
 
     name: str
     dim: int

@@ -1,4 +1,4 @@
-"""Deep character transformer with auxiliary losses (Al-Rfou et al. 2018; ALGORITHMS.md §6; papers/ file 000).
+"""Deep character transformer with auxiliary losses (Al-Rfou et al. 2019, sec. 2; docs/algorithms.md §6).
 
     x = E[byte]
     block l:  x += P_l[pos]                 a learned positional embedding per layer, added to every layer's input

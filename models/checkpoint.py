@@ -1,4 +1,4 @@
-"""Checkpoint directories (ARCHITECTURE.md, "Checkpoints"): never unpickled, validated on load.
+"""Checkpoint directories (docs/architecture.md, "Checkpoints"): never unpickled, validated on load.
 
     config.json         {"format": 1, "model": {arch, ...}, "training": {...}, "metrics": {...}}
     model.safetensors   weights

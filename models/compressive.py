@@ -1,4 +1,4 @@
-"""Compressive Transformer (Rae et al. 2020; ALGORITHMS.md §7; papers/ file 001) over bytes, with Transformer-XL
+"""Compressive Transformer (Rae et al. 2020, sec. 3; docs/algorithms.md §7) over bytes, with Transformer-XL
 relative attention (Dai et al. 2019, sec. 3.3).
 
     x = E[byte]

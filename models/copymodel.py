@@ -1,4 +1,4 @@
-"""A per-session copy model mixed with the network: learns an exact repeat after one sighting (issue 15).
+"""A per-session copy model mixed with the network: learns an exact repeat after one sighting (docs/algorithms.md §11).
 
 Gradient steps on weights learn a new style slowly; a context model learns a header, a signature or an
 identifier the first time it repeats. The best compressors (PPM's order-k statistics, PAQ's match model and its

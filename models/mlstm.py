@@ -1,4 +1,4 @@
-"""Multiplicative LSTM over bytes (thesis ch. 3, eq. 3.5-3.9; ALGORITHMS.md §1).
+"""Multiplicative LSTM over bytes (Krause's thesis ch. 3, eq. 3.5-3.9; docs/algorithms.md §1).
 
     m_t = (W_mx x_t) * (W_mh h_{t-1})
     z_t = W_x x_t + W_m m_t + b            blocks i, f, o, u
@@ -47,7 +47,7 @@ class MLSTMConfig(ModelConfig):
     hidden: int = 256
     dropout_embed: float = 0.0  # locked dropout on the embedding
     dropout_hidden: float = 0.1  # locked dropout on h (recurrence and output)
-    forget_bias: float = 3.0  # ALGORITHMS.md §1: forget-gate bias initialised to 3
+    forget_bias: float = 3.0  # the thesis' forget-gate bias: the cell keeps its memory early on
     recurrent_scale: float = 0.7  # scaled-orthogonal recurrent init
     weight_norm: bool = True
 

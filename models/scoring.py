@@ -32,7 +32,7 @@ class ScoreResult:
 
     @property
     def bits_per_token(self) -> float:
-        """Bits per word for a word model (ALGORITHMS.md §10; perplexity = 2 ** this)."""
+        """Bits per word for a word model (docs/algorithms.md §13; perplexity = 2 ** this)."""
         n = self.tokens or self.bytes
         return self.bits / n if n else float("nan")
 

@@ -1,7 +1,7 @@
 """Keyboard suggestions: completions of the word being typed and the most likely next characters.
 
-Word completions follow Al-Rfou et al.'s figure 5 (ALGORITHMS.md §6): expand byte continuations best-first
-on their cumulative log-probability, stop a branch where the word ends, drop branches whose cumulative
+Word completions follow Al-Rfou et al. 2019, figure 5 (docs/algorithms.md §9): expand byte continuations
+best-first on their cumulative log-probability, stop a branch where the word ends, drop branches whose cumulative
 probability falls below `min_prob` (0.001). Each round pops up to `batch` of the best branches and expands
 them in one batched model step (B, 1), so a word of n characters costs about n model calls, not one per
 branch.

@@ -1,4 +1,4 @@
-"""Word-level tokenizer (issue 13): a vocabulary built from training text, most frequent first, saved with the
+"""Word-level tokenizer: a vocabulary built from training text, most frequent first, saved with the
 checkpoint (config.json "tokenizer": {"kind": "words", "split": ..., "vocab": [...]}).
 
 Tokenisation rule (**decision**; lossless, in the spirit of GPT-2's pre-tokeniser). Text is cut, left to right, into
@@ -28,7 +28,7 @@ cut the vocabulary into frequency bands by id), ties by the token string (code p
 
 Scoring: word-level results are per token, every punctuation mark and end of line included (the PTB / WikiText
 convention); `size(text)` gives the tokens and the UTF-8 bytes of a text, so that a scorer reports bits per word =
-bits / tokens and bits per byte = bits / bytes (ALGORITHMS.md §10). Bits per byte compare with a byte model only on
+bits / tokens and bits per byte = bits / bytes (docs/algorithms.md §13). Bits per byte compare with a byte model only on
 text without <unk>: an unknown token is predicted as a class, not spelt.
 """
 

@@ -1,11 +1,11 @@
-"""A session's word cache for keyboard suggestions (ALGORITHMS.md §9 and §4): counts of the words, pairs and
+"""A session's word cache for keyboard suggestions (docs/algorithms.md §10): counts of the words, pairs and
 triples of consecutive words that the session has observed, and its last words in order, mixed into the model's
 word completions.
 
 Sparse adaptation learns a user's repeated words (names, jargon, headers) slowly, a few gradient steps at a time;
 a predictive-text engine with online learning (Presage's user n-gram and recency predictors) suggests a word it
-has seen once. The cache does that here, as the neural cache (§4) does for bytes, at the level of words, and
-trusts itself as far as the session's evidence for the context goes:
+has seen once. The cache does that here, as the neural cache (docs/algorithms.md §4) does for tokens, at the
+level of words, and trusts itself as far as the session's evidence for the context goes:
 
     p(w) = (1 - weight conf) p_model(w | context) + weight s(w)
 
@@ -87,9 +87,9 @@ if TYPE_CHECKING:
 __all__ = ["MAX_WORD_BYTES", "MIX_CANDIDATES", "WordCache", "WordsMemory", "WordsSettings", "counted_words",
            "mix_completions", "previous_word", "previous_words", "title"]
 
-# The longest word counted, in UTF-8 bytes (German's long compounds are about 40). Text without spaces was one
-# word of any length, kept pending, counted, and written three times into the session's export, whose header the
-# import then refused past 1 MB (server/engine/_export.py); with this bound a full cache stays under 0.7 MB.
+# The longest word counted, in UTF-8 bytes (German's long compounds are about 40). Unbounded, text without spaces
+# would be one word of any length, kept pending, counted, and written three times into the session's export, whose
+# header the import refuses past 1 MB (server/engine/_export.py); with this bound a full cache stays under 0.7 MB.
 MAX_WORD_BYTES = 48
 
 # The model's completions a mix reads (a byte model's search finds this many, then shows k): a cached word that the

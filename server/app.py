@@ -75,7 +75,7 @@ def serve(settings: Settings) -> int:
     """Serve `create_app(settings)` on settings.host:port until SIGTERM or SIGINT -> the exit status: 0 after a
     clean drain (the work in flight finished, the sessions kept), 3 if the start-up failed. The engine loads the
     checkpoint before uvicorn starts: a bad one raises CheckpointError here (the CLI's one line and status 2), and
-    the checkpoint is read once (it was read twice, a check onto the meta device and then the load)."""
+    the checkpoint is read once: the load is its own check (a large checkpoint is slow to read)."""
     problem = _unreachable_store(settings)
     if problem is not None:  # one line, rather than the start-up's traceback after the model has loaded
         print(f"adaptlm: error: {problem}", file=sys.stderr)  # noqa: T201 (the CLI's one line, before any logging)

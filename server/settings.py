@@ -194,7 +194,7 @@ class Settings(BaseSettings):
 
 # ADAPTLM_* variables of the tools beside the server (the client CLI's key, the load and soak tests', the tests'),
 # and the prefixes of their families as the docs name them (ADAPTLM_LOADTEST_*)
-TOOLS_VARIABLES = re.compile(r"ADAPTLM_(API_KEY|LOADTEST(_\w+)?|SOAK(_\w+)?|TEST_\w+|CRASH_\w+|SHARED)")
+TOOLS_VARIABLES = re.compile(r"ADAPTLM_(API_KEY|LOADTEST(_\w+)?|SOAK(_\w+)?|TEST_\w+|CRASH_\w+|DATA)")
 
 
 def ignored_variables(environ: Mapping[str, str] = os.environ) -> list[str]:

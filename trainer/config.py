@@ -31,8 +31,8 @@ class TrainConfig:
     lr: float = 1e-3  # Adam's peak learning rate, reached after warm-up and decayed to lr_final by max_steps
     lr_final: float = 1e-4
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
-    # "linear" decay over all max_steps (the thesis' mLSTM setup, ALGORITHMS.md §1) or "cosine" decay over the steps
-    # after warm-up (the Compressive Transformer's setup, ALGORITHMS.md §7)
+    # "linear" decay over all max_steps (the thesis' mLSTM setup, docs/algorithms.md §1) or "cosine" decay over the
+    # steps after warm-up (the Compressive Transformer's setup, Rae et al. 2020, sec. 5.1; docs/algorithms.md §7)
     schedule: str = "linear"
     accumulate: int = 1  # micro-batches per optimizer step: the batch's rows split into this many, each with its state
     max_steps: int = 1000
@@ -55,7 +55,7 @@ class TrainConfig:
     log_every: int = 10
     stats_batches: int = 100  # MS_g: number of training batches (eq. 4.4)
     stats_batch_size: int = 32
-    stats_segment: int = 20  # the dynamic-evaluation segment length for byte models (ALGORITHMS.md §2)
+    stats_segment: int = 20  # the dynamic-evaluation segment length for byte models (docs/algorithms.md §2)
     adapter_units: int = 0  # units at the adaptation site whose M gets MS_g (0: all hidden units)
     threads: int = 0  # torch threads (0: torch's default)
     weights_dtype: str = "float32"  # dtype of the shipped model.safetensors (loaded back as float32)
@@ -71,7 +71,7 @@ class TrainConfig:
     # word vocabulary built from the training text (models/word_tokenizer.py), its size the model's vocab_size
     tokenizer: dict[str, Any] = field(default_factory=dict)
     # "adam" (warm-up and the schedule above), or "ntasgd": the AWD-LSTM's SGD at the constant lr with averaging
-    # switched on by the non-monotone trigger over `nonmono` validations (ALGORITHMS.md §5, trainer/ntasgd.py; the
+    # switched on by the non-monotone trigger over `nonmono` validations (docs/algorithms.md §5, trainer/ntasgd.py; the
     # logging interval is valid_every steps); checkpoints then keep the averaged weights
     optimizer: str = "adam"
     weight_decay: float = 0.0  # L2 of the ntasgd SGD (the AWD-LSTM's 1.2e-6)

@@ -1,4 +1,4 @@
-"""NT-ASGD and variable-length BPTT, the AWD-LSTM's optimisation (Merity et al., file 002; ALGORITHMS.md §5).
+"""NT-ASGD and variable-length BPTT, the AWD-LSTM's optimisation (Merity et al. 2018, sec. 3-4; docs/algorithms.md §5).
 
     nt = NTASGD(model, lr=30.0, nonmono=5, interval=steps_per_epoch, weight_decay=1.2e-6)
     for start, seq_len, lr_scale in bptt_chunks(n_tokens, bptt=70, rng=random.Random(seed)):
@@ -14,8 +14,8 @@
 
 The trigger (Algorithm 1 line 6): at the t-th check (t = 0, 1, ...; logs = the t losses before it), averaging
 starts when t > n and v > min(logs[0 .. t-n-1]), i.e. the loss is worse than the best of all the checks but the
-last n. That is the authors' public code (`len(logs) > n and v > min(logs[:-n])`) and ALGORITHMS.md §5; the
-paper's typeset index set is garbled in our copy (file 002), so the rule follows the code. Equal is not worse.
+last n. That is the authors' public code (`len(logs) > n and v > min(logs[:-n])`) and docs/algorithms.md §5; the
+index set of the paper's Algorithm 1 is ambiguous as typeset, so the rule follows the code. Equal is not worse.
 
 The average is the paper's 1/(k-T+1) * sum_{i=T..k} w_i: the weights at the check that switched it on, then every
 iterate after each later step (a running mean, in the parameters' dtype). Buffers are not averaged.

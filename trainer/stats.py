@@ -1,7 +1,8 @@
-"""Global gradient statistics MS_g (thesis eq. 4.4; ALGORITHMS.md §2-3).
+"""Global gradient statistics MS_g (Krause's thesis eq. 4.4; docs/algorithms.md §2-3).
 
 MS_g = mean over N_b training batches of the squared gradient, per parameter. For sparse dynamic
-evaluation the adapter matrices M get the same statistic, taken at M = 0 (ALGORITHMS.md §3 decision).
+evaluation the adapter matrices M get the same statistic, taken at M = 0, where the gradient with respect to M is
+well defined (the thesis gives no statistic for M; docs/algorithms.md §3).
 Gradients are of the mean loss over a segment of `segment` tokens, the unit one dynamic-evaluation
 update sees; the hidden state is carried between segments as in evaluation.
 

@@ -1,5 +1,6 @@
 """Tuning dynamic evaluation on validation text (thesis sec. 4.5): the learning rate first, then the decay; and the
-neural cache's theta and lambda at a window (ALGORITHMS.md §4: the AWD-LSTM paper tunes them on validation data).
+neural cache's theta and lambda at a window (Merity et al. 2018, sec. 7, tune them on validation data;
+docs/algorithms.md §4).
 
 The thesis raises eta from a low value by x1.2 until validation stops improving. To spend fewer
 trials we first bracket the best eta with x2 steps from `lr_start`, then walk x1.2 up from half the

@@ -1,4 +1,4 @@
-"""Test-time adaptation: dynamic evaluation (full and sparse) and the neural cache (ALGORITHMS.md §2-4).
+"""Test-time adaptation: dynamic evaluation (full and sparse) and the neural cache (docs/algorithms.md §2-4).
 
     evaluate(model, text, DynEvalConfig(mode="sparse"), stats=ckpt.stats) -> EvalResult
     batch_step(model, jobs, segment)   the one score-then-update step over many streams, each with its own

@@ -1,4 +1,4 @@
-"""Neural cache (Grave et al. 2017; AWD-LSTM sec. 7; ALGORITHMS.md §4), batched over streams.
+"""Neural cache (Grave et al. 2017, sec. 3; Merity et al. 2018, sec. 7; docs/algorithms.md §4), batched over streams.
 
     p_cache(w) ∝ sum over the last `window` pairs (h_i, x_{i+1}) with x_{i+1} = w of exp(theta h_t . h_i)
     p(w) = (1 - lam) p_model(w) + lam p_cache(w)
@@ -109,9 +109,9 @@ class NeuralCache:
 
 def _mixture(log_dist: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, has: torch.Tensor,
              lam: float) -> torch.Tensor:
-    """(1 - lam) p_model + lam p_cache (Grave et al. eq. 3; ALGORITHMS.md §4) in the log domain, where p_cache sums
-    softmax(scores) (B, T, S) over the slots whose next token (`values` (B, S)) is w; rows of `has` (B, T, 1) False
-    (an empty window) keep p_model."""
+    """(1 - lam) p_model + lam p_cache (Grave et al. 2017, eq. 3; docs/algorithms.md §4) in the log domain, where
+    p_cache sums softmax(scores) (B, T, S) over the slots whose next token (`values` (B, S)) is w; rows of `has`
+    (B, T, 1) False (an empty window) keep p_model."""
     B, T, S = scores.shape
     weights = torch.where(has, torch.softmax(scores, -1), 0.0).to(log_dist.dtype)  # (B, T, S)
     p_cache = log_dist.new_zeros(log_dist.shape).scatter_add_(

@@ -1,4 +1,4 @@
-"""Hyper-parameters of dynamic evaluation (ALGORITHMS.md §2-3) and of the neural cache (§4)."""
+"""Hyper-parameters of dynamic evaluation (docs/algorithms.md §2-3) and of the neural cache (§4)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ _ALIASES = {"eta": "lr", "lambda": "decay", "epsilon": "eps", "n": "segment"}
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Neural cache (Grave et al.; ALGORITHMS.md §4): p = (1 - lam) p_model + lam p_cache over `window` pairs."""
+    """Neural cache (Grave et al. 2017, sec. 3; docs/algorithms.md §4): p = (1 - lam) p_model + lam p_cache over
+    `window` pairs."""
 
     window: int = 2000
     theta: float = 1.0  # inverse temperature of the cache's softmax over h_t . h_i

@@ -1,4 +1,4 @@
-"""Score texts with static, full dynamic or sparse dynamic evaluation (ALGORITHMS.md §2-4).
+"""Score texts with static, full dynamic or sparse dynamic evaluation (docs/algorithms.md §2-4).
 
 The loop of fig. 4.1: split the text into segments of n tokens; score each segment with the current
 parameters (those log-probs are the result), then take one gradient step on that segment's loss. The
@@ -61,7 +61,7 @@ class EvalResult:
 
     @property
     def bits_per_token(self) -> float:
-        """Bits per word for a word model (ALGORITHMS.md §10); perplexity is 2 ** this."""
+        """Bits per word for a word model (docs/algorithms.md §13); perplexity is 2 ** this."""
         return self.bits / self.tokens if self.tokens else float("nan")
 
 

@@ -1,4 +1,4 @@
-"""Full dynamic evaluation of one stream (thesis fig. 4.1, eq. 4.3-4.7; ALGORITHMS.md §2): every adapted weight
+"""Full dynamic evaluation of one stream (thesis fig. 4.1, eq. 4.3-4.7; docs/algorithms.md §2): every adapted weight
 takes a gradient step after each segment is scored.
 
 The adapted weights live in a private trainable copy of the model (`LanguageModel.trainable_copy`): the shared,

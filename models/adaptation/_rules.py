@@ -1,4 +1,4 @@
-"""The dynamic-evaluation update rules (thesis eq. 4.3-4.7; ALGORITHMS.md §2).
+"""The dynamic-evaluation update rules (thesis eq. 4.3-4.7; docs/algorithms.md §2).
 
 Every rule has the form  theta <- theta - s * g + d * (theta_g - theta)  with s and d fixed for a whole
 evaluation, so they are computed once from the config and MS_g and each step is two fused passes.

@@ -1,4 +1,4 @@
-"""Sparse dynamic evaluation (thesis sec. 4.6; ALGORITHMS.md §3): one batched step over B streams.
+"""Sparse dynamic evaluation (thesis sec. 4.6, eq. 4.8; docs/algorithms.md §3): one batched step over B streams.
 
 Only the adapter matrices M (theta_g = 0) adapt, one per stream and site. Because M_b touches only row b,
 the gradient of (sum over rows of each row's mean segment loss) w.r.t. M_b is exactly row b's own, so

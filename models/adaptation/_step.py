@@ -1,4 +1,4 @@
-"""The one score-then-update step (ALGORITHMS.md §2-3; thesis fig. 4.1), batched over streams.
+"""The one score-then-update step (thesis fig. 4.1; docs/algorithms.md §2-3), batched over streams.
 
 Offline evaluation (`evaluate_many`), the server's engine and the keyboard simulator all run text through
 `batch_step`. A `TextJob` is one text and the rows (streams) that read it; each `Row` has its own state,

@@ -29,7 +29,7 @@ async def create_score(body: ScoreRequest, ctx: Context) -> ScoreResponse | Resp
         return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=per_byte,
                              logprobs=result.logprobs, session_id=body.session_id,
                              nonfinite_reset=result.nonfinite_reset)
-    # a word model: per word too (ALGORITHMS.md §10), as `adaptlm score --json` reports it
+    # a word model: per word too (docs/algorithms.md §13), as `adaptlm score --json` reports it
     per_word = result.bits_per_token if result.tokens else None
     return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=per_byte,
                          logprobs=result.logprobs, session_id=body.session_id, nonfinite_reset=result.nonfinite_reset,

@@ -1,6 +1,6 @@
 """`python -m bench.keyboard` with a checkpoint other than the default: which systems a word model runs, where its
 results go (beside the default's, not over them), and a word checkpoint measured end to end through its server on
-a tiny text (tests/data, so no ../shared; no Presage)."""
+a tiny text (tests/data, copied into a corpora directory of the test's own; no Presage)."""
 
 from __future__ import annotations
 
@@ -71,17 +71,17 @@ def test_a_row_names_what_ran_not_what_its_system_would_run_on_the_default() -> 
         f"{SYSTEMS['sparse']} (lr 0.0001, cache 0.5)"
 
 
-def keyboard(shared: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_SHARED": str(shared)}
+def keyboard(corpora: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_DATA": str(corpora)}
     return subprocess.run([sys.executable, "-m", "bench.keyboard", *args], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=600)
 
 
 def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path, tmp_path: Path) -> None:
     # the "emails" text: over 40 KB (the part measured is its last 40 KB), of the held-out book
-    shared = tmp_path / "shared"
-    (shared / "data" / "messages").mkdir(parents=True)
-    (shared / "data" / "messages" / "enron-farmer-d.first2672.txt").write_bytes((DATA / "valid.txt").read_bytes() * 3)
+    corpora = tmp_path / "corpora"
+    (corpora / "messages").mkdir(parents=True)
+    (corpora / "messages" / "enron-farmer-d.first2672.txt").write_bytes((DATA / "valid.txt").read_bytes() * 3)
     out = tmp_path / "out"
     out.mkdir()
     # a result of the default checkpoint already there: kept, and its row named in the table beside the word model's
@@ -90,7 +90,7 @@ def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path,
     (out / "emails.static.json").write_text(json.dumps(default))
     base = ["--checkpoint", str(word_checkpoint), "--texts", "emails", "--out", str(out)]
 
-    r = keyboard(shared, *base, "--systems", "static,sparse", "--limit-bytes", "400", "--warmup-bytes", "300")
+    r = keyboard(corpora, *base, "--systems", "static,sparse", "--limit-bytes", "400", "--warmup-bytes", "300")
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "emails.static.json").read_text()) == default
     tag = word_checkpoint.name
@@ -116,7 +116,7 @@ def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path,
                     f"ours ({tag}, word model), session as served: adapter (HTTP) (lr {records['sparse']['lr']:g})"]
 
     # asked for by name, an in-process system is refused before anything runs (exit 2, argparse's one line)
-    r = keyboard(shared, *base, "--systems", "static,full")
+    r = keyboard(corpora, *base, "--systems", "static,full")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"--systems full cannot measure {tag} (tokenizer 'words')" in r.stderr
     assert sorted(p.name for p in out.glob("*.json")) == sorted(

@@ -1,5 +1,5 @@
 """`python -m bench.keyboard_losses` and `python -m bench.keyboard_replay` (record, then replay) run end to end on a
-tiny slice of tests/data with the tiny checkpoint (their slices and training words replaced: no ../shared), and
+tiny slice of tests/data with the tiny checkpoint (their slices and training words replaced: no corpora), and
 write what they promise: every typed word's outcome, and the same KSR replayed for the bar the session shows."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def tiny_slice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     typed_from = text.rfind(b"\n", 0, len(text) - 1) + 1  # the last line typed, the rest observed first
     slices = {"tiny": {"analysis": ("tiny.txt", 0, typed_from, len(text)),
                        "check": ("tiny.txt", 0, typed_from, len(text))}}
+    monkeypatch.setenv("ADAPTLM_DATA", str(tmp_path))
     for module in (losses, replay):
         monkeypatch.setattr(module, "SLICES", slices)
-        monkeypatch.setattr(module, "SHARED", tmp_path)
         monkeypatch.setattr(module, "training_words", lambda: {"the", "she", "her", "with"})
     return text[typed_from:].decode()
 

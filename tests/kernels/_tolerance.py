@@ -1,5 +1,6 @@
-"""The kernel tolerance rule (STYLE.md, flash-attention's): a kernel's error against a float64 reference must not
-exceed twice the error of the same computation done by PyTorch in the kernel's dtype, plus a tiny absolute floor."""
+"""The kernel tolerance rule (flash-attention's): a kernel's error against a float64 reference must not exceed twice
+the error of the same computation done by PyTorch in the kernel's dtype, plus a tiny absolute floor. A kernel need be
+no more exact than its dtype allows, and a fixed tolerance would be too loose for float32 or too tight for bfloat16."""
 
 from __future__ import annotations
 

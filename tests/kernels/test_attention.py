@@ -2,8 +2,8 @@
 implementation (full score matrix, mask written row by row, r looked up by an explicit distance table), forward and
 every gradient. CPU tensors run in the Triton interpreter; the `gpu` test runs the compiled kernels.
 
-Tolerance (STYLE.md, flash-attention's rule): the kernel's error against a float64 computation is at most twice the
-reference's error when the reference runs in the kernel's dtype, plus a tiny floor.
+Tolerance (flash-attention's rule, tests/kernels/_tolerance.py): the kernel's error against a float64 computation
+is at most twice the reference's error when the reference runs in the kernel's dtype, plus a tiny floor.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Neural cache (ALGORITHMS.md §4): a proper distribution, a naive reference, lambda = 0 is the model."""
+"""Neural cache (docs/algorithms.md §4): a proper distribution, a naive reference, lambda = 0 is the model."""
 
 from __future__ import annotations
 

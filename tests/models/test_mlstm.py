@@ -25,7 +25,7 @@ def _lstm_from(w_x: torch.Tensor, b: torch.Tensor, w_m: torch.Tensor) -> torch.n
 
 
 def test_cell_reduces_to_lstm_in_closed_form_case() -> None:
-    # ALGORITHMS.md §1: with W_mh = I and W_mx x = 1 the mLSTM is an LSTM with W_hh = W_m
+    # thesis ch. 3 (docs/algorithms.md §1): with W_mh = I and W_mx x = 1 the mLSTM is an LSTM with W_hh = W_m
     torch.manual_seed(1)
     B, E, H = 3, 4, 6
     w_x, b, w_m = torch.randn(4 * H, E).double(), torch.randn(4 * H).double(), torch.randn(4 * H, H).double()

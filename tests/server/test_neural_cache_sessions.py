@@ -1,4 +1,4 @@
-"""The neural cache as a session option (issue 13; ALGORITHMS.md §4), over HTTP on real servers: a session created
+"""The neural cache as a session option (docs/algorithms.md §4), over HTTP on real servers: a session created
 with `neural_cache` scores its observed text under the cache and remembers the pairs between requests; its
 suggestions and generations read that memory; exports carry it and imports check it; it takes the copy model's
 place in a session of a checkpoint that has one."""

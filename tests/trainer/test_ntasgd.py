@@ -1,4 +1,4 @@
-"""NT-ASGD (Algorithm 1 of file 002) and variable-length BPTT (sec. 4.1)."""
+"""NT-ASGD (Merity et al. 2018, Algorithm 1) and variable-length BPTT (their sec. 4.1)."""
 
 import random
 
