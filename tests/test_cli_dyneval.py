@@ -112,7 +112,7 @@ def test_outputs_are_replaced_whole(tmp_path: Path) -> None:
     """Outputs (tune's dyneval.json, eval's CSV and plot, a session export) are written to a temporary file beside
     them and renamed: a write that stops half-way (a full disk, Ctrl-C) leaves the old file as it was and no
     temporary file behind; a write that fails is one line (UsageError)."""
-    from adaptlm import cli
+    from adaptlm.cli._common import UsageError, write_whole
 
     target = tmp_path / "dyneval.json"
     target.write_text('{"old": true}')
@@ -126,11 +126,11 @@ def test_outputs_are_replaced_whole(tmp_path: Path) -> None:
         raise OSError(28, "No space left on device")
 
     with pytest.raises(KeyboardInterrupt):
-        cli._write_whole(target, half_then_interrupted)
-    with pytest.raises(cli.UsageError, match="dyneval.json: cannot write \\(No space left on device\\)"):
-        cli._write_whole(target, half_then_disk_full)
+        write_whole(target, half_then_interrupted)
+    with pytest.raises(UsageError, match="dyneval.json: cannot write \\(No space left on device\\)"):
+        write_whole(target, half_then_disk_full)
     assert target.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["dyneval.json"]
-    cli._write_whole(target, lambda path: path.write_text('{"new": true}'))
+    write_whole(target, lambda path: path.write_text('{"new": true}'))
     assert target.read_text() == '{"new": true}' and [p.name for p in tmp_path.iterdir()] == ["dyneval.json"]
 
 
