@@ -71,7 +71,7 @@ BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 STATS = ("hist", "fill", "uni", "weights")  # what the frozen path reads of a session (`CopyMemory.view`)
 PAIRS = ("pairs_off", "pairs_pos")  # and, on a CPU with numba, the history's index by byte pair (`frozen_stats`)
 _CAP = 254  # match lengths stop growing here (a uint8)
-CONTEXT = 254  # bytes a CopyMixed row keeps of what it read: its longest match
+CONTEXT = 254  # bytes a search row keeps of what it read: its longest match
 _UNI_LIMIT = float(1 << 20)  # order-0 counts are halved past this total
 
 
@@ -133,21 +133,21 @@ class CopyConfig:
 
 
 def branch_view(copy: State) -> State:
-    """What `CopyMixed` carries per row of a stream whose copy-model state is `copy` (the learning path's): the last
+    """What a search row carries (`CopyMemory.branch_state`) of a stream whose copy-model state is `copy` (the learning path's): the last
     CONTEXT bytes it read and how many of them are real."""
     hist, fill = copy.tensors["hist"], copy.tensors["fill"]
     return State({"ctx": hist[:, -CONTEXT:].contiguous(), "ctxlen": fill.clamp(max=CONTEXT)})
 
 
 def empty_view(batch: int, device: torch.device | str) -> State:
-    """`branch_view` of rows that have read nothing (or have no copy model): `CopyMixed` gives them the network
+    """`branch_view` of rows that have read nothing (or have no copy model): `CopyMemory.read` gives them the network
     alone, and their states stack with other rows'."""
     return State({"ctx": torch.zeros(batch, CONTEXT, dtype=torch.uint8, device=device),
                   "ctxlen": torch.zeros(batch, dtype=torch.long, device=device)})
 
 
 def frozen_stats(copy: State) -> State:
-    """What the frozen path (`CopyModel.mix_frozen`, `CopyMixed`) reads of copy states: STATS, and where the fused
+    """What the frozen path (`CopyModel.mix_frozen`, `CopyMemory.read`) reads of copy states: STATS, and where the fused
     kernel serves (CPU tensors, numba) the history's slots indexed by the byte pair that ends at each, which the
     kernel needs. Built in one pass over the window (~0.2 ms for 32 KB; 384 KB while it lives), so a keyboard
     search or a generation builds it once and each of its steps reads only the slots that can match."""
