@@ -133,8 +133,8 @@ class CopyConfig:
 
 
 def branch_view(copy: State) -> State:
-    """What a search row carries (`CopyMemory.branch_state`) of a stream whose copy-model state is `copy` (the learning path's): the last
-    CONTEXT bytes it read and how many of them are real."""
+    """What a search row carries (`CopyMemory.branch_state`) of a stream whose copy-model state is `copy` (the
+    learning path's): the last CONTEXT bytes it read and how many of them are real."""
     hist, fill = copy.tensors["hist"], copy.tensors["fill"]
     return State({"ctx": hist[:, -CONTEXT:].contiguous(), "ctxlen": fill.clamp(max=CONTEXT)})
 
