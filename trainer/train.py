@@ -1,6 +1,7 @@
 """The training loop: truncated BPTT over byte streams (or a word tokenizer's ids), Adam with warm-up then linear
 or cosine decay (or the AWD-LSTM's NT-ASGD with variable-length BPTT), gradient accumulation, best-checkpoint
-keeping, resumable, JSON-lines log, and MS_g statistics at the end (ALGORITHMS.md §1-3, §5, §7's schedule).
+keeping, resumable, JSON-lines log, and MS_g statistics at the end (Krause, thesis ch. 3, eq. 4.4 and sec. 4.6;
+Merity et al. 2018, sec. 3-4; Rae et al. 2020, sec. 5.1; docs/algorithms.md §1-3, §5 and §7).
 
 Word models (`tokenizer` {"kind": "words", ...}): the vocabulary is built from the training text (the same text
 builds the same vocabulary, so a resumed run rebuilds it), the model's vocab_size is its size, and validation
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -180,9 +181,9 @@ def progress_at(cfg: TrainConfig, step: int, seconds: float = 0.0) -> float:
 
 def lr_at(cfg: TrainConfig, step: int, seconds: float = 0.0) -> float:
     """The learning rate of optimizer step `step` (0-based): linear warm-up to `lr` over `warmup_steps`, then
-    decay to `lr_final` at `max_steps`, linear over all steps (thesis ch. 3; as before cosine existed) or cosine
-    over the steps after warm-up (Compressive Transformer, ALGORITHMS.md §7). Under schedule_clock "budget" the
-    decay runs on `progress_at` (warm-up still counts steps)."""
+    decay to `lr_final` at `max_steps`, linear over all steps (Krause, thesis ch. 3) or cosine over the steps after
+    warm-up (the Compressive Transformer's, Rae et al. 2020, sec. 5.1; docs/algorithms.md §7). Under schedule_clock
+    "budget" the decay runs on `progress_at` (warm-up still counts steps)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule_clock == "budget":
@@ -480,274 +481,368 @@ def train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: str | Path, *
     In a torch.distributed group every process calls this with the same arguments (and its own device);
     `cfg.batch_size` is the global batch, and `on_log` is called on rank 0 only."""
     with _tf32(torch.device(device)):
-        return _train(cfg, data_paths, Path(out), valid_path=valid_path, resume=resume, name=name,
-                      progress=progress, on_log=on_log, device=torch.device(device))
+        return _Run(cfg, data_paths, Path(out), valid_path=valid_path, resume=resume, name=name, progress=progress,
+                    on_log=on_log, device=torch.device(device)).run()
 
 
-def _train(cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *, valid_path: str | Path | None,
-           resume: bool, name: str | None, progress: bool, on_log: Callable[[dict[str, Any]], None] | None,
-           device: torch.device) -> TrainResult:
-    group = current()
-    local_batch = group.share(cfg.batch_size)
-    if local_batch % cfg.accumulate:
-        raise ValueError(f"each process's {local_batch} streams cannot be split into {cfg.accumulate} micro-batches")
-    if cfg.schedule_clock == "budget" and group.world > 1:
-        raise ValueError("schedule_clock 'budget' runs in one process (each would read its own clock)")
-    precision = train_precision(cfg.precision, device)
-    group.share(cfg.stats_batch_size, "stats_batch_size")  # fail now, not after training
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if cfg.optimizer == "ntasgd" and (group.world > 1 or cfg.accumulate > 1):
-        raise ValueError("the ntasgd optimizer runs in one process, without accumulate")
-    torch.manual_seed(cfg.seed)
-    train_bytes = read_corpus(data_paths)
-    valid_bytes = read_bytes(valid_path) if valid_path else b""
-    valid_slice = valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else valid_bytes
-    tokenizer = make_tokenizer(cfg, train_bytes)
-    words = tokenizer.kind != "bytes"
-    # a word model sees ids; its validation figure is still bits per byte of the raw text (module docstring)
-    train_data: bytes | torch.Tensor = tokenizer.encode_tensor(train_bytes) if words else train_bytes
-    valid_data: bytes | torch.Tensor = tokenizer.encode_tensor(valid_slice) if words else valid_slice
-    if valid_slice and len(valid_data) < 2:
-        raise ValueError(f"{valid_path}: too short to validate on ({len(valid_data)} {'tokens' if words else 'bytes'}"
-                         "; at least 2)")
-    try:
-        model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model,
-                                      **({"vocab_size": tokenizer.vocab_size} if words else {})})
-        model = build_model(model_cfg)
-    except (TypeError, ValueError, RuntimeError) as e:  # e.g. a negative width: torch's RuntimeError
-        raise ValueError(f"model settings {json.dumps(cfg.model)}: {str(e).splitlines()[0]}") from None
-    parent = _warm_start(model, tokenizer, Path(cfg.init_from)) if cfg.init_from and not resume else None
-    model = model.to(device)
-    model.train()
-    net: torch.nn.Module = model
-    if group.world > 1:
-        # the same initial weights everywhere (DDP broadcasts rank 0's too); then each process its own dropout masks
-        torch.manual_seed(cfg.seed + group.rank)
-        # a model with training-only heads whose losses its schedule drops (the character transformer's
-        # intermediate classifiers) leaves them without gradients from then on: DDP must be told to expect that
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=bool(model.training_only_parameters()))
-    streams = ByteStreams(train_data, cfg.batch_size, cfg.bptt, shard=(group.rank, group.world))
-    opt: torch.optim.Adam | NTASGD
-    if cfg.optimizer == "ntasgd":
-        opt = NTASGD(model, lr=cfg.lr, nonmono=cfg.nonmono, interval=cfg.valid_every, weight_decay=cfg.weight_decay)
-    else:
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    nt = opt if isinstance(opt, NTASGD) else None
+class _Run:
+    """One call of `train`, phase by phase (`run`): the settings, the data, the model (and its DDP wrapper), the
+    optimizer, the run's files (or the state it resumes from), the loop (a step, its log line, validation and the
+    resumable state), and the final checkpoint with its statistics and model card. Each phase sets what the later
+    ones read."""
 
-    def valid_bpb(data: bytes | torch.Tensor, nbytes: int, streams: int) -> float:
-        """Bits per byte of the validation text (a word model: its bits per word x words / bytes)."""
-        per_token = evaluate_bpb(model, data, streams, precision=precision)
-        return per_token * len(data) / nbytes if words else per_token
-    log_path = out / "train.jsonl"
-    last = out / "last"
-    step, best, elapsed, pos = 0, math.inf, 0.0, 0
-    hidden: dict[str, torch.Tensor] | None = None
-    data_sha256 = hashlib.sha256(train_bytes).hexdigest()
-    if resume:
-        hidden, info = _load_trainer_state(last, model, opt, group, device,
-                                           check=lambda saved: _check_resumable(last, saved, cfg, data_sha256))
-        step, best, elapsed, pos = info["step"], info["best_valid_bpb"], info["seconds"], info.get("bptt_pos", 0)
-    if group.main:
-        with _writing(out):
-            out.mkdir(parents=True, exist_ok=True)
-            if not resume:  # a fresh run: an earlier run's state and log there are not this run's
-                (last / STATE_FILE).unlink(missing_ok=True)
-                (last / "trainer_state.json").unlink(missing_ok=True)
-            log_file = log_path.open("a" if resume else "w", encoding="utf-8")
-    else:
-        log_file = None
+    def __init__(self, cfg: TrainConfig, data_paths: Sequence[str | Path], out: Path, *,
+                 valid_path: str | Path | None, resume: bool, name: str | None, progress: bool,
+                 on_log: Callable[[dict[str, Any]], None] | None, device: torch.device) -> None:
+        self.cfg, self.data_paths, self.out, self.valid_path = cfg, data_paths, out, valid_path
+        self.resume, self.progress, self.on_log, self.device = resume, progress, on_log, device
+        self.group = current()
+        self.meta_base = {"name": name or out.name, "training_config": cfg.to_dict()}
+        self.last = out / "last"
+        self.log_path = out / "train.jsonl"
+        self.log_file: IO[str] | None = None
 
-    def log(record: dict[str, Any]) -> None:
-        if log_file is None:
-            return
-        with _writing(log_path):
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
-        if on_log:
-            on_log(record)
+    def run(self) -> TrainResult:
+        self._check_settings()
+        self._read_data()
+        self._build_model()
+        self._build_optimizer()
+        elapsed = self._open()
+        stop_reason = self._loop(elapsed)
+        return self._finish(stop_reason)
 
-    meta_base = {
-        "name": name or out.name,
-        "training_config": cfg.to_dict(),
-    }
+    # -- before the first step -----------------------------------------------------------------------------------
 
-    def save_best(valid_bpb: float) -> None:
-        meta = {**meta_base, "metrics": {"valid_bpb_slice": valid_bpb, "step": step}}
-        with _writing(out):
-            save_checkpoint(out, model, meta=meta, card="# (training in progress)\n", tokenizer=tokenizer)
+    def _check_settings(self) -> None:
+        """Settings this group of processes cannot run, refused before any work; the precision, threads and seed."""
+        cfg, group = self.cfg, self.group
+        self.local_batch = group.share(cfg.batch_size)
+        if self.local_batch % cfg.accumulate:
+            raise ValueError(f"each process's {self.local_batch} streams cannot be split into {cfg.accumulate} "
+                             "micro-batches")
+        if cfg.schedule_clock == "budget" and group.world > 1:
+            raise ValueError("schedule_clock 'budget' runs in one process (each would read its own clock)")
+        self.precision = train_precision(cfg.precision, self.device)
+        group.share(cfg.stats_batch_size, "stats_batch_size")  # fail now, not after training
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if cfg.optimizer == "ntasgd" and (group.world > 1 or cfg.accumulate > 1):
+            raise ValueError("the ntasgd optimizer runs in one process, without accumulate")
+        torch.manual_seed(cfg.seed)
 
-    state = model.init_state(local_batch) if hidden is None else type(model.init_state(1))(
-        {k: v.to(device) for k, v in hidden.items()})
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (progress and group.main), unit="step",
-               dynamic_ncols=True)
-    clock = time.process_time if cfg.time_clock == "cpu" else time.monotonic  # elapsed "seconds", tokens/s
-    t0 = clock() - elapsed
-    window_t, window_tokens = clock(), 0
-    stop_reason = "max_steps"
-    total_steps = cfg.max_steps + (cfg.finetune_steps if nt is not None else 0)
-    with _Signals(group.world == 1) as signals:
-        while step < total_steps:
-            if nt is not None and cfg.finetune_steps and step == cfg.max_steps and not nt.finetuning:
-                nt.restart()  # the fine-tuning restart (AWD-LSTM sec. 5): ASGD again from the averaged weights
-                log({"step": step, "finetune": True})
-            if nt is not None and nt.finished:
-                stop_reason = "finetune_converged"
-                break
-            scale = 1.0
-            if cfg.variable_bptt:  # AWD-LSTM sec. 4.1: the length drawn from (seed, step), so a resume draws the same
-                length = sample_seq_len(cfg.bptt, random.Random(cfg.seed * 1_000_003 + step),
-                                        max_len=streams.rows.shape[1] - 1)
-                if pos + length + 1 > streams.rows.shape[1]:
-                    pos = 0
-                chunk, new_epoch = streams.rows[:, pos : pos + length + 1], pos == 0
-                pos += length
-                scale = length / cfg.bptt
-            else:
-                chunk, new_epoch = streams.chunk(step)
-            chunk = chunk.to(device, non_blocking=True)
-            if new_epoch:
-                state = model.init_state(local_batch)
-            elif cfg.reset_prob:
-                chunk, state = _reset_rows(model, cfg, step, chunk, state, group, tokenizer.bos)
-            seconds = clock() - t0
-            lr = cfg.lr * scale if nt is not None else lr_at(cfg, step, seconds) * scale
-            if not isinstance(opt, NTASGD):  # NT-ASGD sets its own (the constant lr x scale, in train_step)
-                for param_group in opt.param_groups:
-                    param_group["lr"] = lr
-            model.set_training_progress(progress_at(cfg, step, seconds))  # schedules of auxiliary losses
-            # loss and norm are read at logging: no sync a step
-            result = train_step(model, opt, chunk, state, accumulate=cfg.accumulate, clip=cfg.clip, precision=precision,
-                                net=net, lr_scale=scale)
-            state = result.state
-            step += 1
-            window_tokens += chunk[:, 1:].numel() * group.world
-            bar.update(1)
-            if step % cfg.log_every == 0:
-                now = clock()
-                tps = window_tokens / max(1e-9, now - window_t)
-                window_t, window_tokens = now, 0
-                # the whole batch's mean losses: the next-byte loss (train_bpb) and, for a model with auxiliary losses,
-                # the objective they are part of (train_loss_bpb)
-                nll_value = result.nll.item() if group.world == 1 else group.mean(result.nll)
-                record: dict[str, Any] = {"step": step, "train_bpb": nll_value / LN2}
-                if model.training_only_parameters():
-                    loss_value = result.loss.item() if group.world == 1 else group.mean(result.loss)
-                    record["train_loss_bpb"] = loss_value / LN2
-                bar.set_postfix(train_bpb=f"{nll_value / LN2:.3f}", tok_s=f"{tps:,.0f}")
-                log({**record, "lr": lr, "grad_norm": float(result.grad_norm),
-                     "tokens_per_s": tps,
-                     "seconds": now - t0})
-                if not math.isfinite(nll_value):  # every process read the same mean: all stop here
-                    bar.close()
-                    if log_file is not None:
-                        log_file.close()
-                    raise TrainingDiverged(step, lr, out)
-            time_up = bool(cfg.max_minutes) and (clock() - t0) > cfg.max_minutes * 60
-            if cfg.max_minutes:
-                time_up = group.any(time_up, device)  # every process stops after the same step
-            # validation (with a validation file) and the resumable state every valid_every steps and at the end; the
-            # state alone after a signal, before stopping
-            interrupted = signals.signum is not None
-            checkpoint = step % cfg.valid_every == 0 or step in (cfg.max_steps, total_steps) or time_up
-            if checkpoint or interrupted:
-                hidden_parts = group.gather({k: v.detach().cpu() for k, v in state.tensors.items()})
-                rngs = group.gather(_rng_states(device))
-                if group.main:
-                    if valid_slice and checkpoint:
-                        # NT-ASGD: validated, and kept, with the averaged weights once averaging is on
-                        with nt.averaged() if nt is not None else contextlib.nullcontext():
-                            vbpb = valid_bpb(valid_data, len(valid_slice), cfg.valid_streams)
-                            improved = vbpb < best
-                            if improved:
-                                best = vbpb
-                                save_best(vbpb)
-                        record = {"step": step, "valid_bpb": vbpb, "best_valid_bpb": best}
-                        if words:
-                            record["valid_ppl"] = 2.0 ** (vbpb * len(valid_slice) / len(valid_data))
-                        if nt is not None:
-                            if nt.check(vbpb) and not nt.finetuning:
-                                record["averaging_from_step"] = step
-                            record["averaging"] = nt.averaging
-                        log({**record, "seconds": clock() - t0})
-                    whole = {k: torch.cat([part[k] for part in hidden_parts]) for k in hidden_parts[0]}  # (B, ...)
-                    with _writing(last / STATE_FILE):
-                        _save_trainer_state(last, model, opt, whole,
-                                            {"step": step, "best_valid_bpb": best, "seconds": clock() - t0,
-                                             "world_size": group.world, "config": cfg.to_dict(), "bptt_pos": pos,
-                                             "data_sha256": data_sha256}, rngs)
-                group.barrier()  # the others wait for rank 0's validation and files
-            if interrupted:
-                assert signals.signum is not None
-                log({"step": step, "interrupted": signal.Signals(signals.signum).name, "seconds": clock() - t0})
-                bar.close()
-                if log_file is not None:
-                    log_file.close()
-                raise TrainingInterrupted(signals.signum, step, out)
-            if time_up:
-                stop_reason = "max_minutes"
-                break
-    bar.close()
-    seconds = clock() - t0
-    if not valid_slice and group.main:
-        save_best(math.nan)
-    group.barrier()
-    # final: best weights, MS_g statistics on training data (every process its share), full validation, card
-    ckpt = load_checkpoint(out, trainable=True, device=device)  # the statistics take gradients of the weights
-    best_model = ckpt.model
-    weights_dtype = DTYPES[cfg.weights_dtype]
-    with torch.no_grad():  # everything below is measured on the weights as shipped
-        for p in best_model.parameters():
-            p.copy_(p.to(weights_dtype).to(p.dtype))
-    stats = gradient_stats(best_model, train_data, batches=cfg.stats_batches, batch_size=cfg.stats_batch_size,
-                           segment=cfg.stats_segment, adapter_units=cfg.adapter_units, group=group)
-    if not group.main:
-        group.barrier()  # rank 0 validates and writes the checkpoint
-        best_bpb = group.broadcast(None)
-        return TrainResult(out=out, best_valid_bpb=best_bpb, steps=step, seconds=seconds)
-    metrics: dict[str, Any] = {"best_step": ckpt.meta["metrics"]["step"], "stop_reason": stop_reason}
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads"
-    if device.type == "cuda":
-        machine = f"{torch.cuda.get_device_name(device)} ({machine})"
-    if group.world > 1:
-        machine += f", {group.world} processes ({device.type})"
-    if valid_bytes:
-        whole_valid = tokenizer.encode_tensor(valid_bytes) if words else valid_bytes
-        per_token = evaluate_bpb(best_model, whole_valid, cfg.valid_streams)
-        metrics["valid_bpb"] = per_token * len(whole_valid) / len(valid_bytes) if words else per_token
-        metrics["valid_streams"] = cfg.valid_streams
+    def _read_data(self) -> None:
+        """The training and validation text, the tokenizer built from the training text, and this process's rows."""
+        cfg = self.cfg
+        self.train_bytes = read_corpus(self.data_paths)
+        self.valid_bytes = read_bytes(self.valid_path) if self.valid_path else b""
+        self.valid_slice = self.valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else self.valid_bytes
+        self.tokenizer = make_tokenizer(cfg, self.train_bytes)
+        words = self.words = self.tokenizer.kind != "bytes"
+        # a word model sees ids; its validation figure is still bits per byte of the raw text (module docstring)
+        encode = self.tokenizer.encode_tensor
+        self.train_data: bytes | torch.Tensor = encode(self.train_bytes) if words else self.train_bytes
+        self.valid_data: bytes | torch.Tensor = encode(self.valid_slice) if words else self.valid_slice
+        if self.valid_slice and len(self.valid_data) < 2:
+            raise ValueError(f"{self.valid_path}: too short to validate on ({len(self.valid_data)} "
+                             f"{'tokens' if words else 'bytes'}; at least 2)")
+        self.data_sha256 = hashlib.sha256(self.train_bytes).hexdigest()
+
+    def _build_model(self) -> None:
+        """The model (from `init_from`'s weights on a warm start), on the device, and what runs its forward: the model,
+        or its DistributedDataParallel wrapper in a group of processes."""
+        cfg, group, device = self.cfg, self.group, self.device
+        try:
+            model_cfg = config_from_dict({"arch": cfg.arch, **cfg.model,
+                                          **({"vocab_size": self.tokenizer.vocab_size} if self.words else {})})
+            model = build_model(model_cfg)
+        except (TypeError, ValueError, RuntimeError) as e:  # e.g. a negative width: torch's RuntimeError
+            raise ValueError(f"model settings {json.dumps(cfg.model)}: {str(e).splitlines()[0]}") from None
+        warm = cfg.init_from and not self.resume
+        self.parent = _warm_start(model, self.tokenizer, Path(cfg.init_from)) if warm else None
+        self.model = model = model.to(device)
+        model.train()
+        self.net: torch.nn.Module = model
+        if group.world > 1:
+            # the same initial weights everywhere (DDP broadcasts rank 0's too); then each process its own dropout masks
+            torch.manual_seed(cfg.seed + group.rank)
+            # a model with training-only heads whose losses its schedule drops (the character transformer's
+            # intermediate classifiers) leaves them without gradients from then on: DDP must be told to expect that
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=bool(model.training_only_parameters()))
+
+    def _build_optimizer(self) -> None:
+        """This process's share of the training streams, and the optimizer: Adam, or NT-ASGD (`self.nt`)."""
+        cfg, group = self.cfg, self.group
+        self.streams = ByteStreams(self.train_data, cfg.batch_size, cfg.bptt, shard=(group.rank, group.world))
+        self.opt: torch.optim.Adam | NTASGD
+        if cfg.optimizer == "ntasgd":
+            self.opt = NTASGD(self.model, lr=cfg.lr, nonmono=cfg.nonmono, interval=cfg.valid_every,
+                              weight_decay=cfg.weight_decay)
+        else:
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
+        self.nt = self.opt if isinstance(self.opt, NTASGD) else None
+
+    def _open(self) -> float:
+        """Where the run starts: step 0 with a fresh state, or the saved state of `last/` (`resume`); rank 0 opens the
+        log (a fresh run: new, and an earlier run's state is removed). -> the seconds already trained."""
+        cfg, group, last = self.cfg, self.group, self.last
+        self.step, self.best, elapsed, self.pos = 0, math.inf, 0.0, 0
+        hidden: dict[str, torch.Tensor] | None = None
+        if self.resume:
+            hidden, info = _load_trainer_state(last, self.model, self.opt, group, self.device,
+                                               check=lambda saved: _check_resumable(last, saved, cfg, self.data_sha256))
+            self.step, self.best, elapsed = info["step"], info["best_valid_bpb"], info["seconds"]
+            self.pos = info.get("bptt_pos", 0)
+        if group.main:
+            with _writing(self.out):
+                self.out.mkdir(parents=True, exist_ok=True)
+                if not self.resume:  # a fresh run: an earlier run's state and log there are not this run's
+                    (last / STATE_FILE).unlink(missing_ok=True)
+                    (last / "trainer_state.json").unlink(missing_ok=True)
+                self.log_file = self.log_path.open("a" if self.resume else "w", encoding="utf-8")
+        model = self.model
+        self.state = model.init_state(self.local_batch) if hidden is None else type(model.init_state(1))(
+            {k: v.to(self.device) for k, v in hidden.items()})
+        return elapsed
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+
+    def _loop(self, elapsed: float) -> str:
+        """Steps until `max_steps` (and NT-ASGD's fine-tuning steps) or `max_minutes`; -> why it stopped. Raises
+        TrainingDiverged at a non-finite training loss, and TrainingInterrupted after a signal (the state saved)."""
+        cfg, group, model, nt = self.cfg, self.group, self.model, self.nt
+        self.bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.progress and group.main),
+                        unit="step", dynamic_ncols=True)
+        self.clock = time.process_time if cfg.time_clock == "cpu" else time.monotonic  # elapsed "seconds", tokens/s
+        self.t0 = self.clock() - elapsed
+        window_t, window_tokens = self.clock(), 0
+        stop_reason = "max_steps"
+        total_steps = cfg.max_steps + (cfg.finetune_steps if nt is not None else 0)
+        with _Signals(group.world == 1) as signals:
+            while self.step < total_steps:
+                if nt is not None and cfg.finetune_steps and self.step == cfg.max_steps and not nt.finetuning:
+                    nt.restart()  # the fine-tuning restart (AWD-LSTM sec. 5): ASGD again from the averaged weights
+                    self._log({"step": self.step, "finetune": True})
+                if nt is not None and nt.finished:
+                    stop_reason = "finetune_converged"
+                    break
+                chunk, scale = self._next_chunk()
+                seconds = self.clock() - self.t0
+                lr = cfg.lr * scale if nt is not None else lr_at(cfg, self.step, seconds) * scale
+                if not isinstance(self.opt, NTASGD):  # NT-ASGD sets its own (the constant lr x scale, in train_step)
+                    for param_group in self.opt.param_groups:
+                        param_group["lr"] = lr
+                model.set_training_progress(progress_at(cfg, self.step, seconds))  # schedules of auxiliary losses
+                # loss and norm are read at logging: no sync a step
+                result = train_step(model, self.opt, chunk, self.state, accumulate=cfg.accumulate, clip=cfg.clip,
+                                    precision=self.precision, net=self.net, lr_scale=scale)
+                self.state = result.state
+                self.step += 1
+                window_tokens += chunk[:, 1:].numel() * group.world
+                self.bar.update(1)
+                if self.step % cfg.log_every == 0:
+                    now = self.clock()
+                    tps = window_tokens / max(1e-9, now - window_t)
+                    window_t, window_tokens = now, 0
+                    nll_value = self._log_training(result, lr, tps, now)
+                    if not math.isfinite(nll_value):  # every process read the same mean: all stop here
+                        self._close()
+                        raise TrainingDiverged(self.step, lr, self.out)
+                time_up = bool(cfg.max_minutes) and self._seconds() > cfg.max_minutes * 60
+                if cfg.max_minutes:
+                    time_up = group.any(time_up, self.device)  # every process stops after the same step
+                # validation (with a validation file) and the resumable state every valid_every steps and at the end;
+                # the state alone after a signal, before stopping
+                interrupted = signals.signum is not None
+                checkpoint = self.step % cfg.valid_every == 0 or self.step in (cfg.max_steps, total_steps) or time_up
+                if checkpoint or interrupted:
+                    self._save_progress(validate=checkpoint)
+                if interrupted:
+                    assert signals.signum is not None
+                    self._log({"step": self.step, "interrupted": signal.Signals(signals.signum).name,
+                               "seconds": self._seconds()})
+                    self._close()
+                    raise TrainingInterrupted(signals.signum, self.step, self.out)
+                if time_up:
+                    stop_reason = "max_minutes"
+                    break
+        self.bar.close()
+        return stop_reason
+
+    def _next_chunk(self) -> tuple[torch.Tensor, float]:
+        """The step's chunk (B, T + 1) of this process's rows, on the device, with the state reset where a stream
+        starts afresh; and its learning-rate scale (its length / bptt under variable-length BPTT, else 1)."""
+        cfg, streams = self.cfg, self.streams
+        scale = 1.0
+        if cfg.variable_bptt:  # AWD-LSTM sec. 4.1: the length drawn from (seed, step), so a resume draws the same
+            length = sample_seq_len(cfg.bptt, random.Random(cfg.seed * 1_000_003 + self.step),
+                                    max_len=streams.rows.shape[1] - 1)
+            if self.pos + length + 1 > streams.rows.shape[1]:
+                self.pos = 0
+            chunk, new_epoch = streams.rows[:, self.pos : self.pos + length + 1], self.pos == 0
+            self.pos += length
+            scale = length / cfg.bptt
+        else:
+            chunk, new_epoch = streams.chunk(self.step)
+        chunk = chunk.to(self.device, non_blocking=True)
+        if new_epoch:
+            self.state = self.model.init_state(self.local_batch)
+        elif cfg.reset_prob:
+            chunk, self.state = _reset_rows(self.model, cfg, self.step, chunk, self.state, self.group,
+                                            self.tokenizer.bos)
+        return chunk, scale
+
+    def _log_training(self, result: StepResult, lr: float, tokens_per_s: float, now: float) -> float:
+        """The log line of a step: the whole batch's mean losses, the next-byte loss (train_bpb) and, for a model with
+        auxiliary losses, the objective they are part of (train_loss_bpb). -> the next-byte loss (nats)."""
+        group = self.group
+        nll_value = result.nll.item() if group.world == 1 else group.mean(result.nll)
+        record: dict[str, Any] = {"step": self.step, "train_bpb": nll_value / LN2}
+        if self.model.training_only_parameters():
+            loss_value = result.loss.item() if group.world == 1 else group.mean(result.loss)
+            record["train_loss_bpb"] = loss_value / LN2
+        self.bar.set_postfix(train_bpb=f"{nll_value / LN2:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        self._log({**record, "lr": lr, "grad_norm": float(result.grad_norm), "tokens_per_s": tokens_per_s,
+                   "seconds": now - self.t0})
+        return nll_value
+
+    def _save_progress(self, validate: bool) -> None:
+        """Validation (with a validation file, when `validate`) and the resumable state, by rank 0 while the others
+        wait; every process gives its rows of the hidden state and its random generators."""
+        group = self.group
+        hidden_parts = group.gather({k: v.detach().cpu() for k, v in self.state.tensors.items()})
+        rngs = group.gather(_rng_states(self.device))
+        if group.main:
+            if self.valid_slice and validate:
+                self._validate()
+            whole = {k: torch.cat([part[k] for part in hidden_parts]) for k in hidden_parts[0]}  # (B, ...)
+            with _writing(self.last / STATE_FILE):
+                _save_trainer_state(self.last, self.model, self.opt, whole,
+                                    {"step": self.step, "best_valid_bpb": self.best, "seconds": self._seconds(),
+                                     "world_size": group.world, "config": self.cfg.to_dict(), "bptt_pos": self.pos,
+                                     "data_sha256": self.data_sha256}, rngs)
+        group.barrier()  # the others wait for rank 0's validation and files
+
+    def _validate(self) -> None:
+        """Bits per byte of the validation slice (a word model: its bits per word x words / bytes); a better figure
+        than any before saves the checkpoint. NT-ASGD: validated, and kept, with the averaged weights once averaging
+        is on, and the figure is its trigger's check."""
+        nt, words = self.nt, self.words
+        with nt.averaged() if nt is not None else contextlib.nullcontext():
+            per_token = evaluate_bpb(self.model, self.valid_data, self.cfg.valid_streams, precision=self.precision)
+            vbpb = per_token * len(self.valid_data) / len(self.valid_slice) if words else per_token
+            if vbpb < self.best:
+                self.best = vbpb
+                self._save_best(vbpb)
+        record: dict[str, Any] = {"step": self.step, "valid_bpb": vbpb, "best_valid_bpb": self.best}
         if words:
+            record["valid_ppl"] = 2.0 ** (vbpb * len(self.valid_slice) / len(self.valid_data))
+        if nt is not None:
+            if nt.check(vbpb) and not nt.finetuning:
+                record["averaging_from_step"] = self.step
+            record["averaging"] = nt.averaging
+        self._log({**record, "seconds": self._seconds()})
+
+    # -- after the last step ------------------------------------------------------------------------------------
+
+    def _finish(self, stop_reason: str) -> TrainResult:
+        """The best weights as shipped, their MS_g statistics on the training data (every process its share), and on
+        rank 0 the whole validation file, the metadata and the model card, written into the checkpoint."""
+        cfg, group, out = self.cfg, self.group, self.out
+        seconds = self._seconds()
+        if not self.valid_slice and group.main:
+            self._save_best(math.nan)
+        group.barrier()
+        ckpt = load_checkpoint(out, trainable=True, device=self.device)  # the statistics take gradients of the weights
+        best_model = ckpt.model
+        weights_dtype = DTYPES[cfg.weights_dtype]
+        with torch.no_grad():  # everything below is measured on the weights as shipped
+            for p in best_model.parameters():
+                p.copy_(p.to(weights_dtype).to(p.dtype))
+        stats = gradient_stats(best_model, self.train_data, batches=cfg.stats_batches, batch_size=cfg.stats_batch_size,
+                               segment=cfg.stats_segment, adapter_units=cfg.adapter_units, group=group)
+        if not group.main:
+            group.barrier()  # rank 0 validates and writes the checkpoint
+            best_bpb = group.broadcast(None)
+            return TrainResult(out=out, best_valid_bpb=best_bpb, steps=self.step, seconds=seconds)
+        metrics: dict[str, Any] = {"best_step": ckpt.meta["metrics"]["step"], "stop_reason": stop_reason,
+                                   **self._final_validation(best_model)}
+        if self.nt is not None:
+            metrics["averaging_from_step"] = self.nt.switched_at
+        meta = {**self.meta_base, "metrics": metrics, "training": self._training_record(seconds)}
+        card = _model_card(cfg, {**meta, "model_config": cfg.model}, self.model)
+        with _writing(out):
+            save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=default_dyneval(cfg, stats),
+                            weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype],
+                            training_only=cfg.ship_training_only, tokenizer=self.tokenizer)
+        self._log({"done": True, "steps": self.step, "seconds": seconds, **metrics})
+        assert self.log_file is not None
+        self.log_file.close()
+        best_bpb = float(metrics.get("valid_bpb", self.best))
+        if group.world > 1:
+            group.barrier()
+            group.broadcast(best_bpb)
+        return TrainResult(out=out, best_valid_bpb=best_bpb, steps=self.step, seconds=seconds)
+
+    def _final_validation(self, best_model: LanguageModel) -> dict[str, Any]:
+        """The best weights' figures on the whole validation file (none without one)."""
+        if not self.valid_bytes:
+            return {}
+        whole_valid = self.tokenizer.encode_tensor(self.valid_bytes) if self.words else self.valid_bytes
+        per_token = evaluate_bpb(best_model, whole_valid, self.cfg.valid_streams)
+        metrics: dict[str, Any] = {
+            "valid_bpb": per_token * len(whole_valid) / len(self.valid_bytes) if self.words else per_token,
+            "valid_streams": self.cfg.valid_streams}
+        if self.words:
             metrics.update({"valid_bits_per_word": per_token, "valid_perplexity": 2.0 ** per_token,
                             "valid_words": len(whole_valid)})
-    if nt is not None:
-        metrics["averaging_from_step"] = nt.switched_at
-    meta = {
-        **meta_base,
-        "metrics": metrics,
-        "training": {
-            "data": [Path(p).name for p in data_paths], "train_bytes": len(train_bytes),
-            **({"train_words": len(train_data), "vocab_size": tokenizer.vocab_size} if words else {}),
-            "valid": Path(valid_path).name if valid_path else None, "valid_bytes": len(valid_bytes),
-            "steps": step, "seconds": seconds, "machine": machine, "device": device.type, "precision": precision,
-            "torch": torch.__version__,
-            **({"init_from": parent} if parent else {}),
-        },
-    }
-    card = _model_card(cfg, {**meta, "model_config": cfg.model}, model)
-    with _writing(out):
-        save_checkpoint(out, best_model, stats=stats, meta=meta, card=card, dyneval=default_dyneval(cfg, stats),
-                        weights_dtype=weights_dtype, stats_dtype=DTYPES[cfg.stats_dtype],
-                        training_only=cfg.ship_training_only, tokenizer=tokenizer)
-    log({"done": True, "steps": step, "seconds": seconds, **metrics})
-    assert log_file is not None
-    log_file.close()
-    best_bpb = float(metrics.get("valid_bpb", best))
-    if group.world > 1:
-        group.barrier()
-        group.broadcast(best_bpb)
-    return TrainResult(out=out, best_valid_bpb=best_bpb, steps=step, seconds=seconds)
+        return metrics
+
+    def _training_record(self, seconds: float) -> dict[str, Any]:
+        """The checkpoint's account of its training: data, steps, time, machine, precision, parent."""
+        group, device = self.group, self.device
+        machine = f"{platform.machine()}, {torch.get_num_threads()} threads"
+        if device.type == "cuda":
+            machine = f"{torch.cuda.get_device_name(device)} ({machine})"
+        if group.world > 1:
+            machine += f", {group.world} processes ({device.type})"
+        return {
+            "data": [Path(p).name for p in self.data_paths], "train_bytes": len(self.train_bytes),
+            **({"train_words": len(self.train_data), "vocab_size": self.tokenizer.vocab_size} if self.words else {}),
+            "valid": Path(self.valid_path).name if self.valid_path else None, "valid_bytes": len(self.valid_bytes),
+            "steps": self.step, "seconds": seconds, "machine": machine, "device": device.type,
+            "precision": self.precision, "torch": torch.__version__,
+            **({"init_from": self.parent} if self.parent else {}),
+        }
+
+    # -- the run's files ----------------------------------------------------------------------------------------
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """A line of train.jsonl (rank 0; the others log nothing), and `on_log`'s call."""
+        if self.log_file is None:
+            return
+        with _writing(self.log_path):
+            self.log_file.write(json.dumps(record) + "\n")
+            self.log_file.flush()
+        if self.on_log:
+            self.on_log(record)
+
+    def _save_best(self, valid_bpb: float) -> None:
+        meta = {**self.meta_base, "metrics": {"valid_bpb_slice": valid_bpb, "step": self.step}}
+        with _writing(self.out):
+            save_checkpoint(self.out, self.model, meta=meta, card="# (training in progress)\n",
+                            tokenizer=self.tokenizer)
+
+    def _seconds(self) -> float:
+        """Seconds trained (on `time_clock`), a resumed run's earlier ones included."""
+        return self.clock() - self.t0
+
+    def _close(self) -> None:
+        """The progress bar and the log closed, before an exception ends the run."""
+        self.bar.close()
+        if self.log_file is not None:
+            self.log_file.close()
 
 
 def default_dyneval(cfg: TrainConfig, stats: dict[str, torch.Tensor]) -> dict[str, Any]:

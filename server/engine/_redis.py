@@ -21,13 +21,13 @@ them together):
                   record of an older server (in no owner's index until a write of this version) makes room as any
                   did before shares
 
-Every change touching several keys is one Lua script, atomic across servers. An update writes only over the
-revision its work read (`SessionStore.update`): two servers working on one session at once are ordered by their
-writes, and the second is refused (SessionConflict), not lost. The limits (`max_sessions`,
+Every change touching several keys is one Lua script (redis_scripts/*.lua), atomic across servers. An update
+writes only over the revision its work read (`SessionStore.update`): two servers working on one session at once are
+ordered by their writes, and the second is refused (SessionConflict), not lost. The limits (`max_sessions`,
 `max_bytes`) are the shared store's: a server that inserts evicts the least recently used unpinned sessions of
 owners over their share, whichever server made them.
 
-Making room (`_INSERT`) costs what it removes, not the store's size (the script blocks Redis while it runs): first
+Making room (insert.lua) costs what it removes, not the store's size (the script blocks Redis while it runs): first
 expired sessions, however recently used (index entries whose key Redis has dropped, looked for among those whose
 time in `<ns>:exp` has passed), then victims read from the sorted sets of the owners over their share only, merged
 by last use; pinned sessions met on the way are stepped over one by one, and every owner's count is read once
@@ -61,6 +61,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from importlib import resources
 from typing import Any
 
 import redis
@@ -76,256 +77,16 @@ __all__ = ["RedisSessionStore"]
 
 log = logging.getLogger(__name__)
 
-# KEYS: lru, exp, size, bytes, pins. ARGV[1]: the namespace.
-_PRELUDE = """
-local ns = ARGV[1]
-local function skey(id) return ns .. ':s:' .. id end
-local function okey(owner) return ns .. ':o:' .. owner end
-local function disown(owner, id, size)  -- id is no longer counted for owner; an owner of none is forgotten
-  redis.call('ZREM', okey(owner), id)
-  if redis.call('ZCARD', okey(owner)) == 0 then redis.call('HDEL', ns .. ':obytes', owner)
-  else redis.call('HINCRBY', ns .. ':obytes', owner, -size) end
-end
-local function unindex(id)
-  local size = redis.call('HGET', KEYS[3], id)
-  if size then redis.call('DECRBY', KEYS[4], size) end
-  local owner = redis.call('HGET', ns .. ':owner', id)
-  if owner then
-    disown(owner, id, tonumber(size or '0'))
-    redis.call('HDEL', ns .. ':owner', id)
-  end
-  redis.call('ZREM', KEYS[1], id)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('HDEL', KEYS[3], id)
-end
-local function pinned(now)
-  local ids = {}
-  for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '(' .. now, '+inf')) do
-    ids[string.match(member, '^[^|]*|(.*)$')] = true
-  end
-  return ids
-end
-local function extend(key, ms)  -- PEXPIRE ... GT, also on Redis 6
-  local left = redis.call('PTTL', key)
-  if left >= 0 and left < ms then redis.call('PEXPIRE', key, ms) end
-end
-local function write(id, blob, owner, created, last_used, ttl, expires_at, size, revision)
-  local k = skey(id)
-  redis.call('HSET', k, 'blob', blob, 'owner', owner, 'created', created, 'last_used', last_used, 'ttl', ttl,
-             'revision', revision)
-  redis.call('ZADD', KEYS[1], last_used, id)
-  redis.call('ZADD', KEYS[2], expires_at, id)
-  local old = tonumber(redis.call('HGET', KEYS[3], id) or '0')
-  redis.call('HSET', KEYS[3], id, size)
-  redis.call('INCRBY', KEYS[4], tonumber(size) - old)
-  local was = redis.call('HGET', ns .. ':owner', id)
-  if was then disown(was, id, old) end
-  redis.call('HSET', ns .. ':owner', id, owner)
-  redis.call('ZADD', okey(owner), last_used, id)
-  redis.call('HINCRBY', ns .. ':obytes', owner, tonumber(size))
-end
-"""
 
-# ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes, revision,
-# owner_max_sessions, owner_max_bytes (one owner's share: only the idle sessions of owners over it make room)
-# -> {evicted (lru), expired (ttl)}, evicted = -1: does not fit (nothing evicted, nothing stored)
-_INSERT = _PRELUDE + """
-local now, id, owner, size = ARGV[2], ARGV[3], ARGV[5], tonumber(ARGV[10])
-local max_n, max_b = tonumber(ARGV[12]), tonumber(ARGV[13])
-local own_n, own_b = tonumber(ARGV[15]), tonumber(ARGV[16])
-local count = redis.call('ZCARD', KEYS[1])
-local bytes = tonumber(redis.call('GET', KEYS[4]) or '0')
-local owned, owned_b = {}, {}  -- owner -> its sessions and bytes, read once, then kept as victims are chosen
-local function load(o)
-  if owned[o] == nil then
-    owned[o] = redis.call('ZCARD', okey(o))
-    owned_b[o] = tonumber(redis.call('HGET', ns .. ':obytes', o) or '0')
-  end
-end
--- The owner a session is counted for; false for a record written before the owner index (by an older server):
--- no owner's count holds it, so it makes room as every session did then, least recently used first
-local function owner_of(v) return redis.call('HGET', ns .. ':owner', v) end
-local function over(o) return owned[o] > own_n or owned_b[o] > own_b end
-local function size_of(v) return tonumber(redis.call('HGET', KEYS[3], v) or '0') end
-local function gone(v) return redis.call('EXISTS', skey(v)) == 0 end  -- expired: Redis dropped its key
-load(owner)
-local old = redis.call('HGET', KEYS[3], id)
-if old then
-  count = count - 1; bytes = bytes - tonumber(old)
-  local was = owner_of(id)
-  if was then load(was); owned[was] = owned[was] - 1; owned_b[was] = owned_b[was] - tonumber(old) end
-end
-owned[owner] = owned[owner] + 1; owned_b[owner] = owned_b[owner] + size  -- the new session counts for its owner
-local function fits() return count + 1 <= max_n and bytes + size <= max_b end
-local expired, victims, taken = {}, {}, {}
-local function take(v, o, expiry)  -- out of the books (o: its owner, false for none), expired or evicted
-  local s = size_of(v)
-  taken[v] = true
-  table.insert(expiry and expired or victims, v)
-  count = count - 1; bytes = bytes - s
-  if o then owned[o] = owned[o] - 1; owned_b[o] = owned_b[o] - s end
-end
--- Expired sessions make room first, however recently used: their index entries are among those whose expiry has
--- passed (where the key of a pinned session is still there, its lease extending it)
-local start = 0
-while not fits() do
-  local batch = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', start, 100)
-  if #batch == 0 then break end
-  for _, v in ipairs(batch) do
-    if fits() then break end
-    if v ~= id and gone(v) then
-      local o = owner_of(v)
-      if o then load(o) end
-      take(v, o, true)
-    end
-  end
-  start = start + 100
-end
-if not fits() and redis.call('HLEN', ns .. ':owner') < redis.call('ZCARD', KEYS[1]) then
-  -- Records of an older server, counted for no owner (`owner_of`), are in the LRU order only: the walk down it,
-  -- which steps over every session of an owner within its share (the cost the merge below avoids)
-  local pins = pinned(now)
-  start = 0
-  while not fits() do
-    local batch = redis.call('ZRANGE', KEYS[1], start, start + 99)  -- least recently used first
-    if #batch == 0 then break end
-    for _, v in ipairs(batch) do
-      if fits() then break end
-      if v ~= id and not taken[v] then
-        local o = owner_of(v)
-        if o then load(o) end
-        local expiry = gone(v)
-        -- an idle session makes room only if its owner is over its share (or it is counted for no owner)
-        if expiry or (not pins[v] and (not o or over(o))) then take(v, o, expiry) end
-      end
-    end
-    start = start + 100
-  end
-elseif not fits() then
-  -- The sessions that walk would take, read from the owners over their share only: the least recently used idle
-  -- session among their orders (by last use, as the LRU order, a tie broken as there: by rank), until it fits;
-  -- an owner within its share after a victim gives no more
-  local pins = pinned(now)
-  local heads = {}  -- per owner over its share: a batch of its order (id, score, ...) and where it is in it
-  local all = redis.call('HGETALL', ns .. ':obytes')  -- owner, bytes, ...: every owner
-  for i = 1, #all, 2 do
-    local o = all[i]
-    if owned[o] == nil then owned[o], owned_b[o] = redis.call('ZCARD', okey(o)), tonumber(all[i + 1]) end
-    if over(o) then table.insert(heads, {owner = o, batch = {}, at = 1, start = 0}) end
-  end
-  local function head(h)  -- its owner's next session and its last use, or nil
-    if h.at > #h.batch then
-      h.batch, h.at = redis.call('ZRANGE', okey(h.owner), h.start, h.start + 31, 'WITHSCORES'), 1
-      h.start = h.start + 32
-    end
-    if h.at > #h.batch then return nil end
-    return h.batch[h.at], tonumber(h.batch[h.at + 1])
-  end
-  local function before(v, t, w, u)  -- v (last used t) before w (u) in the LRU order?
-    if t ~= u then return t < u end
-    return redis.call('ZRANK', KEYS[1], v) < redis.call('ZRANK', KEYS[1], w)
-  end
-  while not fits() do
-    local best, v, t
-    for _, h in ipairs(heads) do
-      if not h.done then
-        local w, u = head(h)
-        if w == nil then h.done = true
-        elseif best == nil or before(w, u, v, t) then best, v, t = h, w, u end
-      end
-    end
-    if best == nil then break end
-    best.at = best.at + 2
-    if v ~= id and not taken[v] then
-      local expiry = gone(v)
-      if expiry or not pins[v] then
-        take(v, best.owner, expiry)
-        best.done = not over(best.owner)
-      end
-    end
-  end
-end
-for _, v in ipairs(expired) do unindex(v) end
-if not fits() then return {-1, #expired} end
-for _, v in ipairs(victims) do redis.call('DEL', skey(v)); unindex(v) end
-redis.call('DEL', skey(id))
-write(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[14])
-redis.call('PEXPIRE', skey(id), ARGV[11])
-return {#victims, #expired}
-"""
+def _scripts() -> dict[str, str]:
+    """The Lua scripts of redis_scripts/ (package data), each after prelude.lua: the functions they share."""
+    folder = resources.files("server.engine") / "redis_scripts"
+    prelude = (folder / "prelude.lua").read_text(encoding="utf-8")
+    return {name: prelude + (folder / f"{name}.lua").read_text(encoding="utf-8")
+            for name in ("insert", "update", "get", "delete", "pin", "unpin", "sweep")}
 
-# ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, deadline (Redis's unix time in ms),
-# the revision the work read, the new revision
-# -> 1, 0 if it is gone, -1 if it came after its deadline (nothing written: see `RedisSessionStore.update`), -2 if
-# the stored revision is not the one the work read (another server wrote the session meanwhile; nothing written)
-_UPDATE = _PRELUDE + """
-local id = ARGV[2]
-local t = redis.call('TIME')
-if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[11]) then return -1 end
-if redis.call('EXISTS', skey(id)) == 0 then return 0 end
-if (redis.call('HGET', skey(id), 'revision') or '') ~= ARGV[12] then return -2 end
-write(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[13])
-extend(skey(id), tonumber(ARGV[10]))
-return 1
-"""
 
-# ARGV: ns, id, owner, touch ("1" or "0"), now -> {blob, owner, created, last_used, ttl, revision}, or nil
-_GET = _PRELUDE + """
-local id = ARGV[2]
-local k = skey(id)
-local f = redis.call('HMGET', k, 'blob', 'owner', 'created', 'last_used', 'ttl', 'revision')
-if not f[1] or f[2] ~= ARGV[3] then return false end
-f[6] = f[6] or ''  -- written before revisions: the one an update then checks for
-if ARGV[4] == '1' then
-  local ttl = tonumber(f[5])
-  redis.call('HSET', k, 'last_used', ARGV[5])
-  extend(k, math.max(1, math.ceil(ttl * 1000)))
-  redis.call('ZADD', KEYS[1], ARGV[5], id)
-  redis.call('ZADD', KEYS[2], tostring(tonumber(ARGV[5]) + ttl), id)
-  if redis.call('HEXISTS', ns .. ':owner', id) == 1 then redis.call('ZADD', okey(ARGV[3]), ARGV[5], id) end
-  f[4] = ARGV[5]
-end
-return f
-"""
-
-# ARGV: ns, id, owner -> 1 if deleted
-_DELETE = _PRELUDE + """
-local id = ARGV[2]
-if redis.call('HGET', skey(id), 'owner') ~= ARGV[3] then return 0 end
-redis.call('DEL', skey(id))
-unindex(id)
-return 1
-"""
-
-# ARGV: ns, member, id, lease end (unix time), lease ms
-_PIN = _PRELUDE + """
-redis.call('ZADD', KEYS[5], ARGV[4], ARGV[2])
-extend(skey(ARGV[3]), tonumber(ARGV[5]))
-return 1
-"""
-
-# ARGV: ns, member, id, now: drop this server's lease; unless another server holds one, the session expires
-# again ttl after its last use (at once if that has passed)
-_UNPIN = _PRELUDE + """
-redis.call('ZREM', KEYS[5], ARGV[2])
-if pinned(ARGV[4])[ARGV[3]] then return 0 end
-local k = skey(ARGV[3])
-local f = redis.call('HMGET', k, 'last_used', 'ttl')
-if not f[1] then return 0 end
-local left = math.floor((tonumber(f[1]) + tonumber(f[2]) - tonumber(ARGV[4])) * 1000)
-redis.call('PEXPIRE', k, math.max(left, 1))
-return 1
-"""
-
-# ARGV: ns, now, limit -> index entries dropped because Redis expired their key
-_SWEEP = _PRELUDE + """
-local n = 0
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))) do
-  if redis.call('EXISTS', skey(id)) == 0 then unindex(id); n = n + 1 end
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', ARGV[2])
-return n
-"""
+_SCRIPTS = _scripts()
 
 _SWEEP_LIMIT = 1000  # index entries a sweep looks at
 _PROBE_S = 0.5  # while Redis cannot be reached, how often a background thread tries it again
@@ -360,10 +121,8 @@ class RedisSessionStore(SessionStore):
                                            health_check_interval=30)
         self._timeout_s = timeout_s
         self._skew_s = 0.0  # Redis's clock minus ours (measured at bind and at each sweep)
-        self._scripts: dict[str, Script] = {
-            name: self._redis.register_script(source) for name, source in (
-                ("insert", _INSERT), ("update", _UPDATE), ("get", _GET), ("delete", _DELETE), ("pin", _PIN),
-                ("unpin", _UNPIN), ("sweep", _SWEEP))}
+        self._scripts: dict[str, Script] = {name: self._redis.register_script(source)
+                                            for name, source in _SCRIPTS.items()}
         self._bound: _Bound | None = None
         self._instance = secrets.token_hex(8)  # names this server's leases
         self._lock = threading.Lock()

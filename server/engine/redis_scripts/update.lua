@@ -1,0 +1,12 @@
+-- ARGV: ns, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, deadline (Redis's unix time in ms),
+-- the revision the work read, the new revision
+-- -> 1, 0 if it is gone, -1 if it came after its deadline (nothing written: see `RedisSessionStore.update`), -2 if
+-- the stored revision is not the one the work read (another server wrote the session meanwhile; nothing written)
+local id = ARGV[2]
+local t = redis.call('TIME')
+if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > tonumber(ARGV[11]) then return -1 end
+if redis.call('EXISTS', skey(id)) == 0 then return 0 end
+if (redis.call('HGET', skey(id), 'revision') or '') ~= ARGV[12] then return -2 end
+write(id, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[13])
+extend(skey(id), tonumber(ARGV[10]))
+return 1
