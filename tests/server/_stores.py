@@ -35,9 +35,9 @@ class StandInNetwork(LanguageModel):
 
 
 def stand_in_sessions(dim: int = 8) -> SessionModel:
-    """The sessions' model of `StandInNetwork`: the adapter (k up to `dim`) and the word cache, as a server has."""
+    """The sessions' model of `StandInNetwork`: the adapter (k up to 16) and the word cache, as a server has."""
     net = StandInNetwork(dim)
-    adapter = AdapterMemory(net, None, DynEvalConfig(mode="sparse", rule="sgd_decay", lr=1e-3, decay=2e-3), 4, dim)
+    adapter = AdapterMemory(net, None, DynEvalConfig(mode="sparse", rule="sgd_decay", lr=1e-3, decay=2e-3), 4, 16)
     return SessionModel(net, ByteTokenizer(), {"adapter": adapter, "words": WordsMemory()})
 
 
