@@ -10,8 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models.adaptation import DynEvalConfig
-from models.adaptation._adapter_memory import AdapterMemory, AdapterSettings
+from models.adaptation import AdapterMemory, AdapterSettings, DynEvalConfig
 from models.base import LanguageModel, Site, State
 from models.session import SessionModel
 from models.tokenizer import ByteTokenizer

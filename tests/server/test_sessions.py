@@ -236,7 +236,7 @@ def test_an_adaptation_after_a_generation_refused_at_every_try_is_counted(tiny_c
                                                                           serve_app: Any) -> None:
     # each write of the generation's observe refused, as when other servers keep changing the session (Redis): it
     # is tried FOLLOW_TRIES times, then dropped, which the log and adaptlm_generation_adaptations_dropped tell
-    from server.engine import SessionConfig, SessionConflict
+    from server.engine import SessionConflict
     from server.engine._generation import FOLLOW_TRIES
 
     with serve_app(Settings(checkpoint=tiny_checkpoint)) as live, httpx.Client(base_url=live.url) as c:
