@@ -455,7 +455,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
             for char, p in tokenizer.first_char_probs(model.log_probs(after)[0, -1].double().exp()).items():
                 chars[char] = chars.get(char, 0.0) + ended * p
             calls += 1
-    if weight > 0 and n_chars > 0 and words is not None:  # the word cache's words go on too, as they are mixed into the completions
+    if weight > 0 and n_chars > 0 and words is not None:  # the word cache's words go on too, as mixed in above
         chars = _cached_chars(chars, words, typing.decode("utf-8", errors="replace"), prefix, weight,
                               max_chars, space_share)
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
