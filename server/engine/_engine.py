@@ -210,7 +210,9 @@ class Engine:
         """A new session (`sessions.config()`: the checkpoint's defaults, for no `config`); with `initial_text`,
         it has observed that text when this returns. Raises InvalidSessionSettings."""
         self.sessions.limits()
-        config = config if config is not None else self.sessions.config()
+        # a given config is checked as a request's would be: every memory named (off where it has none)
+        config = self.sessions.config(
+            None if config is None else {**dict.fromkeys(self.sessions.model.memories), **config.to_dict()})
         ttl = self.sessions.ttl(ttl_s)
         session_id = new_session_id()
         create = functools.partial(self.sessions.create, session_id, owner, ttl, config)

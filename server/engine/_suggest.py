@@ -412,7 +412,8 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
         direct_mass = float(probs[tokenizer.words_of(matching, spaced=False)].sum()) + math.exp(float(logprobs[unk]))
         space_share = spaced_mass / (spaced_mass + direct_mass) if spaced_mass > 0 else 0.0
 
-    words = session.memories.get(WordsMemory.name)
+    state = session.memories.get(WordsMemory.name)
+    words = state if isinstance(state, WordCache) else None
     settings = session.config.get(WordsMemory.name)
     weight = settings.weight if isinstance(settings, WordsSettings) and words is not None else 0.0
     candidates, candidate_probs = torch.cat([matching, unspaced]), torch.cat([probs, unspaced_probs])  # (n + m,)
@@ -430,7 +431,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     best = [j for j in ranked[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)].tolist() if offered[j]]
     completions = [Completion(word(j), norm * float(candidate_probs[j]), bool(spaced_kind[j]))
                    for j in best]  # ties in byte order
-    if weight > 0:
+    if weight > 0 and words is not None:
         mixed = words.mix(completions, typing.decode("utf-8", errors="replace"), weight, k, max_chars,
                           space=space_share)
         completions = [c for c in mixed if c.text.startswith(prefix) and len(c.text) > len(prefix)]
@@ -454,7 +455,7 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
             for char, p in tokenizer.first_char_probs(model.log_probs(after)[0, -1].double().exp()).items():
                 chars[char] = chars.get(char, 0.0) + ended * p
             calls += 1
-    if weight > 0 and n_chars > 0:  # the word cache's words go on too, as they are mixed into the completions
+    if weight > 0 and n_chars > 0 and words is not None:  # the word cache's words go on too, as mixed in above
         chars = _cached_chars(chars, words, typing.decode("utf-8", errors="replace"), prefix, weight,
                               max_chars, space_share)
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]

@@ -49,9 +49,9 @@ def same_state(a: tuple[dict[str, torch.Tensor], dict[str, Any]], b: tuple[dict[
     """Equal exports; tensors within float32 rounding unless `exact` (the replay runs in other batches, whose
     matmuls may round differently), bits of the statistics likewise."""
     (ta, ma), (tb, mb) = a, b
-    if ta.keys() != tb.keys() or ma["words"] != mb["words"] or ma["config"] != mb["config"]:
+    if ta.keys() != tb.keys() or ma["memories"] != mb["memories"] or ma["config"] != mb["config"]:
         return False
-    if ma["last_byte"] != mb["last_byte"]:
+    if ma["last_token"] != mb["last_token"]:
         return False
     sa, sb = ma["stats"], mb["stats"]
     if {k: sa[k] for k in sa if "bits" not in k} != {k: sb[k] for k in sb if "bits" not in k}:

@@ -192,11 +192,12 @@ def test_a_write_that_timed_out_is_not_done_later(redis_process: Callable[..., R
     import dataclasses
 
     from server.engine import RedisSessionStore, SessionStats, SessionStoreUnavailable
+    from tests.server._stores import SESSIONS
     from tests.server.test_redis_store import HASH, TEMPLATE, make, same
 
     redis_server = redis_process()
     store = RedisSessionStore(redis_server.url, max_sessions=10, max_bytes=10**9, timeout_s=0.5)
-    store.bind(HASH, TEMPLATE)
+    store.bind(HASH, TEMPLATE, SESSIONS)
     try:
         # written once, so the script is loaded: the write below is one EVALSHA that Redis can run
         before = store.update(store.insert(make("a", seed=1)))
@@ -222,11 +223,12 @@ def test_an_unreachable_redis_fails_fast_until_it_answers(redis_process: Callabl
     own timeout on the engine's worker thread (found by the paused test above: static scoring stopped for the whole
     pause); a background ping notices when Redis answers again."""
     from server.engine import RedisSessionStore, SessionStoreUnavailable
+    from tests.server._stores import SESSIONS
     from tests.server.test_redis_store import HASH, TEMPLATE, make
 
     redis_server = redis_process()
     store = RedisSessionStore(redis_server.url, max_sessions=10, max_bytes=10**9, timeout_s=1.0)
-    store.bind(HASH, TEMPLATE)
+    store.bind(HASH, TEMPLATE, SESSIONS)
     try:
         store.insert(make("a"))
         redis_server.pause()

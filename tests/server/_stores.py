@@ -8,8 +8,51 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import pytest
+import torch
 
-from server.engine import Session, SessionConflict, SessionStats, SessionStore, SessionStoreFull
+from models.adaptation import AdapterMemory, AdapterSettings, DynEvalConfig
+from models.base import LanguageModel, Site, State
+from models.session import SessionModel
+from models.tokenizer import ByteTokenizer
+from models.wordcache import WordCache, WordsMemory, WordsSettings
+from server.engine import Session, SessionConfig, SessionConflict, SessionStats, SessionStore, SessionStoreFull
+
+
+class StandInNetwork(LanguageModel):
+    """What the store tests' sessions are of: a state of h and c (1, dim), one adaptation site "h"; never run."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.dim = dim
+        self.weight = torch.nn.Parameter(torch.zeros(1))  # the device and dtype of the sessions' tensors
+
+    def init_state(self, batch: int) -> State:
+        return State({"h": torch.zeros(batch, self.dim), "c": torch.zeros(batch, self.dim)})
+
+    def adaptation_sites(self) -> list[Site]:
+        return [Site("h", self.dim)]
+
+
+def stand_in_sessions(dim: int = 8) -> SessionModel:
+    """The sessions' model of `StandInNetwork`: the adapter (k up to 16) and the word cache, as a server has."""
+    net = StandInNetwork(dim)
+    adapter = AdapterMemory(net, None, DynEvalConfig(mode="sparse", rule="sgd_decay", lr=1e-3, decay=2e-3), 4, 16)
+    return SessionModel(net, ByteTokenizer(), {"adapter": adapter, "words": WordsMemory()})
+
+
+SESSIONS = stand_in_sessions()
+
+
+def stand_in_session(session_id: str, owner: str | None, *, k: int, ttl: float, seed: int, created: float,
+                     last_used: float) -> Session:
+    """A session of `SESSIONS` with random states and adapter (`seed`), k the adapter's size."""
+    g = torch.Generator().manual_seed(seed)
+    state = {"h": torch.randn(1, 8, generator=g), "c": torch.randn(1, 8, generator=g)}
+    config = SessionConfig({"adapter": AdapterSettings(lr=1e-3, decay=2e-3, size=k), "words": WordsSettings()})
+    return Session(id=session_id, owner=owner, created=created, last_used=last_used, ttl_s=ttl, config=config,
+                   state=State(state), static_state=State({n: t + 1 for n, t in state.items()}), last_token=10,
+                   memories={"adapter": State({"h": torch.randn(1, k, k, generator=g)}), "words": WordCache()},
+                   stats=SessionStats(bytes_observed=40, updates=2, bits=100.0, static_bits=110.0))
 
 
 def stale_reads_are_refused(one: SessionStore, two: SessionStore, make: Callable[[str], Session],

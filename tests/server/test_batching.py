@@ -320,9 +320,9 @@ def test_a_batch_the_device_cannot_hold_is_a_retryable_503(batching: str, assert
     # a GPU that cannot hold a batch raises torch.OutOfMemoryError in the engine's step: the requests in it are
     # refused for capacity (503 + Retry-After, counted as such), their sessions keep what they had (nothing of a failed
     # step is written back), and the retry is served
-    import server.engine._text as text_engine
+    import models.session as session_model  # the engine's text step runs `SessionModel.step`
 
-    real, raised = text_engine.batch_step, []
+    real, raised = session_model.batch_step, []
 
     def out_of_memory_once(*args: Any, **kwargs: Any) -> Any:
         if not raised:
@@ -333,7 +333,7 @@ def test_a_batch_the_device_cannot_hold_is_a_retryable_503(batching: str, assert
     with httpx.Client(base_url=batching, timeout=60) as client:
         sid = client.post("/v1/sessions", json={}).json()["id"]
         before = dict(metric_samples(client, "adaptlm_refused_requests_total"))
-        monkeypatch.setattr(text_engine, "batch_step", out_of_memory_once)
+        monkeypatch.setattr(session_model, "batch_step", out_of_memory_once)
         r = client.post(f"/v1/sessions/{sid}/observe", json={"text": "a text the device could not hold"})
         assert assert_error(r, 503, "service_unavailable_error")["code"] == "device_out_of_memory"
         assert r.headers["retry-after"] == "1" and "secret" not in r.text and "GiB" not in r.text

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import threading
 import time
@@ -13,11 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
+from models.adaptation import AdapterSettings
 from models.checkpoint import CheckpointError, load_checkpoint
 from models.mlstm import MLSTM
 from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
 from models.suggest import Suggestions
+from models.wordcache import WordsSettings
 from server.engine import (
     Engine,
     EngineUnavailable,
@@ -26,6 +27,7 @@ from server.engine import (
     GenerationStream,
     InvalidSessionSettings,
     PromptScored,
+    SessionConfig,
     Token,
 )
 from server.settings import Settings
@@ -207,16 +209,21 @@ def test_session_settings_are_filled_and_checked_by_the_session_service(engine: 
     against the checkpoint's and the server's limits, whoever creates the session."""
     limits = engine.session_limits()
     default = engine.sessions.config()
-    assert (default.lr, default.decay, default.adapter_size, default.cache_weight) == (
+    adapter, words = default.get("adapter"), default.get("words")
+    assert isinstance(adapter, AdapterSettings) and isinstance(words, WordsSettings)
+    assert (adapter.lr, adapter.decay, adapter.size, words.weight) == (
         limits.lr, limits.decay, limits.adapter_size, limits.cache_weight)
-    assert engine.sessions.config(adapter_size=1).adapter_size == 1
+    one = engine.sessions.config({"adapter": {"size": 1}}).get("adapter")
+    assert isinstance(one, AdapterSettings) and one.size == 1
     assert engine.sessions.ttl(None) == engine.config.session_ttl_s
-    too_large = dataclasses.replace(default, adapter_size=limits.max_adapter_size + 1)
-    for call, param in ((lambda: engine.sessions.config(adapter_size=limits.max_adapter_size + 1), "adapter_size"),
-                        (lambda: engine.sessions.config(decay=1.5), "decay"),
-                        (lambda: engine.sessions.config(lr=math.nan), "lr"),
+    too_large = SessionConfig({**default.memories,
+                               "adapter": adapter.model_copy(update={"size": limits.max_adapter_size + 1})})
+    for call, param in ((lambda: engine.sessions.config({"adapter": {"size": limits.max_adapter_size + 1}}),
+                         "adapter.size"),
+                        (lambda: engine.sessions.config({"adapter": {"decay": 1.5}}), "adapter.decay"),
+                        (lambda: engine.sessions.config({"adapter": {"lr": math.nan}}), "adapter.lr"),
                         (lambda: engine.sessions.ttl(engine.config.max_session_ttl_s * 2), "ttl_s"),
-                        (lambda: asyncio.run(engine.create_session(owner=None, config=too_large)), "adapter_size"),
+                        (lambda: asyncio.run(engine.create_session(owner=None, config=too_large)), "adapter.size"),
                         (lambda: asyncio.run(engine.create_session(owner=None, ttl_s=-1.0)), "ttl_s")):
         with pytest.raises(InvalidSessionSettings) as info:
             call()

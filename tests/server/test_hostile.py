@@ -115,7 +115,7 @@ def test_an_import_validates_the_word_cache(c: httpx.Client, assert_error: Any, 
     blob = c.get(f"/v1/sessions/{sid}/state").content
 
     def poison(meta: dict[str, Any]) -> None:
-        meta["words"] = {"words": {}, "pairs": {}, "last": None, "pending": ""} | words
+        meta["memories"]["words"] = {"words": {}, "pairs": {}, "last": None, "pending": ""} | words
 
     r = c.put(f"/v1/sessions/{sid}/state", content=_rewrite(blob, poison))
     assert_error(r, 422, "validation_error")

@@ -420,7 +420,7 @@ def test_user_names_a_session(oai: Any, client: httpx.Client, model: str, refere
     blob = client.get(f"/v1/sessions/{sid}/state").content  # the export: adapter, state and next byte
     exported = load(blob)
     header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
-    last_byte = json.loads(header["__metadata__"]["session"])["last_byte"]
+    last_byte = json.loads(header["__metadata__"]["session"])["last_token"]
     adapted = oai.completions.create(model=model, prompt="zorb", max_tokens=8, temperature=0, user=sid)
     plain = oai.completions.create(model=model, prompt="zorb", max_tokens=8, temperature=0, user="someone-else")
     greedy = SamplingParams(max_tokens=8, temperature=0)

@@ -21,10 +21,8 @@ import torch
 from safetensors.torch import load
 
 from models.adaptation import evaluate
-from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
 from server.engine import (
-    AdaptationConfig,
     RedisSessionStore,
     Session,
     SessionConflict,
@@ -35,10 +33,12 @@ from server.engine import (
 )
 from server.settings import Settings
 from tests.server._stores import (
+    SESSIONS,
     evictions_follow_the_lru_walk,
     expired_sessions_make_room_first,
     several_victims_until_within_share,
     stale_reads_are_refused,
+    stand_in_session,
     the_oldest_sessions_protected,
 )
 from trainer.evaluation import config_for
@@ -49,25 +49,19 @@ MORE = "However little known the feelings or views of such a man may be on his f
 
 
 def make(session_id: str, owner: str | None = None, *, k: int = 4, ttl: float = 60.0, seed: int = 0) -> Session:
-    g = torch.Generator().manual_seed(seed)
-    state = {"h": torch.randn(1, 8, generator=g), "c": torch.randn(1, 8, generator=g)}
     now = time.time()
     # `created` in whole seconds: every export the same size (the header holds it; a float's repr varies)
-    return Session(id=session_id, owner=owner, created=float(int(now)) - 5, last_used=now, ttl_s=ttl,
-                   config=AdaptationConfig(lr=1e-3, decay=2e-3, adapter_size=k),
-                   state=State(state), static_state=State({n: t + 1 for n, t in state.items()}),
-                   last_token=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
-                   stats=SessionStats(bytes_observed=40, updates=2, bits=100.0, static_bits=110.0))
+    return stand_in_session(session_id, owner, k=k, ttl=ttl, seed=seed, created=float(int(now)) - 5, last_used=now)
 
 
-TEMPLATE = dataclasses.replace(make(""), stats=SessionStats(), adapter=Adapter({"h": torch.zeros(1, 1, 1)}))
-SIZE = len(export_session(make("x"), HASH))  # what a session takes in Redis: its export
+TEMPLATE = dataclasses.replace(make(""), stats=SessionStats(), memories={})
+SIZE = len(export_session(make("x"), HASH, SESSIONS))  # what a session takes in Redis: its export
 
 
 def store_at(url: str, **limits: Any) -> RedisSessionStore:
     store = RedisSessionStore(url, max_sessions=limits.pop("max_sessions", 100),
                               max_bytes=limits.pop("max_bytes", 10**9), **limits)
-    store.bind(HASH, TEMPLATE)
+    store.bind(HASH, TEMPLATE, SESSIONS)
     return store
 
 
@@ -156,7 +150,7 @@ def test_pinned_sessions_are_never_evicted(redis_url: str) -> None:
 @pytest.mark.parametrize("seed", range(2))
 def test_evictions_follow_the_lru_walk(redis_url: str, share: bool, seed: int) -> None:
     evictions_follow_the_lru_walk(lambda **limits: store_at(redis_url, **limits), make,
-                                  lambda s: len(export_session(s, HASH)), share=share, seed=seed)
+                                  lambda s: len(export_session(s, HASH, SESSIONS)), share=share, seed=seed)
 
 
 def test_the_oldest_sessions_protected_by_a_share_are_passed_over(redis_url: str) -> None:
@@ -165,7 +159,7 @@ def test_the_oldest_sessions_protected_by_a_share_are_passed_over(redis_url: str
 
 def test_several_victims_are_taken_until_their_owners_are_within_their_share(redis_url: str) -> None:
     several_victims_until_within_share(lambda **limits: store_at(redis_url, **limits), make,
-                                       lambda s: len(export_session(s, HASH)))
+                                       lambda s: len(export_session(s, HASH, SESSIONS)))
 
 
 def test_expired_sessions_make_room_before_live_ones_are_evicted(redis_url: str) -> None:
@@ -228,7 +222,7 @@ def test_update_only_replaces_a_present_session(store: RedisSessionStore) -> Non
 def test_an_update_from_a_stale_read_is_refused(redis_url: str) -> None:
     # two servers on one Redis
     old = stale_reads_are_refused(store_at(redis_url), store_at(redis_url), make,
-                                  lambda got: len(export_session(got, HASH)))
+                                  lambda got: len(export_session(got, HASH, SESSIONS)))
     with redis.Redis.from_url(redis_url) as r:  # the blob (an export) carries no revision
         blob = r.hget(r.keys("adaptlm:*:s:a")[0], "blob")
         assert isinstance(blob, bytes) and b"revision" not in blob and old.revision.encode() not in blob  # type: ignore[union-attr]
@@ -629,7 +623,7 @@ def test_among_records_written_before_the_owner_index_an_expired_one_is_counted_
     forget_owner_index(redis_url)
     time.sleep(0.6)
     big = make("big", k=16)
-    assert SIZE < len(export_session(big, HASH)) <= 2 * SIZE
+    assert SIZE < len(export_session(big, HASH, SESSIONS)) <= 2 * SIZE
     store.insert(big)  # x's room, and a's
     assert [store.contains(n) for n in ("x", "a", "b", "big")] == [False, False, True, True]
     stats = store.stats()
@@ -645,7 +639,7 @@ def test_the_owner_index_keeps_the_books_on_every_path(redis_url: str) -> None:
     a = store.get("a", "alice")
     assert a is not None and store.update(dataclasses.replace(a, last_token=3)) is not None  # an update
     store.insert(make("b", owner="bob", k=8))  # replaced under another owner (an import once alice's expired)
-    big = len(export_session(make("b", owner="bob", k=8), HASH))
+    big = len(export_session(make("b", owner="bob", k=8), HASH, SESSIONS))
     assert owner_books(redis_url) == ({"alice": 1, "bob": 2}, {"alice": SIZE, "bob": SIZE + big})
     assert store.delete("c", "bob")  # a delete
     assert owner_books(redis_url) == ({"alice": 1, "bob": 1}, {"alice": SIZE, "bob": big})

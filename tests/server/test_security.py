@@ -424,7 +424,7 @@ def test_a_key_in_a_query_string_is_not_logged(log_format: str) -> None:
 def test_an_unreachable_redis_is_not_named_to_clients() -> None:
     store = RedisSessionStore("redis://127.0.0.1:1/0", max_sessions=10, max_bytes=1 << 20, timeout_s=0.5)
     with pytest.raises(SessionStoreUnavailable) as caught:
-        store.bind("0" * 64, None)  # type: ignore[arg-type]  # connects: refused
+        store.bind("0" * 64, None, None)  # type: ignore[arg-type]  # connects: refused
     message = str(caught.value)
     assert "127.0.0.1" not in message and ":1" not in message and "session store" in message
     assert "127.0.0.1" in str(caught.value.__cause__)  # the operator's log has it

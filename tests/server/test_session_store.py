@@ -12,9 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from models.base import Adapter, State
 from server.engine import (
-    AdaptationConfig,
     MemorySessionStore,
     Session,
     SessionImportError,
@@ -24,10 +22,13 @@ from server.engine import (
     import_session,
 )
 from tests.server._stores import (
+    SESSIONS,
     evictions_follow_the_lru_walk,
     expired_sessions_make_room_first,
     several_victims_until_within_share,
     stale_reads_are_refused,
+    stand_in_session,
+    stand_in_sessions,
     the_oldest_sessions_protected,
 )
 
@@ -43,13 +44,7 @@ class Clock:
 
 
 def make(session_id: str, owner: str | None = None, *, k: int = 4, ttl: float = 60.0, seed: int = 0) -> Session:
-    g = torch.Generator().manual_seed(seed)
-    state = {"h": torch.randn(1, 8, generator=g), "c": torch.randn(1, 8, generator=g)}
-    return Session(id=session_id, owner=owner, created=1000.0, last_used=1000.0, ttl_s=ttl,
-                   config=AdaptationConfig(lr=1e-3, decay=2e-3, adapter_size=k),
-                   state=State(state), static_state=State({n: t + 1 for n, t in state.items()}),
-                   last_token=10, adapter=Adapter({"h": torch.randn(1, k, k, generator=g)}),
-                   stats=SessionStats(bytes_observed=40, updates=2, bits=100.0, static_bits=110.0))
+    return stand_in_session(session_id, owner, k=k, ttl=ttl, seed=seed, created=1000.0, last_used=1000.0)
 
 
 SIZE = make("x").nbytes  # 2 states of 2 x 8 floats, a 4 x 4 adapter
@@ -182,10 +177,11 @@ def test_an_update_from_a_stale_read_is_refused() -> None:
     store = MemorySessionStore(max_sessions=10, max_bytes=10**9, clock=Clock())
     old = stale_reads_are_refused(store, store, make, lambda _: SIZE)
     # the revision is the store's bookkeeping, not part of an export
-    meta = _meta(export_session(old, HASH))
-    assert meta == _meta(export_session(dataclasses.replace(old, revision=None), HASH))
+    meta = _meta(export_session(old, HASH, SESSIONS))
+    assert meta == _meta(export_session(dataclasses.replace(old, revision=None), HASH, SESSIONS))
     assert "revision" not in meta["session"] and old.revision not in meta["session"]
-    assert import_session(export_session(old, HASH), model_hash=HASH, template=make("b"))[0].revision is None
+    assert import_session(export_session(old, HASH, SESSIONS), model_hash=HASH, template=make("b"),
+                          sessions=SESSIONS)[0].revision is None
 
 
 def test_concurrent_use_keeps_the_books() -> None:
@@ -213,16 +209,16 @@ def test_concurrent_use_keeps_the_books() -> None:
 
 def test_export_import_round_trip() -> None:
     original = make("a", owner="alice", seed=3)
-    blob = export_session(original, HASH)
+    blob = export_session(original, HASH, SESSIONS)
     template = dataclasses.replace(make("b", owner="bob", seed=9), stats=SessionStats())
-    session, config = import_session(blob, model_hash=HASH, template=template)
+    session, config = import_session(blob, model_hash=HASH, template=template, sessions=SESSIONS)
     assert (session.id, session.owner, session.created) == ("b", "bob", template.created)
     assert config == original.config == session.config
     assert session.stats == original.stats and session.last_token == original.last_token
     for a, b in ((session.state, original.state), (session.static_state, original.static_state)):
         assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)
     assert torch.equal(session.adapter.mats["h"], original.adapter.mats["h"])
-    again = export_session(session, HASH)  # the blob carries no id or owner: the same content
+    again = export_session(session, HASH, SESSIONS)  # the blob carries no id or owner: the same content
     assert _meta(again) == _meta(blob)
     assert all(torch.equal(t, load(blob)[k]) for k, t in load(again).items())
 
@@ -233,8 +229,9 @@ def _meta(blob: bytes) -> dict[str, str]:
 
 
 def test_a_version_1_export_of_the_next_byte_imports_as_the_next_token() -> None:
-    """The format written before the record's `last_byte` became `last_token`, built here by hand (not by
-    `export_session`), still imports; and exports still name the next token `last_byte`."""
+    """The format written before the record's `last_byte` became `last_token` (version 1, with flat settings),
+    built here by hand (not by `export_session`), still imports; exports (version 2) name the next token
+    `last_token`."""
     from safetensors.torch import save
 
     original = make("a", seed=4)
@@ -246,16 +243,18 @@ def test_a_version_1_export_of_the_next_byte_imports_as_the_next_token() -> None
             "stats": {"bytes_observed": 40, "updates": 2, "nonfinite_resets": 0, "bits": 100.0, "static_bits": 110.0}}
     blob = save(tensors, metadata={"format": "adaptlm-session", "version": "1", "model_hash": HASH,
                                    "session": json.dumps(meta)})
-    session, config = import_session(blob, model_hash=HASH, template=make("b"))
+    session, config = import_session(blob, model_hash=HASH, template=make("b"), sessions=SESSIONS)
     assert session.last_token == 33 and config == original.config and session.stats == original.stats
     assert torch.equal(session.adapter.mats["h"], original.adapter.mats["h"])
-    assert json.loads(_meta(export_session(session, HASH))["session"])["last_byte"] == 33
+    again = _meta(export_session(session, HASH, SESSIONS))
+    assert again["version"] == "2" and json.loads(again["session"])["last_token"] == 33
+    assert "last_byte" not in json.loads(again["session"])
 
 
 def test_import_from_other_weights_is_a_conflict() -> None:
-    blob = export_session(make("a"), HASH)
+    blob = export_session(make("a"), HASH, SESSIONS)
     with pytest.raises(SessionImportError, match="other weights") as info:
-        import_session(blob, model_hash="b" * 64, template=make("b"))
+        import_session(blob, model_hash="b" * 64, template=make("b"), sessions=SESSIONS)
     assert info.value.conflict
 
 
@@ -274,7 +273,7 @@ def _with_meta(blob: bytes, **changes: str) -> bytes:
 def test_invalid_exports_are_refused(mangle: str) -> None:
     from safetensors.torch import save
 
-    good = export_session(make("a"), HASH)
+    good = export_session(make("a"), HASH, SESSIONS)
     meta = json.loads(_meta(good)["session"])
     blob = {
         "empty": b"",
@@ -283,13 +282,13 @@ def test_invalid_exports_are_refused(mangle: str) -> None:
         "version": _with_meta(good, version="99"),
         "truncated": good[:-10],
         "session-json": _with_meta(good, session="{not json"),
-        "bad-byte": _with_meta(good, session=json.dumps({**meta, "last_byte": 300})),
-        "shape": export_session(make("a", k=5), HASH),
+        "bad-byte": _with_meta(good, session=json.dumps({**meta, "last_token": 300})),
+        "shape": export_session(make("a", k=5), HASH, SESSIONS),
     }[mangle]
-    template = make("b") if mangle != "shape" else dataclasses.replace(
-        make("b"), state=State({"h": torch.zeros(1, 9), "c": torch.zeros(1, 9)}))
+    # "shape": an export of a model whose states are of 8 units, into one whose are of 9
+    sessions = SESSIONS if mangle != "shape" else stand_in_sessions(dim=9)
     with pytest.raises(SessionImportError) as info:
-        import_session(blob, model_hash=HASH, template=template)
+        import_session(blob, model_hash=HASH, template=make("b"), sessions=sessions)
     assert not info.value.conflict
 
 
@@ -307,7 +306,7 @@ def same_session(a: Session, b: Session) -> bool:
 def test_a_snapshot_brings_the_sessions_back(tmp_path: Path) -> None:
     clock, path = Clock(), tmp_path / "state" / "sessions.zip"
     one = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, clock=clock, snapshot=path)
-    one.bind(HASH, make("template"))
+    one.bind(HASH, make("template"), SESSIONS)
     sessions = [make("a", "key-1", seed=1), make("b", None, k=2, seed=2), make("c", "key-2", seed=3, ttl=5.0)]
     for s in sessions:
         one.insert(s)
@@ -320,7 +319,7 @@ def test_a_snapshot_brings_the_sessions_back(tmp_path: Path) -> None:
         assert [e["id"] for e in index["sessions"]] == ["b", "c", "a"]  # least recently used first
     clock.now += 10  # "c" (ttl 5 s) expires while the server is down
     two = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, clock=clock, snapshot=path)
-    two.bind(HASH, make("template"))
+    two.bind(HASH, make("template"), SESSIONS)
     assert two.stats().sessions == 2 and two.get("c", "key-2") is None
     assert same_session(two.get("b", None, touch=False), sessions[1])  # type: ignore[arg-type]
     restored = two.get("a", "key-1", touch=False)
@@ -329,7 +328,7 @@ def test_a_snapshot_brings_the_sessions_back(tmp_path: Path) -> None:
     assert two.get("a", "key-2") is None  # owners come back too
     # the LRU order came back: one more session over the limit evicts "b", the least recently used
     small = MemorySessionStore(max_sessions=2, max_bytes=1 << 20, clock=clock, snapshot=path)
-    small.bind(HASH, make("template"))
+    small.bind(HASH, make("template"), SESSIONS)
     small.insert(make("d"))
     assert small.get("b", None) is None and small.get("a", "key-1") is not None
 
@@ -337,18 +336,18 @@ def test_a_snapshot_brings_the_sessions_back(tmp_path: Path) -> None:
 def test_a_snapshot_of_other_weights_or_a_broken_one_is_left_alone(tmp_path: Path) -> None:
     path = tmp_path / "sessions.zip"
     one = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, snapshot=path)
-    one.bind(HASH, make("template"))
+    one.bind(HASH, make("template"), SESSIONS)
     one.insert(make("a"))
     one.close()
     other = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, snapshot=path)
-    other.bind("b" * 64, make("template"))  # other weights: nothing restored, the server still starts
+    other.bind("b" * 64, make("template"), SESSIONS)  # other weights: nothing restored, the server still starts
     assert other.stats().sessions == 0
     path.write_bytes(b"not a zip at all")
     broken = MemorySessionStore(max_sessions=10, max_bytes=1 << 20, snapshot=path)
-    broken.bind(HASH, make("template"))
+    broken.bind(HASH, make("template"), SESSIONS)
     assert broken.stats().sessions == 0
     without = MemorySessionStore(max_sessions=10, max_bytes=1 << 20)  # no path: nothing written
-    without.bind(HASH, make("template"))
+    without.bind(HASH, make("template"), SESSIONS)
     without.insert(make("a"))
     without.close()
 
@@ -370,4 +369,4 @@ def test_a_header_nested_past_the_recursion_limit_is_a_bad_export() -> None:
     header = b"[" * 200_000 + b"]" * 200_000
     blob = len(header).to_bytes(8, "little") + header
     with pytest.raises(SessionImportError, match="bad header"):
-        import_session(blob, model_hash="0" * 64, template=None)  # type: ignore[arg-type]
+        import_session(blob, model_hash="0" * 64, template=None, sessions=None)  # type: ignore[arg-type]

@@ -19,16 +19,18 @@ import pytest
 import torch
 from safetensors.torch import load
 
+from models.adaptation import AdapterSettings
 from models.base import ROOT, Adapter, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.checkpoint import load_checkpoint
 from models.compressive import CompressiveConfig, CompressiveTransformer
 from models.lexicon import LEXICON_FILE, LEXICON_PENALTY, Lexicon
 from models.scoring import BOS, score_bytes
+from models.session import SessionModel
 from models.suggest import Completion, advance
 from models.suggest import suggest as library_suggest
-from models.wordcache import MIX_CANDIDATES, WordCache, counted_words
-from server.engine import AdaptationConfig, Session
+from models.wordcache import MIX_CANDIDATES, WordCache, WordsMemory, WordsSettings, counted_words
+from server.engine import Session, SessionConfig
 from server.engine._suggest import SUGGEST_BATCH, CursorCache, SuggestJob, SuggestRounds, run_suggestions
 from server.settings import Settings
 
@@ -39,6 +41,20 @@ WORD_ENDS = [b for b in range(128) if not (chr(b).isalnum() or chr(b) == "'")]
 @pytest.fixture(scope="module")
 def ckpt(tiny_checkpoint: Path) -> Any:
     return load_checkpoint(tiny_checkpoint)
+
+
+def record(sid: str, state: State, mats: dict[str, torch.Tensor], *, last_token: int = BOS,
+           static_state: State | None = None, words: WordCache | None = None, weight: float = 0.0) -> Session:
+    """A session record that does not adapt (lr 0) with the adapter `mats` (site -> (1, k, k)); with `words`, its
+    word cache mixed in at `weight`."""
+    k = next(iter(mats.values())).shape[-1]
+    settings: dict[str, Any] = {"adapter": AdapterSettings(lr=0.0, decay=0.0, size=k)}
+    memories: dict[str, Any] = {"adapter": State(mats)}
+    if words is not None:
+        settings["words"], memories["words"] = WordsSettings(weight=weight), words
+    return Session(id=sid, owner=None, created=0.0, last_used=0.0, ttl_s=60.0, config=SessionConfig(settings),
+                   state=state, static_state=static_state if static_state is not None else state,
+                   last_token=last_token, memories=memories)
 
 
 def create(client: httpx.Client, **body: Any) -> str:
@@ -58,7 +74,7 @@ def session_parts(client: httpx.Client, sid: str) -> tuple[State, int, Adapter, 
     blob = client.get(f"/v1/sessions/{sid}/state").content
     t = load(blob)
     meta = json.loads(json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]["session"])
-    return State({"h": t["state.h"], "c": t["state.c"]}), meta["last_byte"], Adapter({"h": t["adapter.h"]}), blob
+    return State({"h": t["state.h"], "c": t["state.c"]}), meta["last_token"], Adapter({"h": t["adapter.h"]}), blob
 
 
 def test_suggestions(client: httpx.Client) -> None:
@@ -133,12 +149,11 @@ def test_after_a_mark_the_word_cache_splits_its_words_by_the_model_s_space(ckpt:
     model = ckpt.model
     words = WordCache()
     words.observe("there we go. there it is. ")
-    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
-                      config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4, cache_weight=0.5),
-                      state=model.init_state(1), static_state=model.init_state(1), last_token=BOS,
-                      adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}), words=words)
+    session = record("s", model.init_state(1), {s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()},
+                     words=words, weight=0.5)
     job = SuggestJob(session, "Hi,", 20, 24, 0)
-    run_suggestions(model, [job], CursorCache(), min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
+    cache = CursorCache(model=SessionModel(model, ckpt.tokenizer, {"words": WordsMemory()}))
+    run_suggestions(model, [job], cache, min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
     found = library_suggest(model, advance(model, model.init_state(1), bytes([BOS]) + b"Hi,"), "Hi,",
                             k=max(20, MIX_CANDIDATES), n_chars=0)  # the width the engine searches
     assert 0 < found.space_share < 1
@@ -302,12 +317,9 @@ def test_the_cursor_cache_feeds_only_new_bytes(ckpt: Any) -> None:
     model = ckpt.model
     sites = {s.name: 8 for s in model.adaptation_sites()}
     g = torch.Generator().manual_seed(0)
-    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
-                      config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=8),
-                      state=State({k: torch.randn(v.shape, generator=g) * 0.1
-                                   for k, v in model.init_state(1).tensors.items()}),
-                      static_state=model.init_state(1), last_token=ord("."),
-                      adapter=Adapter({k: torch.randn(1, n, n, generator=g) * 0.1 for k, n in sites.items()}))
+    state = State({k: torch.randn(v.shape, generator=g) * 0.1 for k, v in model.init_state(1).tensors.items()})
+    session = record("s", state, {k: torch.randn(1, n, n, generator=g) * 0.1 for k, n in sites.items()},
+                     static_state=model.init_state(1), last_token=ord("."))
     cache = CursorCache()
     typed = "hello wor"
     for i in range(1, len(typed) + 1):
@@ -336,10 +348,7 @@ def test_the_next_keystroke_starts_from_the_search_s_expansions(ckpt: Any) -> No
     """A search keeps the model after each one-character continuation it expanded: typing one of those
     characters next feeds nothing, and the suggestions are the same as from scratch."""
     model = ckpt.model
-    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
-                      config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
-                      static_state=model.init_state(1), last_token=BOS,
-                      adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
+    session = record("s", model.init_state(1), {s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()})
     cache = CursorCache()
     first = SuggestJob(session, "It is a truth univ", 3, 24, 5)
     run_suggestions(model, [first], cache, min_prob=1e-3, batch=8, max_expansions=2048, round_rows=128)
@@ -363,10 +372,7 @@ def test_a_suggestion_joins_the_searches_in_progress(ckpt: Any) -> None:
     model = ckpt.model
 
     def session(sid: str) -> Session:
-        return Session(id=sid, owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
-                       config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
-                       static_state=model.init_state(1), last_token=BOS,
-                       adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
+        return record(sid, model.init_state(1), {s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()})
 
     contexts = {"a": "It is a truth universally acknowledged, that a single man in possession of a good fortune, m",
                 "b": "However little known the feelings or views of such a man may be on his first entering a neigh"}
@@ -416,10 +422,7 @@ def test_typists_searching_together_on_a_transformer_copy_no_more_rows_than_alon
     monkeypatch.setattr(model, "settle", counting)
 
     def job(j: int) -> SuggestJob:
-        session = Session(id=f"s{j}", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
-                          config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
-                          static_state=model.init_state(1), last_token=BOS,
-                          adapter=Adapter({"resid": 0.1 * torch.ones(1, 4, 4)}))
+        session = record(f"s{j}", model.init_state(1), {"resid": 0.1 * torch.ones(1, 4, 4)})
         return SuggestJob(session, TEXT[: 5 + 4 * j] + " th", 3, 4, 5)
 
     def run(jobs: list[SuggestJob]) -> None:
@@ -444,10 +447,7 @@ def test_a_keystroke_no_search_foresaw_feeds_only_itself(ckpt: Any) -> None:
     """The cursors a search leaves for the next keystroke must not push out the context's own: a character the
     search did not foresee then feeds one byte, not the whole message (a cache of 4 cursors a session)."""
     model = ckpt.model
-    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
-                      config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=4), state=model.init_state(1),
-                      static_state=model.init_state(1), last_token=BOS,
-                      adapter=Adapter({s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}))
+    session = record("s", model.init_state(1), {s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()})
     cache = CursorCache(per_session=4)
     context = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be t"
     first = SuggestJob(session, context, 3, 24, 5)

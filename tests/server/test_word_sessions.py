@@ -77,7 +77,7 @@ def test_observe_in_pieces_equals_observe_at_once(client: httpx.Client, tok: Wor
     assert first["updates"] + second["updates"] == once["updates"] > 0
     (a, meta_a), (b, meta_b) = exported(client, sid), exported(client, whole)
     assert meta_a["pending"] == meta_b["pending"] == base64.b64encode(pending).decode()
-    assert meta_a["last_byte"] == meta_b["last_byte"] == tok.encode(stable)[-1]
+    assert meta_a["last_token"] == meta_b["last_token"] == tok.encode(stable)[-1]
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
@@ -238,11 +238,11 @@ def test_pending_text_is_exported_imported_and_reset(client: httpx.Client, asser
     tensors, meta = load_tensors(blob), json.loads(_header_metadata(blob)["session"])
     header = _header_metadata(blob)
     for bad in ({"pending": base64.b64encode(b"two words").decode()}, {"pending": "not base64!"},
-                {"last_byte": 10**6}):
+                {"last_token": 10**6}):
         forged = save_tensors(tensors, metadata={**header, "session": json.dumps({**meta, **bad})})
         r = client.put(f"/v1/sessions/{'d' * 32}/state", content=forged,
                        headers={"content-type": "application/octet-stream"})
-        assert "pending" in assert_error(r, 422, "validation_error")["message"] or "last_byte" in r.text
+        assert "pending" in assert_error(r, 422, "validation_error")["message"] or "last_token" in r.text
     assert client.post(f"/v1/sessions/{sid}/reset").status_code == 200
     assert "pending" not in exported(client, sid)[1]
     assert observe(client, sid, "st")["pending_bytes"] == 2  # "st" alone: a word at the start of the text
