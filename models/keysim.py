@@ -34,7 +34,9 @@ from models.lexicon import Lexicon
 from models.memory import Memory, MemoryMixed, merge_branches
 from models.session import SessionModel
 from models.suggest import Cursor, advance, suggest
-from models.tokenizer import ByteTokenizer
+from models.tokenizer import ByteTokenizer, Tokenizer
+from models.word_suggest import word_suggestions
+from models.word_tokenizer import WordTokenizer
 from models.wordcache import WordsMemory, WordsSettings
 
 __all__ = ["ModelSuggester"]
@@ -49,10 +51,10 @@ class ModelSuggester:
 
     def __init__(self, model: LanguageModel, config: DynEvalConfig | None = None, *,
                  stats: Mapping[str, torch.Tensor] | None = None, max_chars: int = 24,
-                 cache_weight: float = 0.0, tokenizer: ByteTokenizer | None = None,
+                 cache_weight: float = 0.0, tokenizer: Tokenizer | None = None,
                  copy: CopyModel | None = None, lexicon: Lexicon | None = None) -> None:
         self.model = model.eval()  # no dropout in what it suggests
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.lexicon = lexicon
         self.config = config or DynEvalConfig(mode="static")
         self.max_chars = max_chars
@@ -74,6 +76,9 @@ class ModelSuggester:
             memories["adapter"] = AdapterMemory(model, stats, self.config, size, size)
             segment = self.config.segment
         elif mode == "full":
+            if isinstance(self.tokenizer, WordTokenizer):
+                raise ValueError("full dynamic evaluation of a word model's suggestions is not simulated: adapt "
+                                 "sparsely, as its server sessions do")
             self._full = FullStream(model, self.config, stats, copy)  # a private copy of the weights adapts
         if copy is not None and mode != "full":
             memories["copy"] = CopyMemory(copy)
@@ -133,6 +138,10 @@ class ModelSuggester:
 
     @torch.no_grad()
     def suggest(self, context: str, k: int) -> list[str]:
+        if isinstance(self.tokenizer, WordTokenizer):  # one model step from the session: the server's word search
+            found = word_suggestions(self.sessions.search_model, self.tokenizer, self.session, context, k=k,
+                                     n_chars=0, max_chars=self.max_chars, sessions=self.sessions)
+            return [" " + c.text if c.space_before else c.text for c in found.completions]
         data = context.encode("utf-8")
         inputs = self.tokenizer.token_bytes(self.last) + data
         if self._cursor is not None and inputs.startswith(self._cursor[0]) and len(inputs) > len(self._cursor[0]):

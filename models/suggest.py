@@ -58,10 +58,13 @@ from models.base import Adapter, LanguageModel, State
 from models.tokenizer import ByteTokenizer
 
 __all__ = [
-    "APOSTROPHES", "SPACE", "Completion", "Cursor", "NextChar", "Suggestions", "WordSearch", "advance", "advance_many",
-    "TokenClasses", "complete_word", "is_word_char", "next_chars", "row_adapters", "split_word", "step", "suggest",
-    "takes_space",
+    "APOSTROPHES", "SPACE", "SUGGEST_MIN_PROB", "Completion", "Cursor", "NextChar", "Suggestions", "TokenClasses",
+    "WordSearch", "advance", "advance_many", "complete_word", "is_word_char", "next_chars", "row_adapters",
+    "split_word", "step", "suggest", "takes_space",
 ]
+
+# word completions: branches below this cumulative probability are dropped (docs/algorithms.md §9)
+SUGGEST_MIN_PROB = 1e-3
 
 APOSTROPHES = frozenset("'\u2019")
 SPACE = 0x20  # the one space a word after a mark may begin with (a byte token: ids are byte values)
@@ -362,8 +365,9 @@ class WordSearch:
     than a word counts as one: the search does not know yet); 0 without `space`. The word cache splits its words
     between the two kinds by it (`WordCache.mix`)."""
 
-    def __init__(self, cursor: Cursor, prefix: str, *, k: int = 3, max_chars: int = 24, min_prob: float = 1e-3,
-                 batch: int = 32, max_expansions: int = 2048, classes: TokenClasses = _BYTES,
+    def __init__(self, cursor: Cursor, prefix: str, *, k: int = 3, max_chars: int = 24,
+                 min_prob: float = SUGGEST_MIN_PROB, batch: int = 32, max_expansions: int = 2048,
+                 classes: TokenClasses = _BYTES,
                  model: LanguageModel | None = None, space: bool = False) -> None:
         if k < 1 or max_chars < 1 or batch < 1 or not 0 < min_prob <= 1:
             raise ValueError("k, max_chars and batch must be >= 1 and min_prob in (0, 1]")
@@ -451,7 +455,7 @@ class WordSearch:
 
 @torch.no_grad()
 def complete_word(model: LanguageModel, cursor: Cursor, prefix: str, adapter: Adapter | None = None, *, k: int = 3,
-                  max_chars: int = 24, min_prob: float = 1e-3, batch: int = 32,
+                  max_chars: int = 24, min_prob: float = SUGGEST_MIN_PROB, batch: int = 32,
                   max_expansions: int = 2048, classes: TokenClasses = _BYTES, space: bool = False) -> Suggestions:
     """The k most probable completions of the word whose typed part `prefix` ends the context that `cursor`
     is at (see the module docstring); with `space`, also those after one space (`WordSearch`). -> Suggestions
@@ -494,7 +498,7 @@ def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | 
 
 
 def suggest(model: LanguageModel, cursor: Cursor, context: str, adapter: Adapter | None = None, *, k: int = 3,
-            max_chars: int = 24, n_chars: int = 5, min_prob: float = 1e-3, batch: int = 32,
+            max_chars: int = 24, n_chars: int = 5, min_prob: float = SUGGEST_MIN_PROB, batch: int = 32,
             max_expansions: int = 2048, tokenizer: ByteTokenizer | None = None) -> Suggestions:
     """Completions of the word being typed at the end of `context` (after a mark, also of the next word after a
     space: `takes_space`) and the next characters; `cursor` is the model after `context` (from `advance`). The

@@ -78,9 +78,6 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         from trainer.evaluation import config_for
 
         ckpt = load(args.checkpoint, args.device)
-        if ckpt.tokenizer.kind != "bytes":  # the in-process simulator runs the byte search
-            raise UsageError(f"keyboard-sim --checkpoint needs a byte-level model; this one reads "
-                             f"{ckpt.tokenizer.kind}: run it against a server of it (--url)")
         config = None
         cache = args.cache_weight or 0.0
         if args.adapt:
