@@ -52,7 +52,12 @@ class ModelSuggester:
     def __init__(self, model: LanguageModel, config: DynEvalConfig | None = None, *,
                  stats: Mapping[str, torch.Tensor] | None = None, max_chars: int = 24,
                  cache_weight: float = 0.0, tokenizer: Tokenizer | None = None,
-                 copy: CopyModel | None = None, lexicon: Lexicon | None = None) -> None:
+                 copy: CopyModel | None = None, lexicon: Lexicon | None = None,
+                 sessions: SessionModel | None = None,
+                 settings: Mapping[str, Mapping[str, object] | None] | None = None) -> None:
+        """With `sessions` (a checkpoint's: `SessionModel.of(ckpt)`), the simulator runs a session of it with
+        `settings` (`SessionModel.config`), as its server would; `config`, `copy` and `cache_weight` are then not
+        read."""
         self.model = model.eval()  # no dropout in what it suggests
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.lexicon = lexicon
@@ -66,6 +71,10 @@ class ModelSuggester:
         self._mixed: LanguageModel | None = None
         self.copy = copy  # a copy model mixed into scores and suggestions, as a session with one
         self._frozen: tuple[State, State] | None = None  # full mode: (copy state, its frozen_stats)
+        if sessions is not None:
+            self.sessions = sessions
+            self.session = sessions.fresh(sessions.config(settings))
+            return
         memories: dict[str, Memory] = {}
         asked: dict[str, dict[str, object] | None] = {"words": WordsSettings(weight=cache_weight).model_dump()}
         mode = self.config.mode

@@ -79,6 +79,7 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
 
         ckpt = load(args.checkpoint, args.device)
         config = None
+        sessions = None  # with --adapt (sparse): the checkpoint's sessions, as its server runs them
         cache = args.cache_weight or 0.0
         if args.adapt:
             try:
@@ -93,15 +94,20 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
                                                         if v is not None})
                     if args.cache_weight is None:
                         cache = float(section.get("cache_weight", 0.0))
+                    from models.session import SessionModel
+
+                    sessions = SessionModel.of(ckpt)
             except ValueError as e:  # --lr nan, --decay -1
                 raise UsageError(str(e)) from None
             record.update({k: getattr(config, k) for k in ("rule", "lr", "decay", "segment")})
         record["checkpoint"] = str(ckpt.path)
         record["cache_weight"] = cache
         try:
+            adapter = {k: v for k, v in (("lr", args.lr), ("decay", args.decay)) if v is not None}
             suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, tokenizer=ckpt.tokenizer,
                                        max_chars=24 if args.max_chars is None else args.max_chars,
-                                       cache_weight=cache, lexicon=ckpt.lexicon)
+                                       cache_weight=cache, lexicon=ckpt.lexicon, sessions=sessions,
+                                       settings={"adapter": adapter, "words": {"weight": cache}})
         except ValueError as e:
             raise UsageError(str(e)) from None
         result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),

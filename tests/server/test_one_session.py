@@ -1,5 +1,6 @@
 """One session implementation (models/session.py) serves the engine and the in-process keyboard simulator: the
-simulator typing a text with a word model in this process saves the keystrokes its server's sessions save."""
+simulator typing a text in this process saves the keystrokes its server's sessions save, for a word model and for
+a byte model whose sessions have a copy model."""
 
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ def keyboard_sim(*args: str) -> dict[str, Any]:
     return out
 
 
-def test_a_word_model_types_the_same_in_process_as_served(serve_app: Any, word_checkpoint: Path,
-                                                          tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["words", "bytes with a copy model"])
+def test_a_model_types_the_same_in_process_as_served(serve_app: Any, word_checkpoint: Path, copy_checkpoint: Path,
+                                                     tmp_path: Path, kind: str) -> None:
+    checkpoint = word_checkpoint if kind == "words" else copy_checkpoint
     text = tmp_path / "text.txt"
     text.write_bytes((ROOT / "tests" / "data" / "valid.txt").read_bytes()[:900])
     common = ["--text", str(text), "--last-bytes", "400", "--warmup-bytes", "300", "--adapt"]
-    local = keyboard_sim(*common, "--checkpoint", str(word_checkpoint))
-    with serve_app(Settings(checkpoint=word_checkpoint, suggest_budget_ms=0)) as server:
+    local = keyboard_sim(*common, "--checkpoint", str(checkpoint))
+    with serve_app(Settings(checkpoint=checkpoint, suggest_budget_ms=0)) as server:
         served = keyboard_sim(*common, "--url", server.url)
     assert local["words"] > 30 and local["adaptation"] == "sparse"
     for key in ("chars", "words", "typed", "selections", "top1", "top3"):
