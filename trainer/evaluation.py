@@ -32,7 +32,7 @@ def run_eval(ckpt: Checkpoint, data: bytes, mode: str, **overrides: Any) -> tupl
         "seconds": result.seconds, "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
         "skipped_updates": result.skipped_updates, "adapter_resets": result.adapter_resets,
     }
-    if ckpt.tokenizer.kind != "bytes":  # a word model: per word too (docs/algorithms.md §13)
+    if ckpt.tokenizer.reports_tokens:  # a word model: per word too (docs/algorithms.md §13)
         record.update({"tokens": result.tokens, "bits_per_word": result.bits_per_token,
                        "perplexity": 2.0 ** result.bits_per_token})
     if cfg.mode != "static":

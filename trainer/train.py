@@ -537,7 +537,7 @@ class _Run:
         self.valid_bytes = read_bytes(self.valid_path) if self.valid_path else b""
         self.valid_slice = self.valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else self.valid_bytes
         self.tokenizer = make_tokenizer(cfg, self.train_bytes)
-        words = self.words = self.tokenizer.kind != "bytes"
+        words = self.words = self.tokenizer.reports_tokens
         # a word model sees ids; its validation figure is still bits per byte of the raw text (module docstring)
         encode = self.tokenizer.encode_tensor
         self.train_data: bytes | torch.Tensor = encode(self.train_bytes) if words else self.train_bytes

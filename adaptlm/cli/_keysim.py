@@ -75,10 +75,11 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
             return report_sdk_error(e)
     else:
         from models.keysim import ModelSuggester
+        from models.tokenizer import byte_level
         from trainer.evaluation import config_for
 
         ckpt = load(args.checkpoint, args.device)
-        if ckpt.tokenizer.kind != "bytes":  # the in-process simulator runs the byte search
+        if byte_level(ckpt.tokenizer) is None:  # the in-process simulator runs the byte search
             raise UsageError(f"keyboard-sim --checkpoint needs a byte-level model; this one reads "
                              f"{ckpt.tokenizer.kind}: run it against a server of it (--url)")
         config = None

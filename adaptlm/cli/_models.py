@@ -34,7 +34,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     ckpt = load(args.checkpoint, args.device)
     result = score_bytes(ckpt.model, data, tokenizer=ckpt.tokenizer)
     record = {"bits_per_byte": result.bits_per_byte, "bytes": result.bytes, "bits": result.bits}
-    words = ckpt.tokenizer.kind != "bytes"  # a word model: per word too (docs/algorithms.md §13)
+    words = ckpt.tokenizer.reports_tokens  # a word model: per word too (docs/algorithms.md §13)
     if words:
         record.update({"tokens": result.tokens, "bits_per_word": result.bits_per_token,
                        "perplexity": 2.0 ** result.bits_per_token})

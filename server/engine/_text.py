@@ -28,7 +28,6 @@ from models.adaptation import RuleCache, TextJob
 from models.checkpoint import Checkpoint
 from models.scoring import LN2
 from models.session import Observed
-from models.word_tokenizer import WordTokenizer
 from server.engine._errors import SessionNotFound
 from server.engine._scheduler import Scheduler, pack
 from server.engine._session import Session
@@ -193,8 +192,7 @@ class TextExecutor:
             if self._sessions.store.update(session) is None:
                 raise SessionNotFound(session.id)  # deleted while it was being observed
             self._stats.updates += main.updates  # applied
-        tokenizer = self._ckpt.tokenizer
-        texts = tokenizer.tokens(work.scored) if work.logprobs and isinstance(tokenizer, WordTokenizer) else None
+        texts = self._ckpt.tokenizer.token_texts(work.scored) if work.logprobs else None
         return TextScore(bits=bits, bytes=len(work.scored), logprobs=lp.tolist() if work.logprobs else None,
                          static_bits=static_bits, updates=main.updates,
                          nonfinite_reset=bool(main.dropped or main.resets), tokens=int(lp.numel()),

@@ -25,7 +25,7 @@ async def create_score(body: ScoreRequest, ctx: Context) -> ScoreResponse | Resp
     info = ctx.engine.info
     # nothing scored (a word session's adapt that only grew its pending word): no rate, as an observe answers
     per_byte = result.bits_per_byte if result.bytes else None
-    if info.tokenizer.kind == "bytes":
+    if not info.tokenizer.reports_tokens:
         return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=per_byte,
                              logprobs=result.logprobs, session_id=body.session_id,
                              nonfinite_reset=result.nonfinite_reset)
