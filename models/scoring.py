@@ -39,16 +39,14 @@ class ScoreResult:
 
 @torch.no_grad()
 def score_bytes(model: LanguageModel, data: bytes, *, logprobs: bool = False, state: State | None = None,
-                last_byte: int = BOS, adapter: Adapter | None = None, chunk: int = 1024,
+                last_token: int | None = None, adapter: Adapter | None = None, chunk: int = 1024,
                 tokenizer: Tokenizer | None = None) -> ScoreResult:
-    """Score `data` as one stream (batch 1), continuing from `state` whose last input token is
-    `last_byte`; with no state, from the model's initial state after the tokenizer's start token (a byte model's
-    BOS byte)."""
+    """Score `data` as one stream (batch 1), continuing from `state` (None: the model's initial state) after the token
+    `last_token` (None: the tokenizer's start token, a byte model's BOS byte)."""
     if not data:
         raise ValueError("empty text: nothing to score")
     tokenizer = tokenizer or ByteTokenizer()
-    start = last_byte if state is not None or tokenizer.kind == "bytes" else tokenizer.bos
-    inputs, ids = tokenizer.stream(data, start, next(model.parameters()).device)  # (T,) predicts ids
+    inputs, ids = tokenizer.stream(data, last_token, next(model.parameters()).device)  # (T,) predicts ids
     result = _score(model, inputs, ids, state or model.init_state(1), adapter, logprobs, chunk)
     result.bytes, result.tokens = len(data), int(ids.numel())
     return result
