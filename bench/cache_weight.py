@@ -24,6 +24,7 @@ from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, s
 from models.checkpoint import load_checkpoint
 from models.copymodel import CopyModel
 from models.keysim import ModelSuggester
+from models.tokenizer import byte_level
 
 SLICES = {  # name -> (file, warm-up start, typed start, typed end), bytes
     "sms": ("messages/sms_ham.train.txt", 0, 30_000, 38_000),
@@ -40,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     ckpt = load_checkpoint(args.checkpoint)
     copy = CopyModel(ckpt.dyneval.copy) if ckpt.dyneval.copy is not None else None
-    words = ckpt.tokenizer.kind == "words"
+    words = byte_level(ckpt.tokenizer) is None  # the in-process simulator runs the byte search
     print(f"# word-cache weight with the copy model {'on' if copy else 'off'}, {ckpt.name}"
           f"{' (through its server)' if words else ''}: {machine_line()}")
     print("| text | cache_weight | KSR | top-1 | top-3 | seconds |")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from models.adaptation import DynEvalConfig, evaluate_many
 from models.base import State
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.copymodel import CopyConfig, CopyModel
+from models.scoring import LN2
 
 TUNE = {  # name -> (file, first byte, last byte): the texts the grid and the prior are learned on
     "SMS": ("messages/sms_ham.train.txt", 0, 30_000),
@@ -39,7 +39,6 @@ CHECK = {  # slices read by nothing above (and by no benchmark: the SMS file is 
     "SMS 130-150 KB": ("messages/sms_ham.train.txt", 130_000, 150_000),
     "prose 60-80 KB": ("gutenberg/austen-persuasion.txt", 60_000, 80_000),
 }
-LN2 = math.log(2)
 
 
 class _Recorder(CopyModel):

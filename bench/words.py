@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from bench._common import data_file, machine_line
 from models.adaptation import CacheConfig, DynEvalConfig, evaluate
 from models.checkpoint import Checkpoint, load_checkpoint
-from models.word_tokenizer import WordTokenizer
+from models.tokenizer import Tokenizer
 from trainer.evaluation import config_for
 from trainer.tune import tune_cache, tune_mode
 
@@ -39,7 +39,7 @@ WT2_VALID = "wikitext-2/wiki.valid.tokens"
 WINDOW = 500
 
 
-def words_slice(text: bytes, tok: WordTokenizer, start_bytes: int, words: int) -> bytes:
+def words_slice(text: bytes, tok: Tokenizer, start_bytes: int, words: int) -> bytes:
     """`words` tokens of `text` from its first line start at or after `start_bytes`, cut at a line end."""
     start = text.find(b"\n", start_bytes) + 1 if start_bytes else 0
     lines, n, out = text[start:].split(b"\n"), 0, []
@@ -85,7 +85,7 @@ def main() -> None:
             ck.model.load_state_dict({k[6:]: v for k, v in weights.items() if k.startswith("model.")})
             path = f"{path} (last iterate)"
         tok = ck.tokenizer
-        if not isinstance(tok, WordTokenizer):
+        if not tok.reports_tokens:
             raise SystemExit(f"{path}: not a word model")
         training = ck.meta.get("training", {})
         print(f"\n## {path}: {ck.model.config.arch}, {sum(p.numel() for p in ck.model.parameters()):,} parameters, "

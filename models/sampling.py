@@ -159,7 +159,7 @@ class Stepper:
     """
 
     def __init__(self, model: LanguageModel, params: SamplingParams, *, state: State | None = None,
-                 last_byte: int | None = None, adapter: Adapter | None = None,
+                 last_token: int | None = None, adapter: Adapter | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
         self.model = model
         # a byte model's tokens are bytes; a word model's are its vocabulary's words (their text is what decodes)
@@ -178,7 +178,7 @@ class Stepper:
         # after `feed_many`: this sequence's state is row b of that step's batch (selected when needed; the next
         # `feed_many` of the same sequences in the same order steps the batch itself, not a stack of the rows)
         self._row: tuple[State, int] | None = None
-        self._last_byte = self.tokenizer.bos if last_byte is None else last_byte  # the token the prompt follows
+        self._last_token = self.tokenizer.bos if last_token is None else last_token  # the token the prompt follows
         self._logits: torch.Tensor | None = None  # (V,) log-probs of the next byte, once prefilled (model.log_probs)
         self.decoder = TextDecoder(params.stop)
         self.tokens = 0  # bytes sampled so far
@@ -215,7 +215,7 @@ class Stepper:
         ids = self.tokenizer.encode_tensor(prompt, self.device)  # (T,) the prompt as written
         _, held = self.tokenizer.heal(prompt)
         n = ids.numel() - len(self.tokenizer.encode(held)) if held else ids.numel()  # the tokens read
-        context = torch.cat([ids.new_tensor([self._last_byte]), ids[:n]])  # (n+1,) the token before, then those
+        context = torch.cat([ids.new_tensor([self._last_token]), ids[:n]])  # (n+1,) the token before, then those
         scored = TopLogprobs() if logprobs is not None else None
         state = self._state
         for start in range(0, context.numel(), chunk):
@@ -315,7 +315,7 @@ class Stepper:
 
 
 def generate(model: LanguageModel, prompt: bytes, params: SamplingParams, *, state: State | None = None,
-             last_byte: int | None = None, adapter: Adapter | None = None,
+             last_token: int | None = None, adapter: Adapter | None = None,
              tokenizer: Tokenizer | None = None) -> Iterator[str]:
     """Yield decoded text pieces of the continuation of `prompt` (invalid UTF-8 becomes U+FFFD).
 
@@ -324,7 +324,7 @@ def generate(model: LanguageModel, prompt: bytes, params: SamplingParams, *, sta
     was_training = model.training
     model.eval()
     try:
-        stepper = Stepper(model, params, state=state, last_byte=last_byte, adapter=adapter, tokenizer=tokenizer)
+        stepper = Stepper(model, params, state=state, last_token=last_token, adapter=adapter, tokenizer=tokenizer)
         stepper.prefill(prompt)
         while stepper.finish_reason is None:
             if text := stepper.step().text:

@@ -1,30 +1,58 @@
 """Scoring: log-probabilities and bits per byte of a byte string under a model (and bits per word, for a model
-whose tokenizer reads words)."""
+whose tokenizer reads words).
+
+`ScoredText` is a scored text wherever one is reported (`score_bytes` here, offline evaluation's `EvalResult`, the
+server's `TextScore`): its bits, bytes and tokens, the rates, and a word model's per-word figures (`WordFigures`).
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from models.base import Adapter, LanguageModel, State
 from models.tokenizer import ByteTokenizer, Tokenizer
 
-__all__ = ["BOS", "ScoreResult", "score_bytes"]
+__all__ = ["BOS", "LN2", "ScoreResult", "ScoredText", "WordFigures", "score_bytes", "word_figures"]
 
-LN2 = math.log(2.0)
+LN2 = math.log(2.0)  # nats per bit
 # Every text is scored after the tokenizer's start token (for bytes a newline), so its first byte is predicted too.
 BOS = ByteTokenizer.bos
 
 
-@dataclass
-class ScoreResult:
+class WordFigures(NamedTuple):
+    """A word model's figures of a scored text besides bits per byte (docs/algorithms.md §13); None where nothing was
+    scored."""
+
+    tokens: int  # words, every punctuation mark and end of line counted
+    bits_per_word: float | None
+    perplexity: float | None  # 2 ** bits_per_word
+
+
+def word_figures(bits_per_word: float | None, tokens: int) -> WordFigures:
+    """The figures of `tokens` words scored at `bits_per_word` (None, or no tokens: nothing scored)."""
+    if bits_per_word is None or not tokens:
+        return WordFigures(tokens, None, None)
+    return WordFigures(tokens, bits_per_word, 2.0 ** bits_per_word)
+
+
+@dataclass(kw_only=True)
+class ScoredText:
+    """A text's bits under a model; bits per byte of the raw text compare models of any tokenizer, bits per token (a
+    word model's bits per word) models of the same one."""
+
     bits: float
     bytes: int  # UTF-8 bytes of the text
-    logprobs: list[float] | None = field(default=None)  # natural-log probability of each token (byte, or word)
-    state: State | None = field(default=None, repr=False)
-    tokens: int = 0  # tokens scored (0: as many as bytes)
+    tokens: int = 0  # tokens scored (the model's: bytes, or a word model's words)
+    # natural log, per token (a byte, or a word model's word), if asked for
+    logprobs: list[float] | np.ndarray | None = field(default=None, repr=False)
+    # a word model's tokens as written in the text scored, one per log-probability, if those were asked for (a byte
+    # model's are the text's bytes)
+    token_texts: list[str] | None = field(default=None, repr=False)
 
     @property
     def bits_per_byte(self) -> float:
@@ -33,29 +61,36 @@ class ScoreResult:
     @property
     def bits_per_token(self) -> float:
         """Bits per word for a word model (docs/algorithms.md §13; perplexity = 2 ** this)."""
-        n = self.tokens or self.bytes
-        return self.bits / n if n else float("nan")
+        return self.bits / self.tokens if self.tokens else float("nan")
+
+    def word_figures(self) -> WordFigures:
+        """Its per-word figures, for a model whose tokenizer `reports_tokens`."""
+        return word_figures(self.bits_per_token if self.tokens else None, self.tokens)
+
+
+@dataclass(kw_only=True)
+class ScoreResult(ScoredText):
+    logprobs: list[float] | None = field(default=None, repr=False)
+    state: State | None = field(default=None, repr=False)  # after the text
 
 
 @torch.no_grad()
 def score_bytes(model: LanguageModel, data: bytes, *, logprobs: bool = False, state: State | None = None,
-                last_byte: int = BOS, adapter: Adapter | None = None, chunk: int = 1024,
+                last_token: int | None = None, adapter: Adapter | None = None, chunk: int = 1024,
                 tokenizer: Tokenizer | None = None) -> ScoreResult:
-    """Score `data` as one stream (batch 1), continuing from `state` whose last input token is
-    `last_byte`; with no state, from the model's initial state after the tokenizer's start token (a byte model's
-    BOS byte)."""
+    """Score `data` as one stream (batch 1), continuing from `state` (None: the model's initial state) after the token
+    `last_token` (None: the tokenizer's start token, a byte model's BOS byte)."""
     if not data:
         raise ValueError("empty text: nothing to score")
     tokenizer = tokenizer or ByteTokenizer()
-    start = last_byte if state is not None or tokenizer.kind == "bytes" else tokenizer.bos
-    inputs, ids = tokenizer.stream(data, start, next(model.parameters()).device)  # (T,) predicts ids
-    result = _score(model, inputs, ids, state or model.init_state(1), adapter, logprobs, chunk)
-    result.bytes, result.tokens = len(data), int(ids.numel())
-    return result
+    inputs, ids = tokenizer.stream(data, last_token, next(model.parameters()).device)  # (T,) predicts ids
+    bits, lps, state = _score(model, inputs, ids, state or model.init_state(1), adapter, logprobs, chunk)
+    return ScoreResult(bits=bits, bytes=len(data), tokens=int(ids.numel()), logprobs=lps, state=state)
 
 
-def _score(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, state: State,
-           adapter: Adapter | None, logprobs: bool, chunk: int) -> ScoreResult:
+def _score(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, state: State, adapter: Adapter | None,
+           logprobs: bool, chunk: int) -> tuple[float, list[float] | None, State]:
+    """-> (bits, the log-probabilities if asked for, the state after)."""
     was_training = model.training
     model.eval()
     total = 0.0
@@ -68,5 +103,4 @@ def _score(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor, st
         if logprobs:
             lps.append(lp)
     model.train(was_training)
-    return ScoreResult(bits=total / LN2, bytes=int(targets.numel()),
-                       logprobs=torch.cat(lps).tolist() if logprobs else None, state=state)
+    return total / LN2, torch.cat(lps).tolist() if logprobs else None, state

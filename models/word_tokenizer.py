@@ -73,6 +73,8 @@ class WordTokenizer(StreamMixin):
     """Text in, word ids out; `vocab[i]` is the text of token i (module docstring for the rule)."""
 
     kind = "words"
+    unit = "word"
+    reports_tokens = True  # per word too: bits per word and perplexity (docs/algorithms.md §13)
     bos = 0  # "\n": the token before a stream's first one
     eos = 0
     unk = _UNK_ID
@@ -172,6 +174,14 @@ class WordTokenizer(StreamMixin):
         if isinstance(data, bytes):
             data = data.decode("utf-8", errors="replace")
         return self._pattern.findall(data)
+
+    def token_texts(self, data: str | bytes) -> list[str]:
+        """The token strings of a text (`tokens`), for a score's per-token record."""
+        return self.tokens(data)
+
+    def pieces(self, data: bytes) -> list[bytes]:
+        """`data` cut at its tokens, each as written there (a word the vocabulary lacks keeps its own text)."""
+        return [t.encode("utf-8") for t in self.tokens(data)]
 
     def encode(self, data: str | bytes) -> list[int]:
         ids = self._ids

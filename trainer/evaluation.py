@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,10 +11,9 @@ import numpy as np
 
 from models.adaptation import EVAL_MODES, DynEvalConfig, DynEvalSettings, EvalResult, evaluate
 from models.checkpoint import Checkpoint
+from models.scoring import LN2
 
 __all__ = ["EVAL_MODES", "config_for", "loss_curve", "plot_curves", "run_eval", "write_curves_csv"]
-
-LN2 = math.log(2.0)
 def config_for(mode: str, dyneval: Mapping[str, Any], **overrides: Any) -> DynEvalConfig:
     """The checkpoint's (tuned) settings for `mode`, with `overrides` (None values ignored) on top."""
     settings = dyneval if isinstance(dyneval, DynEvalSettings) else DynEvalSettings(dyneval)
@@ -32,9 +30,8 @@ def run_eval(ckpt: Checkpoint, data: bytes, mode: str, **overrides: Any) -> tupl
         "seconds": result.seconds, "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
         "skipped_updates": result.skipped_updates, "adapter_resets": result.adapter_resets,
     }
-    if ckpt.tokenizer.kind != "bytes":  # a word model: per word too (docs/algorithms.md §13)
-        record.update({"tokens": result.tokens, "bits_per_word": result.bits_per_token,
-                       "perplexity": 2.0 ** result.bits_per_token})
+    if ckpt.tokenizer.reports_tokens:  # a word model: per word too (docs/algorithms.md §13)
+        record.update(result.word_figures()._asdict())
     if cfg.mode != "static":
         record.update({"rule": cfg.rule, "lr": cfg.lr, "decay": cfg.decay, "eps": cfg.eps, "segment": cfg.segment})
     if cfg.mode == "sparse":

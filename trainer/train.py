@@ -51,6 +51,7 @@ from models.base import LanguageModel, State
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.precision import native_bf16
 from models.registry import build_model, config_from_dict
+from models.scoring import LN2, word_figures
 from models.tokenizer import ByteTokenizer, Tokenizer, WordTokenizer
 from trainer._dist import Group, current
 from trainer.config import DTYPES, TrainConfig
@@ -62,7 +63,6 @@ __all__ = ["RESUMABLE_CHANGES", "CannotWrite", "StepResult", "TrainResult", "Tra
            "default_dyneval", "evaluate_bpb", "has_resumable_state", "lr_at", "make_tokenizer", "train",
            "train_precision", "train_step"]
 
-LN2 = math.log(2.0)
 STATE_FILE = "trainer_state.safetensors"
 
 # settings a resumed run may change: when to stop, log, validate and save, and what is computed after training; any
@@ -537,7 +537,7 @@ class _Run:
         self.valid_bytes = read_bytes(self.valid_path) if self.valid_path else b""
         self.valid_slice = self.valid_bytes[: cfg.valid_bytes] if cfg.valid_bytes else self.valid_bytes
         self.tokenizer = make_tokenizer(cfg, self.train_bytes)
-        words = self.words = self.tokenizer.kind != "bytes"
+        words = self.words = self.tokenizer.reports_tokens
         # a word model sees ids; its validation figure is still bits per byte of the raw text (module docstring)
         encode = self.tokenizer.encode_tensor
         self.train_data: bytes | torch.Tensor = encode(self.train_bytes) if words else self.train_bytes
@@ -737,7 +737,7 @@ class _Run:
                 self._save_best(vbpb)
         record: dict[str, Any] = {"step": self.step, "valid_bpb": vbpb, "best_valid_bpb": self.best}
         if words:
-            record["valid_ppl"] = 2.0 ** (vbpb * len(self.valid_slice) / len(self.valid_data))
+            record["valid_ppl"] = word_figures(per_token, len(self.valid_data)).perplexity
         if nt is not None:
             if nt.check(vbpb) and not nt.finetuning:
                 record["averaging_from_step"] = self.step
@@ -795,8 +795,9 @@ class _Run:
             "valid_bpb": per_token * len(whole_valid) / len(self.valid_bytes) if self.words else per_token,
             "valid_streams": self.cfg.valid_streams}
         if self.words:
-            metrics.update({"valid_bits_per_word": per_token, "valid_perplexity": 2.0 ** per_token,
-                            "valid_words": len(whole_valid)})
+            figures = word_figures(per_token, len(whole_valid))
+            metrics.update({"valid_bits_per_word": figures.bits_per_word, "valid_perplexity": figures.perplexity,
+                            "valid_words": figures.tokens})
         return metrics
 
     def _training_record(self, seconds: float) -> dict[str, Any]:

@@ -94,8 +94,8 @@ def client_score(client: Client, args: argparse.Namespace) -> int:
     elif result.bits_per_byte is None:  # a word session's --adapt that only grew its pending word
         print(f"nothing scored yet (0 bytes: the text only grew the word {args.session} holds pending)")
     else:
-        print(f"{result.bits_per_byte:.4f} bits per byte{per_word(result.bits_per_word)} ({result.bytes} bytes, "
-              f"{result.bits:.1f} bits)")
+        words = per_word(result.bits_per_word, result.perplexity)
+        print(f"{result.bits_per_byte:.4f} bits per byte{words} ({result.bytes} bytes, {result.bits:.1f} bits)")
     return 0
 
 

@@ -72,11 +72,12 @@ def write_whole(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def per_word(bits_per_word: float | None) -> str:
-    """A word model's figures for a text line after its bits per byte (score, eval, client score); "" for bytes."""
-    if bits_per_word is None:
+def per_word(bits_per_word: float | None, perplexity: float | None) -> str:
+    """A word model's figures, as its record has them (`models.scoring.WordFigures`), for a text line after its bits
+    per byte (score, eval, client score); "" for bytes, or nothing scored."""
+    if bits_per_word is None or perplexity is None:
         return ""
-    return f", {bits_per_word:.4f} bits per word, perplexity {2.0 ** bits_per_word:.2f}"
+    return f", {bits_per_word:.4f} bits per word, perplexity {perplexity:.2f}"
 
 
 class Parser(argparse.ArgumentParser):

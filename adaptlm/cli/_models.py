@@ -33,16 +33,14 @@ def cmd_score(args: argparse.Namespace) -> int:
     data = read_text_arg(args.file)
     ckpt = load(args.checkpoint, args.device)
     result = score_bytes(ckpt.model, data, tokenizer=ckpt.tokenizer)
-    record = {"bits_per_byte": result.bits_per_byte, "bytes": result.bytes, "bits": result.bits}
-    words = ckpt.tokenizer.kind != "bytes"  # a word model: per word too (docs/algorithms.md §13)
-    if words:
-        record.update({"tokens": result.tokens, "bits_per_word": result.bits_per_token,
-                       "perplexity": 2.0 ** result.bits_per_token})
+    record: dict[str, Any] = {"bits_per_byte": result.bits_per_byte, "bytes": result.bytes, "bits": result.bits}
+    if ckpt.tokenizer.reports_tokens:  # a word model: per word too (docs/algorithms.md §13)
+        record.update(result.word_figures()._asdict())
     if args.json:
         print(json.dumps(record))
     else:
-        word_figures = per_word(result.bits_per_token if words else None)
-        print(f"{result.bits_per_byte:.4f} bits per byte{word_figures} ({result.bytes} bytes, {result.bits:.1f} bits)")
+        words = per_word(record.get("bits_per_word"), record.get("perplexity"))
+        print(f"{result.bits_per_byte:.4f} bits per byte{words} ({result.bytes} bytes, {result.bits:.1f} bits)")
     return 0
 
 
@@ -111,7 +109,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         records.append(record)
         curves[m] = loss_curve(result.logprobs, args.window)
         if not args.json:
-            print(f"{m}: {record['bits_per_byte']:.4f} bits per byte{per_word(record.get('bits_per_word'))} "
+            print(f"{m}: {record['bits_per_byte']:.4f} bits per byte"
+                  f"{per_word(record.get('bits_per_word'), record.get('perplexity'))} "
                   f"({record['bytes']} bytes, {record['params_adapted']:,} parameters adapted, "
                   f"{record['state_bytes']:,} state bytes, {record['seconds']:.1f} s)")
     if args.json:

@@ -28,18 +28,16 @@ from models.adaptation._step import STATIC_SEGMENT, Row, RuleCache, TextJob, bat
 from models.base import LanguageModel, State
 from models.copymodel import CopyMemory, CopyModel
 from models.memory import Memory, NoSettings
-from models.scoring import LN2
+from models.scoring import LN2, ScoredText
 from models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["EvalResult", "adapted_parameter_names", "evaluate", "evaluate_many", "split_documents"]
 
 
 
-@dataclass
-class EvalResult:
+@dataclass(kw_only=True)
+class EvalResult(ScoredText):
     mode: str
-    bits: float
-    bytes: int  # UTF-8 bytes of the text (bits per byte of the raw text compare models of any tokenizer)
     logprobs: np.ndarray  # (tokens,) float64: natural-log probability of each token (a byte model's: each byte)
     params_adapted: int  # scalars that adapt (per stream)
     state_bytes: int  # bytes of adapted state per stream: full, the adapted weights; sparse, the M matrices
@@ -49,20 +47,6 @@ class EvalResult:
     # unadapted ones, the segment scored again
     adapted: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # final weights / M per site
     state: State | None = field(default=None, repr=False)  # final recurrent state (batch 1)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens scored: a byte model's bytes, a word model's words (punctuation and ends of line included)."""
-        return int(self.logprobs.size)
-
-    @property
-    def bits_per_byte(self) -> float:
-        return self.bits / self.bytes if self.bytes else float("nan")
-
-    @property
-    def bits_per_token(self) -> float:
-        """Bits per word for a word model (docs/algorithms.md §13); perplexity is 2 ** this."""
-        return self.bits / self.tokens if self.tokens else float("nan")
 
 
 @dataclass
@@ -164,7 +148,8 @@ def evaluate_many(model: LanguageModel, texts: Sequence[bytes], config: DynEvalC
     for i in range(len(texts)):
         mine = [s for s, o in zip(streams, owner, strict=True) if o == i]
         lp = torch.cat([s.logprobs for s in mine]).double().cpu().numpy()
-        results.append(EvalResult(mode=config.mode, bits=-float(lp.sum()) / LN2, bytes=len(texts[i]), logprobs=lp,
+        results.append(EvalResult(mode=config.mode, bits=-float(lp.sum()) / LN2, bytes=len(texts[i]),
+                                  tokens=int(lp.size), logprobs=lp,
                                   params_adapted=params_adapted, state_bytes=state_bytes, seconds=seconds,
                                   skipped_updates=sum(s.skipped for s in mine),
                                   adapter_resets=sum(s.resets for s in mine), adapted=mine[-1].adapted,

@@ -33,8 +33,7 @@ from typing import Any, Literal
 from models.precision import PRECISIONS, inference_precision
 from models.sampling import SamplingParams
 from models.suggest import Suggestions
-from models.tokenizer import ByteTokenizer
-from models.word_tokenizer import WordTokenizer
+from models.tokenizer import byte_level, word_level
 from server.engine._errors import EngineUnavailable
 from server.engine._generation import GenerationExecutor, GenerationJob, GenerationStream
 from server.engine._loading import ModelInfo, SessionLimits, load_model
@@ -272,7 +271,7 @@ class Engine:
         loaded.set_result(model.info)
         tokenizer = model.ckpt.tokenizer
         # the keyboard search reads one byte a token; a word model's suggestions are its next-word distribution
-        byte_tokenizer = tokenizer if isinstance(tokenizer, ByteTokenizer) else None
+        byte_tokenizer = byte_level(tokenizer)
         try:
             with inference_precision(model.info.precision, model.device):  # thread-local: this thread's work
                 self._scheduler.run({
@@ -280,7 +279,7 @@ class Engine:
                     "text": TextExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
                     "suggest": SuggestExecutor(self.sessions.session_model(), self.sessions, self._stats,
                                                tokenizer=byte_tokenizer,
-                                               words=tokenizer if isinstance(tokenizer, WordTokenizer) else None,
+                                               words=word_level(tokenizer),
                                                # a word model's vocabulary is its lexicon: its path ranks as it did
                                                lexicon=model.ckpt.lexicon if byte_tokenizer is not None else None),
                     "call": CallExecutor(),

@@ -126,8 +126,7 @@ def import_session(blob: bytes, *, model_hash: str, template: Session, sessions:
     last_token = info.get(token_key)
     if isinstance(last_token, bool) or not isinstance(last_token, int) \
             or not 0 <= last_token < tokenizer.vocab_size:
-        raise SessionImportError(f"the export's {token_key!r} is not a byte" if tokenizer.kind == "bytes" else
-                                 f"the export's {token_key!r} is not a token id of this model (0 to "
+        raise SessionImportError(f"the export's {token_key!r} is not a token id of this model (0 to "
                                  f"{tokenizer.vocab_size - 1})")
     pending = _pending(info.get("pending", ""), tokenizer)
     st = info["stats"]

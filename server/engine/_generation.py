@@ -197,7 +197,7 @@ class GenerationJob(Work):
         if self._params is None and not self._prompt_logprobs:
             self._finish_all_unstarted()
             return True
-        first = Stepper(model, self._params or SamplingParams(), state=state, last_byte=last_token,
+        first = Stepper(model, self._params or SamplingParams(), state=state, last_token=last_token,
                         adapter=adapter, tokenizer=self.tokenizer)
         k = self._logprobs or 0
         scored = first.prefill(prefix + self.prompt, logprobs=k if self._prompt_logprobs else None)

@@ -26,9 +26,8 @@ import torch
 
 from models.adaptation import RuleCache, TextJob
 from models.checkpoint import Checkpoint
-from models.scoring import LN2
+from models.scoring import LN2, ScoredText
 from models.session import Observed
-from models.word_tokenizer import WordTokenizer
 from server.engine._errors import SessionNotFound
 from server.engine._scheduler import Scheduler, pack
 from server.engine._session import Session
@@ -42,30 +41,15 @@ log = logging.getLogger(__name__)
 Mode = Literal["static", "peek", "observe"]
 
 
-@dataclass(frozen=True)
-class TextScore:
+@dataclass(kw_only=True)
+class TextScore(ScoredText):
     """A text's bits under the model (static) or under a session, each segment scored before any update."""
 
-    bits: float
-    bytes: int  # UTF-8 bytes of the text
-    logprobs: list[float] | None = None  # natural log, per token (a byte, or a word model's word), if asked for
+    logprobs: list[float] | None = None
     static_bits: float | None = None  # adapting work: the same text under the unadapted model
     updates: int = 0  # adapter updates applied
     nonfinite_reset: bool = False  # the non-finite guard refused an update or reset the adapter
-    tokens: int = 0  # tokens scored (the model's: bytes, or a word model's words)
     pending_bytes: int = 0  # an observe of a word session: bytes left pending after it
-    # a word model's tokens as written in the text scored, one per log-probability, if those were asked for (a byte
-    # model's are the text's bytes)
-    token_texts: list[str] | None = None
-
-    @property
-    def bits_per_byte(self) -> float:
-        return self.bits / self.bytes if self.bytes else float("nan")
-
-    @property
-    def bits_per_token(self) -> float:
-        """Bits per word for a word model (perplexity = 2 ** this)."""
-        return self.bits / self.tokens if self.tokens else float("nan")
 
 
 class Text(Work):
@@ -193,8 +177,7 @@ class TextExecutor:
             if self._sessions.store.update(session) is None:
                 raise SessionNotFound(session.id)  # deleted while it was being observed
             self._stats.updates += main.updates  # applied
-        tokenizer = self._ckpt.tokenizer
-        texts = tokenizer.tokens(work.scored) if work.logprobs and isinstance(tokenizer, WordTokenizer) else None
+        texts = self._ckpt.tokenizer.token_texts(work.scored) if work.logprobs else None
         return TextScore(bits=bits, bytes=len(work.scored), logprobs=lp.tolist() if work.logprobs else None,
                          static_bits=static_bits, updates=main.updates,
                          nonfinite_reset=bool(main.dropped or main.resets), tokens=int(lp.numel()),

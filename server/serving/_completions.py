@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from fastapi import Response
 
 from models.sampling import SamplingParams, TextDecoder
-from models.tokenizer import Tokenizer, WordTokenizer
+from models.tokenizer import Tokenizer
 from server.engine import Event, Finished, GenerationStream, PromptScored, SessionNotFound, Token, TokenLogprob
 from server.errors import NotFoundError, UnprocessableEntityError
 from server.protocol import (
@@ -139,14 +139,6 @@ def _block(tokenizer: Tokenizer, tokens: list[Token], base: int) -> CompletionLo
     return out
 
 
-def _pieces(tokenizer: Tokenizer, prompt: bytes) -> list[bytes]:
-    """The prompt's bytes cut at its tokens (a word the vocabulary lacks keeps its own text: the offsets that
-    follow are into the prompt as sent, not into "<unk>")."""
-    if isinstance(tokenizer, WordTokenizer):
-        return [t.encode("utf-8") for t in tokenizer.tokens(prompt)]
-    return [bytes([b]) for b in prompt]
-
-
 def _prompt_block(tokenizer: Tokenizer, prompt: bytes, scored: PromptScored) -> CompletionLogprobs:
     """The prompt's entries; the first token's logprob is null, as OpenAI has it (it has no context). A word
     session's pending text (`scored.prefix`) is scored with the prompt: its tokens come first, at offset 0, and the
@@ -154,7 +146,9 @@ def _prompt_block(tokenizer: Tokenizer, prompt: bytes, scored: PromptScored) -> 
     out = CompletionLogprobs()
     decoder = TextDecoder()
     before = len(scored.prefix.decode("utf-8", errors="replace"))  # characters of the pending text
-    pieces = _pieces(tokenizer, scored.prefix + prompt)
+    # a word the vocabulary lacks keeps its own text: the offsets that follow are into the prompt as sent, not into
+    # "<unk>"
+    pieces = tokenizer.pieces(scored.prefix + prompt)
     for i, (token, piece, lp) in enumerate(zip(scored.tokens, pieces, scored.logprobs, strict=True)):
         out.tokens.append(_show(tokenizer, token))
         out.token_logprobs.append(lp.logprob if i else None)

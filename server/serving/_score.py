@@ -25,13 +25,13 @@ async def create_score(body: ScoreRequest, ctx: Context) -> ScoreResponse | Resp
     info = ctx.engine.info
     # nothing scored (a word session's adapt that only grew its pending word): no rate, as an observe answers
     per_byte = result.bits_per_byte if result.bytes else None
-    if info.tokenizer.kind == "bytes":
+    if not info.tokenizer.reports_tokens:
         return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=per_byte,
                              logprobs=result.logprobs, session_id=body.session_id,
                              nonfinite_reset=result.nonfinite_reset)
     # a word model: per word too (docs/algorithms.md §13), as `adaptlm score --json` reports it
-    per_word = result.bits_per_token if result.tokens else None
+    words = result.word_figures()
     return ScoreResponse(model=info.name, bits=result.bits, bytes=result.bytes, bits_per_byte=per_byte,
                          logprobs=result.logprobs, session_id=body.session_id, nonfinite_reset=result.nonfinite_reset,
-                         tokens=result.tokens, token_texts=result.token_texts, bits_per_word=per_word,
-                         perplexity=2.0 ** per_word if per_word is not None else None)
+                         tokens=words.tokens, token_texts=result.token_texts, bits_per_word=words.bits_per_word,
+                         perplexity=words.perplexity)

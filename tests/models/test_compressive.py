@@ -725,7 +725,7 @@ def test_session_adapts_scores_suggests_and_generates(client: TestClient, ckpt: 
     a = client.post("/v1/generate", json=gen)
     assert a.status_code == 200, a.text
     reference = "".join(generate(ckpt.model, b" It", SamplingParams(max_tokens=20, temperature=0.8, seed=3),
-                                 state=state, last_byte=last, adapter=adapter))
+                                 state=state, last_token=last, adapter=adapter))
     assert a.json()["text"] == reference
     scored = client.post("/v1/score", json={"text": TEXT})
     assert scored.status_code == 200 and scored.json()["bits"] == pytest.approx(

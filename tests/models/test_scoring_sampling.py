@@ -40,7 +40,7 @@ def test_chunking_does_not_change_scores(model: MLSTM) -> None:
 def test_continuation_from_state_equals_whole(model: MLSTM) -> None:
     a, b = b"first part, ", b"second part"
     first = score_bytes(model, a)
-    second = score_bytes(model, b, state=first.state, last_byte=a[-1])
+    second = score_bytes(model, b, state=first.state, last_token=a[-1])
     assert first.bits + second.bits == pytest.approx(score_bytes(model, a + b).bits, rel=1e-6)
 
 

@@ -440,7 +440,7 @@ def test_session_suggest_and_generate_use_the_sessions_state_and_adapter(client:
     a = client.post("/v1/generate", json=gen)
     assert a.status_code == 200, a.text
     reference = "".join(generate(ckpt.model, b" It", SamplingParams(max_tokens=20, temperature=0.8, seed=3),
-                                 state=state, last_byte=last, adapter=adapter))
+                                 state=state, last_token=last, adapter=adapter))
     assert a.json()["text"] == reference
     plain = client.post("/v1/generate", json={k: v for k, v in gen.items() if k != "session_id"})
     assert plain.status_code == 200 and plain.json()["text"] != reference

@@ -126,7 +126,7 @@ def test_an_adapter_whose_scores_overflow_is_reset_and_the_segment_redone(tiny_c
     assert not huge.mats["h"].any()  # type: ignore[index]
     while not job.done:
         batch_step(ckpt.model, [job], cfg.segment)
-    expected = score_bytes(ckpt.model, data, last_byte=10, logprobs=True).logprobs
+    expected = score_bytes(ckpt.model, data, last_token=10, logprobs=True).logprobs
     assert torch.cat(huge.logprobs).tolist() == pytest.approx(expected, abs=1e-5)
 
 

@@ -426,7 +426,7 @@ def test_user_names_a_session(oai: Any, client: httpx.Client, model: str, refere
     greedy = SamplingParams(max_tokens=8, temperature=0)
     under_session = "".join(generate(reference, b"zorb", greedy, adapter=Adapter({"h": exported["adapter.h"]}),
                                      state=State({"h": exported["state.h"], "c": exported["state.c"]}),
-                                     last_byte=last_byte))
+                                     last_token=last_byte))
     assert adapted.choices[0].text == under_session
     assert plain.choices[0].text == "".join(generate(reference, b"zorb", greedy))
     assert adapted.choices[0].text != plain.choices[0].text  # the adapter shows in the greedy text

@@ -159,7 +159,7 @@ def test_score_under_a_session_without_adapting_leaves_it_unchanged(client: http
     # the reference: the session's state, next byte and adapter, scored with fixed weights
     t, meta = blob_tensors(before), blob_meta(before)["session"]
     expected = score_bytes(ckpt.model, PROBE.encode(), state=State({"h": t["state.h"], "c": t["state.c"]}),
-                           last_byte=meta["last_token"], adapter=Adapter({"h": t["adapter.h"]}), logprobs=True)
+                           last_token=meta["last_token"], adapter=Adapter({"h": t["adapter.h"]}), logprobs=True)
     assert meta["last_token"] == TEXT.encode()[-1]
     assert first["bits"] == pytest.approx(expected.bits, rel=1e-5)
     assert first["bits"] != pytest.approx(probe(client, create(client)["id"])["bits"], rel=1e-3)  # adaptation shows
@@ -191,7 +191,7 @@ def test_generate_from_a_session(client: httpx.Client, ckpt: Any) -> None:
     assert r.status_code == 200, r.text
     t, meta = blob_tensors(exported), blob_meta(exported)["session"]
     expected = "".join(generate(ckpt.model, b" The", SamplingParams(max_tokens=24, seed=7),
-                                state=State({"h": t["state.h"], "c": t["state.c"]}), last_byte=meta["last_token"],
+                                state=State({"h": t["state.h"], "c": t["state.c"]}), last_token=meta["last_token"],
                                 adapter=Adapter({"h": t["adapter.h"]})))
     assert r.json()["text"] == expected
     assert same_export(client.get(f"/v1/sessions/{sid}/state").content, exported)  # not modified

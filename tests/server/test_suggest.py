@@ -101,18 +101,18 @@ def test_probabilities_agree_with_the_model(client: httpx.Client, ckpt: Any) -> 
     state, last_byte, adapter, _ = session_parts(client, sid)
     for word in words:
         text = (context[: -len("acknow")] + word["text"]).encode()
-        scored = score_bytes(ckpt.model, text, state=state, last_byte=last_byte, adapter=adapter, logprobs=True)
+        scored = score_bytes(ckpt.model, text, state=state, last_token=last_byte, adapter=adapter, logprobs=True)
         assert scored.logprobs is not None and scored.state is not None
         added = len(word["text"].encode()) - len(b"acknow")
         continuation = sum(scored.logprobs[-added:])
-        ends = sum(math.exp(score_bytes(ckpt.model, bytes([t]), state=scored.state, last_byte=text[-1],
+        ends = sum(math.exp(score_bytes(ckpt.model, bytes([t]), state=scored.state, last_token=text[-1],
                                         adapter=adapter, logprobs=True).logprobs[0]) for t in WORD_ENDS)  # type: ignore[index]
         assert word["prob"] == pytest.approx(math.exp(continuation) * ends, rel=1e-4)
     # the next characters are the next byte's probabilities (ASCII here)
-    scored = score_bytes(ckpt.model, context.encode(), state=state, last_byte=last_byte, adapter=adapter)
+    scored = score_bytes(ckpt.model, context.encode(), state=state, last_token=last_byte, adapter=adapter)
     assert scored.state is not None
     for char in suggest(client, sid, context=context, n_chars=3)["next_chars"]:
-        one = score_bytes(ckpt.model, char["char"].encode(), state=scored.state, last_byte=context.encode()[-1],
+        one = score_bytes(ckpt.model, char["char"].encode(), state=scored.state, last_token=context.encode()[-1],
                           adapter=adapter)
         assert char["prob"] == pytest.approx(2.0 ** -one.bits, rel=1e-4)
 
