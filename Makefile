@@ -43,19 +43,19 @@ serve: install
 		export ADAPTLM_SESSION_SNAPSHOT="$${ADAPTLM_SESSION_SNAPSHOT:-var/sessions.zip}"; fi; \
 	exec $(VENV)/bin/adaptlm serve
 
-# Everything but the tests marked slow (pyproject.toml's addopts leave them out).
+# Everything but the tests marked slow (pyproject.toml's addopts leave them out), on two workers (its addopts too).
 test: install
 	$(PY) -m pytest -q
 
 # The slow tests: the soak (tests/reliability/test_soak.py: the locust mix against a server of SOAK_CHECKPOINT for
 # SOAK_S seconds, the server's resident memory after the warm-up must grow < 10%, no failures; its memory curve
-# goes to SOAK_OUT/soak_memory.csv and .png).
+# goes to SOAK_OUT/soak_memory.csv and .png). In one process (-n 0): the workers would swallow its progress (-s).
 SOAK_S ?= 600
 SOAK_OUT ?= docs/img
 SOAK_CHECKPOINT ?= checkpoints/default
 soak: install
 	ADAPTLM_SOAK_S=$(SOAK_S) ADAPTLM_SOAK_OUT=$(SOAK_OUT) ADAPTLM_SOAK_CHECKPOINT=$(SOAK_CHECKPOINT) \
-		$(PY) -m pytest -q -s -m slow
+		$(PY) -m pytest -q -s -n 0 -m slow
 
 # A headless locust run (loadtest/), its reports in $(LOADTEST_OUT), then the objectives of $(SLO) (your own: a
 # copy of loadtest/slo.toml): exits 1 when one is missed. Against URL= when given, else a server started here on a

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests._parallel import WORKER, Turns, built_once, run_folder
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -19,6 +22,32 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 # Servers under test (in-process and subprocesses, which inherit this) run in float32 unless a test asks for
 # bfloat16: most tests compare the server's numbers with the library's exactly. The bf16 path has its own tests.
 os.environ["ADAPTLM_PRECISION"] = "float32"
+
+# Under pytest-xdist each worker has a core of its own (`-n 2` on 2 cores): one torch thread, in the worker and in
+# the servers and commands its tests start (they inherit the variable); more threads would spin and wait on a core
+# the other worker is using.
+if WORKER is not None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+_TURNS = pytest.StashKey[Turns]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    folder = run_folder(Path(config.option.basetemp)) if config.option.basetemp else None
+    if folder is not None:
+        config.stash[_TURNS] = Turns(folder)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A test marked `alone` runs while no other worker runs one (tests/_parallel.py's Turns): its setup, its call
+    and its teardown, module fixtures included."""
+    turns = item.config.stash.get(_TURNS, None)
+    if turns is None:
+        return (yield)
+    with turns.turn(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 def _train_seed() -> int | None:
@@ -34,13 +63,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests._training import train_on_test_data
     from trainer.config import make_config
 
-    out = tmp_path_factory.mktemp("tiny_checkpoint")
     overrides: dict[str, object] = {"max_steps": 40, "threads": 1}
     seed = _train_seed()
     if seed is not None:
         overrides["seed"] = seed
-    train_on_test_data(make_config("tiny", overrides), out)
-    return out
+    return built_once(tmp_path_factory, "tiny_checkpoint",
+                      lambda out: train_on_test_data(make_config("tiny", overrides), out))
 
 
 @pytest.fixture(scope="session")
@@ -69,12 +97,11 @@ def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trainer.config import make_config
     from trainer.train import train
 
-    out = tmp_path_factory.mktemp("awd") / "ck"
     # a few steps on one thread (all threads on a busy machine take minutes): enough to beat a uniform guess
     overrides = {"arch": "awd-lstm", "max_steps": 20, "valid_every": 20, "valid_bytes": 4000, "threads": 1,
                  "stats_batches": 1}
-    train(make_config("tiny", overrides), [DATA / "train.txt"], out, valid_path=DATA / "valid.txt", progress=False)
-    return out
+    return built_once(tmp_path_factory, "awd", lambda out: train(make_config("tiny", overrides), [DATA / "train.txt"],
+                                                                 out, valid_path=DATA / "valid.txt", progress=False))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.reliability.conftest import StartServerFn
 
@@ -73,6 +74,7 @@ def timed_score(client: httpx.Client) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.alone  # a bound on wall-clock time
 def test_overload_answers_only_200_or_429_and_recovers(start_server: StartServerFn,
                                                        assert_error_shape: Callable[..., dict[str, Any]]) -> None:
     env = {"ADAPTLM_MAX_QUEUE": "4", "ADAPTLM_MAX_BATCH": "8", "ADAPTLM_RETRY_AFTER_S": "2"}

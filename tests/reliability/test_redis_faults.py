@@ -218,6 +218,7 @@ def test_a_write_that_timed_out_is_not_done_later(redis_process: Callable[..., R
         store.close()
 
 
+@pytest.mark.alone  # a bound on wall-clock time
 def test_an_unreachable_redis_fails_fast_until_it_answers(redis_process: Callable[..., RedisProcess]) -> None:
     """Once a call has found Redis hung (its timeout), the next ones fail at once instead of each waiting out its
     own timeout on the engine's worker thread (found by the paused test above: static scoring stopped for the whole

@@ -234,6 +234,7 @@ def test_the_feed_window_is_bounded_and_moves_by_strides() -> None:
     assert len(windows) <= 3000 * 2 // SUGGEST_FEED_STRIDE + 2
 
 
+@pytest.mark.alone  # a bound on wall-clock time
 def test_a_long_context_suggests_within_the_budget_and_does_not_hold_up_others(c: httpx.Client) -> None:
     sid = c.post("/v1/sessions", json={}).json()["id"]
     c.post(f"/v1/sessions/{sid}/suggest", json={"context": "warm up"})

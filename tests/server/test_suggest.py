@@ -202,6 +202,7 @@ def test_adaptation_changes_suggestions(client: httpx.Client) -> None:
     assert mass[0] > 0.75 and mass[0] > mass[1] + 0.3, mass
 
 
+@pytest.mark.alone  # a bound on wall-clock time
 def test_a_suggestion_does_not_wait_for_the_session_s_observe(client: httpx.Client, live: Any) -> None:
     sid = create(client, initial_text=TEXT)
     done = threading.Event()
@@ -236,6 +237,7 @@ def test_unknown_session_is_404(client: httpx.Client, assert_error: Any) -> None
     assert assert_error(r, 404, "not_found_error", "session_id")["code"] == "session_not_found"
 
 
+@pytest.mark.alone  # a bound on wall-clock time
 def test_latency(client: httpx.Client) -> None:
     """A sanity bound only (the machine may be busy): one suggestion per keystroke of a sentence."""
     sid = create(client, initial_text=TEXT)
