@@ -19,15 +19,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.adaptation._cache import CacheMemory
 from models.adaptation._config import DynEvalConfig
-from models.adaptation._full import FullStream, adapted_parameter_names
+from models.adaptation._full import FullStream, adapted_parameter_names, offline_memories
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import eval_mode, sparse_rule
 from models.adaptation._step import STATIC_SEGMENT, Row, RuleCache, TextJob, batch_step
 from models.base import LanguageModel, State
-from models.copymodel import CopyMemory, CopyModel
-from models.memory import Memory, NoSettings
+from models.copymodel import CopyModel
+from models.memory import NoSettings
 from models.scoring import LN2, ScoredText
 from models.tokenizer import ByteTokenizer, Tokenizer
 
@@ -72,11 +71,7 @@ def _batched_streams(model: LanguageModel, docs: Sequence[bytes], config: DynEva
                      copy: CopyModel | None = None) -> list[_Stream]:
     """Static or sparse evaluation of B streams at once, through `batch_step`; a finished text leaves the batch."""
     ref = next(model.parameters())
-    memories: dict[str, Memory] = {}
-    if copy is not None:
-        memories["copy"] = CopyMemory(copy)
-    if config.cache:
-        memories = {"cache": CacheMemory(config.cache)}  # it takes the copy model's place
+    memories = offline_memories(copy, config.cache)
     jobs = []
     for doc in docs:
         inputs, targets = tokenizer.stream(doc, None, ref.device)

@@ -9,16 +9,18 @@ and the keyboard simulator (`models.keysim`) both step a `FullStream`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from models.adaptation._cache import NeuralCache
-from models.adaptation._config import DynEvalConfig
+from models.adaptation._cache import CacheMemory
+from models.adaptation._config import CacheConfig, DynEvalConfig
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import finite_rows
 from models.adaptation._step import usable_rows
 from models.base import LanguageModel, Output, State
-from models.copymodel import CopyModel
+from models.copymodel import CopyMemory, CopyModel
+from models.memory import Memory, NoSettings
 
 __all__ = ["FullStream", "adapted_parameter_names"]
 
@@ -72,19 +74,25 @@ class FullStream:
             ms_g = {n: stats[f"param.{n}"].to(p.device, p.dtype) for n, p in self.params.items()
                     if f"param.{n}" in stats}
         self.rule = UpdateRule(config, self.names, ms_g)
-        self._cache_config = config.cache
-        self.copy_model = copy  # mixed into the scores (models/copymodel.py); the weights learn from their own
+        # mixed into the scores (the copy model, or the neural cache in its place); the weights learn from their own
+        self.memories = offline_memories(copy, config.cache)
         self.reset()
 
     def reset(self) -> None:
         """Back to the unadapted weights and the initial state: a fresh stream, without copying the model again."""
         self._restore_weights()
         self.state = self.model.init_state(1)
-        self.cache = NeuralCache(self._cache_config) if self._cache_config else None
-        self.copy = self.copy_model.init_state(1, next(self.model.parameters()).device) if self.copy_model else None
+        device = next(self.model.parameters()).device
+        self.memory_states: dict[str, Any] = {name: m.init(NoSettings(), device) for name, m in self.memories.items()}
         self.skipped = 0
         self.updates = 0
         self.resets = 0
+
+    @property
+    def copy(self) -> State | None:
+        """The copy model's state (None: none)."""
+        state = self.memory_states.get("copy")
+        return state if isinstance(state, State) else None
 
     def _restore_weights(self) -> None:
         with torch.no_grad():
@@ -118,11 +126,11 @@ class FullStream:
             # a weight the segment's loss does not reach (a compressor trained by its own loss only) gets zero
             found = torch.autograd.grad(-lp.mean(), list(self.params.values()), allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for g, p in zip(found, self.params.values(), strict=True)]
-        if self.cache is not None:
-            assert out.hidden is not None, "the neural cache needs Output.hidden"
-            lp = self.cache.mix(log_dist.detach(), out.hidden, y).gather(-1, y.unsqueeze(-1)).squeeze(-1)
-        elif self.copy_model is not None and self.copy is not None:
-            mixed, self.copy = self.copy_model.mix(log_dist.detach(), x, self.copy)
+        if self.memories:
+            mixed, mask = log_dist.detach(), torch.ones_like(y, dtype=torch.bool)
+            hidden = out.hidden.detach() if out.hidden is not None else None
+            for name, memory in self.memories.items():
+                mixed, (self.memory_states[name],) = memory.learn(mixed, x, y, mask, hidden, [self.memory_states[name]])
             lp = mixed.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         old = {n: p.detach() for n, p in self.params.items()}
         new = self.rule.step(old, dict(zip(self.params, grads, strict=True)), self.theta_g)
@@ -138,3 +146,10 @@ class FullStream:
         if state_ok:
             self.state = state
         return lp.detach()[0]
+
+
+def offline_memories(copy: CopyModel | None, cache: CacheConfig | None) -> dict[str, Memory]:
+    """The distribution memories of an offline stream: the copy model, or the neural cache in its place."""
+    if cache:
+        return {"cache": CacheMemory(cache)}
+    return {"copy": CopyMemory(copy)} if copy is not None else {}
