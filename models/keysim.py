@@ -80,10 +80,10 @@ class ModelSuggester:
         memories["words"] = WordsMemory()
         self.sessions = SessionModel(model, self.tokenizer, memories, segment)
         try:
-            config = self.sessions.config(asked)
+            settings = self.sessions.config(asked)
         except MemorySettingsError as e:  # the refused setting under this class's name for it
             raise ValueError(f"cache_weight={cache_weight}: {e}") from None
-        self.session = self.sessions.fresh(config)
+        self.session = self.sessions.fresh(settings)
 
     @property
     def words(self) -> object:
