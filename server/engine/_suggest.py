@@ -414,7 +414,9 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
 
     words = session.memories.get(WordsMemory.name)
     settings = session.config.get(WordsMemory.name)
-    weight = settings.weight if isinstance(settings, WordsSettings) and words is not None else 0.0
+    if not isinstance(words, WordCache) or not isinstance(settings, WordsSettings):
+        words, settings = WordCache(), WordsSettings()  # a session without a word cache: nothing mixed in
+    weight = settings.weight
     candidates, candidate_probs = torch.cat([matching, unspaced]), torch.cat([probs, unspaced_probs])  # (n + m,)
     spaced_kind = torch.cat([spaced_words, torch.zeros_like(unspaced, dtype=torch.bool)])  # (n + m,)
 
