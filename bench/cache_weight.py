@@ -68,10 +68,9 @@ def main() -> None:
         simulate(warmed, [], k=3, warmup=messages(warm))  # the session after the warm-up, once for every weight
         for weight in (float(w) for w in args.weights.split(",")):
             start = time.perf_counter()
-            sim = copy_module.copy(warmed)
-            sim.words = warmed.words.copy()
-            sim._row = dataclasses.replace(warmed._row, logprobs=[])  # its own record: observes rebind its fields
-            sim.cache_weight = weight
+            sim = copy_module.copy(warmed)  # the warmed session's record, its word cache at this weight; records
+            sim.session = dataclasses.replace(  # never change (an observe makes a new one), so the two may share it
+                warmed.session, config=warmed.sessions.config({"words": {"weight": weight}}), _views={})
             row(name, weight, simulate(sim, messages(typed), k=3), start)
 
 

@@ -9,9 +9,9 @@ the prompt then one byte, over the n - 1 bytes after the first (the prompt's tim
 generation step (`GenerationExecutor.step`): B sequences from B prompts (256 bytes each, at different places in the
 text, so at different fills), each prefilled alone, then a byte of every one sampled and fed in one batched forward
 (`Stepper.feed_many`), timed over the n - 1 steps after the first; ms a step, and a byte's share (÷ B). "served" runs
-the network inside `CacheMixed` (`SessionService.session_model` for adapting sessions; no session has a neural cache
-here, as in bench.latency's second table). Medians of `--runs`. The last column is a digest of the bytes generated,
-to check that two versions generate the same.
+the network inside `MemoryMixed` with the checkpoint's distribution memories (`SessionModel.search_model`, what the
+server runs for sessions; no session's memory is read here, as in bench.latency's second table). Medians of
+`--runs`. The last column is a digest of the bytes generated, to check that two versions generate the same.
 
 `--profile` prints instead where a step's time goes, per checkpoint at batch 1 and batch B on the bare network: the
 steps after the first under `torch.profiler`, each top-level aten op's time (its children's included) by kind, the
@@ -33,10 +33,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench._common import family_args, family_text, machine_line
-from models.adaptation import CacheMixed
 from models.base import LanguageModel
 from models.checkpoint import load_checkpoint
 from models.sampling import SamplingParams, Stepper, generate
+from models.session import SessionModel
 
 
 def batch1_ms(model: LanguageModel, prompt: bytes, n: int, runs: int) -> tuple[float, bytes]:
@@ -173,9 +173,7 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | --- |")
     for path in args.checkpoints:
         ck = load_checkpoint(Path(path), device=torch.device("cpu"))
-        # the wrapper in eval mode as its network: `generate` puts a model back in the mode it found it in, and a new
-        # module is in training mode, which would leave the network training (dropout on, no branch form)
-        served = CacheMixed(ck.model, ck.dyneval.cache).eval()
+        served = SessionModel.of(ck).search_model
         for name, model in (("bare", ck.model), ("served", served)):
             one, gen1 = batch1_ms(model, prompts[0], args.bytes, args.runs)
             many, genb = batch_ms(model, prompts, args.bytes, args.runs)

@@ -9,7 +9,7 @@ suggest ms: `advance` over a 256-byte context from the initial state, then `sugg
 prefix and next characters).
 
 A second table, the server's keyboard path (`server.engine._suggest.run_suggestions` under the model the server runs for
-adapting sessions, the network in `CacheMixed`: the rounds of every search in progress batched into one model step; the
+adapting sessions, the network in `MemoryMixed`: the rounds of every search in progress batched into one model step; the
 contexts' cursors cached, as for a keystroke after the first): "1 typist ms" one session's suggestion, "N typists ms" N
 sessions' suggestions started together (N contexts of 200-260 bytes at different places in the text, so at different
 fills), until the last answers; "typing ms" one session typing 96 keystrokes (contexts of 160 to 255 bytes: across the
@@ -32,13 +32,12 @@ from pathlib import Path
 import torch
 
 from bench._common import family_args, family_text, machine_line, suggest_afresh, word_context
-from models.adaptation import CacheMixed
-from models.base import Adapter, LanguageModel
+from models.base import LanguageModel
 from models.checkpoint import Checkpoint, load_checkpoint
+from models.memory import build_memories
 from models.sampling import SamplingParams, generate
-from models.scoring import BOS
+from models.session import Session, SessionModel
 from models.suggest import Suggestions
-from server.engine import AdaptationConfig, Session
 from server.engine._suggest import (
     SUGGEST_BATCH,
     SUGGEST_MAX_EXPANSIONS,
@@ -89,47 +88,52 @@ def _typists(checkpoints: list[str], text: bytes, n: int, runs: int) -> None:
           "| typing past 384 ms mean / max (at) | typist 1's completions |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for path in checkpoints:
-        model = _served(load_checkpoint(Path(path), device=torch.device("cpu")))
+        served = _served(load_checkpoint(Path(path), device=torch.device("cpu")))
+        model = served.search_model
         contexts = [word_context(text, 100 + 97 * j, 300 + 97 * j + 7 * j) for j in range(n)]
-        sessions = [_session(model, f"s{j}") for j in range(n)]
-        cache = CursorCache()
+        sessions = [_session(served, f"s{j}") for j in range(n)]
+        cache = CursorCache(model=served)
         _suggest(model, cache, sessions, contexts)  # the cursors, cached
         one = [_suggest(model, cache, sessions[:1], contexts[:1])[0] for _ in range(runs)]
         many = [_suggest(model, cache, sessions, contexts)[0] for _ in range(runs)]
         words = ", ".join(f"{c.text} {c.prob:.5f}" for c in _suggest(model, cache, sessions, contexts)[1].completions)
-        typing, at = _typing(model, text, range(160, 256), runs)
-        past, past_at = _typing(model, text, range(360, 400), runs)
+        typing, at = _typing(served, text, range(160, 256), runs)
+        past, past_at = _typing(served, text, range(360, 400), runs)
         print(f"| {Path(path).name} | {statistics.median(one):.1f} | {statistics.median(many):.1f} | "
               f"{statistics.mean(typing):.1f} / {typing[len(typing) * 9 // 10]:.1f} / {typing[-1]:.1f} ({at}) | "
               f"{statistics.mean(past):.1f} / {past[-1]:.1f} ({past_at}) | {words} |")
 
 
-def _typing(model: LanguageModel, text: bytes, ends: range, runs: int) -> tuple[list[float], int]:
+def _typing(served: SessionModel, text: bytes, ends: range, runs: int) -> tuple[list[float], int]:
     """One session typing, a keystroke at each context length of `ends` (bytes of the text from 1000), each
     keystroke's suggestion after the last's -> each keystroke's ms, the median of `runs` passes, sorted; the slowest
     one's length."""
     passes = []
     for _ in range(runs):
-        typist, cache = _session(model, "typing"), CursorCache()
-        passes.append([_suggest(model, cache, [typist], [text[1000 : 1000 + end].decode("utf-8", "ignore")])[0]
+        typist, cache = _session(served, "typing"), CursorCache(model=served)
+        passes.append([_suggest(served.search_model, cache, [typist],
+                                [text[1000 : 1000 + end].decode("utf-8", "ignore")])[0]
                        for end in ends])
     keys = sorted((statistics.median(ms), end) for end, *ms in zip(ends, *passes, strict=True))
     return [ms for ms, _ in keys], keys[-1][1]
 
 
-def _served(ck: Checkpoint) -> LanguageModel:
-    """The model the server's keyboard search runs for sessions that adapt (`SessionService.session_model`): the
-    network inside `CacheMixed`, which mixes in a session's neural cache where it has one (none here). Without the
+def _served(ck: Checkpoint) -> SessionModel:
+    """The server's sessions of the checkpoint (`SessionModel.of`): its keyboard search runs the network inside
+    `MemoryMixed` (`search_model`), which mixes in a session's neural cache where it has one (none here). Without the
     copy model: the transformer checkpoints have none, and the mLSTM's row is there for the machine's drift."""
-    return CacheMixed(ck.model, ck.dyneval.cache)
+    return SessionModel.of(ck, {name: m for name, m in build_memories(ck).items() if name != "copy"})
 
 
-def _session(model: LanguageModel, sid: str) -> Session:
-    sites = {s.name: s.adapter_size() for s in model.adaptation_sites()}
-    return Session(id=sid, owner=None, created=0.0, last_used=0.0, ttl_s=60.0,
-                   config=AdaptationConfig(lr=0.0, decay=0.0, adapter_size=max(sites.values())),
-                   state=model.init_state(1), static_state=model.init_state(1), last_token=BOS,
-                   adapter=Adapter.zeros(sites, 1))
+def _session(served: SessionModel, sid: str) -> Session:
+    """A session that adapts (an adapter of the sites' largest default size, which learns nothing), without a
+    neural cache, its word cache not mixed in."""
+    size = max(s.adapter_size() for s in served.model.adaptation_sites())
+    asked: dict[str, dict[str, float] | None] = {"adapter": {"lr": 0.0, "decay": 0.0, "size": size},
+                                                 "words": {"weight": 0.0}}
+    if "cache" in served.memories:
+        asked["cache"] = None
+    return served.fresh(served.config(asked), id=sid, ttl_s=60.0, now=0.0)
 
 
 def _suggest(model: LanguageModel, cache: CursorCache, sessions: list[Session], contexts: list[str]

@@ -27,14 +27,21 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 import redis
 import torch
 
 from bench._common import ROOT, machine_line
-from models.base import Adapter, State
-from server.engine import AdaptationConfig, MemorySessionStore, RedisSessionStore, Session, SessionStats, SessionStore
+from models.adaptation import AdapterMemory, AdapterSettings, DynEvalConfig
+from models.base import State
+from models.memory import SessionConfig
+from models.mlstm import MLSTM, MLSTMConfig
+from models.session import SessionModel
+from models.tokenizer import ByteTokenizer
+from models.wordcache import WordCache, WordsMemory, WordsSettings
+from server.engine import MemorySessionStore, RedisSessionStore, Session, SessionStats, SessionStore
 
 MODEL_HASH = "b" * 64
 
@@ -44,14 +51,25 @@ def commit() -> str:
     return r.stdout.strip() or "unknown"
 
 
+@cache
+def sessions() -> SessionModel:
+    """The model of the template's records (what a store reads them back with): an mLSTM of 8 units, whose state is
+    "h" and "c", an adapter of k = 4 on "h", a word cache."""
+    torch.manual_seed(0)
+    model = MLSTM(MLSTMConfig(hidden=8, embed_dim=8))
+    adapter = AdapterMemory(model, None, DynEvalConfig(mode="sparse", rule="sgd"), 4, 8)
+    return SessionModel(model, ByteTokenizer(), {"adapter": adapter, "words": WordsMemory()})
+
+
 def template() -> Session:
     g = torch.Generator().manual_seed(0)
     state = {"h": torch.randn(1, 8, generator=g), "c": torch.randn(1, 8, generator=g)}
     now = time.time()
-    return Session(id="", owner=None, created=float(int(now)), last_used=now, ttl_s=3600.0,
-                   config=AdaptationConfig(lr=1e-3, decay=2e-3, adapter_size=4), state=State(state),
-                   static_state=State({n: t + 1 for n, t in state.items()}), last_token=10,
-                   adapter=Adapter({"h": torch.randn(1, 4, 4, generator=g)}), stats=SessionStats())
+    config = SessionConfig({"adapter": AdapterSettings(lr=1e-3, decay=2e-3, size=4), "words": WordsSettings()})
+    return Session(id="", owner=None, created=float(int(now)), last_used=now, ttl_s=3600.0, config=config,
+                   state=State(state), static_state=State({n: t + 1 for n, t in state.items()}), last_token=10,
+                   memories={"adapter": State({"h": torch.randn(1, 4, 4, generator=g)}), "words": WordCache()},
+                   stats=SessionStats())
 
 
 @contextmanager
@@ -92,7 +110,7 @@ def make_store(kind: str, url: str, n: int, share: int | None) -> SessionStore:
         with redis.Redis.from_url(url) as client:
             client.flushdb()
         store = RedisSessionStore(url, **limits)  # type: ignore[arg-type]
-    store.bind(MODEL_HASH, template())
+    store.bind(MODEL_HASH, template(), sessions())
     return store
 
 

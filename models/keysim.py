@@ -31,13 +31,13 @@ from models.adaptation import STATIC_SEGMENT, AdapterMemory, DynEvalConfig, Full
 from models.base import Adapter, LanguageModel, State
 from models.copymodel import CopyMemory, CopyModel, branch_view, frozen_stats
 from models.lexicon import Lexicon
-from models.memory import Memory, MemoryMixed, merge_branches
+from models.memory import Memory, MemoryMixed, MemorySettingsError, merge_branches
 from models.session import SessionModel
 from models.suggest import Cursor, advance, suggest
 from models.tokenizer import ByteTokenizer, Tokenizer
 from models.word_suggest import word_suggestions
 from models.word_tokenizer import WordTokenizer
-from models.wordcache import WordsMemory, WordsSettings
+from models.wordcache import WordsMemory
 
 __all__ = ["ModelSuggester"]
 
@@ -76,7 +76,7 @@ class ModelSuggester:
             self.session = sessions.fresh(sessions.config(settings))
             return
         memories: dict[str, Memory] = {}
-        asked: dict[str, dict[str, object] | None] = {"words": WordsSettings(weight=cache_weight).model_dump()}
+        asked: dict[str, dict[str, object] | None] = {"words": {"weight": cache_weight}}
         mode = self.config.mode
         segment = STATIC_SEGMENT
         if mode == "sparse":
@@ -93,7 +93,11 @@ class ModelSuggester:
             memories["copy"] = CopyMemory(copy)
         memories["words"] = WordsMemory()
         self.sessions = SessionModel(model, self.tokenizer, memories, segment)
-        self.session = self.sessions.fresh(self.sessions.config(asked))
+        try:
+            settings = self.sessions.config(asked)
+        except MemorySettingsError as e:  # the refused setting under this class's name for it
+            raise ValueError(f"cache_weight={cache_weight}: {e}") from None
+        self.session = self.sessions.fresh(settings)
 
     @property
     def words(self) -> object:

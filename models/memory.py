@@ -126,7 +126,8 @@ class Memory:
               hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
         """Score and learn one segment of B rows: log_dist (B, T, V) the distribution so far, inputs and targets
         (B, T), mask (B, T) True on each row's prefix, hidden (B, T, H) or None, states one per row -> (log p of
-        the mixture (B, T, V) float32, each row's state after its segment). Padding changes nothing."""
+        the mixture (B, T, V) float32, float64 for a float64 network, each row's state after its segment). Padding
+        changes nothing."""
         raise NotImplementedError
 
     def view(self, state: Any) -> Any:

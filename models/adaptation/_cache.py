@@ -193,7 +193,8 @@ class CacheMemory(Memory):
     def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
               hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
         assert hidden is not None, "the neural cache needs Output.hidden"
-        out = log_dist.float().clone()
+        # float32, or float64 for a float64 network (whose scores are not rounded to float32)
+        out = log_dist.to(torch.promote_types(log_dist.dtype, torch.float32), copy=True)
         lengths = mask.sum(1).tolist()
         after = []
         for j, state in enumerate(states):  # each row its own memory, of its own length

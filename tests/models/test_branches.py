@@ -16,11 +16,12 @@ import torch
 
 from kernels import _dispatch as kernel_dispatch
 from models._branches import RootStack, append_tail, dense, grow, no_keys, row_attention, tail_padding, tree_attention
-from models.adaptation import CacheConfig, CacheMixed
+from models.adaptation import CacheConfig, CacheMemory
 from models.base import ROOT, Adapter, LanguageModel, State
 from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.compressive import CompressiveConfig, CompressiveTransformer
-from models.copymodel import CopyConfig, CopyMixed, CopyModel, branch_view, frozen_stats, merge_state
+from models.copymodel import CopyConfig, CopyMemory, CopyModel, branch_view, frozen_stats
+from models.memory import MemoryMixed, merge_branches
 from models.sampling import SamplingParams, Stepper
 from models.suggest import WordSearch, advance, complete_word, split_word, step
 from tests._families import assert_batched_steppers_equal_each_alone, assert_states_close
@@ -502,8 +503,8 @@ def test_grow_writes_in_place_only_past_the_newest_view() -> None:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_the_served_wrappers_keep_the_branch_form(name: str) -> None:
     """The server runs suggestions and generation on the network wrapped with the sessions' copy models and neural
-    caches (`SessionService.session_model`: CacheMixed(CopyMixed(network))): the wrappers branch and settle as the
-    network does (they were the identity, so the server never took the branch form), and steps through them, the
+    caches (`SessionModel.search_model`: MemoryMixed(network, [copy, cache])): the wrapper branches and settles as the
+    network does (an identity there would keep the server from the branch form), and steps through it, the
     copy model mixed in, equal the usual form's."""
     model = MODELS[name]()
     copy = CopyModel(CopyConfig())
@@ -511,14 +512,14 @@ def test_the_served_wrappers_keep_the_branch_form(name: str) -> None:
     text = b"\nIt is a truth universally acknowledged, that a truth is a truth"
     with torch.no_grad():
         _, learned = copy.mix(torch.full((1, len(text), 256), -math.log(256)), torch.tensor([list(text)]), learned)
-    served = CacheMixed(CopyMixed(model, copy), CacheConfig())
-    usual = merge_state(_after(model, text), branch_view(learned))
+    served = MemoryMixed(model, [CopyMemory(copy), CacheMemory(CacheConfig())])
+    usual = merge_branches(_after(model, text), {"copy": branch_view(learned)})
     branch = served.branch(usual)
     assert ROOT in branch.tensors and branch.roots and served.branch(branch) is branch
     assert_states_close(served.settle(branch), usual, **TOL)
     rows = torch.zeros(3, dtype=torch.long)
     usual, branch = usual.take(rows), branch.take(rows)
-    adapter = Adapter({}, copy=frozen_stats(learned))
+    adapter = Adapter({}, {"copy": ([frozen_stats(learned)], None)})
     for tokens in ([32, 116, 97], [116, 114, 115], [117, 117, 32], [116, 32, 104], [104, 97, 116]):
         with torch.no_grad():
             u, b = served(torch.tensor(tokens).view(-1, 1), usual, adapter), served(

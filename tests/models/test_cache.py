@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.adaptation import CacheConfig, CacheMixed, DynEvalConfig, NeuralCache, evaluate, read_memory
+from models.adaptation import CacheConfig, CacheMemory, DynEvalConfig, NeuralCache, evaluate, read_memory
 from models.base import Adapter, LanguageModel, Output, Site, State
+from models.memory import MemoryMixed
 from models.mlstm import MLSTM, MLSTMConfig
 
 
@@ -131,7 +132,7 @@ def test_cache_helps_on_a_repeat_in_every_mode(mode: str) -> None:
     assert second(with_cache) < second(base) - 1.0
 
 
-# -- a session's memory: kept between texts, read by CacheMixed without change ------------------------------------
+# -- a session's memory: kept between texts, read by CacheMemory without change -----------------------------------
 
 
 def test_memory_kept_between_texts_goes_on_as_one_stream() -> None:
@@ -209,11 +210,11 @@ def _memory(model: _Toy, tokens: list[int], cfg: CacheConfig) -> State:
 def test_cache_mixed_reads_each_rows_session_and_leaves_the_others_alone() -> None:
     model = _Toy().eval()
     cfg = CacheConfig(window=50, theta=2.0, lam=0.5)
-    mixed = CacheMixed(model, cfg)
+    mixed = MemoryMixed(model, [CacheMemory(cfg)])
     one, two = _memory(model, [1, 2, 3, 1, 2, 3, 1], cfg), _memory(model, [4, 5, 4, 5, 4, 5, 4, 5], cfg)
     x = torch.tensor([[3], [4], [7], [3]])
     plain = torch.log_softmax(model(x, model.init_state(4)).logits, -1)
-    adapter = Adapter({}, cache=State.stack([one, two]), cache_index=torch.tensor([0, 1, -1, 1]))
+    adapter = Adapter({}, {"cache": ([one, two], torch.tensor([0, 1, -1, 1]))})
     out = mixed(x, mixed.init_state(4), adapter)
     lp = mixed.log_probs(out)
     torch.testing.assert_close(lp[2], plain[2])  # no session: the model alone
@@ -223,6 +224,6 @@ def test_cache_mixed_reads_each_rows_session_and_leaves_the_others_alone() -> No
     assert int(lp[0, 0].argmax()) == 1  # after 3 the first session saw 1 every time
     assert int(lp[1, 0].argmax()) == 5  # after 4 the second saw 5
     # lambda = 0 is the model; no cache at all is the model's own output
-    zero = CacheMixed(model, dataclasses.replace(cfg, lam=0.0))
+    zero = MemoryMixed(model, [CacheMemory(dataclasses.replace(cfg, lam=0.0))])
     torch.testing.assert_close(zero.log_probs(zero(x, zero.init_state(4), adapter)), plain)
     torch.testing.assert_close(mixed(x, mixed.init_state(4), Adapter({})).logits, model(x, model.init_state(4)).logits)

@@ -703,7 +703,7 @@ def _exported(client: TestClient, sid: str) -> tuple[State, Adapter, int, bytes]
     header = json.loads(blob.content[8 : 8 + int.from_bytes(blob.content[:8], "little")])
     meta = json.loads(header["__metadata__"]["session"])
     return (State.from_tensors(tensors, "state."), Adapter(State.from_tensors(tensors, "adapter.").tensors),
-            int(meta["last_byte"]), blob.content)
+            int(meta["last_token"]), blob.content)
 
 
 def test_session_adapts_scores_suggests_and_generates(client: TestClient, ckpt: Checkpoint) -> None:

@@ -13,8 +13,9 @@ import torch
 from kernels.copy_scan import compiled
 from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
-from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMixed, CopyModel, branch_view, frozen_stats, merge_state
+from models.copymodel import BUCKET_EDGES, CopyConfig, CopyMemory, CopyModel, _stacked, branch_view, frozen_stats
 from models.keysim import ModelSuggester
+from models.memory import MemoryMixed, merge_branches
 from tests.toy_transformer import ToyTransformer, ToyTransformerConfig
 
 V = 256
@@ -119,7 +120,7 @@ def test_rows_of_a_batch_equal_each_alone_padding_included() -> None:
 
 
 def test_the_frozen_path_copies_without_learning() -> None:
-    """CopyMixed (the keyboard search, sampling) reads a session's history and mixer without changing them: a
+    """CopyMemory.read (the keyboard search, sampling) reads a session's history and mixer without changing them: a
     branch that repeats an earlier phrase gets its continuation predicted, and the statistics stay as they were."""
     toy = ToyTransformer(ToyTransformerConfig()).freeze()
     copy = CopyModel(CopyConfig(window=256, lr=0.05))
@@ -129,11 +130,11 @@ def test_the_frozen_path_copies_without_learning() -> None:
     _, learned = copy.mix(log_net, x, copy.init_state(1))
     stats = State({k: learned.tensors[k] for k in ("hist", "fill", "uni", "weights")})
     before = {k: v.clone() for k, v in stats.tensors.items()}
-    mixed = CopyMixed(toy, copy)
-    state = merge_state(toy.init_state(1), branch_view(learned))
+    mixed = MemoryMixed(toy, [CopyMemory(copy)])
+    state = merge_branches(toy.init_state(1), {"copy": branch_view(learned)})
     prompt = torch.tensor([list(b"please send the quarterly re")])
     zero = Adapter.zeros({site.name: 4 for site in toy.adaptation_sites()}, 1)
-    out = mixed(prompt, state, Adapter(zero.mats, copy=stats))
+    out = mixed(prompt, state, Adapter(zero.mats, {"copy": ([stats], None)}))
     lp = mixed.log_probs(out)[0, -1]  # after "...quarterly re": "p" (report) is the copy's prediction
     plain = toy.log_probs(toy(prompt, toy.init_state(1)))[0, -1]
     assert float(lp[ord("p")]) > math.log(0.5) > float(plain[ord("p")])
@@ -261,12 +262,18 @@ def test_a_search_stacks_its_sessions_copy_statistics_once() -> None:
     """The rounds of a keyboard search stack the same sessions' statistics: the second stack of the same states is
     the first one (not a new 420 KB a session), a different set is stacked anew, and one session is its own."""
     model = CopyModel(CopyConfig(window=64))
-    a, b = (Adapter({}, copy=frozen_stats(model.init_state(1))) for _ in range(2))
-    first, index = Adapter.stack_copies([a, b], [2, 3])
-    assert index is not None and index.tolist() == [0, 0, 1, 1, 1]
-    again, _ = Adapter.stack_copies([a, b], [1, 1])
+    a, b = (Adapter({}, {"copy": ([frozen_stats(model.init_state(1))], None)}) for _ in range(2))
+
+    def stacked(adapters: list[Adapter], rows: list[int]) -> tuple[State, list[int]]:
+        views, index = Adapter({}).with_sessions(adapters, rows).memories["copy"]
+        assert index is not None
+        return _stacked(views), index.tolist()
+
+    first, index = stacked([a, b], [2, 3])
+    assert index == [0, 0, 1, 1, 1]
+    again, _ = stacked([a, b], [1, 1])
     assert again is first
-    other, _ = Adapter.stack_copies([b, a], [1, 1])
+    other, _ = stacked([b, a], [1, 1])
     assert other is not first and other.tensors["hist"].shape == (2, 64)
-    alone, _ = Adapter.stack_copies([a], [4])
-    assert alone is a.copy
+    alone, _ = stacked([a], [4])
+    assert alone is a.memories["copy"][0][0]

@@ -218,15 +218,17 @@ def test_feed_many_steps_the_last_batch_when_the_sequences_come_again(model: MLS
 
 
 def test_generating_through_the_served_wrappers_leaves_the_network_in_its_mode() -> None:
-    """The server's wrappers (CacheMixed, CopyMixed) take their network's mode when they are made: `generate` and
-    `score_bytes` put the model they are given back in its mode, which for a wrapper made in training mode (a new
-    module's) put a network in eval mode into training mode (dropout on, the transformers' branch form off)."""
-    from models.adaptation import CacheConfig, CacheMixed
-    from models.copymodel import CopyConfig, CopyMixed, CopyModel
+    """The server's wrapper (MemoryMixed, with a neural cache, a copy model or both) takes its network's mode when it
+    is made: `generate` and `score_bytes` put the model they are given back in its mode, which for a wrapper made in
+    training mode (a new module's) put a network in eval mode into training mode (dropout on, the transformers'
+    branch form off)."""
+    from models.adaptation import CacheConfig, CacheMemory
+    from models.copymodel import CopyConfig, CopyMemory, CopyModel
+    from models.memory import MemoryMixed
 
     net = MLSTM(MLSTMConfig(hidden=16, embed_dim=8)).eval()
-    for wrapper in (CacheMixed(net, CacheConfig()), CopyMixed(net, CopyModel(CopyConfig())),
-                    CacheMixed(CopyMixed(net, CopyModel(CopyConfig())), CacheConfig())):
+    cache, copy = CacheMemory(CacheConfig()), CopyMemory(CopyModel(CopyConfig()))
+    for wrapper in (MemoryMixed(net, [cache]), MemoryMixed(net, [copy]), MemoryMixed(net, [copy, cache])):
         assert not wrapper.training
         "".join(generate(wrapper, "ab", SamplingParams(max_tokens=3, temperature=0.0)))
         score_bytes(wrapper, b"abc")

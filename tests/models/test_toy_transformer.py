@@ -420,7 +420,7 @@ def _exported(client: TestClient, sid: str) -> tuple[State, Adapter, int]:
     header = json.loads(blob.content[8 : 8 + int.from_bytes(blob.content[:8], "little")])
     meta = json.loads(header["__metadata__"]["session"])
     return State.from_tensors(tensors, "state."), Adapter(State.from_tensors(tensors, "adapter.").tensors), \
-        int(meta["last_byte"])
+        int(meta["last_token"])
 
 
 def test_session_suggest_and_generate_use_the_sessions_state_and_adapter(client: TestClient,
