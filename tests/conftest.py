@@ -104,9 +104,20 @@ def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                                  out, valid_path=DATA / "valid.txt", progress=False))
 
 
+# Files whose tests take minutes (a Triton compiler run, many `adaptlm` commands): dealt to the workers first (files
+# are dealt in collection order, `--no-loadscope-reorder` in addopts), so that no worker starts one when the other
+# is nearly done. The order of the files only decides when they run.
+LONG_FILES = ("tests/kernels/test_compile.py", "tests/test_cli_keysim.py", "tests/test_cli_dyneval.py",
+              "tests/test_cli.py", "tests/bench/test_keyboard.py", "tests/models/test_char_transformer.py",
+              "tests/trainer/test_word_training.py", "tests/reliability/test_crash.py",
+              "tests/trainer/test_distributed.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests need a CUDA device: skipped (with the reason) where there is none, so the default run stays
-    green on a CPU-only machine; on a GPU machine `pytest -m gpu` runs them."""
+    """The files of LONG_FILES first, in that order. `gpu` tests need a CUDA device: skipped (with the reason) where
+    there is none, so the default run stays green on a CPU-only machine; on a GPU machine `pytest -m gpu` runs them."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
