@@ -230,11 +230,11 @@ class SessionConfig:
     def resolve(memories: Mapping[str, Memory], asked: Mapping[str, Mapping[str, Any] | None] | None = None,
                 ) -> SessionConfig:
         """The settings of a session that asks for `asked` (name -> settings to change, None to turn it off; a
-        memory not named keeps its default) among the checkpoint's `memories`. MemorySettingsError for a name the
-        checkpoint cannot serve or a setting refused."""
+        memory not named keeps its default) among the checkpoint's `memories`. MemorySettingsError for a memory the
+        checkpoint cannot serve that is asked for on, or a setting refused."""
         asked = dict(asked or {})
-        for name in asked:
-            if name not in memories:
+        for name, given in asked.items():
+            if name not in memories and given is not None:  # off is what a memory the model lacks already is
                 raise MemorySettingsError(f"this model has no session memory {name!r} (it has: "
                                           f"{', '.join(memories) or 'none'})", memory=name, code="unsupported")
         on: dict[str, MemorySettings] = {}

@@ -96,7 +96,7 @@ def test_suggestions_and_generation_read_the_memory_and_exports_carry_it(words_c
         assert "cache" in assert_error(r, 422, "validation_error")["message"]
     # so is a memory in the export of a session without the cache
     meta = json.loads(header["session"])
-    meta["config"]["neural_cache"] = False
+    meta["config"]["memories"]["cache"] = None
     r = put_state(words_client, "m" * 32, save_tensors(tensors, metadata={**header, "session": json.dumps(meta)}))
     assert "unexpected" in assert_error(r, 422, "validation_error")["message"]
     # and a setting that is not a boolean
