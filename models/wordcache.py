@@ -489,6 +489,8 @@ class WordsMemory(Memory):
         return WordCache.from_dict(meta or {})
 
     def observe_text(self, state: Any, text: str) -> WordCache:
+        if not isinstance(state, WordCache):
+            raise TypeError(f"a words memory's state is a WordCache, not {type(state).__name__}")
         words = state.copy()  # a new object: the stored record may be read meanwhile
         words.observe(text)
         return words
