@@ -95,6 +95,7 @@ def recovered_at(answers: list[Answer], since: float) -> float:
     return (max(failures) if failures else since) - since
 
 
+@pytest.mark.alone  # a bound on wall-clock time (recovery < 2 s), and Redis stopped at a time against the load
 def test_redis_stopped_and_restarted_mid_run(start_server: StartServerFn, redis_process: Callable[..., RedisProcess],
                                              assert_error_shape: Callable[..., dict[str, Any]]) -> None:
     store = redis_process(durable=True)
