@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install system-deps serve test soak lint clean bench-deps loadtest need-data
+.PHONY: install system-deps serve test soak compile-kernels lint clean bench-deps loadtest need-data
 
 install: system-deps $(STAMP)
 
@@ -47,7 +47,7 @@ serve: install
 test: install
 	$(PY) -m pytest -q
 
-# The slow tests: the soak (tests/reliability/test_soak.py: the locust mix against a server of SOAK_CHECKPOINT for
+# The soak (tests/reliability/test_soak.py, marked slow: the locust mix against a server of SOAK_CHECKPOINT for
 # SOAK_S seconds, the server's resident memory after the warm-up must grow < 10%, no failures; its memory curve
 # goes to SOAK_OUT/soak_memory.csv and .png). In one process (-n 0): the workers would swallow its progress (-s).
 SOAK_S ?= 600
@@ -55,7 +55,12 @@ SOAK_OUT ?= docs/img
 SOAK_CHECKPOINT ?= checkpoints/default
 soak: install
 	ADAPTLM_SOAK_S=$(SOAK_S) ADAPTLM_SOAK_OUT=$(SOAK_OUT) ADAPTLM_SOAK_CHECKPOINT=$(SOAK_CHECKPOINT) \
-		$(PY) -m pytest -q -s -n 0 -m slow
+		$(PY) -m pytest -q -s -n 0 -m slow tests/reliability/test_soak.py
+
+# Every Triton kernel compiled for Hopper (sm_90) in each dtype, float32 included (tests/kernels/test_compile.py; no GPU
+# needed, about 3 minutes): `make test` compiles float16 and bfloat16 and leaves float32's minute and a half to this.
+compile-kernels: install
+	$(PY) -m pytest -q -n 0 -m 'slow or not slow' tests/kernels/test_compile.py
 
 # A headless locust run (loadtest/), its reports in $(LOADTEST_OUT), then the objectives of $(SLO) (your own: a
 # copy of loadtest/slo.toml): exits 1 when one is missed. Against URL= when given, else a server started here on a
