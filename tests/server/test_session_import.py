@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from models.memory import RESTORED_LIMIT, RESTORED_MAX_COUNT
 from models.sampling import filter_logits
 from server.settings import Settings
 
+ROOT = Path(__file__).resolve().parents[2]
+FUZZ_EXAMPLES = 40  # per checkpoint: about 10 s on one core
 TEXT = "Dear Anne, the meeting moved to Tuesday. Dear Anne, the minutes follow.\n"
 
 
@@ -161,6 +165,16 @@ def test_what_an_import_accepts_serves_finite_numbers(c: httpx.Client) -> None:
     exported = c.get(f"/v1/sessions/{sid}/state")
     assert exported.status_code == 200
     assert c.put(f"/v1/sessions/{sid}/state", content=exported.content).status_code in (200, 422)
+
+
+@pytest.mark.parametrize("kind", ["copy", "words"])
+def test_mutated_imports_are_refused_or_served(kind: str, copy_checkpoint: Path, word_checkpoint: Path) -> None:
+    """hypothesis mutates valid exports (tests/server/_import_fuzz.py) in a process of its own: a crash fails here."""
+    checkpoint = copy_checkpoint if kind == "copy" else word_checkpoint
+    r = subprocess.run([sys.executable, "-m", "tests.server._import_fuzz", str(checkpoint), str(FUZZ_EXAMPLES)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"status {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    assert f"{FUZZ_EXAMPLES} mutated imports held" in r.stdout
 
 
 # -- sampling at the ends of the float range --------------------------------------------------------------------
