@@ -136,10 +136,10 @@ def import_session(blob: bytes, *, model_hash: str, template: Session, sessions:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= RESTORED_MAX_COUNT:
             raise SessionImportError(f"the export's {key!r} is not a count (0 to 2**53)")
         counts[key] = value
-    bits = {key: _finite_number(st, key) for key in ("bits", "static_bits")}
-    if not all(0 <= value <= RESTORED_MAX_COUNT for value in bits.values()):
+    bits, static_bits = _finite_number(st, "bits"), _finite_number(st, "static_bits")
+    if not (0 <= bits <= RESTORED_MAX_COUNT and 0 <= static_bits <= RESTORED_MAX_COUNT):
         raise SessionImportError("the export's 'bits' and 'static_bits' are not numbers of bits (0 to 2**53)")
-    stats = SessionStats(**counts, **bits)
+    stats = SessionStats(**counts, bits=bits, static_bits=static_bits)
 
     def take(prefix: str, like: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         mine = {k: tensors.pop(f"{prefix}.{k}") for k in like if f"{prefix}.{k}" in tensors}
