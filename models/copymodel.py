@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from kernels.copy_scan import compiled, scan_frozen_ref, scan_ref
 from models.base import State
-from models.memory import Memory, MemorySettings, NoSettings, register
+from models.memory import Memory, MemorySettings, NoSettings, check_restored, register
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -208,19 +208,12 @@ class CopyModel:
                         torch.zeros(1, dtype=torch.long, device=device))
 
     def check_state(self, state: State) -> None:
-        """ValueError unless `state` has this model's layout and values it could have made (an import is user
-        input: an index out of range would fail later, inside a batch of other sessions)."""
-        ref = self.init_state(1)
-        if set(state.tensors) != set(ref.tensors):
-            raise ValueError(f"copy-model state tensors {sorted(state.tensors)}, expected {sorted(ref.tensors)}")
-        for name, want in ref.tensors.items():
-            got = state.tensors[name]
-            if got.dtype != want.dtype or tuple(got.shape[1:]) != tuple(want.shape[1:]):
-                raise ValueError(f"copy-model state {name!r}: {got.dtype} {tuple(got.shape)}, expected {want.dtype} "
-                                 f"(B, {', '.join(map(str, want.shape[1:]))})")
+        """ValueError unless a session's `state` (batch 1) has this model's layout and values it could have made (an
+        import is user input: an index out of range or a tensor of another shape would be read out of bounds by the
+        compiled kernels, inside a batch of other sessions)."""
         t = state.tensors
-        if not all(bool(torch.isfinite(t[k]).all()) for k in ("uni", "weights", "feat")):
-            raise ValueError("copy-model state is not finite")
+        # order-0 counts are halved once their total passes _UNI_LIMIT: no entry reaches twice that
+        check_restored("copy", t, self.init_state(1).tensors, limits={"uni": 2 * _UNI_LIMIT})
         if bool((t["fill"] < 0).any() | (t["fill"] > self.config.window).any() | (t["uni"] < 0).any()
                 | (t["match"] > _CAP + 1).any()
                 | (t["bucket"] < -1).any() | (t["bucket"] >= len(BUCKET_EDGES)).any()):
@@ -426,8 +419,6 @@ class CopyMemory(Memory):
         if not tensors:  # an export from a server without a copy model starts one afresh
             return self.init(settings, device)
         state = State({k: v.to(device) for k, v in tensors.items()})
-        if state.batch != 1:
-            raise ValueError("a session's copy model has one row")
         self.model.check_state(state)
         return state
 

@@ -31,9 +31,9 @@ from models.base import ROOT, Adapter, LanguageModel, Output, Site, State
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
 
-__all__ = ["MEMORY_PREFIX_SEP", "Memory", "MemoryMixed", "MemorySettings", "MemorySettingsError", "NoSettings",
-           "SessionConfig", "build_memories", "memory_types", "merge_branches", "register", "split_branches",
-           "state_nbytes", "unregister"]
+__all__ = ["MEMORY_PREFIX_SEP", "RESTORED_LIMIT", "RESTORED_MAX_COUNT", "Memory", "MemoryMixed", "MemorySettings",
+           "MemorySettingsError", "NoSettings", "SessionConfig", "build_memories", "check_restored", "check_values",
+           "memory_types", "merge_branches", "register", "split_branches", "state_nbytes", "unregister"]
 
 Kind = Literal["network", "distribution", "words"]
 MEMORY_PREFIX_SEP = "."  # a memory's tensors in an export, and its branch state in a search row: "<name>.<tensor>"
@@ -43,6 +43,13 @@ MEMORY_PREFIX_SEP = "."  # a memory's tensors in an export, and its branch state
 _BUILTIN = ("models.adaptation._adapter_memory", "models.copymodel", "models.adaptation._cache", "models.wordcache")
 _REGISTRY: dict[str, type[Memory]] = {}
 _loaded = False
+
+# The largest magnitude a restored float may have: an export is user input. The shipped models' sessions stay four
+# orders below it (after 6 KB of a book: an LSTM cell state of 120, attention keys and memories under 20, adapters
+# under 0.1), and float32 arithmetic on such values stays finite (a product of two is under 1e12, a sum of a
+# million of those under 1e18, against float32's 3.4e38).
+RESTORED_LIMIT = 1e6
+RESTORED_MAX_COUNT = 1 << 53  # a restored count (or sum of bits): beyond it, no exact float (10**400: none at all)
 
 
 class MemorySettings(BaseModel):
@@ -163,6 +170,28 @@ class Memory:
         """The k best of the model's `completions` of the word being typed at the end of `context`, with this
         memory's words mixed in."""
         raise NotImplementedError
+
+
+def check_values(name: str, t: torch.Tensor, limit: float = RESTORED_LIMIT) -> None:
+    """ValueError unless a restored floating tensor is finite and within +-limit (other dtypes pass)."""
+    if t.is_floating_point() and t.numel() and not bool((t.abs() <= limit).all()):  # NaN compares False
+        raise ValueError(f"{name} holds values that are not finite or beyond +-{limit:g}")
+
+
+def check_restored(what: str, tensors: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor],
+                   limits: Mapping[str, float] | None = None) -> None:
+    """ValueError unless restored `tensors` are exactly `like`'s names, each of its full shape and dtype, floats
+    within `check_values`' range (`limits` per name where it differs). A tensor of another shape, batch dimension
+    included, would be read out of bounds by a kernel; a value no session makes, overflow the model's arithmetic."""
+    unexpected = sorted(set(tensors) - set(like))
+    if unexpected:
+        raise ValueError(f"unexpected tensors: {', '.join(f'{what}.{k}' for k in unexpected[:5])}")
+    for k, ref in like.items():
+        t = tensors.get(k)
+        if t is None or t.shape != ref.shape or t.dtype != ref.dtype:
+            raise ValueError(f"{what}.{k} is missing or not of shape {tuple(ref.shape)} and dtype {ref.dtype} "
+                             "(another model?)")
+        check_values(f"{what}.{k}", t, (limits or {}).get(k, RESTORED_LIMIT))
 
 
 def state_nbytes(state: Any) -> int:

@@ -55,15 +55,20 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: (V,) -> log-weights (V,) with filtered entries at -inf; temperature > 0."""
-    logits = logits.float() / temperature
+    """logits: (V,) -> log-weights (V,) float64 with filtered entries at -inf; temperature > 0. In float64 (the
+    type of the parameters themselves) and shifted to a maximum of 0, every finite temperature divides without
+    overflow or 0/0: 5e-324 leaves the most likely tokens at 0 and the rest at -inf (greedy, its limit), 1e308
+    gives every allowed token 0 (uniform) and keeps the disallowed at -inf."""
+    logits = logits.double()
+    logits = (logits - logits.max()) / temperature
     if top_k and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest set reaching top_p
+        drop[0] = False  # and always the most likely token (a top_p below the first's rounding error keeps it)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
     return logits
 

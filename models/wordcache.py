@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import Field
 
-from models.memory import Memory, MemorySettings, register
+from models.memory import RESTORED_MAX_COUNT, Memory, MemorySettings, register
 from models.suggest import APOSTROPHES, Completion, is_word_char, split_word
 
 if TYPE_CHECKING:
@@ -422,7 +422,8 @@ class WordCache:
             and isinstance(pending, str) and _is_piece(pending) \
             and isinstance(recent, list) and all(_is_word(w) for w in recent)
         for n, table in enumerate(tables, 1) if ok else ():
-            ok = ok and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
+            ok = ok and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                            and 0 < v <= RESTORED_MAX_COUNT
                             and len(key := k.split(_SEP)) == n and all(_is_word(w) for w in key)
                             for k, v in table.items())
         if not ok:

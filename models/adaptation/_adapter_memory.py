@@ -19,7 +19,7 @@ from models.adaptation._config import DynEvalConfig
 from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import sparse_rule
 from models.base import Adapter, LanguageModel, State
-from models.memory import Memory, MemorySettings, MemorySettingsError, register
+from models.memory import Memory, MemorySettings, MemorySettingsError, check_restored, register
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -93,15 +93,7 @@ class AdapterMemory(Memory):
     def restore(self, settings: MemorySettings, tensors: dict[str, torch.Tensor], meta: Any,
                 device: torch.device) -> State:
         template = self.init(settings, device)
-        for site, ref in template.tensors.items():
-            t = tensors.get(site)
-            if t is None or t.shape != ref.shape or t.dtype != ref.dtype:
-                raise ValueError(f"adapter.{site} is missing or not of shape {tuple(ref.shape)} and dtype {ref.dtype} "
-                                 "(another model?)")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"adapter.{site} holds non-finite values")
-        if set(tensors) - set(template.tensors):
-            raise ValueError(f"unexpected adapter tensors: {', '.join(sorted(set(tensors) - set(template.tensors)))}")
+        check_restored(self.name, tensors, template.tensors)
         return State({k: tensors[k].to(device) for k in template.tensors})
 
     def rule(self, settings: AdapterSettings) -> UpdateRule:

@@ -24,7 +24,7 @@ import torch
 
 from models.adaptation._config import CacheConfig
 from models.base import LanguageModel, State
-from models.memory import Memory, MemorySettings, NoSettings, register
+from models.memory import Memory, MemorySettings, NoSettings, check_values, register
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -184,8 +184,7 @@ class CacheMemory(Memory):
                              "(another model?)")
         if L > self.config.window:
             raise ValueError(f"the neural cache holds {L} pairs, more than its window ({self.config.window})")
-        if not bool(torch.isfinite(keys).all()):
-            raise ValueError("cache.keys holds non-finite values")
+        check_values("cache.keys", keys)
         if L and not (0 <= int(values.min()) and int(values.max()) < self.vocab_size):
             raise ValueError(f"cache.values are not token ids of this model (0 to {self.vocab_size - 1})")
         return State({"keys": keys.to(device), "values": values.to(device), "valid": valid.to(device)})

@@ -24,7 +24,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from models.base import State
-from models.memory import MEMORY_PREFIX_SEP, MemorySettingsError, SessionConfig
+from models.memory import MEMORY_PREFIX_SEP, RESTORED_MAX_COUNT, MemorySettingsError, SessionConfig, check_restored
 from models.session import SessionModel
 from models.tokenizer import Tokenizer
 from server.engine._errors import SessionImportError
@@ -133,22 +133,21 @@ def import_session(blob: bytes, *, model_hash: str, template: Session, sessions:
     counts = {}
     for key in ("bytes_observed", "updates", "nonfinite_resets"):
         value = st.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise SessionImportError(f"the export's {key!r} is not a count")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= RESTORED_MAX_COUNT:
+            raise SessionImportError(f"the export's {key!r} is not a count (0 to 2**53)")
         counts[key] = value
-    stats = SessionStats(**counts, bits=_finite_number(st, "bits"), static_bits=_finite_number(st, "static_bits"))
+    bits, static_bits = _finite_number(st, "bits"), _finite_number(st, "static_bits")
+    if not (0 <= bits <= RESTORED_MAX_COUNT and 0 <= static_bits <= RESTORED_MAX_COUNT):
+        raise SessionImportError("the export's 'bits' and 'static_bits' are not numbers of bits (0 to 2**53)")
+    stats = SessionStats(**counts, bits=bits, static_bits=static_bits)
 
     def take(prefix: str, like: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        out = {}
-        for k, ref in like.items():
-            t = tensors.pop(f"{prefix}.{k}", None)
-            if t is None or t.shape != ref.shape or t.dtype != ref.dtype:
-                raise SessionImportError(f"the export's {prefix}.{k} is missing or not of shape {tuple(ref.shape)} "
-                                         f"and dtype {ref.dtype} (another model?)")
-            if not bool(torch.isfinite(t).all()):
-                raise SessionImportError(f"the export's {prefix}.{k} holds non-finite values")
-            out[k] = t.to(ref.device)
-        return out
+        mine = {k: tensors.pop(f"{prefix}.{k}") for k in like if f"{prefix}.{k}" in tensors}
+        try:
+            check_restored(prefix, mine, like)
+        except ValueError as e:
+            raise SessionImportError(f"the export's {e}") from None
+        return {k: t.to(like[k].device) for k, t in mine.items()}
 
     # derived tensors (caches, `State.persistent`) are not exported: the template's fresh ones, rebuilt on use
     fresh = sessions.fresh(config)

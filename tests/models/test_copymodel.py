@@ -164,7 +164,7 @@ def test_config_and_state_checks() -> None:
         bad = State({**good.tensors, name: value})
         with pytest.raises(ValueError):
             model.check_state(bad)
-    with pytest.raises(ValueError, match="tensors"):
+    with pytest.raises(ValueError, match="copy.hist is missing"):
         model.check_state(State({k: v for k, v in good.tensors.items() if k != "hist"}))
 
 
