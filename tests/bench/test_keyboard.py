@@ -77,7 +77,23 @@ def keyboard(corpora: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           env=env, timeout=600)
 
 
-def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path, tmp_path: Path) -> None:
+def keyboard_here(corpora: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                  *args: str) -> str:
+    """`python -m bench.keyboard ARGS`'s main in this process (its servers are processes of their own, as always)
+    -> its standard output."""
+    from bench.keyboard import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the servers' threads, as `make bench` runs them
+    monkeypatch.setenv("ADAPTLM_DATA", str(corpora))
+    monkeypatch.setattr(sys, "argv", ["bench.keyboard", *args])
+    capsys.readouterr()
+    main()
+    return capsys.readouterr().out
+
+
+def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     # the "emails" text: over 40 KB (the part measured is its last 40 KB), of the held-out book
     corpora = tmp_path / "corpora"
     (corpora / "messages").mkdir(parents=True)
@@ -90,8 +106,8 @@ def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path,
     (out / "emails.static.json").write_text(json.dumps(default))
     base = ["--checkpoint", str(word_checkpoint), "--texts", "emails", "--out", str(out)]
 
-    r = keyboard(corpora, *base, "--systems", "static,sparse", "--limit-bytes", "400", "--warmup-bytes", "300")
-    assert r.returncode == 0, r.stderr
+    stdout = keyboard_here(corpora, monkeypatch, capsys, *base, "--systems", "static,sparse", "--limit-bytes", "400",
+                           "--warmup-bytes", "300")
     assert json.loads((out / "emails.static.json").read_text()) == default
     tag = word_checkpoint.name
     records = {s: json.loads((out / f"emails.{s}@{tag}.json").read_text()) for s in ("static", "sparse")}
@@ -109,13 +125,14 @@ def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path,
         # exact searches unless asked (KSR must not depend on the machine's load), and the share cut recorded
         assert rec["suggest_budget_ms"] == 0 and rec["suggest_cut"] == 0
     assert records["static"]["lr"] == 0 and records["sparse"]["lr"] > 0
-    table = r.stdout.splitlines()
+    table = stdout.splitlines()
     assert table[0].startswith(f"# keyboard suggestions, k=3, {tag}: ")
     rows = [line.split(" | ")[1] for line in table if line.startswith("| e-mails")]
     assert rows == ["ours (default), static (HTTP)", f"ours ({tag}, word model), static (HTTP)",
                     f"ours ({tag}, word model), session as served: adapter (HTTP) (lr {records['sparse']['lr']:g})"]
 
-    # asked for by name, an in-process system is refused before anything runs (exit 2, argparse's one line)
+    # asked for by name, an in-process system is refused before anything runs (exit 2, argparse's one line): the
+    # command's own process
     r = keyboard(corpora, *base, "--systems", "static,full")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"--systems full cannot measure {tag} (tokenizer 'words')" in r.stderr

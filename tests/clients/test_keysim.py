@@ -5,6 +5,7 @@ suggester, the text selection helpers, and a server session as the suggester (th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from adaptlm.cli import main
 from clients import Client, NotFoundError, SuggestedWord, SuggestResponse
 from clients.keysim import (
     KeysimResult,
@@ -156,7 +158,7 @@ def test_split_text_measures_the_last_bytes_from_a_line_start() -> None:
 
 
 def test_a_session_as_the_suggester(live: LiveServer, client: Client) -> None:
-    text = (DATA / "valid.txt").read_text(encoding="utf-8")[:400]
+    text = (DATA / "valid.txt").read_text(encoding="utf-8")[:200]
     with SessionSuggester(client, lr=0.0) as static:
         assert static.session.info is not None and static.session.info.adaptation.lr == 0.0
         # what the simulator asks is what the route answers
@@ -172,18 +174,26 @@ def test_a_session_as_the_suggester(live: LiveServer, client: Client) -> None:
     assert summary["suggest_calls"] >= summary["words"] > 20
 
 
-def test_keyboard_sim_against_a_server(live: LiveServer, tmp_path: Path) -> None:
+def test_keyboard_sim_against_a_server(live: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "text.txt"
     path.write_bytes((DATA / "valid.txt").read_bytes()[:1500])
+    last = 230  # from a line start: 203 bytes typed
     runs = {}
     for adapt in ("--no-adapt", "--adapt"):
-        r = subprocess.run([sys.executable, "-m", "adaptlm", "keyboard-sim", "--text", str(path), "--url", live.url,
-                            "--last-bytes", "400", "--warmup-bytes", "300", adapt, "--json"],
-                           capture_output=True, cwd=ROOT, timeout=300)
-        assert r.returncode == 0, r.stderr.decode()
-        runs[adapt] = out = json.loads(r.stdout)
+        args = ["keyboard-sim", "--text", str(path), "--url", live.url, "--last-bytes", str(last), "--warmup-bytes",
+                "300", adapt, "--json"]
+        if adapt == "--adapt":  # as a user runs it: the command's own process
+            r = subprocess.run([sys.executable, "-m", "adaptlm", *args], capture_output=True, cwd=ROOT, timeout=300,
+                               env=os.environ | {"OMP_NUM_THREADS": "1"})
+            assert r.returncode == 0, r.stderr.decode()
+            stdout = r.stdout.decode()
+        else:  # the same command in this process
+            capsys.readouterr()
+            assert main(args) == 0, capsys.readouterr().err
+            stdout = capsys.readouterr().out
+        runs[adapt] = out = json.loads(stdout)
         assert out["url"] == live.url and out["suggestions"] == 3
-        assert 300 <= out["measured_bytes"] <= 400 and out["warmup_bytes"] <= 300
+        assert last - 100 <= out["measured_bytes"] <= last and out["warmup_bytes"] <= 300
         assert out["chars"] == out["measured_bytes"]  # this text is ASCII
         assert out["observed_chars"] == out["measured_bytes"] + out["warmup_bytes"]
         assert 0 <= out["ksr"] < 1 and out["typed"] + out["selections"] <= out["chars"]

@@ -293,9 +293,12 @@ def test_a_full_session_store_is_503_then_retried(tiny_checkpoint: Path) -> None
         with Client(live.url, timeout=120, transport=recording,
                     retry=RetryPolicy(max_retries=30, max_delay_s=5)) as client:
             busy = client.create_session()
-            thread = threading.Thread(target=busy.observe, args=("busy " * 1500,))
+            thread = threading.Thread(target=busy.observe, args=("busy " * 600,))  # 150 segments
             thread.start()
-            time.sleep(0.3)
+            engine, deadline = live.app.state.engine, time.monotonic() + 60
+            while not engine.stats.batch_rows and time.monotonic() < deadline:  # the observe's first model call
+                time.sleep(0.01)
+            assert engine.stats.batch_rows and engine.stats.updates == 0  # running, not finished
             fresh = client.create_session()  # 503 while the only session is pinned by its observe; then it is evicted
             thread.join()
             assert fresh.id != busy.id and 503 in recording.statuses()

@@ -389,7 +389,7 @@ def test_blobs_truncated_oversized_or_from_other_weights(c: httpx.Client, assert
 def test_many_session_creations_keep_the_server_healthy(c: httpx.Client, precious: tuple[str, bytes, Any]) -> None:
     sid, blob, _ = precious
     statuses: dict[int, int] = {}
-    for _ in range(1000):
+    for _ in range(400):
         r = c.post("/v1/sessions", json={})
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         if r.status_code != 201:

@@ -149,8 +149,9 @@ def test_pinned_sessions_are_never_evicted(redis_url: str) -> None:
 @pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("seed", range(2))
 def test_evictions_follow_the_lru_walk(redis_url: str, share: bool, seed: int) -> None:
+    # 150 random steps (each checks all 24 ids against Redis); the memory store's test takes 300
     evictions_follow_the_lru_walk(lambda **limits: store_at(redis_url, **limits), make,
-                                  lambda s: len(export_session(s, HASH, SESSIONS)), share=share, seed=seed)
+                                  lambda s: len(export_session(s, HASH, SESSIONS)), share=share, seed=seed, steps=150)
 
 
 def test_the_oldest_sessions_protected_by_a_share_are_passed_over(redis_url: str) -> None:
@@ -354,12 +355,12 @@ def test_a_session_survives_a_restart(tiny_checkpoint: Path, redis_url: str, ser
     settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url,  # type: ignore[arg-type]
                         suggest_budget_ms=0)
     first = TEXT[:60]  # whole segments: the observe after the restart continues the same evaluation
-    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+    with serve_app(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
         created = create(c, initial_text=first)
         sid = created["id"]
         before, exported = probe(c, sid), export(c, sid)
         suggested = c.post(f"/v1/sessions/{sid}/suggest", json={"context": "the tru"}).json()
-    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+    with serve_app(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
         assert probe(c, sid) == before  # bit-identical scores from the restored state and adapter
         assert export(c, sid) == exported
         assert c.post(f"/v1/sessions/{sid}/suggest", json={"context": "the tru"}).json() == suggested
@@ -372,8 +373,8 @@ def test_a_session_survives_a_restart(tiny_checkpoint: Path, redis_url: str, ser
 def test_two_servers_share_sessions(tiny_checkpoint: Path, redis_url: str, serve_app: Any,
                                     assert_error: Any) -> None:
     settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url)  # type: ignore[arg-type]
-    with serve_app(settings) as one, serve_app(settings) as two, httpx.Client(base_url=one.url) as a, \
-            httpx.Client(base_url=two.url) as b:
+    with serve_app(settings) as one, serve_app(settings) as two, httpx.Client(base_url=one.url, timeout=60) as a, \
+            httpx.Client(base_url=two.url, timeout=60) as b:
         sid = create(a, initial_text=TEXT)["id"]
         assert b.get(f"/v1/sessions/{sid}").json()["stats"] == a.get(f"/v1/sessions/{sid}").json()["stats"]
         observe(b, sid, MORE)
@@ -493,7 +494,7 @@ def test_owners_are_kept_in_redis(tiny_checkpoint: Path, redis_url: str, serve_a
 def test_ttl_expiry_and_lru_eviction_over_http(tiny_checkpoint: Path, redis_url: str, serve_app: Any,
                                                assert_error: Any) -> None:
     settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url, max_sessions=2)  # type: ignore[arg-type]
-    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+    with serve_app(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
         short = create(c, ttl_s=0.5)["id"]
         time.sleep(0.8)
         assert_error(c.get(f"/v1/sessions/{short}"), 404, "not_found_error", "session_id")
@@ -514,17 +515,20 @@ def test_ttl_expiry_and_lru_eviction_over_http(tiny_checkpoint: Path, redis_url:
 
 def test_shutdown_finishes_work_in_flight(tiny_checkpoint: Path, redis_url: str, serve_app: Any) -> None:
     settings = Settings(checkpoint=tiny_checkpoint, session_store=redis_url)  # type: ignore[arg-type]
-    long = "busy " * 1500
+    long = "busy " * 600  # 150 segments: the server stops after the first, while the others are still to come
     answers: list[httpx.Response] = []
-    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+    with serve_app(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
         sid = create(c)["id"]
         thread = threading.Thread(target=lambda: answers.append(
             httpx.post(f"{live.url}/v1/sessions/{sid}/observe", json={"text": long}, timeout=120)))
         thread.start()
-        time.sleep(0.3)
+        engine, deadline = live.app.state.engine, time.monotonic() + 60
+        while not engine.stats.batch_rows and time.monotonic() < deadline:  # the observe's first model call
+            time.sleep(0.01)
+        assert engine.stats.batch_rows and engine.stats.updates == 0  # running, not finished
     thread.join()  # the server stopped (lifespan end) while the observe ran: it was finished, then written
     assert answers and answers[0].status_code == 200, answers
-    with serve_app(settings) as live, httpx.Client(base_url=live.url) as c:
+    with serve_app(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
         stats = c.get(f"/v1/sessions/{sid}").json()["stats"]
         assert stats["bytes_observed"] == len(long) and stats["updates"] == math.ceil(len(long) / 20)
 
@@ -535,7 +539,7 @@ def test_a_redis_that_goes_away_answers_503(tiny_checkpoint: Path, serve_app: An
         settings = Settings(checkpoint=tiny_checkpoint, session_store=url)  # type: ignore[arg-type]
         live_server = serve_app(settings)
         live = live_server.__enter__()
-        c = httpx.Client(base_url=live.url)
+        c = httpx.Client(base_url=live.url, timeout=60)
         sid = create(c)["id"]
     try:  # redis-server has stopped
         for r in (c.get(f"/v1/sessions/{sid}"), c.post(f"/v1/sessions/{sid}/observe", json={"text": "a"}),

@@ -523,30 +523,29 @@ def test_the_word_cache_completes_the_word_the_session_holds_pending(client: htt
     assert all(c["text"].startswith("Zy") for c in body["completions"]), body
 
 
-def test_the_keyboard_simulator_types_against_a_word_model(words_url: str, word_checkpoint: Path,
-                                                           tmp_path: Path) -> None:
+def test_the_keyboard_simulator_types_against_a_word_model(words_url: str, word_checkpoint: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`adaptlm keyboard-sim --url` types through word sessions and word completions; in-process (--checkpoint) it
-    runs the byte search, so a word checkpoint there is a usage error (exit 2), not a traceback."""
-    import subprocess
-    import sys
+    runs the byte search, so a word checkpoint there is a usage error (exit 2), not a traceback. The command is called
+    in this process (its process, entry point and exit status are tested in tests/test_cli_keysim.py)."""
+    from adaptlm.cli import main
 
-    root = Path(__file__).resolve().parent.parent.parent
     text = tmp_path / "messages.txt"
     text.write_text("She was not the first to come. She was the last.\n\nHe said it was so.\n", encoding="utf-8")
-    base = [sys.executable, "-m", "adaptlm", "keyboard-sim", "--text", str(text), "--json"]
-    r = subprocess.run([*base, "--url", words_url, "--adapt"], capture_output=True, cwd=root, timeout=300)
-    assert r.returncode == 0, r.stderr.decode()
-    result = json.loads(r.stdout)
+    base = ["keyboard-sim", "--text", str(text), "--json"]
+    capsys.readouterr()
+    assert main([*base, "--url", words_url, "--adapt"]) == 0, capsys.readouterr().err
+    result = json.loads(capsys.readouterr().out)
     assert 0.0 <= result["ksr"] < 1.0 and result["chars"] > 50
     # in this process too, the server's sessions (tests/server/test_one_session.py: the same keystrokes); full dynamic
     # evaluation of a word model is not simulated: one line, status 2
-    r = subprocess.run([*base, "--checkpoint", str(word_checkpoint), "--adapt"], capture_output=True, cwd=root,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr.decode()
-    assert json.loads(r.stdout)["chars"] == result["chars"]
-    r = subprocess.run([*base, "--checkpoint", str(word_checkpoint), "--adapt", "--adapt-mode", "full"],
-                       capture_output=True, cwd=root, timeout=300)
-    assert r.returncode == 2 and "word model" in r.stderr.decode() and b"Traceback" not in r.stderr
+    assert main([*base, "--checkpoint", str(word_checkpoint), "--adapt"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["chars"] == result["chars"]
+    with pytest.raises(SystemExit) as exited:
+        main([*base, "--checkpoint", str(word_checkpoint), "--adapt", "--adapt-mode", "full"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "word model" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_a_generation_that_adapts_observes_the_text_as_typed(client: httpx.Client) -> None:
