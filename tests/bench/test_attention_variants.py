@@ -1,6 +1,8 @@
 """`python -m bench.attention_variants --smoke`: the script a GPU session runs to check the attention kernel's settings
 compiled and time them. Here it runs in the Triton interpreter at tiny shapes, where every setting is correct, so it
-must report every check passed and time each setting."""
+must report every check passed and time each setting. The smoke runs call its `main` in this process (the Triton
+interpreter is on here, as for tests/kernels): a subprocess would only add an interpreter and torch's import; the
+entry point and its exit status are the subprocess test at the end."""
 
 from __future__ import annotations
 
@@ -15,6 +17,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _smoke(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """`main` with these arguments in this process -> what it printed. Needs the interpreter on a CPU."""
+    pytest.importorskip("triton")
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernels in the Triton interpreter, on a CPU")
+    from bench import attention_variants
+    from kernels import attention
+
+    monkeypatch.setattr(attention, "TUNING", attention.TUNING)  # main sets it per setting: the same after the test
+    monkeypatch.setattr(sys, "argv", ["python -m bench.attention_variants", *args])
+    attention_variants.main()
+    return capsys.readouterr().out
+
+
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env.update(PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
@@ -23,10 +41,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.interpreter
-def test_smoke_run_checks_and_times_every_setting(tmp_path: Path) -> None:
-    pytest.importorskip("triton")
-    r = _run("--smoke", "--json", str(tmp_path / "v.json"))
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_smoke_run_checks_and_times_every_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = _smoke(monkeypatch, capsys, "--smoke", "--json", str(tmp_path / "v.json"))
     got = json.loads((tmp_path / "v.json").read_text())
     from bench.attention_variants import SDPA_ROWS, SETTINGS
 
@@ -34,17 +51,16 @@ def test_smoke_run_checks_and_times_every_setting(tmp_path: Path) -> None:
     assert all(c["ok"] and 0 <= c["ratio"] <= 1 for c in got["checks"]), got["checks"]
     timed = {t["setting"] for t in got["times"] if t["ms"] and t["ms"] > 0}
     assert timed == set(SETTINGS) | set(SDPA_ROWS)
-    assert "| splits=0 | float16 | yes |" in r.stdout
-    assert got["fastest"] in SETTINGS and f"fastest: {got['fastest']} (" in r.stdout
+    assert "| splits=0 | float16 | yes |" in out
+    assert got["fastest"] in SETTINGS and f"fastest: {got['fastest']} (" in out
 
 
 @pytest.mark.interpreter
-def test_settings_named_are_the_ones_checked_and_timed(tmp_path: Path) -> None:
+def test_settings_named_are_the_ones_checked_and_timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     # a second GPU call narrows the list to the candidates: only those are checked, timed (in turns) and may win
-    pytest.importorskip("triton")
     named = ["shipped", "splits=2"]
-    r = _run("--smoke", "--settings", ";".join(named), "--json", str(tmp_path / "v.json"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    _smoke(monkeypatch, capsys, "--smoke", "--settings", ";".join(named), "--json", str(tmp_path / "v.json"))
     got = json.loads((tmp_path / "v.json").read_text())
     from bench.attention_variants import SDPA_ROWS
 

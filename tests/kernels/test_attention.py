@@ -155,10 +155,13 @@ def test_cuda_default_falls_back_for_other_head_dims() -> None:
 
 # -- CPU, interpreter ------------------------------------------------------------------------------------------------
 
+# The interpreter's tiles are 16 x 16 and its cost grows with the tiles run: the odd shapes are 2 query tiles by 5 key
+# tiles, both last ones partial, the causal edge off the tiles' grid, and distances past the 64 rows of r one tile
+# pair reads
 CASES = [  # Lq, Lk, D, rel, key_lengths (B,), dtype
-    pytest.param(37, 113, 16, True, [60, 113], torch.float32, id="odd-rel-padded-f32"),
-    pytest.param(37, 113, 32, False, [37, 100], torch.float16, id="odd-padded-f16"),
-    pytest.param(37, 113, 64, True, None, torch.float16, id="odd-rel-d64-f16"),
+    pytest.param(21, 70, 16, True, [40, 70], torch.float32, id="odd-rel-padded-f32"),
+    pytest.param(21, 70, 32, False, [21, 61], torch.float16, id="odd-padded-f16"),
+    pytest.param(21, 70, 64, True, None, torch.float16, id="odd-rel-d64-f16"),
     pytest.param(1, 29, 32, True, [1, 20], torch.float16, id="decode-rel-padded-f16"),
     pytest.param(1, 1, 16, False, None, torch.float32, id="single-key-f32"),
     pytest.param(24, 24, 16, True, [24, 24], torch.float16, id="no-memory-rel-f16"),
@@ -179,7 +182,7 @@ def test_forward_and_gradients_match(Lq: int, Lk: int, D: int, rel: bool, key_le
 def test_unequal_tiles(blocks: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     # BLOCK_M != BLOCK_N: the distance range (BLOCK_M + BLOCK_N - 1 rows, padded to 64) and the tile-skip bounds
     monkeypatch.setattr(attention, "_block_sizes", lambda *a, **kw: (*blocks, 4, 1))
-    _compare(37, 113, 16, True, [50, 113], torch.float32)
+    _compare(37, 70, 16, True, [40, 70], torch.float32)  # 2 tiles of 32 queries, 3 of 32 keys: the last ones partial
 
 
 @interpreted
@@ -268,7 +271,7 @@ def test_launcher_refuses_what_the_kernel_cannot_run() -> None:
 
 SPLIT_CASES = [  # key splits: decoding, splits starting on tiles some rows cannot see, padding (empty splits)
     pytest.param("splits=3", 1, 29, 32, True, [1, 20], torch.float16, id="decode-rel-padded-f16"),
-    pytest.param("splits=3", 37, 113, 16, True, [60, 113], torch.float32, id="odd-rel-padded-f32"),
+    pytest.param("splits=3", 21, 70, 16, True, [40, 70], torch.float32, id="odd-rel-padded-f32"),
     pytest.param("splits=5", 5, 70, 16, False, [5, 33], torch.float32, id="no-rel"),
     pytest.param("splits=64", 24, 24, 16, True, None, torch.float16, id="more-than-key-tiles"),
 ]

@@ -48,7 +48,8 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 VALID = DATA / "valid.txt"
 # S = 6, n_m = 9 (not a multiple of S: the first eviction is partial), n_cm = 4, c = 3
 MODEL = {"d_model": 16, "n_layer": 2, "n_head": 2, "d_ff": 32, "segment": 6, "mem_len": 9, "cmem_len": 4, "rate": 3}
-TRAINING = {"max_steps": 60, "valid_every": 30, "valid_bytes": 2000, "stats_batches": 2, "stats_batch_size": 4,
+# 40 steps: validation 4.5 bits per byte against the untrained 8.4 (1 bit asked), train_bpb down 1.6 (0.5 asked)
+TRAINING = {"max_steps": 40, "valid_every": 20, "valid_bytes": 2000, "stats_batches": 2, "stats_batch_size": 4,
             "log_every": 10, "threads": 1}
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
 MORE = "However little known the feelings or views of such a man may be on his first entering a neighbourhood, this"

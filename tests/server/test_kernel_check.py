@@ -63,14 +63,27 @@ def _off_by(monkeypatch: pytest.MonkeyPatch, amount: float) -> list[int]:
     return calls
 
 
+def _checks(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """What each `check_model` the server runs returns (the check is the interpreter's costly part: run once a test)."""
+    from server.engine import _loading
+
+    real, problems = _loading.check_model, []
+
+    def recorded(*args: Any) -> str | None:
+        problems.append(real(*args))
+        return problems[-1]
+    monkeypatch.setattr(_loading, "check_model", recorded)
+    return problems
+
+
 def test_kernels_that_agree_serve(model: CompressiveTransformer, triton_default: None,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _off_by(monkeypatch, 0.0)
-    assert check_model(model, 256) is None
+    calls, problems = _off_by(monkeypatch, 0.0), _checks(monkeypatch)
+    assert serving_kernels(_on_cuda(model)) == ("triton", "")
+    assert problems == [None]  # the server checked the model, and the check passed
     # every segment of the prompt and the decoding step ran the kernel in every layer
     segments = math.ceil(PROMPT_TOKENS / model.config.segment) + 1
     assert len(calls) == segments * model.config.n_layer
-    assert serving_kernels(_on_cuda(model)) == ("triton", "")
     assert _dispatch.kernel_implementation() == "triton"
 
 
@@ -78,10 +91,12 @@ def test_kernels_that_disagree_fall_back_to_the_references(model: CompressiveTra
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     _off_by(monkeypatch, 0.05)
-    problem = check_model(model, 256)
-    assert problem is not None and "off the references'" in problem
+    problems = _checks(monkeypatch)
     with caplog.at_level(logging.ERROR):
         kernel, why = serving_kernels(_on_cuda(model))
+    assert len(problems) == 1
+    problem = problems[0]
+    assert problem is not None and "off the references'" in problem
     assert kernel == "reference" and why == problem
     assert "serving with the references" in caplog.text
     assert _dispatch.kernel_implementation() == "reference"  # for the whole process: /metrics' label says so

@@ -142,12 +142,29 @@ def test_an_interrupted_two_process_run_resumes_where_an_uninterrupted_one_ends(
               resume=True)
 
 
-def test_the_batch_must_divide_among_the_processes(tmp_path: Path) -> None:
+def test_the_batch_must_divide_among_the_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # the check itself, in this process as rank 0 of 2 (the group a torchrun of 2 joins): it refuses before any
+    # collective call or file, so no second process is needed to see it; the other tests run real torchruns
+    import trainer._dist
+    import trainer.train
+    from trainer.__main__ import main
+
+    def two() -> trainer._dist.Group:
+        return trainer._dist.Group(rank=0, world=2)
+
+    monkeypatch.setattr(trainer._dist, "current", two)
+    monkeypatch.setattr(trainer.train, "current", two)
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"max_steps": 2}))
-    done = _torchrun(["-m", "trainer", *_flags(tmp_path / "out", config, "--batch-size", "15")], ok=False)
-    assert done.returncode != 0
-    assert "batch_size 15 must be a multiple of the number of processes (2)" in done.stderr
+    threads = torch.get_num_threads()
+    try:
+        code = main(_flags(tmp_path / "out", config, "--batch-size", "15"))
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 2
+    assert "batch_size 15 must be a multiple of the number of processes (2)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_model_whose_schedule_drops_training_heads_trains_on_two_processes(tmp_path: Path) -> None:

@@ -28,7 +28,8 @@ def test_byte_streams_are_contiguous_rows() -> None:
 
 
 def test_tiny_preset_learns(tmp_path: Path) -> None:
-    cfg = make_config("tiny")
+    # 60 of the preset's 120 steps: about 4.5 bits per byte (seeds agree within 0.01), half a bit under the 5.0 asked
+    cfg = make_config("tiny", {"max_steps": 60})
     torch.manual_seed(cfg.seed)
     from models.registry import build_model, config_from_dict
 
