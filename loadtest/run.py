@@ -4,10 +4,11 @@
     python -m loadtest.run --url http://host:8000           # an existing server
     python -m loadtest.run --users 16 --run-time 2m Typist  # one user class (names: see loadtest/locustfile.py)
 
-Writes <out>/locust_stats.csv (and locust's other CSVs), <out>/report.html, <out>/server.log (a server it
-started), then checks <out>/locust_stats.csv against the objectives (loadtest/slo.py) and exits 1 when one
-is missed, 2 when the run itself failed. A server it starts inherits the environment (ADAPTLM_* settings), with
-OMP_NUM_THREADS=1 unless it is set.
+Writes <out>/locust_stats.csv (and locust's other CSVs), <out>/report.html, and for a server it started
+<out>/server.log and <out>/server_metrics.txt (its /metrics at the end of the run: what the server counted, gone
+with its process otherwise), then checks <out>/locust_stats.csv against the objectives (loadtest/slo.py) and exits
+1 when one is missed, 2 when the run itself failed. A server it starts inherits the environment (ADAPTLM_*
+settings), with OMP_NUM_THREADS=1 unless it is set.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+
 from loadtest import slo
 from server.launch import stop, wait_ready
 
-__all__ = ["main", "run_locust", "start_server"]
+__all__ = ["main", "run_locust", "save_metrics", "start_server"]
 
 HERE = Path(__file__).resolve().parent
 LOCUSTFILE = HERE / "locustfile.py"
@@ -74,6 +77,17 @@ def run_locust(url: str, out: Path, users: int, spawn_rate: float, run_time: str
     return subprocess.run(command, check=False).returncode
 
 
+def save_metrics(url: str, path: Path) -> None:
+    """The server's /metrics now, into `path`; a failure to read them is said, not fatal (the run is done)."""
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=30)
+        response.raise_for_status()
+    except httpx.HTTPError as e:
+        print(f"warning: could not read the server's /metrics: {e}", file=sys.stderr)
+        return
+    path.write_text(response.text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__.split("\n")[0])
     parser.add_argument("classes", nargs="*", metavar="CLASS", help=f"user classes ({', '.join(USER_CLASSES)}); "
@@ -104,11 +118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = run(args.url.rstrip("/"))
     else:
         (out / "server.log").unlink(missing_ok=True)
+        (out / "server_metrics.txt").unlink(missing_ok=True)
         # one thread unless told otherwise, as bench/ measures: torch's default (a thread per core) contends with
         # locust on the same machine and, on a small one, makes every latency several times longer
         threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         with start_server(args.checkpoint, log=out / "server.log", env=threads) as url:
             status = run(url)
+            save_metrics(url, out / "server_metrics.txt")
     stats = out / "locust_stats.csv"
     if status != 0 or not stats.exists():
         print(f"error: locust failed (exit status {status})", file=sys.stderr)

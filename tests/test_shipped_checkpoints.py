@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -98,44 +100,63 @@ def test_the_server_searches_the_shipped_transformers_in_the_branch_form(name: s
         engine.stop()
 
 
+@contextmanager
+def adaptlm_serve(name: str, log: Path) -> Iterator[str]:
+    """`adaptlm serve --checkpoint checkpoints/<name>` as a user starts it, in a process of its own -> its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(CHECKPOINTS / name),
+                                 "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                env=os.environ | {"ADAPTLM_DEVICE": "cpu", "ADAPTLM_SUGGEST_BUDGET_MS": "5000"})
+    try:
+        assert wait_ready(url, proc, time.monotonic() + 120), log.read_text()[-3000:]
+        yield url
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def app_served(name: str) -> Iterator[str]:
+    """The same app and engine as `adaptlm serve` (server.app.create_app, which loads the checkpoint at start-up),
+    under uvicorn in this process -> its URL."""
+    from server.settings import Settings
+    from tests.server.conftest import serve
+
+    with serve(Settings(checkpoint=CHECKPOINTS / name, device="cpu", suggest_budget_ms=5000)) as server:
+        yield server.url
+
+
+# The entry point does the same for every family (it hands the checkpoint to the engine): one family runs through
+# it in a process of its own, the others through the same app in this process, which spares a Python and a torch
+# start-up each.
 @pytest.mark.parametrize("name", ["char-transformer", "compressive", "words"])
 def test_adaptlm_serve_runs_the_shipped_transformer(name: str, tmp_path: Path) -> None:
     """`adaptlm serve --checkpoint checkpoints/<family>` as a user starts it: scoring, streaming generation, a
     session that adapts and suggests, its state exported (the word model's offers the name it typed, which its
-    vocabulary lacks, from the session's word cache)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(CHECKPOINTS / name),
-                                 "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                # a generous suggestion budget: a loaded machine must not decide whether a completion
-                                # arrives (the 50 ms default cuts a transformer's search short; tests/server test it)
-                                env=os.environ | {"ADAPTLM_DEVICE": "cpu", "ADAPTLM_SUGGEST_BUDGET_MS": "5000"})
-    try:
-        assert wait_ready(url, proc, time.monotonic() + 120), log.read_text()[-3000:]
-        with httpx.Client(base_url=url, timeout=60) as client:
-            models = client.get("/v1/models").json()["data"]
-            assert models[0]["id"] == name
-            score = client.post("/v1/score", json={"text": ENGLISH.decode()}).json()
-            assert score["bits_per_byte"] < 3.0
-            with client.stream("POST", "/v1/generate", json={"prompt": "It was a ", "max_tokens": 24, "stream": True,
-                                                            "temperature": 0}) as stream:
-                assert stream.status_code == 200
-                body = "".join(stream.iter_text())
-            assert "data:" in body
-            sid = client.post("/v1/sessions", json={}).json()["id"]
-            text = "Dear Mr Zorblax, thank you for the report. " * 6
-            first = client.post(f"/v1/sessions/{sid}/observe", json={"text": text}).json()
-            assert first["updates"] > 0
-            again = client.post(f"/v1/sessions/{sid}/observe", json={"text": text}).json()
-            assert again["bits_per_byte"] < first["bits_per_byte"]  # the repeat is predicted better
-            suggested = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "Dear Mr Zor"}).json()
-            assert suggested["prefix"] == "Zor" and suggested["completions"]
-            state = client.get(f"/v1/sessions/{sid}/state")
-            assert state.status_code == 200 and len(state.content) > 1000
-    finally:
-        stop(proc)
+    vocabulary lacks, from the session's word cache). A generous suggestion budget: a loaded machine must not decide
+    whether a completion arrives (the 50 ms default cuts a transformer's search short; tests/server test it)."""
+    with (adaptlm_serve(name, tmp_path / "serve.log") if name == "words" else app_served(name)) as url, \
+            httpx.Client(base_url=url, timeout=60) as client:
+        models = client.get("/v1/models").json()["data"]
+        assert models[0]["id"] == name
+        score = client.post("/v1/score", json={"text": ENGLISH.decode()}).json()
+        assert score["bits_per_byte"] < 3.0
+        with client.stream("POST", "/v1/generate", json={"prompt": "It was a ", "max_tokens": 24, "stream": True,
+                                                        "temperature": 0}) as stream:
+            assert stream.status_code == 200
+            body = "".join(stream.iter_text())
+        assert "data:" in body
+        sid = client.post("/v1/sessions", json={}).json()["id"]
+        text = "Dear Mr Zorblax, thank you for the report. " * 6
+        first = client.post(f"/v1/sessions/{sid}/observe", json={"text": text}).json()
+        assert first["updates"] > 0
+        again = client.post(f"/v1/sessions/{sid}/observe", json={"text": text}).json()
+        assert again["bits_per_byte"] < first["bits_per_byte"]  # the repeat is predicted better
+        suggested = client.post(f"/v1/sessions/{sid}/suggest", json={"context": "Dear Mr Zor"}).json()
+        assert suggested["prefix"] == "Zor" and suggested["completions"]
+        state = client.get(f"/v1/sessions/{sid}/state")
+        assert state.status_code == 200 and len(state.content) > 1000
 
 
 @pytest.mark.parametrize("name", ["default", "char-transformer", "compressive"])

@@ -198,18 +198,22 @@ def run_nginx(directory: Path, replicas: list[Replica]) -> Iterator[str]:
 class Topology:
     balancer: str
     replicas: list[Replica]
-    single: str  # a server of its own (memory store): the replay
+    single: str  # a server of its own (memory store, in this process): the replay
 
 
 @pytest.fixture
 def topology(tiny_checkpoint: Path, tmp_path: Path) -> Iterator[Topology]:
+    from tests.server.conftest import serve
+
     with ExitStack() as stack:
         store = stack.enter_context(run_redis(tmp_path))
         env = {"ADAPTLM_SESSION_STORE": store}
         servers = [stack.enter_context(run_server(tiny_checkpoint, tmp_path / f"replica-{i}.log", env))
                    for i in (1, 2)]
-        single = stack.enter_context(run_server(tiny_checkpoint, tmp_path / "single.log", {}))
-        for server in (*servers, single):  # started together, waited for together
+        # the replay's server needs no process of its own (none is killed): the same app in this process, while
+        # the replicas start
+        single = stack.enter_context(serve(Settings(checkpoint=tiny_checkpoint, precision="float32")))
+        for server in servers:  # started together, waited for together
             assert wait_ready(server.url, server.process, time.monotonic() + 120), f"not ready: {server.url}"
         balancer = stack.enter_context(run_nginx(tmp_path, servers))
         yield Topology(balancer, servers, single.url)

@@ -1,11 +1,15 @@
 """`python -m loadtest.run` (what `make loadtest` runs), for real: a server on a free loopback port with the tiny
-checkpoint, locust headless with every user class of the mix, its CSV and HTML reports, and the objectives."""
+checkpoint, locust headless with every user class of the mix, its CSV and HTML reports, the server's metrics at the
+end, and the objectives."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from loadtest import slo
 
@@ -36,16 +40,27 @@ p99_ms = 20000
 """
 
 
-def test_loadtest_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    objectives = tmp_path / "slo.toml"
+@pytest.fixture(scope="module")
+def loadtest_run(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
+        subprocess.CompletedProcess[str], Path]:
+    """One `python -m loadtest.run` that starts its own server -> the finished process and its reports' folder."""
+    folder = tmp_path_factory.mktemp("loadtest")
+    objectives = folder / "slo.toml"
     objectives.write_text(OBJECTIVES)
-    out = tmp_path / "reports"
-    # 8 users: the weights (typist 4, scorer 2, generator 1, openai 1) give each class at least one
+    out = folder / "reports"
+    # 8 users: the weights (typist 4, scorer 2, generator 1, openai 1) give each class at least one. Each user's
+    # first request is sent as it starts (all of them in the first second), the typists' suggestions every 100 ms:
+    # a few seconds give every entry its requests; locust lets the requests in flight at the end finish
     run = subprocess.run([sys.executable, "-m", "loadtest.run", "--checkpoint", str(tiny_checkpoint), "--users", "8",
-                          "--spawn-rate", "8", "--run-time", "20s", "--out", str(out), "--slo", str(objectives),
+                          "--spawn-rate", "8", "--run-time", "8s", "--out", str(out), "--slo", str(objectives),
                           "--locust-arg=--keystroke-ms", "--locust-arg=100", "--locust-arg=--max-tokens",
                           "--locust-arg=16"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    return run, out
+
+
+def test_loadtest_run(loadtest_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path) -> None:
+    run, out = loadtest_run
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "MISS" not in run.stdout and "service-level objectives:" in run.stdout
     assert (out / "report.html").stat().st_size > 10_000
@@ -60,30 +75,23 @@ def test_loadtest_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert check.returncode == 1 and "MISS  POST /v1/score: p50_ms" in check.stdout, check.stdout
 
 
-def test_unknown_user_class_is_refused() -> None:
-    run = subprocess.run([sys.executable, "-m", "loadtest.run", "--url", "http://127.0.0.1:9", "Nobody"], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert run.returncode == 2 and "unknown user classes" in run.stderr
-
-
-def test_the_stats_count_every_request_to_the_end(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_the_stats_count_every_request_to_the_end(loadtest_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     # locust rewrites its stats CSV once a second and not when it stops; the locustfile writes the final figures at
-    # exit, so the report counts what the server answered, the last second included
-    import re
-
-    import httpx
-
-    from loadtest.run import run_locust, start_server
-
-    out = tmp_path / "reports"
-    out.mkdir()
-    with start_server(tiny_checkpoint) as url:
-        assert run_locust(url, out, 2, 2, "4s", ["Scorer"]) == 0
-        metrics = httpx.get(f"{url}/metrics").text
+    # exit, so the report counts what the server answered (its /metrics at the end of the run), the last second
+    # included
+    run, out = loadtest_run
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    metrics = (out / "server_metrics.txt").read_text()
     served = sum(float(m) for m in re.findall(
         r'adaptlm_http_requests_total\{[^}]*route="/v1/score"[^}]*\} ([0-9.e+]+)', metrics))
     stats = slo.read_stats(out / "locust_stats.csv")
     assert served > 0 and int(stats["POST /v1/score"]["Request Count"]) == served, (served, stats["POST /v1/score"])
+
+
+def test_unknown_user_class_is_refused() -> None:
+    run = subprocess.run([sys.executable, "-m", "loadtest.run", "--url", "http://127.0.0.1:9", "Nobody"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "unknown user classes" in run.stderr
 
 
 def test_make_loadtest_passes_its_variables() -> None:

@@ -31,7 +31,8 @@ from tests.reliability.conftest import RedisProcess, StartServerFn
 
 MESSAGES = [line.strip() for line in (Path(__file__).resolve().parents[2] / "loadtest" / "messages.txt").read_text()
             .splitlines() if line.strip() and not line.startswith("#")]
-TYPISTS = int(os.environ.get("ADAPTLM_CRASH_TYPISTS", "8"))  # more for a bigger run (docs/benchmarks.md: 32)
+# concurrent typists, so that observes are in flight together at the kill; more for a bigger run (docs/benchmarks.md)
+TYPISTS = int(os.environ.get("ADAPTLM_CRASH_TYPISTS", "4"))
 
 
 def export(client: httpx.Client, sid: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

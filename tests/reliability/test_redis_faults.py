@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.reliability.conftest import RedisProcess, StartServerFn
+from tests.reliability.conftest import RedisProcess, ServerProcess, run_server
 
 TEXT = "The meeting has moved to Thursday afternoon, same room as last week.\n"
 ALLOWED = {200, 201, 503}
@@ -89,55 +90,44 @@ def check_answers(answers: list[Answer], assert_error_shape: Callable[..., dict[
     return len(unavailable)
 
 
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess,
+                                                                                              RedisProcess]]:
+    """One server with its sessions in one durable Redis for the tests that take that Redis away: each gives it
+    back, and the same process serving on after the Redis came back (without a restart) is what they test."""
+    folder = tmp_path_factory.mktemp("redis-faults")
+    store = RedisProcess(folder, durable=True)
+    store.start()
+    try:
+        with run_server(tiny_checkpoint, folder / "server.log", {"ADAPTLM_SESSION_STORE": store.url}) as server:
+            yield server, store
+    finally:
+        store.stop()
+
+
+@pytest.fixture
+def server_and_store(served: tuple[ServerProcess, RedisProcess]) -> tuple[ServerProcess, RedisProcess]:
+    """The module's server and Redis, the Redis running and answering (whatever an earlier test left)."""
+    server, store = served
+    assert store.process is not None
+    if store.process.poll() is None:
+        store.resume()
+    else:
+        store.start()
+    assert server.process.poll() is None, server.tail()
+    return server, store
+
+
 def recovered_at(answers: list[Answer], since: float) -> float:
     """Seconds from `since` to the first answer after which no session request failed."""
     failures = [a.at for a in answers if a.at >= since and a.status not in (200, 201)]
     return (max(failures) if failures else since) - since
 
 
-@pytest.mark.alone  # a bound on wall-clock time (recovery < 2 s), and Redis stopped at a time against the load
-def test_redis_stopped_and_restarted_mid_run(start_server: StartServerFn, redis_process: Callable[..., RedisProcess],
-                                             assert_error_shape: Callable[..., dict[str, Any]]) -> None:
-    store = redis_process(durable=True)
-    with start_server({"ADAPTLM_SESSION_STORE": store.url}) as server, \
-            httpx.Client(base_url=server.url, timeout=30) as c:
-        sessions = [c.post("/v1/sessions", json={}).json()["id"] for _ in range(3)]
-        workers, stop, threads = run_load(server.url, sessions)
-        time.sleep(1.5)
-        down = time.monotonic()
-        store.stop()
-        time.sleep(2.5)
-        answers_down = [a for w in workers for a in w.answers if a.at > down + 0.5]
-        store.start()  # the same port, its append-only file: the sessions as they were
-        up = time.monotonic()
-        time.sleep(4.0)
-        stop.set()
-        for t in threads:
-            t.join(30)
-        answers = [a for w in workers for a in w.answers]
-        unavailable = check_answers(answers, assert_error_shape)
-        # while it was down: the session routes answered 503, static scoring went on
-        assert {a.what for a in answers_down if a.status == 503} >= {"observe", "suggest", "get"}
-        assert [a.status for a in answers_down if a.what == "score"] and all(
-            a.status == 200 for a in answers_down if a.what == "score")
-        # back without a restart of the server: the last seconds are all answered, by the same process
-        recovery = recovered_at(answers, up)
-        assert recovery < 2.0, recovery
-        assert server.process.poll() is None and c.get("/readyz").status_code == 200
-        assert sum(a.at > up + recovery and a.what == "observe" for a in answers) >= 3
-        # no observe was applied that was not acknowledged, none acknowledged was lost
-        for w in workers:
-            assert w.unknown == 0
-            assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
-    print(f"redis stopped 2.5 s: {len(answers)} answers, {unavailable} 503s, all answered again "
-          f"{recovery:.2f} s after it restarted")
-
-
-def test_redis_paused_mid_run(start_server: StartServerFn, redis_process: Callable[..., RedisProcess],
+def test_redis_paused_mid_run(server_and_store: tuple[ServerProcess, RedisProcess],
                               assert_error_shape: Callable[..., dict[str, Any]]) -> None:
-    store = redis_process()
-    with start_server({"ADAPTLM_SESSION_STORE": store.url}) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as c:
+    server, store = server_and_store
+    with httpx.Client(base_url=server.url, timeout=60) as c:
         sessions: list[str | None] = [c.post("/v1/sessions", json={}).json()["id"] for _ in range(2)]
         workers, stop, threads = run_load(server.url, [*sessions, None])  # and a static scorer
         time.sleep(1.0)
@@ -172,6 +162,43 @@ def test_redis_paused_mid_run(start_server: StartServerFn, redis_process: Callab
           f"the longest wait between two {gap:.1f} s")
 
 
+@pytest.mark.alone  # a bound on wall-clock time (recovery < 2 s), and Redis stopped at a time against the load
+def test_redis_stopped_and_restarted_mid_run(server_and_store: tuple[ServerProcess, RedisProcess],
+                                             assert_error_shape: Callable[..., dict[str, Any]]) -> None:
+    server, store = server_and_store
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        sessions = [c.post("/v1/sessions", json={}).json()["id"] for _ in range(3)]
+        workers, stop, threads = run_load(server.url, sessions)
+        time.sleep(1.5)
+        down = time.monotonic()
+        store.stop()
+        time.sleep(2.5)
+        answers_down = [a for w in workers for a in w.answers if a.at > down + 0.5]
+        store.start()  # the same port, its append-only file: the sessions as they were
+        up = time.monotonic()
+        time.sleep(4.0)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        answers = [a for w in workers for a in w.answers]
+        unavailable = check_answers(answers, assert_error_shape)
+        # while it was down: the session routes answered 503, static scoring went on
+        assert {a.what for a in answers_down if a.status == 503} >= {"observe", "suggest", "get"}
+        assert [a.status for a in answers_down if a.what == "score"] and all(
+            a.status == 200 for a in answers_down if a.what == "score")
+        # back without a restart of the server: the last seconds are all answered, by the same process
+        recovery = recovered_at(answers, up)
+        assert recovery < 2.0, recovery
+        assert server.process.poll() is None and c.get("/readyz").status_code == 200
+        assert sum(a.at > up + recovery and a.what == "observe" for a in answers) >= 3
+        # no observe was applied that was not acknowledged, none acknowledged was lost
+        for w in workers:
+            assert w.unknown == 0
+            assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
+    print(f"redis stopped 2.5 s: {len(answers)} answers, {unavailable} 503s, all answered again "
+          f"{recovery:.2f} s after it restarted")
+
+
 def reachable_again(call: Callable[[], Any], timeout_s: float = 5.0) -> Any:
     """`call()` once the store answers again (it fails at once until its background ping reaches Redis)."""
     from server.engine import SessionStoreUnavailable
@@ -184,39 +211,6 @@ def reachable_again(call: Callable[[], Any], timeout_s: float = 5.0) -> Any:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-def test_a_write_that_timed_out_is_not_done_later(redis_process: Callable[..., RedisProcess]) -> None:
-    """A paused Redis reads a timed-out write from its socket when it resumes: that write must not be done then,
-    since its caller was answered 503 (nothing done; clients retry it). Found by the paused test above: an observe
-    answered 503 was in the session after the resume."""
-    import dataclasses
-
-    from server.engine import RedisSessionStore, SessionStats, SessionStoreUnavailable
-    from tests.server._stores import SESSIONS
-    from tests.server.test_redis_store import HASH, TEMPLATE, make, same
-
-    redis_server = redis_process()
-    store = RedisSessionStore(redis_server.url, max_sessions=10, max_bytes=10**9, timeout_s=0.5)
-    store.bind(HASH, TEMPLATE, SESSIONS)
-    try:
-        # written once, so the script is loaded: the write below is one EVALSHA that Redis can run
-        before = store.update(store.insert(make("a", seed=1)))
-        assert before is not None
-        after = dataclasses.replace(before, stats=SessionStats(bytes_observed=99, updates=5, bits=1.0,
-                                                               static_bits=2.0))
-        redis_server.pause()
-        try:
-            with pytest.raises(SessionStoreUnavailable):
-                store.update(after)
-            time.sleep(0.5)
-        finally:
-            redis_server.resume()
-        got = reachable_again(lambda: store.get("a", None, touch=False))
-        assert got is not None and same(got, before), got and got.stats
-        assert store.update(after) and store.get("a", None, touch=False).stats == after.stats  # type: ignore[union-attr]
-    finally:
-        store.close()
 
 
 @pytest.mark.alone  # a bound on wall-clock time
@@ -248,5 +242,38 @@ def test_an_unreachable_redis_fails_fast_until_it_answers(redis_process: Callabl
         finally:
             redis_server.resume()
         assert reachable_again(lambda: store.get("a", None)) is not None
+    finally:
+        store.close()
+
+
+def test_a_write_that_timed_out_is_not_done_later(redis_process: Callable[..., RedisProcess]) -> None:
+    """A paused Redis reads a timed-out write from its socket when it resumes: that write must not be done then,
+    since its caller was answered 503 (nothing done; clients retry it). Found by the paused test above: an observe
+    answered 503 was in the session after the resume."""
+    import dataclasses
+
+    from server.engine import RedisSessionStore, SessionStats, SessionStoreUnavailable
+    from tests.server._stores import SESSIONS
+    from tests.server.test_redis_store import HASH, TEMPLATE, make, same
+
+    redis_server = redis_process()
+    store = RedisSessionStore(redis_server.url, max_sessions=10, max_bytes=10**9, timeout_s=0.5)
+    store.bind(HASH, TEMPLATE, SESSIONS)
+    try:
+        # written once, so the script is loaded: the write below is one EVALSHA that Redis can run
+        before = store.update(store.insert(make("a", seed=1)))
+        assert before is not None
+        after = dataclasses.replace(before, stats=SessionStats(bytes_observed=99, updates=5, bits=1.0,
+                                                               static_bits=2.0))
+        redis_server.pause()
+        try:
+            with pytest.raises(SessionStoreUnavailable):
+                store.update(after)
+            time.sleep(0.5)
+        finally:
+            redis_server.resume()
+        got = reachable_again(lambda: store.get("a", None, touch=False))
+        assert got is not None and same(got, before), got and got.stats
+        assert store.update(after) and store.get("a", None, touch=False).stats == after.stats  # type: ignore[union-attr]
     finally:
         store.close()

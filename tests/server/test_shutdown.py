@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +24,8 @@ from safetensors.torch import load
 from server.launch import wait_ready
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
-LONG = "However little known the feelings or views of such a man may be on his first entering a neighbourhood. " * 200
+# about 100 batched model steps (an observe takes one per ~20 bytes): the signal comes after its first ones
+LONG = "However little known the feelings or views of such a man may be on his first entering a neighbourhood. " * 20
 
 
 @contextmanager
@@ -60,25 +62,39 @@ def stop(proc: subprocess.Popen[bytes], log: Path) -> None:
     """SIGTERM, then a clean exit: the app drains and the process exits 0. (uvicorn alone re-raises the signal it
     caught after its shutdown, and status 143, "terminated by SIGTERM", reads as a failure to supervisors.)"""
     proc.send_signal(signal.SIGTERM)
-    # the drain finishes a 20 KB observe: seconds on a quiet machine, a minute or more on a loaded CI runner
+    # the drain finishes a 2 KB observe: a second or two on a quiet machine, a minute or more on a loaded CI runner
     assert proc.wait(240) == 0
     assert log.read_text().rstrip().endswith(f"Finished server process [{proc.pid}]"), log.read_text()[-3000:]
 
 
+def text_steps(client: httpx.Client) -> float:
+    """The batched model calls of text work (scores, observes) so far: adaptlm_batch_rows' count."""
+    metrics = client.get("/metrics").text
+    return sum(float(n) for n in re.findall(r'adaptlm_batch_rows_count\{[^}]*work="text"[^}]*\} (\S+)', metrics))
+
+
 def test_sigterm_finishes_the_work_and_keeps_the_sessions(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The restarted server's text access log is checked too, where a real process writes it (X-Request-ID)."""
     snapshot, log = tmp_path / "sessions.zip", tmp_path / "server.log"
     answers: dict[str, Any] = {}
     with server(tiny_checkpoint, snapshot, log) as (url, proc), httpx.Client(base_url=url, timeout=120) as c:
         sid = c.post("/v1/sessions", json={"initial_text": TEXT}).json()["id"]
         gone = c.post("/v1/sessions", json={}).json()["id"]
         assert c.delete(f"/v1/sessions/{gone}").status_code == 204
+        # a session left alone until the signal: its export and a score with it, to compare after the restart
+        kept = c.post("/v1/sessions", json={"initial_text": TEXT[::-1]}).json()["id"]
+        blob = c.get(f"/v1/sessions/{kept}/state").content
+        probe = c.post("/v1/score", json={"text": "the end", "session_id": kept}).json()
 
         def observe() -> None:  # in flight when the signal comes
             answers["observe"] = httpx.post(f"{url}/v1/sessions/{sid}/observe", json={"text": LONG}, timeout=120)
 
         thread = threading.Thread(target=observe)
+        before = text_steps(c)
         thread.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 120
+        while text_steps(c) == before and "observe" not in answers and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the server works on it
         assert "observe" not in answers, "the observe ended before the signal; make LONG longer"
         stop(proc, log)
         thread.join(60)
@@ -88,13 +104,17 @@ def test_sigterm_finishes_the_work_and_keeps_the_sessions(tiny_checkpoint: Path,
         session = c.get(f"/v1/sessions/{sid}").json()
         assert session["stats"]["bytes_observed"] == len(TEXT) + len(LONG)
         assert c.get(f"/v1/sessions/{gone}").status_code == 404
-        blob = c.get(f"/v1/sessions/{sid}/state").content
-        probe = c.post("/v1/score", json={"text": "the end", "session_id": sid}).json()
+        assert same_export(c.get(f"/v1/sessions/{kept}/state").content, blob)  # bit-identical through a restart
+        assert c.post("/v1/score", json={"text": "the end", "session_id": kept}).json() == probe
+        # and its access log names each request by its id (test_request_id.py: the ids)
+        assert c.post("/v1/score", json={"text": "abc"}, headers={"X-Request-ID": "trace-42"}).status_code == 200
+        missing = c.get("/v1/sessions/no-such-session-0123456789")
         stop(proc, log)
-    with server(tiny_checkpoint, snapshot, log) as (url, proc), httpx.Client(base_url=url, timeout=60) as c:
-        assert same_export(c.get(f"/v1/sessions/{sid}/state").content, blob)  # bit-identical through a restart
-        assert c.post("/v1/score", json={"text": "the end", "session_id": sid}).json() == probe
-        stop(proc, log)
+    text = log.read_text()
+    assert '"POST /v1/score HTTP/1.1" 200 OK [trace-42]' in text
+    assert f'"GET /v1/sessions/no-such-session-0123456789 HTTP/1.1" 404 Not Found [{missing.headers["x-request-id"]}]' \
+        in text
+    assert re.search(r"INFO server\.\S+ \[-\]: ", text), text[-2000:]  # the server's own lines, outside a request
 
 
 def test_serve_reads_the_checkpoint_once_and_stops_its_engine_when_the_port_is_taken(
