@@ -1,4 +1,5 @@
-"""The `adaptlm` command line, run as a user runs it: a subprocess, exit codes, stdout/stderr."""
+"""The `adaptlm` command line: exit codes, stdout/stderr. Commands run in the test process (tests/_cli.py); the
+entry point, a closed standard output and Ctrl-C run as a user runs them, in a process of their own."""
 
 import json
 import subprocess
@@ -9,21 +10,20 @@ import pytest
 
 from models.checkpoint import load_checkpoint
 from models.scoring import score_bytes
+from tests._cli import run_cli as run
 
 DATA = Path(__file__).resolve().parent / "data"
 
 
-def run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "adaptlm", *args], capture_output=True, text=True,
-                          input=stdin.decode() if stdin is not None else None, timeout=300)
-
-
-def test_score_json(tiny_checkpoint: Path) -> None:
-    r = run("score", "--checkpoint", str(tiny_checkpoint), str(DATA / "valid.txt"), "--json")
+def test_score_json(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`python -m adaptlm score FILE --json` end to end, in a process of its own: the entry point."""
+    data = (DATA / "valid.txt").read_bytes()[:4000]
+    (tmp_path / "text.txt").write_bytes(data)
+    r = subprocess.run([sys.executable, "-m", "adaptlm", "score", "--checkpoint", str(tiny_checkpoint),
+                        str(tmp_path / "text.txt"), "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"bits_per_byte", "bytes", "bits"}
-    data = (DATA / "valid.txt").read_bytes()
     assert out["bytes"] == len(data)
     assert out["bits_per_byte"] == pytest.approx(out["bits"] / out["bytes"])
     expected = score_bytes(load_checkpoint(tiny_checkpoint).model, data)
@@ -171,12 +171,12 @@ def test_broken_checkpoint_files_are_one_line(tiny_checkpoint: Path, tmp_path: P
 
 def test_train_cli_writes_a_checkpoint(tmp_path: Path) -> None:
     r = run("train", "--preset", "tiny", "--data", str(DATA / "train.txt"), "--valid", str(DATA / "valid.txt"),
-            "--out", str(tmp_path / "ck"), "--max-steps", "10", "--quiet")
+            "--out", str(tmp_path / "ck"), "--max-steps", "4", "--quiet")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
-    assert summary["steps"] == 10
+    assert summary["steps"] == 4 and summary["best_valid_bpb"] is not None
     ck = load_checkpoint(tmp_path / "ck")
-    assert ck.meta["training_config"]["max_steps"] == 10
+    assert ck.meta["training_config"]["max_steps"] == 4
 
 
 def test_train_without_validation_prints_null_and_is_not_overwritten_by_mistake(tmp_path: Path) -> None:

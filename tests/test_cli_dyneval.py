@@ -1,19 +1,14 @@
-"""`adaptlm eval` and `adaptlm tune` as a user runs them."""
+"""`adaptlm eval` and `adaptlm tune`: their output, files and mistakes (run in the test process, tests/_cli.py)."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._cli import run_cli as run
+
 DATA = Path(__file__).resolve().parent / "data"
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "adaptlm", *args], capture_output=True, text=True, timeout=600,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
 
 
 def test_eval_json_modes_csv_and_plot(tiny_checkpoint: Path, tmp_path: Path) -> None:

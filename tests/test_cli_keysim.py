@@ -1,23 +1,21 @@
-"""`adaptlm keyboard-sim` with a checkpoint in the process, run as a user runs it: its JSON and its mistakes (exit
-2, one line). The run against a server (--url) is in tests/clients/test_keysim.py."""
+"""`adaptlm keyboard-sim` with a checkpoint in the process (run in the test process, tests/_cli.py): its JSON and its
+mistakes (exit 2, one line). The run against a server (--url) is in tests/clients/test_keysim.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._cli import CliResult, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 
 
-def keyboard_sim(*args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "adaptlm", "keyboard-sim", *args], capture_output=True, cwd=ROOT,
-                          timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+def keyboard_sim(*args: str) -> CliResult:
+    return run_cli("keyboard-sim", *args)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +29,7 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_checkpoint_mode(tiny_checkpoint: Path, text: Path, adapt: list[str]) -> None:
     r = keyboard_sim("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--last-bytes", "500",
                      "--warmup-bytes", "400", "--suggestions", "3", *adapt, "--json")
-    assert r.returncode == 0, r.stderr.decode()
+    assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["adaptation"] == {"--no-adapt": "static", "--adapt": "sparse"}.get(adapt[-1], "full")
     assert out["checkpoint"] == str(tiny_checkpoint) and out["suggestions"] == 3
@@ -51,7 +49,7 @@ def test_checkpoint_mode(tiny_checkpoint: Path, text: Path, adapt: list[str]) ->
                                        "session", {}).get("cache_weight", 0.0))
     # the human-readable line
     r = keyboard_sim("--text", str(text), "--checkpoint", str(tiny_checkpoint), "--last-bytes", "200", *adapt)
-    assert r.returncode == 0 and r.stdout.decode().startswith("KSR "), r.stderr.decode()
+    assert r.returncode == 0 and r.stdout.startswith("KSR "), r.stderr
 
 
 def test_mistakes_exit_2(tiny_checkpoint: Path, text: Path, tmp_path: Path) -> None:
@@ -76,7 +74,7 @@ def test_mistakes_exit_2(tiny_checkpoint: Path, text: Path, tmp_path: Path) -> N
     ]
     for args in cases:
         r = keyboard_sim(*args)
-        err = r.stderr.decode()
+        err = r.stderr
         assert r.returncode == 2, (args, r.returncode, err)
         assert err.startswith("adaptlm: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     empty = tmp_path / "empty.txt"
@@ -88,7 +86,7 @@ def test_unreachable_server_is_one_line_and_status_1(text: Path) -> None:
     """No server at --url: one line as `adaptlm client` prints it (no "(None, None)" for the missing status and
     type), exit status 1 (the server could not be reached: not the user's mistake)."""
     r = keyboard_sim("--text", str(text), "--url", "http://127.0.0.1:1")
-    err = r.stderr.decode()
+    err = r.stderr
     assert r.returncode == 1, err
     assert err.startswith("adaptlm: error: no answer from ") and err.count("\n") == 1, err
     assert "None" not in err, err
@@ -100,6 +98,6 @@ def test_a_text_without_words_is_valid_json(tiny_checkpoint: Path, tmp_path: Pat
     blank = tmp_path / "blank.txt"
     blank.write_bytes(b"\n \n\n")
     r = keyboard_sim("--text", str(blank), "--checkpoint", str(tiny_checkpoint), "--json")
-    assert r.returncode == 0, r.stderr.decode()
+    assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
     assert out["words"] == 0 and out["top1_accuracy"] is None and out["suggest_ms_p50"] is None

@@ -1,5 +1,5 @@
-"""`adaptlm client ...`, run as a user runs it (a subprocess) against a real server: output, exit codes
-(0; 2 for a 4xx answer or a usage mistake; 1 when the server fails or cannot be reached), one-line errors."""
+"""`adaptlm client ...` against a real server: output, exit codes (0; 2 for a 4xx answer or a usage mistake; 1 when the
+server fails or cannot be reached), one-line errors. The commands run in the test process (tests/_cli.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,20 +14,18 @@ import pytest
 
 from clients import Client
 from server.settings import Settings
+from tests._cli import run_cli
 from tests.clients.conftest import LiveServer, serve
 
-ROOT = Path(__file__).resolve().parents[2]
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune."
 
 
 def adaptlm(*args: str, url: str | None, stdin: bytes | None = None, api_key: str | None = None,
             ) -> subprocess.CompletedProcess[bytes]:
-    env = {k: v for k, v in os.environ.items() if k != "ADAPTLM_API_KEY"}
-    if api_key is not None:
-        env["ADAPTLM_API_KEY"] = api_key
+    """`adaptlm client ARGS --url URL`, with ADAPTLM_API_KEY set to `api_key` (None: unset)."""
     url_args = ("--url", url) if url is not None else ()
-    return subprocess.run([sys.executable, "-m", "adaptlm", "client", *args, *url_args], capture_output=True,
-                          input=stdin, env=env, cwd=ROOT, timeout=120)
+    r = run_cli("client", *args, *url_args, stdin=stdin, env={"ADAPTLM_API_KEY": api_key})
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout_bytes, r.stderr_bytes)
 
 
 def ok(r: subprocess.CompletedProcess[bytes]) -> str:
@@ -173,8 +170,8 @@ def test_an_export_is_not_written_to_a_terminal(live: LiveServer) -> None:
 
     controller, terminal = pty.openpty()
     try:
-        r = subprocess.run([sys.executable, "-m", "adaptlm", "client", "session", "export", "some-session-0123456789",
-                            "--url", live.url], stdout=terminal, stderr=subprocess.PIPE, cwd=ROOT, timeout=120)
+        with os.fdopen(terminal, "wb", closefd=False) as tty:
+            r = run_cli("client", "session", "export", "some-session-0123456789", "--url", live.url, stdout=tty)
     finally:
         os.close(terminal)
     os.set_blocking(controller, False)
@@ -183,5 +180,5 @@ def test_an_export_is_not_written_to_a_terminal(live: LiveServer) -> None:
     except (BlockingIOError, OSError):  # nothing was written to the terminal
         shown = b""
     os.close(controller)
-    err = r.stderr.decode()
+    err = r.stderr
     assert r.returncode == 2 and err.startswith("adaptlm: error: an export is binary") and shown == b"", (err, shown)

@@ -44,8 +44,9 @@ from trainer.config import make_config
 DATA = Path(__file__).resolve().parent.parent / "data"
 TRAIN, VALID = DATA / "train.txt", DATA / "valid.txt"
 MODEL = {"d_model": 32, "n_layer": 3, "n_head": 2, "d_ff": 64, "context": 12}
+# 16 validation streams: the final validation reads the whole validation file a byte at a time per stream
 TRAINING = {"batch_size": 8, "bptt": 16, "lr": 3e-3, "lr_final": 1e-3, "max_steps": 60, "valid_every": 30,
-            "valid_bytes": 2000, "valid_streams": 4, "stats_batches": 2, "stats_batch_size": 4, "log_every": 10,
+            "valid_bytes": 2000, "valid_streams": 16, "stats_batches": 2, "stats_batch_size": 4, "log_every": 10,
             "threads": 1}
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
 
@@ -408,15 +409,14 @@ def test_tune_and_eval_full_and_sparse_from_the_command_line(trained: tuple[Path
     eval` with the tuned settings and with the later layers only."""
     import json
     import shutil
-    import subprocess
-    import sys
+
+    from tests._cli import run_cli
 
     ck = tmp_path / "ck"
     shutil.copytree(trained[0], ck)
 
     def run(*args: str) -> Any:
-        r = subprocess.run([sys.executable, "-m", "adaptlm", *args], capture_output=True, text=True, timeout=600,
-                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        r = run_cli(*args)
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout)
 

@@ -184,16 +184,13 @@ def test_the_cli_text_lines_give_a_word_model_its_bits_per_word(words_url: str, 
                                                                  tmp_path: Path) -> None:
     """`adaptlm score`, `adaptlm eval` and `adaptlm client score` print one line each; for a word model all three add
     bits per word and perplexity (`eval` and `client score` left them out: only --json had them), the same figure."""
-    import subprocess
-    import sys
+    from tests._cli import run_cli
 
-    root = Path(__file__).resolve().parent.parent.parent
     text = VALID.read_text(encoding="utf-8")[:400]
     (tmp_path / "t.txt").write_text(text, encoding="utf-8")
 
     def line(*args: str) -> str:
-        r = subprocess.run([sys.executable, "-m", "adaptlm", *args], capture_output=True, text=True, cwd=root,
-                           timeout=300)
+        r = run_cli(*args)
         assert r.returncode == 0, r.stderr
         [out] = r.stdout.splitlines()
         return out

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import torch
 from models.adaptation import DynEvalConfig, evaluate
 from models.checkpoint import load_checkpoint
 from models.word_tokenizer import WordTokenizer
+from tests._cli import run_cli
 from trainer.config import make_config
 from trainer.train import evaluate_bpb, train
 
@@ -56,9 +55,8 @@ def test_a_word_model_trains_and_its_checkpoint_keeps_the_vocabulary(word_checkp
 
 def test_scoring_a_word_model_reports_words_and_bytes(word_checkpoint: Path) -> None:
     text = VALID.read_text(encoding="utf-8")[:3000]
-    r = subprocess.run([sys.executable, "-m", "adaptlm", "score", "--checkpoint", str(word_checkpoint), "--json", "-"],
-                       input=text.encode(), capture_output=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 0, r.stderr.decode()
+    r = run_cli("score", "--checkpoint", str(word_checkpoint), "--json", "-", stdin=text.encode())
+    assert r.returncode == 0, r.stderr
     out: dict[str, Any] = json.loads(r.stdout)
     ck = load_checkpoint(word_checkpoint)
     assert out["tokens"] == len(ck.tokenizer.encode(text)) and out["bytes"] == len(text.encode())
@@ -128,15 +126,13 @@ def test_adaptlm_tune_and_eval_work_on_a_word_model(word_checkpoint: Path, tmp_p
     shutil.copytree(word_checkpoint, ck)
     valid = str(VALID)
     for mode in ("cache", "sparse"):
-        r = subprocess.run([sys.executable, "-m", "adaptlm", "tune", "--checkpoint", str(ck), "--valid", valid,
-                            "--bytes", "3000", "--mode", mode, "--cache-window", "200", "--max-trials", "6"],
-                           capture_output=True, cwd=ROOT, timeout=300)
-        assert r.returncode == 0, r.stderr.decode()
+        r = run_cli("tune", "--checkpoint", str(ck), "--valid", valid, "--bytes", "3000", "--mode", mode,
+                    "--cache-window", "200", "--max-trials", "6")
+        assert r.returncode == 0, r.stderr
     dyneval = json.loads((ck / "dyneval.json").read_text())
     assert dyneval["cache"]["valid_bpb"] <= dyneval["cache"]["valid_static_bpb"]
-    r = subprocess.run([sys.executable, "-m", "adaptlm", "eval", "--checkpoint", str(ck), valid, "--limit", "3000",
-                        "--mode", "static,cache,sparse", "--json"], capture_output=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr.decode()
+    r = run_cli("eval", "--checkpoint", str(ck), valid, "--limit", "3000", "--mode", "static,cache,sparse", "--json")
+    assert r.returncode == 0, r.stderr
     by_mode = {rec["mode"]: rec for rec in json.loads(r.stdout)}  # one record per mode
     assert set(by_mode) == {"static", "cache", "sparse"}
     for rec in by_mode.values():
@@ -160,8 +156,7 @@ def test_a_word_model_generates_words(word_checkpoint: Path) -> None:
     text = "".join(s.text for s in steps)
     kept, _ = ck.tokenizer.heal(b"It was a")  # token healing: " a" may be the start of " and", held back
     assert "It was a" + text == kept.decode() + ck.tokenizer.decode([s.token for s in steps])
-    cmd = [sys.executable, "-m", "adaptlm", "generate", "--checkpoint", str(word_checkpoint), "--prompt", "It was a",
-           "--max-tokens", "12", "--seed", "3", "--temperature", "1.0"]
-    r = subprocess.run(cmd, capture_output=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 0, r.stderr.decode()
-    assert r.stdout.decode() == text + "\n"  # the CLI ends its output with a newline
+    r = run_cli("generate", "--checkpoint", str(word_checkpoint), "--prompt", "It was a", "--max-tokens", "12",
+                "--seed", "3", "--temperature", "1.0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == text + "\n"  # the CLI ends its output with a newline
