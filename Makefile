@@ -58,7 +58,7 @@ soak: install
 		$(PY) -m pytest -q -s -n 0 -m slow tests/reliability/test_soak.py
 
 # Every Triton kernel compiled for Hopper (sm_90) in each dtype, float32 included (tests/kernels/test_compile.py; no GPU
-# needed, about 3 minutes): `make test` compiles float16 and bfloat16 and leaves float32's minute and a half to this.
+# needed, about 3 minutes): `make test` compiles bfloat16, the GPU's serving precision, and leaves the rest to this.
 compile-kernels: install
 	$(PY) -m pytest -q -n 0 -m 'slow or not slow' tests/kernels/test_compile.py
 

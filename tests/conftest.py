@@ -107,7 +107,7 @@ def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The files whose tests take longest (a Triton compiler run, torchrun, a browser, servers killed): dealt to the
 # workers first (files are dealt in collection order, `--no-loadscope-reorder` in addopts), so that no worker starts
 # one when the other is nearly done. The order of the files only decides when they run.
-LONG_FILES = ("tests/kernels/test_compile.py", "tests/trainer/test_distributed.py", "tests/server/test_keyboard.py",
+LONG_FILES = ("tests/kernels/test_compile.py", "tests/server/test_keyboard.py", "tests/trainer/test_distributed.py",
               "tests/reliability/test_crash.py", "tests/reliability/test_redis_faults.py", "tests/test_types.py",
               "tests/server/test_redis_store.py", "tests/bench/test_attention_variants.py",
               "tests/server/test_session_import.py", "tests/models/test_char_transformer.py")
