@@ -24,7 +24,7 @@ from models.sampling import filter_logits
 from server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-FUZZ_EXAMPLES = 40  # per checkpoint: about 10 s on one core
+FUZZ_EXAMPLES = 25  # per checkpoint: about 6 s on one core
 TEXT = "Dear Anne, the meeting moved to Tuesday. Dear Anne, the minutes follow.\n"
 
 
