@@ -43,7 +43,7 @@ serve: install
 		export ADAPTLM_SESSION_SNAPSHOT="$${ADAPTLM_SESSION_SNAPSHOT:-var/sessions.zip}"; fi; \
 	exec $(VENV)/bin/adaptlm serve
 
-# Everything but the tests marked slow (pyproject.toml's addopts leave them out), on two workers (its addopts too).
+# Everything but the tests marked slow (pyproject.toml's addopts leave them out), on three workers (its addopts too).
 test: install
 	$(PY) -m pytest -q
 

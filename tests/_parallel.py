@@ -1,4 +1,4 @@
-"""Running the tests in parallel (pytest-xdist: `-n 2` in pyproject.toml's addopts): what the worker processes of one
+"""Running the tests in parallel (pytest-xdist: `-n 3` in pyproject.toml's addopts): what the worker processes of one
 run share. Each worker's base temporary directory is a folder of the run's own (`<run>/popen-gw0`, ...), so `<run>`
 is where they meet: what is built once for all of them, and the locks that let a test run alone."""
 

@@ -23,9 +23,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 # bfloat16: most tests compare the server's numbers with the library's exactly. The bf16 path has its own tests.
 os.environ["ADAPTLM_PRECISION"] = "float32"
 
-# Under pytest-xdist each worker has a core of its own (`-n 2` on 2 cores): one torch thread, in the worker and in
-# the servers and commands its tests start (they inherit the variable); more threads would spin and wait on a core
-# the other worker is using.
+# Under pytest-xdist (`-n 3` on 2 cores) each worker runs one torch thread, and so do the servers and commands its
+# tests start (they inherit the variable); more threads would spin and wait on a core another worker is using.
 if WORKER is not None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
