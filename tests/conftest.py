@@ -36,6 +36,13 @@ def pytest_configure(config: pytest.Config) -> None:
     folder = run_folder(Path(config.option.basetemp)) if config.option.basetemp else None
     if folder is not None:
         config.stash[_TURNS] = Turns(folder)
+    if WORKER is None:
+        # Once, before the workers start: the copy model's numba kernels compiled into numba's disk cache, which a
+        # fresh clone lacks; otherwise each worker and server process that starts before the cache is written
+        # compiles them itself (about 10 s of CPU each).
+        from models.copymodel import CopyConfig, CopyModel
+
+        CopyModel(CopyConfig()).warm_up()
 
 
 @pytest.hookimpl(wrapper=True)
