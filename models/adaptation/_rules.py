@@ -51,7 +51,10 @@ class UpdateRule:
             count = sum(r.numel() for r in rms.values())
             mean = total / count if total > 0 else 1.0
             for n in self.names:
-                self.decay[n] = lam * (rms[n] / mean).clamp(max=1.0 / lam)  # eq. 4.7: lambda * RMSnorm
+                norm = rms[n] / mean
+                if 1.0 / lam < torch.finfo(norm.dtype).max:  # a subnormal lambda clips nothing the dtype holds
+                    norm = norm.clamp(max=1.0 / lam)
+                self.decay[n] = lam * norm  # eq. 4.7: lambda * RMSnorm
 
     @classmethod
     def stack(cls, rows: Sequence[RowRule], shapes: Mapping[str, tuple[int, ...]], *,

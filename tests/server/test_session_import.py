@@ -194,6 +194,24 @@ def test_sampling_parameters_at_the_ends_of_the_float_range(c: httpx.Client, par
     assert r.status_code == 200 and "server_error" not in r.text, r.text
 
 
+ADAPTATION_EXTREMES = [{"decay": 5e-324}, {"decay": 2.2e-308}, {"decay": 1e-300}, {"lr": 5e-324}, {"lr": 1e-300},
+                       {"lr": 1e308}, {"cache_weight": 5e-324}]
+
+
+@pytest.mark.parametrize("adaptation", ADAPTATION_EXTREMES, ids=[json.dumps(p) for p in ADAPTATION_EXTREMES])
+def test_adaptation_settings_at_the_ends_of_the_float_range(c: httpx.Client, adaptation: dict[str, float]) -> None:
+    # a subnormal decay once overflowed the rule's clip (1 / decay) to inf in float32: a 500 at creation
+    r = c.post("/v1/sessions", json={"initial_text": TEXT, "adaptation": adaptation})
+    if r.status_code == 422:
+        assert set(r.json()) == {"error"}
+        return
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    observed = c.post(f"/v1/sessions/{sid}/observe", json={"text": TEXT})
+    assert observed.status_code == 200, observed.text
+    assert math.isfinite(observed.json()["bits"]) and observed.json()["bits"] > 0
+
+
 def test_a_temperature_near_zero_is_greedy_and_a_huge_one_uniform() -> None:
     logits = torch.tensor([2.0, 5.0, 5.0, -math.inf, 1.0])
     tiny = torch.softmax(filter_logits(logits, 5e-324, 0, 1.0), -1)
