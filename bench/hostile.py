@@ -269,9 +269,14 @@ class Catalogue:
                 ("POST", f"/v1/sessions/{sid}/suggest", {"context": "Dear A"}),
                 ("POST", "/v1/generate", {"prompt": "Dear ", "max_tokens": 4, "session_id": sid}),
                 ("GET", f"/v1/sessions/{sid}", None), ("GET", f"/v1/sessions/{sid}/state", None)]
+        last: tuple[Any, ...] = ()
         for _ in range(n):
-            self.a.put(f"/v1/sessions/{sid}/state", content=blob).raise_for_status()
-            change = draw(rng, keys, paths)
+            reset = self.a.put(f"/v1/sessions/{sid}/state", content=blob)
+            self.tally.check("imports", f"PUT the valid export back after {last!r:.120}", reset.status_code == 200,
+                             f"{reset.status_code} {reset.text[:200]}")
+            if reset.status_code != 200:
+                break
+            change = last = draw(rng, keys, paths)
             r = self.a.put(f"/v1/sessions/{sid}/state", content=apply(blob, change))
             if r.status_code >= 300:
                 kept = _same_export(self.a.get(f"/v1/sessions/{sid}/state").content, blob)

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from kernels.copy_scan import compiled, scan_frozen_ref, scan_ref
 from models.base import State
-from models.memory import Memory, MemorySettings, NoSettings, check_restored, register
+from models.memory import RESTORED_LIMIT, Memory, MemorySettings, NoSettings, check_restored, register
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -73,6 +73,12 @@ PAIRS = ("pairs_off", "pairs_pos")  # and, on a CPU with numba, the history's in
 _CAP = 254  # match lengths stop growing here (a uint8)
 CONTEXT = 254  # bytes a search row keeps of what it read: its longest match
 _UNI_LIMIT = float(1 << 20)  # order-0 counts are halved past this total
+
+
+def _bounded(weights: torch.Tensor) -> torch.Tensor:
+    """The mixer's weights kept within what a restore accepts (RESTORED_LIMIT): an import may start them at the
+    limit, and a session stored past it could not be read back (learned weights stay far inside it)."""
+    return weights.clamp(-RESTORED_LIMIT, RESTORED_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -247,7 +253,7 @@ class CopyModel:
             else:
                 out[rows, :n] = mixed
                 s = {k: v.index_copy(0, rows, part[k]) for k, v in s.items()}
-        return out, State(s)
+        return out, State(s | {"weights": _bounded(s["weights"])})
 
     def _learn_fused(self, kernel: Any, state: State, inputs: torch.Tensor, out: torch.Tensor,
                      mask: torch.Tensor | None) -> tuple[torch.Tensor, State]:
@@ -261,6 +267,7 @@ class CopyModel:
         kernel(ext.numpy(), lengths.numpy(), new["match"].numpy(), new["fill"].numpy(), new["uni"].numpy(),
                new["weights"].numpy(), new["feat"].numpy(), new["bucket"].numpy(), lp.numpy(), out.numpy(),
                hist.numpy(), c.orders, c.alpha, c.lr, self._bucket_of.numpy(), _UNI_LIMIT, self._logtab)
+        new["weights"] = _bounded(new["weights"])
         return out, State({"hist": hist, **new})
 
     def _learn(self, s: dict[str, torch.Tensor], inputs: torch.Tensor,

@@ -25,7 +25,15 @@ from models.adaptation import STATIC_SEGMENT, Row, TextJob, batch_step
 from models.adaptation._adapter_memory import AdapterMemory, AdapterSettings
 from models.adaptation._step import RuleCache
 from models.base import Adapter, LanguageModel, State
-from models.memory import Memory, MemoryMixed, SessionConfig, build_memories, merge_branches, state_nbytes
+from models.memory import (
+    RESTORED_MAX_COUNT,
+    Memory,
+    MemoryMixed,
+    SessionConfig,
+    build_memories,
+    merge_branches,
+    state_nbytes,
+)
 from models.scoring import LN2
 from models.tokenizer import Tokenizer
 
@@ -188,10 +196,14 @@ class SessionModel:
                  ) -> Session:
         """The record after an observe's rows are done."""
         main, shadow = text.job.rows[0], text.job.rows[-1] if len(text.job.rows) > 1 else None
-        stats = SessionStats(bytes_observed=old.stats.bytes_observed + len(text.scored),
-                             updates=old.stats.updates + main.updates,
-                             nonfinite_resets=old.stats.nonfinite_resets + main.dropped + main.resets,
-                             bits=old.stats.bits + bits, static_bits=old.stats.static_bits + static_bits)
+        # the counts saturate where a restore stops accepting them (an import may start them there): a session
+        # stored after this observe is always read back
+        stats = SessionStats(bytes_observed=min(old.stats.bytes_observed + len(text.scored), RESTORED_MAX_COUNT),
+                             updates=min(old.stats.updates + main.updates, RESTORED_MAX_COUNT),
+                             nonfinite_resets=min(old.stats.nonfinite_resets + main.dropped + main.resets,
+                                                  RESTORED_MAX_COUNT),
+                             bits=min(old.stats.bits + bits, RESTORED_MAX_COUNT),
+                             static_bits=min(old.stats.static_bits + static_bits, RESTORED_MAX_COUNT))
         memories = dict(old.memories)
         if main.mats is not None:
             memories[AdapterMemory.name] = State({k: m.unsqueeze(0).clone() for k, m in main.mats.items()})

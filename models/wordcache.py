@@ -242,13 +242,14 @@ class WordCache:
                 continue
             if not word:
                 continue
-            self.words[word] = self.words.get(word, 0) + 1
+            # counts saturate where a restore stops accepting them: a session is always read back as it was written
+            self.words[word] = min(self.words.get(word, 0) + 1, RESTORED_MAX_COUNT)
             if self.last is not None:
                 key = self.last + _SEP + word
-                self.pairs[key] = self.pairs.get(key, 0) + 1
+                self.pairs[key] = min(self.pairs.get(key, 0) + 1, RESTORED_MAX_COUNT)
                 if self.before_last is not None:
                     key = self.before_last + _SEP + key
-                    self.triples[key] = self.triples.get(key, 0) + 1
+                    self.triples[key] = min(self.triples.get(key, 0) + 1, RESTORED_MAX_COUNT)
             self.before_last, self.last = self.last, word
             self.recent.append(word)
         if len(self.recent) > self.max_recent:

@@ -152,7 +152,7 @@ def test_what_an_import_accepts_serves_finite_numbers(c: httpx.Client) -> None:
 
     score = c.post("/v1/score", json={"text": "Dear Anne", "session_id": sid})
     assert score.status_code == 200 and _finite(score.json()["bits"]), score.text
-    observe = c.post(f"/v1/sessions/{sid}/observe", json={"text": "Dear Anne, thanks.\n"})
+    observe = c.post(f"/v1/sessions/{sid}/observe", json={"text": "Dear Anne, thanks anne.\n"})
     assert observe.status_code == 200 and _finite(observe.json()["bits"]), observe.text
     suggest = c.post(f"/v1/sessions/{sid}/suggest", json={"context": "Dear A"})
     assert suggest.status_code == 200, suggest.text
@@ -161,10 +161,13 @@ def test_what_an_import_accepts_serves_finite_numbers(c: httpx.Client) -> None:
     assert generate.status_code == 200 and generate.json()["usage"]["completion_tokens"] >= 1, generate.text
     got = c.get(f"/v1/sessions/{sid}")
     assert got.status_code == 200 and _finite(got.json()["stats"]["bits_per_byte"]), got.text
-    # its export reads back, or is refused whole (the observe took its counts past the limit): never a 5xx
+    # the observe's counts saturate at the limit, so its export reads back (a Redis store reads every session back
+    # from its export: one it refused would be lost)
+    assert got.json()["stats"]["bytes_observed"] == RESTORED_MAX_COUNT
     exported = c.get(f"/v1/sessions/{sid}/state")
     assert exported.status_code == 200
-    assert c.put(f"/v1/sessions/{sid}/state", content=exported.content).status_code in (200, 422)
+    back = c.put(f"/v1/sessions/{sid}/state", content=exported.content)
+    assert back.status_code == 200, back.text
 
 
 @pytest.mark.parametrize("kind", ["copy", "words"])
