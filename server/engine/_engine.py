@@ -63,7 +63,8 @@ class EngineConfig:
     max_sessions: int = 10_000  # the in-process store's limits (when the engine builds the store)
     session_memory_bytes: int = 1 << 30
     suggest_budget_ms: float = 0.0  # a suggestion's word search stops this long after submission (0: never)
-    # the engine time one request's text work and generations may take (`Budget`; 0: no limit)
+    # the engine time (its share of the model calls) one request's text work and generations may take (`Budget`;
+    # 0: no limit)
     max_request_engine_s: float = 0.0
     # the model work's precision (models/precision.py): "float32", "bfloat16" (bf16 recurrent matmuls) or "auto"
     precision: str = "float32"

@@ -370,7 +370,7 @@ class GenerationExecutor:
                 running = [job for job in running if id(job) not in failed]
             rows = len(feeds)
             self._stats.decode_rows[rows] = self._stats.decode_rows.get(rows, 0) + 1
-            charge([job for job, _, _ in feeds], time.perf_counter() - began)
+            charge([(job, 1) for job, _, _ in feeds], time.perf_counter() - began)  # a row per sequence
         self._jobs = running
         self._stats.active = len(running) + len(self._reading)
 
@@ -397,7 +397,7 @@ class GenerationExecutor:
                 self.finish(job)
                 continue
             finally:
-                charge([job], time.perf_counter() - began)
+                charge([(job, 1)], time.perf_counter() - began)
             if not read:
                 turned.append(job)
             elif job.finished:  # only the prompt was asked for

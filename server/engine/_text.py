@@ -137,7 +137,7 @@ class TextExecutor:
                 self._scheduler.release(work.session_id)
             self._texts = [work for work in running if work not in stepping]
             return
-        charge(stepping, time.perf_counter() - began)
+        charge([(t, len(t.job.rows)) for t in stepping if t.job is not None], time.perf_counter() - began)
         self._stats.batches += 1
         self._stats.batch_rows[rows] = self._stats.batch_rows.get(rows, 0) + 1
         self._texts = []

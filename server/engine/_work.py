@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
@@ -28,8 +28,8 @@ W = TypeVar("W", bound="Work", contravariant=True)
 
 
 class Budget:
-    """The engine time one request may take (`limit_s`; inf: no limit): the seconds of the model calls its work
-    took part in. A request's work items share one (a completion's prompts), each call counted once for it."""
+    """The engine time one request may take (`limit_s`; inf: no limit): its share of the model calls its work took
+    part in (`charge`). A request's work items share one (a completion's prompts)."""
 
     def __init__(self, limit_s: float = math.inf) -> None:
         self.limit_s = limit_s
@@ -43,10 +43,12 @@ class Budget:
         return EngineBudgetExceeded(self.limit_s)
 
 
-def charge(works: Iterable[Work], seconds: float) -> None:
-    """One model call of `seconds` in which `works` took part: each request's budget pays for it once."""
-    for budget in {id(work.budget): work.budget for work in works}.values():
-        budget.spent_s += seconds
+def charge(rows: Sequence[tuple[Work, int]], seconds: float) -> None:
+    """One model call of `seconds` over `rows` (each work item with its rows in it): each pays its rows' share, so
+    that a request's budget measures the engine it used, not how many others shared its batches."""
+    total = sum(n for _, n in rows)
+    for work, n in rows:
+        work.budget.spent_s += seconds * n / total
 
 
 def stop_if_asked(work: Work, stats: EngineStats) -> bool:
