@@ -225,8 +225,8 @@ class Stepper:
     @torch.no_grad()
     def prefill_chunks(self, prompt: bytes, *, logprobs: int | None = None,
                        chunk: int = 1024) -> Generator[None, None, TopLogprobs | None]:
-        """`prefill`, one model call of at most `chunk` tokens at a time: it yields after each, so that its caller
-        may do other work, or stop, between two (a server reading a long prompt); it returns `prefill`'s answer."""
+        """`prefill`, one model call of at most `chunk` tokens at a time: it yields between two, so that its caller
+        may do other work, or stop, there (a server reading a long prompt); it returns `prefill`'s answer."""
         if self._logits is not None:
             raise RuntimeError("prefill runs once")
         ids = self.tokenizer.encode_tensor(prompt, self.device)  # (T,) the prompt as written
@@ -236,13 +236,14 @@ class Stepper:
         scored = TopLogprobs() if logprobs is not None else None
         state = self._state
         for start in range(0, context.numel(), chunk):
+            if start:
+                yield
             out = self.model(context[start : start + chunk].unsqueeze(0), state, self.adapter)  # logits (1, t, V)
             state = out.state
             # (t,): the tokens they predict, up to the first held one; (t-1,) in the last chunk unhealed
             targets = ids[start : min(start + chunk, n + 1)]
             if scored is not None and targets.numel():
                 scored.extend(top_logprobs(self.model.log_probs(out)[0, : targets.numel()], targets, logprobs or 0))
-            yield
         self._state, self._logits = state, self.model.log_probs(out)[0, -1]  # log-probs: the model's distribution
         if scored is not None and ids.numel() - n > 1:  # the held tokens after the first, read on a copy
             copy = State({k: v.clone() for k, v in state.tensors.items()}, state.roots)

@@ -34,7 +34,7 @@ from models.base import Adapter, LanguageModel, State
 from models.checkpoint import Checkpoint
 from models.sampling import FinishReason, SamplingParams, Stepper, TopLogprobs, top_logprobs
 from models.tokenizer import ByteTokenizer, Tokenizer
-from server.engine._errors import SessionConflict, SessionNotFound
+from server.engine._errors import EngineBudgetExceeded, SessionConflict, SessionNotFound
 from server.engine._scheduler import Scheduler
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
@@ -375,20 +375,21 @@ class GenerationExecutor:
         self._stats.active = len(running) + len(self._reading)
 
     def _prefill(self) -> None:
-        """Read chunks of the prompts in turn, until the chunks read make one full chunk (PREFILL_CHUNK tokens): many
-        short prompts are all read in one step (and then sample together), while a long one takes a chunk a step, so
-        that other work runs between two of its chunks. The jobs not done go to the back of the line."""
-        tokens = 0
-        skipped: list[GenerationJob] = []  # no turn in this step: first in the next
+        """Read the prompts that fit in one chunk (PREFILL_CHUNK tokens; all of them, as they would start together)
+        and one chunk of the first longer prompt in line, which then goes to the back: a long prompt takes a chunk
+        a round, so that other work runs between two of its chunks, and long prompts take turns."""
+        long_read = False
+        skipped: list[GenerationJob] = []  # no turn in this round: first in the next
         turned: list[GenerationJob] = []
         for job in self._reading:
-            if tokens >= PREFILL_CHUNK:
+            short = job.prefill_left <= PREFILL_CHUNK
+            if not short and long_read:
                 skipped.append(job)
                 continue
             if stop_if_asked(job, self._stats):
                 self.finish(job)
                 continue
-            tokens += min(job.prefill_left, PREFILL_CHUNK)
+            long_read = long_read or not short
             began = time.perf_counter()
             try:
                 read = job.prefill(self._stats)
@@ -423,7 +424,8 @@ class GenerationExecutor:
         """(Worker.) The session observes `data` first in line; where another server changed the session between
         the observe's read and its write (SessionConflict: nothing was applied), it observes again on top of that
         change, `tries` times in all. The generation's answer has gone: nobody would send it again."""
-        follow = Text(data, "observe", session_id=job.session_id, owner=job.owner, counted=False)
+        # within the request's budget: its adaptation is part of what it takes (dropped, with a warning, past it)
+        follow = Text(data, "observe", session_id=job.session_id, owner=job.owner, counted=False, budget=job.budget)
 
         def done(future: Future[Any]) -> None:  # (worker: the observe's result is set there)
             error = future.exception()
@@ -438,9 +440,9 @@ class GenerationExecutor:
         self._scheduler.follow(follow)
 
     def fail(self, error: BaseException) -> None:
-        for job in self._jobs:
+        for job in [*self._reading, *self._jobs]:
             job.fail(error)
-        self._jobs = []
+        self._reading, self._jobs = [], []
         self._stats.active = 0
 
 
@@ -448,5 +450,8 @@ def _log_failure(error: BaseException | None) -> None:
     if isinstance(error, SessionConflict):
         log.warning("adapting a session on its generation was not applied: other requests (on other servers) "
                     "changed the session meanwhile, %d times", FOLLOW_TRIES)
+    elif isinstance(error, EngineBudgetExceeded):
+        log.warning("adapting a session on its generation was not applied: the request had spent its engine time "
+                    "(max_request_engine_s)")
     elif error is not None and not isinstance(error, SessionNotFound):
         log.error("adapting a session on its generation failed", exc_info=error)

@@ -12,7 +12,11 @@ Callers on any thread `put` work; at most `max_queue` items may wait to start, b
 3. keyboard suggestions: rounds of all the word searches in progress, keystrokes that arrive meanwhile joining
    between rounds, until none is left or, while other work waits, for at most SUGGEST_SLICE_S;
 4. one batched step of all running text work (while someone types, of at most TYPING_TEXT_ROWS rows: `pack`);
-5. one byte of every running generation.
+5. the next chunk of the prompts being read, then one token of every running generation.
+
+Each round thus takes about one chunk of any work, and between two the executors stop work whose caller went away
+or whose request has spent its engine-time budget (`_work.stop_if_asked`). The worker records when each round
+begins (`stalled_s`: how long it has made no progress with work waiting or running; /readyz reads it).
 
 Sessions with work running are claimed: busy here, pinned in the store (never evicted). A cancelled item is
 dropped when it would start; `stop` lets everything queued or running finish before `run` returns.

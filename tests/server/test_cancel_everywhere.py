@@ -120,6 +120,27 @@ def small_budget(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> float:
     return 0.3
 
 
+@pytest.mark.alone
+def test_a_long_prompt_being_read_holds_up_no_other_work(live: LiveServer, engine: Engine,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         assert_error: AssertErrorFn) -> None:
+    # read whole at its start, the prompt would hold the score back until its budget ends it: 1.2 s and more
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_request_engine_s=1.5))
+    answers: list[httpx.Response] = []
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        long = threading.Thread(target=lambda: answers.append(
+            client.post("/v1/generate", json={"prompt": BIG, "max_tokens": 5})))
+        long.start()
+        time.sleep(ABANDON_AFTER_S)
+        start = time.monotonic()
+        r = client.post("/v1/score", json={"text": "meanwhile"})
+        took = time.monotonic() - start
+        long.join(60)
+    assert r.status_code == 200, r.text
+    assert took < 1.0, f"a score waited {took:.1f} s for a prompt being read"
+    assert_error(answers[0], 422, "validation_error")
+
+
 def test_the_settings_budget_reaches_the_engine(engine: Engine) -> None:
     assert engine.config.max_request_engine_s == 600
     assert engine.budget().limit_s == 600
