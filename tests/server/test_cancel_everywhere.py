@@ -22,7 +22,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from server.engine import Engine, EngineStats
+from server.engine import Budget, Engine, EngineBudgetExceeded, EngineStats
+from server.engine._text import Text
+from server.engine._work import charge
 from server.settings import Settings
 from tests.server.conftest import AssertErrorFn, LiveServer, ParseSSEFn, ServeFn
 
@@ -214,3 +216,15 @@ def test_readyz_reports_an_engine_that_makes_no_progress(live: LiveServer, engin
             release.set()
             blocked.join(30)
         _wait_for(lambda: client.get("/readyz").status_code == 200, 10, "/readyz did not recover")
+
+
+def test_a_batched_call_is_charged_by_rows_and_a_request_shares_its_budget() -> None:
+    shared, alone = Budget(1.0), Budget(1.0)
+    first, second = Text(b"a", "static", budget=shared), Text(b"b", "static", budget=shared)
+    other = Text(b"c", "observe", budget=alone)
+    charge([(first, 1), (second, 1), (other, 2)], 0.8)  # a call of 0.8 s over 4 rows
+    assert other.budget.spent_s == pytest.approx(0.4)
+    assert shared.spent_s == pytest.approx(0.4)  # its two items' shares, added
+    charge([(first, 1)], 0.7)
+    assert shared.exceeded and not alone.exceeded
+    assert isinstance(shared.error(), EngineBudgetExceeded)
