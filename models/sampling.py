@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import codecs
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -205,7 +205,6 @@ class Stepper:
     def _state(self, state: State) -> None:
         self._own, self._row = state, None
 
-    @torch.no_grad()
     def prefill(self, prompt: bytes, *, logprobs: int | None = None, chunk: int = 1024) -> TopLogprobs | None:
         """Run the prompt (after the last token of the state); with `logprobs` = k, also return every prompt
         token's log-probability and the top k at its position (the first token's is conditioned on the BOS token).
@@ -215,6 +214,19 @@ class Stepper:
         and the first tokens sampled must continue them as typed (`Tokenizer.continuing`); the generated text is
         what they add past the held-back text, so the prompt plus it is the text generated. The held tokens are
         still scored as written."""
+        chunks = self.prefill_chunks(prompt, logprobs=logprobs, chunk=chunk)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as end:
+                scored: TopLogprobs | None = end.value
+                return scored
+
+    @torch.no_grad()
+    def prefill_chunks(self, prompt: bytes, *, logprobs: int | None = None,
+                       chunk: int = 1024) -> Generator[None, None, TopLogprobs | None]:
+        """`prefill`, one model call of at most `chunk` tokens at a time: it yields between two, so that its caller
+        may do other work, or stop, there (a server reading a long prompt); it returns `prefill`'s answer."""
         if self._logits is not None:
             raise RuntimeError("prefill runs once")
         ids = self.tokenizer.encode_tensor(prompt, self.device)  # (T,) the prompt as written
@@ -224,6 +236,8 @@ class Stepper:
         scored = TopLogprobs() if logprobs is not None else None
         state = self._state
         for start in range(0, context.numel(), chunk):
+            if start:
+                yield
             out = self.model(context[start : start + chunk].unsqueeze(0), state, self.adapter)  # logits (1, t, V)
             state = out.state
             # (t,): the tokens they predict, up to the first held one; (t-1,) in the last chunk unhealed

@@ -105,7 +105,8 @@ def start_engine(settings: Settings) -> Engine:
     config = EngineConfig(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                           max_queue=settings.max_queue, retry_after_s=settings.retry_after_s,
                           session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s,
-                          suggest_budget_ms=settings.suggest_budget_ms, precision=settings.precision,
+                          suggest_budget_ms=settings.suggest_budget_ms,
+                          max_request_engine_s=settings.max_request_engine_s, precision=settings.precision,
                           device=settings.device)
     store = _session_store(settings)
     attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are

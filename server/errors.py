@@ -23,6 +23,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from server._asgi import HTTPMiddleware
 from server.engine import (
+    EngineBudgetExceeded,
     EngineOverloaded,
     EngineUnavailable,
     SessionConflict,
@@ -42,8 +43,8 @@ __all__ = [
 ]
 
 # What the engine raises; each is translated by `to_api_error`.
-_ENGINE_ERRORS = (EngineOverloaded, EngineUnavailable, SessionConflict, SessionImportError, SessionNotFound,
-                  SessionStoreFull, SessionStoreUnavailable, SessionsUnavailable)
+_ENGINE_ERRORS = (EngineBudgetExceeded, EngineOverloaded, EngineUnavailable, SessionConflict, SessionImportError,
+                  SessionNotFound, SessionStoreFull, SessionStoreUnavailable, SessionsUnavailable)
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,10 @@ def _from_engine(exc: Exception) -> APIError:
         return RateLimitError(str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, SessionNotFound):
         return NotFoundError(str(exc), param="session_id", code="session_not_found")
+    if isinstance(exc, EngineBudgetExceeded):
+        # the request itself needs more than one may take (a retry needs as long again): the client's to change,
+        # as a text over the size limit is (a 4xx, which clients do not retry; not a 503 or 504, which they may)
+        return UnprocessableEntityError(str(exc), code="engine_budget_exceeded")
     if isinstance(exc, SessionConflict):
         # nothing of the request was applied (the store refused its write): safe to send again, and the SDK does
         return ConflictError(str(exc), param="session_id", code="session_conflict",

@@ -145,6 +145,9 @@ class _EngineCollector(Collector):
              stats.nonfinite_resets),
             ("adaptlm_cancelled_work", "Scores and session operations dropped because their client went away.",
              stats.cancelled_work),
+            ("adaptlm_budget_exceeded", "Work stopped because its request took more engine time than one request may "
+             "(ADAPTLM_MAX_REQUEST_ENGINE_S; the request answers 422 engine_budget_exceeded).",
+             stats.budget_exceeded),
             ("adaptlm_suggest_cut", "Keyboard suggestions answered inexactly: the time budget stopped the search.",
              stats.suggest_cut),
             ("adaptlm_generation_adaptations_dropped", "Adaptations after a generation (adapt_while_generating) "

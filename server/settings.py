@@ -41,6 +41,10 @@
     ADAPTLM_CLIENT_TIMEOUT_S how long a request's head may take to arrive, and its body may stall between two reads
                              (30); then 408 and the connection is closed (slow clients, slowloris)
     ADAPTLM_SUGGEST_BUDGET_MS  a keyboard suggestion's time budget from its arrival at the engine (50; 0: none)
+    ADAPTLM_MAX_REQUEST_ENGINE_S   the engine time (its share of model calls) one request may take (60; 0: none);
+                             beyond it, its work stops and it answers 422 `engine_budget_exceeded` (OpenAI routes: 400)
+    ADAPTLM_READY_STALL_S    /readyz answers 503 `engine_stalled` while the engine has made no progress for this
+                             long with work waiting or running (30; 0: never)
     ADAPTLM_PRECISION        auto (default) | float32 | bfloat16: the model work's precision
     ADAPTLM_DEVICE           auto (default: CUDA when present, else the CPU) | cpu | cuda | cuda:N
 """
@@ -110,6 +114,13 @@ class Settings(BaseSettings):
     # A keyboard suggestion's word search stops this long after the request reached the engine and answers with
     # the best completions found so far (0: no budget, always the exact top k).
     suggest_budget_ms: float = Field(default=50.0, ge=0, le=60_000, allow_inf_nan=False)
+    # The engine time one request may take: its share of the model calls its work took part in (its text, its
+    # prompts' reading, its tokens; a batched call divided among its rows); then it stops, and answers 422 (0: no
+    # limit). It bounds what one request can take from the others (a client that waits forever for a huge prompt).
+    max_request_engine_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    # /readyz fails while the engine has had work waiting or running and made no progress for this long (a worker
+    # round takes one text segment, prompt chunk or token: well under a second on the CPU); 0: never.
+    ready_stall_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)
     # The model work's precision (models/precision.py): "bfloat16" runs the recurrent matmuls in bf16 (about 2x
     # faster at 8-64 rows where the CPU has AVX-512 BF16 or AMX; bits within about 1e-4 relative on the default
     # model), "float32" is exact, "auto" is bfloat16 where the hardware multiplies it natively, else float32.

@@ -3,6 +3,7 @@ no FastAPI here."""
 
 from server.engine._engine import Engine, EngineConfig, ModelInfo, SessionLimits, TextScore, new_session_id
 from server.engine._errors import (
+    EngineBudgetExceeded,
     EngineOverloaded,
     EngineUnavailable,
     InvalidSessionSettings,
@@ -21,9 +22,11 @@ from server.engine._session import Session, SessionConfig, SessionStats
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore, StoreStats
 from server.engine._suggest import Suggestions
+from server.engine._work import Budget
 
 __all__ = [
-    "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event", "Finished",
+    "Budget", "Engine", "EngineBudgetExceeded", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable",
+    "Event", "Finished",
     "GenerationStream", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
     "RedisSessionStore", "Session", "SessionConfig", "SessionConflict", "SessionImportError", "SessionLimits",
     "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull", "SessionStoreUnavailable",

@@ -45,7 +45,7 @@ from server.engine._stats import EngineStats
 from server.engine._store import SessionStore
 from server.engine._suggest import Suggest, SuggestExecutor
 from server.engine._text import Text, TextExecutor, TextScore
-from server.engine._work import Call, CallExecutor, Work
+from server.engine._work import Budget, Call, CallExecutor, Work
 
 __all__ = ["Engine", "EngineConfig", "ModelInfo", "SessionLimits", "TextScore", "new_session_id"]
 
@@ -63,15 +63,18 @@ class EngineConfig:
     max_sessions: int = 10_000  # the in-process store's limits (when the engine builds the store)
     session_memory_bytes: int = 1 << 30
     suggest_budget_ms: float = 0.0  # a suggestion's word search stops this long after submission (0: never)
+    # the engine time (its share of the model calls) one request's text work and generations may take (`Budget`;
+    # 0: no limit)
+    max_request_engine_s: float = 0.0
     # the model work's precision (models/precision.py): "float32", "bfloat16" (bf16 recurrent matmuls) or "auto"
     precision: str = "float32"
     device: str = "cpu"  # where the model runs (models/device.py): auto, cpu, cuda or cuda:N
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.session_ttl_s <= 0 \
-                or self.suggest_budget_ms < 0:
+                or self.suggest_budget_ms < 0 or not self.max_request_engine_s >= 0:
             raise ValueError("max_batch and max_queue must be >= 1, max_wait_ms >= 0, session_ttl_s > 0, "
-                             "suggest_budget_ms >= 0")
+                             "suggest_budget_ms >= 0, max_request_engine_s >= 0")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
 
@@ -136,6 +139,15 @@ class Engine:
                                    sessions=store.sessions, session_bytes=store.bytes,
                                    evictions=dict(store.evictions))
 
+    def stalled_s(self) -> float:
+        """Seconds the worker thread has made no progress while work waits or runs (0: progressing, or idle)."""
+        return self._scheduler.stalled_s()
+
+    def budget(self) -> Budget:
+        """A new request's engine-time budget (`max_request_engine_s`): pass one to all the work of a request."""
+        limit = self.config.max_request_engine_s
+        return Budget(limit if limit > 0 else math.inf)
+
     @property
     def info(self) -> ModelInfo:
         if self._info is None:
@@ -162,12 +174,12 @@ class Engine:
         mode: Literal["static", "peek", "observe"] = "static" if session_id is None else (
             "observe" if adapt else "peek")
         result: TextScore = await self._submit(Text(data, mode, session_id=session_id, owner=owner,
-                                                    logprobs=logprobs))
+                                                    logprobs=logprobs, budget=self.budget()))
         return result
 
     def generate(self, prompt: bytes, params: SamplingParams | None, *, n: int = 1, logprobs: int | None = None,
                  prompt_logprobs: bool = False, session_id: str | None = None, owner: str | None = None,
-                 adapt: bool = False) -> GenerationStream:
+                 adapt: bool = False, budget: Budget | None = None) -> GenerationStream:
         """Start `n` continuations of `prompt` (from the initial state after the BOS token, or from `session_id`'s
         state and adapter); call on the event loop, which then receives the events: `PromptScored` first if
         `prompt_logprobs`, then each sequence's `Token`s and its `Finished`. Sequence i > 0 uses seed + i.
@@ -176,6 +188,8 @@ class Engine:
         token its log-probability and the k most likely tokens (and to each prompt token, with `prompt_logprobs`).
         The session is not changed, unless `adapt`: once the generation ends, it observes the prompt and
         sequence 0's bytes (thesis sec. 4.3: generate with fixed weights, then adapt on what was generated).
+        `budget`: the request's (`budget()`, shared by its generations), a new one if None; once it is spent the
+        stream fails with EngineBudgetExceeded.
         """
         if n < 1:
             raise ValueError("n must be at least 1")
@@ -184,7 +198,7 @@ class Engine:
         if session_id is not None:
             self.sessions.limits()
         job = GenerationJob(asyncio.get_running_loop(), prompt, params, n, logprobs, prompt_logprobs,
-                            session_id=session_id, owner=owner, adapt=adapt)
+                            session_id=session_id, owner=owner, adapt=adapt, budget=budget or self.budget())
         self._scheduler.put(job)
         return job.stream
 
@@ -217,7 +231,7 @@ class Engine:
         create = functools.partial(self.sessions.create, session_id, owner, ttl, config)
         if initial_text:
             scored: TextScore = await self._submit(Text(initial_text, "observe", session_id=session_id, owner=owner,
-                                                        create=create))
+                                                        create=create, budget=self.budget()))
             # the store may do I/O (Redis): off the event loop
             return await asyncio.to_thread(self.get_session, session_id, owner, touch=False), scored
         session: Session = await self._submit(Call(create, session_id=session_id, owner=owner))

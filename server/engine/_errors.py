@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "EngineOverloaded", "EngineUnavailable", "InvalidSessionSettings", "SessionConflict", "SessionImportError",
-    "SessionNotFound", "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable",
+    "EngineBudgetExceeded", "EngineOverloaded", "EngineUnavailable", "InvalidSessionSettings", "SessionConflict",
+    "SessionImportError", "SessionNotFound", "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable",
 ]
 
 
@@ -18,6 +18,17 @@ class EngineOverloaded(RuntimeError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EngineBudgetExceeded(RuntimeError):
+    """The request took more engine time than one request may (`limit_s`): its work was stopped, and its session,
+    if it was adapting one, stays as it was. The same request would take as long again."""
+
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(f"this request took more than {limit_s:g} s of the engine's time, the most one request may "
+                         "take on this server (max_request_engine_s); send less work a request (a shorter text or "
+                         "prompt, fewer prompts or choices, fewer max_tokens)")
+        self.limit_s = limit_s
 
 
 class SessionNotFound(LookupError):

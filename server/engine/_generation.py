@@ -2,8 +2,11 @@
 thread advances one token at a time, and the executor that advances all jobs together.
 
 The job lives on the worker thread; every event crosses to the caller's event loop with
-`loop.call_soon_threadsafe` into an `asyncio.Queue`, so the loop never runs model code. The caller cancels
-by setting the job's cancel flag (leaving the stream's `async with`), which the worker checks between tokens.
+`loop.call_soon_threadsafe` into an `asyncio.Queue`, so the loop never runs model code. The prompt is read a chunk
+at a time, one worker round after another (`GenerationExecutor._prefill`), so that other work runs meanwhile. The
+caller cancels by setting the job's cancel flag (leaving the stream's `async with`), which the worker checks between
+two chunks of the prompt and between two tokens; it stops the job alike once its request has spent its engine-time
+budget (`_work.Budget`: the stream then fails with EngineBudgetExceeded).
 
 With `adapt`, the session is claimed while the job runs, and when it ends the session observes the prompt and
 the text sent for sequence 0 (thesis sec. 4.3: exactly what the client received, so not a stop string nor what its
@@ -19,6 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
@@ -28,14 +32,14 @@ import torch
 
 from models.base import Adapter, LanguageModel, State
 from models.checkpoint import Checkpoint
-from models.sampling import FinishReason, SamplingParams, Stepper, top_logprobs
+from models.sampling import FinishReason, SamplingParams, Stepper, TopLogprobs, top_logprobs
 from models.tokenizer import ByteTokenizer, Tokenizer
-from server.engine._errors import SessionConflict, SessionNotFound
+from server.engine._errors import EngineBudgetExceeded, SessionConflict, SessionNotFound
 from server.engine._scheduler import Scheduler
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
 from server.engine._text import Text
-from server.engine._work import Work
+from server.engine._work import Budget, Work, charge, stop_if_asked
 
 __all__ = ["Event", "Finished", "GenerationExecutor", "GenerationJob", "GenerationStream", "PromptScored", "Token",
            "TokenLogprob"]
@@ -43,6 +47,10 @@ __all__ = ["Event", "Finished", "GenerationExecutor", "GenerationJob", "Generati
 log = logging.getLogger(__name__)
 
 FOLLOW_TRIES = 3  # observes of a generation with `adapt` whose write another server's change refused, at most
+# Tokens of a prompt read in one model call (`Stepper.prefill`'s default, so that a prompt reads the same as in
+# `models.sampling.generate`): a worker round reads about one such chunk of the prompts waiting, so a long prompt
+# holds other work back, and notices that its caller went away, within one chunk's time.
+PREFILL_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -144,10 +152,10 @@ class GenerationStream:
 
 
 class GenerationJob(Work):
-    """`n` sequences from one prompt, advanced by the worker thread: `start` prefills the prompt once (the
-    sequences fork its state), then each `sample` samples one token of every unfinished sequence, which the
-    executor then feeds to the model together with every other job's. Its caller reads `stream`; its future
-    is resolved when it ends.
+    """`n` sequences from one prompt, advanced by the worker thread: `start` sets up the prompt's reading, each
+    `prefill` reads a chunk of it (the sequences then fork its state), then each `sample` samples one token of every
+    unfinished sequence, which the executor then feeds to the model together with every other job's. Its caller
+    reads `stream`; its future is resolved when it ends.
 
     `params` None: no generation, only the prompt (its log-probabilities, if asked for). With `session_id`,
     it starts from that session's state and adapter; with `adapt`, it then has the session observe the prompt
@@ -158,8 +166,8 @@ class GenerationJob(Work):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: bytes, params: SamplingParams | None, n: int,
                  logprobs: int | None, prompt_logprobs: bool, *, session_id: str | None = None,
-                 owner: str | None = None, adapt: bool = False) -> None:
-        super().__init__(session_id=session_id, owner=owner)
+                 owner: str | None = None, adapt: bool = False, budget: Budget | None = None) -> None:
+        super().__init__(session_id=session_id, owner=owner, budget=budget)
         self.stream = GenerationStream(n, time.perf_counter(), self._cancelled)
         self._loop = loop
         self.prompt = prompt
@@ -174,6 +182,13 @@ class GenerationJob(Work):
         self._prompt_logprobs = prompt_logprobs
         self._steppers: dict[int, Stepper] = {}
         self._first_token: dict[int, float] = {}
+        # while the prompt is read: its chunks (`Stepper.prefill_chunks`), the sequence that reads it, what of it is
+        # left to read (tokens: what a chunk costs the step, `GenerationExecutor._prefill`), the text read before it
+        self._prefill: Generator[None, None, TopLogprobs | None] | None = None
+        self._first: Stepper | None = None
+        self.prefill_left = 0
+        self._prefix = b""
+        self._ids = torch.zeros(0, dtype=torch.long)
 
     def _send(self, message: _Message) -> None:
         try:
@@ -186,26 +201,52 @@ class GenerationJob(Work):
         self._send(_Failed(error))
         super().fail(error)
 
-    def start(self, model: LanguageModel, stats: EngineStats, *, state: State | None = None,
-              last_token: int | None = None, adapter: Adapter | None = None, prefix: bytes = b"") -> bool:
-        """Prefill, continuing from `state` (whose next input is `last_token`) with `adapter`, or from the
-        initial state after the tokenizer's BOS token; returns True when there is nothing left to do. `prefix` (a
-        word session's pending text) is prefilled before the prompt: its tokens are in the prompt log-probs, not in
-        the prompt's token count."""
-        ids = self.tokenizer.encode_tensor(self.prompt)  # (T,) on the CPU: only counted and listed
+    def start(self, model: LanguageModel, *, state: State | None = None, last_token: int | None = None,
+              adapter: Adapter | None = None, prefix: bytes = b"") -> bool:
+        """Set up the prompt's reading (`prefill`), continuing from `state` (whose next input is `last_token`) with
+        `adapter`, or from the initial state after the tokenizer's BOS token; returns True when there is nothing to
+        do. `prefix` (a word session's pending text) is read before the prompt: its tokens are in the prompt
+        log-probs, not in the prompt's token count. No model call here."""
+        self._ids = ids = self.tokenizer.encode_tensor(self.prompt)  # (T,) on the CPU: only counted and listed
         self.prompt_tokens = int(ids.numel())
         if self._params is None and not self._prompt_logprobs:
             self._finish_all_unstarted()
             return True
-        first = Stepper(model, self._params or SamplingParams(), state=state, last_token=last_token,
-                        adapter=adapter, tokenizer=self.tokenizer)
+        self._first = Stepper(model, self._params or SamplingParams(), state=state, last_token=last_token,
+                              adapter=adapter, tokenizer=self.tokenizer)
+        self._prefix = prefix
         k = self._logprobs or 0
-        scored = first.prefill(prefix + self.prompt, logprobs=k if self._prompt_logprobs else None)
+        self._prefill = self._first.prefill_chunks(prefix + self.prompt, logprobs=k if self._prompt_logprobs else None,
+                                                   chunk=PREFILL_CHUNK)
+        # the token before the prompt, then the prompt's (a word model's held-back end is read apart: approximate)
+        self.prefill_left = 1 + (len(self.tokenizer.encode(prefix)) if prefix else 0) + self.prompt_tokens
+        return False
+
+    @property
+    def prefilling(self) -> bool:
+        """Started, and its prompt not yet all read."""
+        return self._prefill is not None
+
+    def prefill(self, stats: EngineStats) -> bool:
+        """Read the next chunk of the prompt; -> True once it is all read (then the sequences are set up and the
+        prompt's log-probs sent; with nothing to generate, the job is finished)."""
+        assert self._prefill is not None and self._first is not None
+        try:
+            next(self._prefill)
+        except StopIteration as end:
+            scored: TopLogprobs | None = end.value
+        else:
+            self.prefill_left = max(0, self.prefill_left - PREFILL_CHUNK)
+            return False
+        self._prefill, first, self._first = None, self._first, None
+        self.prefill_left = 0
         stats.prompt_tokens += self.prompt_tokens
+        prefix = self._prefix
         if scored is not None:
             self._send(PromptScored(tuple(TokenLogprob(lp, tuple(top))
                                           for lp, top in zip(scored.logprobs, scored.top, strict=True)),
-                                    tuple(self.tokenizer.encode(prefix + self.prompt) if prefix else ids.tolist()),
+                                    tuple(self.tokenizer.encode(prefix + self.prompt) if prefix
+                                          else self._ids.tolist()),
                                     prefix))
         if self._params is None:
             self._finish_all_unstarted()
@@ -215,7 +256,7 @@ class GenerationJob(Work):
             # Sequence i draws from seed + i: the choices differ, and choice 0 is what n=1 gives.
             seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
             self._steppers[i] = first if i == 0 else first.fork(seeded)
-        return False
+        return True
 
     def _finish_all_unstarted(self) -> None:
         seconds = time.perf_counter() - self.stream.submitted
@@ -224,8 +265,8 @@ class GenerationJob(Work):
 
     @property
     def finished(self) -> bool:
-        """Every sequence is finished (after `start`)."""
-        return not self._steppers
+        """Every sequence is finished (after `start` and the prompt's reading)."""
+        return not self._steppers and self._prefill is None
 
     def sample(self, stats: EngineStats) -> list[tuple[Stepper, int]]:
         """Sample one token of every unfinished sequence (no model call) and send its events; -> the sequences
@@ -258,20 +299,22 @@ class GenerationJob(Work):
 
 
 class GenerationExecutor:
-    """The running generations, one token of each per step."""
+    """The running generations: each step reads the next chunks of the prompts being read (`_prefill`), then samples
+    one token of every sequence and feeds them all to the model in one batched forward."""
 
     rows = 0
 
     def __init__(self, ckpt: Checkpoint, sessions: SessionService, scheduler: Scheduler, stats: EngineStats) -> None:
         self._ckpt, self._sessions, self._scheduler, self._stats = ckpt, sessions, scheduler, stats
-        self._jobs: list[GenerationJob] = []
+        self._reading: list[GenerationJob] = []  # their prompts being read, in turn
+        self._jobs: list[GenerationJob] = []  # generating
 
     @property
     def busy(self) -> bool:
-        return bool(self._jobs)
+        return bool(self._jobs or self._reading)
 
     def start(self, job: GenerationJob) -> None:
-        """Prefill (on its own); a job with nothing more to do ends here."""
+        """Read its session and set up its prompt's reading (done by the steps); a job with nothing to do ends here."""
         try:
             start: dict[str, Any] = {}
             job.tokenizer = self._ckpt.tokenizer
@@ -282,7 +325,7 @@ class GenerationExecutor:
                          "adapter": self._sessions.model.adapter(session), "prefix": session.pending}
             # the network mixed with the sessions' memories (models/memory.py); every generation runs the one model,
             # so that all of them step in one batch
-            done = job.start(self._sessions.session_model(), self._stats, **start)
+            done = job.start(self._sessions.session_model(), **start)
         except Exception as e:
             job.fail(e)
             return
@@ -291,17 +334,20 @@ class GenerationExecutor:
             return
         if job.adapt:
             self._scheduler.claim(job.session_id)  # nothing else may change the session until it has adapted
-        self._jobs.append(job)
-        self._stats.active = len(self._jobs)
+        self._reading.append(job)
+        self._stats.active = len(self._jobs) + len(self._reading)
 
     def step(self) -> None:
-        """One token of every running generation: sampled per sequence, fed to the model in one batched forward."""
+        """The next chunks of the prompts being read (`_prefill`); then one token of every running generation,
+        sampled per sequence, fed to the model in one batched forward. A job whose caller went away, or whose request
+        has spent its engine time, stops here (between two chunks of its prompt, or two tokens)."""
+        self._prefill()
         running: list[GenerationJob] = []
         feeds: list[tuple[GenerationJob, Stepper, int]] = []
+        began = time.perf_counter()
         for job in self._jobs:
-            if job.cancelled:
-                self._stats.count_cancelled(job.kind)
-                self._scheduler.release(job.session_id if job.adapt else None)
+            if stop_if_asked(job, self._stats):
+                self.finish(job)
                 continue
             try:
                 feeds += [(job, stepper, token) for stepper, token in job.sample(self._stats)]
@@ -324,8 +370,42 @@ class GenerationExecutor:
                 running = [job for job in running if id(job) not in failed]
             rows = len(feeds)
             self._stats.decode_rows[rows] = self._stats.decode_rows.get(rows, 0) + 1
+            charge([(job, 1) for job, _, _ in feeds], time.perf_counter() - began)  # a row per sequence
         self._jobs = running
-        self._stats.active = len(running)
+        self._stats.active = len(running) + len(self._reading)
+
+    def _prefill(self) -> None:
+        """Read the prompts that fit in one chunk (PREFILL_CHUNK tokens; all of them, as they would start together)
+        and one chunk of the first longer prompt in line, which then goes to the back: a long prompt takes a chunk
+        a round, so that other work runs between two of its chunks, and long prompts take turns."""
+        long_read = False
+        skipped: list[GenerationJob] = []  # no turn in this round: first in the next
+        turned: list[GenerationJob] = []
+        for job in self._reading:
+            short = job.prefill_left <= PREFILL_CHUNK
+            if not short and long_read:
+                skipped.append(job)
+                continue
+            if stop_if_asked(job, self._stats):
+                self.finish(job)
+                continue
+            long_read = long_read or not short
+            began = time.perf_counter()
+            try:
+                read = job.prefill(self._stats)
+            except Exception as e:
+                job.fail(e)
+                self.finish(job)
+                continue
+            finally:
+                charge([(job, 1)], time.perf_counter() - began)
+            if not read:
+                turned.append(job)
+            elif job.finished:  # only the prompt was asked for
+                self.finish(job)
+            else:
+                self._jobs.append(job)
+        self._reading = skipped + turned
 
     def finish(self, job: GenerationJob) -> None:
         """The job has finished or failed (its caller may already have left: that is no cancellation). With
@@ -344,7 +424,8 @@ class GenerationExecutor:
         """(Worker.) The session observes `data` first in line; where another server changed the session between
         the observe's read and its write (SessionConflict: nothing was applied), it observes again on top of that
         change, `tries` times in all. The generation's answer has gone: nobody would send it again."""
-        follow = Text(data, "observe", session_id=job.session_id, owner=job.owner, counted=False)
+        # within the request's budget: its adaptation is part of what it takes (dropped, with a warning, past it)
+        follow = Text(data, "observe", session_id=job.session_id, owner=job.owner, counted=False, budget=job.budget)
 
         def done(future: Future[Any]) -> None:  # (worker: the observe's result is set there)
             error = future.exception()
@@ -359,9 +440,9 @@ class GenerationExecutor:
         self._scheduler.follow(follow)
 
     def fail(self, error: BaseException) -> None:
-        for job in self._jobs:
+        for job in [*self._reading, *self._jobs]:
             job.fail(error)
-        self._jobs = []
+        self._reading, self._jobs = [], []
         self._stats.active = 0
 
 
@@ -369,5 +450,8 @@ def _log_failure(error: BaseException | None) -> None:
     if isinstance(error, SessionConflict):
         log.warning("adapting a session on its generation was not applied: other requests (on other servers) "
                     "changed the session meanwhile, %d times", FOLLOW_TRIES)
+    elif isinstance(error, EngineBudgetExceeded):
+        log.warning("adapting a session on its generation was not applied: the request had spent its engine time "
+                    "(max_request_engine_s)")
     elif error is not None and not isinstance(error, SessionNotFound):
         log.error("adapting a session on its generation failed", exc_info=error)

@@ -12,7 +12,11 @@ Callers on any thread `put` work; at most `max_queue` items may wait to start, b
 3. keyboard suggestions: rounds of all the word searches in progress, keystrokes that arrive meanwhile joining
    between rounds, until none is left or, while other work waits, for at most SUGGEST_SLICE_S;
 4. one batched step of all running text work (while someone types, of at most TYPING_TEXT_ROWS rows: `pack`);
-5. one byte of every running generation.
+5. the next chunk of the prompts being read, then one token of every running generation.
+
+Each round thus takes about one chunk of any work, and between two the executors stop work whose caller went away
+or whose request has spent its engine-time budget (`_work.stop_if_asked`). The worker records when each round
+begins (`stalled_s`: how long it has made no progress with work waiting or running; /readyz reads it).
 
 Sessions with work running are claimed: busy here, pinned in the store (never evicted). A cancelled item is
 dropped when it would start; `stop` lets everything queued or running finish before `run` returns.
@@ -87,6 +91,10 @@ class Scheduler:
         self._executors: dict[Kind, Executor[Any]] = {}
         self._last_keystroke = -math.inf  # time.monotonic() of the last suggestion started
         self._stop_asked = False  # `stop` was called: the worker's end is not a crash
+        # the worker's progress, read by any thread (`stalled_s`): when it last began a round or took work, and
+        # whether it was then idle (nothing pending nor running)
+        self._progress = time.monotonic()
+        self._idle = True
 
     # -- any thread ------------------------------------------------------------------------------------
 
@@ -104,6 +112,15 @@ class Scheduler:
     def waiting(self) -> int:
         with self._lock:
             return self._waiting
+
+    def stalled_s(self) -> float:
+        """Seconds since the worker last made progress (began a round, or took work), while work waits to start or
+        runs; 0 when there is none. A round reads about one chunk of work (a text segment, a prompt chunk, a token),
+        so a large value means a model call or the worker itself is stuck."""
+        progress = self._progress
+        if self._idle and self.waiting == 0:
+            return 0.0
+        return max(0.0, time.monotonic() - progress)
 
     def put(self, work: Work) -> None:
         """Queue `work`, or refuse it: EngineUnavailable when not running, EngineOverloaded when full."""
@@ -159,9 +176,12 @@ class Scheduler:
         last_sweep = time.monotonic()
         while True:
             idle = not self._pending and not any(e.busy for e in self._executors.values())
+            self._progress, self._idle = time.monotonic(), idle
             if stopping and idle:
                 return
             stopping = self._take(block=idle and not stopping) or stopping
+            # not stalled while it waited for work; busy from here if work arrived
+            self._progress, self._idle = time.monotonic(), idle and not self._pending
             if idle and not stopping and self._max_wait_ms > 0 and self._pending_rows():
                 stopping = self._fill(time.monotonic() + self._max_wait_ms / 1000) or stopping
             self._admit()

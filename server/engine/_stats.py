@@ -17,6 +17,7 @@ class EngineStats:
     cancelled: int = 0  # generations stopped early because their caller went away
     active: int = 0  # generations in progress
     cancelled_work: int = 0  # text work and session operations dropped because their caller went away
+    budget_exceeded: int = 0  # work stopped because its request took more engine time than one may
     queued: int = 0  # work items waiting to start
     batches: int = 0  # batched model calls of text work
     batch_rows: dict[int, int] = field(default_factory=dict)  # rows in a batched call -> how many calls

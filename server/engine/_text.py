@@ -4,7 +4,8 @@ offline evaluation and the keyboard simulator run too).
 
 A text reads its session when it starts and writes it back when it is done (an observe: the new state, shadow
 state, adapter, next token, pending text, statistics and word cache); a text whose caller went away stops between two
-segments, and its session stays as it was.
+segments, as does one whose request has spent its engine-time budget (`_work.Budget`), and its session stays as it
+was.
 
 A word model's session keeps `pending` text (`WordTokenizer.split_stable`: the last word, which may go on, and the
 gap before it; more than PENDING_MAX_BYTES of it is scored as it stands). An observe scores and adapts on the tokens
@@ -16,8 +17,8 @@ model's session has nothing pending: both read the text as sent.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -33,7 +34,7 @@ from server.engine._scheduler import Scheduler, pack
 from server.engine._session import Session
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
-from server.engine._work import Work
+from server.engine._work import Budget, Work, charge, stop_if_asked
 
 __all__ = ["Text", "TextExecutor", "TextScore"]
 
@@ -58,8 +59,9 @@ class Text(Work):
     kind = "text"
 
     def __init__(self, data: bytes, mode: Mode, *, session_id: str | None = None, owner: str | None = None,
-                 logprobs: bool = False, create: Callable[[], Session] | None = None, counted: bool = True) -> None:
-        super().__init__(session_id=session_id, owner=owner, counted=counted)
+                 logprobs: bool = False, create: Callable[[], Session] | None = None, counted: bool = True,
+                 budget: Budget | None = None) -> None:
+        super().__init__(session_id=session_id, owner=owner, counted=counted, budget=budget)
         self.data, self.mode, self.logprobs, self.create = data, mode, logprobs, create
         self.job: TextJob | None = None  # its rows, once started
         self.text: Observed | None = None  # what the session model made of it, once started
@@ -111,9 +113,7 @@ class TextExecutor:
         to the scheduler's row limit); then finish those that are done."""
         running = []
         for work in self._texts:
-            if work.cancelled:
-                self._stats.count_cancelled(work.kind)
-                work.fail(asyncio.CancelledError())
+            if stop_if_asked(work, self._stats):
                 self._scheduler.release(work.session_id)
             else:
                 running.append(work)
@@ -127,6 +127,7 @@ class TextExecutor:
             self._texts = running = [*running[taken:], *stepping]  # the others go first next time
         else:
             stepping = running
+        began = time.perf_counter()
         try:
             rows = self._sessions.model.step([t.job for t in stepping if t.job is not None], self._stacked)
         except Exception as e:
@@ -136,6 +137,7 @@ class TextExecutor:
                 self._scheduler.release(work.session_id)
             self._texts = [work for work in running if work not in stepping]
             return
+        charge([(t, len(t.job.rows)) for t in stepping if t.job is not None], time.perf_counter() - began)
         self._stats.batches += 1
         self._stats.batch_rows[rows] = self._stats.batch_rows.get(rows, 0) + 1
         self._texts = []

@@ -77,8 +77,9 @@ async def create_completion(body: CompletionRequest, ctx: Context) -> Completion
     echo = bool(body.echo)
     session_id = await _session_named(body.user, ctx)
     # One generation a prompt, all submitted now so that the engine batches them; if one is refused (a full
-    # queue), those already submitted are cancelled.
+    # queue), those already submitted are cancelled. They share the request's engine-time budget.
     streams: list[GenerationStream] = []
+    budget = ctx.engine.budget()
     try:
         for p, prompt in enumerate(prompts):
             # choice i of the response (prompt p's choice j: i = p * n + j) samples from seed + i, the engine
@@ -86,7 +87,7 @@ async def create_completion(body: CompletionRequest, ctx: Context) -> Completion
             seeded = params if params is None or params.seed is None else replace(params, seed=params.seed + p * n)
             streams.append(ctx.engine.generate(prompt, seeded, n=n, logprobs=body.logprobs,
                                                prompt_logprobs=echo and body.logprobs is not None,
-                                               session_id=session_id, owner=ctx.owner))
+                                               session_id=session_id, owner=ctx.owner, budget=budget))
     except BaseException:
         for submitted in streams:
             submitted.cancel()

@@ -6,6 +6,7 @@ import asyncio
 import math
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,10 +132,11 @@ def test_cancelling_stops_the_worker_between_tokens(engine: Engine) -> None:
 
 
 def test_a_failing_generation_raises_from_its_stream(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError("broken prefill")
+    def broken(*args: Any, **kwargs: Any) -> Iterator[None]:
+        raise ValueError("broken prefill")  # in the model call of the prompt's first chunk
+        yield
 
-    monkeypatch.setattr("models.sampling.Stepper.prefill", broken)
+    monkeypatch.setattr("models.sampling.Stepper.prefill_chunks", broken)
     with pytest.raises(ValueError, match="broken prefill"):
         asyncio.run(collect_from(engine, b"a", SamplingParams(max_tokens=3)))
     monkeypatch.undo()
