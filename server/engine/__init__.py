@@ -5,6 +5,7 @@ from server.engine._engine import Engine, EngineConfig, ModelInfo, SessionLimits
 from server.engine._errors import (
     EngineOverloaded,
     EngineUnavailable,
+    IdempotencyKeyReused,
     InvalidSessionSettings,
     SessionConflict,
     SessionImportError,
@@ -17,14 +18,15 @@ from server.engine._export import export_session, import_session
 from server.engine._generation import Event, Finished, GenerationStream, PromptScored, Token, TokenLogprob
 from server.engine._memory_store import MemorySessionStore
 from server.engine._redis import RedisSessionStore
-from server.engine._session import Session, SessionConfig, SessionStats
+from server.engine._session import IDEMPOTENCY_KEY, Session, SessionConfig, SessionStats
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore, StoreStats
 from server.engine._suggest import Suggestions
 
 __all__ = [
-    "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event", "Finished",
-    "GenerationStream", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
+    "IDEMPOTENCY_KEY", "Engine", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable", "Event",
+    "Finished", "GenerationStream", "IdempotencyKeyReused", "InvalidSessionSettings", "MemorySessionStore",
+    "ModelInfo", "PromptScored",
     "RedisSessionStore", "Session", "SessionConfig", "SessionConflict", "SessionImportError", "SessionLimits",
     "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull", "SessionStoreUnavailable",
     "SessionsUnavailable", "StoreStats", "Suggestions", "TextScore", "Token", "TokenLogprob", "export_session",
