@@ -89,7 +89,13 @@ class AsyncClient:
                 await anyio.sleep(delay)
                 continue
             except httpx.RequestError as e:
-                raise error_from_transport(e) from None
+                # sent, then broken or timed out: done or not, unknown; sent again only under an idempotency key
+                delay = self.retry.connect_delay(retries) if call.retry and call.idempotency_key else None
+                if delay is None:
+                    raise error_from_transport(e) from None
+                retries += 1
+                await anyio.sleep(delay)
+                continue
             if response.is_success:
                 return response
             retry_after = parse_retry_after(response.headers.get("Retry-After"))
@@ -159,8 +165,8 @@ class AsyncClient:
     async def reset_session(self, session_id: str) -> SessionResponse:
         return await self._request(_calls.reset_session(session_id))
 
-    async def observe(self, session_id: str, text: str) -> ObserveResponse:
-        return await self._request(_calls.observe(session_id, text))
+    async def observe(self, session_id: str, text: str, *, idempotency_key: str | None = None) -> ObserveResponse:
+        return await self._request(_calls.observe(session_id, text, idempotency_key))
 
     async def export_state(self, session_id: str) -> bytes:
         return await self._request(_calls.export_state(session_id))
@@ -199,8 +205,8 @@ class AsyncSession:
         self.info = await self.client.get_session(self.id)
         return self.info
 
-    async def observe(self, text: str) -> ObserveResponse:
-        return await self.client.observe(self.id, text)
+    async def observe(self, text: str, *, idempotency_key: str | None = None) -> ObserveResponse:
+        return await self.client.observe(self.id, text, idempotency_key=idempotency_key)
 
     async def score(self, text: str, *, logprobs: bool = False, adapt: bool = False) -> ScoreResponse:
         return await self.client.score(text, logprobs=logprobs, session_id=self.id, adapt=adapt)

@@ -8,6 +8,7 @@ they are not validated here: the server is the one judge, and its 422 names the 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,7 +34,8 @@ from server.protocol import (
 )
 
 __all__ = [
-    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "SESSION_HEADER", "STATE_MEDIA_TYPE", "Call", "SSEDecoder", "base_url",
+    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "IDEMPOTENCY_HEADER", "SESSION_HEADER", "STATE_MEDIA_TYPE", "Call",
+    "SSEDecoder", "base_url",
     "create_session", "delete_session", "export_state", "generate", "generate_stream", "get_session", "headers",
     "health", "import_state", "models", "observe", "parse_generate_event", "ready", "reset_session", "score",
     "suggest",
@@ -47,6 +49,7 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 STATE_MEDIA_TYPE = "application/octet-stream"
 SESSION_HEADER = "X-Session-Id"  # the session a request works on, for a session-affine balancer
+IDEMPOTENCY_HEADER = "Idempotency-Key"  # an observe's: the server applies it once whatever the retries
 
 
 @lru_cache(maxsize=1)
@@ -80,7 +83,9 @@ def base_url(value: str | httpx.URL) -> httpx.URL:
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One request and how to read its (successful) answer. `retry`: False where a refusal is the answer
-    (a readiness probe's 503 means "not ready", not "ask again")."""
+    (a readiness probe's 503 means "not ready", not "ask again"). `idempotency_key`: sent as IDEMPOTENCY_HEADER,
+    the same on every retry (the request is built once), so that the server applies the request once; such a
+    request may also be sent again after its connection broke once sent."""
 
     method: str
     path: str
@@ -90,6 +95,7 @@ class Call(Generic[T]):
     content_type: str | None = None
     retry: bool = True
     session_id: str | None = None  # a session named in the body: sent as SESSION_HEADER too
+    idempotency_key: str | None = None
 
     def request(self, http: httpx.Client | httpx.AsyncClient) -> httpx.Request:
         content, content_type = self.content, self.content_type
@@ -102,6 +108,8 @@ class Call(Generic[T]):
             # Percent-encoded: a real id is [A-Za-z0-9_-] and unchanged; any other str must still reach the
             # server (its 404) rather than fail in httpx's ASCII header encoding.
             extra[SESSION_HEADER] = quote(self.session_id, safe="", errors="surrogatepass")
+        if self.idempotency_key is not None:
+            extra[IDEMPOTENCY_HEADER] = self.idempotency_key
         return http.build_request(self.method, self.path, content=content, headers=extra or None)
 
 
@@ -207,8 +215,11 @@ def reset_session(session_id: str) -> Call[SessionResponse]:
     return Call("POST", _session_path(session_id, "/reset"), _model(SessionResponse))
 
 
-def observe(session_id: str, text: str) -> Call[ObserveResponse]:
-    return Call("POST", _session_path(session_id, "/observe"), _model(ObserveResponse), json={"text": text})
+def observe(session_id: str, text: str, idempotency_key: str | None = None) -> Call[ObserveResponse]:
+    """An observe carries a key of its own (a new UUID unless given): a retry after a 503 that came once the
+    session was written (the session store's reply lost) is answered as the first was, not observed twice."""
+    return Call("POST", _session_path(session_id, "/observe"), _model(ObserveResponse), json={"text": text},
+                idempotency_key=idempotency_key if idempotency_key is not None else str(uuid.uuid4()))
 
 
 def export_state(session_id: str) -> Call[bytes]:

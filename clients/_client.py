@@ -94,7 +94,13 @@ class Client:
                 time.sleep(delay)
                 continue
             except httpx.RequestError as e:
-                raise error_from_transport(e) from None
+                # sent, then broken or timed out: done or not, unknown; sent again only under an idempotency key
+                delay = self.retry.connect_delay(retries) if call.retry and call.idempotency_key else None
+                if delay is None:
+                    raise error_from_transport(e) from None
+                retries += 1
+                time.sleep(delay)
+                continue
             if response.is_success:
                 return response
             retry_after = parse_retry_after(response.headers.get("Retry-After"))
@@ -196,10 +202,12 @@ class Client:
         """`POST /v1/sessions/{id}/reset`: back to the start (state, adapter, statistics); same id and settings."""
         return self._request(_calls.reset_session(session_id))
 
-    def observe(self, session_id: str, text: str) -> ObserveResponse:
+    def observe(self, session_id: str, text: str, *, idempotency_key: str | None = None) -> ObserveResponse:
         """`POST /v1/sessions/{id}/observe`: the text's bits under the session (each segment scored before the
-        session adapts on it) and under the unadapted model."""
-        return self._request(_calls.observe(session_id, text))
+        session adapts on it) and under the unadapted model. Applied once, whatever the retries: the call sends
+        an `Idempotency-Key` (a new UUID, or `idempotency_key`: give the same one to send an observe again after
+        this call raised), and a retry of an observe the server applied is answered as the first was."""
+        return self._request(_calls.observe(session_id, text, idempotency_key))
 
     def export_state(self, session_id: str) -> bytes:
         """`GET /v1/sessions/{id}/state`: the session as bytes (safetensors with versioned metadata, tied to the
@@ -256,9 +264,9 @@ class Session:
         self.info = self.client.get_session(self.id)
         return self.info
 
-    def observe(self, text: str) -> ObserveResponse:
-        """Score `text` under the session, adapting on each segment after scoring it."""
-        return self.client.observe(self.id, text)
+    def observe(self, text: str, *, idempotency_key: str | None = None) -> ObserveResponse:
+        """Score `text` under the session, adapting on each segment after scoring it (`Client.observe`)."""
+        return self.client.observe(self.id, text, idempotency_key=idempotency_key)
 
     def score(self, text: str, *, logprobs: bool = False, adapt: bool = False) -> ScoreResponse:
         """Score `text` as the session's continuation; with `adapt`, the session keeps the adaptation."""

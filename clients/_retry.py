@@ -38,15 +38,17 @@ class RetryPolicy:
 
     Every request is retried, POSTs included: the server answers 429 (its work queue is full) and 503 (the
     model is not loaded, the engine has stopped, the session store is full of busy sessions) when it admits
-    the request, before any work starts, so sending it again cannot do anything twice. A 409 `session_conflict`
-    comes after the work, when the server was about to write the session back and found that another request
-    (on another replica sharing the session store) had changed it since this one read it: the server then writes
-    nothing, so nothing of the request was applied, and sending it again runs it on the session as the other
-    request left it. A 409 of another code (`checkpoint_mismatch`) is not retried. A connection that could
+    the request, before any work starts, so sending it again cannot do anything twice. The one 503 that may come
+    after the work, `session_store_unavailable` on an observe whose write reached Redis but whose reply did not, is
+    made safe by the observe's `Idempotency-Key` (the same on every retry): the server applies a key once.
+    A 409 `session_conflict` comes after the work, when the server was about to write the session back and found
+    that another request (on another replica sharing the session store) had changed it since this one read it: the
+    server then writes nothing, so nothing of the request was applied, and sending it again runs it on the session as
+    the other request left it. A 409 of another code (`checkpoint_mismatch`) is not retried. A connection that could
     not be made (refused, or not made in time: the server restarting, a replica going away) is retried too
-    (`connect`): nothing was sent. Nothing else is retried: not other errors, and not a connection that broke or
-    timed out after the request went (a request may have been done, e.g. an observe that adapted the session);
-    those are raised at once.
+    (`connect`): nothing was sent; so, under the same flag, is an observe (with its idempotency key) whose
+    connection broke or timed out after it went. Nothing else is retried: not other errors, and not another
+    request whose connection broke after it went (it may have been done); those are raised at once.
 
     The wait is the response's `Retry-After` when it has one: never shorter (that would ignore the server),
     and when it is over `max_delay_s` the error is raised instead (its `retry_after` says how long the

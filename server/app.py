@@ -165,8 +165,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     if settings.cors_origins:  # pages of other origins (a keyboard web app) call the API from the browser
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=False,
                            allow_methods=["GET", "POST", "PUT", "DELETE"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Session-Id"],
-                           expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID", "X-Session-Id",
+                                          "Idempotency-Key"],
+                           expose_headers=["X-Request-ID", "Retry-After", "Idempotent-Replayed"], max_age=600)
     app.add_middleware(RequestIdMiddleware)  # every answer carries X-Request-ID, the log lines it causes too
     return app
 

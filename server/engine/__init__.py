@@ -6,6 +6,7 @@ from server.engine._errors import (
     EngineBudgetExceeded,
     EngineOverloaded,
     EngineUnavailable,
+    IdempotencyKeyReused,
     InvalidSessionSettings,
     SessionConflict,
     SessionImportError,
@@ -18,16 +19,16 @@ from server.engine._export import export_session, import_session
 from server.engine._generation import Event, Finished, GenerationStream, PromptScored, Token, TokenLogprob
 from server.engine._memory_store import MemorySessionStore
 from server.engine._redis import RedisSessionStore
-from server.engine._session import Session, SessionConfig, SessionStats
+from server.engine._session import IDEMPOTENCY_KEY, Session, SessionConfig, SessionStats
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore, StoreStats
 from server.engine._suggest import Suggestions
 from server.engine._work import Budget
 
 __all__ = [
-    "Budget", "Engine", "EngineBudgetExceeded", "EngineConfig", "EngineOverloaded", "EngineStats", "EngineUnavailable",
-    "Event", "Finished",
-    "GenerationStream", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
+    "Budget", "IDEMPOTENCY_KEY", "Engine", "EngineBudgetExceeded", "EngineConfig", "EngineOverloaded", "EngineStats",
+    "EngineUnavailable", "Event", "Finished", "GenerationStream", "IdempotencyKeyReused", "InvalidSessionSettings",
+    "MemorySessionStore", "ModelInfo", "PromptScored",
     "RedisSessionStore", "Session", "SessionConfig", "SessionConflict", "SessionImportError", "SessionLimits",
     "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull", "SessionStoreUnavailable",
     "SessionsUnavailable", "StoreStats", "Suggestions", "TextScore", "Token", "TokenLogprob", "export_session",

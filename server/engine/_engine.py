@@ -34,12 +34,12 @@ from models.precision import PRECISIONS, inference_precision
 from models.sampling import SamplingParams
 from models.suggest import Suggestions
 from models.tokenizer import byte_level, word_level
-from server.engine._errors import EngineUnavailable
+from server.engine._errors import EngineUnavailable, ObserveApplied
 from server.engine._generation import GenerationExecutor, GenerationJob, GenerationStream
 from server.engine._loading import ModelInfo, SessionLimits, load_model
 from server.engine._memory_store import MemorySessionStore
 from server.engine._scheduler import Scheduler
-from server.engine._session import Session, SessionConfig, new_session_id
+from server.engine._session import IDEMPOTENCY_KEY_PATTERN, Session, SessionConfig, new_session_id
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore
@@ -176,6 +176,29 @@ class Engine:
         result: TextScore = await self._submit(Text(data, mode, session_id=session_id, owner=owner,
                                                     logprobs=logprobs, budget=self.budget()))
         return result
+
+    async def observe(self, data: bytes, *, session_id: str, owner: str | None,
+                      idempotency_key: str | None = None) -> tuple[TextScore, bool]:
+        """`score(data, session_id=..., adapt=True)`: the session observes `data`. With an `idempotency_key`, the
+        observe is applied once whatever the retries: the key is stored with the session's new state, in the same
+        write, and a later observe with that key applies nothing and answers as the first did. -> (the score,
+        whether it is that earlier answer). Raises IdempotencyKeyReused for a key applied with another text."""
+        if idempotency_key is None:
+            return await self.score(data, session_id=session_id, owner=owner, adapt=True), False
+        if not IDEMPOTENCY_KEY_PATTERN.fullmatch(idempotency_key):  # the stores' records separate keys by spaces
+            raise ValueError(f"an idempotency key is {IDEMPOTENCY_KEY_PATTERN.pattern}")
+        if not data:
+            raise ValueError("empty text: nothing to score")
+        self.sessions.limits()
+        # the record it starts from is read in the session's turn on the worker, where the key is checked
+        start = functools.partial(self.sessions.observing, session_id, owner, idempotency_key, data)
+        try:
+            result: TextScore = await self._submit(Text(data, "observe", session_id=session_id, owner=owner,
+                                                        create=start))
+        except ObserveApplied as e:
+            assert e.entry.answer is not None  # a store records a key with its answer (_store.committed)
+            return TextScore(**e.entry.answer), True
+        return result, False
 
     def generate(self, prompt: bytes, params: SamplingParams | None, *, n: int = 1, logprobs: int | None = None,
                  prompt_logprobs: bool = False, session_id: str | None = None, owner: str | None = None,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
-    "EngineBudgetExceeded", "EngineOverloaded", "EngineUnavailable", "InvalidSessionSettings", "SessionConflict",
-    "SessionImportError", "SessionNotFound", "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable",
+    "EngineBudgetExceeded", "EngineOverloaded", "EngineUnavailable", "IdempotencyKeyReused", "InvalidSessionSettings",
+    "ObserveApplied", "SessionConflict", "SessionImportError", "SessionNotFound", "SessionStoreFull",
+    "SessionStoreUnavailable", "SessionsUnavailable",
 ]
 
 
@@ -89,3 +92,22 @@ class InvalidSessionSettings(ValueError):
 
 class SessionsUnavailable(RuntimeError):
     """The checkpoint cannot adapt sessions (e.g. it has no adapter statistics for its update rule)."""
+
+
+class ObserveApplied(Exception):
+    """An observe's idempotency key was applied to the session already (its answer may have been lost: a 503 after
+    the write landed): the work stops before reading any text, and the engine answers with `entry.answer`."""
+
+    def __init__(self, entry: Any) -> None:
+        super().__init__(f"the observe with idempotency key {entry.key!r} was applied already")
+        self.entry = entry
+
+
+class IdempotencyKeyReused(ValueError):
+    """An idempotency key already applied to the session with another text: a client bug (a key names one
+    request); nothing is applied."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the idempotency key {key!r} was used for another text on this session; a key names one "
+                         "observe: send a new key with a new text")
+        self.key = key

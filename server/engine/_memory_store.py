@@ -18,8 +18,8 @@ from pathlib import Path
 from models.session import SessionModel
 from server.engine._errors import SessionConflict, SessionImportError, SessionStoreFull
 from server.engine._export import export_session, import_session
-from server.engine._session import Session
-from server.engine._store import SessionStore, StoreStats, new_revision
+from server.engine._session import Applied, Session, applied_of
+from server.engine._store import SessionStore, StoreStats, committed, new_revision
 
 __all__ = ["SNAPSHOT_FORMAT", "MemorySessionStore"]
 
@@ -93,6 +93,10 @@ class MemorySessionStore(SessionStore):
     def insert(self, session: Session) -> Session:
         session = dataclasses.replace(session, revision=new_revision())
         with self._lock:
+            old = self._sessions.get(session.id)
+            # a replaced record of the same owner passes its keys on; a restored one brings its own
+            kept = applied_of(old) if old is not None and old.owner == session.owner else applied_of(session)
+            session, _ = committed(session, kept)
             if not self._fits(*self._stored_with(session)):
                 self._sweep_locked()  # expired sessions make room before live ones are evicted
             victims = self._victims(session)
@@ -111,7 +115,7 @@ class MemorySessionStore(SessionStore):
                 return None
             if stored.revision != session.revision:
                 raise SessionConflict(session.id)
-            session = dataclasses.replace(session, revision=new_revision())
+            session, _ = committed(dataclasses.replace(session, revision=new_revision()), applied_of(stored))
             self._put(session)
             return session
 
@@ -164,7 +168,8 @@ class MemorySessionStore(SessionStore):
                 assert self._model is not None
                 z.writestr(member, export_session(session, model_hash, self._model))
                 index.append({"member": member, "id": session.id, "owner": session.owner,
-                              "created": session.created, "last_used": session.last_used, "ttl_s": session.ttl_s})
+                              "created": session.created, "last_used": session.last_used, "ttl_s": session.ttl_s,
+                              "applied": [entry.encode() for entry in applied_of(session)]})
             z.writestr("index.json", json.dumps({"format": SNAPSHOT_FORMAT, "model_hash": model_hash,
                                                  "sessions": index}))
         os.replace(tmp, path)
@@ -193,6 +198,9 @@ class MemorySessionStore(SessionStore):
                         session = dataclasses.replace(
                             session, id=str(entry["id"]), owner=owner, created=float(entry["created"]),
                             last_used=float(entry["last_used"]), ttl_s=float(entry["ttl_s"]))
+                        # a snapshot of an older server has none
+                        applied = tuple(Applied.decode(str(line)) for line in entry.get("applied", ()))
+                        session, _ = committed(session, applied)
                     except (KeyError, TypeError, ValueError, AttributeError, SessionImportError) as e:
                         skipped += 1
                         log.warning("a session of the snapshot cannot be read (%s): skipped", e)

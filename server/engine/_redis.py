@@ -8,7 +8,9 @@ braces are a Redis Cluster hash tag: all of a namespace's keys live in one slot,
 them together):
 
     <ns>:s:<id>   hash: blob (the export), owner (the API key's hash, "" for none), created, last_used, ttl,
-                  revision (`Session.revision`, new at every write; "" for a record written before revisions);
+                  revision (`Session.revision`, new at every write; "" for a record written before revisions),
+                  applied (the last observes applied under an idempotency key, one line each, `Applied.encode`;
+                  written by the update that writes the observe's state);
                   Redis expires the key ttl seconds after its last use (PEXPIRE, renewed by every use)
     <ns>:lru      sorted set id -> last use (unix time): the LRU order, and the session count
     <ns>:exp      sorted set id -> when it expires: what the sweep looks at
@@ -70,8 +72,8 @@ from redis.commands.core import Script
 from models.session import SessionModel
 from server.engine._errors import SessionConflict, SessionImportError, SessionStoreFull, SessionStoreUnavailable
 from server.engine._export import export_session, import_session
-from server.engine._session import Session
-from server.engine._store import SessionStore, StoreStats, new_revision
+from server.engine._session import APPLIED_KEPT, Applied, KeyedSession, Session, applied_of, keyed
+from server.engine._store import SessionStore, StoreStats, committed, new_revision
 
 __all__ = ["RedisSessionStore"]
 
@@ -149,7 +151,7 @@ class RedisSessionStore(SessionStore):
         fields = self._run("get", session_id, owner or "", "1" if touch else "0", repr(self._clock()))
         if fields is None:
             return None
-        blob, stored_owner, created, last_used, ttl, revision = fields
+        blob, stored_owner, created, last_used, ttl, revision, applied = fields
         bound = self._binding()
         try:
             session, _ = import_session(blob, model_hash=bound.model_hash, template=bound.template,
@@ -157,9 +159,12 @@ class RedisSessionStore(SessionStore):
         except SessionImportError as e:
             log.error("session %s in Redis cannot be read (%s); treating it as absent", session_id[:8], e)
             return None
-        return dataclasses.replace(session, id=session_id, owner=stored_owner.decode() or None,
-                                   created=float(created), last_used=float(last_used), ttl_s=float(ttl),
-                                   revision=revision.decode())
+        session = dataclasses.replace(session, id=session_id, owner=stored_owner.decode() or None,
+                                      created=float(created), last_used=float(last_used), ttl_s=float(ttl),
+                                      revision=revision.decode())
+        if not applied:
+            return session
+        return keyed(session, applied=tuple(Applied.decode(line) for line in applied.decode().split("\n")))
 
     def contains(self, session_id: str) -> bool:
         bound = self._binding()
@@ -189,16 +194,22 @@ class RedisSessionStore(SessionStore):
         # (Redis paused just after) is done and still answered 503.
         # The revision check also refuses such a late write once the session was written since (by the client's
         # retry, say).
+        # An observe under an idempotency key writes the key with its state, in the script: a write whose reply is
+        # lost (the window above) is then known by its key, and the client's retry answers as it did instead of
+        # observing again.
         deadline = time.time() + self._skew_s + self._timeout_s / 2
         revision = new_revision()
+        entry = session.observing if isinstance(session, KeyedSession) else None
+        record, _ = committed(session, applied_of(session))  # what was stored, as this write leaves it
         written = int(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock())),
-                                str(math.floor(deadline * 1000)), session.revision or "", revision))
-        if written == -2:
+                                str(math.floor(deadline * 1000)), session.revision or "", revision,
+                                entry.encode() if entry is not None else "", str(APPLIED_KEPT)))
+        if written in (-2, -3):  # -3: its key was applied meanwhile (then so was a revision: -2 comes first)
             raise SessionConflict(session.id)
         if written < 0:
             raise SessionStoreUnavailable("could not use the session store (it answered after the write's deadline; "
                                           "nothing was written)")
-        return dataclasses.replace(session, revision=revision) if written else None
+        return dataclasses.replace(record, revision=revision) if written else None
 
     def delete(self, session_id: str, owner: str | None) -> bool:
         return bool(self._run("delete", session_id, owner or ""))

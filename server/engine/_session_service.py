@@ -16,17 +16,19 @@ from typing import Any
 from models.adaptation import DynEvalConfig
 from models.checkpoint import Checkpoint
 from models.memory import MemorySettingsError, SessionConfig
-from models.session import SessionModel
+from models.session import Observed, SessionModel
 from server.engine._errors import (
     EngineUnavailable,
+    IdempotencyKeyReused,
     InvalidSessionSettings,
+    ObserveApplied,
     SessionNotFound,
     SessionStoreFull,
     SessionsUnavailable,
 )
 from server.engine._export import export_session, import_session
 from server.engine._loading import SessionLimits
-from server.engine._session import Session
+from server.engine._session import Applied, KeyedSession, Session, applied_of, keyed, text_digest
 from server.engine._store import SessionStore
 
 __all__ = ["SessionService"]
@@ -45,7 +47,7 @@ class SessionService:
     def load(self, ckpt: Checkpoint, limits: SessionLimits | None, why: str, base: DynEvalConfig | None) -> None:
         """The checkpoint is loaded: bind the store to it (the store may restore its sessions now)."""
         self._ckpt, self._limits, self._why, self.base = ckpt, limits, why, base
-        self._model = SessionModel.of(ckpt, None if limits is not None else {})
+        self._model = _AnsweringModel.of(ckpt, None if limits is not None else {})
         for memory in self._model.memories.values():
             memory.warm_up(ckpt.device)  # kernels compile here, not in the first request
         self.store.bind(ckpt.model_hash, self.template(), self._model)
@@ -119,6 +121,19 @@ class SessionService:
             raise SessionNotFound(session_id)
         return session
 
+    def observing(self, session_id: str, owner: str | None, key: str, data: bytes) -> KeyedSession:
+        """(Worker, in the session's turn.) The record an observe of `data` under idempotency `key` starts from,
+        carrying the key for the store's write; raises ObserveApplied (with the first answer) if the key was
+        applied already, IdempotencyKeyReused if it was applied to another text."""
+        session = self.get(session_id, owner)
+        digest = text_digest(data)
+        for entry in applied_of(session):
+            if entry.key == key:
+                if entry.digest != digest:
+                    raise IdempotencyKeyReused(key)
+                raise ObserveApplied(entry)
+        return keyed(session, applied=applied_of(session), observing=Applied(key, digest))
+
     def delete(self, session_id: str, owner: str | None) -> None:
         if not self.store.delete(session_id, owner):
             raise SessionNotFound(session_id)
@@ -158,6 +173,23 @@ class SessionService:
         except SessionStoreFull as e:
             e.retry_after_s = self._retry_after_s
             raise
+
+
+class _AnsweringModel(SessionModel):
+    """The sessions' model, whose record after an observe under an idempotency key carries that observe's answer
+    (`KeyedSession.observing`), for the store to keep with the key: a retry of it then answers as it did. The
+    answer is the one the text executor gives (server/engine/_text.py, `TextScore`), made from the same values."""
+
+    def observed(self, old: Session, text: Observed, bits: float, static_bits: float, now: float | None = None,
+                 ) -> Session:
+        new = super().observed(old, text, bits, static_bits, now)
+        if not isinstance(new, KeyedSession) or new.observing is None:
+            return new
+        main = text.job.rows[0]
+        answer = {"bits": bits, "bytes": len(text.scored), "static_bits": static_bits,
+                  "updates": main.updates, "nonfinite_reset": bool(main.dropped or main.resets),
+                  "tokens": sum(int(lp.numel()) for lp in main.logprobs), "pending_bytes": len(text.pending)}
+        return dataclasses.replace(new, observing=dataclasses.replace(new.observing, answer=answer))
 
 
 def _over(limit: float, param: str) -> InvalidSessionSettings:

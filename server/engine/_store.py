@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from models.session import SessionModel
-from server.engine._session import Session
+from server.engine._errors import SessionConflict
+from server.engine._session import APPLIED_KEPT, Applied, KeyedSession, Session, keyed
 
-__all__ = ["SessionStore", "StoreStats", "new_revision"]
+__all__ = ["SessionStore", "StoreStats", "committed", "new_revision"]
 
 
 def new_revision() -> str:
@@ -30,6 +31,22 @@ def new_revision() -> str:
     find "its" revision on the new one and write over it; a random token never comes back. Made here, not in
     Redis, so that the store's scripts stay deterministic."""
     return secrets.token_hex(16)
+
+
+def committed(session: Session, stored: tuple[Applied, ...]) -> tuple[KeyedSession | Session, Applied | None]:
+    """What a store writes for `session` over a record whose applied keys are `stored`: the record with those keys,
+    plus the key of the observe it is the result of (`KeyedSession.observing`), the last APPLIED_KEPT kept; and that
+    new entry (None: none). The keys are the stored record's, not the ones `session` was read with: a reset or an
+    import keeps them."""
+    entry = session.observing if isinstance(session, KeyedSession) else None
+    if entry is not None and entry.answer is None:
+        raise ValueError("an observe's key is recorded with its answer")
+    if entry is not None and any(a.key == entry.key for a in stored):
+        raise SessionConflict(session.id)  # applied since this work read the session (a retry of it on another server)
+    applied = (*stored, entry)[-APPLIED_KEPT:] if entry is not None else stored
+    if not applied and not isinstance(session, KeyedSession):
+        return session, None
+    return keyed(session, applied=applied), entry
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,8 @@ class SessionStore(ABC):
     @abstractmethod
     def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session | None:
         """The session, or None if there is none (expired, evicted, deleted, never created, another owner's).
-        `touch` marks it used (extends its TTL, makes it most recently used)."""
+        `touch` marks it used (extends its TTL, makes it most recently used). A record with applied idempotency
+        keys is a `KeyedSession` (`applied_of`)."""
 
     @abstractmethod
     def contains(self, session_id: str) -> bool:
@@ -54,7 +72,8 @@ class SessionStore(ABC):
 
     @abstractmethod
     def insert(self, session: Session) -> Session:
-        """Create or replace `session`, whatever is stored (its revision is not checked); evicts expired, then
+        """Create or replace `session`, whatever is stored (its revision is not checked; a replaced record of the same
+        owner passes its applied idempotency keys on, `committed`); evicts expired, then
         least recently used unpinned sessions to stay in the limits; raises SessionStoreFull (evicting and storing
         nothing) if that cannot make room. -> the stored record (`session` with its new revision)."""
 
@@ -63,7 +82,8 @@ class SessionStore(ABC):
         """Replace the stored session of the same id, if it is still the revision `session` was read from
         (`session.revision`, which work keeps through `dataclasses.replace`). -> the stored record (with its new
         revision); None (storing nothing) if the session is gone (deleted); raises SessionConflict (storing
-        nothing) if it was changed since that read."""
+        nothing) if it was changed since that read. An observe under an idempotency key (`KeyedSession.observing`)
+        is recorded in the same write, atomically (`committed`); the stored keys outlive writes without one."""
 
     @abstractmethod
     def delete(self, session_id: str, owner: str | None) -> bool:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Path, Response
+from fastapi import Header, Path, Response
 
+from server.engine import IDEMPOTENCY_KEY
 from server.errors import (
     ConflictError,
     openapi_responses,
@@ -53,6 +54,14 @@ async def delete_session(session_id: SessionPath, ctx: ContextDep) -> Response:
     return await sessions.delete_session(session_id, ctx)
 
 
+# The IETF draft's header (draft-ietf-httpapi-idempotency-key-header): a Structured Field string, so its quoted form
+# is read too; most clients send the bare token.
+IdempotencyKey = Annotated[str | None, Header(
+    alias="Idempotency-Key", pattern=rf'^(?:{IDEMPOTENCY_KEY}|"{IDEMPOTENCY_KEY}")$',
+    description="A key of the client's (e.g. a UUID) naming this observe: the session applies it once, however "
+                "often it is sent; a retry of one that was applied answers as it did (`Idempotent-Replayed: true`). "
+                "1-128 of `A-Za-z0-9_.:+/=-`.")]
+
 # 409 session_conflict: another request (on another replica) changed the session meanwhile; nothing was applied
 _CONFLICT = openapi_responses(ConflictError)
 
@@ -65,10 +74,13 @@ async def reset_session(session_id: SessionPath, ctx: ContextDep) -> SessionResp
 
 
 @router.post("/{session_id}/observe", response_model=ObserveResponse, responses=_CONFLICT)
-async def observe(session_id: SessionPath, body: ObserveRequest, ctx: ContextDep) -> ObserveResponse | Response:
+async def observe(session_id: SessionPath, body: ObserveRequest, ctx: ContextDep, response: Response,
+                  idempotency_key: IdempotencyKey = None) -> ObserveResponse | Response:
     """The text's bits under the session, each segment scored before the session adapts on it. 409
-    `session_conflict` if another request changed the session meanwhile (nothing applied: send it again)."""
-    return await sessions.observe(session_id, body, ctx)
+    `session_conflict` if another request changed the session meanwhile (nothing applied: send it again). With an
+    `Idempotency-Key`, it is applied once: send it again with the same key after any failure (a 503 may come after
+    the session was written)."""
+    return await sessions.observe(session_id, body, ctx, response, idempotency_key)
 
 
 @router.post("/{session_id}/suggest", response_model=SuggestResponse)

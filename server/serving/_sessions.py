@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Response
 
-from server.engine import InvalidSessionSettings, Session, SessionConfig, TextScore
+from server.engine import IdempotencyKeyReused, InvalidSessionSettings, Session, SessionConfig, TextScore
 from server.errors import UnprocessableEntityError
 from server.protocol import (
     AdaptationParams,
@@ -139,12 +139,26 @@ async def reset_session(session_id: str, ctx: Context) -> SessionResponse | Resp
     return session_response(session, ctx) if session is not None else Response(status_code=499)
 
 
-async def observe(session_id: str, body: ObserveRequest, ctx: Context) -> ObserveResponse | Response:
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"  # "true" on the answer of an observe whose key was applied before
+
+
+async def observe(session_id: str, body: ObserveRequest, ctx: Context, response: Response,
+                  idempotency_key: str | None = None) -> ObserveResponse | Response:
     data = body.text.encode("utf-8")
     check_text(data, ctx.settings, "text")
-    work = ctx.engine.score(data, session_id=session_id, owner=ctx.owner, adapt=True)
-    result = await run_unless_disconnected(ctx.request, work)
-    return observed(result) if result is not None else Response(status_code=499)
+    key = idempotency_key.strip('"') if idempotency_key is not None else None  # its Structured Field form
+    work = ctx.engine.observe(data, session_id=session_id, owner=ctx.owner, idempotency_key=key)
+    try:
+        done = await run_unless_disconnected(ctx.request, work)
+    except IdempotencyKeyReused as e:
+        raise UnprocessableEntityError(str(e), param=IDEMPOTENCY_HEADER, code="idempotency_key_reused") from None
+    if done is None:
+        return Response(status_code=499)
+    result, replayed = done
+    if key is not None:
+        response.headers[REPLAYED_HEADER] = "true" if replayed else "false"
+    return observed(result)
 
 
 async def export_state(session_id: str, ctx: Context) -> Response:

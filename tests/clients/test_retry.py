@@ -177,8 +177,42 @@ def test_readiness_and_broken_connections_are_not_retried() -> None:
 
     with Client("http://adaptlm.test", transport=httpx.MockTransport(broken)) as c, \
             pytest.raises(APIConnectionError):
-        c.observe("some-session-0123456789", "x")
+        c.reset_session("some-session-0123456789")
     assert len(calls) == 1
+
+
+def test_an_observe_is_sent_with_one_key_on_all_its_tries() -> None:
+    """An observe carries an Idempotency-Key (the server applies a key once), the same on each retry: after a 503 and
+    after a connection that broke once the request went, which for other requests is not retried."""
+    calls: list[httpx.Request] = []
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        raise httpx.ReadError("connection reset by peer", request=request)
+
+    with Client("http://adaptlm.test", transport=httpx.MockTransport(broken), retry=RetryPolicy(backoff_s=0)) as c, \
+            pytest.raises(APIConnectionError):
+        c.observe("some-session-0123456789", "x")
+    keys = [r.headers["Idempotency-Key"] for r in calls]
+    assert len(keys) == 3 and len(set(keys)) == 1 and len(keys[0]) == 36
+    observed = {"bits": 1.0, "bytes": 1, "bits_per_byte": 1.0, "static_bits": 1.0, "static_bits_per_byte": 1.0,
+                "updates": 0, "nonfinite_reset": False, "tokens": 1, "pending_bytes": 0}
+    transport, seen = scripted(refused(503, "0"), httpx.Response(200, json=observed))
+    with Client("http://adaptlm.test", transport=transport) as c:
+        c.observe("some-session-0123456789", "x")
+        c.observe("some-session-0123456789", "x", idempotency_key="mine-1")
+    keys = [request.headers["Idempotency-Key"] for _, request in seen]
+    assert len(keys) == 3 and keys[0] == keys[1] != keys[2] == "mine-1"
+
+    async def main() -> None:
+        async with AsyncClient("http://adaptlm.test", transport=httpx.MockTransport(broken),
+                               retry=RetryPolicy(backoff_s=0)) as ac:
+            await ac.observe("some-session-0123456789", "x")
+
+    calls.clear()
+    with pytest.raises(APIConnectionError):
+        asyncio.run(main())
+    assert len(calls) == 3 and len({r.headers["Idempotency-Key"] for r in calls}) == 1
 
 
 def _refused_then(failures: int, exc: type[httpx.TransportError]) -> tuple[httpx.MockTransport, list[float]]:

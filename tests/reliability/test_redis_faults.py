@@ -1,7 +1,9 @@
 """A Redis that goes away under a running server (sessions in Redis), then comes back: while it is away, what needs
 the store answers 503 in the one error shape with Retry-After (`session_store_unavailable`), nothing else fails,
 and work that needs no session goes on; once it is back the same server process serves again, without a restart,
-and no session lost or gained an observe that was not acknowledged.
+and no session lost or gained an observe that was not acknowledged. The observes go through the SDK, which retries
+a 503 as told (`Retry-After`) under the same `Idempotency-Key`: an observe whose write landed in Redis just before it
+went away (answered 503) is answered as applied by its retry, and not applied twice.
 
 Two ways to go away: stopped (connections refused; restarted on the same port with its append-only file, so the
 sessions are still there), and paused with SIGSTOP (connections accepted, no answer: a hung Redis or a network
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from clients import AdaptlmError, Client, RetryPolicy
 from tests.reliability.conftest import RedisProcess, ServerProcess, run_server
 
 TEXT = "The meeting has moved to Thursday afternoon, same room as last week.\n"
@@ -37,41 +40,72 @@ class Answer:
     response: httpx.Response
 
 
+class Recording(httpx.HTTPTransport):
+    """The SDK's transport, keeping every answer to its requests (its retries included)."""
+
+    def __init__(self, answers: list[Answer]) -> None:
+        super().__init__()
+        self.answers = answers
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        response.read()
+        self.answers.append(Answer(time.monotonic(), "observe", response.status_code, response))
+        return response
+
+
+# Longer than Redis is away in these tests: every observe is answered in the end
+RETRY_AS_TOLD = RetryPolicy(max_retries=20, max_delay_s=5.0)
+
+
 @dataclass
 class Worker:
-    """One client in a loop: observe its session, suggest, read it back, a static score; every answer kept."""
+    """One client in a loop over `calls`: observe its session (with the SDK, retrying as told: the loop waits), or
+    suggest, read it back and a static score (answered at once, 503 or not); every answer kept."""
 
     url: str
     session: str | None  # None: static scores only
+    calls: tuple[str, ...]
     answers: list[Answer] = field(default_factory=list)
-    acknowledged: int = 0  # bytes of the observes answered 200
-    unknown: int = 0  # bytes of the observes cut off by a transport error (none expected)
+    acknowledged: int = 0  # bytes of the observes the SDK returned (answered 200, maybe after retries)
+    unknown: int = 0  # bytes of the observes that raised, and other requests cut off (none expected)
+
+    def observe(self, sdk: Client) -> httpx.Response:
+        try:
+            sdk.observe(str(self.session), TEXT)
+        except AdaptlmError:
+            self.unknown += len(TEXT)
+        else:
+            self.acknowledged += len(TEXT)
+        return self.answers[-1].response
 
     def run(self, stop: threading.Event) -> None:
-        with httpx.Client(base_url=self.url, timeout=30) as c:
+        with httpx.Client(base_url=self.url, timeout=30) as c, \
+                Client(self.url, timeout=30, retry=RETRY_AS_TOLD, transport=Recording(self.answers)) as sdk:
             calls: list[tuple[str, Callable[[], httpx.Response]]] = [
-                ("observe", lambda: c.post(f"/v1/sessions/{self.session}/observe", json={"text": TEXT})),
+                ("observe", lambda: self.observe(sdk)),
                 ("suggest", lambda: c.post(f"/v1/sessions/{self.session}/suggest", json={"context": "The mee"})),
                 ("get", lambda: c.get(f"/v1/sessions/{self.session}")),
                 ("score", lambda: c.post("/v1/score", json={"text": TEXT})),
             ]
-            if self.session is None:
-                calls = calls[-1:]
+            calls = [(what, call) for what, call in calls if what in self.calls]
             while not stop.is_set():
                 for what, call in calls:
                     try:
                         r = call()
                     except httpx.TransportError:
-                        self.unknown += len(TEXT) if what == "observe" else 0
+                        self.unknown += 1
                         continue
-                    self.answers.append(Answer(time.monotonic(), what, r.status_code, r))
-                    if what == "observe" and r.status_code == 200:
-                        self.acknowledged += len(TEXT)
+                    if what != "observe":  # the SDK's answers are kept by its transport
+                        self.answers.append(Answer(time.monotonic(), what, r.status_code, r))
                     time.sleep(0.02)
 
 
 def run_load(url: str, sessions: list[str | None]) -> tuple[list[Worker], threading.Event, list[threading.Thread]]:
-    workers = [Worker(url, sid) for sid in sessions]
+    """Per session, one worker observing and one reading it (and scoring); per None, a static scorer."""
+    workers = [w for sid in sessions for w in (
+        [Worker(url, sid, ("observe",)), Worker(url, sid, ("suggest", "get", "score"))] if sid is not None
+        else [Worker(url, None, ("score",))])]
     stop = threading.Event()
     threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
     for t in threads:
@@ -153,7 +187,7 @@ def test_redis_paused_mid_run(server_and_store: tuple[ServerProcess, RedisProces
         assert sum(a.at > up + recovery and a.what == "observe" and a.status == 200 for a in answers) >= 2
         for w in workers:
             assert w.unknown == 0
-            if w.session is not None:
+            if "observe" in w.calls:
                 assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
         static = [a.at for a in workers[-1].answers]
         gap = max(b - a for a, b in zip(static, static[1:], strict=False))
@@ -191,12 +225,14 @@ def test_redis_stopped_and_restarted_mid_run(server_and_store: tuple[ServerProce
         assert recovery < 2.0, recovery
         assert server.process.poll() is None and c.get("/readyz").status_code == 200
         assert sum(a.at > up + recovery and a.what == "observe" for a in answers) >= 3
-        # no observe was applied that was not acknowledged, none acknowledged was lost
+        # no observe was applied that was not acknowledged, none twice, none acknowledged was lost
         for w in workers:
             assert w.unknown == 0
-            assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
+            if "observe" in w.calls:
+                assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
+    replayed = sum(a.response.headers.get("idempotent-replayed") == "true" for a in answers)
     print(f"redis stopped 2.5 s: {len(answers)} answers, {unavailable} 503s, all answered again "
-          f"{recovery:.2f} s after it restarted")
+          f"{recovery:.2f} s after it restarted; {replayed} observes answered by their earlier write")
 
 
 def reachable_again(call: Callable[[], Any], timeout_s: float = 5.0) -> Any:

@@ -119,7 +119,10 @@ end
 for _, v in ipairs(expired) do unindex(v) end
 if not fits() then return {-1, #expired} end
 for _, v in ipairs(victims) do redis.call('DEL', skey(v)); unindex(v) end
+-- a replaced record of the same owner passes on the idempotency keys applied to it (see update.lua)
+local kept = redis.call('HMGET', skey(id), 'owner', 'applied')
 redis.call('DEL', skey(id))
 write(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[14])
+if kept[2] and kept[1] == owner then redis.call('HSET', skey(id), 'applied', kept[2]) end
 redis.call('PEXPIRE', skey(id), ARGV[11])
 return {#victims, #expired}
