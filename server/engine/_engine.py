@@ -12,10 +12,11 @@ and the lifecycle. The parts:
   suggestions (`_suggest.py`) and generations (`_generation.py`); session operations (`_work.Call`).
 
 A session's state is read from the store when its work starts and written back when it ends; sessions with
-work in flight are pinned (never evicted). A session is looked up by its id and its owner: work on it is submitted
-with the id it is stored under (`SessionService.resolve`: an alias, where another key's session holds the id,
-`_idspace.py`), and what is answered carries the id the caller sent. A cancelled caller's work is dropped before it
-starts, or between two segments (a session is then left as it was). `stop` finishes all queued and running work.
+work in flight are pinned (never evicted). A session is named by its id and its owner: work that takes its turn
+is submitted with the id it is stored under (`SessionService.resolve`: an alias, where another key's session holds
+the id, `_idspace.py`), and what is answered carries the id the caller sent. A cancelled caller's work is dropped
+before it starts, or between two segments (a session is then left as it was). `stop` finishes all queued and
+running work.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from models.precision import PRECISIONS, inference_precision
 from models.sampling import SamplingParams
 from models.suggest import Suggestions
 from models.tokenizer import byte_level, word_level
-from server.engine._errors import EngineUnavailable, ObserveApplied
+from server.engine._errors import EngineUnavailable, ObserveApplied, SessionNotFound
 from server.engine._generation import GenerationExecutor, GenerationJob, GenerationStream
 from server.engine._idspace import is_alias, public_id
 from server.engine._loading import ModelInfo, SessionLimits, load_model
@@ -211,9 +212,9 @@ class Engine:
             raise ValueError("adapting needs a session")
         if session_id is not None:
             self.sessions.limits()
-            # on the event loop: no store read here; the callers have looked the session up (`get_session`), which
-            # resolved its id
-            session_id = self.sessions.route(session_id, owner)
+            # on the event loop: no store read here; the callers have just looked the session up (`get_session`),
+            # which found its stored id
+            session_id = self.sessions.route(_named(session_id), owner)
         job = GenerationJob(asyncio.get_running_loop(), prompt, params, n, logprobs, prompt_logprobs,
                             session_id=session_id, owner=owner, adapt=adapt)
         self._scheduler.put(job)
@@ -228,9 +229,9 @@ class Engine:
         self.sessions.limits()
         budget = self.config.suggest_budget_ms
         deadline = time.monotonic() + budget / 1000 if budget > 0 else math.inf
-        session_id = await self._stored(session_id, owner)
-        result: Suggestions = await self._submit(Suggest(session_id, context, owner=owner, k=k, max_chars=max_chars,
-                                                         n_chars=n_chars, deadline=deadline))
+        # no turn to take: its read (`SessionService.get`) finds the alias, if any
+        result: Suggestions = await self._submit(Suggest(_named(session_id), context, owner=owner, k=k,
+                                                         max_chars=max_chars, n_chars=n_chars, deadline=deadline))
         return result
 
     # -- sessions ----------------------------------------------------------------------------------
@@ -257,11 +258,11 @@ class Engine:
 
     def get_session(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session:
         """The session's last committed record (work in flight is not in it yet)."""
-        return _shown(self.sessions.get(self.sessions.resolve(session_id, owner), owner, touch=touch))
+        return _shown(self.sessions.get(_named(session_id), owner, touch=touch))
 
     def delete_session(self, session_id: str, owner: str | None) -> None:
         """Remove it now; work already running for it finishes but is not written back."""
-        self.sessions.delete(self.sessions.resolve(session_id, owner), owner)
+        self.sessions.delete(_named(session_id), owner)
 
     async def reset_session(self, session_id: str, owner: str | None) -> Session:
         """Back to the start (initial state, M = 0, no statistics), keeping its id, owner, config and TTL."""
@@ -273,7 +274,7 @@ class Engine:
 
     async def export_session(self, session_id: str, owner: str | None) -> bytes:
         """The session as a blob (`_export.export_session`), tagged with these weights' hash."""
-        return await asyncio.to_thread(lambda: self.sessions.export(self.sessions.resolve(session_id, owner), owner))
+        return await asyncio.to_thread(self.sessions.export, _named(session_id), owner)
 
     async def import_session(self, session_id: str, owner: str | None, blob: bytes) -> Session:
         """Create or replace `session_id` from an exported blob; raises SessionImportError (`conflict` when it
@@ -289,6 +290,7 @@ class Engine:
 
     async def _stored(self, session_id: str, owner: str | None) -> str:
         """`SessionService.resolve`, off the event loop (the store may do I/O); nothing to read without an owner."""
+        session_id = _named(session_id)
         if owner is None:
             return session_id
         return await asyncio.to_thread(self.sessions.resolve, session_id, owner)
@@ -334,3 +336,10 @@ class Engine:
 def _shown(session: Session) -> Session:
     """The record as its owner is shown it: with the id it sent, not its alias."""
     return dataclasses.replace(session, id=public_id(session.id)) if is_alias(session.id) else session
+
+
+def _named(session_id: str) -> str:
+    """A session id as a client sends it: an alias is no name of a session."""
+    if is_alias(session_id):
+        raise SessionNotFound(session_id)
+    return session_id

@@ -11,11 +11,13 @@ engine's errors import it.
 from __future__ import annotations
 
 import hashlib
+import re
 
 __all__ = ["SEPARATOR", "alias_of", "is_alias", "public_id"]
 
 SEPARATOR = "~"
 _TAG_HEX = 16  # 64 bits: owners are API keys (a few); two of them sharing a tag is not to be expected
+_ALIAS = re.compile(rf"(.+){re.escape(SEPARATOR)}[0-9a-f]{{{_TAG_HEX}}}")
 
 
 def alias_of(session_id: str, owner: str) -> str:
@@ -23,10 +25,12 @@ def alias_of(session_id: str, owner: str) -> str:
     return f"{session_id}{SEPARATOR}{hashlib.sha256(owner.encode('utf-8')).hexdigest()[:_TAG_HEX]}"
 
 
-def is_alias(stored_id: str) -> bool:
-    return SEPARATOR in stored_id
+def is_alias(session_id: str) -> bool:
+    """An alias, or at least no id a client may name a session by."""
+    return SEPARATOR in session_id
 
 
 def public_id(stored_id: str) -> str:
-    """The id the session's owner knows it by."""
-    return stored_id.partition(SEPARATOR)[0]
+    """The id the session's owner knows it by (any other id as it is)."""
+    alias = _ALIAS.fullmatch(stored_id)
+    return alias.group(1) if alias else stored_id

@@ -36,7 +36,7 @@ from server.engine._store import SessionStore
 
 __all__ = ["SessionService"]
 
-_ROUTES_KEPT = 4096  # the aliases `resolve` found last (for `route`, which reads no store)
+_ROUTES_KEPT = 4096  # the aliases `resolve` and `get` found last (for `route`, which reads no store)
 
 
 class SessionService:
@@ -109,37 +109,36 @@ class SessionService:
     # -- ids (_idspace.py) ------------------------------------------------------------------------------
 
     def resolve(self, session_id: str, owner: str | None) -> str:
-        """The stored id of `owner`'s session `session_id` (what work on it is submitted with, so that its turn,
-        pins and records are the stored one's): the alias if `owner` has one there (another owner's session held
-        the id when `owner` imported onto it), else the id itself. One store read (whether the alias exists), none
-        without an owner (no API keys: one id space). An id a client cannot send (an alias) names no session."""
+        """The stored id of `owner`'s session `session_id`, for work that takes the session's turn (what it is
+        submitted with, so that its turn, pins and record are the stored one's): the alias if `owner` has one there
+        (another owner's session held the id when `owner` imported onto it), else the id itself. One store read
+        (whether the alias exists), none without an owner (no API keys: one id space)."""
         if owner is None:
             return session_id
-        if is_alias(session_id):
-            raise SessionNotFound(session_id)
         alias = alias_of(session_id, owner)
         # at most one of the two is `owner`'s (`load_export` writes the alias only while another owner holds the
-        # id, and the id only while `owner` has no alias), so looking for the alias is enough
+        # id, and the id only while `owner` has no alias there), so looking for the alias is enough
         found = self.store.contains(alias)
-        with self._routes_lock:
-            if found:
-                self._routes[session_id, owner] = alias
-                self._routes.move_to_end((session_id, owner))
-                while len(self._routes) > _ROUTES_KEPT:
-                    self._routes.popitem(last=False)
-            else:
-                self._routes.pop((session_id, owner), None)
+        self._remember(session_id, owner, alias if found else None)
         return alias if found else session_id
 
     def route(self, session_id: str, owner: str | None) -> str:
-        """`resolve` without reading the store (for a caller on the event loop): the alias `resolve` found last for
-        this id and owner, else the id (`get` still finds an alias it was not told of)."""
+        """`resolve` without reading the store, for a caller on the event loop that has just looked the session up
+        (`get`): the alias that look-up found, else the id (`get` would still find an alias it was not told of)."""
         if owner is None:
             return session_id
-        if is_alias(session_id):
-            raise SessionNotFound(session_id)
         with self._routes_lock:
             return self._routes.get((session_id, owner), session_id)
+
+    def _remember(self, session_id: str, owner: str, alias: str | None) -> None:
+        with self._routes_lock:
+            if alias is None:
+                self._routes.pop((session_id, owner), None)
+                return
+            self._routes[session_id, owner] = alias
+            self._routes.move_to_end((session_id, owner))
+            while len(self._routes) > _ROUTES_KEPT:
+                self._routes.popitem(last=False)
 
     # -- records ---------------------------------------------------------------------------------------
 
@@ -157,11 +156,13 @@ class SessionService:
         return dataclasses.replace(self.fresh("", None, self._ttl_s, SessionConfig()), created=0.0, last_used=0.0)
 
     def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session:
-        """The session's last committed record (work in flight is not in it yet), by its stored id (`resolve`); a
-        public id that is not `owner`'s finds `owner`'s alias there (a second read, on a miss only)."""
+        """The session's last committed record (work in flight is not in it yet), by its id or its stored id
+        (`resolve`): an id that is not `owner`'s finds `owner`'s alias there (a second read, on a miss only)."""
         session = self.store.get(session_id, owner, touch=touch)
-        if session is None and owner is not None and not is_alias(session_id):
-            session = self.store.get(alias_of(session_id, owner), owner, touch=touch)
+        if owner is not None and not is_alias(session_id):
+            if session is None:
+                session = self.store.get(alias_of(session_id, owner), owner, touch=touch)
+            self._remember(session_id, owner, session.id if session is not None and is_alias(session.id) else None)
         if session is None:
             raise SessionNotFound(session_id)
         return session
@@ -180,7 +181,9 @@ class SessionService:
         return keyed(session, applied=applied_of(session), observing=Applied(key, digest))
 
     def delete(self, session_id: str, owner: str | None) -> None:
-        if not self.store.delete(session_id, owner):
+        """Delete `owner`'s session of that id (its alias, if another owner's holds the id: a second store call)."""
+        if not self.store.delete(session_id, owner) and (
+                owner is None or is_alias(session_id) or not self.store.delete(alias_of(session_id, owner), owner)):
             raise SessionNotFound(session_id)
 
     def export(self, session_id: str, owner: str | None) -> bytes:
@@ -209,7 +212,7 @@ class SessionService:
         if self.store.get(session_id, owner, touch=False) is None and self.store.contains(session_id):
             if owner is None or is_alias(session_id):  # (an alias of another owner: two owners' tags alike)
                 raise SessionNotFound(session_id)
-            session_id = alias_of(session_id, owner)  # taken since `resolve` looked, or by a caller that did not
+            session_id = alias_of(session_id, owner)  # (`resolve` found no alias: this import makes it)
         template = self.fresh(session_id, owner, self._ttl_s, SessionConfig())
         session, _ = import_session(blob, model_hash=self._checkpoint().model_hash, template=template,
                                     sessions=self.model)

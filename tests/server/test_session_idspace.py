@@ -154,8 +154,10 @@ def test_a_key_with_its_own_session_at_the_id_replaces_it(a: httpx.Client, b: ht
 
 
 class CountingStore(MemorySessionStore):
+    """Counts the reads: a session's id costs one, its owner's alias a second only where the id is not its."""
+
     def __init__(self) -> None:
-        super().__init__(max_sessions=10, max_bytes=1 << 20)
+        super().__init__(max_sessions=10, max_bytes=1 << 30)
         self.reads = 0
 
     def contains(self, session_id: str) -> bool:
@@ -167,13 +169,27 @@ class CountingStore(MemorySessionStore):
         return super().get(session_id, owner, touch=touch)
 
 
-def test_resolving_an_id_reads_the_store_once_and_not_without_keys() -> None:
+def test_looking_a_session_up_costs_one_read_where_the_id_is_the_owners() -> None:
+    from server.engine import SessionNotFound
     from server.engine._idspace import alias_of, public_id
     from server.engine._session_service import SessionService
+    from tests.server.test_redis_store import make
 
     store = CountingStore()
     service = SessionService(store, ttl_s=60.0, max_ttl_s=60.0, retry_after_s=1)
     x = new_session_id()
-    assert service.resolve(x, None) == x and store.reads == 0
-    assert service.resolve(x, "owner-b") == x and store.reads == 1
+    store.insert(make(x, "owner-a"))
+    assert service.resolve(x, None) == x and store.reads == 0  # no keys: no resolving
+    assert service.resolve(x, "owner-a") == x and store.reads == 1
+    assert service.get(x, "owner-a").id == x and store.reads == 2
+    with pytest.raises(SessionNotFound, match=x):
+        service.get(x, "owner-b")
+    assert store.reads == 4  # another owner's: a miss, then its alias (a miss too)
+    store.insert(make(alias_of(x, "owner-b"), "owner-b"))
+    assert service.route(x, "owner-b") == x  # not looked up since
+    assert service.get(x, "owner-b").id == alias_of(x, "owner-b")
+    assert service.route(x, "owner-b") == service.resolve(x, "owner-b") == alias_of(x, "owner-b")
+    assert service.get(x, "owner-a").id == x and service.route(x, "owner-a") == x
     assert public_id(alias_of(x, "owner-b")) == x and alias_of(x, "owner-b") != alias_of(x, "owner-a")
+    with pytest.raises(SessionNotFound, match=f"'{x}'"):
+        service.get(alias_of(x, "owner-a"), "owner-a")  # named as its owner knows it
