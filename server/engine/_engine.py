@@ -12,8 +12,11 @@ and the lifecycle. The parts:
   suggestions (`_suggest.py`) and generations (`_generation.py`); session operations (`_work.Call`).
 
 A session's state is read from the store when its work starts and written back when it ends; sessions with
-work in flight are pinned (never evicted). A cancelled caller's work is dropped before it starts, or
-between two segments (a session is then left as it was). `stop` finishes all queued and running work.
+work in flight are pinned (never evicted). A session is named by its id and its owner: work that takes its turn
+is submitted with the id it is stored under (`SessionService.resolve`: an alias, where another key's session holds
+the id, `_idspace.py`), and what is answered carries the id the caller sent. A cancelled caller's work is dropped
+before it starts, or between two segments (a session is then left as it was). `stop` finishes all queued and
+running work.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from models.precision import PRECISIONS, inference_precision
 from models.sampling import SamplingParams
 from models.suggest import Suggestions
 from models.tokenizer import byte_level, word_level
-from server.engine._errors import EngineUnavailable, ObserveApplied
+from server.engine._errors import EngineUnavailable, ObserveApplied, SessionNotFound
 from server.engine._generation import GenerationExecutor, GenerationJob, GenerationStream
+from server.engine._idspace import is_alias, public_id
 from server.engine._loading import ModelInfo, SessionLimits, load_model
 from server.engine._memory_store import MemorySessionStore
 from server.engine._scheduler import Scheduler
@@ -171,6 +175,7 @@ class Engine:
             raise ValueError("adapting needs a session")
         if session_id is not None:
             self.sessions.limits()
+            session_id = await self._stored(session_id, owner)
         mode: Literal["static", "peek", "observe"] = "static" if session_id is None else (
             "observe" if adapt else "peek")
         result: TextScore = await self._submit(Text(data, mode, session_id=session_id, owner=owner,
@@ -190,6 +195,7 @@ class Engine:
         if not data:
             raise ValueError("empty text: nothing to score")
         self.sessions.limits()
+        session_id = await self._stored(session_id, owner)
         # the record it starts from is read in the session's turn on the worker, where the key is checked
         start = functools.partial(self.sessions.observing, session_id, owner, idempotency_key, data)
         try:
@@ -220,6 +226,9 @@ class Engine:
             raise ValueError("adapting needs a session")
         if session_id is not None:
             self.sessions.limits()
+            # on the event loop: no store read here; the callers have just looked the session up (`get_session`),
+            # which found its stored id
+            session_id = self.sessions.route(_named(session_id), owner)
         job = GenerationJob(asyncio.get_running_loop(), prompt, params, n, logprobs, prompt_logprobs,
                             session_id=session_id, owner=owner, adapt=adapt, budget=budget or self.budget())
         self._scheduler.put(job)
@@ -234,8 +243,9 @@ class Engine:
         self.sessions.limits()
         budget = self.config.suggest_budget_ms
         deadline = time.monotonic() + budget / 1000 if budget > 0 else math.inf
-        result: Suggestions = await self._submit(Suggest(session_id, context, owner=owner, k=k, max_chars=max_chars,
-                                                         n_chars=n_chars, deadline=deadline))
+        # no turn to take: its read (`SessionService.get`) finds the alias, if any
+        result: Suggestions = await self._submit(Suggest(_named(session_id), context, owner=owner, k=k,
+                                                         max_chars=max_chars, n_chars=n_chars, deadline=deadline))
         return result
 
     # -- sessions ----------------------------------------------------------------------------------
@@ -256,38 +266,48 @@ class Engine:
             scored: TextScore = await self._submit(Text(initial_text, "observe", session_id=session_id, owner=owner,
                                                         create=create, budget=self.budget()))
             # the store may do I/O (Redis): off the event loop
-            return await asyncio.to_thread(self.get_session, session_id, owner, touch=False), scored
+            return await asyncio.to_thread(self.sessions.get, session_id, owner, touch=False), scored
         session: Session = await self._submit(Call(create, session_id=session_id, owner=owner))
         return session, None
 
     def get_session(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session:
         """The session's last committed record (work in flight is not in it yet)."""
-        return self.sessions.get(session_id, owner, touch=touch)
+        return _shown(self.sessions.get(_named(session_id), owner, touch=touch))
 
     def delete_session(self, session_id: str, owner: str | None) -> None:
         """Remove it now; work already running for it finishes but is not written back."""
-        self.sessions.delete(session_id, owner)
+        self.sessions.delete(_named(session_id), owner)
 
     async def reset_session(self, session_id: str, owner: str | None) -> Session:
         """Back to the start (initial state, M = 0, no statistics), keeping its id, owner, config and TTL."""
         self.sessions.limits()
+        session_id = await self._stored(session_id, owner)
         reset = functools.partial(self.sessions.reset, session_id, owner)
         result: Session = await self._submit(Call(reset, session_id=session_id, owner=owner))
-        return result
+        return _shown(result)
 
     async def export_session(self, session_id: str, owner: str | None) -> bytes:
         """The session as a blob (`_export.export_session`), tagged with these weights' hash."""
-        return await asyncio.to_thread(self.sessions.export, session_id, owner)
+        return await asyncio.to_thread(self.sessions.export, _named(session_id), owner)
 
     async def import_session(self, session_id: str, owner: str | None, blob: bytes) -> Session:
         """Create or replace `session_id` from an exported blob; raises SessionImportError (`conflict` when it
-        was exported from other weights), or SessionNotFound if the id belongs to another owner."""
+        was exported from other weights). An id another owner's session holds is imported as onto a free one: to
+        `owner`'s alias (`SessionService.load_export`)."""
         self.sessions.limits()
+        session_id = await self._stored(session_id, owner)
         load = functools.partial(self.sessions.load_export, session_id, owner, blob)
         result: Session = await self._submit(Call(load, session_id=session_id, owner=owner))
-        return result
+        return _shown(result)
 
     # -- submission and the worker -----------------------------------------------------------------
+
+    async def _stored(self, session_id: str, owner: str | None) -> str:
+        """`SessionService.resolve`, off the event loop (the store may do I/O); nothing to read without an owner."""
+        session_id = _named(session_id)
+        if owner is None:
+            return session_id
+        return await asyncio.to_thread(self.sessions.resolve, session_id, owner)
 
     async def _submit(self, work: Work) -> Any:
         self._scheduler.put(work)
@@ -325,3 +345,15 @@ class Engine:
             log.critical("the engine thread died; this process serves no more model work", exc_info=True)
         finally:
             self._scheduler.fail_all(EngineUnavailable("the engine stopped"))
+
+
+def _shown(session: Session) -> Session:
+    """The record as its owner is shown it: with the id it sent, not its alias."""
+    return dataclasses.replace(session, id=public_id(session.id)) if is_alias(session.id) else session
+
+
+def _named(session_id: str) -> str:
+    """A session id as a client sends it: an alias is no name of a session."""
+    if is_alias(session_id):
+        raise SessionNotFound(session_id)
+    return session_id

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.engine._idspace import public_id
+
 __all__ = [
     "EngineBudgetExceeded", "EngineOverloaded", "EngineUnavailable", "IdempotencyKeyReused", "InvalidSessionSettings",
     "ObserveApplied", "SessionConflict", "SessionImportError", "SessionNotFound", "SessionStoreFull",
@@ -38,6 +40,7 @@ class SessionNotFound(LookupError):
     """No such session for this owner (never created, deleted, expired, evicted, or another key's)."""
 
     def __init__(self, session_id: str) -> None:
+        session_id = public_id(session_id)  # a session stored under an alias (_idspace.py): as its owner knows it
         super().__init__(f"no session {session_id!r} (it may have expired or been evicted)")
         self.session_id = session_id
 
@@ -48,6 +51,7 @@ class SessionConflict(RuntimeError):
     again, to continue from the session as the other work left it."""
 
     def __init__(self, session_id: str, retry_after_s: int = 1) -> None:
+        session_id = public_id(session_id)
         super().__init__(f"session {session_id!r} was changed by another request meanwhile; nothing of this request "
                          "was applied: send it again")
         self.session_id = session_id

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,11 +29,14 @@ from server.engine._errors import (
     SessionsUnavailable,
 )
 from server.engine._export import export_session, import_session
+from server.engine._idspace import alias_of, is_alias
 from server.engine._loading import SessionLimits
 from server.engine._session import Applied, KeyedSession, Session, applied_of, keyed, text_digest
 from server.engine._store import SessionStore
 
 __all__ = ["SessionService"]
+
+_ROUTES_KEPT = 4096  # the aliases `resolve` and `get` found last (for `route`, which reads no store)
 
 
 class SessionService:
@@ -43,6 +48,8 @@ class SessionService:
         self._why = ""
         self.base: DynEvalConfig | None = None  # the checkpoint's sparse settings, which the rules derive from
         self._model: SessionModel | None = None
+        self._routes: OrderedDict[tuple[str, str], str] = OrderedDict()  # (public id, owner) -> alias
+        self._routes_lock = threading.Lock()
 
     def load(self, ckpt: Checkpoint, limits: SessionLimits | None, why: str, base: DynEvalConfig | None) -> None:
         """The checkpoint is loaded: bind the store to it (the store may restore its sessions now)."""
@@ -99,6 +106,40 @@ class SessionService:
             raise _over(self._max_ttl_s, "ttl_s")
         return ttl_s
 
+    # -- ids (_idspace.py) ------------------------------------------------------------------------------
+
+    def resolve(self, session_id: str, owner: str | None) -> str:
+        """The stored id of `owner`'s session `session_id`, for work that takes the session's turn (what it is
+        submitted with, so that its turn, pins and record are the stored one's): the alias if `owner` has one there
+        (another owner's session held the id when `owner` imported onto it), else the id itself. One store read
+        (whether the alias exists), none without an owner (no API keys: one id space)."""
+        if owner is None:
+            return session_id
+        alias = alias_of(session_id, owner)
+        # at most one of the two is `owner`'s (`load_export` writes the alias only while another owner holds the
+        # id, and the id only while `owner` has no alias there), so looking for the alias is enough
+        found = self.store.contains(alias)
+        self._remember(session_id, owner, alias if found else None)
+        return alias if found else session_id
+
+    def route(self, session_id: str, owner: str | None) -> str:
+        """`resolve` without reading the store, for a caller on the event loop that has just looked the session up
+        (`get`): the alias that look-up found, else the id (`get` would still find an alias it was not told of)."""
+        if owner is None:
+            return session_id
+        with self._routes_lock:
+            return self._routes.get((session_id, owner), session_id)
+
+    def _remember(self, session_id: str, owner: str, alias: str | None) -> None:
+        with self._routes_lock:
+            if alias is None:
+                self._routes.pop((session_id, owner), None)
+                return
+            self._routes[session_id, owner] = alias
+            self._routes.move_to_end((session_id, owner))
+            while len(self._routes) > _ROUTES_KEPT:
+                self._routes.popitem(last=False)
+
     # -- records ---------------------------------------------------------------------------------------
 
     def _checkpoint(self) -> Checkpoint:
@@ -115,8 +156,13 @@ class SessionService:
         return dataclasses.replace(self.fresh("", None, self._ttl_s, SessionConfig()), created=0.0, last_used=0.0)
 
     def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session:
-        """The session's last committed record (work in flight is not in it yet)."""
+        """The session's last committed record (work in flight is not in it yet), by its id or its stored id
+        (`resolve`): an id that is not `owner`'s finds `owner`'s alias there (a second read, on a miss only)."""
         session = self.store.get(session_id, owner, touch=touch)
+        if owner is not None and not is_alias(session_id):
+            if session is None:
+                session = self.store.get(alias_of(session_id, owner), owner, touch=touch)
+            self._remember(session_id, owner, session.id if session is not None and is_alias(session.id) else None)
         if session is None:
             raise SessionNotFound(session_id)
         return session
@@ -135,7 +181,9 @@ class SessionService:
         return keyed(session, applied=applied_of(session), observing=Applied(key, digest))
 
     def delete(self, session_id: str, owner: str | None) -> None:
-        if not self.store.delete(session_id, owner):
+        """Delete `owner`'s session of that id (its alias, if another owner's holds the id: a second store call)."""
+        if not self.store.delete(session_id, owner) and (
+                owner is None or is_alias(session_id) or not self.store.delete(alias_of(session_id, owner), owner)):
             raise SessionNotFound(session_id)
 
     def export(self, session_id: str, owner: str | None) -> bytes:
@@ -158,9 +206,13 @@ class SessionService:
         return stored
 
     def load_export(self, session_id: str, owner: str | None, blob: bytes) -> Session:
-        """(Worker.) Create or replace `session_id` from an export; its TTL is cut to the server's longest."""
+        """(Worker.) Create or replace the session of stored id `session_id` (`resolve`) from an export; its TTL is
+        cut to the server's longest. An id that another owner's session holds is not ours to replace, nor to
+        reveal: the session goes to `owner`'s alias (_idspace.py), as it would to a free id."""
         if self.store.get(session_id, owner, touch=False) is None and self.store.contains(session_id):
-            raise SessionNotFound(session_id)  # another owner's: not ours to replace, nor to reveal
+            if owner is None or is_alias(session_id):  # (an alias of another owner: two owners' tags alike)
+                raise SessionNotFound(session_id)
+            session_id = alias_of(session_id, owner)  # (`resolve` found no alias: this import makes it)
         template = self.fresh(session_id, owner, self._ttl_s, SessionConfig())
         session, _ = import_session(blob, model_hash=self._checkpoint().model_hash, template=template,
                                     sessions=self.model)

@@ -2,7 +2,8 @@
 
 A session is one text stream: each observe scores the text under the session (before adapting on each
 segment), then keeps the adaptation. Sessions belong to the API key that created them; another key gets
-404 for them, as for a session that does not exist.
+404 for them, as for a session that does not exist, and its import onto their id creates its own session there, as
+onto a free id (ids are per key: server/engine/_idspace.py).
 """
 
 from __future__ import annotations

@@ -485,9 +485,15 @@ def test_owners_are_kept_in_redis(tiny_checkpoint: Path, redis_url: str, serve_a
         blob = a.get(f"/v1/sessions/{sid}/state").content
         for r in (b.get(f"/v1/sessions/{sid}"), b.delete(f"/v1/sessions/{sid}"),
                   b.post(f"/v1/sessions/{sid}/observe", json={"text": "a"}),
-                  b.post(f"/v1/sessions/{sid}/suggest", json={"context": "a"}),
-                  b.put(f"/v1/sessions/{sid}/state", content=blob)):
+                  b.post(f"/v1/sessions/{sid}/suggest", json={"context": "a"})):
             assert_error(r, 404, "not_found_error", "session_id")
+        assert a_on_two.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT)
+        # b's import onto a's id is b's own session there (test_session_idspace.py), on every server
+        assert b.put(f"/v1/sessions/{sid}/state", content=blob).json()["id"] == sid
+        with httpx.Client(base_url=one.url, headers={"authorization": "Bearer key-b"}) as b_on_one:
+            assert b_on_one.post(f"/v1/sessions/{sid}/observe", json={"text": "a"}).status_code == 200
+            assert b_on_one.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT) + 1
+        assert b.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT) + 1
         assert a_on_two.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT)
 
 

@@ -426,7 +426,6 @@ def test_sessions_belong_to_their_api_key(keyed: str, assert_error: Any) -> None
         blob = a.get(f"/v1/sessions/{sid}/state").content
         for r in (b.get(f"/v1/sessions/{sid}"), b.delete(f"/v1/sessions/{sid}"),
                   b.post(f"/v1/sessions/{sid}/reset"), b.get(f"/v1/sessions/{sid}/state"),
-                  b.put(f"/v1/sessions/{sid}/state", content=blob),
                   b.post(f"/v1/sessions/{sid}/observe", json={"text": "a"}),
                   b.post("/v1/score", json={"text": "a", "session_id": sid}),
                   b.post("/v1/generate", json={"prompt": "a", "max_tokens": 1, "session_id": sid})):
@@ -439,9 +438,14 @@ def test_sessions_belong_to_their_api_key(keyed: str, assert_error: Any) -> None
                   for c, u in ((a, sid), (b, sid), (b, None))]
         assert scored[1] == scored[2] != scored[0]
         assert_error(httpx.post(f"{keyed}/v1/sessions", json={}), 401, "authentication_error")
-        # b may import a's export under an id of its own
+        # b may import a's export under an id of its own, or under a's id: a session of b's own there, a's untouched
+        # (ids are per key: test_session_idspace.py)
         assert b.put("/v1/sessions/b-copy-of-the-session-01/state", content=blob).status_code == 200
         assert_error(a.get("/v1/sessions/b-copy-of-the-session-01"), 404, "not_found_error", "session_id")
+        assert b.put(f"/v1/sessions/{sid}/state", content=blob).json()["id"] == sid
+        assert b.post(f"/v1/sessions/{sid}/observe", json={"text": "a"}).status_code == 200
+        assert a.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT)
+        assert b.get(f"/v1/sessions/{sid}").json()["stats"]["bytes_observed"] == len(TEXT) + 1
 
 
 def metric(client: httpx.Client, name: str, **labels: str) -> float:
