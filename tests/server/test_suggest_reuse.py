@@ -1,0 +1,126 @@
+"""A keystroke takes up what the session's last suggestion computed (server/engine/_suggest.py, models/suggest.py
+`WordSearch`'s `known`): over many keystrokes (letters, spaces, punctuation, a non-ASCII letter, backspaces, a
+completion taken, an observe between), the suggestions are those of a search from scratch, with fewer model rows.
+
+Tolerance: the rows a reused search reads were computed in other batches than a search from scratch would compute
+them (other rows beside them, another batch size), which may change a float32 sum's rounding in the last bits (as
+two typists batched together against one alone: tests/server/test_suggest.py). A completion's probability is a
+product of at most 25 such rows' probabilities: relative 1e-5 leaves two orders of magnitude above that. Where
+two completions' probabilities are that close, their order, or which of them is the k-th, may differ."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench._common import DEFAULT_CHECKPOINT
+from models.checkpoint import load_checkpoint
+from models.session import Session, SessionModel
+from models.suggest import Suggestions
+from server.engine._suggest import SUGGEST_MIN_PROB, CursorCache, SuggestJob, SuggestRounds
+
+REL = 1e-5
+CONFIG: dict = {}
+HISTORY = ("Dear Anna, thanks for the notes on the garden. The roses are late this year; the tulips are early. "
+           "I will send the photos tomorrow morning.\n")
+# what the typist does: a character typed; "<" a backspace; "+word " a completion taken (the rest of the word and a
+# space at once); "|" an observe of the message so far (the session's record changes)
+SCRIPT = "Thanks for the photos! Can we mee<et at the café on Fri+Friday ?| See you the<ere (at ten)."
+
+
+def keystrokes(script: str) -> list[tuple[str, bool]]:
+    """-> (the context after each keystroke, whether the session observes the message before it)."""
+    out: list[tuple[str, bool]] = []
+    text, observe, i = "", False, 0
+    while i < len(script):
+        ch = script[i]
+        if ch == "|":
+            observe = True
+            i += 1
+            continue
+        if ch == "<":
+            text = text[:-1]
+        elif ch == "+":
+            end = script.index(" ", i) + 1
+            text += script[i + 1 : end]
+            i = end - 1
+        else:
+            text += ch
+        out.append((text, observe))
+        observe = False
+        i += 1
+    return out
+
+
+def run(rounds: SuggestRounds, session: Session, context: str) -> Suggestions:
+    job = SuggestJob(session, context, 3, 24, 5)
+    rounds.start([job])
+    while rounds.active:
+        rounds.round()
+    assert job.result is not None, job.error
+    return job.result
+
+
+def same(got: Suggestions, want: Suggestions) -> None:
+    """The same suggestions, probabilities within REL; completions whose probabilities are within REL of each
+    other may trade places (or the k-th place)."""
+    assert got.prefix == want.prefix and got.exact == want.exact
+    for a, b in ((got.completions, want.completions), (got.next_chars, want.next_chars)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert x.prob == pytest.approx(y.prob, rel=REL)
+        key = {(c.text, c.space_before) if hasattr(c, "text") else c.char: c.prob for c in b}
+        for x in a:
+            name = (x.text, x.space_before) if hasattr(x, "text") else x.char
+            assert name in key or any(p == pytest.approx(x.prob, rel=REL) for p in key.values()), (a, b)
+            if name in key:
+                assert x.prob == pytest.approx(key[name], rel=REL)
+
+
+def typed(served: SessionModel, model: Any) -> tuple[int, int, int]:
+    """Type SCRIPT with reuse and from scratch, comparing each keystroke -> (model steps with reuse, from scratch,
+    keystrokes whose search read rows of the last)."""
+    session = served.observe(served.fresh(served.config(), id="s"), HISTORY.encode())
+
+    def rounds(cache: CursorCache) -> SuggestRounds:
+        return SuggestRounds(model, cache, min_prob=SUGGEST_MIN_PROB, batch=8, max_expansions=2048, round_rows=128)
+
+    reusing = rounds(CursorCache(model=served))
+    steps = scratch_steps = reused_keys = 0
+    start = 0
+    for context, observe in keystrokes(SCRIPT):
+        if observe:
+            session = served.observe(session, context[start:].encode())
+            start = len(context)
+        message = context[start:]
+        got = run(reusing, session, message)
+        want = run(rounds(CursorCache(model=served)), session, message)
+        same(got, want)
+        assert want.reused == 0 and got.expansions == want.expansions  # the same branches, fewer of them fed
+        if observe:
+            assert got.reused == 0  # another record: nothing of the last search is read
+        steps += got.model_calls
+        scratch_steps += want.model_calls
+        reused_keys += got.reused > 0
+    return steps, scratch_steps, reused_keys
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["network", "copy-model"])
+def test_keystrokes_reuse_the_last_search_exactly(copy: bool, tiny_checkpoint: Path, copy_checkpoint: Path) -> None:
+    """The tiny checkpoint (a network that predicts little: short searches, few of them under the next letter)."""
+    served = SessionModel.of(load_checkpoint(copy_checkpoint if copy else tiny_checkpoint))
+    assert ("copy" in served.memories) == copy
+    steps, scratch, reused_keys = typed(served, served.search_model)
+    assert reused_keys > 0 and steps < scratch, (steps, scratch, reused_keys)
+
+
+def test_the_shipped_model_s_keystrokes_reuse_most_of_the_last_search() -> None:
+    """The default checkpoint (its copy model and word cache on, as served): a model that predicts the next letters
+    well, so that the search under the letter typed was mostly expanded the keystroke before."""
+    served = SessionModel.of(load_checkpoint(DEFAULT_CHECKPOINT))
+    assert "copy" in served.memories
+    steps, scratch, reused_keys = typed(served, served.search_model)
+    assert reused_keys >= len(keystrokes(SCRIPT)) // 3, reused_keys
+    assert steps <= 0.7 * scratch, (steps, scratch)
