@@ -29,7 +29,11 @@ Definitions (byte-level model, UTF-8 text):
 
 Search exactness: a completion is emitted only when it is at the top of the priority queue and no popped
 branch is still waiting for expansion, so (probabilities only shrink along a branch) the k completions are
-the k most probable ones above `min_prob` (after a mark, of both kinds: the space is one more branch).
+the k most probable ones above `min_prob` (after a mark, of both kinds: the space is one more branch). A round
+pops past a completion that must wait to the next branches, up to `batch`: expanding a branch early changes no
+completion's place (its children are less probable than it), and a batched step costs about as much for a few
+rows as for one, so the round does work that a later round would do, or that the next keystroke's search reads
+(`WordSearch`'s `known`: the next letter's branches).
 `max_expansions` bounds the work; a search cut by it returns the best completions it has found
 (`Suggestions.exact` is then False).
 
@@ -441,12 +445,14 @@ class WordSearch:
             raise RuntimeError("feed() the last request first")
         search, limit = self._search, min(limit or self.batch, self.batch)
         while not self._cut and len(self._found) < self.k and search.queue and search.expansions < self.max_expansions:
-            popped = []
+            popped: list[_Branch] = []
+            held: list[tuple[float, int, _Branch | Completion]] = []
             while search.queue and len(popped) < limit:
                 item = search.queue[0][2]
                 if isinstance(item, Completion):
-                    if popped:
-                        break  # a popped branch may still beat it
+                    if popped:  # a popped branch may still beat it: it waits, and the round fills up with the
+                        held.append(heapq.heappop(search.queue))  # next branches (module docstring)
+                        continue
                     heapq.heappop(search.queue)
                     self._found.append(item)
                     if len(self._found) == self.k:
@@ -454,6 +460,8 @@ class WordSearch:
                     continue
                 heapq.heappop(search.queue)
                 popped.append(item)
+            for entry in held:
+                heapq.heappush(search.queue, entry)
             if self._known is not None and popped:
                 popped = self._expand_known(popped)
             if popped:
