@@ -10,15 +10,23 @@ two completions' probabilities are that close, their order, or which of them is 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench._common import DEFAULT_CHECKPOINT
+from models.adaptation import AdapterSettings
+from models.base import State
+from models.char_transformer import CharTransformer, CharTransformerConfig
 from models.checkpoint import load_checkpoint
+from models.compressive import CompressiveConfig, CompressiveTransformer
+from models.memory import SessionConfig
 from models.session import Session, SessionModel
 from models.suggest import SUGGEST_MIN_PROB, Suggestions
+from models.tokenizer import ByteTokenizer
 from server.engine._suggest import CursorCache, SuggestJob, SuggestRounds
 
 REL = 1e-5
@@ -82,24 +90,29 @@ def same(got: Suggestions, want: Suggestions) -> None:
                 assert any(p == pytest.approx(r, rel=REL) for r in wanted.values()), (a, b)
 
 
-def typed(served: SessionModel, model: Any, script: str = SCRIPT) -> tuple[tuple[int, int], tuple[int, int], int]:
+def typed(served: SessionModel, model: Any, script: str = SCRIPT, session: Session | None = None
+          ) -> tuple[tuple[int, int], tuple[int, int], int]:
     """Type `script` with reuse and from scratch, comparing each keystroke -> ((model rows, steps) with reuse, the same
     from scratch, keystrokes whose search read rows of the last)."""
-    session = served.observe(served.fresh(served.config(), id="s"), HISTORY.encode())
+    if session is None:
+        session = served.observe(served.fresh(served.config(), id="s"), HISTORY.encode())
 
     def rounds(cache: CursorCache) -> SuggestRounds:
         return SuggestRounds(model, cache, min_prob=SUGGEST_MIN_PROB, batch=8, max_expansions=2048, round_rows=128)
 
-    reusing = rounds(CursorCache(model=served))
+    cache = CursorCache(model=served if served.memories else None)
+    reusing = rounds(cache)
     rows = steps = scratch_rows = scratch_steps = reused_keys = 0
     start = 0
     for context, observe in keystrokes(script):
         if observe:
-            session = served.observe(session, context[start:].encode())
+            # without memories to observe with (a bare model), another record: another next byte
+            session = served.observe(session, context[start:].encode()) if served.memories else \
+                dataclasses.replace(session, last_token=ord(" "))
             start = len(context)
         message = context[start:]
         got = run(reusing, session, message)
-        want = run(rounds(CursorCache(model=served)), session, message)
+        want = run(rounds(CursorCache(model=cache.model)), session, message)
         same(got, want)
         assert want.reused == 0 and got.expansions == want.expansions  # the same branches, fewer of them fed
         if observe:
@@ -129,3 +142,24 @@ def test_the_shipped_model_s_keystrokes_reuse_most_of_the_last_search() -> None:
     got, scratch, reused_keys = typed(served, served.search_model, SHORT)
     assert reused_keys >= len(keystrokes(SHORT)) // 3, reused_keys
     assert got[0] <= 0.9 * scratch[0] and got[1] < scratch[1], (got, scratch)
+
+
+@pytest.mark.parametrize("arch", ["char-transformer", "compressive"])
+def test_a_transformer_s_keystrokes_reuse_rows_of_its_branch_form(arch: str) -> None:
+    """A transformer searches in its branch form (rows on the search's root): a keystroke's search stacks the last
+    search's rows (on the last root) with its own (on its root), across the window slide and the segment end."""
+    torch.manual_seed(0)
+    model: Any = (CompressiveTransformer(CompressiveConfig(d_model=16, n_layer=2, n_head=2, d_ff=32, segment=12,
+                                                           mem_len=12, cmem_len=4, rate=3))
+                  if arch == "compressive" else
+                  CharTransformer(CharTransformerConfig(d_model=16, n_layer=2, n_head=2, d_ff=32, context=24)))
+    with torch.no_grad():  # a sharper next-byte distribution than at initialisation: searches a few bytes deep
+        model.head.weight.mul_(8.0)
+    model.freeze()
+    served = SessionModel(model, ByteTokenizer(), {})
+    adapter = {"adapter": AdapterSettings(lr=0.0, decay=0.0, size=4)}
+    session = Session(id="s", owner=None, created=0.0, last_used=0.0, ttl_s=60.0, config=SessionConfig(adapter),
+                      state=model.init_state(1), static_state=model.init_state(1), last_token=ord("\n"),
+                      memories={"adapter": State({"resid": 0.1 * torch.ones(1, 4, 4)})})
+    got, scratch, reused_keys = typed(served, model, "We mee<et on Fri+Friday ?| Yes, the<ere.", session)
+    assert reused_keys > 0 and got[0] < scratch[0], (got, scratch, reused_keys)
