@@ -29,7 +29,11 @@ Definitions (byte-level model, UTF-8 text):
 
 Search exactness: a completion is emitted only when it is at the top of the priority queue and no popped
 branch is still waiting for expansion, so (probabilities only shrink along a branch) the k completions are
-the k most probable ones above `min_prob` (after a mark, of both kinds: the space is one more branch).
+the k most probable ones above `min_prob` (after a mark, of both kinds: the space is one more branch). A round
+pops past a completion that must wait to the next branches, up to `batch`: expanding a branch early changes no
+completion's place (its children are less probable than it), and a batched step costs about as much for a few
+rows as for one, so the round does work that a later round would do, or that the next keystroke's search reads
+(`WordSearch`'s `known`: the next letter's branches).
 `max_expansions` bounds the work; a search cut by it returns the best completions it has found
 (`Suggestions.exact` is then False).
 
@@ -51,6 +55,7 @@ import math
 import unicodedata
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -58,7 +63,8 @@ from models.base import Adapter, LanguageModel, State
 from models.tokenizer import ByteTokenizer
 
 __all__ = [
-    "APOSTROPHES", "SPACE", "SUGGEST_MIN_PROB", "Completion", "Cursor", "NextChar", "Suggestions", "TokenClasses",
+    "APOSTROPHES", "SPACE", "SUGGEST_MIN_PROB", "Completion", "Cursor", "Expanded", "NextChar", "Suggestions",
+    "TokenClasses",
     "WordSearch", "advance", "advance_many", "complete_word", "is_word_char", "next_chars", "row_adapters",
     "split_word", "step", "suggest", "takes_space",
 ]
@@ -151,6 +157,7 @@ class Suggestions:
     model_calls: int = 0  # batched model steps
     exact: bool = True  # False if max_expansions cut the search
     space_share: float = 0.0  # `WordSearch.space_share`: 0 unless the word may begin after a space
+    reused: int = 0  # of the expansions, those read from an earlier search's rows (`WordSearch`'s `known`)
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,16 @@ def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | N
     return Adapter(mats).with_sessions(adapters, rows)
 
 
+class Expanded(NamedTuple):
+    """The model after a search's branch (its bytes fed): row `row` of `state` (the search's batch, in the model's
+    branch form) and the next byte's log-probs (V,) float64 on the CPU. What a word search computed, for the next
+    keystroke's to take up (`WordSearch`'s `known`)."""
+
+    state: State
+    row: int
+    logprobs: torch.Tensor
+
+
 @dataclass(eq=False, slots=True)
 class _Branch:
     data: bytes  # the continuation so far
@@ -283,9 +300,9 @@ class _Search:
     def push(self, logprob: float, item: _Branch | Completion) -> None:
         heapq.heappush(self.queue, (-logprob, next(self.order), item))
 
-    def expand(self, branches: list[_Branch], state: State, logprobs: torch.Tensor) -> None:
+    def expand(self, branches: list[_Branch], state: State | list[Expanded], logprobs: torch.Tensor) -> None:
         """Push the children and completions of `branches`, whose next-byte log-probs are `logprobs` (B, V)
-        and whose states after their last byte are the rows of `state`."""
+        and whose states after their last byte are the rows of `state` (or, one each, where `state` says)."""
         self.expansions += len(branches)
         cum = torch.tensor([b.logprob for b in branches], dtype=torch.float64)  # (B,)
         total = logprobs + cum.unsqueeze(1)  # (B, V)
@@ -313,7 +330,8 @@ class _Search:
                     if not is_word_char(char):
                         continue  # non-ASCII punctuation: not a word end we count (module docstring)
                     chars += 1
-            self.push(logprob, _Branch(data, chars, pending, state, i, logprob, parent.space))
+            states, row = (state, i) if isinstance(state, State) else state[i][:2]
+            self.push(logprob, _Branch(data, chars, pending, states, row, logprob, parent.space))
 
 
 def _char_len(data: bytes) -> int:
@@ -363,12 +381,24 @@ class WordSearch:
     docstring). `space_share` is then the model's probability that it does, given that a word begins next:
     P(" ") / (P(" ") + P(a byte that may start a word)), both of the next byte (a space followed by something else
     than a word counts as one: the search does not know yet); 0 without `space`. The word cache splits its words
-    between the two kinds by it (`WordCache.mix`)."""
+    between the two kinds by it (`WordCache.mix`).
+
+    Reuse (`known`, a keystroke after another): the model after each branch an earlier search of the same session
+    record expanded, by its bytes after a common origin, `key` being the bytes of this search's context (its
+    cursor's) after that origin. The keystroke that types the next letter of a word searches under the branch of
+    that letter, so most of what it expands was expanded the keystroke before. The search pops the same branches in
+    the same order as without `known` (a branch's children depend only on its own next-byte distribution, which
+    is the same row); a popped branch whose row is known is expanded from it at once, and only the others go to
+    the model. The completions and their probabilities are therefore a search's from scratch, up to the float
+    rounding of the rows' batches. `expanded` then holds every row this search read (its root, the known ones,
+    the model's: rows of copies of its slices of the rounds' batches, which keep no other session's rows alive),
+    keyed likewise, for the next keystroke's."""
 
     def __init__(self, cursor: Cursor, prefix: str, *, k: int = 3, max_chars: int = 24,
                  min_prob: float = SUGGEST_MIN_PROB, batch: int = 32, max_expansions: int = 2048,
                  classes: TokenClasses = _BYTES,
-                 model: LanguageModel | None = None, space: bool = False) -> None:
+                 model: LanguageModel | None = None, space: bool = False,
+                 known: Mapping[bytes, Expanded] | None = None, key: bytes = b"") -> None:
         if k < 1 or max_chars < 1 or batch < 1 or not 0 < min_prob <= 1:
             raise ValueError("k, max_chars and batch must be >= 1 and min_prob in (0, 1]")
         if space and prefix:
@@ -382,9 +412,14 @@ class WordSearch:
         # and the cursors handed out are settled (the usual form) as they are read
         self._next = _Settled(model)
         self.next_cursors: Mapping[bytes, Cursor] = self._next  # one-character continuations expanded on the way
+        self._known, self._key = known, key
+        self.expanded: dict[bytes, Expanded] | None = None if known is None else {}
+        self.reused = 0  # branches expanded from `known` rows
         state = model.branch(cursor.state) if model is not None else cursor.state
         root = _Branch(b"", 0, 0, state, 0, 0.0)
         logprobs = cursor.logprobs.double().cpu().unsqueeze(0)  # (1, V)
+        if self.expanded is not None:
+            self.expanded[key] = Expanded(state, 0, logprobs[0])
         self._search.expand([root], state, logprobs)
         self.space_share = 0.0
         if space:  # the root's one more child: the space, from which only a word may follow (no completion itself)
@@ -404,27 +439,55 @@ class WordSearch:
 
     def request(self, limit: int | None = None) -> tuple[State, list[int]] | None:
         """Pop the next round (at most `limit` branches, else `batch`): -> (their states (b, ...), the byte each
-        feeds), or None when the search is over. Completions at the top of the queue are taken on the way."""
+        feeds), or None when the search is over. Completions at the top of the queue are taken on the way, and
+        the popped branches whose rows are known are expanded here (a round of only those needs no step)."""
         if self._popped:
             raise RuntimeError("feed() the last request first")
         search, limit = self._search, min(limit or self.batch, self.batch)
         while not self._cut and len(self._found) < self.k and search.queue and search.expansions < self.max_expansions:
-            while search.queue and len(self._popped) < limit:
+            popped: list[_Branch] = []
+            held: list[tuple[float, int, _Branch | Completion]] = []
+            while search.queue and len(popped) < limit:
                 item = search.queue[0][2]
                 if isinstance(item, Completion):
-                    if self._popped:
-                        break  # a popped branch may still beat it
+                    if popped:  # a popped branch may still beat it: it waits, and the round fills up with the
+                        held.append(heapq.heappop(search.queue))  # next branches (module docstring)
+                        continue
                     heapq.heappop(search.queue)
                     self._found.append(item)
                     if len(self._found) == self.k:
                         break
                     continue
                 heapq.heappop(search.queue)
-                self._popped.append(item)
-            if self._popped:
-                self._popped, before = _gather(self._popped)
+                popped.append(item)
+            for entry in held:
+                heapq.heappush(search.queue, entry)
+            if self._known is not None and popped:
+                popped = self._expand_known(popped)
+            if popped:
+                self._popped, before = _gather(popped)
                 return before, [b.data[-1] for b in self._popped]
         return None
+
+    def _expand_known(self, popped: list[_Branch]) -> list[_Branch]:
+        """Expand the popped branches whose rows are known; -> the others, for the model."""
+        assert self._known is not None and self.expanded is not None
+        hits, rows, missed = [], [], []
+        for branch in popped:
+            row = self._known.get(self._key + branch.data)
+            if row is None:
+                missed.append(branch)
+            else:
+                hits.append(branch)
+                rows.append(row)
+        if hits:
+            self.reused += len(hits)
+            for branch, row in zip(hits, rows, strict=True):
+                self.expanded[self._key + branch.data] = row
+                if branch.pending == 0 and (branch.chars == 1 or branch.space and branch.chars == 0):
+                    self._next.put(branch.data, Cursor(row.state.select(row.row), row.logprobs.float()))
+            self._search.expand(hits, rows, torch.stack([r.logprobs for r in rows]))  # (h, V)
+        return missed
 
     def feed(self, state: State, logprobs: torch.Tensor) -> None:
         """The step of the last request: the states after it (b, ...) and the next-byte log-probs (b, V)."""
@@ -433,6 +496,10 @@ class WordSearch:
         self._search.model_calls += 1
         popped, self._popped = self._popped, []
         logprobs = logprobs.double().cpu()
+        if self.expanded is not None:  # kept for the next keystroke: copies, so as not to keep the whole batch alive
+            state, logprobs = _copied(state), logprobs.clone()
+            for i, branch in enumerate(popped):
+                self.expanded[self._key + branch.data] = Expanded(state, i, logprobs[i])
         for i, branch in enumerate(popped):
             # the model after the next character (or, after a mark, the space): keep it
             if branch.pending == 0 and (branch.chars == 1 or branch.space and branch.chars == 0):
@@ -450,7 +517,15 @@ class WordSearch:
         if not exact:  # cut by the budget: the best completions seen so far
             rest = sorted((e for e in search.queue if isinstance(e[2], Completion)), key=lambda e: e[:2])
             found += [e[2] for e in rest if isinstance(e[2], Completion)][: self.k - len(found)]
-        return Suggestions(search.prefix, found, [], search.expansions, search.model_calls, exact, self.space_share)
+        return Suggestions(search.prefix, found, [], search.expansions, search.model_calls, exact, self.space_share,
+                           self.reused)
+
+
+def _copied(state: State) -> State:
+    """`state`'s rows in memory of their own (a row that is a view of one shared row stays that view; roots are
+    shared, as the branch form keeps them)."""
+    return State({k: v if v.dim() >= 1 and v.shape[0] > 1 and v.stride(0) == 0 else v.clone()
+                  for k, v in state.tensors.items()}, state.roots)
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ from models.suggest import (
     SUGGEST_MIN_PROB,
     Completion,
     Cursor,
+    Expanded,
     Suggestions,
     TokenClasses,
     WordSearch,
@@ -64,6 +65,10 @@ NEXT_CURSORS = 8  # cursors a search leaves for the next keystroke (of a session
 SUGGEST_BATCH = 8  # branches one suggestion expands per model step (8 measured fastest: docs/benchmarks.md)
 SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
 SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
+# The rows of a session's searches kept for its next keystroke's (`CursorCache.rows`): the most probable first. A
+# keystroke expands about 10 (default checkpoint, typing e-mail), so this bounds only the rare long search (a row
+# of the default checkpoint is about 10 KB: the state and the next-byte log-probs).
+SEARCH_ROWS = 128
 # A suggestion continues the session with at most the last SUGGEST_FEED_BYTES bytes of its context (`feed_window`):
 # a keystroke must not feed kilobytes on the worker (an 8 KB context took seconds outside the time budget, held
 # up all other work and grew the resident memory for good). The window starts at a multiple of the stride, so
@@ -112,6 +117,10 @@ class Feed(NamedTuple):
 class _Entry:
     session: Session  # the record the cursors continue
     cursors: OrderedDict[bytes, Cursor] = field(default_factory=OrderedDict)  # inputs -> cursor, oldest first
+    # what the session's last searches expanded (inputs -> the model after them, in the branch form of `model`):
+    # only those that extend the last context are kept, the rows the next keystroke's search can reach
+    rows: dict[bytes, Expanded] = field(default_factory=dict)
+    model: LanguageModel | None = None
 
 
 class CursorCache:
@@ -165,9 +174,41 @@ class CursorCache:
         if base == inputs:
             entry.cursors.move_to_end(inputs)
             return entry.cursors[base]
+        # a row a search expanded: the next letter of a word, or a completion taken (then what follows it is fed)
+        for end in range(len(inputs), len(base), -1):
+            row = entry.rows.get(inputs[:end])
+            if row is not None:
+                assert entry.model is not None
+                cursor = Cursor(entry.model.settle(row.state.select(row.row)), row.logprobs.float())
+                if end == len(inputs):
+                    return self.put(session, context, cursor)
+                self.fed += len(inputs) - end
+                return Feed(cursor.state, inputs[end:])
         self.fed += len(inputs) - len(base)
         state = entry.cursors[base].state if base else self.view(session)
         return Feed(state, inputs[len(base):])
+
+    def rows(self, session: Session, context: bytes) -> tuple[dict[bytes, Expanded], bytes] | None:
+        """What the session's earlier searches expanded that a search at `context` may reach, and the key of its
+        root (`WordSearch`'s `known` and `key`); None if the session changed (call after `plan`)."""
+        entry = self._entries.get(session.id)
+        if entry is None or entry.session is not session and not _same_record(entry.session, session):
+            return None
+        inputs = self.tokenizer.token_bytes(session.last_token) + context
+        entry.rows = {key: row for key, row in entry.rows.items() if key.startswith(inputs)}
+        return entry.rows, inputs
+
+    def keep(self, session: Session, rows: dict[bytes, Expanded], model: LanguageModel) -> None:
+        """Keep what a search of the session expanded (`WordSearch.expanded`, best first) for the next keystroke."""
+        entry = self._entries.get(session.id)
+        if entry is None or entry.session is not session and not _same_record(entry.session, session):
+            return
+        if entry.model is not model:
+            entry.rows, entry.model = {}, model
+        for key, row in itertools.islice(rows.items(), SEARCH_ROWS):
+            entry.rows.setdefault(key, row)
+        while len(entry.rows) > SEARCH_ROWS:
+            del entry.rows[next(iter(entry.rows))]
 
     def put(self, session: Session, context: bytes, cursor: Cursor) -> Cursor:
         """Keep the cursor after the session's text and `context` (made from `plan`'s feed)."""
@@ -246,10 +287,12 @@ class SuggestRounds:
                 # with a word memory, the search finds more of the model's words than it shows: a remembered word
                 # among them keeps its own probability under the model in the mix (models/wordcache.py)
                 width = self.cache.search_width(job.session, job.k)
+                # the rows the session's last searches expanded: this search expands them again without the model
+                known, key = self.cache.rows(job.session, job.context.encode("utf-8")) or ({}, b"")
                 job.search = WordSearch(job.cursor, split_word(job.context)[1], k=width, max_chars=job.max_chars,
                                         min_prob=self.min_prob, batch=self.batch,
                                         max_expansions=self.max_expansions, classes=self.classes,
-                                        model=self.model, space=takes_space(job.context))
+                                        model=self.model, space=takes_space(job.context), known=known, key=key)
             except ValueError as e:
                 job.error = e
                 self._ended.append(job)
@@ -331,6 +374,8 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache, lexicon: 
     for char, cursor in itertools.islice(job.search.next_cursors.items(), NEXT_CURSORS):
         cache.put(job.session, context + char, cursor)
     cache.put(job.session, context, job.cursor)
+    if job.search.expanded is not None:
+        cache.keep(job.session, job.search.expanded, model)
     try:
         found = job.search.result()
         chars = next_chars(model, job.cursor, job.n_chars, cache.adapter(job.session), classes=job.search.classes)
@@ -344,7 +389,7 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache, lexicon: 
         job.error = e
         return
     job.result = Suggestions(found.prefix, found.completions, chars, found.expansions, found.model_calls, found.exact,
-                             found.space_share)
+                             found.space_share, found.reused)
 
 
 class Suggest(Work):

@@ -276,10 +276,15 @@ def test_concurrent_typists_share_model_steps_and_get_their_own_answers(client: 
     """12 sessions, each adapted on a different text (different adapter sizes too), ask at once: every answer
     equals the one the session gets alone, and the model steps carried several typists' branches."""
     texts = [TEXT, "zorblax " * 60, "the cat sat on the mat. " * 20, "Mr. Darcy and Mrs. Bennet. " * 10] * 3
-    sids = [create(client, initial_text=text, adaptation={"lr": 0.01 * (i % 3), "adapter_size": 4 + 4 * (i % 2)})
-            for i, text in enumerate(texts)]
+    def sessions() -> list[str]:
+        return [create(client, initial_text=text, adaptation={"lr": 0.01 * (i % 3), "adapter_size": 4 + 4 * (i % 2)})
+                for i, text in enumerate(texts)]
+
     contexts = ["the man was univ", "zorb", "the ca", "Mr. Da", "", "and she "] * 2
-    alone = [suggest(client, sid, context=ctx) for sid, ctx in zip(sids, contexts, strict=True)]
+    # alone: on sessions of their own (each reads the same text the same way), since a session asked the same
+    # context again reads the last search's rows instead of stepping the model (tests/server/test_suggest_reuse.py)
+    alone = [suggest(client, sid, context=ctx) for sid, ctx in zip(sessions(), contexts, strict=True)]
+    sids = sessions()
     before = suggest_rows(client)
     for _ in range(3):
         with ThreadPoolExecutor(len(sids)) as pool:

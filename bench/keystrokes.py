@@ -1,0 +1,95 @@
+"""One typist's keystrokes in this process, through the server's keyboard path: what a keystroke costs.
+
+A session of the checkpoint with its default memories (adapter, copy model, word cache) types messages a character
+at a time and observes each when it is typed, as the load test's typist does (loadtest/messages.txt by default);
+each keystroke's suggestions run as the engine runs them (`server.engine._suggest.SuggestRounds` over the
+session's cursor cache, k=3, 5 next characters). Prints each keystroke's time (p50, p90, p99, mean; wall and the
+thread's CPU time, which a busy machine disturbs less), the model rows and batched steps per keystroke and the rows
+read from the last keystroke's search, and with --profile the functions that take the time (cProfile, cumulative).
+
+    python -m bench.keystrokes [--checkpoint DIR] [--text FILE] [--keys 2000] [--profile 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench._common import DEFAULT_CHECKPOINT, ROOT, machine_line
+from models.checkpoint import load_checkpoint
+from models.session import SessionModel
+from models.suggest import SUGGEST_MIN_PROB
+from models.tokenizer import ByteTokenizer
+from server.engine._suggest import (
+    SUGGEST_BATCH,
+    SUGGEST_MAX_EXPANSIONS,
+    SUGGEST_ROUND_ROWS,
+    CursorCache,
+    SuggestJob,
+    SuggestRounds,
+)
+
+MESSAGES = ROOT / "loadtest" / "messages.txt"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    ap.add_argument("--text", default=str(MESSAGES), help="messages, one a line (# starts a comment)")
+    ap.add_argument("--keys", type=int, default=2000, help="at most this many keystrokes")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N functions by cumulative time")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    messages = [line for line in Path(args.text).read_text("utf-8").splitlines() if line and not line.startswith("#")]
+    ck = load_checkpoint(Path(args.checkpoint), device=torch.device("cpu"))
+    if not isinstance(ck.tokenizer, ByteTokenizer):
+        ap.error("a byte-level checkpoint: a word model's keystroke is one model step, no search")
+    served = SessionModel.of(ck)
+    session = served.fresh(served.config(), id="typist", ttl_s=60.0, now=0.0)
+    rounds = SuggestRounds(served.search_model, CursorCache(model=served, tokenizer=ck.tokenizer),
+                           min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
+                           round_rows=SUGGEST_ROUND_ROWS, lexicon=ck.lexicon)
+    times, cpu, rows, steps, reused = [], [], [], [], []
+    profile = cProfile.Profile() if args.profile else None
+    keys = [(message, i) for message in messages for i in range(1, len(message) + 1)][: args.keys]
+    for message, i in keys:
+        job = SuggestJob(session, message[:i], 3, 24, 5)
+        if profile is not None:
+            profile.enable()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        n = [rounds.start([job]) or 0]
+        while rounds.active:
+            r, _ = rounds.round()
+            n.append(r or 0)
+        times.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.thread_time() - c0) * 1e3)
+        if profile is not None:
+            profile.disable()
+        assert job.result is not None, job.error
+        rows.append(sum(n))
+        steps.append(sum(x > 0 for x in n))
+        reused.append(getattr(job.result, "reused", 0))
+        if i == len(message):  # sent: the session reads it, as the load test's typist's does
+            session = served.observe(session, (message + "\n").encode("utf-8"))
+    times.sort()
+    cpu.sort()
+    print(f"# {len(times)} keystrokes, {Path(args.checkpoint).name}, {machine_line()}")
+    print("| | p50 | p90 | p99 | mean | model rows / key | model steps / key | rows reused / key |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, ms in ("wall ms", times), ("CPU ms (this thread)", cpu):
+        print(f"| {name} | {ms[len(ms) // 2]:.2f} | {ms[len(ms) * 9 // 10]:.2f} | {ms[len(ms) * 99 // 100]:.2f} "
+              f"| {statistics.mean(ms):.2f} | {statistics.mean(rows):.1f} | {statistics.mean(steps):.2f} "
+              f"| {statistics.mean(reused):.1f} |")
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()
