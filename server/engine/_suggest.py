@@ -67,8 +67,9 @@ SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bound
 SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
 # The rows of a session's searches kept for its next keystroke's (`CursorCache.rows`): the most probable first. A
 # keystroke expands about 10 (default checkpoint, typing e-mail), so this bounds only the rare long search (a row
-# of the default checkpoint is about 10 KB: the state and the next-byte log-probs).
-SEARCH_ROWS = 128
+# of the default checkpoint is about 10 KB: the state and the next-byte log-probs; 64 rows, 0.6 MB a session at
+# most, times the sessions the cache holds).
+SEARCH_ROWS = 64
 # A suggestion continues the session with at most the last SUGGEST_FEED_BYTES bytes of its context (`feed_window`):
 # a keystroke must not feed kilobytes on the worker (an 8 KB context took seconds outside the time budget, held
 # up all other work and grew the resident memory for good). The window starts at a multiple of the stride, so
