@@ -64,7 +64,8 @@ def _observe(adapting: tuple[LanguageModel, UpdateRule, int, int], pieces: list[
 
 
 def _texts(rng: random.Random, n: int, low: int, high: int) -> list[bytes]:
-    return [bytes(rng.choice(b"abcdefghijklmnopqrstuvwxyz ,.") for _ in range(rng.randint(low, high))) for _ in range(n)]
+    letters = b"abcdefghijklmnopqrstuvwxyz ,."
+    return [bytes(rng.choice(letters) for _ in range(rng.randint(low, high))) for _ in range(n)]
 
 
 def test_a_sessions_adapter_does_not_depend_on_its_batch(adapting: tuple[LanguageModel, UpdateRule, int, int],
