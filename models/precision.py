@@ -3,7 +3,9 @@
 The server runs all of its model work (scoring, observes' sparse adaptation, generation, suggestions) under
 `inference_precision(...)`: with "bfloat16" that is `torch.autocast(dtype=torch.bfloat16)`, which a model
 reads as "the weights may be used in bf16 where it is safe" (the mLSTM: its two recurrent matmuls, on cached
-bf16 copies; everything else in float32). "auto" picks bfloat16 where the hardware multiplies it natively
+bf16 copies; everything else in float32). The update path of sparse adaptation turns it off again
+(models/adaptation/_sparse.py): in bf16 a session's adapter would depend on what else was batched with it.
+"auto" picks bfloat16 where the hardware multiplies it natively
 (a CPU with AVX-512 BF16 or AMX, through oneDNN; a CUDA GPU with bf16 support) and float32 elsewhere, where
 bf16 would be emulated and slower.
 """

@@ -14,8 +14,8 @@ import asyncio
 from typing import Any
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from server._http_protocol import ErrorShapeProtocol
 from server.errors import RequestTimeoutError
 
 __all__ = ["head_deadline_protocol"]
@@ -28,8 +28,9 @@ def _timeout_response(message: str) -> bytes:
     return head.encode() + body
 
 
-class HeadDeadlineProtocol(H11Protocol):
-    """H11Protocol with `head_s`: the time a request's head (request line and headers) may take to arrive."""
+class HeadDeadlineProtocol(ErrorShapeProtocol):
+    """uvicorn's H11Protocol (its refusals in the error shape: ErrorShapeProtocol) with `head_s`: the time a
+    request's head (request line and headers) may take to arrive."""
 
     head_s = 30.0
 

@@ -44,7 +44,8 @@ __all__ = [
 # Every `error.type` the server sends; a client maps each to one exception class.
 ErrorType = Literal[
     "invalid_request_error",  # 400: the body is not JSON, or otherwise unusable; on the OpenAI routes also what
-    #                           is a 422 or a text's 413 elsewhere (errors.OPENAI_ROUTES)
+    #                           is a 422 or a text's 413 elsewhere (errors.OPENAI_ROUTES); 400 malformed_http and
+    #                           431 header_too_large for what the HTTP parser refuses, 408 for a client too slow
     "authentication_error",  # 401: missing or wrong API key
     "not_found_error",  # 404: no such route or resource (a session of another API key included)
     "method_not_allowed_error",  # 405

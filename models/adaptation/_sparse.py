@@ -196,17 +196,20 @@ def _sparse_step(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tens
         assert config is not None
         rule = UpdateRule(config, list(mats_in), ms_g)
     mats = {n: m.detach().requires_grad_(True) for n, m in mats_in.items()}
-    with torch.enable_grad(), eval_mode(model):
+    # The update path runs in float32 whatever autocast the caller set (models/precision.py): a row's new M and
+    # state must not depend on what else is in the batch. Under bf16 they would: a matmul's float32 accumulation
+    # order depends on its row count (oneDNN and MKL pick kernels by shape), a last-bit difference flips the
+    # rounding of a bf16 output now and then, and the adaptation carries each flip on, so replays of one session
+    # in other batches drifted apart by up to half an adapter entry. In float32 the same differences stay at
+    # float32's last bits (tests/models/test_batch_invariance.py).
+    with torch.enable_grad(), eval_mode(model), torch.autocast(inputs.device.type, enabled=False):
         logits, hidden, new_state = forward_rows(model, inputs, lengths, state_in, Adapter(mats), row_lengths)
-        # under bf16 autocast (models/precision.py) the model chose what runs in bf16; the loss and the backward
-        # here stay in float32
-        with torch.autocast(inputs.device.type, enabled=False):
-            log_dist = model.log_probs(Output(logits=logits, state=new_state))  # (B, n, V)
-            lp = log_dist.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
-            lp = torch.where(mask, lp, 0.0)
-            # sum over rows of each row's mean: row b's gradient w.r.t. M_b is its own segment's
-            loss = -(lp.sum(1) / lengths.clamp(min=1).to(lp.dtype)).sum()
-            grads = torch.autograd.grad(loss, list(mats.values()))
+        log_dist = model.log_probs(Output(logits=logits, state=new_state))  # (B, n, V)
+        lp = log_dist.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, n)
+        lp = torch.where(mask, lp, 0.0)
+        # sum over rows of each row's mean: row b's gradient w.r.t. M_b is its own segment's
+        loss = -(lp.sum(1) / lengths.clamp(min=1).to(lp.dtype)).sum()
+        grads = torch.autograd.grad(loss, list(mats.values()))
     old = {n: m.detach() for n, m in mats.items()}
     new = rule.step(old, dict(zip(mats, grads, strict=True)))
     new_state = new_state.detach()

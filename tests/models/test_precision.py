@@ -83,7 +83,9 @@ def test_bf16_copies_follow_the_weights(ckpt: Any) -> None:
         model.w_mh.weight(torch.bfloat16)  # v requires grad and grad mode is on: not for training
 
 
-def test_sparse_adaptation_under_bf16_stays_close(ckpt: Any) -> None:
+def test_sparse_adaptation_runs_in_float32_under_bf16(ckpt: Any) -> None:
+    """The update path keeps float32 under a bf16 autocast (a session's adapter must not depend on its batch:
+    tests/models/test_batch_invariance.py): the same bits and adapters as in float32."""
     config = DynEvalConfig.from_dict(ckpt.dyneval.get("sparse", {}), mode="sparse", cache=None)
     config = DynEvalConfig(mode="sparse", rule=config.rule, lr=1e-3, decay=0.0, eps=config.eps, segment=20)
     texts = [TEXT, TEXT[::-1], TEXT[40:] + TEXT[:40]]
@@ -91,10 +93,9 @@ def test_sparse_adaptation_under_bf16_stays_close(ckpt: Any) -> None:
     with inference_precision("bfloat16", BF16):
         low = evaluate_many(ckpt.model, texts, config, stats=ckpt.stats)
     for a, b in zip(exact, low, strict=True):
-        assert b.bits != a.bits
-        assert b.bits == pytest.approx(a.bits, rel=2e-3)
-        for site, m in a.adapted.items():  # the adapters learned the same thing
-            assert torch.linalg.norm(b.adapted[site] - m) < 0.05 * torch.linalg.norm(m)
+        assert b.bits == a.bits
+        for site, m in a.adapted.items():
+            torch.testing.assert_close(b.adapted[site], m, rtol=0, atol=0)
 
 
 def test_adapted_mlstm_with_bf16_weights_gives_close_gradients() -> None:

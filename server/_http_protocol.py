@@ -1,0 +1,133 @@
+"""What uvicorn refuses before the app sees a request, answered in the one error shape (server/errors.py).
+
+uvicorn's h11 protocol answers a request it cannot parse (a path with raw non-ASCII bytes, `Content-Length: abc`,
+a header line without a colon) with a plain-text 400, and closes the connection with the rest of the request still
+unread, which makes the kernel reset it: a client still sending (a 1 MB header) gets the reset instead of the
+answer. `ErrorShapeProtocol` answers such a request with a JSON error and an `X-Request-ID`, as the app answers
+everything else:
+
+- 400 `invalid_request_error`, code `malformed_http`: not HTTP/1.1 as RFC 9112 writes it;
+- 431 `invalid_request_error`, code `header_too_large`: a request line and headers over MAX_HEAD_BYTES in all.
+
+The head is bounded twice: h11 refuses a head still incomplete after `MAX_HEAD_BYTES` (uvicorn's
+`h11_max_incomplete_event_size`, so no more than that is buffered), and a head that arrived whole in fewer reads
+is measured once parsed, so the bound does not depend on how the bytes were split into packets. After the answer
+the connection is half-closed and what the client still sends is read and dropped (a lingering close, as nginx's
+`lingering_close`) for up to LINGER_S or LINGER_BYTES, so that it reads the answer rather than a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from server.errors import APIError, BadRequestError
+from server.request_id import HEADER, REQUEST_ID, request_id_for
+
+__all__ = ["LINGER_BYTES", "LINGER_S", "MAX_HEAD_BYTES", "ErrorShapeProtocol", "HeadTooLargeError"]
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 16 * 1024  # h11's default; nginx's default allows 8 KB a header line (large_client_header_buffers)
+LINGER_S = 5.0  # what a refused client may still send for, after its answer, before the connection is closed
+LINGER_BYTES = 4 << 20  # and how much
+
+
+class HeadTooLargeError(BadRequestError):
+    status = 431
+
+
+def _head_bytes(event: h11.Request) -> int:
+    """The size of a request's head as sent, give or take the whitespace h11 strips: request line and headers."""
+    line = len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items()) + 2
+
+
+class _Connection(h11.Connection):
+    """h11's server side, with the head bound applied to heads that arrived whole, and the error it refused with."""
+
+    refused: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as exc:
+            self.refused = exc
+            raise
+        if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEAD_BYTES:
+            self.refused = h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            raise self.refused
+        return event
+
+
+def _refusal(exc: h11.RemoteProtocolError | None) -> APIError:
+    if exc is not None and exc.error_status_hint == 431:
+        return HeadTooLargeError(f"the request line and headers are over {MAX_HEAD_BYTES:,} bytes in all; the "
+                                 "connection is closed", code="header_too_large")
+    # h11's reason without what it quotes of the request after a colon ("illegal header line: b'...'")
+    reason = str(exc).split(":", 1)[0].strip() if exc is not None else ""
+    detail = f" ({reason[:100]})" if reason else ""
+    return BadRequestError(f"the request is not valid HTTP/1.1{detail}; the connection is closed",
+                           code="malformed_http")
+
+
+class ErrorShapeProtocol(H11Protocol):
+    """H11Protocol answering what it refuses in the error shape, with a lingering close (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = _Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self._lingering: asyncio.TimerHandle | None = None
+        self._dropped = 0
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # after a refusal: read and dropped
+            self._dropped += len(data)
+            if self._dropped > LINGER_BYTES:
+                self.transport.close()
+            return
+        super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self._lingering is not None:
+            self.transport.close()  # the client has sent all it had, and has the answer
+        super().eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._lingering is not None:
+            self._lingering.cancel()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """What uvicorn calls for a request h11 refused (`msg` is uvicorn's one text for them all)."""
+        error = _refusal(getattr(self.conn, "refused", None))
+        rid = request_id_for(None)
+        token = REQUEST_ID.set(rid)
+        try:
+            log.info("refused a request from %s: %s", self.client[0] if self.client else "?", error.message)
+        finally:
+            REQUEST_ID.reset(token)
+        body = error.body().model_dump_json().encode()
+        phrase = "Request Header Fields Too Large" if error.status == 431 else "Bad Request"
+        head = (f"HTTP/1.1 {error.status} {phrase}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n{HEADER.lower()}: {rid}\r\nconnection: close\r\n\r\n")
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # a request body h11 refused (bad chunked encoding)
+            cycle.disconnected = True  # the app reading it sees the client gone, and what it sends is dropped
+            cycle.message_event.set()
+            if cycle.response_started:  # the app's answer is under way: nothing can follow it on this connection
+                self.transport.close()
+                return
+        self.transport.write(head.encode() + body)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()  # the answer, then FIN: the client reads it and its end of stream
+        self.transport.resume_reading()  # flow control may have paused it; what comes now is dropped
+        self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
