@@ -14,7 +14,8 @@ For each checkpoint and session store (the memory store; Redis: a redis-server o
   headers of 64 KB and 1 MB, a bare line of garbage);
 - `abandon`: a request with a long prompt to each route, abandoned by its client after 1 s; the next request's
   wait is timed (right: under 3 s);
-- `replay`: one session's observes alone and batched with others: the same adapter.
+- `replay`: one session's observes alone and batched with others: the same adapter (within float32 rounding:
+  2e-5 of its largest entry).
 A request is *right* when its answer is a 2xx whose numbers are finite (none null where the schema promises one)
 or a 4xx in the one error shape, and the server still answers /readyz after its group. Prints a markdown table of
 requests sent, right and wrong per checkpoint, store and group, and the wrong ones.
@@ -58,6 +59,7 @@ BAD_BODIES = [b"", b"{", b"[]", b"null", b"1", b'"x"', b"[" * 5000 + b"]" * 5000
               b'{"nope": 1}']
 ABANDON_BYTES = 60_000
 NEXT_TIMEOUT_S = 30.0
+REPLAY_REL = 2e-5  # of the adapter's largest entry: a replay's adapters may differ by float32 rounding, no more
 SLOW_S = 3.0  # the next request's wait after an abandoned one, beyond which the abandoned one held the engine
 
 
@@ -361,9 +363,12 @@ class Catalogue:
                 t.join()
         one = load_tensors(self.a.get(f"/v1/sessions/{alone}/state").content)
         two = load_tensors(self.a.get(f"/v1/sessions/{inside}/state").content)
-        worst = max(float((one[k].double() - two[k].double()).abs().max()) if one[k].numel() else 0.0
-                    for k in one if k.startswith("adapter"))
-        self.tally.check("replay", "adapter alone == adapter batched", worst == 0.0, f"differ by up to {worst:.3g}")
+        keys = [k for k in one if k.startswith("adapter") and one[k].numel()]
+        worst = max((float((one[k].double() - two[k].double()).abs().max()) for k in keys), default=0.0)
+        largest = max((float(one[k].double().abs().max()) for k in keys), default=0.0)
+        # float32's last bits may differ between batches; bf16 rounding carried forward differs by ~1e-3 of it
+        self.tally.check("replay", "adapter alone == adapter batched", worst <= REPLAY_REL * largest,
+                         f"differ by up to {worst:.3g} ({worst / max(largest, 1e-30):.2g} of the largest entry)")
         self.alive("replay")
 
 
