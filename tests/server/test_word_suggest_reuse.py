@@ -24,6 +24,7 @@ from models.checkpoint import load_checkpoint
 from models.session import Session, SessionModel
 from models.suggest import Suggestions
 from models.word_suggest import word_suggestions
+from models.word_tokenizer import WordTokenizer
 from server.engine._suggest import WordStateCache
 from tests.server.test_suggest_reuse import keystrokes, same
 
@@ -44,7 +45,8 @@ def copied(session: Session) -> Session:
                          ids=["network", "neural-cache", "neural-cache+word-cache"])
 def test_word_keystrokes_continue_from_the_last_exactly(asked: dict[str, Any], word_checkpoint: Path) -> None:
     ck = load_checkpoint(word_checkpoint)
-    served = SessionModel.of(ck)
+    served, tokenizer = SessionModel.of(ck), ck.tokenizer
+    assert isinstance(tokenizer, WordTokenizer)
     config = served.config(asked)
     assert ("cache" in config.memories) == ("cache" in asked) and ("words" in config.memories) == ("words" not in asked)
     session = served.observe(served.fresh(config, id="s"), HISTORY.encode())
@@ -54,7 +56,7 @@ def test_word_keystrokes_continue_from_the_last_exactly(asked: dict[str, Any], w
 
     def suggest(record: Session, context: str, cache: WordStateCache | None) -> tuple[Suggestions, int]:
         before = forwards[0]
-        found = word_suggestions(served.search_model, ck.tokenizer, record, context, k=3, n_chars=5, max_chars=24,
+        found = word_suggestions(served.search_model, tokenizer, record, context, k=3, n_chars=5, max_chars=24,
                                  sessions=served, states=cache)
         return found, forwards[0] - before
 
