@@ -247,7 +247,11 @@ class WordStateCache(WordStates):
 
     def _runs(self, session: Session) -> OrderedDict[tuple[int, ...], tuple[State, torch.Tensor]] | None:
         entry = self._entries.get(session.id)
-        if entry is None or entry[0] is not session and not _same_record(entry[0], session):
+        # a session deleted and made again under its id starts from the same state and adapter: its settings (a
+        # neural cache asked for, or not) and creation tell it apart
+        if entry is None or entry[0] is not session and (
+                entry[0].created != session.created or entry[0].config != session.config
+                or not _same_record(entry[0], session)):
             return None
         self._entries.move_to_end(session.id)
         return entry[1]

@@ -102,6 +102,9 @@ def test_a_record_change_and_the_bounds_drop_kept_states(word_checkpoint: Path) 
     states.put(session, ids[:2], session.state, logprobs)
     states.put(session, ids[:3], session.state, logprobs)  # the third run: the oldest goes
     assert states.longest(session, ids)[0] == 3
+    other = served.config({"cache": {}, "words": None})  # a session made again under the id, a neural cache asked
+    assert states.longest(dataclasses.replace(session, config=other), ids)[0] == 0  # the same tensors: another session
+    states.put(session, ids, session.state, logprobs)
     after = served.observe(session, b" Thanks for the photos")
     assert states.longest(after, ids)[0] == 0  # another record: what the old one fed is dropped
     assert states.longest(session, ids)[0] == 0
