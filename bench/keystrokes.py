@@ -7,6 +7,12 @@ session's cursor cache, k=3, 5 next characters). Prints each keystroke's time (p
 thread's CPU time, which a busy machine disturbs less), the model rows and batched steps per keystroke and the rows
 read from the last keystroke's search, and with --profile the functions that take the time (cProfile, cumulative).
 
+A word checkpoint (checkpoints/words) answers a keystroke with `word_suggestions`, as the server does: each keystroke
+runs twice, side by side, from scratch (the whole message fed) and continuing from the states the session's last
+keystrokes kept (`WordStateCache`, the server's), with the model steps per keystroke of each and the largest relative
+difference between their probabilities (and the keystrokes whose completions differ: two words as probable within
+that difference may trade places).
+
     python -m bench.keystrokes [--checkpoint DIR] [--text FILE] [--keys 2000] [--profile 25]
 """
 
@@ -23,9 +29,11 @@ import torch
 
 from bench._common import DEFAULT_CHECKPOINT, ROOT, machine_line
 from models.checkpoint import load_checkpoint
-from models.session import SessionModel
-from models.suggest import SUGGEST_MIN_PROB
+from models.session import Session, SessionModel
+from models.suggest import SUGGEST_MIN_PROB, Suggestions
 from models.tokenizer import ByteTokenizer
+from models.word_suggest import word_suggestions
+from models.word_tokenizer import WordTokenizer
 from server.engine._suggest import (
     SUGGEST_BATCH,
     SUGGEST_MAX_EXPANSIONS,
@@ -33,6 +41,8 @@ from server.engine._suggest import (
     CursorCache,
     SuggestJob,
     SuggestRounds,
+    WordStateCache,
+    feed_window,
 )
 
 MESSAGES = ROOT / "loadtest" / "messages.txt"
@@ -49,10 +59,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     messages = [line for line in Path(args.text).read_text("utf-8").splitlines() if line and not line.startswith("#")]
     ck = load_checkpoint(Path(args.checkpoint), device=torch.device("cpu"))
-    if not isinstance(ck.tokenizer, ByteTokenizer):
-        ap.error("a byte-level checkpoint: a word model's keystroke is one model step, no search")
     served = SessionModel.of(ck)
     session = served.fresh(served.config(), id="typist", ttl_s=60.0, now=0.0)
+    if isinstance(ck.tokenizer, WordTokenizer):
+        words(served, ck.tokenizer, session, messages, args)
+        return
+    if not isinstance(ck.tokenizer, ByteTokenizer):
+        ap.error("a byte-level or word-level checkpoint")
     rounds = SuggestRounds(served.search_model, CursorCache(model=served, tokenizer=ck.tokenizer),
                            min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
                            round_rows=SUGGEST_ROUND_ROWS, lexicon=ck.lexicon)
@@ -87,6 +100,51 @@ def main() -> None:
         print(f"| {name} | {ms[len(ms) // 2]:.2f} | {ms[len(ms) * 9 // 10]:.2f} | {ms[len(ms) * 99 // 100]:.2f} "
               f"| {statistics.mean(ms):.2f} | {statistics.mean(rows):.1f} | {statistics.mean(steps):.2f} "
               f"| {statistics.mean(reused):.1f} |")
+    if profile is not None:
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
+
+
+def words(served: SessionModel, tokenizer: WordTokenizer, session: Session, messages: list[str],
+          args: argparse.Namespace) -> None:
+    """A word checkpoint's keystrokes, each from scratch and from the kept states (module docstring)."""
+    states = WordStateCache()
+    cpu: dict[str, list[float]] = {"from scratch": [], "kept states": []}
+    calls: dict[str, list[int]] = {name: [] for name in cpu}
+    worst, differ = 0.0, 0
+    profile = cProfile.Profile() if args.profile else None
+    keys = [(message, i) for message in messages for i in range(1, len(message) + 1)][: args.keys]
+    for n, (message, i) in enumerate(keys):
+        context = feed_window(message[:i])  # as the server's Suggest
+        found: dict[str, Suggestions] = {}
+        # alternate which runs first, so that neither always finds the caches warm
+        for name in sorted(cpu, reverse=n % 2 == 1):
+            kept = name == "kept states"
+            if profile is not None and kept:
+                profile.enable()
+            c0 = time.thread_time()
+            found[name] = word_suggestions(served.search_model, tokenizer, session, context, k=3, n_chars=5,
+                                           max_chars=24, sessions=served, states=states if kept else None)
+            cpu[name].append((time.thread_time() - c0) * 1e3)
+            if profile is not None and kept:
+                profile.disable()
+            calls[name].append(found[name].model_calls)
+        got, want = found["kept states"], found["from scratch"]
+        differ += [(c.text, c.space_before) for c in got.completions] != \
+            [(c.text, c.space_before) for c in want.completions]
+        pairs = [*zip([c.prob for c in got.completions], [c.prob for c in want.completions], strict=False),
+                 *zip([c.prob for c in got.next_chars], [c.prob for c in want.next_chars], strict=False)]
+        worst = max([worst, *(abs(p - q) / q for p, q in pairs)])
+        if i == len(message):  # sent: the session reads it, as the load test's typist's does
+            session = served.observe(session, (message + "\n").encode("utf-8"))
+    print(f"# {len(keys)} keystrokes, {Path(args.checkpoint).name}, {machine_line()}; largest relative difference "
+          f"between the two's probabilities: {worst:.1e}; keys whose completions differ (a tie within it): {differ}")
+    print("| CPU ms (this thread) | p50 | p90 | p99 | mean | model steps / key | keys without a step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, ms in cpu.items():
+        ms = sorted(ms)
+        print(f"| {name} | {ms[len(ms) // 2]:.2f} | {ms[len(ms) * 9 // 10]:.2f} | {ms[len(ms) * 99 // 100]:.2f} "
+              f"| {statistics.mean(ms):.2f} | {statistics.mean(calls[name]):.2f} "
+              f"| {sum(c == 0 for c in calls[name]) / len(keys):.0%} |")
     if profile is not None:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
 

@@ -157,7 +157,9 @@ class Suggestions:
     model_calls: int = 0  # batched model steps
     exact: bool = True  # False if max_expansions cut the search
     space_share: float = 0.0  # `WordSearch.space_share`: 0 unless the word may begin after a space
-    reused: int = 0  # of the expansions, those read from an earlier search's rows (`WordSearch`'s `known`)
+    # of the expansions, those read from an earlier search's rows (`WordSearch`'s `known`); a word model's: the
+    # model steps read from an earlier keystroke's (`word_suggestions`' `states`)
+    reused: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,23 +6,39 @@ keystrokes with it, and the in-process keyboard simulator (models/keysim.py) run
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from models.base import LanguageModel
+from models.base import Adapter, LanguageModel, State
 from models.session import Session, SessionModel
 from models.suggest import SUGGEST_MIN_PROB, Completion, NextChar, Suggestions, takes_space
 from models.word_tokenizer import WordTokenizer
 from models.wordcache import WordCache, WordsMemory, WordsSettings
 
-__all__ = ["word_suggestions"]
+__all__ = ["WordStates", "word_suggestions"]
 
 _CACHE_CANDIDATES = 64  # a word model's completions mixed with the session's word cache (the rest count 0)
 
 
+class WordStates(Protocol):
+    """What a session's earlier keystrokes computed (server/engine/_suggest.py `WordStateCache`): the model after a
+    session record's view state and token ids, so that a letter typed within a word runs no model step and a space
+    feeds only the words it settled."""
+
+    def longest(self, session: Session, ids: Sequence[int]) -> tuple[int, State | None, torch.Tensor | None]:
+        """-> (n, the state after ids[:n], the next token's log-probs (V,) there) for the longest ids[:n] kept for
+        this record of the session; (0, None, None) if none."""
+
+    def put(self, session: Session, ids: Sequence[int], state: State, logprobs: torch.Tensor) -> None:
+        """Keep the state after `ids` and the next token's log-probs (V,) there."""
+
+
 @torch.no_grad()
 def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Session, context: str, *, k: int,
-                     n_chars: int, max_chars: int, sessions: SessionModel) -> Suggestions:
+                     n_chars: int, max_chars: int, sessions: SessionModel,
+                     states: WordStates | None = None) -> Suggestions:
     """A word model's keyboard suggestions: one model step from the session (its text, then its pending text and
     the stable part of `context`: `WordTokenizer.split_stable`, and a punctuation mark or a gap before the word being
     typed: `split_typed`) gives the next word's distribution; the completions are the k most probable vocabulary
@@ -51,10 +67,9 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     settled, typed = tokenizer.split_typed(tail)  # "  wo": "  " is settled before " wo"; "(": all of it
     stable += settled
     ids = [session.last_token, *tokenizer.encode(stable)]
-    device = next(model.parameters()).device
     adapter = sessions.adapter(session)
-    out = model(torch.tensor([ids], dtype=torch.long, device=device), sessions.view_state(session), adapter)
-    logprobs = model.log_probs(out)[0, -1].double().cpu()  # (V,)
+    fed, last, calls = _after(model, session, ids, adapter, states, sessions)  # the state after ids
+    logprobs = last.double().cpu()  # (V,)
     # the words (no end of line, no <unk>) that continue the typed part, in byte order: after a space, nearly the
     # whole vocabulary, so tensor work only (no Python pass over them)
     matching = tokenizer.ids_with_prefix(typed)
@@ -107,7 +122,6 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
                           space=space_share)
         completions = [c for c in mixed if c.text.startswith(prefix) and len(c.text) > len(prefix)]
     chars: dict[str, float] = {}
-    calls = 1
     typed_text = typed.decode("utf-8", errors="strict") if _whole_utf8(typed) else None
     if not typed and n_chars > 0:  # nothing typed: the next token's first character, whatever it is
         chars = tokenizer.first_char_probs(logprobs.exp())  # <unk>'s first letter unknown: its unspaced words'
@@ -121,17 +135,39 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
             ended = norm * math.exp(float(logprobs[whole]))
         elif unspaced.numel() and tokenizer.token_bytes(int(unspaced[0])) == b" " + typed and shares[0] > 0:
             ended, end = norm * float(unspaced_probs[0]), tokenizer.unk
-        if end is not None:
-            after = model(torch.tensor([[end]], dtype=torch.long, device=device), out.state, adapter)
-            for char, p in tokenizer.first_char_probs(model.log_probs(after)[0, -1].double().exp()).items():
+        if end is not None:  # kept too: after a space, the next keystroke continues from it
+            _, following, run = _after(model, session, [*ids, end], adapter, states, sessions, fed, len(ids))
+            for char, p in tokenizer.first_char_probs(following.double().exp()).items():
                 chars[char] = chars.get(char, 0.0) + ended * p
-            calls += 1
+            calls += run
     if weight > 0 and n_chars > 0 and words is not None:  # the word cache's words go on too, as mixed in above
         chars = _cached_chars(chars, words, typing.decode("utf-8", errors="replace"), prefix, weight,
                               max_chars, space_share)
     next_ = [NextChar(c, p) for c, p in sorted(chars.items(), key=lambda cp: -cp[1])[:n_chars]]
-    return Suggestions(prefix, completions, next_, expansions=0, model_calls=calls, exact=True,
-                       space_share=space_share)
+    return Suggestions(prefix, completions, next_, expansions=0, model_calls=sum(calls), exact=True,
+                       space_share=space_share, reused=len(calls) - sum(calls))
+
+
+def _after(model: LanguageModel, session: Session, ids: list[int], adapter: Adapter, states: WordStates | None,
+           sessions: SessionModel, state: State | None = None, fed: int = 0) -> tuple[State, torch.Tensor, list[int]]:
+    """The model after the session's view state and `ids` (`state` after the first `fed` of them, if given): its
+    state and the next token's log-probs (V,), from `states` if they hold them (or a start of them: the rest is
+    fed) -> (state, log-probs, [1] if a model step ran, else [0])."""
+    if states is not None:
+        n, kept, logprobs = states.longest(session, ids)
+        if n == len(ids) and kept is not None and logprobs is not None:
+            return kept, logprobs, [0]
+        if n > fed and kept is not None:
+            state, fed = kept, n
+    if state is None:
+        state, fed = sessions.view_state(session), 0
+    device = next(model.parameters()).device
+    out = model(torch.tensor([ids[fed:]], dtype=torch.long, device=device), state, adapter)
+    # a copy: a view would keep the whole (1, T, V) distribution of a long feed alive in the cache
+    logprobs = model.log_probs(out)[0, -1].clone()
+    if states is not None:
+        states.put(session, ids, out.state, logprobs)
+    return out.state, logprobs, [1]
 
 
 def _add_next_chars(chars: dict[str, float], tokenizer: WordTokenizer, typed: bytes, probs: torch.Tensor,

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,7 +50,7 @@ from models.suggest import (
     takes_space,
 )
 from models.tokenizer import ByteTokenizer
-from models.word_suggest import word_suggestions
+from models.word_suggest import WordStates, word_suggestions
 from models.word_tokenizer import WordTokenizer
 from server.engine._errors import SessionsUnavailable
 from server.engine._session import Session
@@ -58,7 +59,7 @@ from server.engine._stats import EngineStats
 from server.engine._work import Work
 
 __all__ = ["SUGGEST_FEED_BYTES", "SUGGEST_FEED_STRIDE", "CursorCache", "Feed", "Suggest", "SuggestExecutor",
-           "SuggestJob", "SuggestRounds", "Suggestions", "feed_window", "run_suggestions"]
+           "SuggestJob", "SuggestRounds", "Suggestions", "WordStateCache", "feed_window", "run_suggestions"]
 
 log = logging.getLogger(__name__)
 NEXT_CURSORS = 8  # cursors a search leaves for the next keystroke (of a session's 32)
@@ -222,6 +223,63 @@ class CursorCache:
         while len(entry.cursors) > self.per_session:
             entry.cursors.popitem(last=False)
         return cursor
+
+    def drop(self, session_id: str) -> None:
+        self._entries.pop(session_id, None)
+
+
+class WordStateCache(WordStates):
+    """A word model's states after its sessions' stable words (`word_suggestions`' `states`). Worker-thread only.
+
+    A word is one token: a keystroke within a word changes only the typed part, whose distribution is the one after
+    the words before it, so it needs no model step once a keystroke has fed them; a space settles the word before it,
+    whose step the last keystroke ran already if the typed part was a word (`word_suggestions`' next characters), or
+    else is the one step fed. Per session, the last `per_session` token-id runs of one record (the record changes
+    with an observe, reset or import: its entry is dropped), for at most `sessions` sessions, least recently used
+    going. An entry of the shipped word checkpoint holds a window's keys and values (3 layers of 64 x 192) and a
+    distribution of 24,000 words: about 0.4 MB, 1.6 MB a session."""
+
+    def __init__(self, sessions: int = 64, per_session: int = 4) -> None:
+        self.sessions, self.per_session = sessions, per_session
+        # session id -> (the record, token ids -> (state after them, next-token log-probs), oldest first)
+        self._entries: OrderedDict[str, tuple[Session, OrderedDict[tuple[int, ...], tuple[State, torch.Tensor]]]] \
+            = OrderedDict()
+
+    def _runs(self, session: Session) -> OrderedDict[tuple[int, ...], tuple[State, torch.Tensor]] | None:
+        entry = self._entries.get(session.id)
+        # a session deleted and made again under its id starts from the same state and adapter: its settings (a
+        # neural cache asked for, or not) and creation tell it apart
+        if entry is None or entry[0] is not session and (
+                entry[0].created != session.created or entry[0].config != session.config
+                or not _same_record(entry[0], session)):
+            return None
+        self._entries.move_to_end(session.id)
+        return entry[1]
+
+    def longest(self, session: Session, ids: Sequence[int]) -> tuple[int, State | None, torch.Tensor | None]:
+        runs = self._runs(session)
+        if runs is None:
+            self._entries.pop(session.id, None)  # another record: what the last one fed is no use
+            return 0, None, None
+        key = tuple(ids)
+        best = max((run for run in runs if len(run) <= len(key) and key[: len(run)] == run), key=len, default=())
+        if not best:
+            return 0, None, None
+        runs.move_to_end(best)
+        state, logprobs = runs[best]
+        return len(best), state, logprobs
+
+    def put(self, session: Session, ids: Sequence[int], state: State, logprobs: torch.Tensor) -> None:
+        runs = self._runs(session)
+        if runs is None:
+            runs = OrderedDict()
+            self._entries[session.id] = (session, runs)
+            while len(self._entries) > self.sessions:
+                self._entries.popitem(last=False)
+        runs[tuple(ids)] = (state, logprobs)
+        runs.move_to_end(tuple(ids))
+        while len(runs) > self.per_session:
+            runs.popitem(last=False)
 
     def drop(self, session_id: str) -> None:
         self._entries.pop(session_id, None)
@@ -420,6 +478,7 @@ class SuggestExecutor:
         self._sessions, self._stats = sessions, stats
         self._refuse = refuse  # why this model has no suggestions (SessionsUnavailable); "": it has
         self._model, self._words = model, words  # a word model: `word_suggestions`, answered at once
+        self._word_states = WordStateCache()  # what a word model's keystrokes fed, for the next keystroke's
         tokenizer = tokenizer or ByteTokenizer()
         self._rounds = SuggestRounds(model, CursorCache(tokenizer=tokenizer, model=sessions.model),
                                      min_prob=SUGGEST_MIN_PROB,
@@ -441,7 +500,7 @@ class SuggestExecutor:
             if self._words is not None:
                 work.future.set_result(word_suggestions(self._model, self._words, session, work.context,
                                                         k=work.k, n_chars=work.n_chars, max_chars=work.max_chars,
-                                                        sessions=self._sessions.model))
+                                                        sessions=self._sessions.model, states=self._word_states))
                 return
         except Exception as e:
             work.fail(e)
