@@ -95,10 +95,14 @@ def feed_window(context: str) -> str:
 
 
 def _same_record(a: Session, b: Session) -> bool:
-    """Do two records of a session hold the same state, next byte and adapter? (A store that serialises
-    sessions returns new tensors on every read, so identity is not enough.)"""
+    """Do two records of a session hold the same state, next byte and adapter, under the same settings? (A store
+    that serialises sessions returns new tensors on every read, so identity is not enough. A session deleted and
+    made again under its id starts from the same state and adapter: its creation time and settings, a copy model or
+    a neural cache asked for or not, tell it apart.)"""
     if a is b:
         return True
+    if a.created != b.created or a.config != b.config:
+        return False
     if a.last_token != b.last_token or a.state.tensors.keys() != b.state.tensors.keys() \
             or a.adapter.mats.keys() != b.adapter.mats.keys():
         return False
@@ -247,11 +251,7 @@ class WordStateCache(WordStates):
 
     def _runs(self, session: Session) -> OrderedDict[tuple[int, ...], tuple[State, torch.Tensor]] | None:
         entry = self._entries.get(session.id)
-        # a session deleted and made again under its id starts from the same state and adapter: its settings (a
-        # neural cache asked for, or not) and creation tell it apart
-        if entry is None or entry[0] is not session and (
-                entry[0].created != session.created or entry[0].config != session.config
-                or not _same_record(entry[0], session)):
+        if entry is None or not _same_record(entry[0], session):
             return None
         self._entries.move_to_end(session.id)
         return entry[1]
