@@ -23,6 +23,11 @@ them together):
                   record of an older server (in no owner's index until a write of this version) makes room as any
                   did before shares
 
+Each server keeps the records it read or wrote (`_Cache`); a read sends its copy's revision, and get.lua answers
+the last use time alone (no blob) when the stored revision is that one: a keystroke on a session this server holds
+reads a few bytes from Redis, and a copy is served only once Redis has confirmed it (a write elsewhere, a delete
+elsewhere: the next read loads the record, or finds none).
+
 Every change touching several keys is one Lua script (redis_scripts/*.lua), atomic across servers. An update
 writes only over the revision its work read (`SessionStore.update`): two servers working on one session at once are
 ordered by their writes, and the second is refused (SessionConflict), not lost. The limits (`max_sessions`,
