@@ -254,7 +254,7 @@ def _session_store(settings: Settings) -> SessionStore:
                                   owner_max_bytes=owner_bytes)
     return RedisSessionStore(str(settings.session_store), max_sessions=settings.max_sessions,
                              max_bytes=settings.session_memory_bytes, owner_max_sessions=owner_sessions,
-                             owner_max_bytes=owner_bytes)
+                             owner_max_bytes=owner_bytes, cache_bytes=settings.session_cache_bytes)
 
 
 class BodyLimitMiddleware(HTTPMiddleware):

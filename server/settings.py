@@ -135,6 +135,9 @@ class Settings(BaseSettings):
     session_store: Literal["memory"] | RedisDsn = Field(default="memory", repr=False)
     # The memory store's file: written at shutdown, read back at start-up (None: sessions end with the process).
     session_snapshot: Path | None = None
+    # With Redis: bytes of session blobs a server keeps of the sessions it serves (at most max_sessions of them), so
+    # that a read whose record has not changed since costs its revision, not its blob (0: keep none).
+    session_cache_bytes: int = Field(default=256 << 20, ge=0)
 
     def session_share(self) -> tuple[int, int]:
         """The sessions and bytes of one API key that another key's new sessions never evict. By default an equal

@@ -23,6 +23,11 @@ them together):
                   record of an older server (in no owner's index until a write of this version) makes room as any
                   did before shares
 
+Each server keeps the records it read or wrote (`_Cache`); a read sends its copy's revision, and get.lua answers
+the last use time alone (no blob) when the stored revision is that one: a keystroke on a session this server holds
+reads a few bytes from Redis, and a copy is served only once Redis has confirmed it (a write elsewhere, a delete
+elsewhere: the next read loads the record, or finds none).
+
 Every change touching several keys is one Lua script (redis_scripts/*.lua), atomic across servers. An update
 writes only over the revision its work read (`SessionStore.update`): two servers working on one session at once are
 ordered by their writes, and the second is refused (SessionConflict), not lost. The limits (`max_sessions`,
@@ -60,7 +65,7 @@ import math
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib import resources
@@ -94,6 +99,53 @@ _SWEEP_LIMIT = 1000  # index entries a sweep looks at
 _PROBE_S = 0.5  # while Redis cannot be reached, how often a background thread tries it again
 
 
+def _applied(lines: bytes) -> tuple[Applied, ...]:
+    return tuple(Applied.decode(line) for line in lines.decode().split("\n"))
+
+
+class _Cache:
+    """The records this server read or wrote, by stored id, least recently used first, bounded by count and by bytes
+    (their blobs' sizes). A record is served only once Redis has said its revision is still the stored one
+    (`RedisSessionStore.get`), so a stale entry costs a reload, never a stale answer. Thread-safe."""
+
+    def __init__(self, max_sessions: int, max_bytes: int) -> None:
+        self.max_sessions, self.max_bytes = max_sessions, max_bytes
+        self._lock = threading.Lock()
+        self._records: OrderedDict[str, tuple[Session, int]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, session_id: str) -> Session | None:
+        with self._lock:
+            entry = self._records.get(session_id)
+            if entry is None:
+                return None
+            self._records.move_to_end(session_id)
+            return entry[0]
+
+    def put(self, session: Session, size: int) -> None:
+        if not session.revision or size > self.max_bytes or self.max_sessions < 1:
+            return
+        with self._lock:
+            self._pop(session.id)
+            self._records[session.id] = (session, size)
+            self._bytes += size
+            while len(self._records) > self.max_sessions or self._bytes > self.max_bytes:
+                self._pop(next(iter(self._records)))
+
+    def drop(self, session_id: str) -> None:
+        with self._lock:
+            self._pop(session_id)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def _pop(self, session_id: str) -> None:
+        entry = self._records.pop(session_id, None)
+        if entry is not None:
+            self._bytes -= entry[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Bound:
     model_hash: str
@@ -108,7 +160,8 @@ class RedisSessionStore(SessionStore):
 
     def __init__(self, url: str, *, max_sessions: int, max_bytes: int, lease_s: float = 60.0,
                  clock: Callable[[], float] = time.time, timeout_s: float = 5.0, owner_max_sessions: int | None = None,
-                 owner_max_bytes: int | None = None) -> None:
+                 owner_max_bytes: int | None = None, cache_sessions: int | None = None,
+                 cache_bytes: int = 256 << 20) -> None:
         if max_sessions < 1 or max_bytes < 1 or lease_s <= 0:
             raise ValueError("max_sessions and max_bytes must be >= 1 and lease_s > 0")
         self.url = url
@@ -126,6 +179,9 @@ class RedisSessionStore(SessionStore):
         self._scripts: dict[str, Script] = {name: self._redis.register_script(source)
                                             for name, source in _SCRIPTS.items()}
         self._bound: _Bound | None = None
+        # the records this server served or wrote (at most cache_sessions, max_sessions by default, and cache_bytes
+        # of blobs; 0: none): a read sends the copy's revision, and Redis sends the blob only if it changed
+        self._cache = _Cache(max_sessions if cache_sessions is None else cache_sessions, cache_bytes)
         self._instance = secrets.token_hex(8)  # names this server's leases
         self._lock = threading.Lock()
         self._pins: Counter[str] = Counter()
@@ -148,9 +204,15 @@ class RedisSessionStore(SessionStore):
             self._measure_skew()
 
     def get(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session | None:
-        fields = self._run("get", session_id, owner or "", "1" if touch else "0", repr(self._clock()))
+        cached = self._cache.get(session_id)
+        known = cached.revision or "" if cached is not None else ""
+        fields = self._run("get", session_id, owner or "", "1" if touch else "0", repr(self._clock()), known)
         if fields is None:
+            self._cache.drop(session_id)
             return None
+        if len(fields) == 1:  # the stored revision is the cached copy's: that copy is the record
+            assert cached is not None
+            return dataclasses.replace(cached, last_used=float(fields[0]))
         blob, stored_owner, created, last_used, ttl, revision, applied = fields
         bound = self._binding()
         try:
@@ -158,13 +220,15 @@ class RedisSessionStore(SessionStore):
                                         sessions=bound.sessions)
         except SessionImportError as e:
             log.error("session %s in Redis cannot be read (%s); treating it as absent", session_id[:8], e)
+            self._cache.drop(session_id)
             return None
         session = dataclasses.replace(session, id=session_id, owner=stored_owner.decode() or None,
                                       created=float(created), last_used=float(last_used), ttl_s=float(ttl),
                                       revision=revision.decode())
-        if not applied:
-            return session
-        return keyed(session, applied=tuple(Applied.decode(line) for line in applied.decode().split("\n")))
+        if applied:
+            session = keyed(session, applied=_applied(applied))
+        self._cache.put(session, len(blob))
+        return session
 
     def contains(self, session_id: str) -> bool:
         bound = self._binding()
@@ -173,9 +237,11 @@ class RedisSessionStore(SessionStore):
 
     def insert(self, session: Session) -> Session:
         now, revision = self._clock(), new_revision()
-        evicted, expired = self._run("insert", repr(now), *self._record(session),
-                                     str(self._ttl_ms(session, now)), str(self.max_sessions), str(self.max_bytes),
-                                     revision, str(self.owner_max_sessions), str(self.owner_max_bytes))
+        record = self._record(session)
+        self._cache.drop(session.id)  # whatever the outcome: the replaced record is not served from here again
+        evicted, expired, *kept = self._run("insert", repr(now), *record, str(self._ttl_ms(session, now)),
+                                            str(self.max_sessions), str(self.max_bytes), revision,
+                                            str(self.owner_max_sessions), str(self.owner_max_bytes))
         with self._lock:
             self._evictions["ttl"] += int(expired)
             if evicted > 0:
@@ -183,7 +249,14 @@ class RedisSessionStore(SessionStore):
         if evicted < 0:
             raise SessionStoreFull(f"the session store is full (at most {self.max_sessions} sessions and "
                                    f"{self.max_bytes} bytes) and no session can be evicted now")
-        return dataclasses.replace(session, revision=revision)
+        # what was stored: the session with the keys a replaced record of its owner passed on (none otherwise)
+        stored: Session = dataclasses.replace(session, revision=revision)
+        if kept and kept[0]:
+            stored = keyed(stored, applied=_applied(kept[0]))
+        elif isinstance(stored, KeyedSession):
+            stored = keyed(stored, applied=())
+        self._cache.put(stored, len(record[1]))
+        return stored
 
     def update(self, session: Session) -> Session | None:
         # A write that times out is not known to have failed: Redis may run it later (a paused or partitioned
@@ -201,17 +274,29 @@ class RedisSessionStore(SessionStore):
         revision = new_revision()
         entry = session.observing if isinstance(session, KeyedSession) else None
         record, _ = committed(session, applied_of(session))  # what was stored, as this write leaves it
-        written = int(self._run("update", *self._record(session), str(self._ttl_ms(session, self._clock())),
-                                str(math.floor(deadline * 1000)), session.revision or "", revision,
-                                entry.encode() if entry is not None else "", str(APPLIED_KEPT)))
+        args = self._record(session)
+        try:
+            written = int(self._run("update", *args, str(self._ttl_ms(session, self._clock())),
+                                    str(math.floor(deadline * 1000)), session.revision or "", revision,
+                                    entry.encode() if entry is not None else "", str(APPLIED_KEPT)))
+        except SessionStoreUnavailable:  # written or not, unknown: the next read asks Redis for the record
+            self._cache.drop(session.id)
+            raise
         if written in (-2, -3):  # -3: its key was applied meanwhile (then so was a revision: -2 comes first)
+            self._cache.drop(session.id)  # another server's write: the next read loads it
             raise SessionConflict(session.id)
         if written < 0:
             raise SessionStoreUnavailable("could not use the session store (it answered after the write's deadline; "
                                           "nothing was written)")
-        return dataclasses.replace(record, revision=revision) if written else None
+        if not written:
+            self._cache.drop(session.id)
+            return None
+        stored = dataclasses.replace(record, revision=revision)
+        self._cache.put(stored, len(args[1]))  # this server's own write: never read back
+        return stored
 
     def delete(self, session_id: str, owner: str | None) -> bool:
+        self._cache.drop(session_id)
         return bool(self._run("delete", session_id, owner or ""))
 
     def pin(self, session_id: str) -> None:

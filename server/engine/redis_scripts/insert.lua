@@ -1,6 +1,7 @@
 -- ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes, revision,
 -- owner_max_sessions, owner_max_bytes (one owner's share: only the idle sessions of owners over it make room)
--- -> {evicted (lru), expired (ttl)}, evicted = -1: does not fit (nothing evicted, nothing stored)
+-- -> {evicted (lru), expired (ttl), applied (the keys the replaced record passed on, "" for none)}, evicted = -1:
+-- does not fit (nothing evicted, nothing stored)
 local now, id, owner, size = ARGV[2], ARGV[3], ARGV[5], tonumber(ARGV[10])
 local max_n, max_b = tonumber(ARGV[12]), tonumber(ARGV[13])
 local own_n, own_b = tonumber(ARGV[15]), tonumber(ARGV[16])
@@ -123,6 +124,7 @@ for _, v in ipairs(victims) do redis.call('DEL', skey(v)); unindex(v) end
 local kept = redis.call('HMGET', skey(id), 'owner', 'applied')
 redis.call('DEL', skey(id))
 write(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[14])
-if kept[2] and kept[1] == owner then redis.call('HSET', skey(id), 'applied', kept[2]) end
+local applied = ''
+if kept[2] and kept[1] == owner then applied = kept[2]; redis.call('HSET', skey(id), 'applied', applied) end
 redis.call('PEXPIRE', skey(id), ARGV[11])
-return {#victims, #expired}
+return {#victims, #expired, applied}

@@ -1,0 +1,132 @@
+"""Bytes a keystroke and an observe read from Redis, and written to it, through the server (in this process, on a
+redis-server of its own): with the server's session cache (`ADAPTLM_SESSION_CACHE_BYTES`, the default) and without
+it (0: every read fetches the whole session, as before the cache). One typist types messages a character at a time,
+asking for suggestions at each keystroke, and observes each message when it is typed, as the load test's typist does
+(loadtest/messages.txt). Redis's own counters measure it (INFO: `total_net_output_bytes` read by the server,
+`total_net_input_bytes` written), less what the INFO calls themselves take. Also checks that both runs suggested the
+same completions at every keystroke as the memory store (the reference: sessions never leave the process).
+
+    python -m bench.redis_bytes [--checkpoint DIR] [--messages 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import redis
+from starlette.testclient import TestClient
+
+from bench._common import DEFAULT_CHECKPOINT, ROOT, machine_line
+from server.app import create_app
+from server.launch import free_port, stop
+from server.settings import Settings
+
+MESSAGES = ROOT / "loadtest" / "messages.txt"
+
+
+@contextmanager
+def redis_server() -> Iterator[str]:
+    """A redis-server of our own on a loopback port (no persistence), until the block ends -> its URL."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
+        process = subprocess.Popen([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port),
+                                    "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            client = redis.Redis(port=port)
+            for _ in range(200):
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            client.close()
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            stop(process, 10)
+
+
+def run(checkpoint: Path, url: str | None, cache_bytes: int, messages: list[str],
+        ) -> tuple[list[Any], dict[str, list[int]]]:
+    """-> every keystroke's suggestions, and per kind ("suggest", "observe") each request's (read, written) bytes
+    (url None: the memory store, nothing measured)."""
+    info = redis.Redis.from_url(url or "redis://127.0.0.1:1/0")
+
+    def counters() -> tuple[int, int]:
+        if url is None:
+            return 0, 0
+        stats = info.info("stats")
+        return int(stats["total_net_output_bytes"]), int(stats["total_net_input_bytes"])
+
+    def measure(call: Callable[[], Any]) -> tuple[Any, int, int]:
+        out0, in0 = counters()
+        result = call()
+        out1, in1 = counters()
+        return result, out1 - out0 - idle[0], in1 - in0 - idle[1]
+
+    idle = (0, 0)
+    calibration = [measure(lambda: None) for _ in range(5)]
+    idle = (min(c[1] for c in calibration), min(c[2] for c in calibration))
+    settings = Settings(checkpoint=checkpoint, session_store=url or "memory",  # type: ignore[arg-type]
+                        session_cache_bytes=cache_bytes, suggest_budget_ms=0)
+    answers: list[Any] = []
+    seen: dict[str, list[int]] = {"suggest read": [], "suggest written": [], "observe read": [],
+                                  "observe written": []}
+    with TestClient(create_app(settings)) as client:
+        sid = client.post("/v1/sessions", json={}).json()["id"]
+        for message in messages:
+            for n in range(1, len(message) + 1):
+                body = {"context": message[:n], "k": 3}
+                answer, read, written = measure(partial(client.post, f"/v1/sessions/{sid}/suggest", json=body))
+                answer = answer.json()
+                answers.append(answer)
+                seen["suggest read"].append(read)
+                seen["suggest written"].append(written)
+            response, read, written = measure(partial(client.post, f"/v1/sessions/{sid}/observe",
+                                                      json={"text": message + "\n"}))
+            assert response.status_code == 200, response.text
+            seen["observe read"].append(read)
+            seen["observe written"].append(written)
+        size = len(client.get(f"/v1/sessions/{sid}/state").content)
+    info.close()
+    seen["blob"] = [size]
+    return answers, seen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    ap.add_argument("--messages", type=int, default=3, help="messages typed (from loadtest/messages.txt)")
+    args = ap.parse_args()
+    messages = [m for m in MESSAGES.read_text(encoding="utf-8").splitlines()
+                if m.strip() and not m.startswith("#")][: args.messages]
+    print(machine_line())
+    print(f"{args.checkpoint}: {args.messages} messages, {sum(map(len, messages))} keystrokes")
+    results = {}
+    for name, cache_bytes in (("without the cache", 0), ("with the cache", Settings().session_cache_bytes)):
+        with redis_server() as url:
+            results[name] = run(args.checkpoint, url, cache_bytes, messages)
+        _, seen = results[name]
+        print(f"{name}: session blob {seen['blob'][0]} bytes at the end")
+        for kind in ("suggest read", "suggest written", "observe read", "observe written"):
+            values = seen[kind][1:] if kind.startswith("suggest") else seen[kind]  # the first keystroke creates
+            print(f"  {kind:16} median {statistics.median(values):>9.0f} B   max {max(values):>9} B")
+    memory, _ = run(args.checkpoint, None, 0, messages)
+    for name, (answers, _) in results.items():
+        differ = [i for i, (a, b) in enumerate(zip(answers, memory, strict=True)) if a != b]
+        print(f"suggestions {name} as the memory store's at every keystroke: {not differ}"
+              + (f" (first differs at keystroke {differ[0] + 1} of {len(memory)})" if differ else ""))
+
+
+if __name__ == "__main__":
+    main()
