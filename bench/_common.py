@@ -7,15 +7,23 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import redis
 import torch
 
 from models.base import LanguageModel
 from models.scoring import BOS
 from models.suggest import Suggestions, advance, suggest
 from models.tokenizer import ByteTokenizer
+from server.launch import free_port, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 # the corpora directory (docs/benchmarks.md, "The corpora"): the texts are not in the repository, so a script that
@@ -87,3 +95,29 @@ def suggest_afresh(model: LanguageModel, context: str, tokenizer: ByteTokenizer)
     it), then `suggest`, as bench.families' and bench.latency's "suggest ms" time it."""
     cursor = advance(model, model.init_state(1), bytes([BOS]) + context.encode())
     return suggest(model, cursor, context, tokenizer=tokenizer)
+
+
+@contextmanager
+def redis_on_loopback() -> Iterator[str]:
+    """A redis-server of our own on a free loopback port (no persistence), until the block ends -> its URL."""
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
+        process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{port}/0"
+        try:
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    with redis.Redis.from_url(url) as client:
+                        client.ping()
+                    break
+                except redis.ConnectionError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            yield url
+        finally:
+            stop(process, 10)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -40,10 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 from safetensors.torch import load as load_tensors
 
-from bench._common import ROOT, machine_line
+from bench._common import ROOT, machine_line, redis_on_loopback
 from bench._mutations import apply, draw, fields, finite_numbers, header
 from bench.server import serve
 
@@ -240,7 +238,10 @@ class Catalogue:
             ("POST", "/v1/sessions/{id}/suggest", {"context": "Dear"}),
             ("POST", "/v1/score", {"text": "x", "session_id": "{id}"}),
             ("POST", "/v1/generate", {"prompt": "x", "max_tokens": 2, "session_id": "{id}"}),
-            ("PUT", "/v1/sessions/{id}/state", own), ("DELETE", "/v1/sessions/{id}", None)]
+            ("DELETE", "/v1/sessions/{id}", None),
+            # an import onto either id makes the session there B's own (the id space is per key): then both are B's
+            ("PUT", "/v1/sessions/{id}/state", own), ("GET", "/v1/sessions/{id}/state", None),
+            ("DELETE", "/v1/sessions/{id}", None), ("GET", "/v1/sessions/{id}", None)]
         for method, path, body in routes:
             answers = []
             for target in (self.sid, MISSING):
@@ -249,8 +250,6 @@ class Catalogue:
                 r = self.b.request(method, path.replace("{id}", target), content=content)
                 answers.append((r.status_code, r.json().get("error", {}).get("type") if r.content and
                                 r.headers.get("content-type", "").startswith("application/json") else None))
-                if target == MISSING and method == "PUT" and r.status_code < 300:
-                    self.b.delete(path.replace("{id}", target).removesuffix("/state"))
             same = answers[0] == answers[1]
             self.tally.check("keys", f"{method} {path}", same, f"other key's id {answers[0]}, missing {answers[1]}")
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {KEYS[0]}"}):
@@ -299,8 +298,10 @@ class Catalogue:
             "raw UTF-8 path": "GET /v1/models/é HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
             "Content-Length: abc": b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
             "header line without a colon": b"GET /healthz HTTP/1.1\r\nHost: x\r\nNoColonHere\r\n\r\n",
-            "60 KB header (within the bound)": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 61440
+            "12 KB header (within the bound)": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 12288
                                                + b"\r\n\r\n",
+            "20 KB header (over the 16 KiB bound)": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20480
+                                                    + b"\r\n\r\n",
             "1 MB header": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
             "garbage line": b"\x16\x03\x01 not http at all\r\n\r\n",
             "two Content-Lengths": b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3"
@@ -407,34 +408,6 @@ def _raw_request(host: str, port: int, raw: bytes) -> tuple[int, bytes]:
         return int(answer.split(b" ", 2)[1]), answer
     except (IndexError, ValueError):
         return 0, answer
-
-
-@contextmanager
-def redis_on_loopback() -> Iterator[str]:
-    """A redis-server of our own on a free loopback port (no persistence) -> its URL."""
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    with tempfile.TemporaryDirectory(prefix="hostile-redis-") as tmp, socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
-        process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
-        try:
-            deadline = time.monotonic() + 15
-            while True:
-                try:
-                    with redis.Redis.from_url(url) as client:
-                        client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            yield url
-        finally:
-            process.terminate()
-            process.wait(10)
 
 
 GROUPS: dict[str, Callable[[Catalogue, argparse.Namespace], None]] = {

@@ -12,13 +12,8 @@ same completions at every keystroke as the memory store (the reference: sessions
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import subprocess
-import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,34 +21,11 @@ from typing import Any
 import redis
 from starlette.testclient import TestClient
 
-from bench._common import DEFAULT_CHECKPOINT, ROOT, machine_line
+from bench._common import DEFAULT_CHECKPOINT, ROOT, machine_line, redis_on_loopback
 from server.app import create_app
-from server.launch import free_port, stop
 from server.settings import Settings
 
 MESSAGES = ROOT / "loadtest" / "messages.txt"
-
-
-@contextmanager
-def redis_server() -> Iterator[str]:
-    """A redis-server of our own on a loopback port (no persistence), until the block ends -> its URL."""
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
-        process = subprocess.Popen([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port),
-                                    "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            client = redis.Redis(port=port)
-            for _ in range(200):
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    time.sleep(0.05)
-            client.close()
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            stop(process, 10)
 
 
 def run(checkpoint: Path, url: str | None, cache_bytes: int, messages: list[str],
@@ -114,7 +86,7 @@ def main() -> None:
     print(f"{args.checkpoint}: {args.messages} messages, {sum(map(len, messages))} keystrokes")
     results = {}
     for name, cache_bytes in (("without the cache", 0), ("with the cache", Settings().session_cache_bytes)):
-        with redis_server() as url:
+        with redis_on_loopback() as url:
             results[name] = run(args.checkpoint, url, cache_bytes, messages)
         _, seen = results[name]
         print(f"{name}: session blob {seen['blob'][0]} bytes at the end")
