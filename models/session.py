@@ -89,8 +89,10 @@ class Session:
     # the store's bookkeeping, never exported: the token of the stored record this one was read from (or written as),
     # which `SessionStore.update` checks is still the stored one; None for a record no store has held
     revision: str | None = None
-    # per record, the memories' views a search reads (built on first use: the record never changes)
-    _views: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # the memories' views a search reads, built on first use: name -> (the memory state it was built from, view).
+    # `dataclasses.replace` hands the dict on to the new record (a touch keeps the views), so a view is used only
+    # while it was built from the record's own memory state (an import replaces one template for every record)
+    _views: dict[str, tuple[Any, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def adapter(self) -> Adapter:
@@ -241,11 +243,15 @@ class SessionModel:
 
     def adapter(self, session: Session) -> Adapter:
         """The adapter with the session's distribution memories' views (`Adapter.memories`), built once per
-        record and shared by every round of a search."""
-        views = session._views
+        memory state and shared by every round of a search (and by the records made from this one that keep it)."""
+        views = {}
         for name, m in self.memories.items():
-            if m.kind == "distribution" and name in session.config and name not in views:
-                views[name] = m.view(session.memories.get(name))
+            if m.kind == "distribution" and name in session.config:
+                state = session.memories.get(name)
+                built = session._views.get(name)
+                if built is None or built[0] is not state:
+                    built = session._views[name] = (state, m.view(state))
+                views[name] = built[1]
         return Adapter(session.adapter.mats, {name: ([view], None) for name, view in views.items()})
 
     def search_width(self, session: Session, k: int) -> int:

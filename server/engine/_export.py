@@ -171,7 +171,7 @@ def import_session(blob: bytes, *, model_hash: str, template: Session, sessions:
     session = dataclasses.replace(template, ttl_s=ttl if ttl > 0 else template.ttl_s, config=config,
                                   state=State(state), static_state=State(static),
                                   last_token=last_token, memories=memories, stats=stats, pending=pending,
-                                  revision=None)
+                                  revision=None, _views={})  # not the template's: one per imported record
     return session, config
 
 
