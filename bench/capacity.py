@@ -6,6 +6,10 @@ thread) until `loadtest/slo.toml` is missed; each level is a headless locust run
 highest level that met every objective with its requests/s, and the first that missed with what it missed.
 
     python -m bench.capacity [--classes Scorer,Typist,Generator,OpenAICompletions] [--max-users 128] [--run-time 30s]
+                             [--levels 10,25,50,100]
+
+With --levels, each class runs exactly those numbers of users (none skipped after a miss): the latency of its own
+request at each (p50 and p99 ms, locust's) is then comparable between two commits.
 """
 
 from __future__ import annotations
@@ -50,11 +54,15 @@ def main() -> None:
     ap.add_argument("--start-users", type=int, default=1)
     ap.add_argument("--run-time", default="30s")
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")],
+                    help="run these numbers of users, all of them, instead of doubling until a miss")
     args = ap.parse_args()
     print(f"# {machine_line()}, adaptlm serve (default checkpoint, one torch thread) and locust on the same machine")
-    print(f"## objectives loadtest/slo.toml; each level {args.run_time}; users double until one is missed")
-    print("| class | users | requests/s (all entries) | of its own request | failures | met | missed |")
-    print("| --- | ---: | ---: | --- | ---: | --- | --- |")
+    print(f"## objectives loadtest/slo.toml; each level {args.run_time}; "
+          + (f"users {args.levels}" if args.levels else "users double until one is missed"))
+    print("| class | users | requests/s (all entries) | of its own request | its p50 / p99 ms | failures | met "
+          "| missed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning"}
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
@@ -67,8 +75,9 @@ def main() -> None:
             if not wait_ready(url, proc, time.monotonic() + 300):
                 raise SystemExit("the server did not start")
             for cls in args.classes:
-                users = args.start_users
-                while users <= args.max_users:
+                levels = iter(args.levels or [])
+                users = next(levels, None) if args.levels else args.start_users
+                while users is not None and users <= args.max_users:
                     status, rows, output = level(url, cls, users, args.run_time, Path(tmp) / f"{cls}-{users}")
                     total = rows.get("Aggregated", {})
                     own = rows.get(PRIMARY.get(cls, ""), {})
@@ -77,8 +86,12 @@ def main() -> None:
                     missed = [m for m in misses if "min_requests" not in m]
                     met = "yes" if status == 0 else ("not measured" if not missed else "no")
                     print(f"| {cls} | {users} | {float(total.get('Requests/s', 'nan')):.2f} | "
-                          f"{float(own.get('Requests/s', 'nan')):.2f} | {total.get('Failure Count', '?')} | {met} | "
-                          f"{'; '.join(misses)[:300]} |", flush=True)
+                          f"{float(own.get('Requests/s', 'nan')):.2f} | "
+                          f"{own.get('50%', '?')} / {own.get('99%', '?')} | "
+                          f"{total.get('Failure Count', '?')} | {met} | {'; '.join(misses)[:300]} |", flush=True)
+                    if args.levels:
+                        users = next(levels, None)
+                        continue
                     if missed or (status != 0 and status != 1):
                         break
                     users *= 2
