@@ -98,15 +98,20 @@ def suggest_afresh(model: LanguageModel, context: str, tokenizer: ByteTokenizer)
 
 
 @contextmanager
-def redis_on_loopback() -> Iterator[str]:
-    """A redis-server of our own on a free loopback port (no persistence), until the block ends -> its URL."""
+def redis_on_loopback(unix_socket: bool = False) -> Iterator[str]:
+    """A redis-server of our own (no persistence) on a free loopback port, or on a unix socket in a temporary
+    directory, until the block ends -> its URL."""
     binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
-        process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
+        if unix_socket:
+            sock = Path(tmp) / "redis.sock"
+            where, url = ["--port", "0", "--unixsocket", str(sock)], f"unix://{sock}"
+        else:
+            port = free_port()
+            where, url = ["--port", str(port), "--bind", "127.0.0.1"], f"redis://127.0.0.1:{port}/0"
+        process = subprocess.Popen([binary, *where, "--save", "", "--appendonly", "no", "--dir", tmp,
+                                    "--logfile", str(Path(tmp) / "redis.log")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 15
             while True:
@@ -114,9 +119,10 @@ def redis_on_loopback() -> Iterator[str]:
                     with redis.Redis.from_url(url) as client:
                         client.ping()
                     break
-                except redis.ConnectionError:
+                except (redis.ConnectionError, FileNotFoundError) as e:
                     if process.poll() is not None or time.monotonic() > deadline:
-                        raise
+                        log = (Path(tmp) / "redis.log").read_text() if (Path(tmp) / "redis.log").exists() else ""
+                        raise RuntimeError(f"redis-server did not start: {log}") from e
                     time.sleep(0.05)
             yield url
         finally:

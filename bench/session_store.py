@@ -20,20 +20,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import shutil
 import statistics
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
-from pathlib import Path
 
 import redis
 import torch
 
-from bench._common import ROOT, machine_line
+from bench._common import ROOT, machine_line, redis_on_loopback
 from models.adaptation import AdapterMemory, AdapterSettings, DynEvalConfig
 from models.base import State
 from models.memory import SessionConfig
@@ -70,34 +65,6 @@ def template() -> Session:
                    state=State(state), static_state=State({n: t + 1 for n, t in state.items()}), last_token=10,
                    memories={"adapter": State({"h": torch.randn(1, 4, 4, generator=g)}), "words": WordCache()},
                    stats=SessionStats())
-
-
-@contextmanager
-def redis_server() -> Iterator[str]:
-    """A redis-server of our own on a unix socket (no persistence), until the block ends -> its URL."""
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    with tempfile.TemporaryDirectory(prefix="bench-redis-") as tmp:
-        sock = Path(tmp) / "redis.sock"
-        process = subprocess.Popen([binary, "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly",
-                                    "no", "--dir", tmp, "--logfile", str(Path(tmp) / "redis.log")],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            url = f"unix://{sock}"
-            deadline = time.monotonic() + 15
-            while True:
-                try:
-                    with redis.Redis.from_url(url) as client:
-                        client.ping()
-                    break
-                except (redis.ConnectionError, FileNotFoundError) as e:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        log = (Path(tmp) / "redis.log").read_text()
-                        raise RuntimeError(f"redis-server did not start: {log}") from e
-                    time.sleep(0.05)
-            yield url
-        finally:
-            process.terminate()
-            process.wait(10)
 
 
 def make_store(kind: str, url: str, n: int, share: int | None) -> SessionStore:
@@ -156,7 +123,7 @@ def main() -> None:
           f"{args.inserts} inserts each")
     print("| store | sessions | oldest sessions | median ms per insert | slowest ms |")
     print("| --- | ---: | --- | ---: | ---: |")
-    with redis_server() as url:
+    with redis_on_loopback(unix_socket=True) as url:
         for n in sizes:
             for kind in args.stores.split(","):
                 for keys, what in ((args.keys, f"protected ({args.keys - 1} of {args.keys} shares)"),
