@@ -152,6 +152,25 @@ def server_and_store(served: tuple[ServerProcess, RedisProcess]) -> tuple[Server
     return server, store
 
 
+def end_load(stop: threading.Event, threads: list[threading.Thread], workers: list[Worker],
+             assert_error_shape: Callable[..., dict[str, Any]], timeout_s: float) -> tuple[list[Answer], int]:
+    """Stop `run_load`'s workers -> every answer, and the count of 503s (`check_answers`)."""
+    stop.set()
+    for t in threads:
+        t.join(timeout_s)
+    answers = [a for w in workers for a in w.answers]
+    return answers, check_answers(answers, assert_error_shape)
+
+
+def assert_acknowledged(c: httpx.Client, workers: list[Worker]) -> None:
+    """No observe applied that was not acknowledged, none twice, none acknowledged lost: each session holds exactly
+    the bytes of its worker's acknowledged observes (every answer known)."""
+    for w in workers:
+        assert w.unknown == 0
+        if "observe" in w.calls:
+            assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
+
+
 def recovered_at(answers: list[Answer], since: float) -> float:
     """Seconds from `since` to the first answer after which no session request failed."""
     failures = [a.at for a in answers if a.at >= since and a.status not in (200, 201)]
@@ -171,11 +190,7 @@ def test_redis_paused_mid_run(server_and_store: tuple[ServerProcess, RedisProces
         store.resume()
         up = time.monotonic()
         time.sleep(3.0)
-        stop.set()
-        for t in threads:
-            t.join(60)
-        answers = [a for w in workers for a in w.answers]
-        unavailable = check_answers(answers, assert_error_shape)
+        answers, unavailable = end_load(stop, threads, workers, assert_error_shape, 60)
         # The first call to find Redis hung waits out the 5 s timeout; from then on the store knows it cannot be
         # reached: session requests answer 503 at once, and work that needs no session goes on.
         late = [a for a in answers if paused + 6.0 < a.at < up]
@@ -185,10 +200,7 @@ def test_redis_paused_mid_run(server_and_store: tuple[ServerProcess, RedisProces
         assert recovery < 6.0, recovery  # a call sent just before the resume may still time out
         assert server.process.poll() is None and c.get("/readyz").status_code == 200
         assert sum(a.at > up + recovery and a.what == "observe" and a.status == 200 for a in answers) >= 2
-        for w in workers:
-            assert w.unknown == 0
-            if "observe" in w.calls:
-                assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
+        assert_acknowledged(c, workers)
         static = [a.at for a in workers[-1].answers]
         gap = max(b - a for a, b in zip(static, static[1:], strict=False))
     print(f"redis paused 8 s: {len(answers)} answers, {unavailable} 503s, all answered again {recovery:.2f} s "
@@ -211,11 +223,7 @@ def test_redis_stopped_and_restarted_mid_run(server_and_store: tuple[ServerProce
         store.start()  # the same port, its append-only file: the sessions as they were
         up = time.monotonic()
         time.sleep(4.0)
-        stop.set()
-        for t in threads:
-            t.join(30)
-        answers = [a for w in workers for a in w.answers]
-        unavailable = check_answers(answers, assert_error_shape)
+        answers, unavailable = end_load(stop, threads, workers, assert_error_shape, 30)
         # while it was down: the session routes answered 503, static scoring went on
         assert {a.what for a in answers_down if a.status == 503} >= {"observe", "suggest", "get"}
         assert [a.status for a in answers_down if a.what == "score"] and all(
@@ -225,11 +233,7 @@ def test_redis_stopped_and_restarted_mid_run(server_and_store: tuple[ServerProce
         assert recovery < 2.0, recovery
         assert server.process.poll() is None and c.get("/readyz").status_code == 200
         assert sum(a.at > up + recovery and a.what == "observe" for a in answers) >= 3
-        # no observe was applied that was not acknowledged, none twice, none acknowledged was lost
-        for w in workers:
-            assert w.unknown == 0
-            if "observe" in w.calls:
-                assert c.get(f"/v1/sessions/{w.session}").json()["stats"]["bytes_observed"] == w.acknowledged
+        assert_acknowledged(c, workers)
     replayed = sum(a.response.headers.get("idempotent-replayed") == "true" for a in answers)
     print(f"redis stopped 2.5 s: {len(answers)} answers, {unavailable} 503s, all answered again "
           f"{recovery:.2f} s after it restarted; {replayed} observes answered by their earlier write")
