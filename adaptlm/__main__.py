@@ -1,3 +1,4 @@
 from adaptlm.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a worker process (multiprocessing spawn) imports it as __mp_main__
+    raise SystemExit(main())

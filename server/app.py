@@ -26,7 +26,15 @@ from kernels import attention
 from models.checkpoint import CheckpointError
 from server._asgi import HTTPMiddleware
 from server._slow_clients import head_deadline_protocol
-from server.engine import Engine, EngineConfig, MemorySessionStore, RedisSessionStore, SessionStore
+from server.engine import (
+    AnyEngine,
+    Engine,
+    EngineConfig,
+    MemorySessionStore,
+    RedisSessionStore,
+    RemoteEngine,
+    SessionStore,
+)
 from server.errors import (
     PayloadTooLargeError,
     RequestTimeoutError,
@@ -80,6 +88,10 @@ def serve(settings: Settings) -> int:
     if problem is not None:  # one line, rather than the start-up's traceback after the model has loaded
         print(f"adaptlm: error: {problem}", file=sys.stderr)  # noqa: T201 (the CLI's one line, before any logging)
         return 3
+    if settings.workers > 0:
+        from server._workers import serve_workers
+
+        return serve_workers(settings)
     try:
         engine = start_engine(settings)
     except Exception as e:
@@ -118,25 +130,30 @@ def start_engine(settings: Settings) -> Engine:
     return engine
 
 
-def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
+def create_app(settings: Settings, *, engine: AnyEngine | None = None) -> FastAPI:
     """The app for `settings`. Nothing is loaded until its lifespan starts (uvicorn, or TestClient as a
     context manager); a bad checkpoint then fails the start-up with CheckpointError. Given a started `engine`
-    (`start_engine`), the lifespan serves with it instead, and stops it and its store at shutdown."""
+    (`start_engine`), the lifespan serves with it instead, and stops it and its store at shutdown; given a
+    `RemoteEngine` (an HTTP worker of `serve_workers`), it connects to the engine process at start-up and lets go of
+    it at shutdown."""
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if isinstance(engine, RemoteEngine):  # an HTTP worker: the engine runs in the serving process
+            await engine.connect()
+            metrics.refresh_engine_stats = engine.refresh_stats
+            try:
+                async with _serving(app, engine, metrics):
+                    yield
+            finally:
+                await engine.close()
+            return
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         running = engine if engine is not None else await asyncio.to_thread(start_engine, settings)
-        metrics.model = running.info.name
-        metrics.start_counting_refusals()
-        metrics.kernel = running.info.kernel
-        metrics.kernel_check_failed = bool(running.info.kernel_check)
-        metrics.precision = running.info.precision
-        metrics.engine_stats = lambda: running.stats
-        app.state.engine = running
         try:
-            yield
+            async with _serving(app, running, metrics):
+                yield
         finally:
             # The engine finishes its queued and running work, writing every session back to the store. With
             # Redis that is all there is to keep (each change was written when it was made); the memory store
@@ -144,6 +161,17 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
             # with the process).
             await asyncio.to_thread(running.stop)
             await asyncio.to_thread(running.store.close)
+
+    @asynccontextmanager
+    async def _serving(app: FastAPI, running: AnyEngine, metrics: Metrics) -> AsyncIterator[None]:
+        metrics.model = running.info.name
+        metrics.start_counting_refusals()
+        metrics.kernel = running.info.kernel
+        metrics.kernel_check_failed = bool(running.info.kernel_check)
+        metrics.precision = running.info.precision
+        metrics.engine_stats = lambda: running.stats
+        app.state.engine = running
+        yield
 
     # redirect_slashes=False: a path with a trailing slash (`/v1/sessions/%2e%2e%2f`) is a 404 in the one error
     # shape, not a 307 to a Location built from the client's Host header.
@@ -190,8 +218,8 @@ def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
         ("CompletionRequest", "n", settings.max_n),
     ]
     engine = getattr(app.state, "engine", None)
-    limits_known = isinstance(engine, Engine) and engine.alive
-    if isinstance(engine, Engine) and limits_known and engine.info.sessions is not None:
+    limits_known = isinstance(engine, (Engine, RemoteEngine)) and engine.alive
+    if isinstance(engine, (Engine, RemoteEngine)) and limits_known and engine.info.sessions is not None:
         limits.append(("AdaptationParams", "adapter_size", engine.info.sessions.max_adapter_size))
     for model, field, maximum in limits:
         prop = models.get(model, {}).get("properties", {}).get(field)

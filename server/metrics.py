@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -31,6 +33,8 @@ SUGGEST_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.
 EXPANSION_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Rows in one batched model call (text work, or one step of the running generations).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Set (to an empty directory) before the HTTP workers start: prometheus_client then keeps their metrics in files
+MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 UNMATCHED = "<unmatched>"  # route label of requests that matched no route (404s, refused bodies)
 # The method label: HTTP's methods, and "other" for any a client made up (each would be a label set of its own: a
 # client without a key could grow the registry without bound).
@@ -82,6 +86,8 @@ class Metrics:
                                             ["model"], buckets=EXPANSION_BUCKETS, registry=self.registry)
         # Read from the engine at each scrape, so that they count all work done, cancelled work included.
         self.engine_stats: Callable[[], EngineStats] | None = None  # set once the engine is running
+        # an HTTP worker's engine is in another process: its statistics are fetched before each scrape
+        self.refresh_engine_stats: Callable[[], Awaitable[None]] | None = None
         self.registry.register(_EngineCollector(self))
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
@@ -97,6 +103,14 @@ class Metrics:
             self.refused.labels(self.model, reason)
 
     def render(self) -> bytes:
+        if os.environ.get(MULTIPROCESS_VARIABLE):
+            # HTTP workers (`adaptlm serve` with ADAPTLM_WORKERS): each records its requests in a file of the shared
+            # directory (prometheus_client's multiprocess mode); one scrape of any worker sums them all, and adds
+            # the engine's statistics, which its process keeps
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            registry.register(_EngineCollector(self))
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

@@ -47,6 +47,9 @@
                              long with work waiting or running (30; 0: never)
     ADAPTLM_PRECISION        auto (default) | float32 | bfloat16: the model work's precision
     ADAPTLM_DEVICE           auto (default: CUDA when present, else the CPU) | cpu | cuda | cuda:N
+    ADAPTLM_WORKERS          HTTP worker processes (0, the default: the HTTP server and the engine share one process);
+                             N >= 1: `adaptlm serve` runs the engine in its own process and N uvicorn processes that
+                             parse, check and answer requests and send the work to it (server/engine/_remote.py)
 """
 
 from __future__ import annotations
@@ -138,6 +141,8 @@ class Settings(BaseSettings):
     # With Redis: bytes of session blobs a server keeps of the sessions it serves (at most max_sessions of them), so
     # that a read whose record has not changed since costs its revision, not its blob (0: keep none).
     session_cache_bytes: int = Field(default=256 << 20, ge=0)
+    # HTTP worker processes in front of an engine process of their own (0: one process serves both).
+    workers: int = Field(default=0, ge=0, le=64)
 
     def session_share(self) -> tuple[int, int]:
         """The sessions and bytes of one API key that another key's new sessions never evict. By default an equal

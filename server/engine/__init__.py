@@ -19,6 +19,7 @@ from server.engine._export import export_session, import_session
 from server.engine._generation import Event, Finished, GenerationStream, PromptScored, Token, TokenLogprob
 from server.engine._memory_store import MemorySessionStore
 from server.engine._redis import RedisSessionStore
+from server.engine._remote import EngineHost, RemoteEngine, RemoteStream, SessionInfo
 from server.engine._session import IDEMPOTENCY_KEY, Session, SessionConfig, SessionStats
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore, StoreStats
@@ -26,11 +27,14 @@ from server.engine._suggest import Suggestions
 from server.engine._work import Budget
 
 __all__ = [
-    "Budget", "IDEMPOTENCY_KEY", "Engine", "EngineBudgetExceeded", "EngineConfig", "EngineOverloaded", "EngineStats",
-    "EngineUnavailable", "Event", "Finished", "GenerationStream", "IdempotencyKeyReused", "InvalidSessionSettings",
-    "MemorySessionStore", "ModelInfo", "PromptScored",
-    "RedisSessionStore", "Session", "SessionConfig", "SessionConflict", "SessionImportError", "SessionLimits",
-    "SessionNotFound", "SessionStats", "SessionStore", "SessionStoreFull", "SessionStoreUnavailable",
-    "SessionsUnavailable", "StoreStats", "Suggestions", "TextScore", "Token", "TokenLogprob", "export_session",
-    "import_session", "new_session_id",
+    "AnyEngine", "Budget", "Engine", "EngineBudgetExceeded", "EngineConfig", "EngineHost", "EngineOverloaded",
+    "EngineStats", "EngineUnavailable", "Event", "Finished", "GenerationStream", "IDEMPOTENCY_KEY",
+    "IdempotencyKeyReused", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
+    "RedisSessionStore", "RemoteEngine", "RemoteStream", "Session", "SessionConfig", "SessionConflict",
+    "SessionImportError", "SessionInfo", "SessionLimits", "SessionNotFound", "SessionStats", "SessionStore",
+    "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable", "StoreStats", "Suggestions", "TextScore",
+    "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
 ]
+
+# What the HTTP layer serves with: the engine in this process, or in its own (`RemoteEngine`, the same async API)
+AnyEngine = Engine | RemoteEngine

@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,6 +163,18 @@ class Engine:
         """The checkpoint's session settings; raises SessionsUnavailable if it cannot adapt sessions."""
         return self.sessions.limits()
 
+    @property
+    def memory_names(self) -> frozenset[str]:
+        """The memories this checkpoint's sessions can have (`SessionModel.memories`)."""
+        return frozenset(self.sessions.model.memories)
+
+    async def session_settings(self, memories: Mapping[str, Mapping[str, Any] | None] | None,
+                               ttl_s: float | None) -> tuple[SessionConfig, float]:
+        """A new session's settings: the checkpoint's defaults with `memories` applied (name -> settings, None:
+        off), and its TTL (the server's default for None); raises InvalidSessionSettings (its `param` the setting's
+        path under `memories`, or `ttl_s`)."""
+        return self.sessions.config(memories), self.sessions.ttl(ttl_s)
+
     # -- work --------------------------------------------------------------------------------------
 
     async def score(self, data: bytes, logprobs: bool = False, *, session_id: str | None = None,
@@ -277,6 +290,14 @@ class Engine:
     def delete_session(self, session_id: str, owner: str | None) -> None:
         """Remove it now; work already running for it finishes but is not written back."""
         self.sessions.delete(_named(session_id), owner)
+
+    async def read_session(self, session_id: str, owner: str | None, *, touch: bool = True) -> Session:
+        """`get_session`, off the event loop (the store may do I/O)."""
+        return await asyncio.to_thread(self.get_session, session_id, owner, touch=touch)
+
+    async def remove_session(self, session_id: str, owner: str | None) -> None:
+        """`delete_session`, off the event loop."""
+        await asyncio.to_thread(self.delete_session, session_id, owner)
 
     async def reset_session(self, session_id: str, owner: str | None) -> Session:
         """Back to the start (initial state, M = 0, no statistics), keeping its id, owner, config and TTL."""

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from server.engine import Engine
+from server.engine import AnyEngine, Engine, RemoteEngine
 from server.errors import (
     AuthenticationError,
     BadRequestError,
@@ -44,17 +44,17 @@ def get_metrics(request: Request) -> Metrics:
     return metrics
 
 
-def get_engine(request: Request) -> Engine:
+def get_engine(request: Request) -> AnyEngine:
     """The running engine, or 503 (not loaded yet, stopped, or its thread died)."""
     engine = getattr(request.app.state, "engine", None)
-    if not isinstance(engine, Engine) or not engine.alive:
+    if not isinstance(engine, (Engine, RemoteEngine)) or not engine.alive:
         raise ServiceUnavailableError("the model is not loaded", code="engine_unavailable")
     return engine
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
-EngineDep = Annotated[Engine, Depends(get_engine)]
+EngineDep = Annotated[AnyEngine, Depends(get_engine)]
 
 _bearer = HTTPBearer(auto_error=False, description="One of the server's API keys (ADAPTLM_API_KEYS).")
 

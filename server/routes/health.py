@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.engine import Engine
+from server.engine import Engine, RemoteEngine
 from server.errors import ServiceUnavailableError, openapi_responses
 from server.protocol import HealthResponse, ReadyResponse
 from server.routes._deps import EngineDep, SettingsDep
@@ -19,7 +19,7 @@ async def healthz(request: Request) -> HealthResponse:
     """The process is up and serving HTTP, and its engine thread has not died (503 then: a liveness probe restarts
     the process; while the model loads, and while it drains, this is 200)."""
     engine = getattr(request.app.state, "engine", None)
-    if isinstance(engine, Engine) and engine.crashed:
+    if isinstance(engine, (Engine, RemoteEngine)) and engine.crashed:
         raise ServiceUnavailableError("the engine thread died; restart the process", code="engine_crashed")
     return HealthResponse()
 

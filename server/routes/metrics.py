@@ -16,5 +16,7 @@ router = APIRouter(tags=["monitoring"])
 
 @router.get("/metrics", response_class=Response)
 async def metrics(registry: MetricsDep) -> Response:
+    if registry.refresh_engine_stats is not None:
+        await registry.refresh_engine_stats()
     # off the event loop: the engine's statistics include the session store's, which may be a Redis round trip
     return Response(await asyncio.to_thread(registry.render), media_type=CONTENT_TYPE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from server.engine import Engine
+from server.engine import AnyEngine
 from server.errors import AuthenticationError, NotFoundError, ServiceUnavailableError, openapi_responses
 from server.protocol import ModelCard, ModelList
 from server.routes._deps import EngineDep, require_api_key
@@ -16,7 +16,7 @@ router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Depends(require_
                    responses=openapi_responses(AuthenticationError, ServiceUnavailableError))
 
 
-def _card(engine: Engine) -> ModelCard:
+def _card(engine: AnyEngine) -> ModelCard:
     info = engine.info
     return ModelCard(id=info.name, created=info.created, tokenizer=info.tokenizer.kind,
                      vocab_size=info.tokenizer.vocab_size)

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel
 
-from server.engine import Engine, EngineUnavailable, Event, Finished, Token
+from server.engine import AnyEngine, EngineUnavailable, Event, Finished, Token
 from server.errors import APIError, PayloadTooLargeError, UnprocessableEntityError, to_api_error
 from server.metrics import Metrics
 from server.protocol import ErrorResponse
@@ -31,7 +31,7 @@ T = TypeVar("T")
 class Context:
     """What a serving function needs from the app and the request."""
 
-    engine: Engine
+    engine: AnyEngine
     settings: Settings
     metrics: Metrics
     request: Request

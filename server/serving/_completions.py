@@ -107,7 +107,7 @@ async def _session_named(user: str | None, ctx: Context) -> str | None:
     if not user or ctx.engine.info.sessions is None:
         return None
     try:
-        await asyncio.to_thread(ctx.engine.get_session, user, ctx.owner, touch=False)  # the store may do I/O
+        await ctx.engine.read_session(user, ctx.owner, touch=False)
     except SessionNotFound:
         return None
     return user

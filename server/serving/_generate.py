@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import Response
@@ -41,7 +40,7 @@ async def create_generation(body: GenerateRequest, ctx: Context) -> GenerateResp
     if body.session_id is not None:
         ctx.engine.session_limits()  # a model without sessions (a word model) says so, rather than "not found"
         # a 404 now, rather than in the stream (off the event loop: the store may do I/O)
-        await asyncio.to_thread(ctx.engine.get_session, body.session_id, ctx.owner, touch=False)
+        await ctx.engine.read_session(body.session_id, ctx.owner, touch=False)
     stream = ctx.engine.generate(prompt, params, session_id=body.session_id, owner=ctx.owner,
                                  adapt=body.adapt_while_generating)
     if body.stream:

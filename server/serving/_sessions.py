@@ -8,13 +8,13 @@ onto a free id (ids are per key: server/engine/_idspace.py).
 
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from fastapi import Response
 
-from server.engine import IdempotencyKeyReused, InvalidSessionSettings, Session, SessionConfig, TextScore
+from server.engine import IdempotencyKeyReused, InvalidSessionSettings, Session, SessionConfig, SessionInfo, TextScore
 from server.errors import UnprocessableEntityError
 from server.protocol import (
     AdaptationParams,
@@ -52,7 +52,7 @@ def observed(result: TextScore) -> ObserveResponse:
                            pending_bytes=result.pending_bytes)
 
 
-def session_response(session: Session, ctx: Context, result: TextScore | None = None) -> SessionResponse:
+def session_response(session: Session | SessionInfo, ctx: Context, result: TextScore | None = None) -> SessionResponse:
     limits = ctx.engine.session_limits()
     st = session.stats
     on = session.config.to_dict()
@@ -72,7 +72,7 @@ def session_response(session: Session, ctx: Context, result: TextScore | None = 
         observed=observed(result) if result is not None else None)
 
 
-def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionConfig, float]:
+async def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionConfig, float]:
     """The request's memory settings and TTL, completed and checked by the engine's session service (the
     checkpoint's defaults and limits, the server's TTLs); what it refuses is a 422 on the request's field."""
     p = body.adaptation or AdaptationParams()
@@ -81,7 +81,7 @@ def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionConfig, 
     flat: dict[tuple[str, str], str] = {}  # (memory, setting) -> the shorthand the request used
     for name, (memory, setting) in _SHORTHANDS.items():
         value = getattr(p, name)
-        if value is None or (name == "copy_model" and value and memory not in ctx.engine.sessions.model.memories):
+        if value is None or (name == "copy_model" and value and memory not in ctx.engine.memory_names):
             continue  # copy_model: on "where the checkpoint has one"
         if setting is None:
             if not value:
@@ -93,17 +93,15 @@ def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionConfig, 
             asked[memory] = {**(mine or {}), setting: value}
         flat[(memory, setting or "")] = name
     try:
-        config = ctx.engine.sessions.config(asked)
+        return await ctx.engine.session_settings(asked, body.ttl_s)
     except InvalidSessionSettings as e:
+        if e.param == "ttl_s":
+            raise _unprocessable(e, "ttl_s") from None
         memory, _, setting = (e.param or "").partition(".")
         short = flat.get((memory, setting))
         if short is None and memory in ("cache", "copy") and e.code == "unsupported":
             short = flat.get((memory, ""))
         raise _unprocessable(e, f"adaptation.{short}" if short else f"adaptation.memories.{e.param}") from None
-    try:
-        return config, ctx.engine.sessions.ttl(body.ttl_s)
-    except InvalidSessionSettings as e:
-        raise _unprocessable(e, "ttl_s") from None
 
 
 def _unprocessable(error: InvalidSessionSettings, param: str) -> UnprocessableEntityError:
@@ -111,11 +109,12 @@ def _unprocessable(error: InvalidSessionSettings, param: str) -> UnprocessableEn
 
 
 async def create_session(body: SessionCreateRequest, ctx: Context) -> SessionResponse | Response:
-    config, ttl_s = _settings(body, ctx)
+    config, ttl_s = await _settings(body, ctx)
     initial = body.initial_text.encode("utf-8") if body.initial_text is not None else None
     if initial is not None:
         check_text(initial, ctx.settings, "initial_text")
-    work = ctx.engine.create_session(owner=ctx.owner, config=config, ttl_s=ttl_s, initial_text=initial)
+    work: Coroutine[Any, Any, tuple[Session | SessionInfo, TextScore | None]] = ctx.engine.create_session(
+        owner=ctx.owner, config=config, ttl_s=ttl_s, initial_text=initial)
     created = await run_unless_disconnected(ctx.request, work)
     if created is None:
         return Response(status_code=499)
@@ -123,20 +122,18 @@ async def create_session(body: SessionCreateRequest, ctx: Context) -> SessionRes
     return session_response(session, ctx, result)
 
 
-# Reads and deletes go to the store directly, off the event loop: the store may do I/O (Redis).
-
-
 async def get_session(session_id: str, ctx: Context) -> SessionResponse:
-    return session_response(await asyncio.to_thread(ctx.engine.get_session, session_id, ctx.owner), ctx)
+    return session_response(await ctx.engine.read_session(session_id, ctx.owner), ctx)
 
 
 async def delete_session(session_id: str, ctx: Context) -> Response:
-    await asyncio.to_thread(ctx.engine.delete_session, session_id, ctx.owner)
+    await ctx.engine.remove_session(session_id, ctx.owner)
     return Response(status_code=204)
 
 
 async def reset_session(session_id: str, ctx: Context) -> SessionResponse | Response:
-    session = await run_unless_disconnected(ctx.request, ctx.engine.reset_session(session_id, ctx.owner))
+    reset: Coroutine[Any, Any, Session | SessionInfo] = ctx.engine.reset_session(session_id, ctx.owner)
+    session = await run_unless_disconnected(ctx.request, reset)
     return session_response(session, ctx) if session is not None else Response(status_code=499)
 
 
@@ -173,7 +170,8 @@ async def import_state(session_id: str, ctx: Context) -> SessionResponse | Respo
     if not blob:
         raise UnprocessableEntityError("body: send the bytes of GET /v1/sessions/{id}/state", param="body",
                                        code="missing")
-    session = await run_unless_disconnected(ctx.request, ctx.engine.import_session(session_id, ctx.owner, blob))
+    load: Coroutine[Any, Any, Session | SessionInfo] = ctx.engine.import_session(session_id, ctx.owner, blob)
+    session = await run_unless_disconnected(ctx.request, load)
     return session_response(session, ctx) if session is not None else Response(status_code=499)
 
 

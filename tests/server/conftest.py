@@ -28,6 +28,7 @@ from fastapi import FastAPI
 
 from models.copymodel import CopyConfig
 from server.app import create_app, uvicorn_options
+from server.engine import AnyEngine
 from server.settings import Settings
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -40,10 +41,10 @@ class LiveServer:
 
 
 @contextmanager
-def serve(settings: Settings, start_timeout: float = 60.0) -> Iterator[LiveServer]:
-    """Run `create_app(settings)` under uvicorn until the block ends. The socket is bound here (port 0),
-    so no other process can take the port between choosing it and listening on it."""
-    app = create_app(settings)
+def serve(settings: Settings, start_timeout: float = 60.0, engine: AnyEngine | None = None) -> Iterator[LiveServer]:
+    """Run `create_app(settings, engine=engine)` under uvicorn until the block ends. The socket is bound here (port
+    0), so no other process can take the port between choosing it and listening on it."""
+    app = create_app(settings, engine=engine)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # Accepted connections inherit it: without it, a keep-alive client waits ~40 ms for each response (Nagle
     # holds the body back until the client's delayed ACK of the headers), which hides real latencies.
@@ -108,7 +109,7 @@ def _parse_sse(lines: Iterable[str]) -> list[str]:
     return events
 
 
-ServeFn = Callable[[Settings], AbstractContextManager[LiveServer]]
+ServeFn = Callable[..., AbstractContextManager[LiveServer]]  # (settings, start_timeout=60, engine=None)
 AssertErrorFn = Callable[..., dict[str, Any]]
 ParseSSEFn = Callable[[Iterable[str]], list[str]]
 
