@@ -27,8 +27,8 @@ import pytest
 
 from server.app import start_engine
 from server.engine import Engine, EngineHost, RemoteEngine
-from server.engine._remote import _error_state, _rebuild_error
 from server.engine._errors import EngineOverloaded, InvalidSessionSettings, SessionConflict, SessionNotFound
+from server.engine._remote import _error_state, _rebuild_error
 from server.settings import Settings
 from tests.server.conftest import AssertErrorFn, LiveServer, ParseSSEFn, ServeFn
 
