@@ -6,7 +6,9 @@ thread) until `loadtest/slo.toml` is missed; each level is a headless locust run
 highest level that met every objective with its requests/s, and the first that missed with what it missed.
 
     python -m bench.capacity [--classes Scorer,Typist,Generator,OpenAICompletions] [--max-users 128] [--run-time 30s]
-                             [--levels 10,25,50,100]
+                             [--levels 10,25,50,100] [--workers N]
+
+--workers N serves with ADAPTLM_WORKERS=N: the engine in its own process, N HTTP worker processes in front.
 
 With --levels, each class runs exactly those numbers of users (none skipped after a miss): the latency of its own
 request at each (p50 and p99 ms, locust's) is then comparable between two commits.
@@ -56,14 +58,16 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")],
                     help="run these numbers of users, all of them, instead of doubling until a miss")
+    ap.add_argument("--workers", type=int, default=0, help="ADAPTLM_WORKERS (0: one process)")
     args = ap.parse_args()
-    print(f"# {machine_line()}, adaptlm serve (default checkpoint, one torch thread) and locust on the same machine")
+    print(f"# {machine_line()}, adaptlm serve (default checkpoint, one torch thread, ADAPTLM_WORKERS={args.workers}) "
+          "and locust on the same machine")
     print(f"## objectives loadtest/slo.toml; each level {args.run_time}; "
           + (f"users {args.levels}" if args.levels else "users double until one is missed"))
     print("| class | users | requests/s (all entries) | of its own request | its p50 / p99 ms | failures | met "
           "| missed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
-    env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning", "ADAPTLM_WORKERS": str(args.workers)}
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
         url = f"http://127.0.0.1:{port}"

@@ -51,7 +51,7 @@ class WorkerConfig(uvicorn.Config):
 def serve_workers(settings: Settings) -> int:
     """`server.app.serve` for settings.workers >= 1 -> the exit status (0 after a clean drain, 3 if the port could
     not be bound). Raises CheckpointError on a bad checkpoint, before any worker starts."""
-    from server.app import start_engine, uvicorn_options
+    from server.app import rate_limiter, start_engine, uvicorn_options
 
     engine = start_engine(settings)
     try:
@@ -60,7 +60,7 @@ def serve_workers(settings: Settings) -> int:
             metrics = Path(private, "metrics")
             metrics.mkdir()
             os.environ[MULTIPROCESS_VARIABLE] = str(metrics)  # the workers inherit it
-            host = EngineHost(engine, address)
+            host = EngineHost(engine, address, take_rate=rate_limiter(settings).take)
             host.start()
             try:
                 options = uvicorn_options(settings)

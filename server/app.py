@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kernels import _dispatch as kernel_dispatch
 from kernels import attention
 from models.checkpoint import CheckpointError
+from server._admission import AdmissionMiddleware, door_limit
 from server._asgi import HTTPMiddleware
 from server._slow_clients import head_deadline_protocol
 from server.engine import (
@@ -48,7 +49,7 @@ from server.request_id import RequestIdMiddleware, uvicorn_log_config
 from server.routes import ROUTERS
 from server.settings import Settings, ignored_variables
 
-__all__ = ["create_app", "serve", "start_engine", "uvicorn_options"]
+__all__ = ["create_app", "rate_limiter", "serve", "start_engine", "uvicorn_options"]
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,7 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None) -> FastAP
     app.openapi = functools.partial(_openapi, app, settings)  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.metrics = metrics
-    burst = settings.rate_limit_burst or math.ceil(2 * settings.rate_limit_per_s)
-    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, burst)
+    app.state.rate_limiter = rate_limiter(settings)
     install_error_handler(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -189,6 +189,8 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None) -> FastAP
     # its request ID.
     app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, idle_s=settings.client_timeout_s)
+    app.add_middleware(AdmissionMiddleware, limit=door_limit(settings.max_queue, settings.workers),
+                       retry_after_s=settings.retry_after_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.cors_origins:  # pages of other origins (a keyboard web app) call the API from the browser
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=False,
@@ -198,6 +200,12 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None) -> FastAP
                            expose_headers=["X-Request-ID", "Retry-After", "Idempotent-Replayed"], max_age=600)
     app.add_middleware(RequestIdMiddleware)  # every answer carries X-Request-ID, the log lines it causes too
     return app
+
+
+def rate_limiter(settings: Settings) -> RateLimiter:
+    """The API keys' token buckets of `settings` (kept by the app, or by the engine's process for its HTTP workers,
+    so that a key's rate is the server's, whichever worker answers)."""
+    return RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst or math.ceil(2 * settings.rate_limit_per_s))
 
 
 def _openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:

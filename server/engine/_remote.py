@@ -23,7 +23,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -125,8 +125,9 @@ class EngineHost:
     """Serves `engine` at `address` (`ipc://...`) on a thread of its own with its own event loop; each worker is a
     DEALER socket, this a ROUTER. `start` binds and returns; `stop` cancels what is in flight and closes."""
 
-    def __init__(self, engine: Engine, address: str) -> None:
+    def __init__(self, engine: Engine, address: str, take_rate: Callable[[str], float | None] | None = None) -> None:
         self.engine, self.address = engine, address
+        self._take_rate = take_rate  # the API keys' rate limit (server.ratelimit), kept here for all the workers
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped: asyncio.Event | None = None
@@ -241,6 +242,9 @@ class EngineHost:
 
     async def _call_status(self) -> _Status:
         return _Status(self.engine.alive, self.engine.crashed, self.engine.stalled_s())
+
+    async def _call_take_rate(self, key: str) -> float | None:
+        return self._take_rate(key) if self._take_rate is not None else None
 
     async def _call_stats(self) -> EngineStats:
         return await asyncio.to_thread(lambda: self.engine.stats)  # the store's may be a Redis round trip
@@ -388,6 +392,12 @@ class RemoteEngine:
     def stats(self) -> EngineStats:
         """The engine's counters as `refresh_stats` last read them (`/metrics` refreshes them first)."""
         return self._stats
+
+    async def take_rate(self, key: str) -> float | None:
+        """A token of `key`'s rate limit, from the buckets the engine's process keeps for every worker: None, or the
+        seconds until one is back."""
+        wait: float | None = await self._call("take_rate", key)
+        return wait
 
     async def refresh_stats(self, timeout_s: float = 5.0) -> None:
         try:

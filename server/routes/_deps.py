@@ -25,6 +25,9 @@ from server.ratelimit import RateLimiter
 from server.serving import Context
 from server.settings import Settings
 
+# The dependencies are coroutines, though they do no I/O: FastAPI runs a plain function's dependency on its thread
+# pool, a thread hop per dependency and request (about an eighth of the event loop's time a request, profiled under a
+# burst of scores).
 __all__ = [
     "event_stream_responses", "work_router",
     "ContextDep", "EngineDep", "MetricsDep", "OwnerDep", "SettingsDep", "api_key_owner", "get_context", "get_engine",
@@ -32,19 +35,19 @@ __all__ = [
 ]
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings = request.app.state.settings
     assert isinstance(settings, Settings)
     return settings
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     metrics = request.app.state.metrics
     assert isinstance(metrics, Metrics)
     return metrics
 
 
-def get_engine(request: Request) -> AnyEngine:
+async def get_engine(request: Request) -> AnyEngine:
     """The running engine, or 503 (not loaded yet, stopped, or its thread died)."""
     engine = getattr(request.app.state, "engine", None)
     if not isinstance(engine, (Engine, RemoteEngine)) or not engine.alive:
@@ -59,7 +62,7 @@ EngineDep = Annotated[AnyEngine, Depends(get_engine)]
 _bearer = HTTPBearer(auto_error=False, description="One of the server's API keys (ADAPTLM_API_KEYS).")
 
 
-def api_key_owner(request: Request, settings: SettingsDep,
+async def api_key_owner(request: Request, settings: SettingsDep,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str | None:
     """No-op unless keys are configured; then `Authorization: Bearer <key>` must carry one of them. Then the key's
     rate limit (server/ratelimit.py): 429 when its bucket is empty.
@@ -67,7 +70,11 @@ def api_key_owner(request: Request, settings: SettingsDep,
     owner = _authenticate(settings, credentials)
     limiter = request.app.state.rate_limiter
     assert isinstance(limiter, RateLimiter)
-    wait = limiter.take(owner or "")
+    engine = getattr(request.app.state, "engine", None)
+    if limiter.enabled and isinstance(engine, RemoteEngine):  # an HTTP worker: the buckets are the server's
+        wait = await engine.take_rate(owner or "")
+    else:
+        wait = limiter.take(owner or "")
     if wait is not None:
         raise RateLimitError("this API key's rate limit is reached; retry after the Retry-After header's seconds",
                              code="rate_limited", headers={"Retry-After": RateLimiter.retry_after(wait)})
@@ -93,7 +100,7 @@ def _authenticate(settings: Settings, credentials: HTTPAuthorizationCredentials 
 OwnerDep = Annotated[str | None, Depends(api_key_owner)]
 
 
-def get_context(request: Request, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep,
+async def get_context(request: Request, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep,
                 owner: OwnerDep) -> Context:
     """What the serving layer needs; `route` (a metric label) is the route's path template."""
     route = getattr(request.scope.get("route"), "path", request.url.path)
@@ -103,7 +110,7 @@ def get_context(request: Request, engine: EngineDep, settings: SettingsDep, metr
 ContextDep = Annotated[Context, Depends(get_context)]
 
 
-def require_api_key(owner: OwnerDep) -> None:
+async def require_api_key(owner: OwnerDep) -> None:
     """A router dependency: the request carries a valid key (when keys are configured)."""
 
 

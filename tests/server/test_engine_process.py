@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from server.app import start_engine
+from server.app import rate_limiter, start_engine
 from server.engine import Engine, EngineHost, RemoteEngine
 from server.engine._errors import EngineOverloaded, InvalidSessionSettings, SessionConflict, SessionNotFound
 from server.engine._remote import _error_state, _rebuild_error
@@ -39,7 +39,7 @@ def engine_host(settings: Settings) -> Iterator[tuple[Engine, str]]:
     engine = start_engine(settings)
     with tempfile.TemporaryDirectory(prefix="adaptlm-test-") as private:
         address = f"ipc://{private}/engine"
-        host = EngineHost(engine, address)
+        host = EngineHost(engine, address, take_rate=rate_limiter(settings).take)
         host.start()
         try:
             yield engine, address
@@ -227,3 +227,19 @@ def test_a_worker_reports_an_engine_that_stopped(serve_app: ServeFn, tiny_checkp
             time.sleep(0.1)
         assert_error(c.get("/readyz"), 503, "service_unavailable_error")
         assert_error(c.post("/v1/score", json={"text": "abc"}), 503, "service_unavailable_error")
+
+
+def test_a_key_rate_is_the_server_s_whichever_worker_answers(serve_app: ServeFn, tiny_checkpoint: Path,
+                                                              assert_error: AssertErrorFn) -> None:
+    """Two workers (two apps, each with its RemoteEngine) on one engine: the key's bucket is kept by the engine's
+    process, so three requests through either worker empty it, not three through each."""
+    settings = Settings(checkpoint=tiny_checkpoint, api_keys="k1", rate_limit_per_s=0.01, rate_limit_burst=3)
+    auth = {"Authorization": "Bearer k1"}
+    with engine_host(settings) as (_, address), serve_app(settings, engine=RemoteEngine(address)) as one, \
+            serve_app(settings, engine=RemoteEngine(address)) as two:
+        codes = [httpx.post(f"{url}/v1/score", json={"text": "abc"}, headers=auth, timeout=30).status_code
+                 for url in (one.url, two.url, one.url)]
+        assert codes == [200, 200, 200]
+        for url in (two.url, one.url):
+            refused = httpx.post(f"{url}/v1/score", json={"text": "abc"}, headers=auth, timeout=30)
+            assert assert_error(refused, 429, "rate_limit_error")["code"] == "rate_limited"
