@@ -17,7 +17,8 @@
     ADAPTLM_RATE_LIMIT_BURST requests a key may make at once after being idle (the bucket's size; default 2 s' worth)
     ADAPTLM_MAX_BATCH        rows per batched model call (a session observe takes two: adapted and static)
     ADAPTLM_MAX_WAIT_MS      coming from idle, how long the engine waits for more work to fill a batch
-    ADAPTLM_MAX_QUEUE        work items waiting to start; beyond it, 429 with Retry-After
+    ADAPTLM_MAX_QUEUE        requests for model work a server holds at once (waiting or running; each HTTP worker its
+                             share), and work items the engine lets wait; beyond it, 429 with Retry-After
     ADAPTLM_RETRY_AFTER_S    the Retry-After of a 429 (and of a 503 for a full session store)
     ADAPTLM_MAX_SESSIONS     sessions kept in memory; the least recently used idle one (of a key over its share,
                              below) makes room
