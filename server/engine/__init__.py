@@ -20,7 +20,7 @@ from server.engine._generation import Event, Finished, GenerationStream, PromptS
 from server.engine._memory_store import MemorySessionStore
 from server.engine._redis import RedisSessionStore
 from server.engine._remote import EngineHost, RemoteEngine, RemoteStream, SessionInfo
-from server.engine._session import IDEMPOTENCY_KEY, Session, SessionConfig, SessionStats
+from server.engine._session import IDEMPOTENCY_KEY, Session, SessionConfig, SessionStats, SettingsView
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore, StoreStats
 from server.engine._suggest import Suggestions
@@ -32,8 +32,8 @@ __all__ = [
     "IdempotencyKeyReused", "InvalidSessionSettings", "MemorySessionStore", "ModelInfo", "PromptScored",
     "RedisSessionStore", "RemoteEngine", "RemoteStream", "Session", "SessionConfig", "SessionConflict",
     "SessionImportError", "SessionInfo", "SessionLimits", "SessionNotFound", "SessionStats", "SessionStore",
-    "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable", "StoreStats", "Suggestions", "TextScore",
-    "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
+    "SessionStoreFull", "SessionStoreUnavailable", "SessionsUnavailable", "SettingsView", "StoreStats", "Suggestions",
+    "TextScore", "Token", "TokenLogprob", "export_session", "import_session", "new_session_id",
 ]
 
 # What the HTTP layer serves with: the engine in this process, or in its own (`RemoteEngine`, the same async API)

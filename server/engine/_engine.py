@@ -44,7 +44,7 @@ from server.engine._idspace import is_alias, public_id
 from server.engine._loading import ModelInfo, SessionLimits, load_model
 from server.engine._memory_store import MemorySessionStore
 from server.engine._scheduler import Scheduler
-from server.engine._session import IDEMPOTENCY_KEY_PATTERN, Session, SessionConfig, new_session_id
+from server.engine._session import IDEMPOTENCY_KEY_PATTERN, Session, SessionConfig, SettingsView, new_session_id
 from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore
@@ -263,10 +263,11 @@ class Engine:
 
     # -- sessions ----------------------------------------------------------------------------------
 
-    async def create_session(self, *, owner: str | None, config: SessionConfig | None = None,
+    async def create_session(self, *, owner: str | None, config: SessionConfig | SettingsView | None = None,
                              ttl_s: float | None = None, initial_text: bytes | None = None
                              ) -> tuple[Session, TextScore | None]:
-        """A new session (`sessions.config()`: the checkpoint's defaults, for no `config`); with `initial_text`,
+        """A new session (`sessions.config()`: the checkpoint's defaults, for no `config`; a worker's `SettingsView`
+        is checked again as given); with `initial_text`,
         it has observed that text when this returns. Raises InvalidSessionSettings."""
         self.sessions.limits()
         # a given config is checked as a request's would be: every memory named (off where it has none)

@@ -6,7 +6,7 @@ answers; the engine process owns the model, the device, the scheduler and the se
 (429), ordering and batching stay decided in one place for all the workers. One request is one message each way
 (a generation: one message an event); a worker whose caller goes away sends `cancel`, and the engine drops the work
 as it does for a caller of its own. The workers are our own children, talking over a Unix socket in a directory only
-this user can enter, so messages are pickled (nothing a client sends is unpickled: its text is one field of them).
+this user can enter; messages are MessagePack (`_wire.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import itertools
 import logging
 import math
 import os
-import pickle
 import threading
 import time
 import weakref
@@ -36,9 +35,10 @@ from models.suggest import Suggestions
 from server.engine._engine import Engine, EngineConfig, ModelInfo, SessionLimits
 from server.engine._errors import EngineUnavailable, SessionsUnavailable
 from server.engine._generation import GenerationStream, _Failed
-from server.engine._session import Session, SessionConfig, SessionStats
+from server.engine._session import Session, SessionConfig, SessionStats, SettingsView
 from server.engine._stats import EngineStats
 from server.engine._text import TextScore
+from server.engine._wire import pack, record, unpack
 from server.engine._work import Budget
 
 __all__ = ["EngineHost", "RemoteEngine", "SessionInfo"]
@@ -53,6 +53,7 @@ SILENT_S = 10.0
 _ERROR_MODULES = ("server.engine.", "models.", "builtins")
 
 
+@record
 @dataclass(frozen=True)
 class SessionInfo:
     """What a worker is shown of a session: its record without its tensors (what the answers of the session routes
@@ -62,7 +63,7 @@ class SessionInfo:
     created: float
     last_used: float
     ttl_s: float
-    config: SessionConfig
+    config: SessionConfig | SettingsView
     nbytes: int
     stats: SessionStats
     pending: bytes
@@ -76,6 +77,7 @@ class SessionInfo:
         return self.last_used + self.ttl_s
 
 
+@record
 @dataclass(frozen=True)
 class _Hello:
     """What a worker learns once, when it connects: what does not change while the engine runs."""
@@ -87,6 +89,7 @@ class _Hello:
     memories: frozenset[str]
 
 
+@record
 @dataclass(frozen=True)
 class _Status:
     alive: bool
@@ -113,7 +116,7 @@ def _rebuild_error(module: str, name: str, args: tuple[Any, ...], state: dict[st
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
         return RuntimeError(f"the engine failed: {module}.{name}: {args[0] if args else ''}")
     exc: BaseException = cls.__new__(cls)
-    exc.args = args
+    exc.args = tuple(args)
     vars(exc).update(state)
     return exc
 
@@ -180,7 +183,7 @@ class EngineHost:
                 if task is not None:
                     task.cancel()
                 continue
-            method, args, kwargs = pickle.loads(payload)
+            method, args, kwargs = unpack(payload)
             task = asyncio.ensure_future(self._answer(socket, worker, rid, method, args, kwargs))
             self._tasks[(worker, rid)] = task
             task.add_done_callback(functools.partial(self._forget, (worker, rid)))
@@ -191,7 +194,12 @@ class EngineHost:
     async def _answer(self, socket: zmq.asyncio.Socket, worker: bytes, rid: bytes, method: str,
                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         async def send(status: bytes, value: Any) -> None:
-            await socket.send_multipart([worker, rid, status, pickle.dumps(value, protocol=5)])
+            try:
+                data = pack(value)
+            except (TypeError, ValueError) as e:  # a value of no record type (a bug): the caller's 500
+                data = pack(_error_state(RuntimeError(f"the engine's answer does not cross the wire: {e}")))
+                status = b"err"
+            await socket.send_multipart([worker, rid, status, data])
 
         try:
             if method == "generate":
@@ -446,11 +454,11 @@ class RemoteEngine:
     # -- sessions -----------------------------------------------------------------------------------------
 
     async def session_settings(self, memories: Mapping[str, Mapping[str, Any] | None] | None,
-                               ttl_s: float | None) -> tuple[SessionConfig, float]:
-        result: tuple[SessionConfig, float] = await self._call("session_settings", memories, ttl_s)
+                               ttl_s: float | None) -> tuple[SettingsView, float]:
+        result: tuple[SettingsView, float] = await self._call("session_settings", memories, ttl_s)
         return result
 
-    async def create_session(self, *, owner: str | None, config: SessionConfig | None = None,
+    async def create_session(self, *, owner: str | None, config: SessionConfig | SettingsView | None = None,
                              ttl_s: float | None = None, initial_text: bytes | None = None
                              ) -> tuple[SessionInfo, TextScore | None]:
         result: tuple[SessionInfo, TextScore | None] = await self._call(
@@ -484,7 +492,7 @@ class RemoteEngine:
     def _send(self, rid: bytes, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._socket is None:
             raise EngineUnavailable("the engine is not connected")
-        payload = pickle.dumps((method, args, kwargs), protocol=5)
+        payload = pack((method, args, kwargs))
         # a DEALER queues what it cannot send at once (up to its high-water mark): this does not block
         self._socket.send_multipart([rid, b"call", payload], copy=len(payload) < 65536)
 
@@ -513,7 +521,7 @@ class RemoteEngine:
         while True:
             rid, status, payload = await self._socket.recv_multipart()
             self._heard = time.monotonic()
-            value = pickle.loads(payload)
+            value = unpack(payload)
             future = self._calls.get(rid)
             if future is not None:
                 if future.done():

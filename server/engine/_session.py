@@ -8,6 +8,7 @@ import hashlib
 import json
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,8 @@ from models.memory import SessionConfig
 from models.session import PENDING_MAX_BYTES, Session, SessionStats
 
 __all__ = ["APPLIED_KEPT", "IDEMPOTENCY_KEY", "IDEMPOTENCY_KEY_PATTERN", "PENDING_MAX_BYTES", "Applied",
-           "KeyedSession", "Session", "SessionConfig", "SessionStats", "applied_of", "keyed", "new_session_id",
-           "text_digest"]
+           "KeyedSession", "Session", "SessionConfig", "SessionStats", "SettingsView", "applied_of", "keyed",
+           "new_session_id", "text_digest"]
 
 # The idempotency keys a session remembers: the last APPLIED_KEPT observes that carried one. A client retries an
 # observe within seconds, tens of observes later at most; each entry is ~200 bytes against a session's state of
@@ -73,6 +74,18 @@ def keyed(session: Session, *, applied: tuple[Applied, ...], observing: Applied 
 
 def applied_of(session: Session | None) -> tuple[Applied, ...]:
     return session.applied if isinstance(session, KeyedSession) else ()
+
+
+@dataclass(frozen=True)
+class SettingsView:
+    """A session's memory settings as a worker holds them: what `SessionConfig.to_dict` says. The engine rebuilds
+    the `SessionConfig` from it (against the checkpoint's memories) where it needs one."""
+
+    memories: Mapping[str, Mapping[str, Any]]
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dict(settings) for name, settings in self.memories.items()}
+
 
 
 def new_session_id() -> str:

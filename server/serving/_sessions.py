@@ -14,7 +14,15 @@ from typing import Any
 
 from fastapi import Response
 
-from server.engine import IdempotencyKeyReused, InvalidSessionSettings, Session, SessionConfig, SessionInfo, TextScore
+from server.engine import (
+    IdempotencyKeyReused,
+    InvalidSessionSettings,
+    Session,
+    SessionConfig,
+    SessionInfo,
+    SettingsView,
+    TextScore,
+)
 from server.errors import UnprocessableEntityError
 from server.protocol import (
     AdaptationParams,
@@ -72,7 +80,7 @@ def session_response(session: Session | SessionInfo, ctx: Context, result: TextS
         observed=observed(result) if result is not None else None)
 
 
-async def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionConfig, float]:
+async def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionConfig | SettingsView, float]:
     """The request's memory settings and TTL, completed and checked by the engine's session service (the
     checkpoint's defaults and limits, the server's TTLs); what it refuses is a 422 on the request's field."""
     p = body.adaptation or AdaptationParams()

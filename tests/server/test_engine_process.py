@@ -10,6 +10,7 @@ RemoteEngine in a uvicorn thread: the wire and both ends are the real ones, with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import socket
@@ -23,12 +24,26 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import msgpack
+import numpy as np
 import pytest
 
+from models.sampling import SamplingParams
 from server.app import rate_limiter, start_engine
-from server.engine import Engine, EngineHost, RemoteEngine
+from server.engine import (
+    Engine,
+    EngineHost,
+    EngineStats,
+    Finished,
+    PromptScored,
+    RemoteEngine,
+    TextScore,
+    Token,
+    TokenLogprob,
+)
 from server.engine._errors import EngineOverloaded, InvalidSessionSettings, SessionConflict, SessionNotFound
-from server.engine._remote import _error_state, _rebuild_error
+from server.engine._remote import _error_state, _Hello, _rebuild_error
+from server.engine._wire import pack, unpack
 from server.settings import Settings
 from tests.server.conftest import AssertErrorFn, LiveServer, ParseSSEFn, ServeFn
 
@@ -243,3 +258,28 @@ def test_a_key_rate_is_the_server_s_whichever_worker_answers(serve_app: ServeFn,
         for url in (two.url, one.url):
             refused = httpx.post(f"{url}/v1/score", json={"text": "abc"}, headers=auth, timeout=30)
             assert assert_error(refused, 429, "rate_limit_error")["code"] == "rate_limited"
+
+
+def test_records_cross_the_wire_as_they_were(remote: tuple[LiveServer, Engine]) -> None:
+    """Every record the engine answers with reads back equal (tuples as tuples); a dict a client sent stays a dict
+    whatever its keys; a record type not on the list is refused, not built."""
+    engine = remote[1]
+    hello = _Hello(engine.info, engine.config, engine.session_limits(), "", frozenset(engine.memory_names))
+    back = unpack(pack(hello))
+    assert back.info == engine.info and back.config == engine.config and back.limits == engine.session_limits()
+    assert back.info.tokenizer.to_dict() == engine.info.tokenizer.to_dict()
+    events = [PromptScored((TokenLogprob(-1.5, ((3, -0.5), (4, -1.5))),), (3,)),
+              Token(0, 97, "a", 0, TokenLogprob(-0.25, ((97, -0.25),)), 12.5, b"x"),
+              Finished(0, "length", 1, 0.01, 0.02, 3)]
+    assert unpack(pack(events)) == events
+    stats = EngineStats(batch_rows={1: 3, 64: 2}, evictions={"ttl": 1})
+    assert unpack(pack(stats)) == stats
+    score = TextScore(bits=3.5, bytes=2, tokens=2, logprobs=np.array([-1.0, -2.5]), static_bits=4.0)
+    assert unpack(pack(score)) == dataclasses.replace(score, logprobs=[-1.0, -2.5])
+    params = SamplingParams(max_tokens=5, stop=("\n", "."))
+    assert unpack(pack(params)) == params
+    asked = {"__t": {"lr": 1}, "adapter": {"x": b"\x00\x01"}}
+    assert unpack(pack(asked)) == asked
+    forged = msgpack.ExtType(1, pack(["Popen", {"args": ["true"]}]))
+    with pytest.raises(ValueError, match="no record 'Popen'"):
+        unpack(msgpack.packb(forged))
