@@ -19,6 +19,7 @@ import itertools
 import logging
 import math
 import os
+import signal
 import threading
 import time
 import weakref
@@ -177,13 +178,19 @@ class EngineHost:
 
     async def _receive(self, socket: zmq.asyncio.Socket) -> None:
         while True:
-            worker, rid, kind, payload = await socket.recv_multipart()
-            if kind == b"cancel":
-                task = self._tasks.get((worker, rid))
-                if task is not None:
-                    task.cancel()
+            frames = await socket.recv_multipart()
+            try:
+                worker, rid, kind, payload = frames
+                if kind == b"cancel":
+                    task = self._tasks.get((worker, rid))
+                    if task is not None:
+                        task.cancel()
+                    continue
+                method, args, kwargs = unpack(payload)
+                method, args, kwargs = str(method), tuple(args), dict(kwargs)
+            except Exception:  # noqa: BLE001 (not from a worker of ours: dropped, and the host serves on)
+                log.error("dropped a message to the engine that does not read as a call")
                 continue
-            method, args, kwargs = unpack(payload)
             task = asyncio.ensure_future(self._answer(socket, worker, rid, method, args, kwargs))
             self._tasks[(worker, rid)] = task
             task.add_done_callback(functools.partial(self._forget, (worker, rid)))
@@ -550,7 +557,7 @@ class RemoteEngine:
             if os.getppid() != self._parent:
                 log.error("the engine process is gone; this worker stops")
                 self._status = _Status(alive=False, crashed=True, stalled_s=0.0)
-                os.kill(os.getpid(), 15)
+                os.kill(os.getpid(), signal.SIGTERM)
                 return
             try:
                 async with asyncio.timeout(SILENT_S):

@@ -27,6 +27,7 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from models.sampling import SamplingParams
 from server.app import rate_limiter, start_engine
@@ -283,3 +284,23 @@ def test_records_cross_the_wire_as_they_were(remote: tuple[LiveServer, Engine]) 
     forged = msgpack.ExtType(1, pack(["Popen", {"args": ["true"]}]))
     with pytest.raises(ValueError, match="no record 'Popen'"):
         unpack(msgpack.packb(forged))
+
+
+def test_a_message_that_is_no_call_is_dropped_and_the_engine_serves_on(remote: tuple[LiveServer, Engine]) -> None:
+    live = remote[0]
+    address = live.app.state.engine.address
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        for frames in ([b"1", b"call", b"\xc1 not msgpack"], [b"2", b"call", pack(["score"])], [b"3"],
+                       [b"4", b"call", pack(("no_such_call", [], {}))]):
+            sock.send_multipart(frames)
+        assert sock.poll(5000)
+        rid, status, payload = sock.recv_multipart()  # the unknown call is answered with its error
+        assert (rid, status) == (b"4", b"err") and "no_such_call" in str(unpack(payload))
+    finally:
+        sock.close()
+        context.term()
+    assert httpx.post(f"{live.url}/v1/score", json={"text": "abc"}, timeout=30).status_code == 200
