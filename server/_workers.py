@@ -20,6 +20,7 @@ import uvicorn
 from uvicorn.supervisors import Multiprocess
 
 from server import request_id
+from server._admission import SharedDoor, shared_places
 from server._slow_clients import head_deadline_protocol
 from server.engine import EngineHost, RemoteEngine
 from server.metrics import MULTIPROCESS_VARIABLE
@@ -35,15 +36,16 @@ class WorkerConfig(uvicorn.Config):
     multiprocessing's spawn), so it carries the settings and the engine's address, and builds the app, its
     RemoteEngine and the HTTP protocol class there, in `load`."""
 
-    def __init__(self, settings: Settings, address: str, **kwargs: Any) -> None:
+    def __init__(self, settings: Settings, address: str, places: Any, **kwargs: Any) -> None:
         super().__init__("server._workers:app", **kwargs)  # never imported: `load` builds the app
-        self.settings, self.address = settings, address
+        self.settings, self.address, self.places = settings, address, places
 
     def load(self) -> None:
         from server.app import create_app  # in the worker
 
         request_id.install(self.settings.log_format)
-        self.app = create_app(self.settings, engine=RemoteEngine(self.address))
+        door = SharedDoor(self.settings.max_queue, self.places)
+        self.app = create_app(self.settings, engine=RemoteEngine(self.address), door=door)
         self.http = head_deadline_protocol(self.settings.client_timeout_s)
         super().load()
 
@@ -65,8 +67,8 @@ def serve_workers(settings: Settings) -> int:
             try:
                 options = uvicorn_options(settings)
                 options.pop("http")  # a class made here: the worker makes its own (`WorkerConfig.load`)
-                config = WorkerConfig(settings, address, host=settings.host, port=settings.port,
-                                      workers=settings.workers, log_level=settings.log_level,
+                config = WorkerConfig(settings, address, shared_places(settings.workers), host=settings.host,
+                                      port=settings.port, workers=settings.workers, log_level=settings.log_level,
                                       log_config=request_id.uvicorn_log_config(settings.log_format), **options)
                 try:
                     sock = config.bind_socket()

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kernels import _dispatch as kernel_dispatch
 from kernels import attention
 from models.checkpoint import CheckpointError
-from server._admission import AdmissionMiddleware, door_limit
+from server._admission import AdmissionMiddleware, Door
 from server._asgi import HTTPMiddleware
 from server._slow_clients import head_deadline_protocol
 from server.engine import (
@@ -131,12 +131,13 @@ def start_engine(settings: Settings) -> Engine:
     return engine
 
 
-def create_app(settings: Settings, *, engine: AnyEngine | None = None) -> FastAPI:
+def create_app(settings: Settings, *, engine: AnyEngine | None = None, door: Door | None = None) -> FastAPI:
     """The app for `settings`. Nothing is loaded until its lifespan starts (uvicorn, or TestClient as a
     context manager); a bad checkpoint then fails the start-up with CheckpointError. Given a started `engine`
     (`start_engine`), the lifespan serves with it instead, and stops it and its store at shutdown; given a
     `RemoteEngine` (an HTTP worker of `serve_workers`), it connects to the engine process at start-up and lets go of
-    it at shutdown."""
+    it at shutdown. `door`: where the places of requests for model work are counted (`server/_admission.py`; a
+    worker's are shared with the server's other workers), else in the app."""
     metrics = Metrics()
 
     @asynccontextmanager
@@ -189,8 +190,7 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None) -> FastAP
     # its request ID.
     app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, idle_s=settings.client_timeout_s)
-    app.add_middleware(AdmissionMiddleware, limit=door_limit(settings.max_queue, settings.workers),
-                       retry_after_s=settings.retry_after_s)
+    app.add_middleware(AdmissionMiddleware, door=door or Door(settings.max_queue), retry_after_s=settings.retry_after_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.cors_origins:  # pages of other origins (a keyboard web app) call the API from the browser
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=False,

@@ -5,15 +5,17 @@ run; what holds no model work (reads, health, metrics) passes; places free as an
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-import pytest
 
-from server._admission import door_limit
+from server._admission import SharedDoor, shared_places
 from server.settings import Settings
 from tests.server.conftest import AssertErrorFn, ServeFn
 
@@ -30,10 +32,24 @@ def _hold(url: str, path: str, body: dict[str, str]) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize(("max_queue", "processes", "limit"), [(256, 0, 256), (256, 1, 256), (256, 2, 128),
-                                                               (5, 2, 3), (1, 4, 1)])
-def test_the_door_shares_max_queue_among_the_http_processes(max_queue: int, processes: int, limit: int) -> None:
-    assert door_limit(max_queue, processes) == limit
+def test_the_workers_of_a_server_share_its_places() -> None:
+    """Two workers' doors (here in one process, each taking its own slot): the limit is the server's; a slot of a
+    worker that died gives its places back to the one that takes it."""
+    places = shared_places(2)
+    one, two = SharedDoor(3, places), SharedDoor(3, places)
+    assert [one.enter(), one.enter(), two.enter(), two.enter(), one.enter()] == [True, True, True, False, False]
+    one.leave()
+    assert two.enter() and not one.enter()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with places.get_lock():
+        places[4], places[5] = gone.pid, 2  # a third slot, of a worker that died holding 2 places
+        places[6] = os.getpid() + 10**7  # a fourth, of no process (the pid is beyond any)
+    assert sum(places[2 * s + 1] for s in range(len(places) // 2)) == 5
+    replacement = SharedDoor(3, places)  # takes the dead worker's slot
+    assert replacement._slot == 2 and places[5] == 0
+    two.leave()
+    assert replacement.enter() and not replacement.enter()
 
 
 def test_work_beyond_the_door_is_refused_at_once_and_the_rest_still_served(
