@@ -67,8 +67,11 @@ def serve_workers(settings: Settings) -> int:
             try:
                 options = uvicorn_options(settings)
                 options.pop("http")  # a class made here: the worker makes its own (`WorkerConfig.load`)
+                # a worker answers the supervisor's health checks once it has imported the app (torch with the
+                # engine's types: over 10 s on a loaded 2-core machine, where uvicorn's 5 s killed each in a loop)
                 config = WorkerConfig(settings, address, shared_places(settings.workers), host=settings.host,
-                                      port=settings.port, workers=settings.workers, log_level=settings.log_level,
+                                      port=settings.port, workers=settings.workers, timeout_worker_healthcheck=120,
+                                      log_level=settings.log_level,
                                       log_config=request_id.uvicorn_log_config(settings.log_format), **options)
                 try:
                     sock = config.bind_socket()

@@ -86,8 +86,11 @@ def test_two_workers_share_the_engine_survive_a_worker_and_drain(tiny_checkpoint
         assert answers["observe"].status_code == 200, answers["observe"].text
         assert answers["observe"].json()["bytes"] == len(LONG)
         assert snapshot.exists()
-        assert not [pid for pid in tree if Path(f"/proc/{pid}").exists()
-                    and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+        deadline = time.monotonic() + 10  # (multiprocessing's resource tracker ends once it sees the parent go)
+        while (left := [pid for pid in tree if Path(f"/proc/{pid}").exists()
+                        and "zombie" not in Path(f"/proc/{pid}/status").read_text()]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
     finally:
         if proc.poll() is None:
             proc.kill()
