@@ -3,9 +3,10 @@ redis-server of its own): with the server's session cache (`ADAPTLM_SESSION_CACH
 it (0: every read fetches the whole session, as before the cache). One typist types messages a character at a time,
 asking for suggestions at each keystroke, and observes each message when it is typed, as the load test's typist does
 (loadtest/messages.txt). A second server on the same Redis (another replica) asks for one suggestion after each
-observe: its copy of the session is then one observe old ("stale read"). Redis's own counters measure it (INFO: `total_net_output_bytes` read by the server,
-`total_net_input_bytes` written), less what the INFO calls themselves take. Also checks that both runs suggested the
-same completions at every keystroke as the memory store (the reference: sessions never leave the process).
+observe: its copy of the session is then one observe old ("stale read"). Redis's own counters measure it (INFO:
+`total_net_output_bytes` read by the server, `total_net_input_bytes` written), less what the INFO calls themselves
+take. Also checks that both runs suggested the same completions at every keystroke as the memory store (the
+reference: sessions never leave the process).
 
     python -m bench.redis_bytes [--checkpoint DIR] [--messages 3]
 """
