@@ -34,7 +34,9 @@ from server.engine._errors import SessionImportError
 
 __all__ = ["CHUNK", "Form", "Stored", "join", "split"]
 
-CHUNK = 4096  # bytes a chunk: the adapter is 64 of them, a copy model's history 8
+# Bytes a chunk (the adapter is 65 of them, a copy model's history 9): with its string's header (6 bytes) it fills one
+# 4 KiB allocation of Redis's allocator (jemalloc); 4,096 would take 5 KiB, a session 17% more memory than its blob
+CHUNK = 4090
 _LAYOUT_VERSION = 1
 _MAX_HEADER = 1 << 20
 _WINDOW_DTYPE = "U8"  # a byte window (the copy model's history and match lengths) is stored rotated

@@ -2,7 +2,7 @@
 _redis_form.py): the stored record is still exactly the session's export, whoever wrote which part; the revision's
 compare-and-set, the idempotency keys and the byte accounting keep their guarantees; a server whose copy is stale
 reads the whole newer record; a record of the form before the parts (one `blob` field) still reads. The stand-in
-sessions are small, so the chunk is made small here (CHUNK: a few chunks a tensor, as the adapter's 64)."""
+sessions are small, so the chunk is made small here (CHUNK: a few chunks a tensor, as the adapter's 65)."""
 
 from __future__ import annotations
 
