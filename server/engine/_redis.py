@@ -135,8 +135,12 @@ class _Cache:
             self._records.move_to_end(session_id)
             return entry[0], entry[2]
 
+    def keeps(self, size: int) -> bool:
+        """Whether a record of `size` bytes would be kept (what it takes to keep one is then worth computing)."""
+        return size <= self.max_bytes and self.max_sessions >= 1
+
     def put(self, session: Session, size: int, stored: Stored | None) -> None:
-        if not session.revision or size > self.max_bytes or self.max_sessions < 1:
+        if not session.revision or not self.keeps(size):
             return
         with self._lock:
             self._pop(session.id)
@@ -241,7 +245,8 @@ class RedisSessionStore(SessionStore):
                                       revision=revision.decode())
         if applied:
             session = keyed(session, applied=_applied(applied))
-        self._cache.put(session, len(blob), Stored.of(form) if form is not None else None)
+        stored = Stored.of(form) if form is not None and self._cache.keeps(len(blob)) else None
+        self._cache.put(session, len(blob), stored)
         return session
 
     def contains(self, session_id: str) -> bool:
@@ -271,7 +276,7 @@ class RedisSessionStore(SessionStore):
             stored = keyed(stored, applied=_applied(kept[0]))
         elif isinstance(stored, KeyedSession):
             stored = keyed(stored, applied=())
-        self._cache.put(stored, len(blob), Stored.of(form))
+        self._cache.put(stored, len(blob), Stored.of(form) if self._cache.keeps(len(blob)) else None)
         return stored
 
     def update(self, session: Session) -> Session | None:
@@ -322,7 +327,8 @@ class RedisSessionStore(SessionStore):
             self._cache.drop(session.id)
             return None
         stored = dataclasses.replace(record, revision=revision)
-        self._cache.put(stored, len(blob), Stored.of(form))  # this server's own write: never read back
+        # this server's own write: never read back
+        self._cache.put(stored, len(blob), Stored.of(form) if self._cache.keeps(len(blob)) else None)
         return stored
 
     def delete(self, session_id: str, owner: str | None) -> bool:
