@@ -2,9 +2,11 @@
 redis-server of its own): with the server's session cache (`ADAPTLM_SESSION_CACHE_BYTES`, the default) and without
 it (0: every read fetches the whole session, as before the cache). One typist types messages a character at a time,
 asking for suggestions at each keystroke, and observes each message when it is typed, as the load test's typist does
-(loadtest/messages.txt). Redis's own counters measure it (INFO: `total_net_output_bytes` read by the server,
-`total_net_input_bytes` written), less what the INFO calls themselves take. Also checks that both runs suggested the
-same completions at every keystroke as the memory store (the reference: sessions never leave the process).
+(loadtest/messages.txt). A second server on the same Redis (another replica) asks for one suggestion after each
+observe: its copy of the session is then one observe old ("stale read"). Redis's own counters measure it (INFO:
+`total_net_output_bytes` read by the server, `total_net_input_bytes` written), less what the INFO calls themselves
+take. Also checks that both runs suggested the same completions at every keystroke as the memory store (the
+reference: sessions never leave the process).
 
     python -m bench.redis_bytes [--checkpoint DIR] [--messages 3]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,8 +33,8 @@ MESSAGES = ROOT / "loadtest" / "messages.txt"
 
 def run(checkpoint: Path, url: str | None, cache_bytes: int, messages: list[str],
         ) -> tuple[list[Any], dict[str, list[int]]]:
-    """-> every keystroke's suggestions, and per kind ("suggest", "observe") each request's (read, written) bytes
-    (url None: the memory store, nothing measured)."""
+    """-> every keystroke's suggestions, and per kind ("suggest", "observe", "stale read": the other replica's
+    suggest) each request's (read, written) bytes (url None: the memory store, nothing measured, no other replica)."""
     info = redis.Redis.from_url(url or "redis://127.0.0.1:1/0")
 
     def counters() -> tuple[int, int]:
@@ -53,8 +56,9 @@ def run(checkpoint: Path, url: str | None, cache_bytes: int, messages: list[str]
                         session_cache_bytes=cache_bytes, suggest_budget_ms=0)
     answers: list[Any] = []
     seen: dict[str, list[int]] = {"suggest read": [], "suggest written": [], "observe read": [],
-                                  "observe written": []}
-    with TestClient(create_app(settings)) as client:
+                                  "observe written": [], "stale read": []}
+    with TestClient(create_app(settings)) as client, \
+            TestClient(create_app(settings)) if url is not None else nullcontext() as other:
         sid = client.post("/v1/sessions", json={}).json()["id"]
         for message in messages:
             for n in range(1, len(message) + 1):
@@ -69,6 +73,11 @@ def run(checkpoint: Path, url: str | None, cache_bytes: int, messages: list[str]
             assert response.status_code == 200, response.text
             seen["observe read"].append(read)
             seen["observe written"].append(written)
+            if other is not None:  # the other replica's copy (from its last read, one observe ago) is stale
+                body = {"context": "", "k": 3}
+                response, read, _ = measure(partial(other.post, f"/v1/sessions/{sid}/suggest", json=body))
+                assert response.status_code == 200, response.text
+                seen["stale read"].append(read)
         size = len(client.get(f"/v1/sessions/{sid}/state").content)
     info.close()
     seen["blob"] = [size]
@@ -90,8 +99,9 @@ def main() -> None:
             results[name] = run(args.checkpoint, url, cache_bytes, messages)
         _, seen = results[name]
         print(f"{name}: session blob {seen['blob'][0]} bytes at the end")
-        for kind in ("suggest read", "suggest written", "observe read", "observe written"):
-            values = seen[kind][1:] if kind.startswith("suggest") else seen[kind]  # the first keystroke creates
+        for kind in ("suggest read", "suggest written", "observe read", "observe written", "stale read"):
+            # the first keystroke creates the session, the other replica's first read is its first copy
+            values = seen[kind][1:] if kind.startswith(("suggest", "stale")) else seen[kind]
             print(f"  {kind:16} median {statistics.median(values):>9.0f} B   max {max(values):>9} B")
     memory, _ = run(args.checkpoint, None, 0, messages)
     for name, (answers, _) in results.items():

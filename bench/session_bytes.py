@@ -58,12 +58,14 @@ def store_bytes(url: str) -> int:
 
 
 def redis_figures(rurl: str, sid: str) -> tuple[int, int]:
-    """(blob length, MEMORY USAGE of the hash key) of session `sid`."""
+    """(the stored export's length: its parts, less their layout, or the one `blob` of an older record; MEMORY USAGE
+    of the hash key) of session `sid`."""
     with redis.Redis.from_url(rurl) as r:
         keys = [k for k in r.scan_iter(match=f"*:s:{sid}")]
         if len(keys) != 1:
             return -1, -1
-        return int(r.hstrlen(keys[0], "blob")), int(r.memory_usage(keys[0], samples=0) or -1)
+        state = [k for k in r.hkeys(keys[0]) if k in (b"blob", b"hdr") or k.startswith(b"c:")]
+        return sum(int(r.hstrlen(keys[0], k)) for k in state), int(r.memory_usage(keys[0], samples=0) or -1)
 
 
 def run(checkpoint: str, kind: str, rurl: str | None, text: str, sessions: int, log: Path) -> None:

@@ -7,15 +7,16 @@ shutdown. Keys, in one namespace per checkpoint, `adaptlm:{<first 16 hex digits 
 braces are a Redis Cluster hash tag: all of a namespace's keys live in one slot, so the scripts may touch
 them together):
 
-    <ns>:s:<id>   hash: blob (the export), owner (the API key's hash, "" for none), created, last_used, ttl,
+    <ns>:s:<id>   hash: the export in parts (hdr, lay, c:<tensor>:<i>: _redis_form.py; `blob`, the whole export, in a
+                  record written before the parts), owner (the API key's hash, "" for none), created, last_used, ttl,
                   revision (`Session.revision`, new at every write; "" for a record written before revisions),
                   applied (the last observes applied under an idempotency key, one line each, `Applied.encode`;
                   written by the update that writes the observe's state);
                   Redis expires the key ttl seconds after its last use (PEXPIRE, renewed by every use)
     <ns>:lru      sorted set id -> last use (unix time): the LRU order, and the session count
     <ns>:exp      sorted set id -> when it expires: what the sweep looks at
-    <ns>:size     hash id -> bytes of its blob; <ns>:bytes, their sum: the memory accounting is the size of
-                  the stored values (the tensors plus a few hundred bytes of header)
+    <ns>:size     hash id -> bytes of its export; <ns>:bytes, their sum: the memory accounting is the size of
+                  the stored values (the tensors plus a header of a few to tens of kilobytes)
     <ns>:pins     sorted set "<instance>|<id>" -> lease end: sessions with work in flight on some server
     <ns>:owner    hash id -> owner; <ns>:o:<owner>, sorted set id -> last use; <ns>:obytes, hash owner -> bytes (owners
                   with a session): each owner's sessions: to make room, only owners over their share of the store
@@ -24,9 +25,11 @@ them together):
                   did before shares
 
 Each server keeps the records it read or wrote (`_Cache`); a read sends its copy's revision, and get.lua answers
-the last use time alone (no blob) when the stored revision is that one: a keystroke on a session this server holds
+the last use time alone (no state) when the stored revision is that one: a keystroke on a session this server holds
 reads a few bytes from Redis, and a copy is served only once Redis has confirmed it (a write elsewhere, a delete
-elsewhere: the next read loads the record, or finds none).
+elsewhere: the next read loads the whole record, or finds none). An update of a record this server holds at the
+revision the work read sends only the parts that changed (the header, the chunks whose digests differ, the names of
+parts that are gone); otherwise, and for an insert (a new session, an import), all of them.
 
 Every change touching several keys is one Lua script (redis_scripts/*.lua), atomic across servers. An update
 writes only over the revision its work read (`SessionStore.update`): two servers working on one session at once are
@@ -77,6 +80,7 @@ from redis.commands.core import Script
 from models.session import SessionModel
 from server.engine._errors import SessionConflict, SessionImportError, SessionStoreFull, SessionStoreUnavailable
 from server.engine._export import export_session, import_session
+from server.engine._redis_form import Stored, join, split
 from server.engine._session import APPLIED_KEPT, Applied, KeyedSession, Session, applied_of, keyed
 from server.engine._store import SessionStore, StoreStats, committed, new_revision
 
@@ -99,35 +103,48 @@ _SWEEP_LIMIT = 1000  # index entries a sweep looks at
 _PROBE_S = 0.5  # while Redis cannot be reached, how often a background thread tries it again
 
 
+def _pairs(fields: dict[bytes, bytes]) -> list[bytes]:
+    return [x for pair in fields.items() for x in pair]
+
+
 def _applied(lines: bytes) -> tuple[Applied, ...]:
     return tuple(Applied.decode(line) for line in lines.decode().split("\n"))
 
 
 class _Cache:
     """The records this server read or wrote, by stored id, least recently used first, bounded by count and by bytes
-    (their blobs' sizes). A record is served only once Redis has said its revision is still the stored one
+    (their exports' sizes), each with what was stored of it (`Stored`; None for a record of the form before the
+    parts). A record is served only once Redis has said its revision is still the stored one
     (`RedisSessionStore.get`), so a stale entry costs a reload, never a stale answer. Thread-safe."""
 
     def __init__(self, max_sessions: int, max_bytes: int) -> None:
         self.max_sessions, self.max_bytes = max_sessions, max_bytes
         self._lock = threading.Lock()
-        self._records: OrderedDict[str, tuple[Session, int]] = OrderedDict()
+        self._records: OrderedDict[str, tuple[Session, int, Stored | None]] = OrderedDict()
         self._bytes = 0
 
     def get(self, session_id: str) -> Session | None:
+        entry = self.entry(session_id)
+        return entry[0] if entry is not None else None
+
+    def entry(self, session_id: str) -> tuple[Session, Stored | None] | None:
         with self._lock:
             entry = self._records.get(session_id)
             if entry is None:
                 return None
             self._records.move_to_end(session_id)
-            return entry[0]
+            return entry[0], entry[2]
 
-    def put(self, session: Session, size: int) -> None:
-        if not session.revision or size > self.max_bytes or self.max_sessions < 1:
+    def keeps(self, size: int) -> bool:
+        """Whether a record of `size` bytes would be kept (what it takes to keep one is then worth computing)."""
+        return size <= self.max_bytes and self.max_sessions >= 1
+
+    def put(self, session: Session, size: int, stored: Stored | None) -> None:
+        if not session.revision or not self.keeps(size):
             return
         with self._lock:
             self._pop(session.id)
-            self._records[session.id] = (session, size)
+            self._records[session.id] = (session, size, stored)
             self._bytes += size
             while len(self._records) > self.max_sessions or self._bytes > self.max_bytes:
                 self._pop(next(iter(self._records)))
@@ -213,9 +230,10 @@ class RedisSessionStore(SessionStore):
         if len(fields) == 1:  # the stored revision is the cached copy's: that copy is the record
             assert cached is not None
             return dataclasses.replace(cached, last_used=float(fields[0]))
-        blob, stored_owner, created, last_used, ttl, revision, applied = fields
+        stored_owner, created, last_used, ttl, revision, applied, *state = fields
         bound = self._binding()
         try:
+            blob, form = join(dict(zip(state[::2], state[1::2], strict=True)))
             session, _ = import_session(blob, model_hash=bound.model_hash, template=bound.template,
                                         sessions=bound.sessions)
         except SessionImportError as e:
@@ -227,7 +245,8 @@ class RedisSessionStore(SessionStore):
                                       revision=revision.decode())
         if applied:
             session = keyed(session, applied=_applied(applied))
-        self._cache.put(session, len(blob))
+        stored = Stored.of(form) if form is not None and self._cache.keeps(len(blob)) else None
+        self._cache.put(session, len(blob), stored)
         return session
 
     def contains(self, session_id: str) -> bool:
@@ -237,11 +256,13 @@ class RedisSessionStore(SessionStore):
 
     def insert(self, session: Session) -> Session:
         now, revision = self._clock(), new_revision()
-        record = self._record(session)
+        record, blob = self._record(session)
+        form = split(blob)
         self._cache.drop(session.id)  # whatever the outcome: the replaced record is not served from here again
         evicted, expired, *kept = self._run("insert", repr(now), *record, str(self._ttl_ms(session, now)),
                                             str(self.max_sessions), str(self.max_bytes), revision,
-                                            str(self.owner_max_sessions), str(self.owner_max_bytes))
+                                            str(self.owner_max_sessions), str(self.owner_max_bytes),
+                                            *_pairs(form.fields))
         with self._lock:
             self._evictions["ttl"] += int(expired)
             if evicted > 0:
@@ -255,7 +276,7 @@ class RedisSessionStore(SessionStore):
             stored = keyed(stored, applied=_applied(kept[0]))
         elif isinstance(stored, KeyedSession):
             stored = keyed(stored, applied=())
-        self._cache.put(stored, len(record[1]))
+        self._cache.put(stored, len(blob), Stored.of(form) if self._cache.keeps(len(blob)) else None)
         return stored
 
     def update(self, session: Session) -> Session | None:
@@ -274,11 +295,25 @@ class RedisSessionStore(SessionStore):
         revision = new_revision()
         entry = session.observing if isinstance(session, KeyedSession) else None
         record, _ = committed(session, applied_of(session))  # what was stored, as this write leaves it
-        args = self._record(session)
+        args, blob = self._record(session)
+        # The parts that changed over the revision the work read, if this server holds that revision's parts
+        # (it read or wrote it); otherwise all of them. The script writes only over that revision.
+        cached = self._cache.entry(session.id)
+        base = cached[1] if cached is not None and cached[0].revision == session.revision else None
+        if base is not None:
+            assert cached is not None
+            form = split(blob, base, slid=session.stats.bytes_observed - cached[0].stats.bytes_observed)
+            digests = form.digests
+            sent = {k: v for k, v in form.fields.items() if base.digests.get(k) != digests[k]}
+            gone = sorted(set(base.digests) - set(form.fields))
+        else:
+            form, sent, gone = split(blob), None, []
+        state = _pairs(form.fields if sent is None else sent)
         try:
             written = int(self._run("update", *args, str(self._ttl_ms(session, self._clock())),
                                     str(math.floor(deadline * 1000)), session.revision or "", revision,
-                                    entry.encode() if entry is not None else "", str(APPLIED_KEPT)))
+                                    entry.encode() if entry is not None else "", str(APPLIED_KEPT),
+                                    "1" if sent is None else "0", str(len(gone)), *gone, *state))
         except SessionStoreUnavailable:  # written or not, unknown: the next read asks Redis for the record
             self._cache.drop(session.id)
             raise
@@ -292,7 +327,8 @@ class RedisSessionStore(SessionStore):
             self._cache.drop(session.id)
             return None
         stored = dataclasses.replace(record, revision=revision)
-        self._cache.put(stored, len(args[1]))  # this server's own write: never read back
+        # this server's own write: never read back
+        self._cache.put(stored, len(blob), Stored.of(form) if self._cache.keeps(len(blob)) else None)
         return stored
 
     def delete(self, session_id: str, owner: str | None) -> bool:
@@ -399,12 +435,13 @@ class RedisSessionStore(SessionStore):
         with self._errors("use"):
             return self._scripts[script](keys=list(bound.keys), args=[bound.ns, *args])
 
-    def _record(self, session: Session) -> list[str | bytes]:
-        """A stored session as script arguments: id, blob, owner, created, last_used, ttl, expires_at, size."""
+    def _record(self, session: Session) -> tuple[list[str | bytes], bytes]:
+        """A stored session's record as script arguments (id, owner, created, last_used, ttl, expires_at, size), and
+        its export."""
         bound = self._binding()
         blob = export_session(session, bound.model_hash, bound.sessions)
-        return [session.id, blob, session.owner or "", repr(session.created), repr(session.last_used),
-                repr(session.ttl_s), repr(session.expires_at()), str(len(blob))]
+        return [session.id, session.owner or "", repr(session.created), repr(session.last_used),
+                repr(session.ttl_s), repr(session.expires_at()), str(len(blob))], blob
 
     def _measure_skew(self) -> None:
         """Redis's clock against ours (to within half a round trip), for the deadlines of writes."""

@@ -1,7 +1,8 @@
 """deploy/compose.yaml's topology without containers: two `adaptlm serve` replicas on loopback ports sharing a real
 redis-server (run with compose's Redis settings), behind a real nginx run with the balancer configuration compose
 and Kubernetes use (deploy/nginx/adaptlm.conf.template, filled in here as the nginx image does). A session keeps to
-one replica; when that replica is killed (SIGKILL) its session moves to the other and keeps adapting exactly as a
+one replica; a session observed once through the other replica and back is served as stored, not as the first
+replica's copy; when that replica is killed (SIGKILL) its session moves to the other and keeps adapting exactly as a
 single server given the same acknowledged observes; an observe in flight on the dying replica answers 502 and
 leaves the session as it was. And compose.yaml's structure, which no container engine checks here."""
 
@@ -201,10 +202,12 @@ class Topology:
     single: str  # a server of its own (memory store, in this process): the replay
 
 
-@pytest.fixture
-def topology(tiny_checkpoint: Path, tmp_path: Path) -> Iterator[Topology]:
+@pytest.fixture(scope="module")
+def topology(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    """The topology, for this file's tests in their order: the last kills a replica."""
     from tests.server.conftest import serve
 
+    tmp_path = tmp_path_factory.mktemp("replicas")
     with ExitStack() as stack:
         store = stack.enter_context(run_redis(tmp_path))
         env = {"ADAPTLM_SESSION_STORE": store}
@@ -234,6 +237,49 @@ def tensors(client: httpx.Client, sid: str) -> dict[str, torch.Tensor]:
     response = client.get(f"/v1/sessions/{sid}/state")
     assert response.status_code == 200, response.text
     return load(response.content)
+
+
+def test_a_session_that_moves_and_comes_back_is_served_as_stored(topology: Topology) -> None:
+    """A session kept by one replica (A, the balancer's choice: A holds it) observes once through the other (B,
+    addressed directly: A is not told); back on A, every read and write is of B's record, not of A's copy: the
+    stats, a score and the state after one more observe are those of one server given the same observes."""
+    assert all(r.process.poll() is None for r in topology.replicas), "runs while both replicas serve"
+    probe = {"text": TEXTS[4]}
+    with httpx.Client(base_url=topology.single, timeout=120) as single:  # the reference: one server, never moved
+        replay = single.post("/v1/sessions", json={}).json()["id"]
+        for text in TEXTS[:2]:
+            observe(single, replay, text)
+        expected_stats = single.get(f"/v1/sessions/{replay}").json()["stats"]
+        expected_bits = single.post("/v1/score", json={**probe, "session_id": replay}).json()["bits"]
+        observe(single, replay, TEXTS[2])
+        expected_last = single.get(f"/v1/sessions/{replay}").json()["stats"]
+        expected = tensors(single, replay)
+    with httpx.Client(base_url=topology.balancer, timeout=120) as lb:
+        for _ in range(20):  # a session that its home replica created: the other never held a copy of it
+            created = lb.post("/v1/sessions", json={})
+            assert created.status_code == 201, created.text
+            sid = created.json()["id"]
+            if upstream(created) == upstream(lb.get(f"/v1/sessions/{sid}")):
+                break
+        home = upstream(observe(lb, sid, TEXTS[0]))
+        assert home == upstream(created)
+        a = next(r for r in topology.replicas if r.address == home)
+        b = next(r for r in topology.replicas if r is not a)
+        probe["session_id"] = sid
+        before = lb.post("/v1/score", json=probe, headers={"X-Session-Id": sid})  # A reads its own copy
+        assert before.status_code == 200 and upstream(before) == home
+        with httpx.Client(base_url=b.url, timeout=120) as direct:
+            observe(direct, sid, TEXTS[1])  # on B: A's copy is now stale
+        info = lb.get(f"/v1/sessions/{sid}")
+        assert upstream(info) == home and info.json()["stats"] == expected_stats  # bytes, updates, bits: exact
+        score = lb.post("/v1/score", json=probe, headers={"X-Session-Id": sid})
+        assert upstream(score) == home and score.json()["bits"] == expected_bits != before.json()["bits"]
+        assert upstream(observe(lb, sid, TEXTS[2])) == home  # A writes over B's revision
+        assert lb.get(f"/v1/sessions/{sid}").json()["stats"] == expected_last
+        served = tensors(lb, sid)
+    assert served.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(served[name], expected[name]), name
 
 
 def test_a_session_keeps_adapting_across_a_replica_failure(topology: Topology) -> None:

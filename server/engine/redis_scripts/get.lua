@@ -1,9 +1,10 @@
 -- ARGV: ns, id, owner, touch ("1" or "0"), now, the revision of the caller's copy ("" for none)
--- -> {blob, owner, created, last_used, ttl, revision, applied}; {last_used} if the stored revision is the caller's
--- (its copy is current: the blob is not sent); nil if there is none for owner
+-- -> {owner, created, last_used, ttl, revision, applied, field, value, ...: the stored state's fields (is_state)};
+-- {last_used} if the stored revision is the caller's (its copy is current: the state is not sent); nil if there is
+-- none for owner
 local id = ARGV[2]
 local k = skey(id)
-local f = redis.call('HMGET', k, 'owner', 'created', 'last_used', 'ttl', 'revision')
+local f = redis.call('HMGET', k, 'owner', 'created', 'last_used', 'ttl', 'revision', 'applied')
 if not f[1] or f[1] ~= ARGV[3] then return false end
 local revision = f[5] or ''  -- written before revisions: the one an update then checks for
 if ARGV[4] == '1' then
@@ -17,5 +18,9 @@ if ARGV[4] == '1' then
 end
 -- every field but last_used changes only with a write, and every write makes a new revision
 if revision ~= '' and revision == ARGV[6] then return {f[3]} end
-local g = redis.call('HMGET', k, 'blob', 'applied')
-return {g[1], f[1], f[2], f[3], f[4], revision, g[2] or ''}  -- applied: '' when no observe had a key
+local out = {f[1], f[2], f[3], f[4], revision, f[6] or ''}  -- applied: '' when no observe had a key
+local all = redis.call('HGETALL', k)
+for i = 1, #all, 2 do
+  if is_state(all[i]) then table.insert(out, all[i]); table.insert(out, all[i + 1]) end
+end
+return out

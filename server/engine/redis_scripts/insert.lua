@@ -1,10 +1,11 @@
--- ARGV: ns, now, id, blob, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes, revision,
--- owner_max_sessions, owner_max_bytes (one owner's share: only the idle sessions of owners over it make room)
+-- ARGV: ns, now, id, owner, created, last_used, ttl, expires_at, size, ttl_ms, max_sessions, max_bytes, revision,
+-- owner_max_sessions, owner_max_bytes (one owner's share: only the idle sessions of owners over it make room), then
+-- the state's field, value pairs (all of it)
 -- -> {evicted (lru), expired (ttl), applied (the keys the replaced record passed on, "" for none)}, evicted = -1:
 -- does not fit (nothing evicted, nothing stored)
-local now, id, owner, size = ARGV[2], ARGV[3], ARGV[5], tonumber(ARGV[10])
-local max_n, max_b = tonumber(ARGV[12]), tonumber(ARGV[13])
-local own_n, own_b = tonumber(ARGV[15]), tonumber(ARGV[16])
+local now, id, owner, size = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[9])
+local max_n, max_b = tonumber(ARGV[11]), tonumber(ARGV[12])
+local own_n, own_b = tonumber(ARGV[14]), tonumber(ARGV[15])
 local count = redis.call('ZCARD', KEYS[1])
 local bytes = tonumber(redis.call('GET', KEYS[4]) or '0')
 local owned, owned_b = {}, {}  -- owner -> its sessions and bytes, read once, then kept as victims are chosen
@@ -123,8 +124,9 @@ for _, v in ipairs(victims) do redis.call('DEL', skey(v)); unindex(v) end
 -- a replaced record of the same owner passes on the idempotency keys applied to it (see update.lua)
 local kept = redis.call('HMGET', skey(id), 'owner', 'applied')
 redis.call('DEL', skey(id))
-write(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[14])
+write(id, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[13])
+set_state(skey(id), 16)
 local applied = ''
 if kept[2] and kept[1] == owner then applied = kept[2]; redis.call('HSET', skey(id), 'applied', applied) end
-redis.call('PEXPIRE', skey(id), ARGV[11])
+redis.call('PEXPIRE', skey(id), ARGV[10])
 return {#victims, #expired, applied}

@@ -32,9 +32,26 @@ local function extend(key, ms)  -- PEXPIRE ... GT, also on Redis 6
   local left = redis.call('PTTL', key)
   if left >= 0 and left < ms then redis.call('PEXPIRE', key, ms) end
 end
-local function write(id, blob, owner, created, last_used, ttl, expires_at, size, revision)
+-- A session's stored state: 'blob' (the whole export: the form of records written before the parts), or 'hdr',
+-- 'lay' and 'c:<tensor>:<i>' (the export in parts: server/engine/_redis_form.py); the other fields are the record's
+-- bookkeeping (owner, created, last_used, ttl, revision, applied)
+local function is_state(field)
+  return field == 'blob' or field == 'hdr' or field == 'lay' or string.sub(field, 1, 2) == 'c:'
+end
+local function clear_state(k)  -- every stored state field of k (before a whole write)
+  local stale = {}
+  for _, field in ipairs(redis.call('HKEYS', k)) do
+    if is_state(field) then table.insert(stale, field) end
+  end
+  for i = 1, #stale, 1000 do redis.call('HDEL', k, unpack(stale, i, math.min(i + 999, #stale))) end
+end
+local function set_state(k, first)  -- the field, value pairs ARGV[first], ARGV[first + 1], ... (none: nothing)
+  for i = first, #ARGV, 1000 do redis.call('HSET', k, unpack(ARGV, i, math.min(i + 999, #ARGV))) end
+end
+-- the record's bookkeeping and the indexes; its state fields are set_state's
+local function write(id, owner, created, last_used, ttl, expires_at, size, revision)
   local k = skey(id)
-  redis.call('HSET', k, 'blob', blob, 'owner', owner, 'created', created, 'last_used', last_used, 'ttl', ttl,
+  redis.call('HSET', k, 'owner', owner, 'created', created, 'last_used', last_used, 'ttl', ttl,
              'revision', revision)
   redis.call('ZADD', KEYS[1], last_used, id)
   redis.call('ZADD', KEYS[2], expires_at, id)
