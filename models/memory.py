@@ -316,6 +316,7 @@ class MemoryMixed(LanguageModel):
         self._names = [m.name for m in self.memories]
         self.config = base.config
         self.frozen = base.frozen
+        self.grouped_adapters = base.grouped_adapters
         self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) gives it back as it was
 
     def init_state(self, batch: int) -> State:
@@ -325,7 +326,7 @@ class MemoryMixed(LanguageModel):
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         net_state, branches = split_branches(state, self._names)
-        inner = Adapter(adapter.mats) if adapter is not None and adapter.mats else None
+        inner = Adapter(adapter.mats, counts=adapter.counts) if adapter is not None and adapter.mats else None
         out = self.base(tokens, net_state, inner)
         given = adapter.memories if adapter is not None else {}
         if not any(m.name in given for m in self.memories):

@@ -57,6 +57,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from models.base import Adapter, LanguageModel, State
@@ -92,6 +93,19 @@ class TokenClasses:
     def starts(self) -> torch.Tensor:
         """What may follow a complete character inside a word."""
         return self.words | self.leads
+
+    # the same as numpy arrays, for the search's arithmetic on a few rows at a time (`_Search.expand`)
+    @functools.cached_property
+    def end_ids(self) -> np.ndarray:
+        return self.ends.nonzero()[:, 0].numpy()
+
+    @functools.cached_property
+    def starts_np(self) -> np.ndarray:
+        return self.starts.numpy()
+
+    @functools.cached_property
+    def tails_np(self) -> np.ndarray:
+        return self.tails.numpy()
 
     @staticmethod
     @functools.cache
@@ -170,10 +184,13 @@ class Cursor:
     logprobs: torch.Tensor  # (V,) float32, natural log
 
 
-def _rows(adapter: Adapter | None, batch: int) -> Adapter | None:
-    """A batch-1 adapter repeated for `batch` rows (a view: the same M for every branch)."""
+def _rows(adapter: Adapter | None, batch: int, grouped: bool = False) -> Adapter | None:
+    """A batch-1 adapter for `batch` rows: repeated (a view: the same M for every branch), or with `grouped` (the
+    model's `grouped_adapters`) the one matrix for all of them (`Adapter.counts`)."""
     if adapter is None or adapter.batch == batch:
         return adapter
+    if grouped and adapter.mats:
+        return Adapter(adapter.mats, adapter.memories, (batch,))
     return Adapter({k: m.expand(batch, -1, -1) for k, m in adapter.mats.items()},  # (B, k, k)
                    adapter.memories)  # every row reads the one session's memories (index None: view 0)
 
@@ -212,15 +229,18 @@ def advance_many(model: LanguageModel, feeds: list[tuple[State, bytes, Adapter |
     return [c for c in out if c is not None]
 
 
-def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | None:
+def row_adapters(adapters: list[Adapter | None], rows: list[int], grouped: bool = False) -> Adapter | None:
     """Batch-1 adapters (or None: M = 0), adapter i repeated for rows[i] consecutive rows -> one (B, K, K) per site
-    (a view when there is only one adapter)."""
+    (a view when there is only one adapter); with `grouped` (the model's `grouped_adapters`) and adapters of one
+    size, one matrix per adapter (S, k, k) and `Adapter.counts` (the stack kept while the same adapters come)."""
     if len(adapters) == 1:
-        return _rows(adapters[0], rows[0])
+        return _rows(adapters[0], rows[0], grouped)
     if all(a is None for a in adapters):
         return None
     given = [a for a in adapters if a is not None]
     if len(given) == len(adapters) and len({tuple(m.shape for m in a.mats.values()) for a in given}) == 1:
+        if grouped and given[0].mats:
+            return Adapter(_LAST_STACK.stack(given), counts=tuple(rows)).with_sessions(adapters, rows)
         stacked = Adapter.stack([Adapter({k: m.expand(n, -1, -1) for k, m in a.mats.items()})
                                  for a, n in zip(given, rows, strict=True)])
         return stacked.with_sessions(adapters, rows)  # the sessions' copy models and caches, one row each
@@ -229,6 +249,28 @@ def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | N
     index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
     mats = {k: m.index_select(0, index.to(m.device)) for k, m in padded.mats.items()}
     return Adapter(mats).with_sessions(adapters, rows)
+
+
+class _Stacked:
+    """The last adapters stacked one matrix each (`row_adapters`, grouped), kept while the next call's are the same
+    tensors, unchanged: the rounds of the same typists' searches stack their sessions' matrices once. Holds the last
+    adapters' tensors (a few sessions' matrices) until another call."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list[tuple[torch.Tensor, int]], dict[str, torch.Tensor]] | None = None
+
+    def stack(self, adapters: list[Adapter]) -> dict[str, torch.Tensor]:
+        key = [(m, m._version) for a in adapters for m in a.mats.values()]
+        last = self._last
+        if last is not None and len(last[0]) == len(key) \
+                and all(t is u and v == w for (t, v), (u, w) in zip(last[0], key, strict=True)):
+            return last[1]
+        stacked = {k: torch.cat([a.mats[k] for a in adapters]) for k in adapters[0].mats}  # (S, k, k)
+        self._last = (key, stacked)
+        return stacked
+
+
+_LAST_STACK = _Stacked()
 
 
 class Expanded(NamedTuple):
@@ -250,6 +292,27 @@ class _Branch:
     row: int
     logprob: float
     space: bool = False  # data starts with the space before the word (not one of its characters)
+    rest: _Siblings | None = None  # its siblings after it, queued when it is popped (`_Search`)
+
+
+@dataclass(eq=False, slots=True)
+class _Siblings:
+    """The children of one branch that ends a character, best first, not yet in the queue: each is queued when the
+    one before it is popped (`_Search`)."""
+
+    parent: _Branch
+    states: State
+    row: int
+    tokens: list[int]
+    logprobs: list[float]
+    orders: list[int]
+    next: int = 1  # the first not yet queued
+
+    def child(self, j: int) -> _Branch:
+        parent, b = self.parent, self.tokens[j]
+        chars, pending = (parent.chars + 1, 0) if b < 0x80 else (parent.chars, _more_bytes(b))
+        return _Branch(parent.data + bytes((b,)), chars, pending, self.states, self.row, self.logprobs[j],
+                       parent.space, self if j + 1 < len(self.tokens) else None)
 
 
 def _gather(branches: list[_Branch]) -> tuple[list[_Branch], State]:
@@ -273,7 +336,7 @@ def step(model: LanguageModel, state: State, tokens: list[int],
     matrix per row). -> new states (B, ...), log-probs (B, V) float64 on the CPU."""
     device = next(model.parameters()).device
     x = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)  # (B, 1)
-    out = model(x, state, _rows(adapter, len(tokens)))  # logits (B, 1, V)
+    out = model(x, state, _rows(adapter, len(tokens), model.grouped_adapters))  # logits (B, 1, V)
     return out.state, model.log_probs(out)[:, -1].double().cpu()  # (B, V)
 
 
@@ -288,42 +351,78 @@ def _valid_prefix(data: bytes) -> bool:
 
 @dataclass
 class _Search:
-    """The priority queue of a word completion: branches and completions by cumulative log-probability."""
+    """The priority queue of a word completion: branches and completions by cumulative log-probability, ties by the
+    order they were made in.
+
+    The children of a branch that ends a character (nearly every branch: the search's Python work is in them) are
+    queued one at a time, best first (`_Siblings`): a child is queued when the sibling before it is popped. No child
+    can be the queue's best before the siblings before it are popped (they are at least as probable and made
+    earlier), so the queue pops the same items in the same order as with every child queued at once, while most
+    children, which are never popped, are never made."""
 
     prefix: str
     max_chars: int
     log_min: float
     classes: TokenClasses
     queue: list[tuple[float, int, _Branch | Completion]] = field(default_factory=list)
-    order: itertools.count[int] = field(default_factory=itertools.count)
+    order: int = 0  # the next item's place in the order made
     expansions: int = 0
     model_calls: int = 0
 
     def push(self, logprob: float, item: _Branch | Completion) -> None:
-        heapq.heappush(self.queue, (-logprob, next(self.order), item))
+        heapq.heappush(self.queue, (-logprob, self.order, item))
+        self.order += 1
+
+    def pop(self) -> _Branch | Completion:
+        """The best item; a branch's next sibling takes its place in the queue."""
+        item = self.queue[0][2]
+        rest = item.rest if isinstance(item, _Branch) else None
+        if rest is None:
+            heapq.heappop(self.queue)
+        else:
+            j = rest.next
+            rest.next += 1
+            heapq.heapreplace(self.queue, (-rest.logprobs[j], rest.orders[j], rest.child(j)))
+        return item
 
     def expand(self, branches: list[_Branch], state: State | list[Expanded], logprobs: torch.Tensor) -> None:
         """Push the children and completions of `branches`, whose next-byte log-probs are `logprobs` (B, V)
-        and whose states after their last byte are the rows of `state` (or, one each, where `state` says)."""
+        float64 on the CPU and whose states after their last byte are the rows of `state` (or, one each, where
+        `state` says)."""
         self.expansions += len(branches)
-        cum = torch.tensor([b.logprob for b in branches], dtype=torch.float64)  # (B,)
-        total = logprobs + cum.unsqueeze(1)  # (B, V)
-        ends = torch.logsumexp(logprobs[:, self.classes.ends], dim=1) + cum  # (B,) the word ends after each branch
-        at_boundary = torch.tensor([b.pending == 0 for b in branches])  # (B,)
-        room = torch.tensor([b.chars < self.max_chars for b in branches])  # (B,)
-        allowed = torch.where(at_boundary.unsqueeze(1), self.classes.starts & room.unsqueeze(1),
-                              self.classes.tails)  # (B, V)
-        rows, tokens = torch.nonzero(allowed & (total >= self.log_min), as_tuple=True)
+        classes = self.classes
+        lp = logprobs.numpy()  # (B, V) numpy: a few rows' arithmetic costs microseconds where torch's costs tens
+        cum = np.array([b.logprob for b in branches])  # (B,)
+        total = lp + cum[:, None]  # (B, V)
+        ends = _logsumexp(lp[:, classes.end_ids]) + cum  # (B,) the word ends after each branch
+        at_boundary = np.array([b.pending == 0 for b in branches])  # (B,)
+        room = np.array([b.chars < self.max_chars for b in branches])  # (B,)
+        allowed = np.where(at_boundary[:, None], classes.starts_np & room[:, None], classes.tails_np)  # (B, V)
+        rows, tokens = np.nonzero(allowed & (total >= self.log_min))  # by row, then token
         for branch, end in zip(branches, ends.tolist(), strict=True):
             if branch.pending == 0 and branch.chars > 0 and end >= self.log_min:
                 word = branch.data[1:] if branch.space else branch.data
                 self.push(end, Completion(self.prefix + word.decode("utf-8"), math.exp(end), branch.space))
-        for i, b, logprob in zip(rows.tolist(), tokens.tolist(), total[rows, tokens].tolist(), strict=True):
+        if not len(rows):
+            return
+        values = total[rows, tokens]
+        orders = np.arange(self.order, self.order + len(rows))  # the order every child is made in, queued or not
+        self.order += len(rows)
+        # each branch's children best first, ties in the order made: (row, -logprob, order)
+        by = np.lexsort((orders, -values, rows))
+        rows_l, tokens_l, values_l, orders_l = (a[by].tolist() for a in (rows, tokens, values, orders))
+        starts = np.flatnonzero(np.diff(rows[by], prepend=-1)).tolist() + [len(rows_l)]
+        for a, z in itertools.pairwise(starts):
+            i = rows_l[a]
             parent = branches[i]
-            data = parent.data + bytes([b])
-            if parent.pending == 0:
-                chars, pending = (parent.chars + 1, 0) if b < 0x80 else (parent.chars, _more_bytes(b))
-            else:
+            states, row = (state, i) if isinstance(state, State) else state[i][:2]
+            if parent.pending == 0:  # a character ends here: no child is dropped, they are queued one at a time
+                group = _Siblings(parent, states, row, tokens_l[a:z], values_l[a:z], orders_l[a:z])
+                heapq.heappush(self.queue, (-values_l[a], orders_l[a], group.child(0)))
+                continue
+            for j in range(a, z):  # inside a multibyte character (rare): each child checked, queued at once
+                b, logprob = tokens_l[j], values_l[j]
+                data = parent.data + bytes((b,))
                 chars, pending = parent.chars, parent.pending - 1
                 if not _valid_prefix(data):
                     continue
@@ -332,8 +431,17 @@ class _Search:
                     if not is_word_char(char):
                         continue  # non-ASCII punctuation: not a word end we count (module docstring)
                     chars += 1
-            states, row = (state, i) if isinstance(state, State) else state[i][:2]
-            self.push(logprob, _Branch(data, chars, pending, states, row, logprob, parent.space))
+                heapq.heappush(self.queue, (-logprob, orders_l[j],
+                                            _Branch(data, chars, pending, states, row, logprob, parent.space)))
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    """log sum exp over each row of x (B, n) -> (B,) (as torch.logsumexp: a row of -inf gives -inf)."""
+    m = x.max(axis=1)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        out: np.ndarray = np.log(np.exp(x - m[:, None]).sum(axis=1)) + m
+    return out
 
 
 def _char_len(data: bytes) -> int:
@@ -455,12 +563,12 @@ class WordSearch:
                     if popped:  # a popped branch may still beat it: it waits, and the round fills up with the
                         held.append(heapq.heappop(search.queue))  # next branches (module docstring)
                         continue
-                    heapq.heappop(search.queue)
+                    search.pop()
                     self._found.append(item)
                     if len(self._found) == self.k:
                         break
                     continue
-                heapq.heappop(search.queue)
+                search.pop()
                 popped.append(item)
             for entry in held:
                 heapq.heappush(search.queue, entry)

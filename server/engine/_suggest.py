@@ -373,7 +373,8 @@ class SuggestRounds:
             return None, done
         requests = [(job, job.request) for job in self.active if job.request is not None]
         sizes = [len(tokens) for _, (_, tokens) in requests]
-        adapter = row_adapters([self.cache.adapter(job.session) for job, _ in requests], sizes)
+        adapter = row_adapters([self.cache.adapter(job.session) for job, _ in requests], sizes,
+                               self.model.grouped_adapters)
         state, logprobs = step(self.model, State.stack([s for _, (s, _) in requests]),
                                [t for _, (_, tokens) in requests for t in tokens], adapter)
         start = 0
