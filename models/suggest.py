@@ -66,8 +66,8 @@ from models.tokenizer import ByteTokenizer
 __all__ = [
     "APOSTROPHES", "SPACE", "SUGGEST_MIN_PROB", "Completion", "Cursor", "Expanded", "NextChar", "Suggestions",
     "TokenClasses",
-    "WordSearch", "advance", "advance_many", "complete_word", "is_word_char", "next_chars", "row_adapters",
-    "split_word", "step", "suggest", "takes_space",
+    "WordSearch", "advance", "advance_many", "complete_word", "gather_rows", "is_word_char", "next_chars",
+    "row_adapters", "split_word", "step", "suggest", "takes_space", "word_ends",
 ]
 
 # word completions: branches below this cumulative probability are dropped (docs/algorithms.md §9)
@@ -275,12 +275,14 @@ _LAST_STACK = _Stacked()
 
 class Expanded(NamedTuple):
     """The model after a search's branch (its bytes fed): row `row` of `state` (the search's batch, in the model's
-    branch form) and the next byte's log-probs (V,) float64 on the CPU. What a word search computed, for the next
-    keystroke's to take up (`WordSearch`'s `known`)."""
+    branch form), the next byte's log-probs (V,) float64 (numpy) and the probability of a word end there
+    (`TokenClasses.ends`), log. What a word search computed, for the next keystroke's to take up (`WordSearch`'s
+    `known`)."""
 
     state: State
     row: int
-    logprobs: torch.Tensor
+    logprobs: np.ndarray
+    ends: float
 
 
 @dataclass(eq=False, slots=True)
@@ -315,18 +317,36 @@ class _Siblings:
                        parent.space, self if j + 1 < len(self.tokens) else None)
 
 
-def _gather(branches: list[_Branch]) -> tuple[list[_Branch], State]:
-    """The branches' states stacked into one batch (B, ...), one index_select per parent batch; -> the branches
-    in the order of the rows, and the batch."""
+def _sources(branches: list[_Branch]) -> tuple[list[_Branch], list[tuple[State, list[int]]]]:
+    """The branches grouped by the batch their states are rows of -> (the branches in that order, (the batch, its
+    rows) for each group)."""
     groups: dict[int, tuple[State, list[_Branch]]] = {}
     for b in branches:
         groups.setdefault(id(b.states), (b.states, []))[1].append(b)
     ordered = [b for _, members in groups.values() for b in members]
-    parts = []
-    for states, members in groups.values():
-        index = torch.tensor([b.row for b in members], device=next(iter(states.tensors.values())).device)
-        parts.append(states.take(index))  # (b, ...) each; what the rows share (the branch form's root) stays shared
-    return ordered, parts[0] if len(parts) == 1 else State.stack(parts)
+    return ordered, [(states, [b.row for b in members]) for states, members in groups.values()]
+
+
+def gather_rows(sources: list[tuple[State, list[int]]]) -> State:
+    """The rows of several batches, in order, as one batch (B, ...): where none is in a branch form and their
+    tensors are alike, one concatenation and one index_select per tensor (a round of many searches takes a few rows
+    of dozens of batches); otherwise one `State.take` per batch, then `State.stack`, which keep what rows share (the
+    branch form's roots, a row repeated as a view) shared."""
+    if len(sources) == 1:
+        states, rows = sources[0]
+        return states.take(torch.tensor(rows, device=states.batch_device()))
+    first = sources[0][0].tensors
+    if not any(s.roots for s, _ in sources) and all(
+            s.tensors.keys() == first.keys() and all(
+                v.shape[1:] == first[k].shape[1:] and v.dtype == first[k].dtype for k, v in s.tensors.items())
+            for s, _ in sources[1:]):
+        index, offset = [], 0
+        for states, rows in sources:
+            index += [offset + r for r in rows]
+            offset += states.batch
+        at = torch.tensor(index, device=sources[0][0].batch_device())
+        return State({k: torch.cat([s.tensors[k] for s, _ in sources]).index_select(0, at) for k in first})
+    return State.stack([s.take(torch.tensor(rows, device=s.batch_device())) for s, rows in sources])
 
 
 @torch.no_grad()
@@ -385,16 +405,17 @@ class _Search:
             heapq.heapreplace(self.queue, (-rest.logprobs[j], rest.orders[j], rest.child(j)))
         return item
 
-    def expand(self, branches: list[_Branch], state: State | list[Expanded], logprobs: torch.Tensor) -> None:
-        """Push the children and completions of `branches`, whose next-byte log-probs are `logprobs` (B, V)
-        float64 on the CPU and whose states after their last byte are the rows of `state` (or, one each, where
-        `state` says)."""
+    def expand(self, branches: list[_Branch], state: State | list[Expanded], lp: np.ndarray,
+               ends: np.ndarray) -> None:
+        """Push the children and completions of `branches`, whose next-byte log-probs are `lp` (B, V) float64
+        (numpy: a few rows' arithmetic costs microseconds where torch's costs tens), the log-probability of a word
+        end after each `ends` (B,) (`word_ends`), and whose states after their last byte are the rows of `state`
+        (or, one each, where `state` says)."""
         self.expansions += len(branches)
         classes = self.classes
-        lp = logprobs.numpy()  # (B, V) numpy: a few rows' arithmetic costs microseconds where torch's costs tens
         cum = np.array([b.logprob for b in branches])  # (B,)
         total = lp + cum[:, None]  # (B, V)
-        ends = _logsumexp(lp[:, classes.end_ids]) + cum  # (B,) the word ends after each branch
+        ends = ends + cum  # (B,) the word ends after each branch
         at_boundary = np.array([b.pending == 0 for b in branches])  # (B,)
         room = np.array([b.chars < self.max_chars for b in branches])  # (B,)
         allowed = np.where(at_boundary[:, None], classes.starts_np & room[:, None], classes.tails_np)  # (B, V)
@@ -411,7 +432,8 @@ class _Search:
         # each branch's children best first, ties in the order made: (row, -logprob, order)
         by = np.lexsort((orders, -values, rows))
         rows_l, tokens_l, values_l, orders_l = (a[by].tolist() for a in (rows, tokens, values, orders))
-        starts = np.flatnonzero(np.diff(rows[by], prepend=-1)).tolist() + [len(rows_l)]
+        grouped = rows[by]
+        starts = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), len(rows_l)]
         for a, z in itertools.pairwise(starts):
             i = rows_l[a]
             parent = branches[i]
@@ -435,12 +457,13 @@ class _Search:
                                             _Branch(data, chars, pending, states, row, logprob, parent.space)))
 
 
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    """log sum exp over each row of x (B, n) -> (B,) (as torch.logsumexp: a row of -inf gives -inf)."""
-    m = x.max(axis=1)
-    m = np.where(np.isfinite(m), m, 0.0)
+def word_ends(lp: np.ndarray, classes: TokenClasses) -> np.ndarray:
+    """The log-probability of a word end (`TokenClasses.ends`) in each row of next-byte log-probs (B, V) -> (B,); a
+    row's is its own whatever the other rows (a round computes its whole batch's at once). The rows are normalised
+    log-probs (at most 0): their exp cannot overflow, so no shift by the maximum (a row whose word ends all underflow
+    gets -inf, below any search's floor)."""
     with np.errstate(divide="ignore"):
-        out: np.ndarray = np.log(np.exp(x - m[:, None]).sum(axis=1)) + m
+        out: np.ndarray = np.log(np.exp(lp[:, classes.end_ids]).sum(axis=1))
     return out
 
 
@@ -454,28 +477,33 @@ def _char_len(data: bytes) -> int:
 
 class _Settled(Mapping[bytes, Cursor]):
     """Cursors whose states may be in the model's branch form, settled (`LanguageModel.settle`) as they are read: a
-    search keeps every one-character continuation it expanded, its caller reads a few."""
+    search keeps every one-character continuation it expanded, its caller reads a few. Each is kept as the row of
+    its batch and made a cursor when read."""
 
     def __init__(self, model: LanguageModel | None) -> None:
         self._model = model
-        self._cursors: dict[bytes, tuple[Cursor, bool]] = {}  # -> (cursor, settled)
+        self._rows: dict[bytes, tuple[State, int, np.ndarray]] = {}  # -> (batch, row, next-byte log-probs)
+        self._made: dict[bytes, Cursor] = {}
 
-    def put(self, key: bytes, cursor: Cursor) -> None:
-        self._cursors[key] = (cursor, self._model is None)
+    def put(self, key: bytes, state: State, row: int, logprobs: np.ndarray) -> None:
+        self._rows[key] = (state, row, logprobs)
+        self._made.pop(key, None)
 
     def __getitem__(self, key: bytes) -> Cursor:
-        cursor, settled = self._cursors[key]
-        if not settled:
-            assert self._model is not None
-            cursor = Cursor(self._model.settle(cursor.state), cursor.logprobs)
-            self._cursors[key] = (cursor, True)
+        cursor = self._made.get(key)
+        if cursor is None:
+            state, row, logprobs = self._rows[key]
+            one = state.select(row)
+            cursor = Cursor(self._model.settle(one) if self._model is not None else one,
+                            torch.from_numpy(logprobs).float())
+            self._made[key] = cursor
         return cursor
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(list(self._cursors))
+        return iter(list(self._rows))
 
     def __len__(self) -> int:
-        return len(self._cursors)
+        return len(self._rows)
 
 
 class WordSearch:
@@ -528,9 +556,11 @@ class WordSearch:
         state = model.branch(cursor.state) if model is not None else cursor.state
         root = _Branch(b"", 0, 0, state, 0, 0.0)
         logprobs = cursor.logprobs.double().cpu().unsqueeze(0)  # (1, V)
+        lp = logprobs.numpy()
+        ends = word_ends(lp, classes)
         if self.expanded is not None:
-            self.expanded[key] = Expanded(state, 0, logprobs[0])
-        self._search.expand([root], state, logprobs)
+            self.expanded[key] = Expanded(state, 0, lp[0], float(ends[0]))
+        self._search.expand([root], state, lp, ends)
         self.space_share = 0.0
         if space:  # the root's one more child: the space, from which only a word may follow (no completion itself)
             spaced = float(logprobs[0, SPACE])
@@ -551,6 +581,12 @@ class WordSearch:
         """Pop the next round (at most `limit` branches, else `batch`): -> (their states (b, ...), the byte each
         feeds), or None when the search is over. Completions at the top of the queue are taken on the way, and
         the popped branches whose rows are known are expanded here (a round of only those needs no step)."""
+        asked = self.request_rows(limit)
+        return None if asked is None else (gather_rows(asked[0]), asked[1])
+
+    def request_rows(self, limit: int | None = None) -> tuple[list[tuple[State, list[int]]], list[int]] | None:
+        """`request`, with the states as the rows of the batches they are in, in order ((batch, rows) each:
+        `gather_rows` makes them one batch), for a caller that gathers the rows of many searches at once."""
         if self._popped:
             raise RuntimeError("feed() the last request first")
         search, limit = self._search, min(limit or self.batch, self.batch)
@@ -575,8 +611,8 @@ class WordSearch:
             if self._known is not None and popped:
                 popped = self._expand_known(popped)
             if popped:
-                self._popped, before = _gather(popped)
-                return before, [b.data[-1] for b in self._popped]
+                self._popped, sources = _sources(popped)
+                return sources, [b.data[-1] for b in self._popped]
         return None
 
     def _expand_known(self, popped: list[_Branch]) -> list[_Branch]:
@@ -595,26 +631,30 @@ class WordSearch:
             for branch, row in zip(hits, rows, strict=True):
                 self.expanded[self._key + branch.data] = row
                 if branch.pending == 0 and (branch.chars == 1 or branch.space and branch.chars == 0):
-                    self._next.put(branch.data, Cursor(row.state.select(row.row), row.logprobs.float()))
-            self._search.expand(hits, rows, torch.stack([r.logprobs for r in rows]))  # (h, V)
+                    self._next.put(branch.data, row.state, row.row, row.logprobs)
+            self._search.expand(hits, rows, np.stack([r.logprobs for r in rows]),  # (h, V)
+                                np.array([r.ends for r in rows]))
         return missed
 
-    def feed(self, state: State, logprobs: torch.Tensor) -> None:
-        """The step of the last request: the states after it (b, ...) and the next-byte log-probs (b, V)."""
+    def feed(self, state: State, logprobs: torch.Tensor, ends: np.ndarray | None = None) -> None:
+        """The step of the last request: the states after it (b, ...) and the next-byte log-probs (b, V); `ends`
+        (b,), if given, `word_ends` of them."""
         if not self._popped:
             raise RuntimeError("nothing was requested")
         self._search.model_calls += 1
         popped, self._popped = self._popped, []
-        logprobs = logprobs.double().cpu()
+        lp = logprobs.double().cpu().numpy()
+        if ends is None:
+            ends = word_ends(lp, self.classes)
         if self.expanded is not None:  # kept for the next keystroke: copies, so as not to keep the whole batch alive
-            state, logprobs = _copied(state), logprobs.clone()
-            for i, branch in enumerate(popped):
-                self.expanded[self._key + branch.data] = Expanded(state, i, logprobs[i])
+            state, lp = _copied(state), lp.copy()
+            for i, (branch, end) in enumerate(zip(popped, ends.tolist(), strict=True)):
+                self.expanded[self._key + branch.data] = Expanded(state, i, lp[i], end)
         for i, branch in enumerate(popped):
             # the model after the next character (or, after a mark, the space): keep it
             if branch.pending == 0 and (branch.chars == 1 or branch.space and branch.chars == 0):
-                self._next.put(branch.data, Cursor(state.select(i), logprobs[i].float()))
-        self._search.expand(popped, state, logprobs)
+                self._next.put(branch.data, state, i, lp[i])
+        self._search.expand(popped, state, lp, ends)
 
     def cut(self) -> None:
         """Stop here (a pending request is dropped): `result()` gives what was found."""

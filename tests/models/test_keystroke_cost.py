@@ -13,10 +13,19 @@ import pytest
 import torch
 
 import models.suggest as ms
-from models.base import Adapter, LanguageModel
+from models.base import Adapter, LanguageModel, State
 from models.checkpoint import load_checkpoint
 from models.mlstm import MLSTM, MLSTMConfig
-from models.suggest import WordSearch, complete_word, row_adapters, split_word, step, takes_space
+from models.suggest import (
+    WordSearch,
+    complete_word,
+    gather_rows,
+    row_adapters,
+    split_word,
+    step,
+    takes_space,
+    word_ends,
+)
 from tests.models.test_suggest import _bigram, _cursor
 
 CONTEXTS = ["", "the ", "ca", "f", "wd", "x!", "caf"]
@@ -155,7 +164,7 @@ def test_a_search_over_grouped_adapters_finds_what_the_rows_copies_find(tiny_che
                 break
             rows = [len(r[1]) for _, _, r in asked]
             adapter = row_adapters([a for _, a, _ in asked], rows, grouped)
-            states = ms.State.stack([r[0] for _, _, r in asked])
+            states = State.stack([r[0] for _, _, r in asked])
             state, logprobs = step(model, states, [t for _, _, r in asked for t in r[1]], adapter)
             start = 0
             for (s, _, _), n in zip(asked, rows, strict=True):
@@ -167,3 +176,30 @@ def test_a_search_over_grouped_adapters_finds_what_the_rows_copies_find(tiny_che
         return found
 
     assert searches(True) == searches(False)
+
+
+def test_the_rows_of_many_batches_gather_as_their_takes_stack() -> None:
+    g = torch.Generator().manual_seed(4)
+
+    def batch(b: int) -> State:
+        return State({"h": torch.randn(b, 6, generator=g), "ctx": torch.randint(0, 255, (b, 5), generator=g,
+                                                                                   dtype=torch.uint8)})
+
+    one = batch(1)
+    shared = State({k: v.expand(3, *v.shape[1:]) for k, v in one.tensors.items()})  # a row repeated as a view
+    sources = [(batch(4), [3, 0]), (shared, [1, 2]), (batch(2), [1]), (batch(5), [4, 4, 2])]
+    got = gather_rows(sources)
+    want = State.stack([s.take(torch.tensor(rows)) for s, rows in sources])
+    assert got.tensors.keys() == want.tensors.keys()
+    assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
+    alone = gather_rows(sources[:1])
+    assert torch.equal(alone.tensors["h"], sources[0][0].tensors["h"][[3, 0]])
+
+
+def test_word_ends_are_the_word_end_bytes_mass() -> None:
+    lp = torch.log_softmax(torch.randn(7, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(5)), 1)
+    lp[6, ms._BYTES.ends] = -1000.0  # every word end underflows: below any floor
+    got = word_ends(lp.numpy(), ms._BYTES)
+    want = torch.logsumexp(lp[:, ms._BYTES.ends], 1)
+    assert got[:6] == pytest.approx(want[:6].numpy(), rel=1e-13)
+    assert got[6] < -700
