@@ -26,6 +26,7 @@ from models.suggest import (
     takes_space,
     word_ends,
 )
+from models.word_suggest import _best
 from tests.models.test_suggest import _bigram, _cursor
 
 CONTEXTS = ["", "the ", "ca", "f", "wd", "x!", "caf"]
@@ -203,3 +204,16 @@ def test_word_ends_are_the_word_end_bytes_mass() -> None:
     want = torch.logsumexp(lp[:, ms._BYTES.ends], 1)
     assert got[:6] == pytest.approx(want[:6].numpy(), rel=1e-13)
     assert got[6] < -700
+
+
+@pytest.mark.parametrize("n", [1, 3, 64, 500])
+def test_a_word_model_s_best_candidates_are_a_stable_sort_s_first(n: int) -> None:
+    """`word_suggestions` takes its completions' candidates without sorting the vocabulary: the same indices in the
+    same order as the stable descending argsort's, ties (many here) in index order."""
+    g = torch.Generator().manual_seed(6)
+    values = torch.randint(0, 5, (300,), generator=g).double() / 8  # ties everywhere
+    values[torch.rand(300, generator=g) < 0.5] = -1.0  # not offered
+    want = torch.argsort(values, descending=True, stable=True)[:n]
+    want = want[values[want] >= 0]
+    assert _best(values, n).tolist() == want.tolist()
+    assert _best(torch.full((10,), -1.0, dtype=torch.float64), 3).tolist() == []
