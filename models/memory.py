@@ -317,6 +317,8 @@ class MemoryMixed(LanguageModel):
         self.config = base.config
         self.frozen = base.frozen
         self.grouped_adapters = base.grouped_adapters
+        # a network without a branch form (the mLSTM): branch and settle hand a state back as it is, unsplit
+        self._one_form = type(base).branch is LanguageModel.branch and type(base).settle is LanguageModel.settle
         self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) gives it back as it was
 
     def init_state(self, batch: int) -> State:
@@ -349,12 +351,14 @@ class MemoryMixed(LanguageModel):
 
     def branch(self, state: State) -> State:
         """The network's branch form (its part of the state; each row's memory branch states stay its own)."""
-        if ROOT in state.tensors:
+        if ROOT in state.tensors or self._one_form:
             return state
         net, branches = split_branches(state, self._names)
         return merge_branches(self.base.branch(net), branches)
 
     def settle(self, state: State) -> State:
+        if self._one_form:
+            return state
         net, branches = split_branches(state, self._names)
         return merge_branches(self.base.settle(net), branches)
 
