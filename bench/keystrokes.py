@@ -1,11 +1,15 @@
-"""One typist's keystrokes in this process, through the server's keyboard path: what a keystroke costs.
+"""Typists' keystrokes in this process, through the server's keyboard path: what a keystroke costs.
 
 A session of the checkpoint with its default memories (adapter, copy model, word cache) types messages a character
 at a time and observes each when it is typed, as the load test's typist does (loadtest/messages.txt by default);
 each keystroke's suggestions run as the engine runs them (`server.engine._suggest.SuggestRounds` over the
-session's cursor cache, k=3, 5 next characters). Prints each keystroke's time (p50, p90, p99, mean; wall and the
-thread's CPU time, which a busy machine disturbs less), the model rows and batched steps per keystroke and the rows
-read from the last keystroke's search, and with --profile the functions that take the time (cProfile, cumulative).
+session's cursor cache, k=3, 5 next characters), under the server's precision (`--precision`, auto: bf16 where the
+CPU multiplies it natively). With `--typists N`, N sessions type at once, each from its own place in the messages, a
+keystroke each per tick, their searches batched in the same rounds (as the engine batches concurrent typists); the
+times are then a tick's divided by N. The copy model's kernels are compiled and `--warmup` messages typed by another
+session first, uncounted. Prints each keystroke's time (p50, p90, p99, mean; wall and the thread's CPU time, which a
+busy machine disturbs less), the model rows and batched steps per keystroke and the rows read from the last
+keystroke's search, and with --profile the functions that take the time (cProfile, `--sort`, cumulative by default).
 
 A word checkpoint (checkpoints/words) answers a keystroke with `word_suggestions`, as the server does: each keystroke
 runs twice, side by side, from scratch (the whole message fed) and continuing from the states the session's last

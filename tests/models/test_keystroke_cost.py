@@ -79,7 +79,7 @@ def test_children_queued_one_at_a_time_pop_as_all_at_once(context: str, k: int, 
 
 def test_a_search_makes_few_branches_it_does_not_pop(monkeypatch: pytest.MonkeyPatch) -> None:
     """A branch object per child above the probability floor, most never popped, was most of a keystroke's Python
-    work (with every child queued at once: 9 to 18 times the branches expanded here); now the popped ones, at most one
+    work (with every child queued at once: about 18 times the branches expanded here); now the popped ones, at most one
     waiting child per branch expanded or popped, and the continuations of a multibyte character."""
     made = 0
 
