@@ -220,14 +220,22 @@ class Adapter:
     `memories` carries what else the rows' sessions learned, for a search or sampling that reads them
     (`models.memory.MemoryMixed`): per memory name, (one view per session, the session of each row (B,) int64, -1
     for a row whose session has none; None: every row reads view 0). The matrices' operations below leave them out.
+
+    `counts`, where given, says that `mats` hold one matrix per session, (S, k, k), session i's for counts[i]
+    consecutive rows: a search's many rows of a few sessions without a (B, k, k) copy of every matrix for every row
+    (`models.suggest.row_adapters`). Only a model with `LanguageModel.grouped_adapters` is given one, and only
+    without gradients.
     """
 
     mats: dict[str, torch.Tensor]
     memories: dict[str, tuple[list[Any], torch.Tensor | None]] = field(default_factory=dict)
+    counts: tuple[int, ...] | None = None
 
     @property
     def batch(self) -> int:
         """Rows; an adapter with no matrices (only memories, full dynamic evaluation's) counts as one."""
+        if self.counts is not None:
+            return sum(self.counts)
         return next(iter(self.mats.values())).shape[0] if self.mats else 1
 
     @staticmethod
@@ -236,6 +244,8 @@ class Adapter:
         return Adapter({n: torch.zeros(batch, k, k, dtype=dtype, device=device) for n, k in sites.items()})
 
     def select(self, index: torch.Tensor | slice | int) -> Adapter:
+        if self.counts is not None:
+            raise ValueError("rows of an adapter of one matrix per session: take them from the sessions' adapters")
         if isinstance(index, int):
             index = slice(index, index + 1)
         return Adapter({k: v[index] for k, v in self.mats.items()})
@@ -284,7 +294,7 @@ class Adapter:
                 else:
                     index += [-1] * r
             memories[name] = (views, torch.tensor(index))
-        return Adapter(self.mats, memories)
+        return Adapter(self.mats, memories, self.counts)
 
 
 @dataclass
@@ -309,6 +319,9 @@ class LanguageModel(nn.Module):
     # Capability: frozen and under bf16 autocast, the model itself keeps in float32 what must stay there (the
     # logits, the state it hands back). Without it the server runs the model in float32 whatever it is asked.
     bf16_inference: ClassVar[bool] = False
+    # Capability: the forward takes, without gradients, an adapter of one matrix per session for runs of consecutive
+    # rows (`Adapter.counts`).
+    grouped_adapters: bool = False
 
     def init_state(self, batch: int) -> State:
         raise NotImplementedError

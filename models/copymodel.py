@@ -376,22 +376,28 @@ class CopyModel:
         return torch.log_softmax(torch.einsum("bf,bfv->bv", w, feat), -1)
 
 
-_LAST_STACK: list[tuple[list[State], State]] = []  # the last stack of sessions' statistics, with what it was made of
+_LAST_STACK: list[tuple[list[State], dict[int, int], State]] = []  # the last stack of sessions' statistics: what
+# it was made of, each one's place in it (by identity), the stack
 
 
-def _stacked(stats: list[State]) -> State:
-    """`State.stack(stats)`, reused while the same state objects are stacked again: a keyboard search stacks its
-    sessions' statistics (~420 KB each with their index) every round, and the rounds of one search stack the same
-    ones. One state is its own stack. Views are never changed in place (a session's observe makes new ones) and the
-    cache holds them, so identity is enough."""
+def _stacked(stats: list[State], index: torch.Tensor) -> tuple[State, torch.Tensor]:
+    """`State.stack(stats)` and `index` (B,) into it (-1: none), reused while the sessions stacked are among the last
+    stack's (the index then mapped to their places in it): a keyboard search stacks its sessions' statistics (~420 KB
+    each with their index) every round, the rounds of the same typists' searches stack the same ones, or fewer as
+    searches end. One state is its own stack. Views are never changed in place (a session's observe makes new ones)
+    and the cache holds them, so identity is enough."""
     if len(stats) == 1:
-        return stats[0]
-    if _LAST_STACK and len(_LAST_STACK[0][0]) == len(stats) and all(
-            a is b for a, b in zip(_LAST_STACK[0][0], stats, strict=True)):
-        return _LAST_STACK[0][1]
+        return stats[0], index
+    if _LAST_STACK:
+        made, places, stacked = _LAST_STACK[0]
+        at = [places.get(id(s), -1) for s in stats]
+        if all(i >= 0 and made[i] is s for i, s in zip(at, stats, strict=True)):
+            if at == list(range(len(made))):
+                return stacked, index
+            return stacked, torch.tensor([*at, -1], device=index.device)[index]  # -1 stays -1 (the last entry)
     stacked = State.stack(stats)
-    _LAST_STACK[:] = [(list(stats), stacked)]
-    return stacked
+    _LAST_STACK[:] = [(list(stats), {id(s): i for i, s in enumerate(stats)}, stacked)]
+    return stacked, index
 
 
 @register
@@ -447,6 +453,7 @@ class CopyMemory(Memory):
              branch: State | None, views: Sequence[Any], index: torch.Tensor) -> tuple[torch.Tensor, State | None]:
         if branch is None:
             raise ValueError("a search row of a session with a copy model carries its last bytes (`branch_state`)")
+        stats, index = _stacked(list(views), index)
         mixed, ctx, ctxlen = self.model.mix_frozen(log_dist, tokens, branch.tensors["ctx"], branch.tensors["ctxlen"],
-                                                   _stacked(list(views)), index)
+                                                   stats, index)
         return mixed, State({"ctx": ctx, "ctxlen": ctxlen})

@@ -316,6 +316,9 @@ class MemoryMixed(LanguageModel):
         self._names = [m.name for m in self.memories]
         self.config = base.config
         self.frozen = base.frozen
+        self.grouped_adapters = base.grouped_adapters
+        # a network without a branch form (the mLSTM): branch and settle hand a state back as it is, unsplit
+        self._one_form = type(base).branch is LanguageModel.branch and type(base).settle is LanguageModel.settle
         self.train(base.training)  # the network's mode: a toggle of the wrapper (`generate`) gives it back as it was
 
     def init_state(self, batch: int) -> State:
@@ -325,7 +328,7 @@ class MemoryMixed(LanguageModel):
 
     def forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None = None) -> Output:
         net_state, branches = split_branches(state, self._names)
-        inner = Adapter(adapter.mats) if adapter is not None and adapter.mats else None
+        inner = Adapter(adapter.mats, counts=adapter.counts) if adapter is not None and adapter.mats else None
         out = self.base(tokens, net_state, inner)
         given = adapter.memories if adapter is not None else {}
         if not any(m.name in given for m in self.memories):
@@ -348,12 +351,14 @@ class MemoryMixed(LanguageModel):
 
     def branch(self, state: State) -> State:
         """The network's branch form (its part of the state; each row's memory branch states stay its own)."""
-        if ROOT in state.tensors:
+        if ROOT in state.tensors or self._one_form:
             return state
         net, branches = split_branches(state, self._names)
         return merge_branches(self.base.branch(net), branches)
 
     def settle(self, state: State) -> State:
+        if self._one_form:
+            return state
         net, branches = split_branches(state, self._names)
         return merge_branches(self.base.settle(net), branches)
 

@@ -25,7 +25,9 @@ evaluation's private copy) takes the plain path, and under autocast everything a
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.adapted_mlstm import adapted_mlstm
-from kernels.adapter import AdapterSteps
+from kernels.adapter import AdapterSteps, apply_adapter_groups
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 
 __all__ = ["MLSTM", "MLSTMConfig", "mlstm_cell"]
@@ -121,6 +123,7 @@ def _locked_mask(x: torch.Tensor, p: float) -> torch.Tensor:
 class MLSTM(LanguageModel):
     config: MLSTMConfig
     bf16_inference = True  # only the recurrent matmuls in bf16 when frozen (module docstring)
+    grouped_adapters = True
 
     def __init__(self, config: MLSTMConfig) -> None:
         super().__init__()
@@ -195,13 +198,19 @@ class MLSTM(LanguageModel):
         h_mask = None
         if self.training and cfg.dropout_hidden > 0:
             h_mask = _locked_mask(h.unsqueeze(1), cfg.dropout_hidden)[:, 0]  # (B, H)
-        if (frozen and adapter is not None and h_mask is None and torch.is_grad_enabled()
+        if (frozen and adapter is not None and adapter.counts is None and h_mask is None and torch.is_grad_enabled()
                 and not torch.is_autocast_enabled(mx.device.type)):
             # sparse adaptation (frozen weights): hand-written backward through time, gradient for M only
             hs, h, c = adapted_mlstm(mx, zx, h, c, w_mh, w_m, adapter.mats["h"])  # (B, T, H)
             logits = F.linear(hs, self.head.weight(), self.head.bias)  # (B, T, V)
             return Output(logits=logits, state=State({"h": h, "c": c}), hidden=hs)
-        m_site = AdapterSteps(adapter.mats["h"]) if adapter is not None else None
+        m_site: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if adapter is not None and adapter.counts is not None:  # one matrix per session (a search's rows)
+            if torch.is_grad_enabled():
+                raise ValueError("an adapter of one matrix per session is for inference only")
+            m_site = functools.partial(apply_adapter_groups, m=adapter.mats["h"], counts=adapter.counts)
+        elif adapter is not None:
+            m_site = AdapterSteps(adapter.mats["h"])
         outs = []
         # unbind (whose backward is one stack) rather than indexing mx[:, t] (whose backward
         # materialises a full-size zero tensor per step)

@@ -57,6 +57,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from models.base import Adapter, LanguageModel, State
@@ -65,8 +66,8 @@ from models.tokenizer import ByteTokenizer
 __all__ = [
     "APOSTROPHES", "SPACE", "SUGGEST_MIN_PROB", "Completion", "Cursor", "Expanded", "NextChar", "Suggestions",
     "TokenClasses",
-    "WordSearch", "advance", "advance_many", "complete_word", "is_word_char", "next_chars", "row_adapters",
-    "split_word", "step", "suggest", "takes_space",
+    "WordSearch", "advance", "advance_many", "complete_word", "gather_rows", "is_word_char", "next_chars",
+    "row_adapters", "split_word", "step", "suggest", "takes_space", "word_ends",
 ]
 
 # word completions: branches below this cumulative probability are dropped (docs/algorithms.md §9)
@@ -92,6 +93,19 @@ class TokenClasses:
     def starts(self) -> torch.Tensor:
         """What may follow a complete character inside a word."""
         return self.words | self.leads
+
+    # the same as numpy arrays, for the search's arithmetic on a few rows at a time (`_Search.expand`)
+    @functools.cached_property
+    def end_ids(self) -> np.ndarray:
+        return self.ends.nonzero()[:, 0].numpy()
+
+    @functools.cached_property
+    def starts_np(self) -> np.ndarray:
+        return self.starts.numpy()
+
+    @functools.cached_property
+    def tails_np(self) -> np.ndarray:
+        return self.tails.numpy()
 
     @staticmethod
     @functools.cache
@@ -170,10 +184,13 @@ class Cursor:
     logprobs: torch.Tensor  # (V,) float32, natural log
 
 
-def _rows(adapter: Adapter | None, batch: int) -> Adapter | None:
-    """A batch-1 adapter repeated for `batch` rows (a view: the same M for every branch)."""
+def _rows(adapter: Adapter | None, batch: int, grouped: bool = False) -> Adapter | None:
+    """A batch-1 adapter for `batch` rows: repeated (a view: the same M for every branch), or with `grouped` (the
+    model's `grouped_adapters`) the one matrix for all of them (`Adapter.counts`)."""
     if adapter is None or adapter.batch == batch:
         return adapter
+    if grouped and adapter.mats:
+        return Adapter(adapter.mats, adapter.memories, (batch,))
     return Adapter({k: m.expand(batch, -1, -1) for k, m in adapter.mats.items()},  # (B, k, k)
                    adapter.memories)  # every row reads the one session's memories (index None: view 0)
 
@@ -212,15 +229,18 @@ def advance_many(model: LanguageModel, feeds: list[tuple[State, bytes, Adapter |
     return [c for c in out if c is not None]
 
 
-def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | None:
+def row_adapters(adapters: list[Adapter | None], rows: list[int], grouped: bool = False) -> Adapter | None:
     """Batch-1 adapters (or None: M = 0), adapter i repeated for rows[i] consecutive rows -> one (B, K, K) per site
-    (a view when there is only one adapter)."""
+    (a view when there is only one adapter); with `grouped` (the model's `grouped_adapters`) and adapters of one
+    size, one matrix per adapter (S, k, k) and `Adapter.counts` (the stack kept while the same adapters come)."""
     if len(adapters) == 1:
-        return _rows(adapters[0], rows[0])
+        return _rows(adapters[0], rows[0], grouped)
     if all(a is None for a in adapters):
         return None
     given = [a for a in adapters if a is not None]
     if len(given) == len(adapters) and len({tuple(m.shape for m in a.mats.values()) for a in given}) == 1:
+        if grouped and given[0].mats:
+            return Adapter(_LAST_STACK.stack(given), counts=tuple(rows)).with_sessions(adapters, rows)
         stacked = Adapter.stack([Adapter({k: m.expand(n, -1, -1) for k, m in a.mats.items()})
                                  for a, n in zip(given, rows, strict=True)])
         return stacked.with_sessions(adapters, rows)  # the sessions' copy models and caches, one row each
@@ -231,14 +251,38 @@ def row_adapters(adapters: list[Adapter | None], rows: list[int]) -> Adapter | N
     return Adapter(mats).with_sessions(adapters, rows)
 
 
+class _Stacked:
+    """The last adapters stacked one matrix each (`row_adapters`, grouped), kept while the next call's are the same
+    tensors, unchanged: the rounds of the same typists' searches stack their sessions' matrices once. Holds the last
+    adapters' tensors (a few sessions' matrices) until another call."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list[tuple[torch.Tensor, int]], dict[str, torch.Tensor]] | None = None
+
+    def stack(self, adapters: list[Adapter]) -> dict[str, torch.Tensor]:
+        key = [(m, m._version) for a in adapters for m in a.mats.values()]
+        last = self._last
+        if last is not None and len(last[0]) == len(key) \
+                and all(t is u and v == w for (t, v), (u, w) in zip(last[0], key, strict=True)):
+            return last[1]
+        stacked = {k: torch.cat([a.mats[k] for a in adapters]) for k in adapters[0].mats}  # (S, k, k)
+        self._last = (key, stacked)
+        return stacked
+
+
+_LAST_STACK = _Stacked()
+
+
 class Expanded(NamedTuple):
     """The model after a search's branch (its bytes fed): row `row` of `state` (the search's batch, in the model's
-    branch form) and the next byte's log-probs (V,) float64 on the CPU. What a word search computed, for the next
-    keystroke's to take up (`WordSearch`'s `known`)."""
+    branch form), the next byte's log-probs (V,) float64 (numpy) and the probability of a word end there
+    (`TokenClasses.ends`), log. What a word search computed, for the next keystroke's to take up (`WordSearch`'s
+    `known`)."""
 
     state: State
     row: int
-    logprobs: torch.Tensor
+    logprobs: np.ndarray
+    ends: float
 
 
 @dataclass(eq=False, slots=True)
@@ -250,20 +294,59 @@ class _Branch:
     row: int
     logprob: float
     space: bool = False  # data starts with the space before the word (not one of its characters)
+    rest: _Siblings | None = None  # its siblings after it, queued when it is popped (`_Search`)
 
 
-def _gather(branches: list[_Branch]) -> tuple[list[_Branch], State]:
-    """The branches' states stacked into one batch (B, ...), one index_select per parent batch; -> the branches
-    in the order of the rows, and the batch."""
+@dataclass(eq=False, slots=True)
+class _Siblings:
+    """The children of one branch that ends a character, best first, not yet in the queue: each is queued when the
+    one before it is popped (`_Search`)."""
+
+    parent: _Branch
+    states: State
+    row: int
+    tokens: list[int]
+    logprobs: list[float]
+    orders: list[int]
+    next: int = 1  # the first not yet queued
+
+    def child(self, j: int) -> _Branch:
+        parent, b = self.parent, self.tokens[j]
+        chars, pending = (parent.chars + 1, 0) if b < 0x80 else (parent.chars, _more_bytes(b))
+        return _Branch(parent.data + bytes((b,)), chars, pending, self.states, self.row, self.logprobs[j],
+                       parent.space, self if j + 1 < len(self.tokens) else None)
+
+
+def _sources(branches: list[_Branch]) -> tuple[list[_Branch], list[tuple[State, list[int]]]]:
+    """The branches grouped by the batch their states are rows of -> (the branches in that order, (the batch, its
+    rows) for each group)."""
     groups: dict[int, tuple[State, list[_Branch]]] = {}
     for b in branches:
         groups.setdefault(id(b.states), (b.states, []))[1].append(b)
     ordered = [b for _, members in groups.values() for b in members]
-    parts = []
-    for states, members in groups.values():
-        index = torch.tensor([b.row for b in members], device=next(iter(states.tensors.values())).device)
-        parts.append(states.take(index))  # (b, ...) each; what the rows share (the branch form's root) stays shared
-    return ordered, parts[0] if len(parts) == 1 else State.stack(parts)
+    return ordered, [(states, [b.row for b in members]) for states, members in groups.values()]
+
+
+def gather_rows(sources: list[tuple[State, list[int]]]) -> State:
+    """The rows of several batches, in order, as one batch (B, ...): where none is in a branch form and their
+    tensors are alike, one concatenation and one index_select per tensor (a round of many searches takes a few rows
+    of dozens of batches); otherwise one `State.take` per batch, then `State.stack`, which keep what rows share (the
+    branch form's roots, a row repeated as a view) shared."""
+    if len(sources) == 1:
+        states, rows = sources[0]
+        return states.take(torch.tensor(rows, device=states.batch_device()))
+    first = sources[0][0].tensors
+    if not any(s.roots for s, _ in sources) and all(
+            s.tensors.keys() == first.keys() and all(
+                v.shape[1:] == first[k].shape[1:] and v.dtype == first[k].dtype for k, v in s.tensors.items())
+            for s, _ in sources[1:]):
+        index, offset = [], 0
+        for states, rows in sources:
+            index += [offset + r for r in rows]
+            offset += states.batch
+        at = torch.tensor(index, device=sources[0][0].batch_device())
+        return State({k: torch.cat([s.tensors[k] for s, _ in sources]).index_select(0, at) for k in first})
+    return State.stack([s.take(torch.tensor(rows, device=s.batch_device())) for s, rows in sources])
 
 
 @torch.no_grad()
@@ -273,7 +356,7 @@ def step(model: LanguageModel, state: State, tokens: list[int],
     matrix per row). -> new states (B, ...), log-probs (B, V) float64 on the CPU."""
     device = next(model.parameters()).device
     x = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)  # (B, 1)
-    out = model(x, state, _rows(adapter, len(tokens)))  # logits (B, 1, V)
+    out = model(x, state, _rows(adapter, len(tokens), model.grouped_adapters))  # logits (B, 1, V)
     return out.state, model.log_probs(out)[:, -1].double().cpu()  # (B, V)
 
 
@@ -288,42 +371,80 @@ def _valid_prefix(data: bytes) -> bool:
 
 @dataclass
 class _Search:
-    """The priority queue of a word completion: branches and completions by cumulative log-probability."""
+    """The priority queue of a word completion: branches and completions by cumulative log-probability, ties by the
+    order they were made in.
+
+    The children of a branch that ends a character (nearly every branch: the search's Python work is in them) are
+    queued one at a time, best first (`_Siblings`): a child is queued when the sibling before it is popped. No child
+    can be the queue's best before the siblings before it are popped (they are at least as probable and made
+    earlier), so the queue pops the same items in the same order as with every child queued at once, while most
+    children, which are never popped, are never made."""
 
     prefix: str
     max_chars: int
     log_min: float
     classes: TokenClasses
     queue: list[tuple[float, int, _Branch | Completion]] = field(default_factory=list)
-    order: itertools.count[int] = field(default_factory=itertools.count)
+    order: int = 0  # the next item's place in the order made
     expansions: int = 0
     model_calls: int = 0
 
     def push(self, logprob: float, item: _Branch | Completion) -> None:
-        heapq.heappush(self.queue, (-logprob, next(self.order), item))
+        heapq.heappush(self.queue, (-logprob, self.order, item))
+        self.order += 1
 
-    def expand(self, branches: list[_Branch], state: State | list[Expanded], logprobs: torch.Tensor) -> None:
-        """Push the children and completions of `branches`, whose next-byte log-probs are `logprobs` (B, V)
-        and whose states after their last byte are the rows of `state` (or, one each, where `state` says)."""
+    def pop(self) -> _Branch | Completion:
+        """The best item; a branch's next sibling takes its place in the queue."""
+        item = self.queue[0][2]
+        rest = item.rest if isinstance(item, _Branch) else None
+        if rest is None:
+            heapq.heappop(self.queue)
+        else:
+            j = rest.next
+            rest.next += 1
+            heapq.heapreplace(self.queue, (-rest.logprobs[j], rest.orders[j], rest.child(j)))
+        return item
+
+    def expand(self, branches: list[_Branch], state: State | list[Expanded], lp: np.ndarray,
+               ends: np.ndarray) -> None:
+        """Push the children and completions of `branches`, whose next-byte log-probs are `lp` (B, V) float64
+        (numpy: a few rows' arithmetic costs microseconds where torch's costs tens), the log-probability of a word
+        end after each `ends` (B,) (`word_ends`), and whose states after their last byte are the rows of `state`
+        (or, one each, where `state` says)."""
         self.expansions += len(branches)
-        cum = torch.tensor([b.logprob for b in branches], dtype=torch.float64)  # (B,)
-        total = logprobs + cum.unsqueeze(1)  # (B, V)
-        ends = torch.logsumexp(logprobs[:, self.classes.ends], dim=1) + cum  # (B,) the word ends after each branch
-        at_boundary = torch.tensor([b.pending == 0 for b in branches])  # (B,)
-        room = torch.tensor([b.chars < self.max_chars for b in branches])  # (B,)
-        allowed = torch.where(at_boundary.unsqueeze(1), self.classes.starts & room.unsqueeze(1),
-                              self.classes.tails)  # (B, V)
-        rows, tokens = torch.nonzero(allowed & (total >= self.log_min), as_tuple=True)
+        classes = self.classes
+        cum = np.array([b.logprob for b in branches])  # (B,)
+        total = lp + cum[:, None]  # (B, V)
+        ends = ends + cum  # (B,) the word ends after each branch
+        at_boundary = np.array([b.pending == 0 for b in branches])  # (B,)
+        room = np.array([b.chars < self.max_chars for b in branches])  # (B,)
+        allowed = np.where(at_boundary[:, None], classes.starts_np & room[:, None], classes.tails_np)  # (B, V)
+        rows, tokens = np.nonzero(allowed & (total >= self.log_min))  # by row, then token
         for branch, end in zip(branches, ends.tolist(), strict=True):
             if branch.pending == 0 and branch.chars > 0 and end >= self.log_min:
                 word = branch.data[1:] if branch.space else branch.data
                 self.push(end, Completion(self.prefix + word.decode("utf-8"), math.exp(end), branch.space))
-        for i, b, logprob in zip(rows.tolist(), tokens.tolist(), total[rows, tokens].tolist(), strict=True):
+        if not len(rows):
+            return
+        values = total[rows, tokens]
+        orders = np.arange(self.order, self.order + len(rows))  # the order every child is made in, queued or not
+        self.order += len(rows)
+        # each branch's children best first, ties in the order made: (row, -logprob, order)
+        by = np.lexsort((orders, -values, rows))
+        rows_l, tokens_l, values_l, orders_l = (a[by].tolist() for a in (rows, tokens, values, orders))
+        grouped = rows[by]
+        starts = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), len(rows_l)]
+        for a, z in itertools.pairwise(starts):
+            i = rows_l[a]
             parent = branches[i]
-            data = parent.data + bytes([b])
-            if parent.pending == 0:
-                chars, pending = (parent.chars + 1, 0) if b < 0x80 else (parent.chars, _more_bytes(b))
-            else:
+            states, row = (state, i) if isinstance(state, State) else state[i][:2]
+            if parent.pending == 0:  # a character ends here: no child is dropped, they are queued one at a time
+                group = _Siblings(parent, states, row, tokens_l[a:z], values_l[a:z], orders_l[a:z])
+                heapq.heappush(self.queue, (-values_l[a], orders_l[a], group.child(0)))
+                continue
+            for j in range(a, z):  # inside a multibyte character (rare): each child checked, queued at once
+                b, logprob = tokens_l[j], values_l[j]
+                data = parent.data + bytes((b,))
                 chars, pending = parent.chars, parent.pending - 1
                 if not _valid_prefix(data):
                     continue
@@ -332,8 +453,18 @@ class _Search:
                     if not is_word_char(char):
                         continue  # non-ASCII punctuation: not a word end we count (module docstring)
                     chars += 1
-            states, row = (state, i) if isinstance(state, State) else state[i][:2]
-            self.push(logprob, _Branch(data, chars, pending, states, row, logprob, parent.space))
+                heapq.heappush(self.queue, (-logprob, orders_l[j],
+                                            _Branch(data, chars, pending, states, row, logprob, parent.space)))
+
+
+def word_ends(lp: np.ndarray, classes: TokenClasses) -> np.ndarray:
+    """The log-probability of a word end (`TokenClasses.ends`) in each row of next-byte log-probs (B, V) -> (B,); a
+    row's is its own whatever the other rows (a round computes its whole batch's at once). The rows are normalised
+    log-probs (at most 0): their exp cannot overflow, so no shift by the maximum (a row whose word ends all underflow
+    gets -inf, below any search's floor)."""
+    with np.errstate(divide="ignore"):
+        out: np.ndarray = np.log(np.exp(lp[:, classes.end_ids]).sum(axis=1))
+    return out
 
 
 def _char_len(data: bytes) -> int:
@@ -346,28 +477,33 @@ def _char_len(data: bytes) -> int:
 
 class _Settled(Mapping[bytes, Cursor]):
     """Cursors whose states may be in the model's branch form, settled (`LanguageModel.settle`) as they are read: a
-    search keeps every one-character continuation it expanded, its caller reads a few."""
+    search keeps every one-character continuation it expanded, its caller reads a few. Each is kept as the row of
+    its batch and made a cursor when read."""
 
     def __init__(self, model: LanguageModel | None) -> None:
         self._model = model
-        self._cursors: dict[bytes, tuple[Cursor, bool]] = {}  # -> (cursor, settled)
+        self._rows: dict[bytes, tuple[State, int, np.ndarray]] = {}  # -> (batch, row, next-byte log-probs)
+        self._made: dict[bytes, Cursor] = {}
 
-    def put(self, key: bytes, cursor: Cursor) -> None:
-        self._cursors[key] = (cursor, self._model is None)
+    def put(self, key: bytes, state: State, row: int, logprobs: np.ndarray) -> None:
+        self._rows[key] = (state, row, logprobs)
+        self._made.pop(key, None)
 
     def __getitem__(self, key: bytes) -> Cursor:
-        cursor, settled = self._cursors[key]
-        if not settled:
-            assert self._model is not None
-            cursor = Cursor(self._model.settle(cursor.state), cursor.logprobs)
-            self._cursors[key] = (cursor, True)
+        cursor = self._made.get(key)
+        if cursor is None:
+            state, row, logprobs = self._rows[key]
+            one = state.select(row)
+            cursor = Cursor(self._model.settle(one) if self._model is not None else one,
+                            torch.from_numpy(logprobs).float())
+            self._made[key] = cursor
         return cursor
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(list(self._cursors))
+        return iter(list(self._rows))
 
     def __len__(self) -> int:
-        return len(self._cursors)
+        return len(self._rows)
 
 
 class WordSearch:
@@ -420,9 +556,11 @@ class WordSearch:
         state = model.branch(cursor.state) if model is not None else cursor.state
         root = _Branch(b"", 0, 0, state, 0, 0.0)
         logprobs = cursor.logprobs.double().cpu().unsqueeze(0)  # (1, V)
+        lp = logprobs.numpy()
+        ends = word_ends(lp, classes)
         if self.expanded is not None:
-            self.expanded[key] = Expanded(state, 0, logprobs[0])
-        self._search.expand([root], state, logprobs)
+            self.expanded[key] = Expanded(state, 0, lp[0], float(ends[0]))
+        self._search.expand([root], state, lp, ends)
         self.space_share = 0.0
         if space:  # the root's one more child: the space, from which only a word may follow (no completion itself)
             spaced = float(logprobs[0, SPACE])
@@ -443,6 +581,12 @@ class WordSearch:
         """Pop the next round (at most `limit` branches, else `batch`): -> (their states (b, ...), the byte each
         feeds), or None when the search is over. Completions at the top of the queue are taken on the way, and
         the popped branches whose rows are known are expanded here (a round of only those needs no step)."""
+        asked = self.request_rows(limit)
+        return None if asked is None else (gather_rows(asked[0]), asked[1])
+
+    def request_rows(self, limit: int | None = None) -> tuple[list[tuple[State, list[int]]], list[int]] | None:
+        """`request`, with the states as the rows of the batches they are in, in order ((batch, rows) each:
+        `gather_rows` makes them one batch), for a caller that gathers the rows of many searches at once."""
         if self._popped:
             raise RuntimeError("feed() the last request first")
         search, limit = self._search, min(limit or self.batch, self.batch)
@@ -455,20 +599,20 @@ class WordSearch:
                     if popped:  # a popped branch may still beat it: it waits, and the round fills up with the
                         held.append(heapq.heappop(search.queue))  # next branches (module docstring)
                         continue
-                    heapq.heappop(search.queue)
+                    search.pop()
                     self._found.append(item)
                     if len(self._found) == self.k:
                         break
                     continue
-                heapq.heappop(search.queue)
+                search.pop()
                 popped.append(item)
             for entry in held:
                 heapq.heappush(search.queue, entry)
             if self._known is not None and popped:
                 popped = self._expand_known(popped)
             if popped:
-                self._popped, before = _gather(popped)
-                return before, [b.data[-1] for b in self._popped]
+                self._popped, sources = _sources(popped)
+                return sources, [b.data[-1] for b in self._popped]
         return None
 
     def _expand_known(self, popped: list[_Branch]) -> list[_Branch]:
@@ -487,26 +631,30 @@ class WordSearch:
             for branch, row in zip(hits, rows, strict=True):
                 self.expanded[self._key + branch.data] = row
                 if branch.pending == 0 and (branch.chars == 1 or branch.space and branch.chars == 0):
-                    self._next.put(branch.data, Cursor(row.state.select(row.row), row.logprobs.float()))
-            self._search.expand(hits, rows, torch.stack([r.logprobs for r in rows]))  # (h, V)
+                    self._next.put(branch.data, row.state, row.row, row.logprobs)
+            self._search.expand(hits, rows, np.stack([r.logprobs for r in rows]),  # (h, V)
+                                np.array([r.ends for r in rows]))
         return missed
 
-    def feed(self, state: State, logprobs: torch.Tensor) -> None:
-        """The step of the last request: the states after it (b, ...) and the next-byte log-probs (b, V)."""
+    def feed(self, state: State, logprobs: torch.Tensor, ends: np.ndarray | None = None) -> None:
+        """The step of the last request: the states after it (b, ...) and the next-byte log-probs (b, V); `ends`
+        (b,), if given, `word_ends` of them."""
         if not self._popped:
             raise RuntimeError("nothing was requested")
         self._search.model_calls += 1
         popped, self._popped = self._popped, []
-        logprobs = logprobs.double().cpu()
+        lp = logprobs.double().cpu().numpy()
+        if ends is None:
+            ends = word_ends(lp, self.classes)
         if self.expanded is not None:  # kept for the next keystroke: copies, so as not to keep the whole batch alive
-            state, logprobs = _copied(state), logprobs.clone()
-            for i, branch in enumerate(popped):
-                self.expanded[self._key + branch.data] = Expanded(state, i, logprobs[i])
+            state, lp = _copied(state), lp.copy()
+            for i, (branch, end) in enumerate(zip(popped, ends.tolist(), strict=True)):
+                self.expanded[self._key + branch.data] = Expanded(state, i, lp[i], end)
         for i, branch in enumerate(popped):
             # the model after the next character (or, after a mark, the space): keep it
             if branch.pending == 0 and (branch.chars == 1 or branch.space and branch.chars == 0):
-                self._next.put(branch.data, Cursor(state.select(i), logprobs[i].float()))
-        self._search.expand(popped, state, logprobs)
+                self._next.put(branch.data, state, i, lp[i])
+        self._search.expand(popped, state, lp, ends)
 
     def cut(self) -> None:
         """Stop here (a pending request is dropped): `result()` gives what was found."""

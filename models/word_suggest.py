@@ -105,18 +105,18 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
     candidates, candidate_probs = torch.cat([matching, unspaced]), torch.cat([probs, unspaced_probs])  # (n + m,)
     spaced_kind = torch.cat([spaced_words, torch.zeros_like(unspaced, dtype=torch.bool)])  # (n + m,)
 
-    def word(j: int) -> str:  # candidate j's word: without the space it has where the typed part has it, or unspaced
-        data = tokenizer.token_bytes(int(candidates[j]))
-        return (data[1:] if space or j >= len(matching) or spaced_kind[j] else data).decode("utf-8", errors="ignore")
+    def word(j: int, token: int, spaced: bool) -> str:  # candidate j's word: without the space it has where the
+        data = tokenizer.token_bytes(token)  # typed part has it, or unspaced
+        return (data[1:] if space or j >= len(matching) or spaced else data).decode("utf-8", errors="ignore")
 
     offered = torch.cat([tokenizer.offered(matching, typed, max_chars) | spaced_words,
                          tokenizer.offered(unspaced, b" " + typed, max_chars) & (shares > 0)])
     offered &= candidate_probs * norm >= SUGGEST_MIN_PROB
     # with the cache, more of the model's candidates: a cached word's own probability under the model counts
-    ranked = torch.argsort(torch.where(offered, candidate_probs, -1.0), descending=True, stable=True)
-    best = [j for j in ranked[: k if weight <= 0 else max(k, _CACHE_CANDIDATES)].tolist() if offered[j]]
-    completions = [Completion(word(j), norm * float(candidate_probs[j]), bool(spaced_kind[j]))
-                   for j in best]  # ties in byte order
+    top = _best(torch.where(offered, candidate_probs, -1.0), k if weight <= 0 else max(k, _CACHE_CANDIDATES))
+    top = top[offered[top]]  # (c,) ties in byte order
+    completions = [Completion(word(j, token, spaced), norm * p, spaced) for j, token, p, spaced in zip(
+        top.tolist(), candidates[top].tolist(), candidate_probs[top].tolist(), spaced_kind[top].tolist(), strict=True)]
     if weight > 0 and words is not None:
         mixed = words.mix(completions, typing.decode("utf-8", errors="replace"), weight, k, max_chars,
                           space=space_share)
@@ -148,6 +148,18 @@ def word_suggestions(model: LanguageModel, tokenizer: WordTokenizer, session: Se
                        space_share=space_share, reused=len(calls) - sum(calls))
 
 
+def _best(values: torch.Tensor, n: int) -> torch.Tensor:
+    """The indices of the n largest of `values` (c,) that are at least 0 (the offered candidates' probabilities;
+    the others are -1), largest first, ties in index order: a stable descending argsort's first n of them, without
+    sorting the whole vocabulary (the candidates tying with the n-th are all kept, then sorted stably)."""
+    n = min(n, values.numel())
+    if n == 0:
+        return values.new_zeros(0, dtype=torch.long)
+    kth = torch.topk(values, n).values[-1].clamp(min=0.0)
+    near = (values >= kth).nonzero()[:, 0]  # (m,) in index order: every one of the n best, and their ties
+    return near[torch.argsort(values[near], descending=True, stable=True)[:n]]
+
+
 def _after(model: LanguageModel, session: Session, ids: list[int], adapter: Adapter, states: WordStates | None,
            sessions: SessionModel, state: State | None = None, fed: int = 0) -> tuple[State, torch.Tensor, list[int]]:
     """The model after the session's view state and `ids` (`state` after the first `fed` of them, if given): its
@@ -177,8 +189,12 @@ def _add_next_chars(chars: dict[str, float], tokenizer: WordTokenizer, typed: by
     if not probs.numel():
         return
     mass = torch.cat([probs.new_zeros(1), probs.cumsum(0)])  # mass[j]: the first j entries' probability
-    for char, start, end in tokenizer.by_next_char(typed):
-        chars[char] = chars.get(char, 0.0) + scale * float(mass[end] - mass[start])
+    runs = tokenizer.by_next_char(typed)
+    if not runs:
+        return
+    starts, ends = torch.tensor([r[1] for r in runs]), torch.tensor([r[2] for r in runs])
+    for (char, _, _), p in zip(runs, (mass[ends] - mass[starts]).tolist(), strict=True):  # one gather, not one a char
+        chars[char] = chars.get(char, 0.0) + scale * p
 
 
 def _cached_chars(chars: dict[str, float], words: WordCache, context: str, prefix: str, weight: float,

@@ -43,11 +43,13 @@ from models.suggest import (
     WordSearch,
     advance,
     advance_many,
+    gather_rows,
     next_chars,
     row_adapters,
     split_word,
     step,
     takes_space,
+    word_ends,
 )
 from models.tokenizer import ByteTokenizer
 from models.word_suggest import WordStates, word_suggestions
@@ -185,7 +187,7 @@ class CursorCache:
             row = entry.rows.get(inputs[:end])
             if row is not None:
                 assert entry.model is not None
-                cursor = Cursor(entry.model.settle(row.state.select(row.row)), row.logprobs.float())
+                cursor = Cursor(entry.model.settle(row.state.select(row.row)), torch.from_numpy(row.logprobs).float())
                 if end == len(inputs):
                     return self.put(session, context, cursor)
                 self.fed += len(inputs) - end
@@ -299,7 +301,8 @@ class SuggestJob:
     error: Exception | None = None
     cursor: Cursor | None = None
     search: WordSearch | None = None
-    request: tuple[State, list[int]] | None = None  # the search's next round, popped and not yet run
+    # the search's next round, popped and not yet run: (the batches and rows of its states, the byte each row feeds)
+    request: tuple[list[tuple[State, list[int]]], list[int]] | None = None
 
 
 class SuggestRounds:
@@ -373,14 +376,19 @@ class SuggestRounds:
             return None, done
         requests = [(job, job.request) for job in self.active if job.request is not None]
         sizes = [len(tokens) for _, (_, tokens) in requests]
-        adapter = row_adapters([self.cache.adapter(job.session) for job, _ in requests], sizes)
-        state, logprobs = step(self.model, State.stack([s for _, (s, _) in requests]),
+        adapter = row_adapters([self.cache.adapter(job.session) for job, _ in requests], sizes,
+                               self.model.grouped_adapters)
+        # every search's rows gathered at once (a search's batches are its own: its rows stay together, in order)
+        state, logprobs = step(self.model, gather_rows([source for _, (sources, _) in requests for source in sources]),
                                [t for _, (_, tokens) in requests for t in tokens], adapter)
+        lp = logprobs.numpy()
+        ends = word_ends(lp, self.classes)  # the whole batch's at once
         start = 0
         for (job, _), n in zip(requests, sizes, strict=True):
             assert job.search is not None
             job.request = None
-            job.search.feed(state.select(slice(start, start + n)), logprobs[start : start + n])
+            job.search.feed(state.select(slice(start, start + n)), logprobs[start : start + n],
+                            ends[start : start + n] if job.search.classes is self.classes else None)
             start += n
         # pop the next round now: a search that has just ended answers in this round, not the next
         self.active = self._next_requests(self.active, done)
@@ -401,7 +409,7 @@ class SuggestRounds:
                 job.search.cut()
                 job.request = None
             if job.request is None:
-                job.request = job.search.request(limit)
+                job.request = job.search.request_rows(limit)
             if job.request is None:
                 _finish(self.model, job, self.cache, self.lexicon)
                 done.append(job)

@@ -260,20 +260,32 @@ def test_the_pair_indexed_frozen_kernel_equals_the_reference(monkeypatch: pytest
 
 def test_a_search_stacks_its_sessions_copy_statistics_once() -> None:
     """The rounds of a keyboard search stack the same sessions' statistics: the second stack of the same states is
-    the first one (not a new 420 KB a session), a different set is stacked anew, and one session is its own."""
+    the first one (not a new 420 KB a session), as is a stack of some of them (fewer searches left, another order:
+    each row's index mapped to its session's place in it); a set with a session the last stack lacks is stacked
+    anew, and one session is its own."""
     model = CopyModel(CopyConfig(window=64))
-    a, b = (Adapter({}, {"copy": ([frozen_stats(model.init_state(1))], None)}) for _ in range(2))
 
-    def stacked(adapters: list[Adapter], rows: list[int]) -> tuple[State, list[int]]:
+    def session(mark: int) -> Adapter:  # a session's view, its history marked to tell it apart
+        view = frozen_stats(model.init_state(1))
+        return Adapter({}, {"copy": ([State({**view.tensors, "hist": view.tensors["hist"] + mark})], None)})
+
+    a, b, c = session(1), session(2), session(3)
+
+    def stacked(adapters: list[Adapter | None], rows: list[int]) -> tuple[State, list[int]]:
         views, index = Adapter({}).with_sessions(adapters, rows).memories["copy"]
         assert index is not None
-        return _stacked(views), index.tolist()
+        got, index = _stacked(views, index)
+        return got, index.tolist()
 
-    first, index = stacked([a, b], [2, 3])
-    assert index == [0, 0, 1, 1, 1]
-    again, _ = stacked([a, b], [1, 1])
-    assert again is first
-    other, _ = stacked([b, a], [1, 1])
-    assert other is not first and other.tensors["hist"].shape == (2, 64)
+    first, index = stacked([a, b, c], [2, 3, 1])
+    assert index == [0, 0, 1, 1, 1, 2]
+    again, index = stacked([a, b, c], [1, 1, 1])
+    assert again is first and index == [0, 1, 2]
+    fewer, index = stacked([c, None, a], [2, 1, 1])  # a row without a copy model stays -1
+    assert fewer is first and index == [2, 2, -1, 0]
+    assert [int(fewer.tensors["hist"][i, 0]) for i in index if i >= 0] == [3, 3, 1]  # each row its session's
+    d = session(4)
+    other, index = stacked([b, d], [1, 1])
+    assert other is not first and other.tensors["hist"].shape == (2, 64) and index == [0, 1]
     alone, _ = stacked([a], [4])
     assert alone is a.memories["copy"][0][0]
