@@ -40,10 +40,13 @@ def aggregate(stats: Path) -> dict[str, dict[str, str]]:
         return {row["Name"]: row for row in csv.DictReader(f)}
 
 
-def level(url: str, cls: str, users: int, run_time: str, out: Path) -> tuple[int, dict[str, dict[str, str]], str]:
-    """One run -> (checker's exit status: 0 met, 1 missed), the stats rows by entry, the checker's output."""
+def level(url: str, cls: str, users: int, run_time: str, out: Path, processes: int = 1
+          ) -> tuple[int, dict[str, dict[str, str]], str]:
+    """One run -> (checker's exit status: 0 met, 1 missed), the stats rows by entry, the checker's output.
+    `processes` > 1: locust's own workers (`--processes`), for more users than one process drives."""
+    spread = ["--locust-arg=--processes", f"--locust-arg={processes}"] if processes > 1 else []
     r = subprocess.run([sys.executable, "-m", "loadtest.run", "--url", url, "--users", str(users),
-                        "--spawn-rate", str(users), "--run-time", run_time, "--out", str(out), cls],
+                        "--spawn-rate", str(users), "--run-time", run_time, "--out", str(out), *spread, cls],
                        capture_output=True, text=True, timeout=600)
     rows = aggregate(out / "locust_stats.csv") if (out / "locust_stats.csv").exists() else {}
     return r.returncode, rows, r.stdout + r.stderr
@@ -59,14 +62,19 @@ def main() -> None:
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")],
                     help="run these numbers of users, all of them, instead of doubling until a miss")
     ap.add_argument("--workers", type=int, default=0, help="ADAPTLM_WORKERS (0: one process)")
+    ap.add_argument("--url", help="a running server to load (default: start one here)")
+    ap.add_argument("--locust-processes", type=int, default=1, help="locust processes (its --processes)")
     args = ap.parse_args()
-    print(f"# {machine_line()}, adaptlm serve (default checkpoint, one torch thread, ADAPTLM_WORKERS={args.workers}) "
-          "and locust on the same machine")
+    served = args.url or f"adaptlm serve (default checkpoint, one torch thread, ADAPTLM_WORKERS={args.workers})"
+    print(f"# {machine_line()}, {served} and locust ({args.locust_processes} process(es)) on the same machine")
     print(f"## objectives loadtest/slo.toml; each level {args.run_time}; "
           + (f"users {args.levels}" if args.levels else "users double until one is missed"))
     print("| class | users | requests/s (all entries) | of its own request | its p50 / p99 ms | failures | met "
           "| missed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    if args.url:
+        run_levels(args, args.url.rstrip("/"))
+        return
     env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning", "ADAPTLM_WORKERS": str(args.workers)}
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
@@ -78,30 +86,36 @@ def main() -> None:
         try:
             if not wait_ready(url, proc, time.monotonic() + 300):
                 raise SystemExit("the server did not start")
-            for cls in args.classes:
-                levels = iter(args.levels or [])
-                users = next(levels, None) if args.levels else args.start_users
-                while users is not None and users <= args.max_users:
-                    status, rows, output = level(url, cls, users, args.run_time, Path(tmp) / f"{cls}-{users}")
-                    total = rows.get("Aggregated", {})
-                    own = rows.get(PRIMARY.get(cls, ""), {})
-                    misses = [line[4:].strip() for line in output.splitlines() if line.startswith("MISS ")]
-                    # too few requests of an entry in the run is "not measured", not a missed objective
-                    missed = [m for m in misses if "min_requests" not in m]
-                    met = "yes" if status == 0 else ("not measured" if not missed else "no")
-                    print(f"| {cls} | {users} | {float(total.get('Requests/s', 'nan')):.2f} | "
-                          f"{float(own.get('Requests/s', 'nan')):.2f} | "
-                          f"{own.get('50%', '?')} / {own.get('99%', '?')} | "
-                          f"{total.get('Failure Count', '?')} | {met} | {'; '.join(misses)[:300]} |", flush=True)
-                    if args.levels:
-                        users = next(levels, None)
-                        continue
-                    if missed or (status != 0 and status != 1):
-                        break
-                    users *= 2
+            run_levels(args, url)
         finally:
             stop(proc)
             log.close()
+
+
+def run_levels(args: argparse.Namespace, url: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for cls in args.classes:
+            levels = iter(args.levels or [])
+            users = next(levels, None) if args.levels else args.start_users
+            while users is not None and (args.levels or users <= args.max_users):
+                status, rows, output = level(url, cls, users, args.run_time, Path(tmp) / f"{cls}-{users}",
+                                             args.locust_processes)
+                total = rows.get("Aggregated", {})
+                own = rows.get(PRIMARY.get(cls, ""), {})
+                misses = [line[4:].strip() for line in output.splitlines() if line.startswith("MISS ")]
+                # too few requests of an entry in the run is "not measured", not a missed objective
+                missed = [m for m in misses if "min_requests" not in m]
+                met = "yes" if status == 0 else ("not measured" if not missed else "no")
+                print(f"| {cls} | {users} | {float(total.get('Requests/s', 'nan')):.2f} | "
+                      f"{float(own.get('Requests/s', 'nan')):.2f} | "
+                      f"{own.get('50%', '?')} / {own.get('99%', '?')} | "
+                      f"{total.get('Failure Count', '?')} | {met} | {'; '.join(misses)[:300]} |", flush=True)
+                if args.levels:
+                    users = next(levels, None)
+                    continue
+                if missed or (status != 0 and status != 1):
+                    break
+                users *= 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Serving on one GPU (issue 36, part 3), in one command that fits one 10-minute call of the device tool:
+#   1. `adaptlm serve` on the device, the engine in its own process with WORKERS HTTP workers (ADAPTLM_WORKERS);
+#   2. scoring over HTTP at STREAMS clients (python -m bench.serve_load): bytes/s, requests/s, p50 / p99;
+#   3. paced typists (5 keys/s, each a session that observes its messages: locust's Typist, LOCUST_PROCS processes)
+#      at TYPISTS users (python -m bench.capacity --url): suggest p50 / p99 and whether loadtest/slo.toml held;
+#   4. observe throughput of OBSERVE_SESSIONS adapting sessions at once against one at a time (python -m bench.server
+#      --only observe: its own two servers, max_batch 1 and 2 x OBSERVE_SESSIONS);
+#   5. the GPU's utilisation meanwhile (nvidia-smi dmon, one line a second) and its mean over steps 2-3.
+# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), score.md, typists.md, observe.md, util.txt, util.md,
+# server.log. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
+#
+#   bash bench/gpu_prepare.sh                                    # here, once: .gpu/whl (wheels the GPU image lacks)
+#   OUT=runs/gpu_serve bash bench/gpu_serve.sh                     # on the GPU machine, carry [".gpu"]
+#
+# Sizes: STREAMS (32,256,2048), TYPISTS (100,300,1000,3000), OBSERVE_SESSIONS (256), SECONDS (20: each scoring level),
+# RUN_TIME (40s: each typists level), WORKERS (8), LOCUST_PROCS (6), MAX_QUEUE (8192), MAX_BATCH (512).
+set -u
+OUT=${OUT:-runs/gpu_serve}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+WORKERS=${WORKERS:-8}
+STREAMS=${STREAMS:-32,256,2048}
+TYPISTS=${TYPISTS:-100,300,1000,3000}
+OBSERVE_SESSIONS=${OBSERVE_SESSIONS:-256}
+SECONDS_EACH=${SECONDS:-20}
+RUN_TIME=${RUN_TIME:-40s}
+LOCUST_PROCS=${LOCUST_PROCS:-6}
+MAX_QUEUE=${MAX_QUEUE:-8192}
+MAX_BATCH=${MAX_BATCH:-512}
+CHECKPOINT=${CHECKPOINT:-checkpoints/default}
+if [ "${SMOKE:-0}" = 1 ]; then
+    DEVICE=cpu WORKERS=2 STREAMS=2,8 TYPISTS=2,4 OBSERVE_SESSIONS=4 SECONDS_EACH=4 RUN_TIME=8s LOCUST_PROCS=1
+    MAX_QUEUE=256 MAX_BATCH=64
+fi
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .gpu/whl ] && ls .gpu/whl/*.whl >/dev/null 2>&1 && [ "${SMOKE:-0}" != 1 ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+# the text the scoring clients send: the held-out book where bench/gpu_prepare.sh put the texts, else the
+# repository's own excerpt (tests/data)
+if [ -f .gpu/data/chesterton-brown.txt ]; then export ADAPTLM_DATA=$PWD/.gpu/data BOOK=chesterton-brown.txt
+else export ADAPTLM_DATA=$PWD/tests/data BOOK=valid.txt; fi
+started=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - started )) s] $*"; }
+
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi") > "$OUT/gpu.txt"
+$PY -c "import torch, os; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cpus', os.cpu_count())" \
+    >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+util_pid=""
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi dmon -s u -d 1 > "$OUT/util.txt" 2>&1 &
+    util_pid=$!
+fi
+
+PORT=$($PY -c "from server.launch import free_port; print(free_port())")
+URL="http://127.0.0.1:$PORT"
+stamp "serving $CHECKPOINT on $DEVICE with $WORKERS workers at $URL"
+ADAPTLM_DEVICE=$DEVICE ADAPTLM_WORKERS=$WORKERS ADAPTLM_MAX_QUEUE=$MAX_QUEUE ADAPTLM_MAX_BATCH=$MAX_BATCH \
+    ADAPTLM_LOG_LEVEL=warning $PY -m adaptlm serve --checkpoint "$CHECKPOINT" --port "$PORT" > "$OUT/server.log" 2>&1 &
+server=$!
+for _ in $(seq 1 300); do
+    curl -sf "$URL/readyz" >/dev/null 2>&1 && break
+    kill -0 $server 2>/dev/null || { echo "the server exited:"; tail -20 "$OUT/server.log"; exit 1; }
+    sleep 1
+done
+sleep 3  # every worker up (readyz answers with the first)
+first=$(grep -cv '^#' "$OUT/util.txt" 2>/dev/null)
+
+stamp "scoring at $STREAMS streams"
+$PY -m bench.serve_load --url "$URL" --streams "$STREAMS" --seconds "$SECONDS_EACH" --file "$BOOK" | tee "$OUT/score.md"
+stamp "typists at $TYPISTS"
+ADAPTLM_LOADTEST_MESSAGES=$PWD/loadtest/messages.txt $PY -m bench.capacity --url "$URL" --classes Typist \
+    --levels "$TYPISTS" --run-time "$RUN_TIME" --locust-processes "$LOCUST_PROCS" | tee "$OUT/typists.md"
+last=$(grep -cv '^#' "$OUT/util.txt" 2>/dev/null)
+kill -TERM $server; wait $server
+
+stamp "observe: $OBSERVE_SESSIONS sessions at once against one at a time"
+ADAPTLM_DEVICE=$DEVICE $PY -m bench.server --checkpoint "$CHECKPOINT" --only observe --sessions "$OBSERVE_SESSIONS" \
+    --max-batch "1,$((2 * OBSERVE_SESSIONS))" --messages loadtest/messages.txt --max-seconds 120 | tee "$OUT/observe.md"
+
+if [ -n "$util_pid" ]; then
+    kill $util_pid
+    # dmon: "#" header lines, then one line a second (gpu, sm%, mem%, ...): the mean sm% while steps 2-3 ran
+    awk -v a="${first:-0}" -v b="${last:-0}" '!/^#/ {c++; if (c > a && c <= b) {s += $2; k++}}
+        END {printf "| GPU SM busy, mean over scoring and typists | %.0f%% over %d s |\n", (k ? s / k : 0), k}' \
+        "$OUT/util.txt" | tee "$OUT/util.md"
+fi
+stamp "done"
