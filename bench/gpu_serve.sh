@@ -13,7 +13,8 @@
 #   bash bench/gpu_prepare.sh                                    # here, once: .gpu/whl (wheels the GPU image lacks)
 #   OUT=runs/gpu_serve bash bench/gpu_serve.sh                     # on the GPU machine, carry [".gpu"]
 #
-# Sizes: STREAMS (32,256,2048), TYPISTS (100,300,1000,3000), OBSERVE_SESSIONS (256), SECONDS (20: each scoring level),
+# Sizes: STREAMS (32,256,2048), TYPISTS (100,300,1000,3000), OBSERVE_SESSIONS (256), OBSERVE_BYTES (2048),
+# SECONDS (20: each scoring level),
 # RUN_TIME (40s: each typists level), WORKERS (8), LOCUST_PROCS (6), MAX_QUEUE (8192), MAX_BATCH (512).
 set -u
 OUT=${OUT:-runs/gpu_serve}
@@ -23,6 +24,7 @@ WORKERS=${WORKERS:-8}
 STREAMS=${STREAMS:-32,256,2048}
 TYPISTS=${TYPISTS:-100,300,1000,3000}
 OBSERVE_SESSIONS=${OBSERVE_SESSIONS:-256}
+OBSERVE_BYTES=${OBSERVE_BYTES:-2048}
 SECONDS_EACH=${SECONDS:-20}
 RUN_TIME=${RUN_TIME:-40s}
 LOCUST_PROCS=${LOCUST_PROCS:-6}
@@ -30,7 +32,8 @@ MAX_QUEUE=${MAX_QUEUE:-8192}
 MAX_BATCH=${MAX_BATCH:-512}
 CHECKPOINT=${CHECKPOINT:-checkpoints/default}
 if [ "${SMOKE:-0}" = 1 ]; then
-    DEVICE=cpu WORKERS=2 STREAMS=2,8 TYPISTS=2,4 OBSERVE_SESSIONS=4 SECONDS_EACH=4 RUN_TIME=8s LOCUST_PROCS=1
+    DEVICE=cpu WORKERS=2 STREAMS=2,8 TYPISTS=2,4 OBSERVE_SESSIONS=4 OBSERVE_BYTES=256 SECONDS_EACH=4 RUN_TIME=8s
+    LOCUST_PROCS=1
     MAX_QUEUE=256 MAX_BATCH=64
 fi
 mkdir -p "$OUT"
@@ -44,8 +47,12 @@ else
 fi
 # the text the scoring clients send: the held-out book where bench/gpu_prepare.sh put the texts, else the
 # repository's own excerpt (tests/data)
-if [ -f .gpu/data/chesterton-brown.txt ]; then export ADAPTLM_DATA=$PWD/.gpu/data BOOK=chesterton-brown.txt
-else export ADAPTLM_DATA=$PWD/tests/data BOOK=valid.txt; fi
+# repository's own excerpts (tests/data); the observing sessions read slices of a longer one
+if [ -f .gpu/data/chesterton-brown.txt ]; then
+    export ADAPTLM_DATA=$PWD/.gpu/data BOOK=chesterton-brown.txt LONG=$PWD/.gpu/data/bible-kjv.txt
+else
+    export ADAPTLM_DATA=$PWD/tests/data BOOK=valid.txt LONG=$PWD/tests/data/train.txt
+fi
 started=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - started )) s] $*"; }
 
@@ -62,7 +69,7 @@ fi
 PORT=$($PY -c "from server.launch import free_port; print(free_port())")
 URL="http://127.0.0.1:$PORT"
 stamp "serving $CHECKPOINT on $DEVICE with $WORKERS workers at $URL"
-ADAPTLM_DEVICE=$DEVICE ADAPTLM_WORKERS=$WORKERS ADAPTLM_MAX_QUEUE=$MAX_QUEUE ADAPTLM_MAX_BATCH=$MAX_BATCH \
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE ADAPTLM_WORKERS=$WORKERS ADAPTLM_MAX_QUEUE=$MAX_QUEUE ADAPTLM_MAX_BATCH=$MAX_BATCH \
     ADAPTLM_LOG_LEVEL=warning $PY -m adaptlm serve --checkpoint "$CHECKPOINT" --port "$PORT" > "$OUT/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 300); do
@@ -82,8 +89,9 @@ last=$(grep -cv '^#' "$OUT/util.txt" 2>/dev/null)
 kill -TERM $server; wait $server
 
 stamp "observe: $OBSERVE_SESSIONS sessions at once against one at a time"
-ADAPTLM_DEVICE=$DEVICE $PY -m bench.server --checkpoint "$CHECKPOINT" --only observe --sessions "$OBSERVE_SESSIONS" \
-    --max-batch "1,$((2 * OBSERVE_SESSIONS))" --messages loadtest/messages.txt --max-seconds 120 | tee "$OUT/observe.md"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE $PY -m bench.server --checkpoint "$CHECKPOINT" --only observe --sessions "$OBSERVE_SESSIONS" \
+    --max-batch "1,$((2 * OBSERVE_SESSIONS))" --observe-bytes "$OBSERVE_BYTES" --messages "$LONG" --max-seconds 120 \
+    | tee "$OUT/observe.md"
 
 if [ -n "$util_pid" ]; then
     kill $util_pid
