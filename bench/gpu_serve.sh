@@ -70,7 +70,8 @@ PORT=$($PY -c "from server.launch import free_port; print(free_port())")
 URL="http://127.0.0.1:$PORT"
 stamp "serving $CHECKPOINT on $DEVICE with $WORKERS workers at $URL"
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE ADAPTLM_WORKERS=$WORKERS ADAPTLM_MAX_QUEUE=$MAX_QUEUE \
-    ADAPTLM_MAX_BATCH=$MAX_BATCH ADAPTLM_LOG_LEVEL=warning $PY -m adaptlm serve --checkpoint "$CHECKPOINT" --port "$PORT" > "$OUT/server.log" 2>&1 &
+    ADAPTLM_MAX_BATCH=$MAX_BATCH ADAPTLM_LOG_LEVEL=warning \
+    $PY -m adaptlm serve --checkpoint "$CHECKPOINT" --port "$PORT" > "$OUT/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 300); do
     curl -sf "$URL/readyz" >/dev/null 2>&1 && break
@@ -89,7 +90,8 @@ last=$(grep -cv '^#' "$OUT/util.txt" 2>/dev/null)
 kill -TERM $server; wait $server
 
 stamp "observe: $OBSERVE_SESSIONS sessions at once against one at a time"
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE $PY -m bench.server --checkpoint "$CHECKPOINT" --only observe \
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE \
+    $PY -m bench.server --checkpoint "$CHECKPOINT" --only observe \
     --sessions "$OBSERVE_SESSIONS" \
     --max-batch "1,$((2 * OBSERVE_SESSIONS))" --observe-bytes "$OBSERVE_BYTES" --messages "$LONG" --max-seconds 120 \
     | tee "$OUT/observe.md"
