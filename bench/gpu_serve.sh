@@ -74,7 +74,8 @@ OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE ADAPTLM_WORKERS=$WO
     $PY -m adaptlm serve --checkpoint "$CHECKPOINT" --port "$PORT" > "$OUT/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 300); do
-    curl -sf "$URL/readyz" >/dev/null 2>&1 && break
+    $PY -c "import sys, urllib.request as u; sys.exit(u.urlopen(sys.argv[1], timeout=2).status != 200)" \
+        "$URL/readyz" >/dev/null 2>&1 && break
     kill -0 $server 2>/dev/null || { echo "the server exited:"; tail -20 "$OUT/server.log"; exit 1; }
     sleep 1
 done
