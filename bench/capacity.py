@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench._common import DEFAULT_CHECKPOINT, machine_line
-from server.launch import free_port, stop, wait_ready
+from bench._common import DEFAULT_CHECKPOINT, machine_line, server_on_loopback
 
 CLASSES = ["Scorer", "Typist", "Generator", "OpenAICompletions"]
 # the request a class is about: its rate is the class's sustained rate (the aggregate also counts the
@@ -75,21 +72,8 @@ def main() -> None:
     if args.url:
         run_levels(args, args.url.rstrip("/"))
         return
-    env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning", "ADAPTLM_WORKERS": str(args.workers)}
-    with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 (closed below)
-        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", args.checkpoint,
-                                 "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-        try:
-            if not wait_ready(url, proc, time.monotonic() + 300):
-                raise SystemExit("the server did not start")
-            run_levels(args, url)
-        finally:
-            stop(proc)
-            log.close()
+    with server_on_loopback(args.checkpoint, {"ADAPTLM_WORKERS": str(args.workers)}) as url:
+        run_levels(args, url)
 
 
 def run_levels(args: argparse.Namespace, url: str) -> None:

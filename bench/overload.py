@@ -14,17 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench._common import DEFAULT_CHECKPOINT, data_file, first_bytes, machine_line
-from server.launch import free_port, stop, wait_ready
+from bench._common import DEFAULT_CHECKPOINT, data_file, first_bytes, machine_line, server_on_loopback
 
 
 async def burst(port: int, texts: list[str]) -> list[tuple[int, float]]:
@@ -78,29 +72,18 @@ def main() -> None:
     print("| ADAPTLM_WORKERS | round | 200 | 429 | other | 429 p50 / p99 / max ms | 200 p50 / p99 / max ms |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for workers in args.workers:
-        env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning", "ADAPTLM_WORKERS": str(workers),
-                            "ADAPTLM_RATE_LIMIT_PER_S": "0", "ADAPTLM_MAX_QUEUE": str(args.max_queue)}
-        with tempfile.TemporaryDirectory() as tmp:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 (closed below)
-            proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", args.checkpoint,
-                                     "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT)
-            try:
-                if not wait_ready(url, proc, time.monotonic() + 300):
-                    raise SystemExit("the server did not start: " + (Path(tmp) / "server.log").read_text()[-2000:])
-                time.sleep(2.0)  # the workers' start-up done (readyz answers with the first one)
-                for r in range(args.rounds):
-                    answers = asyncio.run(burst(port, texts))
-                    ok = [t for s, t in answers if s == 200]
-                    refused = [t for s, t in answers if s == 429]
-                    other = len(answers) - len(ok) - len(refused)
-                    print(f"| {workers} | {r + 1} | {len(ok)} | {len(refused)} | {other} | {percentiles(refused)} | "
-                          f"{percentiles(ok)} |", flush=True)
-            finally:
-                stop(proc)
-                log.close()
+        settings = {"ADAPTLM_WORKERS": str(workers), "ADAPTLM_RATE_LIMIT_PER_S": "0",
+                    "ADAPTLM_MAX_QUEUE": str(args.max_queue)}
+        with server_on_loopback(args.checkpoint, settings) as url:
+            port = int(url.rsplit(":", 1)[1])
+            time.sleep(2.0)  # the workers' start-up done (readyz answers with the first one)
+            for r in range(args.rounds):
+                answers = asyncio.run(burst(port, texts))
+                ok = [t for s, t in answers if s == 200]
+                refused = [t for s, t in answers if s == 429]
+                other = len(answers) - len(ok) - len(refused)
+                print(f"| {workers} | {r + 1} | {len(ok)} | {len(refused)} | {other} | {percentiles(refused)} | "
+                      f"{percentiles(ok)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -63,17 +63,22 @@ def export_session(session: Session, model_hash: str, sessions: SessionModel) ->
                                            "session": json.dumps(info, ensure_ascii=False)})
 
 
-def _header_metadata(blob: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors blob: an 8-byte little-endian header length, then a JSON header."""
+def safetensors_header(blob: bytes) -> tuple[int, Any]:
+    """A safetensors blob's header: an 8-byte little-endian length, then JSON -> (the length, the parsed JSON)."""
     if len(blob) < 8:
         raise SessionImportError("not a session export (too short)")
     n = int.from_bytes(blob[:8], "little")
     if n > min(_MAX_HEADER, len(blob) - 8):
         raise SessionImportError("not a session export (bad header)")
     try:
-        header = json.loads(blob[8 : 8 + n])
+        return n, json.loads(blob[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nesting 1e5 deep
         raise SessionImportError("not a session export (bad header)") from None
+
+
+def _header_metadata(blob: bytes) -> dict[str, str]:
+    """The `__metadata__` of a session export's safetensors header."""
+    _, header = safetensors_header(blob)
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
         raise SessionImportError("not a session export (no adaptlm-session metadata)")

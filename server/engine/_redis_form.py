@@ -31,6 +31,7 @@ import json
 from collections.abc import Mapping
 
 from server.engine._errors import SessionImportError
+from server.engine._export import safetensors_header
 
 __all__ = ["CHUNK", "Form", "Stored", "join", "split"]
 
@@ -38,7 +39,6 @@ __all__ = ["CHUNK", "Form", "Stored", "join", "split"]
 # 4 KiB allocation of Redis's allocator (jemalloc); 4,096 would take 5 KiB, a session 17% more memory than its blob
 CHUNK = 4090
 _LAYOUT_VERSION = 1
-_MAX_HEADER = 1 << 20
 _WINDOW_DTYPE = "U8"  # a byte window (the copy model's history and match lengths) is stored rotated
 
 
@@ -73,17 +73,11 @@ class Stored:
 
 def _tensors(blob: bytes) -> tuple[int, list[tuple[str, str, int, int]]]:
     """The header's length (with its 8-byte prefix) and the tensors: (name, dtype, start, end) in data order."""
-    if len(blob) < 8:
-        raise SessionImportError("not a session export (too short)")
-    n = int.from_bytes(blob[:8], "little")
-    if n > min(_MAX_HEADER, len(blob) - 8):
-        raise SessionImportError("not a session export (bad header)")
     try:
-        header = json.loads(blob[8 : 8 + n])
+        n, header = safetensors_header(blob)
         tensors = sorted((int(v["data_offsets"][0]), int(v["data_offsets"][1]), str(name), str(v["dtype"]))
                          for name, v in header.items() if name != "__metadata__")
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError, KeyError, TypeError,
-            ValueError, IndexError):
+    except (SessionImportError, AttributeError, KeyError, TypeError, ValueError, IndexError):
         raise SessionImportError("the stored session's header is corrupt") from None
     return 8 + n, [(name, dtype, start, end) for start, end, name, dtype in tensors]
 
