@@ -1,0 +1,139 @@
+"""Variants of the session's adaptation (models/adaptation/_variants.py): the served settings score as the engine does,
+no byte's score sees that byte or later ones, the divergence guard holds, and the output parts learn.
+
+Tiny float64 mLSTMs, frozen as a loaded checkpoint is, with synthetic MS_g statistics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from models.adaptation import DIVERGED_BITS, DynEvalConfig, VariantConfig, VariantStream, evaluate
+from models.copymodel import CopyConfig, CopyModel
+from models.mlstm import MLSTM, MLSTMConfig
+from models.tokenizer import ByteTokenizer
+
+H = 16
+EVERY_PART = {"units": 8, "lr": 0.05, "bias_lr": 0.05, "out_rank": 4, "out_lr": 0.05, "decay": 0.0, "segment": 10}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread: None) -> None:
+    """Tiny matrices (tests/models/conftest.py)."""
+
+
+def _model(seed: int = 0) -> MLSTM:
+    torch.manual_seed(seed)
+    model = MLSTM(MLSTMConfig(hidden=H, embed_dim=8, dropout_hidden=0.0)).double()
+    with torch.no_grad():
+        model.embed.weight.normal_(0, 1.0)
+    return model.freeze()  # type: ignore[return-value]
+
+
+def _stats(model: MLSTM, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    stats = {f"param.{n}": 10 ** (torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 5)
+             for n, p in model.named_parameters()}
+    stats["adapter.h"] = 10 ** (torch.rand(H, H, generator=g, dtype=torch.float64) * 2 - 5)
+    return stats
+
+
+def _text(n: int, seed: int = 0, alphabet: int = 8) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    symbols = torch.randperm(256, generator=g)[:alphabet]
+    return bytes(symbols[torch.randint(0, alphabet, (n,), generator=g)].tolist())
+
+
+def _run(model: MLSTM, text: bytes, config: VariantConfig, copy: CopyModel | None = None
+         ) -> tuple[np.ndarray, np.ndarray | None, VariantStream]:
+    stream = VariantStream(model, config, _stats(model), copy)
+    inputs, targets = ByteTokenizer().stream(text, None, torch.device("cpu"))
+    net, mixed = stream.run(inputs, targets)
+    return net.numpy(), None if mixed is None else mixed.numpy(), stream
+
+
+def test_the_session_settings_score_as_the_engine_does() -> None:
+    """The M-only variant is the served session: the same log-probs as `evaluate` in sparse mode (the engine's
+    batched step), and with every rate 0 the static model's."""
+    model, text = _model(), _text(120, seed=3)
+    cfg = DynEvalConfig(mode="sparse", rule="rms_decay", lr=0.02, decay=0.01, eps=1e-6, segment=10, adapter_units=12)
+    ref = evaluate(model, text, cfg, stats=_stats(model))
+    net, _, stream = _run(model, text, VariantConfig.from_session(cfg))
+    np.testing.assert_allclose(net, ref.logprobs, rtol=0, atol=1e-10)
+    assert stream.updates == 12 and float(stream.params["M.h"].abs().max()) > 0
+    static = evaluate(model, text, DynEvalConfig(mode="static"))
+    frozen, _, _ = _run(model, text, VariantConfig(units=0, bias_lr=0.0, segment=10))
+    np.testing.assert_allclose(frozen, static.logprobs, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("early", [0.0, 3.0])
+def test_no_byte_is_scored_after_learning_from_itself_or_later_bytes(early: float) -> None:
+    """A change at byte 35 (inside the fourth segment) leaves the scores of bytes 0..34 and the whole distribution at
+    byte 35 alone, with every part adapting at large rates; the network's scores and the copy model's mixture alike."""
+    model = _model()
+    a = _text(80, seed=2)
+    b = a[:35] + _text(45, seed=9)
+    assert a[35] != b[35]
+    rate = 0.05 / (1 + early)  # as large at the start either way
+    cfg = VariantConfig(**{**EVERY_PART, "lr": rate, "bias_lr": rate, "out_lr": rate}, early=early)  # type: ignore[arg-type]
+    copy = CopyModel(CopyConfig(), 256)
+    net_a, mix_a, stream = _run(model, a, cfg, copy)
+    net_b, mix_b, _ = _run(model, b, cfg, copy)
+    assert stream.updates == 8 and stream.resets == 0
+    np.testing.assert_array_equal(net_a[:35], net_b[:35])
+    assert mix_a is not None and mix_b is not None
+    np.testing.assert_array_equal(mix_a[:35], mix_b[:35])
+    assert not np.allclose(net_a[36:], net_b[36:])  # the comparison can see a change
+    # byte 35 itself: its distribution must be the one every continuation of the prefix gets
+    stream_a = VariantStream(model, cfg, _stats(model))
+    ins, outs = ByteTokenizer().stream(a, None, torch.device("cpu"))
+    for i in range(0, 30, 10):
+        stream_a.step(ins[None, i : i + 10], outs[None, i : i + 10])
+    p_a = math.exp(float(net_a[35]))
+    log_dist, _, _, _ = stream_a._score(ins[None, 30:36], outs[None, 30:36])
+    assert p_a == pytest.approx(math.exp(float(log_dist[0, 5, a[35]])), rel=1e-9)
+    assert math.exp(float(net_b[35])) == pytest.approx(math.exp(float(log_dist[0, 5, b[35]])), rel=1e-9)
+
+
+def test_the_divergence_guard_holds_for_every_part() -> None:
+    """Rates far too large on random text: the parts' scores blow up, are reset to the shipped weights and the segment
+    scored again, so the text stays scored like a model's; at a sane rate the guard never fires."""
+    model = _model()
+    text = _text(400, seed=5, alphabet=64)
+    static, _, _ = _run(model, text, VariantConfig(units=0, segment=10))
+    static_bits = -static.sum() / math.log(2) / len(text)
+    for wild in ({"units": 0, "bias_lr": 1e4}, {"units": 0, "out_rank": 4, "out_lr": 1e4},
+                 {**EVERY_PART, "lr": 1e4, "bias_lr": 1e4, "out_lr": 1e4}):
+        net, _, stream = _run(model, text, VariantConfig(**{"segment": 10, **wild}))  # type: ignore[arg-type]
+        bits = -net.sum() / math.log(2) / len(text)
+        assert stream.resets > 0, wild
+        assert np.isfinite(net).all() and bits < DIVERGED_BITS and bits < 3 * static_bits, wild
+    _, _, calm = _run(model, text, VariantConfig(**EVERY_PART))  # type: ignore[arg-type]
+    assert calm.resets == 0 and calm.dropped == 0
+
+
+def test_the_output_parts_learn_a_repeated_text() -> None:
+    """The output bias and the low-rank output update alone (no M) lower the loss on a text that repeats, each starting
+    at the static model's scores, and the decay pulls them back to the shipped weights."""
+    model = _model()
+    text = _text(40, seed=4, alphabet=6) * 6
+    static, _, _ = _run(model, text, VariantConfig(units=0, segment=10))
+    for part in ({"bias_lr": 0.02}, {"out_rank": 4, "out_lr": 0.02}):
+        net, _, stream = _run(model, text, VariantConfig(units=0, segment=10, decay=0.0, **part))  # type: ignore[arg-type]
+        np.testing.assert_allclose(net[:10], static[:10], rtol=0, atol=1e-12)  # nothing learned before the first step
+        assert net[-80:].sum() > static[-80:].sum() + 5.0, part  # more than 5 nats better over the last 80 bytes
+        assert set(stream.params) == ({"bias"} if "bias_lr" in part else {"B"})
+        decayed, _, stream2 = _run(model, text, VariantConfig(units=0, segment=10, decay=0.5, **part))  # type: ignore[arg-type]
+        size = float(next(iter(stream.params.values())).abs().sum())
+        assert float(next(iter(stream2.params.values())).abs().sum()) < 0.5 * size
+
+
+def test_bad_settings_are_refused() -> None:
+    for bad in ({"lr": -1.0}, {"decay": 2.0}, {"segment": 0}, {"units": 1.5}, {"out_rank": 4}, {"eps": float("nan")}):
+        with pytest.raises(ValueError):
+            VariantConfig(**bad)
+    assert VariantConfig(units=256, bias_lr=1.0, out_rank=32, out_lr=1.0).state_bytes(768, 256) == \
+        4 * (256 * 256 + 256 + 256 * 32)
