@@ -55,6 +55,10 @@ VARIANTS: dict[str, dict[str, object]] = {
     "seg10": {"segment": 10},
     "seg40": {"segment": 40},
     "decay0": {"decay": 0.0},
+    # the adapter learns from the loss of what is served, the network mixed with the copy model
+    "mixed": {"mixed_loss": True},
+    "mixed-lr2x": {"mixed_loss": True, "lr": 2e-4},
+    "mixed+bias+out32": {"mixed_loss": True, "bias_lr": 1e-3, "out_rank": 32, "out_lr": 1e-4},
 }
 FULL_PARTS = {
     "full": (),
@@ -75,7 +79,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, object]]:
         key, _, value = item.partition("=")
         if key not in fields:
             raise SystemExit(f"--variant {spec!r}: unknown key {key!r}; keys: {', '.join(sorted(fields))}")
-        out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        else:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
     if not name:
         raise SystemExit(f"--variant {spec!r}: a name is needed (NAME:key=value,...)")
     return name, out

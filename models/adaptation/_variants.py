@@ -23,7 +23,9 @@ schedule.
 
 The adaptation learns from the network's own scores, as the served session's does (`batch_step`); a copy model, when
 given, is mixed into the scores after them, so one pass gives both the network's bits and the bits with the copy
-model. The guards are the session's: an update that would make a parameter or the state non-finite is dropped, and
+model. With `mixed_loss` the parts learn instead from the loss of what is served, the network mixed with the copy
+model: the mixture's gradient weighs each byte by how much the mixture still misses it (Krause et al. 2018, sec. 5,
+adapt on the loss that is scored; the copy model's mixer is log-linear, models/copymodel.py). The guards are the session's: an update that would make a parameter or the state non-finite is dropped, and
 parameters under which a segment scores worse than DIVERGED_BITS a token are reset to the shipped ones (zero) and
 the segment scored again.
 """
@@ -64,6 +66,7 @@ class VariantConfig:
     out_lr: float = 0.0  # eta of B
     early: float = 0.0  # every rate (1 + early) times larger at the start, the excess halving every early_bytes
     early_bytes: int = 2000
+    mixed_loss: bool = False  # learn from the loss of the network mixed with the copy model (as served), not its own
 
     def __post_init__(self) -> None:
         for name in ("lr", "decay", "eps", "bias_lr", "out_lr", "early"):
@@ -176,6 +179,18 @@ class VariantStream:
                 self.params = {n: torch.zeros_like(t).requires_grad_(True) for n, t in self.params.items()}
                 self.resets += 1
                 log_dist, lp, state, loss = self._score(x, y)
+            mixed = None
+            if self.copy is not None:  # the copy model scores the segment after the network, then learns it
+                mask = torch.ones_like(y, dtype=torch.bool)
+                dist, (self.copy_state,) = self.copy.learn(log_dist.detach(), x, y, mask, None, [self.copy_state])
+                mixed = dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)[0]
+                if self.config.mixed_loss:
+                    # the served loss, -log p_mix(y): through the mixer's log-linear product its gradient w.r.t. the
+                    # network's logits is w_net (p_mix - onehot(y)) (w_net, the mixer's weight on log p_net, folded
+                    # into the rate): the network's own gradient with p_mix in place of p_net, so a byte the copy model
+                    # already predicts teaches the weights little
+                    p_mix = dist.detach().exp().to(log_dist.dtype)
+                    loss = (-lp + (p_mix * log_dist).sum(-1)).mean()
             names = list(self.params)
             grads = dict(zip(names, torch.autograd.grad(loss, [self.params[n] for n in names]), strict=True)) \
                 if names else {}
@@ -196,11 +211,6 @@ class VariantStream:
             self.state = state
         self.pos += y.shape[1]
         net = lp.detach()[0]
-        mixed = None
-        if self.copy is not None:
-            mask = torch.ones_like(y, dtype=torch.bool)
-            dist, (self.copy_state,) = self.copy.learn(log_dist.detach(), x, y, mask, None, [self.copy_state])
-            mixed = dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)[0]
         return net, mixed
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

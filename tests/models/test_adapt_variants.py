@@ -69,8 +69,8 @@ def test_the_session_settings_score_as_the_engine_does() -> None:
     np.testing.assert_allclose(frozen, static.logprobs, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("early", [0.0, 3.0])
-def test_no_byte_is_scored_after_learning_from_itself_or_later_bytes(early: float) -> None:
+@pytest.mark.parametrize(("early", "mixed_loss"), [(0.0, False), (3.0, False), (0.0, True)])
+def test_no_byte_is_scored_after_learning_from_itself_or_later_bytes(early: float, mixed_loss: bool) -> None:
     """A change at byte 35 (inside the fourth segment) leaves the scores of bytes 0..34 and the whole distribution at
     byte 35 alone, with every part adapting at large rates; the network's scores and the copy model's mixture alike."""
     model = _model()
@@ -78,7 +78,8 @@ def test_no_byte_is_scored_after_learning_from_itself_or_later_bytes(early: floa
     b = a[:35] + _text(45, seed=9)
     assert a[35] != b[35]
     rate = 0.05 / (1 + early)  # as large at the start either way
-    cfg = VariantConfig(**{**EVERY_PART, "lr": rate, "bias_lr": rate, "out_lr": rate}, early=early)  # type: ignore[arg-type]
+    cfg = VariantConfig(**{**EVERY_PART, "lr": rate, "bias_lr": rate, "out_lr": rate},  # type: ignore[arg-type]
+                        early=early, mixed_loss=mixed_loss)
     copy = CopyModel(CopyConfig(), 256)
     net_a, mix_a, stream = _run(model, a, cfg, copy)
     net_b, mix_b, _ = _run(model, b, cfg, copy)
@@ -88,7 +89,7 @@ def test_no_byte_is_scored_after_learning_from_itself_or_later_bytes(early: floa
     np.testing.assert_array_equal(mix_a[:35], mix_b[:35])
     assert not np.allclose(net_a[36:], net_b[36:])  # the comparison can see a change
     # byte 35 itself: its distribution must be the one every continuation of the prefix gets
-    stream_a = VariantStream(model, cfg, _stats(model))
+    stream_a = VariantStream(model, cfg, _stats(model), copy)
     ins, outs = ByteTokenizer().stream(a, None, torch.device("cpu"))
     for i in range(0, 30, 10):
         stream_a.step(ins[None, i : i + 10], outs[None, i : i + 10])
@@ -137,3 +138,20 @@ def test_bad_settings_are_refused() -> None:
             VariantConfig(**bad)
     assert VariantConfig(units=256, bias_lr=1.0, out_rank=32, out_lr=1.0).state_bytes(768, 256) == \
         4 * (256 * 256 + 256 + 256 * 32)
+
+
+def test_learning_from_the_mixture_weighs_bytes_by_what_the_copy_model_misses() -> None:
+    """With `mixed_loss` the parts learn from the network mixed with the copy model: on a text that repeats exactly, the
+    copy model predicts the repeats and the adapter learns less from them than from its own loss; without a copy model
+    the mixture is the network and the two losses are one."""
+    model = _model()
+    text = _text(50, seed=6, alphabet=6) * 4
+    copy = CopyModel(CopyConfig(), 256)
+    cfg = VariantConfig(**EVERY_PART)  # type: ignore[arg-type]
+    mixed_cfg = VariantConfig(**EVERY_PART, mixed_loss=True)  # type: ignore[arg-type]
+    _, _, own = _run(model, text, cfg, copy)
+    _, _, mixed = _run(model, text, mixed_cfg, copy)
+    assert float(mixed.params["M.h"].norm()) < 0.9 * float(own.params["M.h"].norm())
+    alone, _, _ = _run(model, text, cfg)
+    alone_mixed, _, _ = _run(model, text, mixed_cfg)
+    np.testing.assert_allclose(alone_mixed, alone, rtol=0, atol=1e-12)
