@@ -24,8 +24,10 @@ schedule.
 The adaptation learns from the network's own scores, as the served session's does (`batch_step`); a copy model, when
 given, is mixed into the scores after them, so one pass gives both the network's bits and the bits with the copy
 model. With `mixed_loss` the parts learn instead from the loss of what is served, the network mixed with the copy
-model: the mixture's gradient weighs each byte by how much the mixture still misses it (Krause et al. 2018, sec. 5,
-adapt on the loss that is scored; the copy model's mixer is log-linear, models/copymodel.py). The guards are the session's: an update that would make a parameter or the state non-finite is dropped, and
+model: the mixture's gradient weighs each byte by how much the mixture still misses it (the copy model's mixer is
+log-linear, models/copymodel.py).
+
+The guards are the session's: an update that would make a parameter or the state non-finite is dropped, and
 parameters under which a segment scores worse than DIVERGED_BITS a token are reset to the shipped ones (zero) and
 the segment scored again.
 """
