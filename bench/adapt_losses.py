@@ -59,6 +59,11 @@ VARIANTS: dict[str, dict[str, object]] = {
     "mixed": {"mixed_loss": True},
     "mixed-lr2x": {"mixed_loss": True, "lr": 2e-4},
     "mixed+bias+out32": {"mixed_loss": True, "bias_lr": 1e-3, "out_rank": 32, "out_lr": 1e-4},
+    # the whole output layer (bias and matrix) at full dynamic evaluation's rates, alone and beside M; what
+    # full-head does without the weight-norm gains
+    "head": {"units": 0, "bias_lr": 1.728e-5, "out_rank": 768, "out_lr": 1.728e-5, "decay": 1e-4},
+    "M+head": {"bias_lr": 1.728e-5, "out_rank": 768, "out_lr": 1.728e-5},
+    "mixed+M+head": {"mixed_loss": True, "bias_lr": 1.728e-5, "out_rank": 768, "out_lr": 1.728e-5},
 }
 FULL_PARTS = {
     "full": (),
@@ -288,26 +293,29 @@ def _by_position(texts: list[str], systems: list[str], get: Callable[[str, str, 
 
 def _by_kind(texts: list[str], systems: list[str], get: Callable[[str, str, str], np.ndarray | None],
              datas: dict[str, bytes]) -> None:
-    print("\n## by kind of byte, with the copy model: share of the bytes, bits per byte of static + copy, and each "
-          "system's saving over it in bits per byte of that kind\n")
-    shown = [s for s in systems if s != "static"]
-    print("| text | kind | bytes | static + copy | " + " | ".join(f"{s} + copy" for s in shown) + " |")
-    print("| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in shown) + " |")
-    for t in texts:
-        base = get("static", t, "mixed")
-        if base is None:
-            continue
-        kinds = byte_kinds(datas[t][: base.size])
-        for k, label in enumerate(KINDS):
-            where = kinds == k
-            if not where.any():
+    for key, label_of in (("mixed", "with the copy model"), ("net", "the network alone")):
+        base_name = "static + copy" if key == "mixed" else "static"
+        print(f"\n## by kind of byte, {label_of}: share of the bytes, bits per byte of {base_name}, and each "
+              "system's saving over it in bits per byte of that kind\n")
+        shown = [s for s in systems if s != "static"]
+        suffix = " + copy" if key == "mixed" else ""
+        print(f"| text | kind | bytes | {base_name} | " + " | ".join(f"{s}{suffix}" for s in shown) + " |")
+        print("| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in shown) + " |")
+        for t in texts:
+            base = get("static", t, key)
+            if base is None:
                 continue
-            b = bpb(base, where)
-            cells = []
-            for s in shown:
-                m = get(s, t, "mixed")
-                cells.append("" if m is None else f"{b - bpb(m, where):+.3f}")
-            print(f"| {t} | {label} | {100 * where.mean():.0f}% | {b:.3f} | " + " | ".join(cells) + " |")
+            kinds = byte_kinds(datas[t][: base.size])
+            for k, label in enumerate(KINDS):
+                where = kinds == k
+                if not where.any():
+                    continue
+                b = bpb(base, where)
+                cells = []
+                for s in shown:
+                    m = get(s, t, key)
+                    cells.append("" if m is None else f"{b - bpb(m, where):+.3f}")
+                print(f"| {t} | {label} | {100 * where.mean():.0f}% | {b:.3f} | " + " | ".join(cells) + " |")
     print("\n## where full + copy's lead over session + copy lies: each kind's share of the bits full saves more\n")
     print("| text | " + " | ".join(KINDS) + " | total (bits per byte) |")
     print("| --- | " + " | ".join("---:" for _ in KINDS) + " | ---: |")

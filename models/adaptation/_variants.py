@@ -64,7 +64,7 @@ class VariantConfig:
     eps: float = 1.3774090912193061e-05
     segment: int = 20
     bias_lr: float = 0.0  # eta of the output bias (0: not adapted)
-    out_rank: int = 0  # r of the low-rank output update (0: none)
+    out_rank: int = 0  # r of the low-rank output update (0: none; the output layer's input size: the whole matrix)
     out_lr: float = 0.0  # eta of B
     early: float = 0.0  # every rate (1 + early) times larger at the start, the excess halving every early_bytes
     early_bytes: int = 2000
@@ -139,8 +139,13 @@ class VariantStream:
         if config.out_rank:
             v, g = head.v.detach(), head.g.detach()  # (V, H), (V,): weight-normalised W = g v / |v|
             ms_w = ms("param.head.v") * ((v.norm(dim=1) / g) ** 2).unsqueeze(1)  # (V, H)
-            self.A = projection(v.shape[1], config.out_rank, self.dtype, self.device)  # (H, r)
-            self.rules["out"] = _rule(config.out_lr, config.decay, config.eps, {"B": ms_w @ self.A ** 2})
+            if config.out_rank > v.shape[1]:
+                raise ValueError(f"out_rank {config.out_rank} exceeds the output layer's {v.shape[1]} inputs")
+            if config.out_rank == v.shape[1]:  # the whole matrix: B is W's own update, A the identity (not stored)
+                self.rules["out"] = _rule(config.out_lr, config.decay, config.eps, {"B": ms_w})
+            else:
+                self.A = projection(v.shape[1], config.out_rank, self.dtype, self.device)  # (H, r)
+                self.rules["out"] = _rule(config.out_lr, config.decay, config.eps, {"B": ms_w @ self.A ** 2})
             self.shapes["B"] = (v.shape[0], config.out_rank)
         self.copy = CopyMemory(copy) if copy is not None else None
         self.reset()
@@ -161,8 +166,8 @@ class VariantStream:
         if "bias" in p:
             logits = logits + p["bias"]
         if "B" in p:
-            assert self.A is not None and out.hidden is not None
-            logits = logits + (out.hidden @ self.A) @ p["B"].t()
+            assert out.hidden is not None
+            logits = logits + (out.hidden @ self.A if self.A is not None else out.hidden) @ p["B"].t()
         log_dist = self.model.log_probs(Output(logits=logits, state=out.state))  # (1, t, V)
         lp = log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (1, t)
         return log_dist, lp, out.state, -lp.mean()

@@ -155,3 +155,24 @@ def test_learning_from_the_mixture_weighs_bytes_by_what_the_copy_model_misses() 
     alone, _, _ = _run(model, text, cfg)
     alone_mixed, _, _ = _run(model, text, mixed_cfg)
     np.testing.assert_allclose(alone_mixed, alone, rtol=0, atol=1e-12)
+
+
+def test_the_whole_output_matrix_is_its_own_update() -> None:
+    """out_rank = the output layer's input size adapts W itself (no projection): its first step is the RMS rule's step
+    on the output matrix's gradient, sum over the segment of (p - onehot) h'^T."""
+    model = _model()
+    text = _text(10, seed=7)
+    cfg = VariantConfig(units=0, out_rank=H, out_lr=0.01, decay=0.0, segment=10)
+    stream = VariantStream(model, cfg, _stats(model))
+    inputs, targets = ByteTokenizer().stream(text, None, torch.device("cpu"))
+    stream.step(inputs[None], targets[None])
+    with torch.no_grad():
+        out = model(inputs[None], model.init_state(1))
+        grad = ((out.logits.softmax(-1) - torch.nn.functional.one_hot(targets[None], 256)).transpose(1, 2)
+                @ out.hidden)[0] / 10  # (V, H), of the segment's mean loss
+    v, g = model.head.v, model.head.g
+    assert g is not None
+    ms_w = _stats(model)["param.head.v"] * ((v.norm(dim=1) / g) ** 2).unsqueeze(1)
+    torch.testing.assert_close(stream.params["B"], -0.01 * grad / (ms_w.sqrt() + cfg.eps), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="exceeds"):
+        VariantStream(model, VariantConfig(units=0, out_rank=H + 1, out_lr=0.01), _stats(model))
