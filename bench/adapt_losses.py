@@ -64,10 +64,21 @@ VARIANTS: dict[str, dict[str, object]] = {
     "head": {"units": 0, "bias_lr": 1.728e-5, "out_rank": 768, "out_lr": 1.728e-5, "decay": 1e-4},
     "M+head": {"bias_lr": 1.728e-5, "out_rank": 768, "out_lr": 1.728e-5},
     "mixed+M+head": {"mixed_loss": True, "bias_lr": 1.728e-5, "out_rank": 768, "out_lr": 1.728e-5},
+    "head-mixed": {"units": 0, "bias_lr": 1.728e-5, "out_rank": 768, "out_lr": 1.728e-5, "decay": 1e-4,
+                   "mixed_loss": True},
+    # the output layer in a quarter of a megabyte: a rank-64 update of the matrix (6x full's rate, since a
+    # projection keeps about r / H of each step) and the bias
+    "head64": {"units": 0, "bias_lr": 1.728e-5, "out_rank": 64, "out_lr": 1e-4, "decay": 1e-4},
+    # the output matrix's direction v (row norms kept), as full-head-matrix adapts it: whole, and in rank 64
+    "headv": {"units": 0, "out_rank": 768, "out_lr": 1.728e-5, "decay": 1e-4, "out_norm": True},
+    "headv64": {"units": 0, "out_rank": 64, "out_lr": 1e-4, "decay": 1e-4, "out_norm": True},
+    "M+headv64": {"out_rank": 64, "out_lr": 1e-4, "out_norm": True},
 }
 FULL_PARTS = {
     "full": (),
     "full-head": ("head",),
+    "full-head-gain": ("head.g", "head.bias"),  # the output layer's per-byte gains (weight norm) and bias
+    "full-head-matrix": ("head.v",),
     "full-input": ("embed", "w_x", "w_mx"),
     "full-recurrent": ("w_mh", "w_m"),
 }

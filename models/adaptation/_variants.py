@@ -66,6 +66,9 @@ class VariantConfig:
     bias_lr: float = 0.0  # eta of the output bias (0: not adapted)
     out_rank: int = 0  # r of the low-rank output update (0: none; the output layer's input size: the whole matrix)
     out_lr: float = 0.0  # eta of B
+    # B updates the weight-normalised direction v of the output matrix (W = g v / |v|, row norms kept at g: the
+    # update turns each byte's output row without scaling its logits) instead of W itself
+    out_norm: bool = False
     early: float = 0.0  # every rate (1 + early) times larger at the start, the excess halving every early_bytes
     early_bytes: int = 2000
     mixed_loss: bool = False  # learn from the loss of the network mixed with the copy model (as served), not its own
@@ -138,7 +141,9 @@ class VariantStream:
         self.A: torch.Tensor | None = None
         if config.out_rank:
             v, g = head.v.detach(), head.g.detach()  # (V, H), (V,): weight-normalised W = g v / |v|
-            ms_w = ms("param.head.v") * ((v.norm(dim=1) / g) ** 2).unsqueeze(1)  # (V, H)
+            # the statistic of the matrix B updates: v's own, or W's (MS_W = MS_v (|v_i| / g_i)^2)
+            ms_w = ms("param.head.v") if config.out_norm else \
+                ms("param.head.v") * ((v.norm(dim=1) / g) ** 2).unsqueeze(1)  # (V, H)
             if config.out_rank > v.shape[1]:
                 raise ValueError(f"out_rank {config.out_rank} exceeds the output layer's {v.shape[1]} inputs")
             if config.out_rank == v.shape[1]:  # the whole matrix: B is W's own update, A the identity (not stored)
@@ -147,6 +152,12 @@ class VariantStream:
                 self.A = projection(v.shape[1], config.out_rank, self.dtype, self.device)  # (H, r)
                 self.rules["out"] = _rule(config.out_lr, config.decay, config.eps, {"B": ms_w @ self.A ** 2})
             self.shapes["B"] = (v.shape[0], config.out_rank)
+            # for out_norm: the shipped rows' norms, the output bias, and A^T v_i (|v_i + B_i A^T|^2 =
+            # |v_i|^2 + 2 B_i . A^T v_i + |B_i|^2 with A's columns orthonormal)
+            v = v.to(self.dtype)
+            self.v_norm, self.g = v.norm(dim=1), g.to(self.dtype)
+            self.v_a = v @ self.A if self.A is not None else v  # (V, r)
+            self.head_bias = head.bias.detach().to(self.dtype)
         self.copy = CopyMemory(copy) if copy is not None else None
         self.reset()
 
@@ -167,7 +178,15 @@ class VariantStream:
             logits = logits + p["bias"]
         if "B" in p:
             assert out.hidden is not None
-            logits = logits + (out.hidden @ self.A if self.A is not None else out.hidden) @ p["B"].t()
+            update = (out.hidden @ self.A if self.A is not None else out.hidden) @ p["B"].t()  # (1, t, V)
+            if self.config.out_norm:
+                # W' h = g_i (v_i . h + B_i A^T h) / |v_i + B_i A^T|; v_i . h read back from the shipped logits
+                b = p["B"]
+                norm = (self.v_norm ** 2 + 2 * (b * self.v_a).sum(1) + (b * b).sum(1)).clamp(min=1e-12).sqrt()
+                vh = (out.logits - self.head_bias) * (self.v_norm / self.g)
+                logits = logits - out.logits + self.g * (vh + update) / norm + self.head_bias
+            else:
+                logits = logits + update
         log_dist = self.model.log_probs(Output(logits=logits, state=out.state))  # (1, t, V)
         lp = log_dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (1, t)
         return log_dist, lp, out.state, -lp.mean()
