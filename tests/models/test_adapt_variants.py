@@ -176,3 +176,18 @@ def test_the_whole_output_matrix_is_its_own_update() -> None:
     torch.testing.assert_close(stream.params["B"], -0.01 * grad / (ms_w.sqrt() + cfg.eps), rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="exceeds"):
         VariantStream(model, VariantConfig(units=0, out_rank=H + 1, out_lr=0.01), _stats(model))
+
+
+def test_turning_the_output_rows_is_full_dynamic_evaluation_of_their_direction() -> None:
+    """out_norm with the whole matrix adapts v of W = g v / |v| (row norms kept): the same scores as full dynamic
+    evaluation of `head.v` alone, with the same rule and rates."""
+    model = _model()
+    text = _text(60, seed=8)
+    full = DynEvalConfig(mode="full", rule="rms_decay", lr=0.01, decay=0.05, eps=1e-6, segment=10, params=("head.v",))
+    ref = evaluate(model, text, full, stats=_stats(model))
+    cfg = VariantConfig(units=0, out_rank=H, out_lr=0.01, decay=0.05, eps=1e-6, segment=10, out_norm=True)
+    net, _, stream = _run(model, text, cfg)
+    np.testing.assert_allclose(net, ref.logprobs, rtol=0, atol=1e-9)
+    assert float(stream.params["B"].abs().max()) > 1e-3
+    low, _, _ = _run(model, text, VariantConfig(units=0, out_rank=4, out_lr=0.01, segment=10, out_norm=True))
+    assert np.isfinite(low).all() and not np.allclose(low, net)
