@@ -75,6 +75,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "M+headv64": {"out_rank": 64, "out_lr": 1e-4, "out_norm": True},
     "headv-lr2x": {"units": 0, "out_rank": 768, "out_lr": 3.456e-5, "decay": 1e-4, "out_norm": True},
     "headv-lr4x": {"units": 0, "out_rank": 768, "out_lr": 6.912e-5, "decay": 1e-4, "out_norm": True},
+    "headv-lr8x": {"units": 0, "out_rank": 768, "out_lr": 1.3824e-4, "decay": 1e-4, "out_norm": True},
+    "headv64-lr4x": {"units": 0, "out_rank": 64, "out_lr": 4e-4, "decay": 1e-4, "out_norm": True},
     "headv-mixed": {"units": 0, "out_rank": 768, "out_lr": 1.728e-5, "decay": 1e-4, "out_norm": True,
                     "mixed_loss": True},
     "M+headv": {"out_rank": 768, "out_lr": 1.728e-5, "out_norm": True},
