@@ -84,6 +84,7 @@ class FullStream:
         self.state = self.model.init_state(1)
         device = next(self.model.parameters()).device
         self.memory_states: dict[str, Any] = {name: m.init(NoSettings(), device) for name, m in self.memories.items()}
+        self.network_logprobs: torch.Tensor | None = None  # of the last segment `step` scored (t,)
         self.skipped = 0
         self.updates = 0
         self.resets = 0
@@ -126,6 +127,7 @@ class FullStream:
             # a weight the segment's loss does not reach (a compressor trained by its own loss only) gets zero
             found = torch.autograd.grad(-lp.mean(), list(self.params.values()), allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for g, p in zip(found, self.params.values(), strict=True)]
+        self.network_logprobs = lp.detach()[0]  # the network's own scores, before any memory is mixed in
         if self.memories:
             mixed, mask = log_dist.detach(), torch.ones_like(y, dtype=torch.bool)
             hidden = out.hidden.detach() if out.hidden is not None else None
