@@ -5,6 +5,7 @@ alias of its own that it reaches by the id it sent, and the other key's session 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,12 @@ def test_the_importer_works_on_its_own_session_at_the_id(a: httpx.Client, b: htt
     assert gen.status_code == 200, gen.text
     seen.append(suggested := b.post(f"/v1/sessions/{x}/suggest", json={"context": "Bo", "k": 2}))
     assert suggested.status_code == 200, suggested.text
-    seen.append(stats := b.get(f"/v1/sessions/{x}"))
+    # a read answers the last committed record: the generation's adaptation follows its answer, in the session's turn
+    deadline = time.monotonic() + 30
+    while (stats := b.get(f"/v1/sessions/{x}")).json()["stats"]["bytes_observed"] <= 2 * len(TEXT_B) + 3 \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen.append(stats)
     assert stats.json()["id"] == x and stats.json()["stats"]["bytes_observed"] > 2 * len(TEXT_B) + 3
     seen.append(exported := b.get(f"/v1/sessions/{x}/state"))
     assert exported.headers["content-disposition"] == f'attachment; filename="session-{x}.safetensors"'
