@@ -145,17 +145,17 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None, door: Doo
         if isinstance(engine, RemoteEngine):  # an HTTP worker: the engine runs in the serving process
             await engine.connect()
             metrics.refresh_engine_stats = engine.refresh_stats
+            _serve_with(app, engine, metrics)
             try:
-                async with _serving(app, engine, metrics):
-                    yield
+                yield
             finally:
                 await engine.close()
             return
         # start() and stop() block (loading, joining the worker): keep them off the event loop.
         running = engine if engine is not None else await asyncio.to_thread(start_engine, settings)
+        _serve_with(app, running, metrics)
         try:
-            async with _serving(app, running, metrics):
-                yield
+            yield
         finally:
             # The engine finishes its queued and running work, writing every session back to the store. With
             # Redis that is all there is to keep (each change was written when it was made); the memory store
@@ -163,17 +163,6 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None, door: Doo
             # with the process).
             await asyncio.to_thread(running.stop)
             await asyncio.to_thread(running.store.close)
-
-    @asynccontextmanager
-    async def _serving(app: FastAPI, running: AnyEngine, metrics: Metrics) -> AsyncIterator[None]:
-        metrics.model = running.info.name
-        metrics.start_counting_refusals()
-        metrics.kernel = running.info.kernel
-        metrics.kernel_check_failed = bool(running.info.kernel_check)
-        metrics.precision = running.info.precision
-        metrics.engine_stats = lambda: running.stats
-        app.state.engine = running
-        yield
 
     # redirect_slashes=False: a path with a trailing slash (`/v1/sessions/%2e%2e%2f`) is a 404 in the one error
     # shape, not a 307 to a Location built from the client's Host header.
@@ -200,6 +189,18 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None, door: Doo
                            expose_headers=["X-Request-ID", "Retry-After", "Idempotent-Replayed"], max_age=600)
     app.add_middleware(RequestIdMiddleware)  # every answer carries X-Request-ID, the log lines it causes too
     return app
+
+
+def _serve_with(app: FastAPI, running: AnyEngine, metrics: Metrics) -> None:
+    """The app serves with `running` (an engine, or a worker's RemoteEngine) from now: its metrics' labels and
+    counters, `app.state.engine`."""
+    metrics.model = running.info.name
+    metrics.start_counting_refusals()
+    metrics.kernel = running.info.kernel
+    metrics.kernel_check_failed = bool(running.info.kernel_check)
+    metrics.precision = running.info.precision
+    metrics.engine_stats = lambda: running.stats
+    app.state.engine = running
 
 
 def rate_limiter(settings: Settings) -> RateLimiter:

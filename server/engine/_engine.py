@@ -150,8 +150,7 @@ class Engine:
 
     def budget(self) -> Budget:
         """A new request's engine-time budget (`max_request_engine_s`): pass one to all the work of a request."""
-        limit = self.config.max_request_engine_s
-        return Budget(limit if limit > 0 else math.inf)
+        return Budget.of_setting(self.config.max_request_engine_s)
 
     @property
     def info(self) -> ModelInfo:

@@ -359,9 +359,6 @@ class RemoteEngine:
         if self._context is not None:
             self._context.term()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """The engine process stops the engine; a worker only lets go of it (`close`)."""
-
     # -- what does not change while the engine runs, and its state ----------------------------------------------
 
     @property
@@ -400,8 +397,7 @@ class RemoteEngine:
         return self._status.stalled_s
 
     def budget(self) -> Budget:
-        limit = self.config.max_request_engine_s
-        return Budget(limit if limit > 0 else math.inf)
+        return Budget.of_setting(self.config.max_request_engine_s)
 
     @property
     def stats(self) -> EngineStats:

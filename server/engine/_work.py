@@ -35,6 +35,11 @@ class Budget:
         self.limit_s = limit_s
         self.spent_s = 0.0  # written by the worker thread only
 
+    @classmethod
+    def of_setting(cls, max_request_engine_s: float) -> Budget:
+        """A new request's budget under `max_request_engine_s` (0: no limit)."""
+        return cls(max_request_engine_s if max_request_engine_s > 0 else math.inf)
+
     @property
     def exceeded(self) -> bool:
         return self.spent_s > self.limit_s
