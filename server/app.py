@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import math
+import os
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -49,7 +51,7 @@ from server.request_id import RequestIdMiddleware, uvicorn_log_config
 from server.routes import ROUTERS
 from server.settings import Settings, ignored_variables
 
-__all__ = ["create_app", "rate_limiter", "serve", "start_engine", "uvicorn_options"]
+__all__ = ["create_app", "model_threads", "rate_limiter", "serve", "start_engine", "uvicorn_options"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,14 @@ def serve(settings: Settings) -> int:
     return 0 if server.started else 3  # uvicorn's own status for a failed start-up
 
 
+def model_threads(settings: Settings) -> int:
+    """torch's intra-op threads for the model: the setting; else what OMP_NUM_THREADS gave torch; else 1
+    (`Settings.threads`)."""
+    if settings.threads is not None:
+        return settings.threads
+    return torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else 1
+
+
 def start_engine(settings: Settings) -> Engine:
     """The process-wide kernel settings, the session store and the engine with the checkpoint loaded (blocking:
     not on the event loop) -> the engine; its `store` closes with it (`create_app`'s lifespan). Raises
@@ -122,6 +132,7 @@ def start_engine(settings: Settings) -> Engine:
                           max_request_engine_s=settings.max_request_engine_s, precision=settings.precision,
                           device=settings.device)
     store = _session_store(settings)
+    torch.set_num_threads(model_threads(settings))
     attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are
     kernel_dispatch.use(settings.kernels)
     for message in ignored_variables():

@@ -129,6 +129,12 @@ class Settings(BaseSettings):
     # faster at 8-64 rows where the CPU has AVX-512 BF16 or AMX; bits within about 1e-4 relative on the default
     # model), "float32" is exact, "auto" is bfloat16 where the hardware multiplies it natively, else float32.
     precision: Precision = "auto"
+    # torch's intra-op threads in the process that runs the model (None: 1, unless OMP_NUM_THREADS is set, then
+    # torch's own default from it). One by default: OpenMP threads spin at every barrier, and on a host where
+    # anything else runs (the HTTP event loop, a balancer, another replica) one descheduled thread stalls the
+    # others: 32 observes took over 240 s with 2 threads on 2 busy cores against 40-47 s with 1
+    # (docs/benchmarks.md, "Latency and throughput"). Raise it on a dedicated many-core host.
+    threads: int | None = Field(default=None, ge=1, le=1024)
     # Where the model runs (models/device.py): auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.
     device: str = Field(default="auto", pattern=DEVICE_PATTERN)
     # How the Triton attention kernels run (kernels.attention.Tuning; "": the shipped, GPU-verified kernel).

@@ -130,3 +130,39 @@ def test_a_misspelt_variable_is_said_at_start_up(tiny_checkpoint: Path, serve_ap
         pass
     assert "ADAPTLM_MAX_SESSION is not a setting of the server and is ignored (did you mean ADAPTLM_MAX_SESSIONS?)" \
         in caplog.text
+
+
+def test_model_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One torch thread unless told otherwise: ADAPTLM_THREADS first, then OMP_NUM_THREADS (torch read it)."""
+    import torch
+
+    from server.app import model_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert model_threads(Settings()) == 1
+    monkeypatch.setenv("ADAPTLM_THREADS", "3")
+    assert model_threads(Settings()) == 3
+    monkeypatch.delenv("ADAPTLM_THREADS")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert model_threads(Settings()) == torch.get_num_threads()
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("ADAPTLM_THREADS", bad)
+        with pytest.raises(ValidationError, match="threads"):
+            Settings()
+
+
+def test_the_engine_runs_on_the_threads_set(tiny_checkpoint: Path) -> None:
+    import torch
+
+    from server.app import start_engine
+
+    before = torch.get_num_threads()
+    try:
+        engine = start_engine(Settings(checkpoint=tiny_checkpoint, threads=2))
+        try:
+            assert torch.get_num_threads() == 2
+        finally:
+            engine.stop()
+            engine.store.close()
+    finally:
+        torch.set_num_threads(before)
