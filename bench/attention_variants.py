@@ -1,7 +1,7 @@
 """memory_attention's kernel settings (`kernels.attention.Tuning`) side by side: correctness compiled, then speed.
 
 The kernel's settings were chosen compiled on an H200 (the fastest correct one is the only kernel: docs/benchmarks.md,
-"memory_attention on the H200: the settings settled"). Two remain:
+"GPU"; the runs: docs/notes/2026-11-benchmarks-history.md). Two remain:
 the shipped kernel and its forward in key splits (`splits=0`: FlashDecoding when the query tiles leave SMs idle), or
 any setting named with --settings. Each setting is checked, then timed if correct:
 

@@ -25,7 +25,7 @@
 #
 # Preparing it here, once per checkout: `bash bench/gpu_prepare.sh` (the texts and the wheels, at .venv's versions;
 # `.gpu/` is ignored through .git/info/exclude; the device tool carries it with carry [".gpu"]).
-# Two runs, their costs: docs/benchmarks.md, "The transformer families and the Triton kernels on a GPU". A call:
+# Two runs, their costs: docs/benchmarks.md, "GPU". A call:
 # `DATA=.gpu/data TRAIN_MIN=2 BENCH_S=110 bash bench/gpu_run.sh` with carry [".gpu"] took 250-320 s of command time
 # plus ~80 s of machine start. The kernels alone (FAMILIES=0, carry [".gpu/whl"]: the texts are for training) took
 # 262-308 s plus ~40 s of start in session 18 ("memory_attention on the H200: the settings settled").

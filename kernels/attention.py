@@ -28,7 +28,8 @@ tile. du and dv_bias are the sums over batch and queries of dq's content and pos
 forward's key splits for query tiles too few to fill the GPU (decoding; FlashDecoding: each split's partial softmax
 sums, merged by a combine kernel). No other setting is kept: measured compiled on an H200, the alternatives (other
 tiles, dr by tile diagonals, fp32 gathers, the skew by warp shuffles) were slower than this kernel and half distance
-ranges computed wrong results (docs/benchmarks.md, "memory_attention on the H200: the settings settled").
+ranges computed wrong results (docs/notes/2026-11-benchmarks-history.md,
+"memory_attention on the H200: the settings settled").
 
 Known limits:
 - head dims 16, 32, 64, 128; float32, float16, bfloat16 on CUDA (the CPU interpreter: float32 and float16 only,
@@ -72,7 +73,7 @@ class Tuning:
     reference): the one kernel of the module docstring, its forward's keys split or not. The other settings (tiles,
     16-bit gathers, half distance ranges, dr by tile diagonals, the skew) were experiments for one GPU question,
     settled compiled on an H200: their winner is the only kernel now, the rest were wrong or slower
-    (docs/benchmarks.md, "memory_attention on the H200: the settings settled").
+    (docs/notes/2026-11-benchmarks-history.md, "memory_attention on the H200: the settings settled").
 
     splits: the forward's key splits per query tile (FlashDecoding: each split's partial softmax sums, then one
         merge): 1 none, n that many, 0 by the GPU's SM count when the query tiles alone leave SMs idle (decoding
@@ -224,7 +225,7 @@ def _skewed(src, idx):
     """tl.gather(src, idx, 1): out[ii, jj] = src[ii, idx[ii, jj]] for 2-D src, idx with as many rows, as one gather
     over the flattened tile, which Triton lowers through shared memory (the tile stored once, each output loaded from
     where it points): a gather along rows is warp shuffles with the register layout converted around them, slower
-    on an H200 (docs/benchmarks.md, "memory_attention on the H200: the settings settled")."""
+    on an H200 (docs/notes/2026-11-benchmarks-history.md, "memory_attention on the H200: the settings settled")."""
     ROWS: tl.constexpr = src.shape[0]
     WIDTH: tl.constexpr = src.shape[1]
     COLS: tl.constexpr = idx.shape[1]

@@ -3,11 +3,11 @@
 A byte model's word search (`models.suggest`) ranks a completion by P(the typed word continues so, then ends): it
 has no notion of a word, and fragments get real mass ("wor" after "wo", "Frien"; more so under the copy model's
 flatter mixture). On held-out text a quarter of the e-mails' suggestion slots and 14% of the SMS ones held a
-completion that was neither a word of the training text nor one the session had typed (docs/benchmarks.md, "Where
-the keystrokes go"). The prior: such a completion's score is multiplied by LEXICON_PENALTY before ranking (chosen
-there on held-out slices: of the values measured, 0.1 was best on both texts). Only the ranking changes: a completion's
-`prob` stays its probability under the model (mixed with the word cache), so a client that thresholds on it reads
-the same number as before.
+completion that was neither a word of the training text nor one the session had typed
+(docs/notes/2026-11-benchmarks-history.md, "Where the keystrokes go"). The prior: such a completion's score is
+multiplied by LEXICON_PENALTY before ranking (chosen there on held-out slices: of the values measured, 0.1 was best on
+both texts). Only the ranking changes: a completion's `prob` stays its probability under the model (mixed with the
+word cache), so a client that thresholds on it reads the same number as before.
 
 A word is known if the lexicon or the session's word cache (`WordCache.has`) holds it as written or, with a capital
 first letter, in lowercase ("Life" from "life", as the word cache's `titled` reads it).

@@ -94,8 +94,8 @@ MAX_WORD_BYTES = 48
 
 # The model's completions a mix reads (a byte model's search finds this many, then shows k): a cached word that the
 # model ranks 4th keeps its own probability under the model, where with only the shown 3 it counted 0 there. Chosen
-# on held-out text (docs/benchmarks.md, "Where the keystrokes go"): 3 -> MIX_CANDIDATES gained KSR on both texts, at
-# about twice the search's rows.
+# on held-out text (docs/notes/2026-11-benchmarks-history.md, "Where the keystrokes go"): 3 -> MIX_CANDIDATES gained
+# KSR on both texts, at about twice the search's rows.
 MIX_CANDIDATES = 8
 _SEP = "\t"  # joins the words of a pair or triple key (never part of a word)
 BETA = 1.0  # Witten-Bell: how much a context's distinct followers count against its evidence

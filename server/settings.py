@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     rate_limit_per_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     rate_limit_burst: int | None = Field(default=None, ge=1)  # None: twice the rate (at least 1)
     # rows per batched text step; an observe takes two (the session and its static shadow): 64 runs 32 sessions
-    # at once (throughput is flat beyond: compute-bound; docs/benchmarks.md)
+    # at once (throughput is flat beyond: compute-bound; docs/notes/2026-11-benchmarks-history.md)
     max_batch: int = Field(default=64, ge=1)
     max_wait_ms: float = Field(default=2.0, ge=0, le=1000, allow_inf_nan=False)
     max_queue: int = Field(default=256, ge=1)

@@ -173,7 +173,7 @@ def test_the_byte_checkpoints_ship_their_lexicon(name: str) -> None:
 def test_every_shipped_session_has_a_word_cache(name: str) -> None:
     """A keyboard session of any shipped checkpoint mixes in the words it observed (models/wordcache.py): the
     transformers once had no `session` section, so their sessions ran with cache_weight 0 (docs/benchmarks.md,
-    "Keystrokes with the transformer checkpoints")."""
+    "Model families side by side")."""
     assert load_checkpoint(CHECKPOINTS / name).dyneval.cache_weight > 0
 
 

@@ -98,7 +98,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "batch_size": 16, "bptt": 32, "lr": 3e-3, "lr_final": 1e-3, "max_steps": 120, "valid_every": 40,
         "valid_streams": 4, "stats_batches": 4, "stats_batch_size": 8, "log_every": 20,
     },
-    # the shipped model: sized by bits-per-byte per training minute on a 2-core CPU (docs/benchmarks.md)
+    # the shipped model: sized by bits-per-byte per training minute on a 2-core CPU
+    # (docs/notes/2026-11-benchmarks-history.md, "Choosing the size")
     # one thread: on 2 cores a second thread bought little and left no core for anything else
     "default": {
         "model": {"hidden": 768, "embed_dim": 128, "dropout_hidden": 0.05, "dropout_embed": 0.0},

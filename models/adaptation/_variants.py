@@ -1,5 +1,5 @@
 """Variants of a session's learned adaptation, one stream at a time, to be measured side by side
-(`python -m bench.adapt_losses`; docs/benchmarks.md, "Where the session's learned gain is lost").
+(`python -m bench.adapt_losses`; docs/benchmarks.md, "Adaptation: what a session gains").
 
 A `VariantStream` reads a text as a session does (thesis fig. 4.1: score a segment with the current parameters, then
 one gradient step on that segment's loss) and may adapt any of these, each with its own learning rate (per-part

@@ -1,11 +1,12 @@
 """The start-up check of the Triton kernels on the model they are about to serve.
 
-A kernel can compile and still compute something else on a given GPU and Triton build (docs/benchmarks.md: a rewrite
-of the attention kernel was off by 1.0 on an H200 with `rel`, from a Triton bug before its fix). So before a server
-serves with the kernels, `check_model` runs the loaded model under both implementations, on a short random prompt
-and one decoding step after it, with a random adapter on every adaptation site (what sessions run), and compares the
-next-token log-probabilities. On a disagreement, or an exception, the server serves with the references
-(server/engine/_loading.py) and says why in its log; `/metrics`' `kernel` label then reads "reference".
+A kernel can compile and still compute something else on a given GPU and Triton build
+(docs/notes/2026-11-benchmarks-history.md: a rewrite of the attention kernel was off by 1.0 on an H200 with `rel`,
+from a Triton bug before its fix). So before a server serves with the kernels, `check_model` runs the loaded model
+under both implementations, on a short random prompt and one decoding step after it, with a random adapter on every
+adaptation site (what sessions run), and compares the next-token log-probabilities. On a disagreement, or an
+exception, the server serves with the references (server/engine/_loading.py) and says why in its log; `/metrics`'
+`kernel` label then reads "reference".
 """
 
 from __future__ import annotations

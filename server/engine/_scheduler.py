@@ -45,7 +45,7 @@ SWEEP_S = 1.0  # how often the worker drops expired sessions
 SUGGEST_SLICE_S = 0.025
 # While someone is typing (a suggestion started in the last TYPING_S), a text step takes at most TYPING_TEXT_ROWS
 # rows, the texts that waited longest first: a keystroke then waits for a shorter step (a 64-row step of the
-# default model is ~150 ms in bf16, a 32-row one ~80 ms; docs/benchmarks.md).
+# default model is ~150 ms in bf16, a 32-row one ~80 ms; docs/notes/2026-11-benchmarks-history.md).
 TYPING_S = 1.0
 TYPING_TEXT_ROWS = 32
 

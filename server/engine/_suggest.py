@@ -65,7 +65,8 @@ __all__ = ["SUGGEST_FEED_BYTES", "SUGGEST_FEED_STRIDE", "CursorCache", "Feed", "
 
 log = logging.getLogger(__name__)
 NEXT_CURSORS = 8  # cursors a search leaves for the next keystroke (of a session's 32)
-SUGGEST_BATCH = 8  # branches one suggestion expands per model step (8 measured fastest: docs/benchmarks.md)
+# branches one suggestion expands per model step (8 measured fastest: docs/notes/2026-11-benchmarks-history.md)
+SUGGEST_BATCH = 8
 SUGGEST_MAX_EXPANSIONS = 2048  # the most branches one suggestion expands (bounds its latency)
 SUGGEST_ROUND_ROWS = 128  # branches of all suggestions per batched step (each gets at least 4)
 # The rows of a session's searches kept for its next keystroke's (`CursorCache.rows`): the most probable first. A

@@ -93,7 +93,7 @@ def test_overload_answers_only_200_or_429_and_recovers(start_server: StartServer
             assert r.headers["retry-after"] == "2"
         # Admission bounds the wait of what is admitted (a queue and a batch of others ahead of it) and a refusal
         # waits for nothing. Loose bounds: the engine's worker shares the GIL with the event loop, and the machine
-        # running the tests is shared (a 2-core machine measured p99 2.4 s and p50 0.1 s; docs/benchmarks.md).
+        # running the tests is shared (a 2-core machine measured p99 2.4 s and p50 0.1 s).
         admitted_p99 = statistics.quantiles(tally.admitted_s, n=100)[98]
         assert admitted_p99 < 8.0, (admitted_p99, idle)
         refused_p50 = statistics.median(tally.refused_s)
