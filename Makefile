@@ -111,7 +111,7 @@ default-lexicon: need-data
 # How checkpoints/words was made (about an hour on 2 CPU cores; needs DATA): the adaptive-input transformer
 # on the default's mix, then its full and sparse dynamic evaluation tuned on the first 10 KB of the validation book
 # (as the other shipped checkpoints') and its neural cache on the first 30 KB of the SMS messages (the keyboard
-# benchmark types the file's last 20 KB); dyneval.json's "session" section is the grid's choice (docs/benchmarks.md,
+# benchmark types the file's last 20 KB); dyneval.json's "session" section is the grid's choice (docs/notes/2026-11-benchmarks-history.md,
 # `python -m bench.session_defaults --checkpoint checkpoints/words --cache`).
 words-checkpoint: need-data install
 	$(VENV)/bin/adaptlm train --arch adaptive-transformer --preset small --data $(DEFAULT_TRAIN) \
