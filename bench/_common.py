@@ -23,7 +23,7 @@ from models.base import LanguageModel
 from models.scoring import BOS
 from models.suggest import Suggestions, advance, suggest
 from models.tokenizer import ByteTokenizer
-from server.launch import free_port, stop, wait_ready
+from server.launch import free_port, serving, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 # the corpora directory (docs/benchmarks.md, "The corpora"): the texts are not in the repository, so a script that
@@ -135,18 +135,7 @@ def server_on_loopback(checkpoint: str | Path, settings: dict[str, str] | None =
     """`adaptlm serve` of `checkpoint` on a free loopback port (one torch thread, warnings only; `settings`: more
     environment, ADAPTLM_* settings) until the block ends, then SIGTERM -> its URL. Its log is said if it fails to
     start."""
-    env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning"} | (settings or {})
-    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log_path = Path(tmp) / "server.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(checkpoint),
-                                        "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT)
-            try:
-                if not wait_ready(url, process, time.monotonic() + start_s):
-                    raise SystemExit("the server did not start: " + log_path.read_text()[-2000:])
-                yield url
-            finally:
-                stop(process)
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp, \
+            serving(checkpoint, Path(tmp) / "server.log", {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning"}
+                    | (settings or {}), start_s=start_s) as served:
+        yield served.url

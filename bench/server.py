@@ -35,9 +35,6 @@ import argparse
 import asyncio
 import os
 import re
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -52,7 +49,7 @@ import torch
 from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
 from clients import AsyncClient, Client
 from models.precision import resolve_precision
-from server.launch import stop, wait_ready
+from server.launch import serving
 from server.protocol import SUGGEST_MAX_CONTEXT, SuggestResponse
 from server.settings import Settings
 
@@ -62,25 +59,10 @@ SEPARATOR = "\n\n"  # e-mails are separated by a blank line
 
 @contextmanager
 def serve(checkpoint: str, log: Path, start_timeout: float = 300.0, **settings: object) -> Iterator[str]:
-    """`adaptlm serve` on a free loopback port until the block ends -> its URL. The port is chosen, then bound by
-    the child: if another process takes it in between, the child exits and we try another."""
-    env = os.environ | {"ADAPTLM_LOG_LEVEL": "warning"} | {f"ADAPTLM_{k.upper()}": str(v) for k, v in settings.items()}
-    for _ in range(3):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        with log.open("ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", checkpoint,
-                                     "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        try:
-            if wait_ready(url, proc, time.monotonic() + start_timeout):
-                yield url
-                return
-        finally:
-            stop(proc, 60)
-    raise RuntimeError(f"the server did not start; its log: {log}\n{log.read_text()[-2000:]}")
+    """`adaptlm serve` on a free loopback port until the block ends -> its URL."""
+    env = {"ADAPTLM_LOG_LEVEL": "warning"} | {f"ADAPTLM_{k.upper()}": str(v) for k, v in settings.items()}
+    with serving(checkpoint, log, env, start_s=start_timeout, stop_s=60) as served:
+        yield served.url
 
 
 def emails(path: Path) -> list[str]:

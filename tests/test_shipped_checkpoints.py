@@ -4,10 +4,6 @@ size budgets, loadable, real models, and served by a real `adaptlm serve` from t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +14,7 @@ import pytest
 from models.adaptation import DynEvalSettings
 from models.checkpoint import CHECKPOINT_FILES, load_checkpoint
 from models.scoring import score_bytes
-from server.launch import free_port, stop, wait_ready
+from server.launch import serving
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 # name -> (architecture, size budget in bytes, its adaptation site's statistics key)
@@ -103,17 +99,8 @@ def test_the_server_searches_the_shipped_transformers_in_the_branch_form(name: s
 @contextmanager
 def adaptlm_serve(name: str, log: Path) -> Iterator[str]:
     """`adaptlm serve --checkpoint checkpoints/<name>` as a user starts it, in a process of its own -> its URL."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(CHECKPOINTS / name),
-                                 "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                env=os.environ | {"ADAPTLM_DEVICE": "cpu", "ADAPTLM_SUGGEST_BUDGET_MS": "5000"})
-    try:
-        assert wait_ready(url, proc, time.monotonic() + 120), log.read_text()[-3000:]
-        yield url
-    finally:
-        stop(proc)
+    with serving(CHECKPOINTS / name, log, {"ADAPTLM_DEVICE": "cpu", "ADAPTLM_SUGGEST_BUDGET_MS": "5000"}) as served:
+        yield served.url
 
 
 @contextmanager

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -23,18 +22,14 @@ import httpx
 import pytest
 import redis
 
-from server.launch import free_port, stop, wait_ready
+from server.launch import Served, free_port, serving
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
-@dataclass
-class ServerProcess:
-    """One `adaptlm serve` child: its URL, process and log."""
-
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
+@dataclass(frozen=True)
+class ServerProcess(Served):
+    """One `adaptlm serve` child (`server.launch.Served`) that a test kills and measures."""
 
     @property
     def pid(self) -> int:
@@ -52,32 +47,15 @@ class ServerProcess:
         self.process.send_signal(signal.SIGKILL)
         assert self.process.wait(30) == -signal.SIGKILL
 
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-
 
 @contextmanager
 def run_server(checkpoint: Path, log: Path, env: dict[str, str] | None = None,
                timeout_s: float = 120.0) -> Iterator[ServerProcess]:
     """`adaptlm serve` on a free loopback port with `env` (ADAPTLM_* settings) until the block ends (SIGTERM,
     then SIGKILL), or until the test kills it. One torch thread: the machine is shared."""
-    full_env = os.environ | {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning"} | (env or {})
-    for _ in range(3):  # the port is chosen, then bound by the child: another process may take it between
-        port = free_port()
-        with log.open("ab") as out:
-            process = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(checkpoint),
-                                        "--host", "127.0.0.1", "--port", str(port)], env=full_env, stdout=out,
-                                       stderr=subprocess.STDOUT)
-        live = ServerProcess(f"http://127.0.0.1:{port}", process, log)
-        try:
-            if wait_ready(live.url, process, time.monotonic() + timeout_s):
-                yield live
-                return
-            if process.poll() is None:
-                raise RuntimeError(f"the server was not ready in {timeout_s} s: {live.tail()}")
-        finally:
-            stop(process, timeout_s=30)
-    raise RuntimeError(f"the server did not start: {live.tail()}")
+    with serving(checkpoint, log, {"OMP_NUM_THREADS": "1", "ADAPTLM_LOG_LEVEL": "warning"} | (env or {}),
+                 start_s=timeout_s) as served:
+        yield ServerProcess(served.url, served.process, served.log)
 
 
 StartServerFn = Callable[..., AbstractContextManager[ServerProcess]]

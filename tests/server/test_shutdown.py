@@ -4,12 +4,10 @@ snapshot file (ADAPTLM_SESSION_SNAPSHOT), exits 0; started again, it serves the 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ import httpx
 import torch
 from safetensors.torch import load
 
-from server.launch import wait_ready
+from server.launch import serving
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want."
 # about 100 batched model steps (an observe takes one per ~20 bytes): the signal comes after its first ones
@@ -30,22 +28,8 @@ LONG = "However little known the feelings or views of such a man may be on his f
 
 @contextmanager
 def server(checkpoint: Path, snapshot: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = os.environ | {"ADAPTLM_SESSION_SNAPSHOT": str(snapshot), "ADAPTLM_LOG_LEVEL": "info"}
-    with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(checkpoint),
-                                 "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_ready(url, proc, time.monotonic() + 120), log.read_text()[-3000:]
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with serving(checkpoint, log, {"ADAPTLM_SESSION_SNAPSHOT": str(snapshot), "ADAPTLM_LOG_LEVEL": "info"}) as served:
+        yield served.url, served.process
 
 
 def same_export(a: bytes, b: bytes) -> bool:

@@ -8,9 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from server.launch import wait_ready
+from server.launch import serving
 
 LONG = "However little known the feelings or views of such a man may be on his first entering a neighbourhood. " * 20
 
@@ -39,18 +36,10 @@ def scores_counted(url: str) -> float:
 
 
 def test_two_workers_share_the_engine_survive_a_worker_and_drain(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     snapshot, log = tmp_path / "sessions.zip", tmp_path / "server.log"
-    env = os.environ | {"ADAPTLM_WORKERS": "2", "ADAPTLM_SESSION_SNAPSHOT": str(snapshot), "OMP_NUM_THREADS": "1"}
-    with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "adaptlm", "serve", "--checkpoint", str(tiny_checkpoint),
-                                 "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_ready(url, proc, time.monotonic() + 120), log.read_text()[-3000:]
+    env = {"ADAPTLM_WORKERS": "2", "ADAPTLM_SESSION_SNAPSHOT": str(snapshot), "OMP_NUM_THREADS": "1"}
+    with serving(tiny_checkpoint, log, env) as served:
+        url, proc = served.url, served.process
         deadline = time.monotonic() + 60
         while len(workers(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -91,7 +80,3 @@ def test_two_workers_share_the_engine_survive_a_worker_and_drain(tiny_checkpoint
                         and "zombie" not in Path(f"/proc/{pid}/status").read_text()]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
