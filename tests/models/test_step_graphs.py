@@ -27,7 +27,9 @@ TEXT = b"It is a truth universally acknowledged, that a single man in possession
 @pytest.fixture(scope="module")
 def model() -> MLSTM:
     torch.manual_seed(0)
-    return MLSTM(MLSTMConfig(embed_dim=16, hidden=H)).eval().freeze()
+    m = MLSTM(MLSTMConfig(embed_dim=16, hidden=H))
+    m.eval().freeze()
+    return m
 
 
 def _inputs(B: int, T: int, form: str, seed: int = 1) -> tuple[torch.Tensor, State, Adapter | None]:
