@@ -107,6 +107,7 @@ class StepRunner:
         self._pool: Any = None  # the graphs' shared memory pool (a handle from the first graph)
         self.calls = 0  # steps it ran (a test's and a metric's view)
         self.declined = 0  # calls left to the model's own path
+        self._declined_why: set[str] = set()
         self.captured = 0  # graphs captured
 
     # -- the call ------------------------------------------------------------------------------------------
@@ -116,15 +117,18 @@ class StepRunner:
         """The model's output for (tokens (B, T), state, adapter), or None: not a call it runs (module docstring)."""
         B, T = tokens.shape
         form, k, mats, counts = self._form(adapter, B)
-        if (form is None or B == 0 or T == 0 or B > self.max_rows or state.roots or set(state.tensors) != {"h", "c"}
-                or state.tensors["h"].shape[0] != B or tokens.device != self.device):
-            self.declined += 1
-            return None
+        why = ("an adapter of another form" if form is None else "more rows than max_rows" if B > self.max_rows
+               else "a state of another form" if state.roots or set(state.tensors) != {"h", "c"}
+               or state.tensors["h"].shape[0] != B else "another device" if tokens.device != self.device
+               else "nothing to run" if B == 0 or T == 0 else None)
         R = row_bucket(B)
         S = row_bucket(len(counts)) if counts is not None else 0
-        if form == "groups" and not self._groups_fit(R, k):
-            self.declined += 1
+        if why is None and form == "groups" and not self._groups_fit(R, k):
+            why = "a session-indexed adapter too large to gather without Triton"
+        if why is not None:
+            self._decline(why)
             return None
+        assert form is not None
         key = _Key(R, form, k, S, lowp)
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
             shape = self._shape(key, lowp)
@@ -148,6 +152,14 @@ class StepRunner:
             return Output(logits=torch.cat(logits, 1) if len(logits) > 1 else logits[0],
                           state=State({"h": shape.h[:B].clone(), "c": shape.c[:B].clone()}),
                           hidden=torch.cat(hidden, 1) if len(hidden) > 1 else hidden[0])
+
+    def _decline(self, why: str) -> None:
+        """Left to the model's own path; each reason logged once (on a GPU such a call runs without graphs)."""
+        self.declined += 1
+        if why not in self._declined_why:
+            self._declined_why.add(why)
+            log.log(logging.WARNING if self.graphs else logging.DEBUG,
+                    "model step: a call runs without the bucketed step (%s); later ones alike are not logged", why)
 
     @staticmethod
     def _form(adapter: Adapter | None, B: int
@@ -236,8 +248,10 @@ class StepRunner:
         if self.graphs and triton_available() and kernel_implementation() == "triton":
             return lambda h: batched_adapter(h, mats, index, impl="triton")  # no gather, no host sync
         if index.shape[0] * mats.shape[-1] ** 2 * mats.element_size() <= _GATHER_BYTES:
-            # each row its session's matrix: the same products as `apply_adapter_groups`' per-session views
-            return lambda h: apply_adapter_ref(h, mats.index_select(0, index))
+            # each row its session's matrix, gathered once for the chunk's steps: the same products as
+            # `apply_adapter_groups`' per-session views
+            gathered = mats.index_select(0, index)  # (R, k, k)
+            return lambda h: apply_adapter_ref(h, gathered)
         return lambda h: batched_adapter_ref(h, mats, index)  # the CPU's tiles (host syncs: eager only)
 
     def _compute(self, shape: _Shape, form: Form, c: int) -> tuple[torch.Tensor, torch.Tensor]:
