@@ -8,9 +8,13 @@
 #      --only observe: its own two servers, max_batch 1 and 2 x OBSERVE_SESSIONS);
 #   5. the GPU's utilisation meanwhile (nvidia-smi dmon, one line a second) and its mean over steps 2-3;
 #   6. scoring again at STREAMS with the model step's CUDA graphs off (ADAPTLM_CUDA_GRAPHS=off; steps 2-3 run with
-#      GRAPHS, default auto: on for CUDA), and the two side by side (graphs.md: bytes/s on, off, on / off).
-# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), score.md, typists.md, observe.md, util.txt, util.md,
-# score_graphs_off.md, graphs.md, server.log, server_graphs_off.log. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
+#      GRAPHS, default auto: on for CUDA), SECONDS_OFF a level, and the two side by side (graphs.md: bytes/s on, off,
+#      on / off);
+#   0. first, the model step alone (python -m bench.step_graphs): ms a call, CUDA graphs against the model's own
+#      path, at STEP_ROWS rows (scoring segments, static scores, peeks) and STEP_SEARCH_ROWS (the search's steps).
+# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), step_graphs.md, score.md, typists.md, observe.md,
+# util.txt, util.md, score_graphs_off.md, graphs.md, server.log, server_graphs_off.log. Steps 0 and 6 add about
+# 1.5 minutes; STEP_BENCH=0 or GRAPHS_OFF=0 skip them. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
 #
 #   bash bench/gpu_prepare.sh                                    # here, once: .gpu/whl (wheels the GPU image lacks)
 #   OUT=runs/gpu_serve bash bench/gpu_serve.sh                     # on the GPU machine, carry [".gpu"]
@@ -35,9 +39,15 @@ MAX_BATCH=${MAX_BATCH:-512}
 CHECKPOINT=${CHECKPOINT:-checkpoints/default}
 GRAPHS=${GRAPHS:-auto}
 GRAPHS_OFF=${GRAPHS_OFF:-1}
+SECONDS_OFF=${SECONDS_OFF:-10}
+STEP_BENCH=${STEP_BENCH:-1}
+STEP_ROWS=${STEP_ROWS:-32,256,2048}
+STEP_SEARCH_ROWS=${STEP_SEARCH_ROWS:-256,2048}
+STEP_STATIC=1024
 if [ "${SMOKE:-0}" = 1 ]; then
     DEVICE=cpu WORKERS=2 STREAMS=2,8 TYPISTS=2,4 OBSERVE_SESSIONS=4 OBSERVE_BYTES=256 SECONDS_EACH=4 RUN_TIME=8s
     LOCUST_PROCS=1 GRAPHS=on  # the padded step runs eagerly on the CPU: the setting and its path, served
+    SECONDS_OFF=4 STEP_ROWS=3,8 STEP_SEARCH_ROWS=24 STEP_STATIC=64
     MAX_QUEUE=256 MAX_BATCH=64
 fi
 mkdir -p "$OUT"
@@ -68,6 +78,13 @@ util_pid=""
 if command -v nvidia-smi >/dev/null; then
     nvidia-smi dmon -s u -d 1 > "$OUT/util.txt" 2>&1 &
     util_pid=$!
+fi
+
+if [ "$STEP_BENCH" = 1 ]; then
+    stamp "the model step alone: CUDA graphs against the model's own path"
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} timeout 150 $PY -m bench.step_graphs --checkpoint "$CHECKPOINT" \
+        --device "$DEVICE" --rows "$STEP_ROWS" --search-rows "$STEP_SEARCH_ROWS" --static-steps "$STEP_STATIC" \
+        --repeat 3 2>&1 | tee "$OUT/step_graphs.md"
 fi
 
 # start_server LOG GRAPHS: `adaptlm serve` in the background (its pid in $server, its address in $URL), once ready
@@ -115,7 +132,7 @@ fi
 if [ "$GRAPHS_OFF" = 1 ]; then
     start_server "$OUT/server_graphs_off.log" off
     stamp "scoring at $STREAMS streams, CUDA graphs off"
-    $PY -m bench.serve_load --url "$URL" --streams "$STREAMS" --seconds "$SECONDS_EACH" --file "$BOOK" \
+    $PY -m bench.serve_load --url "$URL" --streams "$STREAMS" --seconds "$SECONDS_OFF" --file "$BOOK" \
         | tee "$OUT/score_graphs_off.md"
     kill -TERM $server; wait $server
     # the two scoring tables side by side: bytes/s with the graphs (GRAPHS) and without, and their ratio
