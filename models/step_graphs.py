@@ -177,11 +177,13 @@ class StepRunner:
             return None, 0, None, None
         return "rows", m.shape[-1], m, None
 
+    def _triton_groups(self) -> bool:
+        """A session-indexed adapter runs the Triton kernel (on CUDA, where the process runs Triton): no gather."""
+        return self.device.type == "cuda" and triton_available() and kernel_implementation() == "triton"
+
     def _groups_fit(self, R: int, k: int) -> bool:
         """A session-indexed adapter's product runs without a host sync: the Triton kernel, or a gather that fits."""
-        if self.graphs and triton_available() and kernel_implementation() == "triton":
-            return True
-        return not self.graphs or R * k * k * 4 <= _GATHER_BYTES
+        return self._triton_groups() or not self.graphs or R * k * k * 4 <= _GATHER_BYTES
 
     # -- buffers -------------------------------------------------------------------------------------------
 
@@ -245,7 +247,7 @@ class StepRunner:
             return lambda h: apply_adapter_ref(h, mats)  # AdapterSteps' form without gradients
         index = shape.index
         assert index is not None
-        if self.graphs and triton_available() and kernel_implementation() == "triton":
+        if self._triton_groups():
             return lambda h: batched_adapter(h, mats, index, impl="triton")  # no gather, no host sync
         if index.shape[0] * mats.shape[-1] ** 2 * mats.element_size() <= _GATHER_BYTES:
             # each row its session's matrix, gathered once for the chunk's steps: the same products as

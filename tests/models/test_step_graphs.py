@@ -183,3 +183,13 @@ def test_the_engine_serves_with_it_on_the_cpu(tiny_checkpoint: Path, one_thread:
         finally:
             engine.stop()
     assert results["on"] == pytest.approx(results["off"], rel=1e-6)
+
+
+def test_session_indexed_adapters_through_the_triton_kernel(model: MLSTM, one_thread: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # what a CUDA device with Triton runs in its graphs (no per-row gather), here under Triton's interpreter
+    pytest.importorskip("triton")
+    monkeypatch.setattr(StepRunner, "_triton_groups", lambda self: True)
+    own, bucketed, runner = _both(model, *_inputs(3, 2, "groups"))
+    assert runner.calls == 1
+    _close(own, bucketed)
