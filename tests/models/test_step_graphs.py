@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from models.base import Adapter, State
 from models.checkpoint import load_checkpoint
@@ -18,7 +19,9 @@ from models.scoring import score_bytes
 from models.session import SessionModel
 from models.step_graphs import StepRunner, chunks, install_step_runner, row_bucket, wants_runner
 from models.suggest import advance, suggest
+from server.app import start_engine
 from server.engine import Engine, EngineConfig
+from server.settings import Settings
 
 H, K = 32, 8
 TEXT = b"It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 3
@@ -134,6 +137,9 @@ def test_settings_values() -> None:
         wants_runner("sometimes", torch.device("cpu"))
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(cuda_graphs="sometimes")
+    with pytest.raises(ValidationError, match="cuda_graphs"):
+        Settings.model_validate({"cuda_graphs": "sometimes"})
+    assert Settings.model_fields["cuda_graphs"].default == "auto" and EngineConfig().cuda_graphs == "auto"
     with pytest.raises(ValueError, match="CUDA"):
         StepRunner(MLSTM(MLSTMConfig(embed_dim=8, hidden=8)), graphs=True)
 
@@ -176,8 +182,9 @@ def test_the_engine_serves_with_it_on_the_cpu(tiny_checkpoint: Path, one_thread:
 
     results = {}
     for mode in ("off", "on"):
-        engine = Engine(tiny_checkpoint, config=EngineConfig(precision="float32", cuda_graphs=mode))
-        engine.start()
+        # as `adaptlm serve` starts it from ADAPTLM_CUDA_GRAPHS
+        engine = start_engine(Settings(checkpoint=tiny_checkpoint, precision="float32", cuda_graphs=mode))
+        assert engine.config.cuda_graphs == mode
         try:
             results[mode] = asyncio.run(scores(engine))
         finally:
