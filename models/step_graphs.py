@@ -109,6 +109,7 @@ class StepRunner:
         self.declined = 0  # calls left to the model's own path
         self._declined_why: set[str] = set()
         self.captured = 0  # graphs captured
+        self._uncapturable: set[tuple[_Key, int]] = set()  # (shape, chunk) whose capture failed: the model's path
 
     # -- the call ------------------------------------------------------------------------------------------
 
@@ -130,11 +131,23 @@ class StepRunner:
             return None
         assert form is not None
         key = _Key(R, form, k, S, lowp)
+        parts = chunks(T, self.max_chunk)
+        if any((key, c) in self._uncapturable for c in parts):
+            self._decline("a shape whose capture failed")
+            return None
+        try:
+            return self._run(key, tokens, state, mats, counts, parts)
+        except _NotCapturable:
+            self._decline("a shape whose capture failed")
+            return None
+
+    def _run(self, key: _Key, tokens: torch.Tensor, state: State, mats: torch.Tensor | None,
+             counts: tuple[int, ...] | None, parts: list[int]) -> Output:
+        B = tokens.shape[0]
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            shape = self._shape(key, lowp)
+            shape = self._shape(key, key.lowp)
             self._fill(shape, B, state, mats, counts)
             logits, hidden = [], []
-            parts = chunks(T, self.max_chunk)
             t = 0
             for i, c in enumerate(parts):
                 shape.tokens[:B, :c].copy_(tokens[:, t : t + c])
@@ -285,6 +298,21 @@ class StepRunner:
             return (lambda: None), logits, hs
         # warm-up and capture run the step on whatever the buffers hold: keep the call's state and restore it
         h0, c0 = shape.h.clone(), shape.c.clone()
+        try:
+            found = self._capture(shape, key, c)
+        except Exception as e:  # an operation that cannot be captured (a host sync): this shape runs uncaptured
+            log.warning("model step: the capture of %d rows x %d steps (adapter %s) failed; that shape takes the "
+                        "model's own path: %s", key.rows, c, key.form, e)
+            self._uncapturable.add((key, c))
+            raise _NotCapturable from e
+        finally:
+            shape.h.copy_(h0)
+            shape.c.copy_(c0)
+        shape.graphs[c] = found
+        return found
+
+    def _capture(self, shape: _Shape, key: _Key, c: int) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+        """Warm-up on a side stream, then one capture (PyTorch's CUDA graphs recipe) -> (replay, logits, hidden)."""
         side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -299,12 +327,13 @@ class StepRunner:
             logits, hs = self._compute(shape, key.form, c)
         if self._pool is None:
             self._pool = graph.pool()
-        shape.h.copy_(h0)
-        shape.c.copy_(c0)
         self.captured += 1
         log.debug("captured the step of %d rows, %d steps, adapter %s (k %d)", key.rows, c, key.form, key.k)
-        shape.graphs[c] = found = (graph.replay, logits, hs)
-        return found
+        return graph.replay, logits, hs
+
+
+class _NotCapturable(Exception):
+    """A shape's capture failed: the call takes the model's own path."""
 
 
 def _cell(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_mh: torch.Tensor,

@@ -200,3 +200,27 @@ def test_session_indexed_adapters_through_the_triton_kernel(model: MLSTM, one_th
     own, bucketed, runner = _both(model, *_inputs(3, 2, "groups"))
     assert runner.calls == 1
     _close(own, bucketed)
+
+
+def test_a_shape_whose_capture_fails_takes_the_models_path(model: MLSTM, one_thread: None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # (a capture needs CUDA: here the capture itself is what fails, as an operation that syncs with the host would)
+    def broken(self: StepRunner, *args: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StepRunner, "_capture", broken)
+    runner = StepRunner(model, graphs=False, max_rows=64, max_chunk=8)
+    runner.graphs = True  # as on CUDA, without the device
+    tokens, state, adapter = _inputs(3, 5, "rows")
+    model.step_runner = runner
+    try:
+        with torch.no_grad():
+            first, second = model(tokens, state, adapter), model(tokens, state, adapter)
+        model.step_runner = None
+        with torch.no_grad():
+            own = model(tokens, state, adapter)
+    finally:
+        model.step_runner = None
+    _close(own, first)
+    _close(own, second)
+    assert runner.calls == 0 and runner.declined == 2  # the second call knows the shape and does not try again
