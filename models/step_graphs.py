@@ -4,7 +4,8 @@ A step of a few rows is launch-bound on a GPU: each time step of `MLSTM._forward
 microseconds of work each, plus Python. `StepRunner` takes every no-gradient call of a frozen `MLSTM` (scoring,
 peeks, observes' static shadows, the keyboard search's steps and feeds, generation) and runs it in static shapes:
 
-- rows padded to a power of two (`row_bucket`), up to `max_rows` (more: the model's own path);
+- rows padded to a power of two (`row_bucket`), up to `max_rows` (4,096: a search round of thousands of
+  typists; more: the model's own path);
 - time cut into chunks of powers of two (`chunks`: 20 steps = 16 + 4), at most `max_chunk` steps each, run one
   after the other with the state carried in the shape's buffers. Chunking, unlike padding the time axis, runs no
   step that is not real, so the recurrence needs no mask and each row's state is exact;
@@ -22,7 +23,8 @@ zero adapter) never touch the real rows' numbers; their outputs are dropped.
 
 Not covered (the model's own path runs them): calls with gradients (the sparse adaptation step of adapting rows:
 forward, hand-written backward and update rule), an unfrozen model, states in another form than (h, c), more rows
-than `max_rows`, and on a GPU without Triton a session-indexed adapter too large to gather (> 256 MB).
+than `max_rows`, per-row adapters of more than 1 GB, and on a GPU without Triton a session-indexed adapter too
+large to gather (> 256 MB).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ log = logging.getLogger(__name__)
 GRAPH_MODES = ("auto", "on", "off")
 Form = Literal["none", "rows", "groups"]
 _GATHER_BYTES = 1 << 28  # a session-indexed adapter is gathered per row (m[index]) up to this size
+# the largest per-row adapter buffer a shape keeps (R, k, k): 1 GB holds 256 rows (a bucket) at k = 768; more per-row
+# adapters (a round of many new typists' feeds) take the model's own path, which stacks the same matrices anyway
+_ROWS_BYTES = 1 << 30
 
 
 def row_bucket(rows: int) -> int:
@@ -95,7 +100,7 @@ class StepRunner:
     """Runs a frozen `MLSTM`'s no-gradient forward in bucketed static shapes (module docstring). `graphs`: capture
     and replay CUDA graphs (a CUDA model only); otherwise the padded path runs eagerly."""
 
-    def __init__(self, model: MLSTM, *, graphs: bool, max_rows: int = 2048, max_chunk: int = 32) -> None:
+    def __init__(self, model: MLSTM, *, graphs: bool, max_rows: int = 4096, max_chunk: int = 32) -> None:
         device = next(model.parameters()).device
         if graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
@@ -126,6 +131,8 @@ class StepRunner:
         S = row_bucket(len(counts)) if counts is not None else 0
         if why is None and form == "groups" and not self._groups_fit(R, k):
             why = "a session-indexed adapter too large to gather without Triton"
+        if why is None and form == "rows" and R * k * k * 4 > _ROWS_BYTES:
+            why = "per-row adapters of more than 1 GB"
         if why is not None:
             self._decline(why)
             return None

@@ -224,3 +224,14 @@ def test_a_shape_whose_capture_fails_takes_the_models_path(model: MLSTM, one_thr
     _close(own, first)
     _close(own, second)
     assert runner.calls == 0 and runner.declined == 2  # the second call knows the shape and does not try again
+
+
+def test_per_row_adapters_beyond_the_buffer_limit_take_the_models_path(model: MLSTM, one_thread: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import models.step_graphs as step_graphs
+
+    monkeypatch.setattr(step_graphs, "_ROWS_BYTES", 4 * K * K * 4)  # four rows' matrices
+    within, beyond = _both(model, *_inputs(3, 2, "rows")), _both(model, *_inputs(5, 2, "rows"))  # pad to 4, to 8
+    assert (within[2].calls, within[2].declined) == (1, 0)
+    assert (beyond[2].calls, beyond[2].declined) == (0, 1)
+    _close(beyond[0], beyond[1])
