@@ -6,15 +6,21 @@
 #      at TYPISTS users (python -m bench.capacity --url): suggest p50 / p99 and whether loadtest/slo.toml held;
 #   4. observe throughput of OBSERVE_SESSIONS adapting sessions at once against one at a time (python -m bench.server
 #      --only observe: its own two servers, max_batch 1 and 2 x OBSERVE_SESSIONS);
-#   5. the GPU's utilisation meanwhile (nvidia-smi dmon, one line a second) and its mean over steps 2-3.
-# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), score.md, typists.md, observe.md, util.txt, util.md,
-# server.log. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
+#   5. the GPU's utilisation meanwhile (nvidia-smi dmon, one line a second) and its mean over steps 2-3;
+#   6. scoring again at STREAMS with the model step's CUDA graphs off (ADAPTLM_CUDA_GRAPHS=off; steps 2-3 run with
+#      GRAPHS, default auto: on for CUDA), SECONDS_OFF a level, and the two side by side (graphs.md: bytes/s on, off,
+#      on / off);
+#   0. first, the model step alone (python -m bench.step_graphs): ms a call, CUDA graphs against the model's own
+#      path, at STEP_ROWS rows (scoring segments, static scores, peeks) and STEP_SEARCH_ROWS (the search's steps).
+# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), step_graphs.md, score.md, typists.md, observe.md,
+# util.txt, util.md, score_graphs_off.md, graphs.md, server.log, server_graphs_off.log. Steps 0 and 6 add about
+# 1.5 minutes; STEP_BENCH=0 or GRAPHS_OFF=0 skip them. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
 #
 #   bash bench/gpu_prepare.sh                                    # here, once: .gpu/whl (wheels the GPU image lacks)
 #   OUT=runs/gpu_serve bash bench/gpu_serve.sh                     # on the GPU machine, carry [".gpu"]
 #
 # Sizes: STREAMS (32,256,2048), TYPISTS (100,300,1000,3000), OBSERVE_SESSIONS (256), OBSERVE_BYTES (2048),
-# SECONDS (20: each scoring level),
+# SECONDS (20: each scoring level), GRAPHS (auto) and GRAPHS_OFF (1: step 6; 0: skip it),
 # RUN_TIME (40s: each typists level), WORKERS (8), LOCUST_PROCS (6), MAX_QUEUE (8192), MAX_BATCH (512).
 set -u
 OUT=${OUT:-runs/gpu_serve}
@@ -31,9 +37,17 @@ LOCUST_PROCS=${LOCUST_PROCS:-6}
 MAX_QUEUE=${MAX_QUEUE:-8192}
 MAX_BATCH=${MAX_BATCH:-512}
 CHECKPOINT=${CHECKPOINT:-checkpoints/default}
+GRAPHS=${GRAPHS:-auto}
+GRAPHS_OFF=${GRAPHS_OFF:-1}
+SECONDS_OFF=${SECONDS_OFF:-10}
+STEP_BENCH=${STEP_BENCH:-1}
+STEP_ROWS=${STEP_ROWS:-32,256,2048}
+STEP_SEARCH_ROWS=${STEP_SEARCH_ROWS:-256,2048}
+STEP_STATIC=1024
 if [ "${SMOKE:-0}" = 1 ]; then
     DEVICE=cpu WORKERS=2 STREAMS=2,8 TYPISTS=2,4 OBSERVE_SESSIONS=4 OBSERVE_BYTES=256 SECONDS_EACH=4 RUN_TIME=8s
-    LOCUST_PROCS=1
+    LOCUST_PROCS=1 GRAPHS=on  # the padded step runs eagerly on the CPU: the setting and its path, served
+    SECONDS_OFF=4 STEP_ROWS=3,8 STEP_SEARCH_ROWS=24 STEP_STATIC=64
     MAX_QUEUE=256 MAX_BATCH=64
 fi
 mkdir -p "$OUT"
@@ -66,20 +80,31 @@ if command -v nvidia-smi >/dev/null; then
     util_pid=$!
 fi
 
-PORT=$($PY -c "from server.launch import free_port; print(free_port())")
-URL="http://127.0.0.1:$PORT"
-stamp "serving $CHECKPOINT on $DEVICE with $WORKERS workers at $URL"
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE ADAPTLM_WORKERS=$WORKERS ADAPTLM_MAX_QUEUE=$MAX_QUEUE \
-    ADAPTLM_MAX_BATCH=$MAX_BATCH ADAPTLM_LOG_LEVEL=warning \
-    $PY -m adaptlm serve --checkpoint "$CHECKPOINT" --port "$PORT" > "$OUT/server.log" 2>&1 &
-server=$!
-for _ in $(seq 1 300); do
-    $PY -c "import sys, urllib.request as u; sys.exit(u.urlopen(sys.argv[1], timeout=2).status != 200)" \
-        "$URL/readyz" >/dev/null 2>&1 && break
-    kill -0 $server 2>/dev/null || { echo "the server exited:"; tail -20 "$OUT/server.log"; exit 1; }
-    sleep 1
-done
-sleep 3  # every worker up (readyz answers with the first)
+if [ "$STEP_BENCH" = 1 ]; then
+    stamp "the model step alone: CUDA graphs against the model's own path"
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} timeout 150 $PY -m bench.step_graphs --checkpoint "$CHECKPOINT" \
+        --device "$DEVICE" --rows "$STEP_ROWS" --search-rows "$STEP_SEARCH_ROWS" --static-steps "$STEP_STATIC" \
+        --repeat 3 2>&1 | tee "$OUT/step_graphs.md"
+fi
+
+# start_server LOG GRAPHS: `adaptlm serve` in the background (its pid in $server, its address in $URL), once ready
+start_server() {
+    PORT=$($PY -c "from server.launch import free_port; print(free_port())")
+    URL="http://127.0.0.1:$PORT"
+    stamp "serving $CHECKPOINT on $DEVICE with $WORKERS workers at $URL (CUDA graphs: $2)"
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE ADAPTLM_WORKERS=$WORKERS ADAPTLM_MAX_QUEUE=$MAX_QUEUE \
+        ADAPTLM_MAX_BATCH=$MAX_BATCH ADAPTLM_LOG_LEVEL=warning ADAPTLM_CUDA_GRAPHS=$2 \
+        $PY -m adaptlm serve --checkpoint "$CHECKPOINT" --port "$PORT" > "$1" 2>&1 &
+    server=$!
+    for _ in $(seq 1 300); do
+        $PY -c "import sys, urllib.request as u; sys.exit(u.urlopen(sys.argv[1], timeout=2).status != 200)" \
+            "$URL/readyz" >/dev/null 2>&1 && break
+        kill -0 $server 2>/dev/null || { echo "the server exited:"; tail -20 "$1"; exit 1; }
+        sleep 1
+    done
+    sleep 3  # every worker up (readyz answers with the first)
+}
+start_server "$OUT/server.log" "$GRAPHS"
 first=$(grep -cv '^#' "$OUT/util.txt" 2>/dev/null)
 
 stamp "scoring at $STREAMS streams"
@@ -103,5 +128,27 @@ if [ -n "$util_pid" ]; then
     awk -v a="${first:-0}" -v b="${last:-0}" '!/^#/ {c++; if (c > a && c <= b) {s += $2; k++}}
         END {printf "| GPU SM busy, mean over scoring and typists | %.0f%% over %d s |\n", (k ? s / k : 0), k}' \
         "$OUT/util.txt" | tee "$OUT/util.md"
+fi
+if [ "$GRAPHS_OFF" = 1 ]; then
+    start_server "$OUT/server_graphs_off.log" off
+    stamp "scoring at $STREAMS streams, CUDA graphs off"
+    $PY -m bench.serve_load --url "$URL" --streams "$STREAMS" --seconds "$SECONDS_OFF" --file "$BOOK" \
+        | tee "$OUT/score_graphs_off.md"
+    kill -TERM $server; wait $server
+    # the two scoring tables side by side: bytes/s with the graphs (GRAPHS) and without, and their ratio
+    $PY - "$OUT/score.md" "$OUT/score_graphs_off.md" "$GRAPHS" <<'PY' | tee "$OUT/graphs.md"
+import sys
+
+def rates(path):
+    rows = [line.split("|") for line in open(path) if line.startswith("| ") and line[2].isdigit()]
+    return {int(r[1]): float(r[2].replace(",", "")) for r in rows}
+
+on, off = rates(sys.argv[1]), rates(sys.argv[2])
+print(f"| streams | bytes/s, CUDA graphs {sys.argv[3]} | bytes/s, off | ratio |")
+print("| ---: | ---: | ---: | ---: |")
+for n in sorted(on.keys() & off.keys()):
+    ratio = f"{on[n] / off[n]:.2f}x" if off[n] else "-"
+    print(f"| {n} | {on[n]:,.0f} | {off[n]:,.0f} | {ratio} |")
+PY
 fi
 stamp "done"

@@ -37,6 +37,7 @@ from torch import nn
 from kernels.adapted_mlstm import adapted_mlstm
 from kernels.adapter import AdapterSteps, apply_adapter_groups
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
+from models.step_graphs import StepRunner
 
 __all__ = ["MLSTM", "MLSTMConfig", "mlstm_cell"]
 
@@ -124,6 +125,9 @@ class MLSTM(LanguageModel):
     config: MLSTMConfig
     bf16_inference = True  # only the recurrent matmuls in bf16 when frozen (module docstring)
     grouped_adapters = True
+    # runs the frozen no-gradient forward in bucketed static shapes, as CUDA graphs on a GPU (models/step_graphs.py;
+    # the server's ADAPTLM_CUDA_GRAPHS installs it); None: this module's own path
+    step_runner: StepRunner | None = None
 
     def __init__(self, config: MLSTMConfig) -> None:
         super().__init__()
@@ -164,6 +168,12 @@ class MLSTM(LanguageModel):
         """tokens: (B, T) int64; state: h, c (B, H); adapter: mats["h"] (B, k, k) or None."""
         device = tokens.device.type
         frozen = self.frozen  # weights are constants (LanguageModel.freeze, at load): the inference paths
+        runner = self.step_runner
+        if runner is not None and frozen and not self.training and not torch.is_grad_enabled():
+            lowp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            out = runner(tokens, state, adapter, lowp)
+            if out is not None:
+                return out
         if frozen and torch.is_autocast_enabled(device):
             # inference or sparse adaptation under autocast (module docstring): bf16 recurrent matmuls only
             with torch.autocast(device, enabled=False):

@@ -48,6 +48,9 @@
                              long with work waiting or running (30; 0: never)
     ADAPTLM_PRECISION        auto (default) | float32 | bfloat16: the model work's precision
     ADAPTLM_DEVICE           auto (default: CUDA when present, else the CPU) | cpu | cuda | cuda:N
+    ADAPTLM_CUDA_GRAPHS      auto (default: on a CUDA device) | on | off: the mLSTM's inference step in bucketed
+                             static shapes, captured once per shape as a CUDA graph and replayed (models/step_graphs.py;
+                             `on` on a CPU runs the same padded path eagerly, which only costs there)
     ADAPTLM_WORKERS          HTTP worker processes (0, the default: the HTTP server and the engine share one process);
                              N >= 1: `adaptlm serve` runs the engine in its own process and N uvicorn processes that
                              parse, check and answer requests and send the work to it (server/engine/_remote.py)
@@ -137,6 +140,9 @@ class Settings(BaseSettings):
     threads: int | None = Field(default=None, ge=1, le=1024)
     # Where the model runs (models/device.py): auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.
     device: str = Field(default="auto", pattern=DEVICE_PATTERN)
+    # The mLSTM's inference step in bucketed static shapes, replayed as CUDA graphs (models/step_graphs.py): auto
+    # (on a CUDA device only), on (a CPU runs the padded path eagerly) or off.
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # How the Triton attention kernels run (kernels.attention.Tuning; "": the shipped, GPU-verified kernel).
     attention_tuning: str = ""
     # Which kernels run on CUDA (kernels/_dispatch.py, which reads the same variable): auto, triton or reference.

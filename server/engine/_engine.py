@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from models.precision import PRECISIONS, inference_precision
 from models.sampling import SamplingParams
+from models.step_graphs import GRAPH_MODES, install_step_runner
 from models.suggest import Suggestions
 from models.tokenizer import byte_level, word_level
 from server.engine._errors import EngineUnavailable, ObserveApplied, SessionNotFound
@@ -74,6 +75,9 @@ class EngineConfig:
     # the model work's precision (models/precision.py): "float32", "bfloat16" (bf16 recurrent matmuls) or "auto"
     precision: str = "float32"
     device: str = "cpu"  # where the model runs (models/device.py): auto, cpu, cuda or cuda:N
+    # the mLSTM's inference step in bucketed static shapes (models/step_graphs.py): auto (CUDA graphs on a CUDA
+    # device, the model's own path on a CPU), on (also on a CPU, eagerly) or off
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.session_ttl_s <= 0 \
@@ -82,6 +86,8 @@ class EngineConfig:
                              "suggest_budget_ms >= 0, max_request_engine_s >= 0")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, not {self.cuda_graphs!r}")
 
 
 class Engine:
@@ -341,6 +347,7 @@ class Engine:
     def _run(self, loaded: Future[ModelInfo]) -> None:
         try:
             model = load_model(self._path, self.config.precision, self.config.device)
+            install_step_runner(model.ckpt.model, self.config.cuda_graphs)
             self.sessions.load(model.ckpt, model.info.sessions, model.info.sessions_unavailable, model.base)
         except BaseException as e:
             loaded.set_exception(e)
