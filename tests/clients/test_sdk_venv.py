@@ -89,7 +89,7 @@ def _run(python: Path, code: str, cwd: Path) -> subprocess.CompletedProcess[str]
 
 
 SESSION_SCRIPT = """
-    import asyncio, importlib.metadata, importlib.util, json, sys
+    import asyncio, importlib.metadata, importlib.util, json, pathlib, sys
     import adaptlm_client
     from adaptlm_client import AsyncClient, Client, NotFoundError
 
@@ -97,6 +97,7 @@ SESSION_SCRIPT = """
     out = {"missing": [m for m in ("torch", "numpy", "server", "models", "adaptlm") if importlib.util.find_spec(m)
                        is None],
            "sdk": adaptlm_client.__file__, "version": importlib.metadata.version("adaptlm-client"),
+           "typed": (pathlib.Path(adaptlm_client.__file__).parent / "py.typed").is_file(),
            "loaded": sorted(m for m in ("torch", "numpy") if m in sys.modules)}
     with Client(url, timeout=60) as client:
         session = client.create_session(initial_text="Dear Sir,")
@@ -127,6 +128,7 @@ def test_the_sdk_alone_runs_a_session_without_torch(sdk_python: Path, live: Live
     # nothing of the server's distribution, and none of its heavy dependencies, can even be found there
     assert out["missing"] == ["torch", "numpy", "server", "models", "adaptlm"] and out["loaded"] == []
     assert Path(out["sdk"]).is_relative_to(sdk_python.parent.parent)  # the installed copy, not the checkout's
+    assert out["typed"]  # PEP 561's marker installed: an application's mypy reads the SDK's types
     assert out["version"] == tomllib.loads((SDK / "pyproject.toml").read_text())["project"]["version"]
     n = len(text.encode())
     assert out["observed"][0] == n and out["observed"][1] > 0 and out["observed"][2] > 0
