@@ -5,8 +5,8 @@
 #   docker build --build-arg VARIANT=cuda -t adaptlm:cuda .    # CUDA: torch's CUDA build (its CUDA libraries
 #                                                              # come as wheels; the host gives the driver)
 #   docker run -p 8000:8000 adaptlm            docker run --gpus all -p 8000:8000 adaptlm:cuda
-# The install steps are `make install`'s (the same torch pin, installed first, then the package; the test
-# tests/deploy/test_image.py holds them together), without the dev and loadtest extras.
+# The install steps are `make serve`'s (the same torch pin, installed first, then the SDK and the server; the test
+# tests/deploy/test_image.py holds them together): no dev or loadtest extras, nothing from apt.
 ARG VARIANT=cpu
 ARG TORCH=torch==2.13.0
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -15,7 +15,7 @@ FROM ${PYTHON_IMAGE} AS python
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 
-# torch first, pinned (as `make install`): each variant's build of the same version.
+# torch first, pinned (as `make serve`): each variant's build of the same version.
 # (DL3013: the pin is the TORCH argument, which hadolint does not expand.)
 FROM python AS torch-cpu
 ARG TORCH
@@ -27,7 +27,8 @@ ARG TORCH
 # hadolint ignore=DL3013
 RUN python -m venv /opt/venv && pip install --no-cache-dir "${TORCH}"
 
-# Then the package itself (not editable: the runtime stage copies only the virtual environment).
+# Then the SDK (clients/, the adaptlm-client distribution, which the server depends on: named here, pip takes it
+# from the tree, never from an index) and the server (not editable: the runtime stage copies only the environment).
 # (DL3006: torch-${VARIANT} is one of the stages above, not an image to tag.)
 # hadolint ignore=DL3006
 FROM torch-${VARIANT} AS build
@@ -40,7 +41,7 @@ COPY server ./server
 COPY clients ./clients
 COPY trainer ./trainer
 COPY loadtest ./loadtest
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ./clients .
 
 # The runtime: the virtual environment and the checkpoints, no compilers, no source tree, not root.
 FROM python AS runtime

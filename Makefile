@@ -3,12 +3,20 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
+# Two stamps: what serving needs, and (after it) the test tools; `make test` after `make serve` adds only the latter.
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: install system-deps serve test soak compile-kernels lint clean bench-deps loadtest need-data
+.PHONY: install install-runtime system-deps serve test soak compile-kernels lint clean bench-deps loadtest need-data
 
-install: system-deps $(STAMP)
+# Everything `make test` needs: the runtime, the test tools (the dev and loadtest extras) and the system packages
+# that tests start themselves.
+install: system-deps $(DEV_STAMP)
+
+# What `make serve` needs: Python packages only (torch, the server, the SDK), nothing from apt, no sudo, no test
+# tools (tests/test_make_serve.py holds it so).
+install-runtime: $(RUNTIME_STAMP)
 
 # System packages: redis-server, which the Redis session store's tests start on their own (nothing else
 # needs to run), and chromium (with a font), which the keyboard page's browser test drives headless through
@@ -25,12 +33,18 @@ system-deps:
 		if [ "$$(id -u)" -eq 0 ]; then SUDO=; else SUDO=sudo; fi; \
 		$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends $$missing; fi
 
-$(STAMP): pyproject.toml Makefile
+# The SDK (clients/, the adaptlm-client distribution) is named in each install beside the server, which depends on it:
+# pip then takes it from here, never from an index.
+$(RUNTIME_STAMP): pyproject.toml clients/pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first, pinned: the CPU build; an unpinned torch could pull a multi-GB CUDA build
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev,loadtest]'  # locust: `make loadtest` and its test
-	@touch $(STAMP)
+	$(PY) -m pip install -q -e ./clients -e .
+	@touch $@
+
+$(DEV_STAMP): $(RUNTIME_STAMP)
+	$(PY) -m pip install -q -e ./clients -e '.[dev,loadtest]'  # locust: `make loadtest` and its test
+	@touch $@
 
 # Benchmarks only, not `make test`: Presage (bench/keyboard.py's peer) and 7-Zip (bench/dyneval.py's PPMd).
 bench-deps:
@@ -38,7 +52,9 @@ bench-deps:
 		$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends presage libpresage-data p7zip-full
 
 # With the in-memory session store, sessions are kept across restarts in var/sessions.zip (written at shutdown).
-serve: install
+# A Redis session store (ADAPTLM_SESSION_STORE=redis://...) is a Redis you run (docs/operations.md): nothing is
+# installed for it; when none answers at that address, the server says so in one line and exits 3.
+serve: install-runtime
 	@if [ "$${ADAPTLM_SESSION_STORE:-memory}" = memory ]; then \
 		export ADAPTLM_SESSION_SNAPSHOT="$${ADAPTLM_SESSION_SNAPSHOT:-var/sessions.zip}"; fi; \
 	exec $(VENV)/bin/adaptlm serve
@@ -70,13 +86,13 @@ USERS ?= 8
 RUN_TIME ?= 60s
 LOADTEST_OUT ?= var/loadtest
 SLO ?= loadtest/slo.toml
-loadtest: install
+loadtest: $(DEV_STAMP)
 	$(PY) -m loadtest.run $(if $(URL),--url $(URL)) --users $(USERS) --run-time $(RUN_TIME) --out $(LOADTEST_OUT) --slo $(SLO) $(CLASSES)
 
-lint: install
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy server clients
+	$(VENV)/bin/mypy server clients  # clients/: the SDK's adaptlm_client (mypy_path in pyproject.toml)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
@@ -95,7 +111,7 @@ need-data:
 	@if [ -z "$(DATA)" ] || [ ! -d "$(DATA)" ]; then \
 		echo "DATA is not a directory: pass the corpora directory, make $(MAKECMDGOALS) DATA=... (or set ADAPTLM_DATA);" \
 			"docs/benchmarks.md, \"The corpora\"" >&2; exit 2; fi
-default-checkpoint: need-data install
+default-checkpoint: need-data install-runtime
 	$(VENV)/bin/adaptlm train --preset default --data $(DEFAULT_TRAIN) \
 		--valid $(DATA)/gutenberg/austen-persuasion.txt --out runs/default-first --overwrite
 	$(VENV)/bin/adaptlm train --preset default --config trainer/default_more.toml --init-from runs/default-first \
@@ -113,7 +129,7 @@ default-lexicon: need-data
 # (as the other shipped checkpoints') and its neural cache on the first 30 KB of the SMS messages (the keyboard
 # benchmark types the file's last 20 KB); dyneval.json's "session" section is the grid's choice (docs/notes/2026-11-benchmarks-history.md,
 # `python -m bench.session_defaults --checkpoint checkpoints/words --cache`).
-words-checkpoint: need-data install
+words-checkpoint: need-data install-runtime
 	$(VENV)/bin/adaptlm train --arch adaptive-transformer --preset small --data $(DEFAULT_TRAIN) \
 		--valid $(DATA)/gutenberg/austen-persuasion.txt --out checkpoints/words --overwrite
 	rm -rf checkpoints/words/last

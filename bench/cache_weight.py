@@ -2,9 +2,9 @@
 on, chosen by keystroke savings on held-out personal text that no benchmark types: SMS bytes 30-38 KB after the
 file's first 30 KB (the keyboard benchmark types its last 20 KB), and a slice from the middle of the e-mails (bytes
 1,030,000-1,038,000 after the 30 KB before them; the benchmarks use the file's first 100 KB and last 40 KB). Same
-simulator as `bench.keyboard` (clients/keysim.py), in this process: the session's sparse settings, the checkpoint's
+simulator as `bench.keyboard` (adaptlm_client.keysim), in this process: the session's sparse settings, the checkpoint's
 copy model, 3 suggestions. A word model's suggestions are the server's (`word_suggestions`): for one, each weight
-types through a session of a local `adaptlm serve` (clients.keysim.SessionSuggester), warmed up afresh.
+types through a session of a local `adaptlm serve` (adaptlm_client.keysim.SessionSuggester), warmed up afresh.
 
     python -m bench.cache_weight [--checkpoint DIR] [--texts sms,emails] [--weights 0,0.25,0.5,0.75,1] [--out DIR]
 """
@@ -17,10 +17,10 @@ import dataclasses
 import time
 from pathlib import Path
 
+from adaptlm_client import Client
+from adaptlm_client.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
 from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file, machine_line
 from bench.server import serve
-from clients import Client
-from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
 from models.checkpoint import load_checkpoint
 from models.copymodel import CopyModel
 from models.keysim import ModelSuggester

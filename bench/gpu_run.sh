@@ -39,9 +39,9 @@ export PYTHONUNBUFFERED=1
 if [ "${WHEELS:-1}" = 1 ] && [ -d .gpu/whl ] && ls .gpu/whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
         || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD:$PWD/clients  # clients/: the SDK's adaptlm_client (server.protocol's models)
 else
-    export PYTHONPATH=$PWD
+    export PYTHONPATH=$PWD:$PWD/clients
 fi
 started=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - started )) s] $*"; }

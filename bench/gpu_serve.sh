@@ -55,9 +55,9 @@ export PYTHONUNBUFFERED=1
 if [ -d .gpu/whl ] && ls .gpu/whl/*.whl >/dev/null 2>&1 && [ "${SMOKE:-0}" != 1 ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
         || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD:$PWD/clients  # clients/: the SDK's adaptlm_client (server.protocol's models)
 else
-    export PYTHONPATH=$PWD
+    export PYTHONPATH=$PWD:$PWD/clients
 fi
 # the text the scoring clients send: the held-out book where bench/gpu_prepare.sh put the texts, else the
 # repository's own excerpt (tests/data)

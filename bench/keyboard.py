@@ -1,6 +1,6 @@
 """Keystroke savings against Presage: our default model (static, sparse session adaptation over HTTP, full dynamic
 evaluation in-process) and Presage (an n-gram predictor built from the same training text, without and with
-learning), all typed by the same simulator (clients/keysim.py: Presage's KSR definition, 3 suggestions). The
+learning), all typed by the same simulator (adaptlm_client.keysim: Presage's KSR definition, 3 suggestions). The
 sessions run as served (sparse adapter, the copy model when the checkpoint has one, models/copymodel.py, and the
 session word cache, models/wordcache.py), without the word cache, and without the copy model (a copy of the
 checkpoint without dyneval.json's "copy" section); full dynamic evaluation runs without and with the word cache,
@@ -57,10 +57,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adaptlm_client import Client
+from adaptlm_client.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
 from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file, machine_line
 from bench.server import serve, suggest_cut
-from clients import Client
-from clients.keysim import KeysimResult, SessionSuggester, messages, simulate, split_text
 from models.adaptation import DynEvalSettings
 from models.tokenizer import tokenizer_from_dict
 
@@ -147,7 +147,7 @@ _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)  # returns a cons
 
 
 class PresageSuggester:
-    """Presage through its C API (presage.h): the `clients.keysim.Suggester` protocol. `learn`: each finished
+    """Presage through its C API (presage.h): the `adaptlm_client.keysim.Suggester` protocol. `learn`: each finished
     message is learnt (`presage_learn`); the context tracker's own online learning is off in both
     configurations, so what it learns is exactly what the simulator observes."""
 

@@ -1,4 +1,4 @@
-"""Where a keyboard session loses keystrokes: the simulator of `bench.keyboard` (clients/keysim.py, 3 suggestions),
+"""Where a keyboard session loses keystrokes: the simulator of `bench.keyboard` (adaptlm_client.keysim, 3 suggestions),
 in this process (the session's sparse settings, the checkpoint's copy model and word cache, as `bench.cache_weight`),
 on held-out personal text that no benchmark types, with every word's outcome recorded and its lost keystrokes
 classified.
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adaptlm_client.keysim import KeysimResult, Suggester, messages, split_text, split_words
 from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file, machine_line
-from clients.keysim import KeysimResult, Suggester, messages, split_text, split_words
 
 SLICES = {  # name -> {slice: (file, warm-up start, typed start, typed end)}
     "emails": {"analysis": ("messages/enron-farmer-d.first2672.txt", 1_500_000, 1_530_000, 1_540_000),
@@ -67,7 +67,7 @@ class WordOutcome:
 
 
 class Recorder:
-    """Wraps a suggester: types like `clients.keysim.type_message` (same accounting, checked against it) and
+    """Wraps a suggester: types like `adaptlm_client.keysim.type_message` (same accounting, checked against it) and
     records each word's outcome."""
 
     def __init__(self, inner: Suggester, known: set[str], k: int = 3) -> None:

@@ -17,7 +17,7 @@ session's words stand in for its word cache, unbounded, as typed and with a capi
 
 After a mark (a word that follows "(" or "-" directly: `models.suggest.takes_space`) the search also finds words after
 a space; they are recorded as the keyboard would insert them, with the space (never the word typed there, as in
-`clients.keysim`), with the search's `space_share` ("space"), by which the replay splits the cache's words as
+`adaptlm_client.keysim`), with the search's `space_share` ("space"), by which the replay splits the cache's words as
 `WordCache.mix` does (records made before it have none: all direct).
 """
 
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from adaptlm_client.keysim import messages, split_text, split_words
 from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file
 from bench.keyboard_losses import SLICES, training_words
-from clients.keysim import messages, split_text, split_words
 
 WIDTH = 10
 TOP_CACHED = 40  # the cache's most probable words kept per query
@@ -124,7 +124,7 @@ def bar(q: dict[str, Any], prefix: str, lexicon: set[str], seen: set[str], *, wi
 
 def ksr(records: list[dict[str, Any]], warm: str, lexicon: set[str], checkpoint: str = str(DEFAULT_CHECKPOINT),
         **variant: Any) -> float:
-    """The simulator's accounting (clients.keysim.type_message) over the recorded queries."""
+    """The simulator's accounting (adaptlm_client.keysim.type_message) over the recorded queries."""
     chars = typed = selections = 0
     seen = {w.lower() for w in re.findall(WORD, warm)}
     from models.lexicon import LEXICON_FILE, Lexicon

@@ -46,8 +46,8 @@ import httpx
 import numpy as np
 import torch
 
+from adaptlm_client import AsyncClient, Client
 from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
-from clients import AsyncClient, Client
 from models.precision import resolve_precision
 from server.launch import serving
 from server.protocol import SUGGEST_MAX_CONTEXT, SuggestResponse
@@ -116,7 +116,7 @@ async def suggest_level(url: str, typists: int, messages: list[str], keystrokes:
     observes histories[i] (none: a fresh session)."""
     latencies: list[float] = []
     limits = httpx.Limits(max_connections=typists, max_keepalive_connections=typists)
-    # The SDK has no suggest() yet (clients/_calls.py marks where it goes): sessions through it, keystrokes raw.
+    # The SDK has no suggest() yet (adaptlm_client._calls marks where it goes): sessions through it, keystrokes raw.
     async with (AsyncClient(url, timeout=120) as sdk,
                 httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http):
         start = asyncio.Barrier(typists + 1)

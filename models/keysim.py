@@ -1,4 +1,4 @@
-"""Keyboard suggestions from a model in this process, for the keystroke-savings simulator (`clients.keysim`):
+"""Keyboard suggestions from a model in this process, for the keystroke-savings simulator (`adaptlm_client.keysim`):
 the model reads each finished message and (optionally) adapts on it, like a server session, and suggests words
 for the message being typed.
 
@@ -43,7 +43,7 @@ __all__ = ["ModelSuggester"]
 
 
 class ModelSuggester:
-    """Implements `clients.keysim.Suggester` with a model in this process (module docstring). `config` None is
+    """Implements `adaptlm_client.keysim.Suggester` with a model in this process (module docstring). `config` None is
     static; `stats` are the checkpoint's MS_g statistics (the RMS rules need them); `cache_weight` > 0 mixes a
     word cache of the observed text into the completions, as a server session does (`models.wordcache`); `lexicon`
     (the checkpoint's, `Checkpoint.lexicon`) ranks them under its dictionary prior, as the server does

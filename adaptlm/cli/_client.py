@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 from adaptlm.cli._common import Parser, UsageError, check_output, per_word, read_text_arg, write_whole
 
 if TYPE_CHECKING:
-    from clients import Client
+    from adaptlm_client import Client
 
 
 _MAX_TIMEOUT_S = 1e6
 
 
 def make_client(args: argparse.Namespace) -> Client:
-    from clients import DEFAULT_BASE_URL, Client, RetryPolicy
+    from adaptlm_client import DEFAULT_BASE_URL, Client, RetryPolicy
 
     if args.max_retries < 0:
         raise UsageError("--max-retries must not be negative")
@@ -59,7 +59,7 @@ def _print_model(model: Any) -> None:
 
 def cmd_client(args: argparse.Namespace) -> int:
     """Runs one `adaptlm client` command; an SDK error is one line: exit 2 for a 4xx answer, else 1."""
-    from clients import AdaptlmError
+    from adaptlm_client import AdaptlmError
 
     try:
         with make_client(args) as client:

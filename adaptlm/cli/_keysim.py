@@ -1,4 +1,4 @@
-"""`adaptlm keyboard-sim`: the keystroke savings of word suggestions on a text (clients/keysim.py), from a server
+"""`adaptlm keyboard-sim`: the keystroke savings of word suggestions on a text (adaptlm_client.keysim), from a server
 (--url) or a checkpoint in this process (--checkpoint)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from adaptlm.cli._common import UsageError, load, read_text_arg
 
 def cmd_keyboard_sim(args: argparse.Namespace) -> int:
     """Type a text against suggestions from a server (--url) or a checkpoint here (--checkpoint)."""
-    from clients.keysim import messages, simulate, split_text
+    from adaptlm_client.keysim import messages, simulate, split_text
 
     if (args.url is None) == (args.checkpoint is None):
         raise UsageError("give either --url (a running server) or --checkpoint (a model in this process)")
@@ -54,8 +54,8 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
             print(f"{result.messages} messages, {result.chars:,} chars: KSR {result.ksr:.4f}", file=sys.stderr)
 
     if args.url is not None:
-        from clients import AdaptlmError
-        from clients.keysim import SessionSuggester
+        from adaptlm_client import AdaptlmError
+        from adaptlm_client.keysim import SessionSuggester
 
         args.timeout, args.max_retries = 600.0, 2
         args.api_key = args.api_key or None

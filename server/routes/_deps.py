@@ -125,7 +125,7 @@ def work_router(prefix: str, tag: str, *, openai: bool = False) -> APIRouter:
 
 
 # One server-sent event, as a client's parser reads it (OpenAPI 3.2 describes an event stream by its events): `data`
-# is the JSON object of the route's stream (server/protocol.py), or OpenAI's "[DONE]" at the end of a completion's.
+# is the JSON object of the route's stream (adaptlm_client.protocol), or OpenAI's "[DONE]" at the end of a completion's.
 SSE_EVENT_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},

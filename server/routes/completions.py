@@ -13,7 +13,7 @@ __all__ = ["router"]
 router = work_router("/v1", "openai", openai=True)  # request errors are OpenAI's 400 (errors.OPENAI_ROUTES)
 
 _STREAM = event_stream_responses("The completion; with `stream: true`, server-sent events: `CompletionResponse` "
-                                 "chunks, then `data: [DONE]` (see server/protocol.py).")
+                                 "chunks, then `data: [DONE]` (see clients/adaptlm_client/protocol.py).")
 
 
 @router.post("/completions", response_model=CompletionResponse, responses=_STREAM)

@@ -15,7 +15,7 @@ router = work_router("/v1", "generation")
 
 _STREAM = event_stream_responses("The whole answer; with `stream: true`, server-sent events: `GenerateChunk`s, "
                                  "then a `GenerateDone`, or an `ErrorResponse` if it fails after starting "
-                                 "(see server/protocol.py).")
+                                 "(see clients/adaptlm_client/protocol.py).")
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=_STREAM)

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clients import Client
+from adaptlm_client import Client
 from server.settings import Settings
 from tests.server.conftest import LiveServer, serve
 

@@ -8,7 +8,14 @@ from typing import TypeVar
 
 import pytest
 
-from clients import AsyncClient, AsyncGenerateStream, AsyncSession, Client, NotFoundError, UnprocessableEntityError
+from adaptlm_client import (
+    AsyncClient,
+    AsyncGenerateStream,
+    AsyncSession,
+    Client,
+    NotFoundError,
+    UnprocessableEntityError,
+)
 from tests.clients.conftest import LiveServer
 
 T = TypeVar("T")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clients import Client
+from adaptlm_client import Client
 from server.settings import Settings
 from tests._cli import run_cli
 from tests.clients.conftest import LiveServer, serve

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from clients import (
+from adaptlm_client import (
     AdaptlmError,
     AsyncClient,
     Client,

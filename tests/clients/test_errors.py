@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-import clients
-from clients import (
+import adaptlm_client
+from adaptlm_client import (
     AdaptlmError,
     APIConnectionError,
     APITimeoutError,
@@ -40,11 +40,11 @@ def mock(transport: httpx.MockTransport) -> Client:
 
 
 def test_every_error_type_has_its_class() -> None:
-    classes = {cls.error_type: cls for cls in vars(clients).values()
+    classes = {cls.error_type: cls for cls in vars(adaptlm_client).values()
                if isinstance(cls, type) and issubclass(cls, AdaptlmError) and cls.error_type}
     assert set(classes) == set(ERROR_TYPES)
     for type_, cls in classes.items():
-        error = clients._errors.error_from_body({"error": {"message": "m", "type": type_}})
+        error = adaptlm_client._errors.error_from_body({"error": {"message": "m", "type": type_}})
         assert type(error) is cls and error.status == cls.default_status and error.type == type_
 
 

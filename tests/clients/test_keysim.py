@@ -1,4 +1,4 @@
-"""The keystroke-savings simulator (clients/keysim.py): its accounting against a hand computation with a scripted
+"""The keystroke-savings simulator (adaptlm_client.keysim): its accounting against a hand computation with a scripted
 suggester, the text selection helpers, and a server session as the suggester (the SDK, and `adaptlm keyboard-sim
 --url` as a user runs it)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from adaptlm.cli import main
-from clients import Client, NotFoundError, SuggestedWord, SuggestResponse
-from clients.keysim import (
+from adaptlm_client import Client, NotFoundError, SuggestedWord, SuggestResponse
+from adaptlm_client.keysim import (
     KeysimResult,
     SessionSuggester,
     messages,

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clients import (
+from adaptlm_client import (
     APIConnectionError,
     AsyncClient,
     Client,
@@ -26,7 +26,7 @@ from clients import (
     ScoreResponse,
     ServiceUnavailableError,
 )
-from clients._retry import parse_retry_after
+from adaptlm_client._retry import parse_retry_after
 from server.settings import Settings
 from tests.clients.conftest import RecordingTransport, serve
 

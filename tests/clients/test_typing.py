@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 USER_CODE = """
     import asyncio
 
-    from clients import AdaptlmError, AsyncClient, Client, GenerateDone, NotFoundError, RetryPolicy, Session
+    from adaptlm_client import AdaptlmError, AsyncClient, Client, GenerateDone, NotFoundError, RetryPolicy, Session
 
     def app() -> float:
         with Client("http://127.0.0.1:8000", timeout=60, retry=RetryPolicy(max_retries=3)) as client:
@@ -70,8 +70,8 @@ def test_mypy_strict_accepts_user_code_against_the_installed_sdk(tmp_path: Path)
     python = env / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
     site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    for package in ("clients", "server"):
-        shutil.copytree(ROOT / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "clients" / "adaptlm_client", site / "adaptlm_client",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     user = tmp_path / "app.py"
     user.write_text(textwrap.dedent(USER_CODE))

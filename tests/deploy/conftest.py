@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clients import Client
+from adaptlm_client import Client
 from loadtest.run import start_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
-"""The container image's definition (Dockerfile): hadolint passes it, and its install steps are `make install`'s
-(the same torch pin, installed first, then the package with no other extras than the runtime's), its settings are
-ADAPTLM_* variables the server knows, and it runs one server, not as root, checked on /readyz. No container engine
-runs here: the image is never built by the tests."""
+"""The container image's definition (Dockerfile): hadolint passes it, and its install steps are `make serve`'s
+(the same torch pin, installed first, then the SDK and the package with no other extras than the runtime's), its
+settings are ADAPTLM_* variables the server knows, and it runs one server, not as root, checked on /readyz. No
+container engine runs here: the image is never built by the tests."""
 
 from __future__ import annotations
 
@@ -100,11 +100,12 @@ def pip_installs(commands: list[str]) -> list[list[str]]:
 
 
 def make_install() -> tuple[str, list[list[str]]]:
-    """`make install`'s torch pin (TORCH :=) and its pip installs in order, $(TORCH) expanded."""
+    """The torch pin (TORCH :=) and the pip installs in order, $(TORCH) expanded, of the runtime `make serve`
+    installs (`make test` then adds the test tools)."""
     text = MAKEFILE.read_text()
     torch = re.search(r"^TORCH\s*:=\s*(\S+)", text, re.M)
     assert torch, "the Makefile has no TORCH := pin"
-    recipe = text.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    recipe = text.split("\n$(RUNTIME_STAMP):", 1)[1].split("\n\n", 1)[0]
     commands = [line.strip().replace("$(TORCH)", torch.group(1)).replace("$(PY) -m pip", "pip")
                 for line in recipe.splitlines()[1:] if line.startswith("\t") and "pip install" in line]
     return torch.group(1), pip_installs([c.split("#", 1)[0] for c in commands])
@@ -138,16 +139,14 @@ def test_the_parser_reads_continuations_and_stages() -> None:
     assert pip_installs(["python -m venv v && pip install --no-cache-dir --index-url u \"torch==1\""]) == [["torch==1"]]
 
 
-def test_the_image_installs_what_make_install_does() -> None:
+def test_the_image_installs_what_make_serve_does() -> None:
     torch, make_steps = make_install()
     args = build_args()
     assert args["TORCH"] == torch, "the image's torch pin (ARG TORCH) differs from the Makefile's (TORCH :=)"
     assert args["VARIANT"] == "cpu", "CPU is the default variant"
-    # make: torch alone first, then the package (editable, with the dev and test tools).
-    assert make_steps[0] == [torch] and len(make_steps) == 2
-    make_extras = extras(make_steps[1][0])
+    # make: torch alone first, then the SDK and the package (editable), with no extras: the runtime only.
     optional = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    assert make_extras <= optional
+    assert make_steps == [[torch], ["./clients", "."]]
     # the image: each variant's stage installs that same pin alone, the build stage (FROM torch-${VARIANT}) then
     # the package, with no extras beyond the runtime's (not dev, not loadtest).
     stages = {ins.stage: ins.args.split()[0] for ins in instructions(DOCKERFILE.read_text()) if ins.keyword == "FROM"}
@@ -155,7 +154,7 @@ def test_the_image_installs_what_make_install_does() -> None:
         assert pip_installs(runs(f"torch-{variant}")) == [["${TORCH}"]], variant
     assert stages["build"] == "torch-${VARIANT}"
     [package] = pip_installs(runs("build"))
-    assert len(package) == 1 and extras(package[0]) <= optional - {"dev", "loadtest"}
+    assert package[0] == "./clients" and len(package) == 2 and extras(package[1]) <= optional - {"dev", "loadtest"}
 
 
 def test_the_image_copies_every_package_and_the_checkpoints() -> None:
@@ -163,7 +162,7 @@ def test_the_image_copies_every_package_and_the_checkpoints() -> None:
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = {source for ins in instructions(DOCKERFILE.read_text()) if ins.keyword == "COPY" and ins.stage == "build"
               for source in ins.args.split()[:-1]}
-    assert packages | {"pyproject.toml", project["project"]["readme"]} <= copied
+    assert packages | {"pyproject.toml", project["project"]["readme"], "clients"} <= copied  # clients/: the SDK
     runtime = [ins.args for ins in instructions(DOCKERFILE.read_text())
                if ins.keyword == "COPY" and ins.stage == "runtime"]
     assert "checkpoints /app/checkpoints" in runtime

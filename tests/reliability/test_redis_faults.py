@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from clients import AdaptlmError, Client, RetryPolicy
+from adaptlm_client import AdaptlmError, Client, RetryPolicy
 from tests.reliability.conftest import RedisProcess, ServerProcess, run_server
 
 TEXT = "The meeting has moved to Thursday afternoon, same room as last week.\n"

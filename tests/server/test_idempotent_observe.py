@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 import server.app as app_module
-from clients import Client, RetryPolicy
+from adaptlm_client import Client, RetryPolicy
 from server.engine import MemorySessionStore, SessionStore, SessionStoreUnavailable
 from server.engine._session import APPLIED_KEPT, Applied, applied_of, keyed
 from server.settings import Settings

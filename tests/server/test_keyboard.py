@@ -42,7 +42,7 @@ def test_page_and_assets(client: httpx.Client, assert_error: Any) -> None:
     for asset, media_type in (("keyboard/keyboard.js", "text/javascript"), ("keyboard/keyboard.css", "text/css")):
         r = client.get(f"/{asset}")
         assert r.status_code == 200 and r.headers["content-type"] == f"{media_type}; charset=utf-8" and r.text
-    assert "SUGGEST_MAX_CONTEXT = 2048" in client.get("/keyboard/keyboard.js").text  # server/protocol.py's
+    assert "SUGGEST_MAX_CONTEXT = 2048" in client.get("/keyboard/keyboard.js").text  # adaptlm_client.protocol's
     assert_error(client.get("/keyboard/index.html"), 404, "not_found_error", "asset")
     assert_error(client.get("/keyboard/app.js"), 404, "not_found_error", "asset")
     assert not any(path.startswith("/keyboard") for path in client.get("/openapi.json").json()["paths"])

@@ -289,7 +289,7 @@ def test_rate_limits_are_per_key(tiny_checkpoint: Path, serve_app: Any, assert_e
 
 # -- no pickle -------------------------------------------------------------------------------------------------
 
-PACKAGES = ("server", "models", "adaptlm", "trainer", "clients", "kernels", "loadtest")
+PACKAGES = ("server", "models", "adaptlm", "trainer", "clients/adaptlm_client", "kernels", "loadtest")
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
 
 

@@ -275,7 +275,7 @@ def test_an_observe_whose_client_timed_out_is_read_once_by_the_documented_recipe
     """README (Python SDK) and docs/operations.md: after an observe that raised APITimeoutError, the text was read
     whole or not at all (the server drops an observe whose client left before it finished), and the session's
     bytes_observed + pending_bytes says which, so that the client sends it again only if it was not read."""
-    from clients import APITimeoutError, Client
+    from adaptlm_client import APITimeoutError, Client
 
     text = f"{TEXT} {MORE} " * 2  # 440 bytes: more than the tiny model reads in 0.05 s
     with Client(live.url, timeout=0.05) as hurried, Client(live.url, timeout=120) as patient:

@@ -115,7 +115,7 @@ def test_the_session_says_what_it_read_including_its_pending_word(client: httpx.
 def test_a_score_that_adapts_on_only_the_pending_word_is_read_by_the_sdk(words_url: str) -> None:
     """A score with `adapt` reads the text as an observe does: one that only grows the pending word scores nothing, and
     its answer says so as the observe's does (bits_per_byte null), in a shape the SDK reads."""
-    from clients import Client
+    from adaptlm_client import Client
 
     with Client(words_url) as sdk:
         session = sdk.create_session()

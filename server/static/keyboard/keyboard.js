@@ -7,7 +7,7 @@
 "use strict";
 
 (() => {
-  const SUGGEST_MAX_CONTEXT = 2048; // server/protocol.py: the most characters `context` may have
+  const SUGGEST_MAX_CONTEXT = 2048; // adaptlm_client/protocol.py: the most characters `context` may have
   const K = 3;
   // A commit ends at Enter, or at sentence-ending punctuation (closing quotes or brackets may follow) and a space.
   const BOUNDARY = /[.!?]["'\u201d\u2019)\]]*[ \t]|\n/g;

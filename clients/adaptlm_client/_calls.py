@@ -19,8 +19,8 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from clients._errors import AdaptlmError, error_from_body
-from server.protocol import (
+from adaptlm_client._errors import AdaptlmError, error_from_body
+from adaptlm_client.protocol import (
     GenerateChunk,
     GenerateDone,
     GenerateResponse,
@@ -55,7 +55,7 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"  # an observe's: the server applies it on
 @lru_cache(maxsize=1)
 def user_agent() -> str:
     try:
-        ours = version("adaptlm")
+        ours = version("adaptlm-client")
     except PackageNotFoundError:
         ours = "0.0.0"
     return f"adaptlm-python/{ours} httpx/{httpx.__version__}"

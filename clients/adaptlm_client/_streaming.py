@@ -8,9 +8,9 @@ from typing import Self
 
 import httpx
 
-from clients._calls import SSEDecoder, parse_generate_event
-from clients._errors import AdaptlmError, error_from_transport
-from server.protocol import GenerateDone
+from adaptlm_client._calls import SSEDecoder, parse_generate_event
+from adaptlm_client._errors import AdaptlmError, error_from_transport
+from adaptlm_client.protocol import GenerateDone
 
 __all__ = ["AsyncGenerateStream", "GenerateStream"]
 

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from clients._client import Client, Session
+from adaptlm_client._client import Client, Session
 
 __all__ = ["KeysimResult", "SessionSuggester", "Suggester", "messages", "simulate", "split_text", "split_words"]
 

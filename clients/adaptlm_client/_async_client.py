@@ -10,12 +10,12 @@ from typing import Any, Self, TypeVar
 import anyio
 import httpx
 
-from clients import _calls
-from clients._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Call
-from clients._errors import error_from_response, error_from_transport
-from clients._retry import DEFAULT_RETRY, RetryPolicy, parse_retry_after
-from clients._streaming import AsyncGenerateStream
-from server.protocol import (
+from adaptlm_client import _calls
+from adaptlm_client._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Call
+from adaptlm_client._errors import error_from_response, error_from_transport
+from adaptlm_client._retry import DEFAULT_RETRY, RetryPolicy, parse_retry_after
+from adaptlm_client._streaming import AsyncGenerateStream
+from adaptlm_client.protocol import (
     GenerateResponse,
     HealthResponse,
     ModelList,
@@ -34,7 +34,7 @@ T = TypeVar("T")
 class AsyncClient:
     """The adaptlm HTTP API for async code; the arguments are `Client`'s.
 
-        from clients import AsyncClient
+        from adaptlm_client import AsyncClient
 
         async with AsyncClient("http://127.0.0.1:8000") as client:
             print((await client.score("It is a truth")).bits_per_byte)

@@ -1,4 +1,4 @@
-"""The SDK's one exception hierarchy, mapped from the server's `error.type` (server/protocol.py `ErrorType`).
+"""The SDK's one exception hierarchy, mapped from the server's `error.type` (`adaptlm_client.protocol.ErrorType`).
 
 Every failure a call can have is an `AdaptlmError`: an error response (a subclass chosen by `type`, falling
 back on the HTTP status), an error event at the end of a stream (the same classes, with the status that

@@ -9,12 +9,12 @@ from typing import Any, Self, TypeVar
 
 import httpx
 
-from clients import _calls
-from clients._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Call
-from clients._errors import error_from_response, error_from_transport
-from clients._retry import DEFAULT_RETRY, RetryPolicy, parse_retry_after
-from clients._streaming import GenerateStream
-from server.protocol import (
+from adaptlm_client import _calls
+from adaptlm_client._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Call
+from adaptlm_client._errors import error_from_response, error_from_transport
+from adaptlm_client._retry import DEFAULT_RETRY, RetryPolicy, parse_retry_after
+from adaptlm_client._streaming import GenerateStream
+from adaptlm_client.protocol import (
     GenerateResponse,
     HealthResponse,
     ModelList,
@@ -33,7 +33,7 @@ T = TypeVar("T")
 class Client:
     """The adaptlm HTTP API, blocking (httpx underneath; one connection pool per client).
 
-        from clients import Client
+        from adaptlm_client import Client
 
         with Client("http://127.0.0.1:8000", api_key="...") as client:
             print(client.score("It is a truth universally acknowledged").bits_per_byte)

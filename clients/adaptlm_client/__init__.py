@@ -1,6 +1,6 @@
-"""Python SDK for the adaptlm HTTP API (HTTP only: httpx and the wire models of `server.protocol`, never torch).
+"""Python SDK for the adaptlm HTTP API: the `adaptlm-client` distribution, httpx and pydantic only (never torch).
 
-    from clients import Client, NotFoundError
+    from adaptlm_client import Client, NotFoundError
 
     with Client("http://127.0.0.1:8000", api_key=None) as client:
         client.score("It is a truth universally acknowledged").bits_per_byte
@@ -20,14 +20,15 @@
             print(e.status, e.type, e.param)                     # 404 not_found_error session_id
 
 `AsyncClient` and `AsyncSession` are the same API for async code. Answers are the pydantic models of
-`server.protocol` (re-exported here); failures are `AdaptlmError` subclasses chosen by the server's
-`error.type`; 429 and 503 answers, and a 409 session_conflict, are retried as `RetryPolicy` says.
+`adaptlm_client.protocol` (re-exported here), the wire models the server itself answers with; failures are
+`AdaptlmError` subclasses chosen by the server's `error.type`; 429 and 503 answers, and a 409 session_conflict, are
+retried as `RetryPolicy` says.
 """
 
-from clients._async_client import AsyncClient, AsyncSession
-from clients._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT
-from clients._client import Client, Session
-from clients._errors import (
+from adaptlm_client._async_client import AsyncClient, AsyncSession
+from adaptlm_client._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT
+from adaptlm_client._client import Client, Session
+from adaptlm_client._errors import (
     AdaptlmError,
     APIConnectionError,
     APITimeoutError,
@@ -42,9 +43,9 @@ from clients._errors import (
     ServiceUnavailableError,
     UnprocessableEntityError,
 )
-from clients._retry import DEFAULT_RETRY, RetryPolicy
-from clients._streaming import AsyncGenerateStream, GenerateStream
-from server.protocol import (
+from adaptlm_client._retry import DEFAULT_RETRY, RetryPolicy
+from adaptlm_client._streaming import AsyncGenerateStream, GenerateStream
+from adaptlm_client.protocol import (
     AdaptationSettings,
     GenerateDone,
     GenerateResponse,
