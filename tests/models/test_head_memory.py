@@ -6,6 +6,7 @@ Tiny float64 mLSTMs, frozen as a loaded checkpoint is, with synthetic MS_g stati
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -13,7 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from models.adaptation import Row, TextJob, VariantConfig, VariantStream, _step, batch_step
+from models.adaptation import (
+    AdapterSettings,
+    DynEvalSettings,
+    Row,
+    TextJob,
+    VariantConfig,
+    VariantStream,
+    _step,
+    batch_step,
+)
 from models.adaptation._head_memory import STATE_DTYPE, HeadMemory, HeadSettings
 from models.base import State
 from models.checkpoint import load_checkpoint
@@ -147,6 +157,7 @@ def test_divergence_guard_resets_the_delta(monkeypatch: pytest.MonkeyPatch) -> N
     bound = 16.0
     monkeypatch.setattr(_step, "DIVERGED_BITS", bound)
     model = _model()
+    assert model.head.g is not None
     with torch.no_grad():
         model.head.g.mul_(10.0)  # longer rows: a delta that turns them away from the text costs more bits
     memory = _memory(model)
@@ -235,3 +246,24 @@ def test_a_served_session_learns_exports_and_imports(tiny_checkpoint: Path) -> N
     a, b = sm.observe(on, more, shadow=False), sm.observe(back, more, shadow=False)
     assert a.stats.bits == b.stats.bits
     assert torch.equal(a.memories["head"].tensors["delta"], b.memories["head"].tensors["delta"])
+
+
+def test_the_checkpoint_section_makes_it_the_default_in_place_of_the_adapter(tiny_checkpoint: Path) -> None:
+    """dyneval.json's "head" section turns the memory on for new sessions at its rate and decay; the "session"
+    section's "adapter": false leaves M off unless a session asks for it (then at the checkpoint's settings)."""
+    ckpt = load_checkpoint(tiny_checkpoint)
+    raw = dict(ckpt.dyneval)
+    raw["head"] = {"lr": 1e-4, "decay": 1e-3}
+    raw["session"] = {**raw.get("session", {}), "adapter": False}
+    sm = SessionModel.of(dataclasses.replace(ckpt, dyneval=DynEvalSettings(raw)))
+    config = sm.config()
+    assert config.get("head") == HeadSettings(lr=1e-4, decay=1e-3) and "adapter" not in config
+    asked = sm.config({"adapter": {"lr": 0.0}})
+    assert asked.get("adapter") == AdapterSettings(lr=0.0, decay=ckpt.dyneval.session.decay,
+                                                   size=sm.memories["adapter"].settings().size)  # type: ignore[attr-defined]
+    with pytest.raises(MemorySettingsError):
+        sm.config({"adapter": {"lr": -1.0}})
+    raw["session"]["adapter"] = "no"
+    with pytest.raises(ValueError, match="adapter must be true or false"):
+        SessionModel.of(dataclasses.replace(ckpt, dyneval=DynEvalSettings(raw)))
+    assert "adapter" in SessionModel.of(ckpt).config()  # without the key: on, as before
