@@ -152,32 +152,40 @@ class HeadMemory(Memory):
                 lp = out.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * m  # (B, T), 0 on padding
                 return out, lp
 
-            delta = old.clone().requires_grad_(True)
+            # a fresh float copy of the stored bf16 deltas: it takes the gradient itself (no pass to copy it again)
+            delta = old.requires_grad_(True)
             out, lp = score(delta)  # scored with D before this segment's update (no peek)
             # the divergence guard: a row whose segment scores unusably under a nonzero D starts again from zero
-            bad = ~usable_rows(lp.detach(), lengths) & (old.reshape(B, -1) != 0).any(1)  # (B,)
+            bad = ~usable_rows(lp.detach(), lengths)  # (B,)
             if bool(bad.any()):
-                old = torch.where(bad.view(B, 1, 1), torch.zeros_like(old), old)
-                delta = old.clone().requires_grad_(True)
+                bad &= (old.detach().reshape(B, -1) != 0).any(1)
+                old = torch.where(bad.view(B, 1, 1), torch.zeros_like(old), old.detach())
+                delta = old.requires_grad_(True)
                 out, lp = score(delta)
             # sum over rows of each row's mean segment loss: row b's gradient is its own segment's (as `sparse_step`)
             loss = -(lp.sum(1) / lengths.clamp(min=1).to(lp.dtype)).sum()
             (grad,) = torch.autograd.grad(loss, [delta])
+        old = old.detach()
         rates = torch.cat([s.tensors["rate"] for s in states]).tolist()  # (B, 2): each row's (lr, decay)
         new = self._step([self.rule(lr, decay) for lr, decay in rates], old, grad)
-        # a row with no tokens, or whose update would be non-finite, keeps its D
+        # a row with no tokens, or whose update would be non-finite, keeps its D; on a CPU the where() (a pass over
+        # every row's delta) only when a row is refused, on a GPU always (cheaper than the host synchronisation)
         take = (lengths > 0) & finite_rows([new], B)  # (B,)
-        new = torch.where(take.view(B, 1, 1), new, old).to(STATE_DTYPE)
+        if old.device.type != "cpu" or not bool(take.all()):
+            new = torch.where(take.view(B, 1, 1), new, old)
+        stored = new.to(STATE_DTYPE)
         result = out.detach().to(torch.promote_types(log_dist.dtype, torch.float32))
-        return result, [State({"delta": new[j : j + 1].clone(), "rate": s.tensors["rate"]})
-                        for j, s in enumerate(states)]
+        # each row's state a view of the batch's (a session's record owns a copy: `SessionModel.observed`)
+        return result, [State({"delta": stored[j : j + 1], "rate": s.tensors["rate"]}) for j, s in enumerate(states)]
 
     def _step(self, rules: Sequence[UpdateRule], old: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """One rule step of every row, each with its own rule: the rows of one rule in one pass."""
-        new = torch.empty_like(old)
         groups: dict[int, list[int]] = {}
         for j, rule in enumerate(rules):
             groups.setdefault(id(rule), []).append(j)
+        if len(groups) == 1:  # the common case, every session at the default: no gather and scatter
+            return rules[0].step({"delta": old}, {"delta": grad})["delta"]
+        new = torch.empty_like(old)
         for rows in groups.values():
             rule = rules[rows[0]]
             index = torch.tensor(rows, device=old.device)
