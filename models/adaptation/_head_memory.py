@@ -126,55 +126,63 @@ class HeadMemory(Memory):
 
     # -- the adapted output layer ---------------------------------------------------------------------------------
 
-    def _tilt(self, log_dist: torch.Tensor, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """log p (B, T, V) of the output layer with rows v + D: log_dist (B, T, V), hidden h' (B, T, H), delta D
-        (B, V, H), all in `self.dtype`. The logits change by g_i ((v_i + D_i) . h / |v_i + D_i| - v_i . h / |v_i|)
-        (the bias is the shipped one); log-softmax renormalises."""
+    def _tilt(self, log_dist: torch.Tensor, hidden: torch.Tensor, delta: torch.Tensor,
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """log p (B, T, V) of the output layer with rows u_i = v_i + D_i: log_dist (B, T, V), hidden h' (B, T, H),
+        delta D (B, V, H), all in `self.dtype`. The logits change by g_i (u_i . h / |u_i| - v_i . h / |v_i|) (the bias
+        is the shipped one); log-softmax renormalises. -> (log p, what `_gradient` reuses: u, |u|, u . h)."""
         vh = hidden @ self.v.t()  # (B, T, V)
-        dh = torch.bmm(hidden, delta.transpose(1, 2))  # (B, T, V)
-        norm = (self.v.unsqueeze(0) + delta).norm(dim=2).clamp(min=1e-12)  # (B, V) |v_i + D_i|
-        shift = self.g * ((vh + dh) / norm.unsqueeze(1) - vh * self.inv_norm)  # (B, T, V)
-        return torch.log_softmax(log_dist + shift, -1)
+        uh = vh + torch.bmm(delta, hidden.transpose(1, 2)).transpose(1, 2)  # (B, T, V) u_i . h
+        u = self.v.unsqueeze(0) + delta  # (B, V, H)
+        norm = u.norm(dim=2).clamp(min=1e-12)  # (B, V)
+        shift = self.g * (uh / norm.unsqueeze(1) - vh * self.inv_norm)  # (B, T, V)
+        return torch.log_softmax(log_dist + shift, -1), (u, norm, uh)
+
+    def _gradient(self, out: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor,
+                  saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """d loss / d D (B, V, H) for loss = -sum_b,t weight_bt log p_bt(y_bt), by hand: autograd's backward through
+        the norm makes several more passes over the (B, V, H) deltas, which are most of a step's cost.
+        With c = weight (p - onehot(y)) the gradient of the logits, z_i = g_i u_i . h / |u_i| and u_i = v_i + D_i:
+        dL/dD_i = sum_t a_ti h_t - (sum_t a_ti u_i . h_t / |u_i|^2) u_i, with a_ti = c_ti g_i / |u_i|."""
+        u, norm, uh = saved
+        c = out.exp()  # (B, T, V)
+        c.scatter_add_(-1, targets.unsqueeze(-1), -torch.ones_like(targets, dtype=c.dtype).unsqueeze(-1))
+        a = c * weight.unsqueeze(-1) * (self.g / norm).unsqueeze(1)  # (B, T, V)
+        grad = torch.bmm(a.transpose(1, 2), hidden)  # (B, V, H)
+        coef = (a * uh).sum(1) / (norm * norm)  # (B, V)
+        return grad.addcmul_(coef.unsqueeze(-1), u, value=-1.0)
 
     def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
               hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
         assert hidden is not None, "the head memory needs Output.hidden"
         B = len(states)
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(log_dist.device.type, enabled=False):
-            base = log_dist.detach().to(self.dtype, copy=True)  # (B, T, V); copies out of inference mode
-            h = hidden.detach().to(self.dtype, copy=True)  # (B, T, H)
+        with torch.no_grad(), torch.autocast(log_dist.device.type, enabled=False):
+            base = log_dist.to(self.dtype)  # (B, T, V)
+            h = hidden.to(self.dtype)  # (B, T, H)
             old = torch.cat([s.tensors["delta"] for s in states]).to(self.dtype)  # (B, V, H)
             lengths = mask.sum(1)  # (B,)
             m = mask.to(self.dtype)
-
-            def score(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                out = self._tilt(base, h, delta)
-                lp = out.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * m  # (B, T), 0 on padding
-                return out, lp
-
-            # a fresh float copy of the stored bf16 deltas: it takes the gradient itself (no pass to copy it again)
-            delta = old.requires_grad_(True)
-            out, lp = score(delta)  # scored with D before this segment's update (no peek)
+            out, saved = self._tilt(base, h, old)  # scored with D before this segment's update (no peek)
+            lp = out.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * m  # (B, T), 0 on padding
             # the divergence guard: a row whose segment scores unusably under a nonzero D starts again from zero
-            bad = ~usable_rows(lp.detach(), lengths)  # (B,)
+            bad = ~usable_rows(lp, lengths)  # (B,)
             if bool(bad.any()):
-                bad &= (old.detach().reshape(B, -1) != 0).any(1)
-                old = torch.where(bad.view(B, 1, 1), torch.zeros_like(old), old.detach())
-                delta = old.requires_grad_(True)
-                out, lp = score(delta)
+                bad &= (old.reshape(B, -1) != 0).any(1)
+                old = torch.where(bad.view(B, 1, 1), torch.zeros_like(old), old)
+                out, saved = self._tilt(base, h, old)
             # sum over rows of each row's mean segment loss: row b's gradient is its own segment's (as `sparse_step`)
-            loss = -(lp.sum(1) / lengths.clamp(min=1).to(lp.dtype)).sum()
-            (grad,) = torch.autograd.grad(loss, [delta])
-        old = old.detach()
-        rates = torch.cat([s.tensors["rate"] for s in states]).tolist()  # (B, 2): each row's (lr, decay)
-        new = self._step([self.rule(lr, decay) for lr, decay in rates], old, grad)
-        # a row with no tokens, or whose update would be non-finite, keeps its D; on a CPU the where() (a pass over
-        # every row's delta) only when a row is refused, on a GPU always (cheaper than the host synchronisation)
-        take = (lengths > 0) & finite_rows([new], B)  # (B,)
-        if old.device.type != "cpu" or not bool(take.all()):
-            new = torch.where(take.view(B, 1, 1), new, old)
-        stored = new.to(STATE_DTYPE)
-        result = out.detach().to(torch.promote_types(log_dist.dtype, torch.float32))
+            weight = m / lengths.clamp(min=1).to(m.dtype).unsqueeze(1)  # (B, T)
+            grad = self._gradient(out, targets, weight, h, saved)
+            rates = torch.cat([s.tensors["rate"] for s in states]).tolist()  # (B, 2): each row's (lr, decay)
+            new = self._step([self.rule(lr, decay) for lr, decay in rates], old, grad)
+            # a row with no tokens, or whose update would be non-finite, keeps its D; on a CPU the where() (a pass
+            # over every row's delta) only when a row is refused, on a GPU always (cheaper than the host
+            # synchronisation)
+            take = (lengths > 0) & finite_rows([new], B)  # (B,)
+            if old.device.type != "cpu" or not bool(take.all()):
+                new = torch.where(take.view(B, 1, 1), new, old)
+            stored = new.to(STATE_DTYPE)
+        result = out.to(torch.promote_types(log_dist.dtype, torch.float32))
         # each row's state a view of the batch's (a session's record owns a copy: `SessionModel.observed`)
         return result, [State({"delta": stored[j : j + 1], "rate": s.tensors["rate"]}) for j, s in enumerate(states)]
 
@@ -206,6 +214,6 @@ class HeadMemory(Memory):
             # a row of no session (index -1) reads a zero delta: its distribution unchanged
             stacked = torch.stack([*views, torch.zeros_like(self.v)])  # (S + 1, V, H)
             delta = stacked[torch.where(index < 0, len(views), index)]  # (B, V, H)
-            out = self._tilt(log_dist.to(self.dtype), hidden.to(self.dtype), delta)
+            out, _ = self._tilt(log_dist.to(self.dtype), hidden.to(self.dtype), delta)
         return out.to(torch.promote_types(log_dist.dtype, torch.float32)), None
 

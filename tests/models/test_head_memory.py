@@ -119,6 +119,28 @@ def test_scores_as_the_weight_normalised_output_variant() -> None:
     assert -ours.sum() < 0.95 * -static.sum()
 
 
+def test_the_gradient_by_hand_is_autograds() -> None:
+    """`_gradient` (the step's gradient, written out) equals autograd's through `_tilt`, padding and a nonzero D
+    included."""
+    model = _model()
+    memory = _memory(model)
+    g = torch.Generator().manual_seed(4)
+    B, T = 3, 7
+    log_dist = torch.log_softmax(torch.randn(B, T, 256, generator=g, dtype=torch.float64), -1)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    delta = (0.3 * torch.randn(B, 256, H, generator=g, dtype=torch.float64)).requires_grad_(True)
+    targets = torch.randint(0, 256, (B, T), generator=g)
+    mask = torch.arange(T).unsqueeze(0) < torch.tensor([[7], [4], [1]])
+    weight = mask.double() / mask.sum(1, keepdim=True).double()
+    out, saved = memory._tilt(log_dist, hidden, delta)
+    loss = -(out.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * weight).sum()
+    (expected,) = torch.autograd.grad(loss, [delta])
+    with torch.no_grad():
+        u, norm, uh = (t.detach() for t in saved)
+        got = memory._gradient(out.detach(), targets, weight, hidden, (u, norm, uh))
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+
+
 def test_no_peek() -> None:
     """Changing a byte changes no score before it, in its own segment included: each segment is scored before the
     update it causes (an update on the segment first would let byte t shape the scores of bytes t-9..t-1)."""
@@ -172,7 +194,7 @@ def test_divergence_guard_resets_the_delta(monkeypatch: pytest.MonkeyPatch) -> N
     sign = torch.ones(256, 1, dtype=torch.float64)
     sign[targets] = -1.0
     away = -model.head.v.detach() + sign * out.hidden[0].mean(0).detach()
-    lp = memory._tilt(log_dist, out.hidden, away.unsqueeze(0))
+    lp, _ = memory._tilt(log_dist, out.hidden, away.unsqueeze(0))
     assert -float(lp[0].gather(-1, targets[:, None]).mean()) / math.log(2) > bound  # the guard has work to do
     for bad in (torch.full_like(model.head.v, math.nan), away):
         rows = _rows(model, memory, 2, lr=0.0)
