@@ -204,16 +204,25 @@ class HeadMemory(Memory):
     # -- searches and sampling -------------------------------------------------------------------------------------
 
     def view(self, state: Any) -> torch.Tensor:
-        delta: torch.Tensor = state.tensors["delta"][0].to(self.dtype)  # (V, H)
-        return delta
+        """The session's output matrix W' (V, H), g_i u_i / |u_i|: built once per record, so that a search's every
+        step costs one product with it."""
+        u = self.v + state.tensors["delta"][0].to(self.dtype)  # (V, H)
+        w: torch.Tensor = u * (self.g / u.norm(dim=1).clamp(min=1e-12)).unsqueeze(1)
+        return w
 
     def read(self, log_dist: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor | None,
              branch: State | None, views: Sequence[Any], index: torch.Tensor) -> tuple[torch.Tensor, State | None]:
         assert hidden is not None, "the head memory needs Output.hidden"
         with torch.no_grad(), torch.autocast(log_dist.device.type, enabled=False):
-            # a row of no session (index -1) reads a zero delta: its distribution unchanged
-            stacked = torch.stack([*views, torch.zeros_like(self.v)])  # (S + 1, V, H)
-            delta = stacked[torch.where(index < 0, len(views), index)]  # (B, V, H)
-            out, _ = self._tilt(log_dist.to(self.dtype), hidden.to(self.dtype), delta)
+            h = hidden.to(self.dtype)  # (B, T, H)
+            base = log_dist.to(self.dtype)
+            out = base.clone()
+            rows_of = index.tolist()
+            for s in sorted(set(rows_of) - {-1}):  # the rows of each session (usually one: a search's), one product
+                rows = torch.tensor([b for b, r in enumerate(rows_of) if r == s], device=log_dist.device)
+                hr = h[rows]
+                # the logits change from W h to W' h (the bias is the shipped one); a row of no session (-1) keeps
+                # its distribution
+                shift = hr @ views[s].t() - (hr @ self.v.t()) * (self.g * self.inv_norm)  # (b, T, V)
+                out[rows] = torch.log_softmax(base[rows] + shift, -1)
         return out.to(torch.promote_types(log_dist.dtype, torch.float32)), None
-
