@@ -12,7 +12,11 @@ the copy model: the adaptation learns from the network's own scores, as a served
 - full: full dynamic evaluation (dyneval.json "full"); full-head, full-input, full-recurrent: the same with only the
   output layer, only the input side (embedding, W_x, W_mx) or only the recurrent matrices (W_mh, W_m) adapting;
 - the variants of `VARIANTS` (models/adaptation/_variants.py): other parts, sizes, rates, segments; `--variant`
-  defines more (keys of `VariantConfig`, on top of the session's settings).
+  defines more (keys of `VariantConfig`, on top of the session's settings);
+- the served systems of `SERVED`: a session as the server runs one (`SessionModel`: its batched step and memories,
+  the copy model on) with the memories' settings given, e.g. served-head, the output rows' memory
+  (models/adaptation/_head_memory.py) at the settings bench/head_defaults.py chose. Their bits are the served ones
+  (with the copy model); the network's own bits are not recorded ("-" in the first table).
 
 Each (system, text) is written to --out as it finishes (per-byte log-probs, CPU seconds, state bytes) and skipped
 when already there, so a stopped run resumes; `--report` prints the tables from what is there. Texts are cut to
@@ -37,7 +41,9 @@ from bench.dyneval import TEXTS, copy_config
 from models.adaptation import FullStream, VariantConfig, VariantStream
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.copymodel import CopyModel
+from models.memory import state_nbytes
 from models.scoring import LN2
+from models.session import SessionModel
 from trainer.evaluation import config_for
 
 # Variants (keys of VariantConfig over the session's settings). Rates: M's is the session's 1e-4; the output parts'
@@ -81,6 +87,15 @@ VARIANTS: dict[str, dict[str, object]] = {
                     "mixed_loss": True},
     "M+headv": {"out_rank": 768, "out_lr": 1.728e-5, "out_norm": True},
 }
+# Served systems: a session's memory settings (`SessionConfig.resolve`'s `asked`), run through `SessionModel`. The head
+# memory's rate and decay are bench/head_defaults.py's choice on held-out SMS (prose as a guard).
+HEAD_CHOICE = {"lr": 6.912e-5, "decay": 1e-4}
+SERVED: dict[str, dict[str, object]] = {
+    "served-static": {"adapter": None},  # static + copy at the session's segment, as a session without M runs
+    "served-session": {},  # the session as served today (M, copy model)
+    "served-head": {"adapter": None, "head": HEAD_CHOICE},  # the output rows' memory instead of M
+    "served-M+head": {"head": HEAD_CHOICE},  # both
+}
 FULL_PARTS = {
     "full": (),
     "full-head": ("head",),
@@ -116,6 +131,22 @@ def run_system(ck: Checkpoint, name: str, data: bytes, copy: CopyModel,
     """One pass of system `name` over `data` -> per-byte log-probs (network, with copy), CPU seconds, state bytes."""
     inputs, targets = ck.tokenizer.stream(data, None, torch.device("cpu"))
     t0 = time.process_time()
+    if name in SERVED:
+        sm = SessionModel.of(ck)
+        session = sm.fresh(sm.config(SERVED[name]))  # type: ignore[arg-type]
+        text = sm.start(session, data, "observe", shadow=False)
+        while not text.job.done:
+            sm.step([text.job])
+        row = text.job.rows[0]
+        mixed = torch.cat(row.logprobs)
+        net = torch.full_like(mixed, float("nan"))
+        after = sm.observed(session, text, 0.0, 0.0)
+        copy_bytes = state_nbytes(after.memories.get("copy"))
+        seconds = time.process_time() - t0
+        return {"net": net.double().numpy(), "mixed": mixed.double().numpy(), "seconds": seconds,
+                "state_bytes": after.nbytes - copy_bytes, "copy_bytes": copy_bytes, "resets": row.resets,
+                "dropped": row.dropped, "settings": session.config.to_dict(),
+                "memory_bytes": {k: state_nbytes(v) for k, v in after.memories.items()}}
     if name in FULL_PARTS:
         cfg = dataclasses.replace(config_for("dynamic", ck.dyneval), params=FULL_PARTS[name])
         full = FullStream(ck.model, cfg, ck.stats, copy)
@@ -137,7 +168,7 @@ def run_system(ck: Checkpoint, name: str, data: bytes, copy: CopyModel,
             config = VariantConfig.from_session(ck.dyneval.session, **variants[name])
         else:
             raise SystemExit(f"unknown system {name!r}; choose from static, session, {', '.join(FULL_PARTS)}, "
-                             f"{', '.join(variants)}")
+                             f"{', '.join(SERVED)}, {', '.join(variants)}")
         stream = VariantStream(ck.model, config, ck.stats, copy)
         net, mixed_or_none = stream.run(inputs, targets)
         assert mixed_or_none is not None
@@ -233,7 +264,8 @@ def report(out: Path, texts: list[str], systems: list[str], limit: int, datas: d
         row = []
         for t in texts:
             net, mixed = get(s, t, "net"), get(s, t, "mixed")
-            row.append("" if net is None or mixed is None else f"{bpb(net):.3f} / {bpb(mixed):.3f}")
+            net_cell = "-" if net is not None and np.isnan(net).any() else f"{bpb(net):.3f}" if net is not None else ""
+            row.append("" if net is None or mixed is None else f"{net_cell} / {bpb(mixed):.3f}")
         print(f"| {s} | " + " | ".join(row) + " |")
     print("\n## with the copy model: gain over static + copy, and its fraction of full + copy's gain\n")
     print("| system | " + " | ".join(texts) + " | mean fraction |")
@@ -354,7 +386,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=30_000)
     ap.add_argument("--texts", default=",".join(TEXTS))
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS,
-                    help=f"static, session, {', '.join(FULL_PARTS)}, or a variant: {', '.join(VARIANTS)}")
+                    help=f"static, session, {', '.join(FULL_PARTS)}, {', '.join(SERVED)}, or a variant: "
+                         f"{', '.join(VARIANTS)}")
     ap.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (VariantConfig keys)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "adapt_losses"))
     ap.add_argument("--report", action="store_true", help="only print the tables of what --out holds")

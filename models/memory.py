@@ -40,7 +40,9 @@ MEMORY_PREFIX_SEP = "."  # a memory's tensors in an export, and its branch state
 
 # The modules whose import registers the shipped memories. The registry loads them on first use, so that a
 # memory's module may import models/ freely (no cycle through this one).
-_BUILTIN = ("models.adaptation._adapter_memory", "models.copymodel", "models.adaptation._cache", "models.wordcache")
+# The output rows' delta comes before the copy model: it changes the network's distribution, which the others mix into.
+_BUILTIN = ("models.adaptation._adapter_memory", "models.adaptation._head_memory", "models.copymodel",
+            "models.adaptation._cache", "models.wordcache")
 _REGISTRY: dict[str, type[Memory]] = {}
 _loaded = False
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from models.adaptation._config import DynEvalConfig
 from models.adaptation._rules import UpdateRule
@@ -65,18 +65,40 @@ class AdapterMemory(Memory):
     settings_type = AdapterSettings
 
     def __init__(self, model: LanguageModel, stats: Mapping[str, torch.Tensor] | None, base: DynEvalConfig,
-                 default_size: int, max_size: int) -> None:
+                 default_size: int, max_size: int, on: bool = True) -> None:
         self.model, self.stats, self.base = model, stats, base
-        self.default_size, self.max_size = default_size, max_size
+        self.default_size, self.max_size, self.on = default_size, max_size, on
         self._rules: dict[tuple[float, float, int], UpdateRule] = {}
 
     @classmethod
     def build(cls, ckpt: Checkpoint) -> AdapterMemory | None:
         base, default, units, _ = adapter_limits(ckpt)
-        return cls(ckpt.model, ckpt.stats, base, default, units) if base is not None else None
+        # the "session" section's "adapter": false makes M a memory a session has only on request (another memory,
+        # the output rows' delta, may learn in its place); absent: on
+        section = ckpt.dyneval.get("session")
+        on = section.get("adapter", True) if isinstance(section, Mapping) else True
+        if not isinstance(on, bool):
+            raise ValueError(f"the session section's adapter must be true or false, not {on!r}")
+        return cls(ckpt.model, ckpt.stats, base, default, units, on) if base is not None else None
 
-    def defaults(self) -> AdapterSettings:
-        return AdapterSettings(lr=self.base.lr, decay=self.base.decay, size=self.default_size)
+    def defaults(self) -> AdapterSettings | None:
+        return AdapterSettings(lr=self.base.lr, decay=self.base.decay, size=self.default_size) if self.on else None
+
+    def settings(self, given: Mapping[str, Any] | None = None) -> MemorySettings:
+        """The checkpoint's settings updated with `given`, also where M is off unless asked for (`Memory.settings`
+        starts from the defaults, which are then None)."""
+        if self.on:
+            return super().settings(given)
+        values = {**AdapterSettings(lr=self.base.lr, decay=self.base.decay, size=self.default_size).model_dump(),
+                  **(given or {})}
+        try:
+            settings = AdapterSettings.model_validate(values)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise MemorySettingsError(first["msg"], memory=self.name,
+                                      param=".".join(str(p) for p in first["loc"]), code=first["type"]) from None
+        self.check(settings)
+        return settings
 
     def check(self, settings: MemorySettings) -> None:
         assert isinstance(settings, AdapterSettings)
