@@ -116,7 +116,7 @@ async def suggest_level(url: str, typists: int, messages: list[str], keystrokes:
     observes histories[i] (none: a fresh session)."""
     latencies: list[float] = []
     limits = httpx.Limits(max_connections=typists, max_keepalive_connections=typists)
-    # The SDK has no suggest() yet (adaptlm_client._calls marks where it goes): sessions through it, keystrokes raw.
+    # Sessions through the SDK; keystrokes over raw httpx, a kept-alive connection per typist (the limits above).
     async with (AsyncClient(url, timeout=120) as sdk,
                 httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http):
         start = asyncio.Barrier(typists + 1)
