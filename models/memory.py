@@ -93,9 +93,13 @@ class Memory:
         """A new session's settings unless it says otherwise; None: off unless the session asks for it."""
         return None
 
+    def initial_settings(self) -> MemorySettings | None:
+        """What `settings` starts from: the defaults (None: the settings type's own)."""
+        return self.defaults()
+
     def settings(self, given: Mapping[str, Any] | None = None) -> MemorySettings:
-        """The defaults (or the type's own) updated with `given`, validated; MemorySettingsError if refused."""
-        base = self.defaults()
+        """The initial settings updated with `given`, validated; MemorySettingsError if refused."""
+        base = self.initial_settings()
         values = {**(base.model_dump() if base is not None else {}), **(given or {})}
         try:
             settings = self.settings_type.model_validate(values)

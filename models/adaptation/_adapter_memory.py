@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from models.adaptation._config import DynEvalConfig
 from models.adaptation._rules import UpdateRule
@@ -82,23 +82,11 @@ class AdapterMemory(Memory):
         return cls(ckpt.model, ckpt.stats, base, default, units, on) if base is not None else None
 
     def defaults(self) -> AdapterSettings | None:
-        return AdapterSettings(lr=self.base.lr, decay=self.base.decay, size=self.default_size) if self.on else None
+        return self.initial_settings() if self.on else None
 
-    def settings(self, given: Mapping[str, Any] | None = None) -> MemorySettings:
-        """The checkpoint's settings updated with `given`, also where M is off unless asked for (`Memory.settings`
-        starts from the defaults, which are then None)."""
-        if self.on:
-            return super().settings(given)
-        values = {**AdapterSettings(lr=self.base.lr, decay=self.base.decay, size=self.default_size).model_dump(),
-                  **(given or {})}
-        try:
-            settings = AdapterSettings.model_validate(values)
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise MemorySettingsError(first["msg"], memory=self.name,
-                                      param=".".join(str(p) for p in first["loc"]), code=first["type"]) from None
-        self.check(settings)
-        return settings
+    def initial_settings(self) -> AdapterSettings:
+        """The checkpoint's settings, also where M is off unless asked for (its defaults are then None)."""
+        return AdapterSettings(lr=self.base.lr, decay=self.base.decay, size=self.default_size)
 
     def check(self, settings: MemorySettings) -> None:
         assert isinstance(settings, AdapterSettings)

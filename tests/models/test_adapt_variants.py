@@ -13,8 +13,9 @@ import torch
 
 from models.adaptation import DIVERGED_BITS, DynEvalConfig, VariantConfig, VariantStream, evaluate
 from models.copymodel import CopyConfig, CopyModel
-from models.mlstm import MLSTM, MLSTMConfig
+from models.mlstm import MLSTM
 from models.tokenizer import ByteTokenizer
+from tests.models.conftest import tiny_mlstm
 
 H = 16
 EVERY_PART = {"units": 8, "lr": 0.05, "bias_lr": 0.05, "out_rank": 4, "out_lr": 0.05, "decay": 0.0, "segment": 10}
@@ -26,11 +27,7 @@ def _one_thread(one_thread: None) -> None:
 
 
 def _model(seed: int = 0) -> MLSTM:
-    torch.manual_seed(seed)
-    model = MLSTM(MLSTMConfig(hidden=H, embed_dim=8, dropout_hidden=0.0)).double()
-    with torch.no_grad():
-        model.embed.weight.normal_(0, 1.0)
-    return model.freeze()  # type: ignore[return-value]
+    return tiny_mlstm(seed, H)
 
 
 def _stats(model: MLSTM, seed: int = 1) -> dict[str, torch.Tensor]:

@@ -28,9 +28,10 @@ from models.adaptation._head_memory import STATE_DTYPE, HeadMemory, HeadSettings
 from models.base import State
 from models.checkpoint import load_checkpoint
 from models.memory import MemorySettingsError, SessionConfig, memory_types, state_nbytes
-from models.mlstm import MLSTM, MLSTMConfig
+from models.mlstm import MLSTM
 from models.session import SessionModel
 from models.tokenizer import ByteTokenizer
+from tests.models.conftest import tiny_mlstm
 
 H = 16
 LR = 0.02
@@ -43,11 +44,7 @@ def _one_thread(one_thread: None) -> None:
 
 
 def _model(seed: int = 0) -> MLSTM:
-    torch.manual_seed(seed)
-    model = MLSTM(MLSTMConfig(hidden=H, embed_dim=8, dropout_hidden=0.0)).double()
-    with torch.no_grad():
-        model.embed.weight.normal_(0, 1.0)
-    return model.freeze()  # type: ignore[return-value]
+    return tiny_mlstm(seed, H)
 
 
 def _ms_v(model: MLSTM, seed: int = 1) -> torch.Tensor:
