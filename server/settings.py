@@ -135,8 +135,8 @@ class Settings(BaseSettings):
     # torch's intra-op threads in the process that runs the model (None: 1, unless OMP_NUM_THREADS is set, then
     # torch's own default from it). One by default: OpenMP threads spin at every barrier, and on a host where
     # anything else runs (the HTTP event loop, a balancer, another replica) one descheduled thread stalls the
-    # others: 32 observes took over 240 s with 2 threads on 2 busy cores against 40-47 s with 1
-    # (docs/benchmarks.md, "Latency and throughput"). Raise it on a dedicated many-core host.
+    # others: 32 observes took over 240 s with 2 threads on 2 busy cores against 40-47 s with 1, where on idle cores
+    # 2 were 1.1-1.3x faster (docs/benchmarks.md, "Latency and throughput"). Raise it on a host where nothing else runs.
     threads: int | None = Field(default=None, ge=1, le=1024)
     # Where the model runs (models/device.py): auto (CUDA when present, else the CPU), cpu, cuda or cuda:N.
     device: str = Field(default="auto", pattern=DEVICE_PATTERN)
