@@ -39,7 +39,7 @@ from kernels.adapter import AdapterSteps, apply_adapter_groups
 from models.base import Adapter, LanguageModel, ModelConfig, Output, Site, State
 from models.step_graphs import StepRunner
 
-__all__ = ["MLSTM", "MLSTMConfig", "mlstm_cell"]
+__all__ = ["MLSTM", "MLSTMConfig", "mlstm_cell", "mlstm_steps"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,24 @@ def mlstm_cell(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Ten
 def _locked_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     """One dropout mask per sequence, shared over time (variational dropout). x: (B, T, D) -> (B, 1, D)."""
     return x.new_empty(x.shape[0], 1, x.shape[2]).bernoulli_(1 - p) / (1 - p)
+
+
+def mlstm_steps(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_mh: torch.Tensor,
+                w_m: torch.Tensor, site: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                h_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence over a segment's input projections mx (B, T, H), zx (B, T, 4H) from (h, c) -> (every step's
+    output (B, T, H), h, c); `site` the adapter h' = h + M h after each step (recurrence and output), `h_mask`
+    the hidden dropout on the recurrent input."""
+    outs = []
+    # unbind (whose backward is one stack) rather than indexing mx[:, t] (whose backward materialises a full-size
+    # zero tensor per step)
+    for mx_t, zx_t in zip(mx.transpose(0, 1).unbind(0), zx.transpose(0, 1).unbind(0), strict=True):
+        h_in = h if h_mask is None else h * h_mask
+        h, c = mlstm_cell(mx_t, zx_t, h_in, c, w_mh, w_m)
+        if site is not None:
+            h = site(h)
+        outs.append(h)
+    return torch.stack(outs, dim=1), h, c
 
 
 class MLSTM(LanguageModel):
@@ -221,16 +239,7 @@ class MLSTM(LanguageModel):
             m_site = functools.partial(apply_adapter_groups, m=adapter.mats["h"], counts=adapter.counts)
         elif adapter is not None:
             m_site = AdapterSteps(adapter.mats["h"])
-        outs = []
-        # unbind (whose backward is one stack) rather than indexing mx[:, t] (whose backward
-        # materialises a full-size zero tensor per step)
-        for mx_t, zx_t in zip(mx.transpose(0, 1).unbind(0), zx.transpose(0, 1).unbind(0), strict=True):
-            h_in = h if h_mask is None else h * h_mask
-            h, c = mlstm_cell(mx_t, zx_t, h_in, c, w_mh, w_m)
-            if m_site is not None:
-                h = m_site(h)  # h' = h + M h, used by recurrence and output
-            outs.append(h)
-        hs = torch.stack(outs, dim=1)  # (B, T, H)
+        hs, h, c = mlstm_steps(mx, zx, h, c, w_mh, w_m, m_site, h_mask)
         if h_mask is not None:
             hs = hs * h_mask.unsqueeze(1)
         logits = F.linear(hs, self.head.weight(), self.head.bias)  # (B, T, V)

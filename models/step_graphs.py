@@ -282,14 +282,7 @@ class StepRunner:
         site = self._site(shape, form)
         tokens = shape.tokens[:, :c]
         mx, zx = F.embedding(tokens, mx_table), F.embedding(tokens, zx_table)  # (R, c, H), (R, c, 4H)
-        h, cell = shape.h, shape.c
-        outs = []
-        for mx_t, zx_t in zip(mx.transpose(0, 1).unbind(0), zx.transpose(0, 1).unbind(0), strict=True):
-            h, cell = _cell(mx_t, zx_t, h, cell, w_mh, w_m)
-            if site is not None:
-                h = site(h)
-            outs.append(h)
-        hs = torch.stack(outs, dim=1)  # (R, c, H)
+        hs, h, cell = _steps(mx, zx, shape.h, shape.c, w_mh, w_m, site)  # (R, c, H)
         logits = F.linear(hs, head_w, head_b)  # (R, c, V)
         shape.h.copy_(h)
         shape.c.copy_(cell)
@@ -343,11 +336,12 @@ class _NotCapturable(Exception):
     """A shape's capture failed: the call takes the model's own path."""
 
 
-def _cell(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_mh: torch.Tensor,
-          w_m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from models.mlstm import mlstm_cell  # the model's own cell (models.mlstm imports this module)
+def _steps(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_mh: torch.Tensor,
+           w_m: torch.Tensor, site: Callable[[torch.Tensor], torch.Tensor] | None,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from models.mlstm import mlstm_steps  # the model's own recurrence (models.mlstm imports this module)
 
-    return mlstm_cell(mx, zx, h, c, w_mh, w_m)
+    return mlstm_steps(mx, zx, h, c, w_mh, w_m, site)
 
 
 def wants_runner(mode: str, device: torch.device) -> bool:

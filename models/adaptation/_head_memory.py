@@ -204,10 +204,11 @@ class HeadMemory(Memory):
     # -- searches and sampling -------------------------------------------------------------------------------------
 
     def view(self, state: Any) -> torch.Tensor:
-        """The session's output matrix W' (V, H), g_i u_i / |u_i|: built once per record, so that a search's every
-        step costs one product with it."""
+        """The change of the session's output matrix, W' - W (V, H), with W'_i = g_i u_i / |u_i| and W_i = g_i v_i /
+        |v_i|: built once per record, so that a search's every step costs one product with it."""
         u = self.v + state.tensors["delta"][0].to(self.dtype)  # (V, H)
-        w: torch.Tensor = u * (self.g / u.norm(dim=1).clamp(min=1e-12)).unsqueeze(1)
+        w: torch.Tensor = u * (self.g / u.norm(dim=1).clamp(min=1e-12)).unsqueeze(1) \
+            - self.v * (self.g * self.inv_norm).unsqueeze(1)
         return w
 
     def read(self, log_dist: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor | None,
@@ -223,6 +224,6 @@ class HeadMemory(Memory):
                 hr = h[rows]
                 # the logits change from W h to W' h (the bias is the shipped one); a row of no session (-1) keeps
                 # its distribution
-                shift = hr @ views[s].t() - (hr @ self.v.t()) * (self.g * self.inv_norm)  # (b, T, V)
+                shift = hr @ views[s].t()  # (b, T, V)
                 out[rows] = torch.log_softmax(base[rows] + shift, -1)
         return out.to(torch.promote_types(log_dist.dtype, torch.float32)), None
