@@ -161,9 +161,11 @@ class SessionModel:
 
     # -- text through the batched step --------------------------------------------------------------------------
 
-    def start(self, session: Session | None, data: bytes, mode: Mode, *, shadow: bool = True) -> Observed:
+    def start(self, session: Session | None, data: bytes, mode: Mode, *, shadow: bool = True,
+              resident: bool = False) -> Observed:
         """The rows of a text read as `mode` (of `session`, or of the static model from the start when None); an
-        observe also scores the text under the unadapted model unless `shadow` is False."""
+        observe also scores the text under the unadapted model unless `shadow` is False. `resident`: the session's
+        tensors are its own storage, which the steps write in place (`Row.resident`: the server's session slots)."""
         if session is None:
             rows = [Row(self.model.init_state(1))]
             scored, pending, last = data, b"", None
@@ -178,9 +180,9 @@ class SessionModel:
                 rule = memory.rule(settings)
             mixed = {name: session.memories.get(name) for name, m in self.memories.items()
                      if m.kind == "distribution" and name in session.config}
-            rows = [Row(session.state, mats, rule, memories=mixed)]
+            rows = [Row(session.state, mats, rule, memories=mixed, resident=resident)]
             if mode == "observe" and shadow:
-                rows.append(Row(session.static_state))
+                rows.append(Row(session.static_state, resident=resident))
             last = session.last_token
             scored, pending = session.pending + data, b""
             if mode == "observe":

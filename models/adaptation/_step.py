@@ -9,6 +9,11 @@ backward and update (`sparse_step`), the rows that only score into one forward (
 not pay for the backward; then it scatters each row's log-probs, state and adapter back. A row whose text ends
 leaves with its job.
 
+A `resident` row's tensors (state, M, its memories' states) are rows of tables that outlive the step (the server's
+session slots, server/engine/_slots.py): where every row of a batch is one row of the same table, the batch is
+gathered from it by index (one copy per tensor, instead of one per row and a zero fill for the padding), and the
+step's results are written back into those rows in place, again by index. The numbers are the same either way.
+
 The guard, per row (thesis sec. 4.4 gives none; this is ours): `sparse_step` refuses an update that would make
 a row's M or state non-finite (the row keeps its last good values, `dropped`). An adapter can still be finite
 yet so large that the next segment's scores blow up: non-finite, or a mean loss over the segment above
@@ -52,6 +57,9 @@ class Row:
     updates: int = 0
     dropped: int = 0  # updates the non-finite guard refused
     resets: int = 0  # times M was reset to 0 because the scores under it diverged
+    # its state, M and memories' tensors are its own storage (rows of resident tables, module docstring): the step
+    # writes its results into them in place rather than handing the row new tensors
+    resident: bool = False
 
     def total_logprob(self) -> float:
         return float(torch.cat(self.logprobs).double().sum()) if self.logprobs else 0.0
@@ -95,9 +103,73 @@ def _to(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values).to(device, non_blocking=True)
 
 
+def _table_rows(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """(table, the row of each part) when every part is one whole row of the same contiguous table (N, ...), as a
+    resident row's tensors are; else None."""
+    table = parts[0]._base
+    if table is None or table.dim() == 0 or not table.is_contiguous():
+        return None
+    size = table.stride(0)
+    rows = []
+    for p in parts:
+        offset = p.storage_offset() - table.storage_offset()
+        if p._base is not table or p.numel() != size or not p.is_contiguous() or offset % size:
+            return None
+        rows.append(offset // size)
+    return table, rows
+
+
+def _stacked_state(rows: Sequence[Row]) -> State:
+    """The rows' states as one batch: gathered by index where each tensor's rows are rows of one table."""
+    states = [row.state for row in rows]
+    if not any(s.roots for s in states):
+        out = {}
+        for key in states[0].tensors:
+            found = _table_rows([s.tensors[key] for s in states])
+            if found is None:
+                break
+            table, index = found
+            out[key] = table.index_select(0, _to(index, table.device))  # (B, ...)
+        else:
+            return State(out)
+    return State.stack(states)
+
+
 def _stacked_adapter(rows: Sequence[Row]) -> Adapter | None:
+    if rows and all(row.mats is not None for row in rows):
+        out = {}
+        for site in rows[0].mats or {}:
+            found = _table_rows([row.mats[site] for row in rows if row.mats is not None])
+            if found is None:
+                break
+            table, index = found
+            out[site] = table.index_select(0, _to(index, table.device))  # (B, k, k): no padding, all of one k
+        else:
+            return Adapter(out)
     return Adapter.stack_padded([Adapter({s: m.unsqueeze(0) for s, m in row.mats.items()})
                                  if row.mats is not None else None for row in rows])
+
+
+def _write_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each value into its target in place (a resident row's tensors): one index_copy_ per table where the
+    targets are rows of one table and the values rows of one batch, else one copy per row."""
+    groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for target, value in pairs:
+        if target is value:
+            continue
+        base, vbase = target._base, value._base
+        groups.setdefault((id(base) if base is not None else id(target),
+                           id(vbase) if vbase is not None else id(value)), []).append((target, value))
+    for group in groups.values():
+        to = _table_rows([t for t, _ in group]) if len(group) > 1 else None
+        src = _table_rows([v for _, v in group]) if to is not None else None
+        if to is None or src is None or src[0].shape[1:] != to[0].shape[1:] or src[0].dtype != to[0].dtype:
+            for target, value in group:
+                target.copy_(value.reshape(target.shape))
+            continue
+        (table, index), (batch, rows) = to, src
+        source = batch if rows == list(range(batch.shape[0])) else batch.index_select(0, _to(rows, batch.device))
+        table.index_copy_(0, _to(index, table.device), source)
 
 
 def usable_rows(logprobs: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -160,7 +232,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
         assert adapter is not None
         shapes = {site: tuple(m.shape[1:]) for site, m in adapter.mats.items()}
         rule = (rules or RuleCache()).stacked(part, sites, shapes, ref.dtype, ref.device)
-        step = sparse_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]), adapter,
+        step = sparse_step(model, x[index], y[index], mask[index], _stacked_state(part), adapter,
                            None, rule=rule, row_lengths=[lengths[i] for i in learn])
         logprobs[index] = step.logprobs.to(logprobs.dtype)
         failed_t[index] = step.failed
@@ -173,7 +245,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
         part = [rows[i] for i in keep]
         index = _to(keep, ref.device)
         with_dist = any(row.memories for row in part)
-        scored = score_step(model, x[index], y[index], mask[index], State.stack([r.state for r in part]),
+        scored = score_step(model, x[index], y[index], mask[index], _stacked_state(part),
                             _stacked_adapter(part), keep_dist=with_dist, row_lengths=[lengths[i] for i in keep])
         logprobs[index] = scored.logprobs.to(logprobs.dtype)
         for j, i in enumerate(keep):
@@ -202,6 +274,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
         for j, i in enumerate(mine_rows):
             dists[i] = mixed[j : j + 1]
             learned.setdefault(i, {})[name] = after[j]
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # resident rows' (own tensor, its new value)
     b = 0
     for job in jobs:
         mine = range(b, b + len(job.rows))
@@ -211,7 +284,11 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
         if broken:  # scores blew up under these adapters: reset them, keep the other rows, redo the segment
             for row in broken:
                 assert row.mats is not None
-                row.mats = {s: torch.zeros_like(m) for s, m in row.mats.items()}
+                if row.resident:
+                    for m in row.mats.values():
+                        m.zero_()
+                else:
+                    row.mats = {s: torch.zeros_like(m) for s, m in row.mats.items()}
                 row.resets += 1
             continue
         for i, row in zip(mine, job.rows, strict=True):
@@ -219,15 +296,39 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             lp = logprobs[i, :t]
             if i in learned:
                 lp = dists[i][0, :t].gather(-1, y[i, :t].unsqueeze(-1))[:, 0].to(logprobs.dtype)
-                row.memories = {**row.memories, **learned[i]}
+                if row.resident:
+                    _resident_memories(row, learned[i], writes)
+                else:
+                    row.memories = {**row.memories, **learned[i]}
             row.logprobs.append(lp)
-            row.state = new_state[i]
+            if row.resident:
+                writes += [(row.state.tensors[k], v) for k, v in new_state[i].tensors.items()]
+            else:
+                row.state = new_state[i]
             if row.rule is not None and row.mats is not None:
                 if failed[i]:
                     row.dropped += 1
                 else:
                     row.updates += 1
                 j = learned_row[i]
-                row.mats = {s: new_mats[s][j, : row.mats[s].shape[0], : row.mats[s].shape[1]] for s in sites}
+                mats = {s: new_mats[s][j, : row.mats[s].shape[0], : row.mats[s].shape[1]] for s in sites}
+                if row.resident:
+                    writes += [(row.mats[s], m) for s, m in mats.items()]
+                else:
+                    row.mats = mats
         job.pos += lengths[mine.start]
+    _write_rows(writes)
     return len(rows)
+
+
+def _resident_memories(row: Row, learned: dict[str, Any], writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A resident row's memories after the segment: a `State` written into the row's own tensors, any other state
+    taken as it is."""
+    memories = dict(row.memories)
+    for name, state in learned.items():
+        mine = memories.get(name)
+        if isinstance(state, State) and isinstance(mine, State) and set(state.tensors) == set(mine.tensors):
+            writes += [(mine.tensors[k], v) for k, v in state.tensors.items()]
+        else:
+            memories[name] = state
+    row.memories = memories
