@@ -130,7 +130,8 @@ def start_engine(settings: Settings) -> Engine:
                           session_ttl_s=settings.session_ttl_s, max_session_ttl_s=settings.max_session_ttl_s,
                           suggest_budget_ms=settings.suggest_budget_ms,
                           max_request_engine_s=settings.max_request_engine_s, precision=settings.precision,
-                          device=settings.device, cuda_graphs=settings.cuda_graphs)
+                          device=settings.device, cuda_graphs=settings.cuda_graphs,
+                          session_slots=settings.session_slots)
     store = _session_store(settings)
     torch.set_num_threads(model_threads(settings))
     attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are

@@ -51,6 +51,9 @@
     ADAPTLM_CUDA_GRAPHS      auto (default: on a CUDA device) | on | off: the mLSTM's inference step in bucketed
                              static shapes, captured once per shape as a CUDA graph and replayed (models/step_graphs.py;
                              `on` on a CPU runs the same padded path eagerly, which only costs there)
+    ADAPTLM_SESSION_SLOTS    observed sessions kept on the model's device between requests, gathered by index into
+                             each batched step (server/engine/_slots.py): a count (0: off); unset: 4096 on a CUDA
+                             device, off on a CPU (where it costs: docs/operations.md)
     ADAPTLM_WORKERS          HTTP worker processes (0, the default: the HTTP server and the engine share one process);
                              N >= 1: `adaptlm serve` runs the engine in its own process and N uvicorn processes that
                              parse, check and answer requests and send the work to it (server/engine/_remote.py)
@@ -143,6 +146,9 @@ class Settings(BaseSettings):
     # The mLSTM's inference step in bucketed static shapes, replayed as CUDA graphs (models/step_graphs.py): auto
     # (on a CUDA device only), on (a CPU runs the padded path eagerly) or off.
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    # Observed sessions' tensors kept on the device between requests (server/engine/_slots.py): how many sessions
+    # (0: off; None: the device's default, server.engine._slots.SLOTS_CUDA on CUDA, SLOTS_CPU on a CPU).
+    session_slots: int | None = Field(default=None, ge=0, le=1 << 20)
     # How the Triton attention kernels run (kernels.attention.Tuning; "": the shipped, GPU-verified kernel).
     attention_tuning: str = ""
     # Which kernels run on CUDA (kernels/_dispatch.py, which reads the same variable): auto, triton or reference.

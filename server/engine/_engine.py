@@ -47,6 +47,7 @@ from server.engine._memory_store import MemorySessionStore
 from server.engine._scheduler import Scheduler
 from server.engine._session import IDEMPOTENCY_KEY_PATTERN, Session, SessionConfig, SettingsView, new_session_id
 from server.engine._session_service import SessionService
+from server.engine._slots import SessionSlots, SlotStats, session_slots
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore
 from server.engine._suggest import Suggest, SuggestExecutor
@@ -78,6 +79,9 @@ class EngineConfig:
     # the mLSTM's inference step in bucketed static shapes (models/step_graphs.py): auto (CUDA graphs on a CUDA
     # device, the model's own path on a CPU), on (also on a CPU, eagerly) or off
     cuda_graphs: str = "auto"
+    # observed sessions' tensors kept on the device between requests (server/engine/_slots.py): how many sessions
+    # (0: off; None: SLOTS_CUDA on a CUDA device, SLOTS_CPU on a CPU)
+    session_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.session_ttl_s <= 0 \
@@ -86,6 +90,8 @@ class EngineConfig:
                              "suggest_budget_ms >= 0, max_request_engine_s >= 0")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        if self.session_slots is not None and self.session_slots < 0:
+            raise ValueError("session_slots must be >= 0")
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, not {self.cuda_graphs!r}")
 
@@ -107,6 +113,7 @@ class Engine:
                                     max_queue=c.max_queue, retry_after_s=c.retry_after_s)
         self._thread: threading.Thread | None = None
         self._info: ModelInfo | None = None
+        self._slots: SessionSlots | None = None  # (the worker's, made at load)
 
     # -- lifecycle (blocking; call from a thread, not the event loop) ------------------------------
 
@@ -149,6 +156,10 @@ class Engine:
                                    suggest_rows=dict(self._stats.suggest_rows), queued=self._scheduler.waiting,
                                    sessions=store.sessions, session_bytes=store.bytes,
                                    evictions=dict(store.evictions))
+
+    def slot_stats(self) -> SlotStats | None:
+        """The session slots' counters (server/engine/_slots.py); None when the engine keeps none."""
+        return self._slots.stats() if self._slots is not None else None
 
     def stalled_s(self) -> float:
         """Seconds the worker thread has made no progress while work waits or runs (0: progressing, or idle)."""
@@ -352,6 +363,8 @@ class Engine:
         except BaseException as e:
             loaded.set_exception(e)
             return
+        if model.info.sessions is not None:
+            self._slots = session_slots(self.config.session_slots, model.device)
         self._scheduler.open()
         loaded.set_result(model.info)
         tokenizer = model.ckpt.tokenizer
@@ -361,7 +374,7 @@ class Engine:
             with inference_precision(model.info.precision, model.device):  # thread-local: this thread's work
                 self._scheduler.run({
                     "generate": GenerationExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
-                    "text": TextExecutor(model.ckpt, self.sessions, self._scheduler, self._stats),
+                    "text": TextExecutor(model.ckpt, self.sessions, self._scheduler, self._stats, self._slots),
                     "suggest": SuggestExecutor(self.sessions.session_model(), self.sessions, self._stats,
                                                tokenizer=byte_tokenizer,
                                                words=word_level(tokenizer),

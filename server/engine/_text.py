@@ -33,6 +33,7 @@ from server.engine._errors import SessionNotFound
 from server.engine._scheduler import Scheduler, pack
 from server.engine._session import Session
 from server.engine._session_service import SessionService
+from server.engine._slots import SessionSlots
 from server.engine._stats import EngineStats
 from server.engine._work import Budget, Work, charge, stop_if_asked
 
@@ -68,6 +69,7 @@ class Text(Work):
         self.session: Session | None = None  # the record it started from
         self.scored = data  # the text whose tokens it scores (a word session: with the pending text; stable part)
         self.pending = b""  # an observe: the session's pending text after it
+        self.slot: str | None = None  # an observe on a session slot (`SessionSlots`): the session's stored id
 
     @property
     def rows(self) -> int:
@@ -75,8 +77,10 @@ class Text(Work):
 
 
 class TextExecutor:
-    def __init__(self, ckpt: Checkpoint, sessions: SessionService, scheduler: Scheduler, stats: EngineStats) -> None:
+    def __init__(self, ckpt: Checkpoint, sessions: SessionService, scheduler: Scheduler, stats: EngineStats,
+                 slots: SessionSlots | None = None) -> None:
         self._ckpt, self._sessions, self._scheduler, self._stats = ckpt, sessions, scheduler, stats
+        self.slots = slots  # observed sessions' tensors resident on the device between requests (None: off)
         self._texts: list[Text] = []  # running, in the order they step
         self._stacked = RuleCache()
 
@@ -96,8 +100,13 @@ class TextExecutor:
                 session = work.create()
             elif work.session_id is not None:
                 session = self._sessions.get(work.session_id, work.owner)
-            text = self._sessions.model.start(session, work.data, work.mode)
+            resident = None
+            if self.slots is not None and session is not None and work.mode == "observe":
+                resident = self.slots.acquire(session)
+                work.slot = session.id if resident is not None else None
+            text = self._sessions.model.start(resident or session, work.data, work.mode, resident=resident is not None)
         except Exception as e:
+            self._release(work, scheduler=False)  # (not claimed yet)
             work.fail(e)
             return
         work.session, work.text = session, text
@@ -114,7 +123,7 @@ class TextExecutor:
         running = []
         for work in self._texts:
             if stop_if_asked(work, self._stats):
-                self._scheduler.release(work.session_id)
+                self._release(work)
             else:
                 running.append(work)
         self._texts = running
@@ -134,7 +143,7 @@ class TextExecutor:
             log.exception("a batched step failed; failing its %d items", len(stepping))
             for work in stepping:
                 work.fail(e)
-                self._scheduler.release(work.session_id)
+                self._release(work)
             self._texts = [work for work in running if work not in stepping]
             return
         charge([(t, len(t.job.rows)) for t in stepping if t.job is not None], time.perf_counter() - began)
@@ -154,12 +163,25 @@ class TextExecutor:
         except Exception as e:
             work.fail(e)
         finally:
-            self._scheduler.release(work.session_id)
+            self._release(work)
 
     def fail(self, error: BaseException) -> None:
         for work in self._texts:
             work.fail(error)
+            self._release(work, scheduler=False)
         self._texts = []
+
+    def _release(self, work: Text, revision: str | None = None, *, scheduler: bool = True) -> None:
+        """The work is done with its session: its slot serves the record stored as `revision` (None: no record
+        holds what the slot does now, as after a failure: the slot is dropped)."""
+        if work.slot is not None and self.slots is not None:
+            if revision is not None:
+                self.slots.commit(work.slot, revision)
+            else:
+                self.slots.drop(work.slot)
+            work.slot = None
+        if scheduler:
+            self._scheduler.release(work.session_id)
 
     def _score(self, work: Text) -> TextScore:
         """The text's score; an observe's session is written back."""
@@ -176,8 +198,10 @@ class TextExecutor:
             session = self._sessions.model.observed(work.session, work.text, bits, static_bits)
             # written only over the record `work.session` was read as: SessionConflict if another server wrote the
             # session meanwhile (this observe is then not applied at all, and its client may send it again)
-            if self._sessions.store.update(session) is None:
+            stored = self._sessions.store.update(session)
+            if stored is None:
                 raise SessionNotFound(session.id)  # deleted while it was being observed
+            self._release(work, stored.revision, scheduler=False)  # the slot holds what the store now does
             self._stats.updates += main.updates  # applied
         texts = self._ckpt.tokenizer.token_texts(work.scored) if work.logprobs else None
         return TextScore(bits=bits, bytes=len(work.scored), logprobs=lp.tolist() if work.logprobs else None,
