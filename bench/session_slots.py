@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from bench._common import DEFAULT_CHECKPOINT, data_file, machine_line
+from models.base import State
 from models.checkpoint import load_checkpoint
 from models.precision import inference_precision, resolve_precision
 from models.session import Session, SessionModel
@@ -54,6 +55,12 @@ def _round(model: SessionModel, sessions: list[Session], texts: list[bytes], slo
     return out
 
 
+def _states(x: Session, y: Session) -> list[tuple[State, State]]:
+    """Two records' states and memory states, pair by pair."""
+    pairs = [(x.state, y.state), (x.static_state, y.static_state)]
+    return pairs + [(s, y.memories[n]) for n, s in x.memories.items() if isinstance(s, State)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
@@ -86,14 +93,14 @@ def main() -> None:
                     spent[name] += time.process_time() - began
                 systems[name] = (sessions, slots)
     a, b = systems["off"][0], systems["slots"][0]
-    same = all(torch.equal(x.state.tensors[k], y.state.tensors[k]) for x, y in zip(a, b, strict=True)
-               for k in x.state.tensors)
+    same = all(torch.equal(s.tensors[k], t.tensors[k]) for x, y in zip(a, b, strict=True)
+               for s, t in _states(x, y) for k in s.tensors)
     print(machine_line())
     print(f"{n} sessions x {size} bytes, {args.rounds} rounds, precision {precision}, memories "
           f"{', '.join(config.memories)}; segment {model.segment}")
     for name, seconds in spent.items():
         print(f"  {name:6s} {seconds / args.rounds * 1000:8.1f} ms CPU a round")
-    print(f"  slots/off {spent['slots'] / spent['off']:.3f}; states equal: {same}; "
+    print(f"  slots/off {spent['slots'] / spent['off']:.3f}; records' tensors equal: {same}; "
           f"slots {systems['slots'][1].stats() if systems['slots'][1] else None}")
 
 
