@@ -29,7 +29,7 @@ HEAD = {"head": {"lr": 1e-3, "decay": 1e-3}}
 @contextmanager
 def running(checkpoint: Path, slots: int, store: SessionStore | None = None) -> Iterator[Engine]:
     # a long max_wait_ms: the observes submitted together start together, so that every engine batches alike
-    engine = Engine(checkpoint, config=EngineConfig(session_slots=slots, max_wait_ms=200.0), store=store)
+    engine = Engine(checkpoint, config=EngineConfig(session_slots=slots, max_wait_ms=50.0), store=store)
     engine.start()
     try:
         yield engine
