@@ -11,8 +11,9 @@ leaves with its job.
 
 A `resident` row's tensors (state, M, its memories' states) are rows of tables that outlive the step (the server's
 session slots, server/engine/_slots.py): where every row of a batch is one row of the same table, the batch is
-gathered from it by index (one copy per tensor, instead of one per row and a zero fill for the padding), and the
-step's results are written back into those rows in place, again by index. The numbers are the same either way.
+gathered from it by index (one copy per tensor, instead of one per row and a zero fill for the padding; a row's
+views of the last step's batch are gathered the same way), and when its job is done, its results are written back
+into those table rows in place, again by index (one write a job, not one a segment). The numbers are the same.
 
 The guard, per row (thesis sec. 4.4 gives none; this is ours): `sparse_step` refuses an update that would make
 a row's M or state non-finite (the row keeps its last good values, `dropped`). An adapter can still be finite
@@ -57,9 +58,10 @@ class Row:
     updates: int = 0
     dropped: int = 0  # updates the non-finite guard refused
     resets: int = 0  # times M was reset to 0 because the scores under it diverged
-    # its state, M and memories' tensors are its own storage (rows of resident tables, module docstring): the step
-    # writes its results into them in place rather than handing the row new tensors
+    # its state, M and memories' tensors are its own storage (rows of resident tables, module docstring): when its
+    # job is done, the step writes its results into them in place, and the row's tensors are those again
     resident: bool = False
+    home: tuple[State, dict[str, torch.Tensor] | None, dict[str, Any]] | None = None  # a resident row's own, meanwhile
 
     def total_logprob(self) -> float:
         return float(torch.cat(self.logprobs).double().sum()) if self.logprobs else 0.0
@@ -186,6 +188,9 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     in one call), and each memory learns the segment; the adapters learn from the network's own scores, so that
     without memories a row scores exactly as the network does."""
     rows = [row for job in jobs for row in job.rows]
+    for row in rows:
+        if row.resident and row.home is None:  # its tables' rows, written when its job is done
+            row.home = (row.state, row.mats, dict(row.memories))
     spans = [min(segment, job.targets.numel() - job.pos) for job in jobs]  # this step's tokens of each job
     lengths = [t for job, t in zip(jobs, spans, strict=True) for _ in job.rows]
     n = max(lengths)
@@ -284,11 +289,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
         if broken:  # scores blew up under these adapters: reset them, keep the other rows, redo the segment
             for row in broken:
                 assert row.mats is not None
-                if row.resident:
-                    for m in row.mats.values():
-                        m.zero_()
-                else:
-                    row.mats = {s: torch.zeros_like(m) for s, m in row.mats.items()}
+                row.mats = {s: torch.zeros_like(m) for s, m in row.mats.items()}
                 row.resets += 1
             continue
         for i, row in zip(mine, job.rows, strict=True):
@@ -296,39 +297,40 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             lp = logprobs[i, :t]
             if i in learned:
                 lp = dists[i][0, :t].gather(-1, y[i, :t].unsqueeze(-1))[:, 0].to(logprobs.dtype)
-                if row.resident:
-                    _resident_memories(row, learned[i], writes)
-                else:
-                    row.memories = {**row.memories, **learned[i]}
+                row.memories = {**row.memories, **learned[i]}
             row.logprobs.append(lp)
-            if row.resident:
-                writes += [(row.state.tensors[k], v) for k, v in new_state[i].tensors.items()]
-            else:
-                row.state = new_state[i]
+            row.state = new_state[i]
             if row.rule is not None and row.mats is not None:
                 if failed[i]:
                     row.dropped += 1
                 else:
                     row.updates += 1
                 j = learned_row[i]
-                mats = {s: new_mats[s][j, : row.mats[s].shape[0], : row.mats[s].shape[1]] for s in sites}
-                if row.resident:
-                    writes += [(row.mats[s], m) for s, m in mats.items()]
-                else:
-                    row.mats = mats
+                row.mats = {s: new_mats[s][j, : row.mats[s].shape[0], : row.mats[s].shape[1]] for s in sites}
         job.pos += lengths[mine.start]
+        if job.done:
+            for row in job.rows:
+                if row.home is not None:
+                    _go_home(row, writes)
     _write_rows(writes)
     return len(rows)
 
 
-def _resident_memories(row: Row, learned: dict[str, Any], writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """A resident row's memories after the segment: a `State` written into the row's own tensors, any other state
-    taken as it is."""
-    memories = dict(row.memories)
-    for name, state in learned.items():
+def _go_home(row: Row, writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A resident row whose job is done: its results into its own tensors (`writes`), which are its tensors again.
+    A memory's `State` is written into the row's own; any other state is taken as it is."""
+    assert row.home is not None
+    state, mats, memories = row.home
+    writes += [(state.tensors[k], v) for k, v in row.state.tensors.items()]
+    row.state = state
+    if mats is not None and row.mats is not None:
+        writes += [(mats[s], m) for s, m in row.mats.items()]
+        row.mats = mats
+    for name, learned in row.memories.items():
         mine = memories.get(name)
-        if isinstance(state, State) and isinstance(mine, State) and set(state.tensors) == set(mine.tensors):
-            writes += [(mine.tensors[k], v) for k, v in state.tensors.items()]
+        if isinstance(learned, State) and isinstance(mine, State) and set(learned.tensors) == set(mine.tensors):
+            writes += [(mine.tensors[k], v) for k, v in learned.tensors.items()]
         else:
-            memories[name] = state
+            memories[name] = learned
     row.memories = memories
+    row.home = None
