@@ -1,7 +1,7 @@
 """Session slots: the per-session tensors of observed sessions kept on the model's device between requests, in
-tables of `capacity` rows, so that a batched step gathers its rows from them by index and writes its results back
-into them in place (`models.adaptation.batch_step`, `Row.resident`), instead of stacking every row's tensors into a
-new batch at each segment.
+tables of `capacity` rows, so that a batched step gathers its rows from them by index and, when an observe is done,
+writes its results back into them in place (`models.adaptation.batch_step`, `Row.resident`), instead of stacking
+every row's tensors, zero-padded, into a new batch.
 
 A slot holds one session's network state and its static shadow's (a table per tensor: "state.h", "static.h", ...),
 and its memories' tensors ("memory.adapter.h": M (k, k); "memory.head.delta": the output rows' delta), each a row of
@@ -12,7 +12,7 @@ layer clones the slot's rows into it: `SessionModel.observed`), so that nothing 
 
 Life of a slot (the engine's worker thread only): an observe's start `acquire`s it (a hit: the slot holds the
 record's revision; a miss: the least recently used slot no running work holds is filled from the record), which
-claims it; the observe's steps write into it; after the store accepted the new record, `commit` marks the slot as
+claims it; the observe's last step writes into it; after the store accepted the new record, `commit` marks the slot as
 holding the new revision; an observe that fails, is cancelled or whose write is refused `drop`s it (its rows are then
 no record's). A session whose tensors do not fit the tables (another adapter size, a state that grows) or that finds
 every slot claimed runs as it would without slots.
@@ -35,7 +35,7 @@ __all__ = ["SLOTS_CPU", "SLOTS_CUDA", "SessionSlots", "SlotStats", "session_slot
 # Slots by default: on a GPU, a thousand typists' sessions and more (the default model's state and head delta are
 # ~0.4 MB a session, its adapter M at k = 256 0.26 MB: 4,096 sessions take under 3 GB of an accelerator's memory).
 SLOTS_CUDA = 4096
-SLOTS_CPU = 0  # on a CPU, off: see docs/operations.md (ADAPTLM_SESSION_SLOTS)
+SLOTS_CPU = 0  # on a CPU, off: no gain measured there (docs/operations.md, ADAPTLM_SESSION_SLOTS)
 
 
 def session_slots(setting: int | None, device: torch.device) -> SessionSlots | None:
