@@ -53,7 +53,7 @@
                              `on` on a CPU runs the same padded path eagerly, which only costs there)
     ADAPTLM_SESSION_SLOTS    observed sessions kept on the model's device between requests, gathered by index into
                              each batched step (server/engine/_slots.py): a count (0: off); unset: 4096 on a CUDA
-                             device, off on a CPU (where it costs: docs/operations.md)
+                             device, off on a CPU (no gain measured there: docs/operations.md)
     ADAPTLM_WORKERS          HTTP worker processes (0, the default: the HTTP server and the engine share one process);
                              N >= 1: `adaptlm serve` runs the engine in its own process and N uvicorn processes that
                              parse, check and answer requests and send the work to it (server/engine/_remote.py)
