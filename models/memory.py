@@ -252,7 +252,7 @@ def weight_learner(memories: Mapping[str, Memory]) -> str | None:
     the first that learns weights (None: none does). M where it is on, the output rows' delta where it replaces M."""
     learners = [name for name, m in memories.items() if m.learns_weights]
     on = [name for name in learners if memories[name].defaults() is not None]
-    return (on or learners or [None])[0]
+    return next(iter(on or learners), None)
 
 
 def build_memories(ckpt: Checkpoint) -> dict[str, Memory]:
