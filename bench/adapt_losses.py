@@ -7,8 +7,8 @@ dynamic-evaluation table, with and without the copy model, split by position in 
 Systems (each one pass over a text gives its network's bits and, mixed with the copy model after them, its bits with
 the copy model: the adaptation learns from the network's own scores, as a served session's does):
 - static: the shipped weights;
-- session: the served session's adapter (dyneval.json "session"; `VariantStream` with the session settings, which
-  scores exactly as `evaluate_many` in sparse mode);
+- session: the sparse adapter M at dyneval.json "session" (the default checkpoint served it before the head memory;
+  `VariantStream` with the session settings, which scores exactly as `evaluate_many` in sparse mode);
 - full: full dynamic evaluation (dyneval.json "full"); full-head, full-input, full-recurrent: the same with only the
   output layer, only the input side (embedding, W_x, W_mx) or only the recurrent matrices (W_mh, W_m) adapting;
 - the variants of `VARIANTS` (models/adaptation/_variants.py): other parts, sizes, rates, segments; `--variant`
@@ -90,11 +90,12 @@ VARIANTS: dict[str, dict[str, object]] = {
 # Served systems: a session's memory settings (`SessionConfig.resolve`'s `asked`), run through `SessionModel`. The head
 # memory's rate and decay are bench/head_defaults.py's choice on held-out SMS (prose as a guard).
 HEAD_CHOICE = {"lr": 6.912e-5, "decay": 1e-4}
+# Each names both learned memories, so that a row means the same whichever the checkpoint serves by default.
 SERVED: dict[str, dict[str, object]] = {
-    "served-static": {"adapter": None},  # static + copy at the session's segment, as a session without M runs
-    "served-session": {},  # the session as served today (M, copy model)
-    "served-head": {"adapter": None, "head": HEAD_CHOICE},  # the output rows' memory instead of M
-    "served-M+head": {"head": HEAD_CHOICE},  # both
+    "served-static": {"adapter": None, "head": None},  # static + copy at the session's segment, nothing learned
+    "served-session": {"adapter": {}, "head": None},  # M at the "session" settings (served before the head), copy
+    "served-head": {"adapter": None, "head": HEAD_CHOICE},  # the output rows' memory instead of M (served now)
+    "served-M+head": {"adapter": {}, "head": HEAD_CHOICE},  # both
 }
 FULL_PARTS = {
     "full": (),

@@ -8,8 +8,9 @@ in-domain prose as a guard (Persuasion bytes 20-40 KB).
 
 Every setting is a session as the server runs one (`SessionModel`, its batched step, the copy model and every memory
 of the checkpoint's defaults), observing the text from a fresh start; the figures are the bits it scored (each
-segment before the update it caused). Rows: static + copy (M off), the session as served (M on, the "session"
-settings), then the head memory with M off at each rate and decay, and with M on at the rates of --with-adapter.
+segment before the update it caused). Rows: static + copy (nothing learned), the session with M (the "session"
+settings, served before the head), then the head memory with M off at each rate and decay, and with M on at the rates
+of --with-adapter (each row names both memories, whichever the checkpoint serves by default).
 The choice: the best SMS bits among the settings with a decay (lambda > 0: a long-lived session's delta must not
 drift without bound, as the "session" section keeps lambda 1e-3 for M) that do not hurt prose (no more bits than
 static + copy there); cost is CPU time a byte relative to static + copy in the same run.
@@ -57,16 +58,18 @@ def main() -> None:
     if "head" not in sm.memories:
         raise SystemExit(f"{ck.name} cannot serve the head memory (a weight-normalised output layer and its MS_g)")
     data = {name: data_file(rel).read_bytes()[a:b] for name, (rel, a, b) in TEXTS.items()}
-    rows: list[tuple[str, dict[str, Any]]] = [("static + copy", {"adapter": None}), ("session as served", {})]
+    rows: list[tuple[str, dict[str, Any]]] = [("static + copy", {"adapter": None, "head": None}),
+                                              ("session with M", {"adapter": {}, "head": None})]
     grid = [(lr, d) for lr in args.lrs for d in args.decays]
     at, _, more = args.decay_grid.partition(":")
     grid += [(float(at), d) for d in floats(more) if (float(at), d) not in grid]
     rows += [(f"head eta {lr:g} lambda {d:g}", {"adapter": None, "head": {"lr": lr, "decay": d}}) for lr, d in grid]
-    rows += [(f"M + head eta {lr:g} lambda {args.decays[0]:g}", {"head": {"lr": lr, "decay": args.decays[0]}})
+    rows += [(f"M + head eta {lr:g} lambda {args.decays[0]:g}",
+              {"adapter": {}, "head": {"lr": lr, "decay": args.decays[0]}})
              for lr in args.with_adapter]
     print(f"# head memory grid, {ck.name}: {machine_line()}")
     names = list(data)
-    print("| setting | " + " | ".join(f"{n} bpb | vs static + copy | vs session" for n in names)
+    print("| setting | " + " | ".join(f"{n} bpb | vs static + copy | vs session with M" for n in names)
           + " | time vs static + copy | session bytes |")
     print("| --- | " + " | ".join("---: | ---: | ---:" for _ in names) + " | ---: | ---: |", flush=True)
     ref: dict[str, dict[str, float]] = {}
@@ -82,7 +85,7 @@ def main() -> None:
             base_rate = rate
         ref[label] = bits
         for name in names:
-            static, served = ref["static + copy"][name], ref.get("session as served", {}).get(name)
+            static, served = ref["static + copy"][name], ref.get("session with M", {}).get(name)
             cells.append(f"{bits[name]:.4f} | {100 * (1 - bits[name] / static):+.1f}% | "
                          + (f"{100 * (1 - bits[name] / served):+.1f}%" if served else ""))
         print(f"| {label} | " + " | ".join(cells) + f" | {rate / base_rate:.2f}x | {size:,} |", flush=True)

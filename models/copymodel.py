@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from kernels.copy_scan import compiled, scan_frozen_ref, scan_ref
 from models.base import State
-from models.memory import RESTORED_LIMIT, Memory, MemorySettings, NoSettings, check_restored, register
+from models.memory import RESTORED_LIMIT, Learned, Memory, MemorySettings, NoSettings, check_restored, register
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -436,9 +436,9 @@ class CopyMemory(Memory):
         return state
 
     def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-              hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+              hidden: torch.Tensor | None, states: Sequence[Any]) -> Learned:
         mixed, after = self.model.mix(log_dist, inputs, State.stack(list(states)), mask)
-        return mixed, [after.select(j) for j in range(len(states))]
+        return Learned(mixed, [after.select(j) for j in range(len(states))])
 
     def view(self, state: Any) -> State:
         return frozen_stats(state)

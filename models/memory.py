@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -31,9 +31,10 @@ from models.base import ROOT, Adapter, LanguageModel, Output, Site, State
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
 
-__all__ = ["MEMORY_PREFIX_SEP", "RESTORED_LIMIT", "RESTORED_MAX_COUNT", "Memory", "MemoryMixed", "MemorySettings",
-           "MemorySettingsError", "NoSettings", "SessionConfig", "build_memories", "check_restored", "check_values",
-           "memory_types", "merge_branches", "register", "split_branches", "state_nbytes", "unregister"]
+__all__ = ["MEMORY_PREFIX_SEP", "RESTORED_LIMIT", "RESTORED_MAX_COUNT", "Learned", "Memory", "MemoryMixed",
+           "MemorySettings", "MemorySettingsError", "NoSettings", "SessionConfig", "build_memories", "check_restored",
+           "check_values", "memory_types", "merge_branches", "register", "split_branches", "state_nbytes",
+           "unregister", "weight_learner"]
 
 Kind = Literal["network", "distribution", "words"]
 MEMORY_PREFIX_SEP = "."  # a memory's tensors in an export, and its branch state in a search row: "<name>.<tensor>"
@@ -74,6 +75,16 @@ class MemorySettingsError(ValueError):
         self.memory, self.param, self.code = memory, param, code
 
 
+class Learned(NamedTuple):
+    """What a distribution memory's `learn` gives back for a segment of B rows."""
+
+    log_dist: torch.Tensor  # (B, T, V) log p of the mixture
+    states: list[Any]  # each row's state after its segment
+    # (B, 3) integers, per row: weight updates applied, updates the non-finite guard refused, resets by the
+    # divergence guard (a session's `updates` and `nonfinite_resets` count them); None: it takes no weight steps
+    steps: torch.Tensor | None = None
+
+
 class Memory:
     """One kind of per-session memory (module docstring). States are batch-1 objects the memory defines: a `State`
     of tensors, None, or any object with an `nbytes`; they are never changed in place (learning returns new ones)."""
@@ -83,6 +94,9 @@ class Memory:
     settings_type: ClassVar[type[MemorySettings]] = NoSettings
     replaces: ClassVar[tuple[str, ...]] = ()  # memories a session drops when this one is on (one remembers its text)
     needs_hidden: ClassVar[bool] = False  # `learn`/`read` need the network's final hidden states (Output.hidden)
+    # it learns weights by gradient steps (the adapter M, the output rows' delta): the session API's flat `lr` and
+    # `decay` name the checkpoint's default one (`weight_learner`)
+    learns_weights: ClassVar[bool] = False
 
     @classmethod
     def build(cls, ckpt: Checkpoint) -> Memory | None:
@@ -136,11 +150,11 @@ class Memory:
     # -- distribution memories ---------------------------------------------------------------------------------
 
     def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-              hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+              hidden: torch.Tensor | None, states: Sequence[Any]) -> Learned:
         """Score and learn one segment of B rows: log_dist (B, T, V) the distribution so far, inputs and targets
         (B, T), mask (B, T) True on each row's prefix, hidden (B, T, H) or None, states one per row -> (log p of
-        the mixture (B, T, V) float32, float64 for a float64 network, each row's state after its segment). Padding
-        changes nothing."""
+        the mixture (B, T, V) float32, float64 for a float64 network, each row's state after its segment, the rows'
+        weight steps where it takes any). Padding changes nothing."""
         raise NotImplementedError
 
     def view(self, state: Any) -> Any:
@@ -231,6 +245,14 @@ def memory_types() -> dict[str, type[Memory]]:
         _loaded = True
     shipped = {m: i for i, m in enumerate(_BUILTIN)}
     return dict(sorted(_REGISTRY.items(), key=lambda kv: shipped.get(kv[1].__module__, len(shipped))))
+
+
+def weight_learner(memories: Mapping[str, Memory]) -> str | None:
+    """The memory a session's flat `lr` and `decay` name: the first that learns weights and is on by default, else
+    the first that learns weights (None: none does). M where it is on, the output rows' delta where it replaces M."""
+    learners = [name for name, m in memories.items() if m.learns_weights]
+    on = [name for name in learners if memories[name].defaults() is not None]
+    return next(iter(on or learners), None)
 
 
 def build_memories(ckpt: Checkpoint) -> dict[str, Memory]:

@@ -154,8 +154,9 @@ class _EngineCollector(Collector):
             batches.add_metric([*values, work], *_buckets(counts))
         yield batches
         for name, doc, value in (
-            ("adaptlm_adaptation_updates", "Session adapter updates applied (one per segment).", stats.updates),
-            ("adaptlm_nonfinite_resets", "Adapter updates refused, or adapters reset, by the non-finite guard.",
+            ("adaptlm_adaptation_updates", "Session weight updates applied (one per segment and learning memory).",
+             stats.updates),
+            ("adaptlm_nonfinite_resets", "Weight updates refused, or learned weights reset, by the session guards.",
              stats.nonfinite_resets),
             ("adaptlm_cancelled_work", "Scores and session operations dropped because their client went away.",
              stats.cancelled_work),

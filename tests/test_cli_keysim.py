@@ -4,6 +4,7 @@ mistakes (exit 2, one line). The run against a server (--url) is in tests/client
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,21 @@ def test_a_text_without_words_is_valid_json(tiny_checkpoint: Path, tmp_path: Pat
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
     assert out["words"] == 0 and out["top1_accuracy"] is None and out["suggest_ms_p50"] is None
+
+
+def test_lr_names_the_memory_the_sessions_learn(tiny_checkpoint: Path, text: Path, tmp_path: Path) -> None:
+    """With --adapt the in-process sessions are the server's: on a checkpoint whose sessions learn the output rows in
+    place of M (as the default checkpoint's do), --lr and --decay set the rows' memory, M stays off, and --lr 0 is
+    no weight learning, as the server's flat lr and decay."""
+    path = tmp_path / "tiny-head"
+    shutil.copytree(tiny_checkpoint, path)
+    dyneval = json.loads((path / "dyneval.json").read_text())
+    dyneval["session"] = {**(dyneval.get("session") or dyneval["sparse"]), "adapter": False}
+    (path / "dyneval.json").write_text(json.dumps({**dyneval, "head": {"lr": 2e-3, "decay": 1e-4}}))
+    for lr, memories in (("3e-3", ["head", "words"]), ("0", ["words"])):
+        r = keyboard_sim("--text", str(text), "--checkpoint", str(path), "--last-bytes", "200", "--warmup-bytes",
+                         "100", "--adapt", "--lr", lr, "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["memories"] == memories
+        assert (out["lr"], out["decay"]) == ((3e-3, 1e-4) if memories[0] == "head" else (0.0, 0.0))

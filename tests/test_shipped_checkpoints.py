@@ -12,8 +12,11 @@ import httpx
 import pytest
 
 from models.adaptation import DynEvalSettings
+from models.adaptation._head_memory import HeadSettings
 from models.checkpoint import CHECKPOINT_FILES, load_checkpoint
+from models.memory import weight_learner
 from models.scoring import score_bytes
+from models.session import SessionModel
 from server.launch import serving
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -170,3 +173,20 @@ def test_only_the_default_checkpoint_ships_a_copy_model(name: str) -> None:
     `python -m bench.copy_defaults`); the transformers and the word model have no such section."""
     dyneval = DynEvalSettings(json.loads((CHECKPOINTS / name / "dyneval.json").read_text()))
     assert (dyneval.copy is not None) == (name == "default")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_default_checkpoints_sessions_learn_the_output_rows_in_place_of_the_adapter(name: str) -> None:
+    """checkpoints/default's sessions learn the output rows' delta at its "head" section's settings (chosen on
+    held-out text, `python -m bench.head_defaults`), M off unless a session asks for it; the other checkpoints have no
+    weight-normalised output layer of their own (the word model's adaptive softmax is tied to its input), so M stays
+    their learned part."""
+    sm = SessionModel.of(load_checkpoint(CHECKPOINTS / name))
+    config = sm.config()
+    if name == "default":
+        assert weight_learner(sm.memories) == "head" and "adapter" not in config
+        assert config.get("head") == HeadSettings(lr=6.912e-5, decay=1e-4)
+        assert "adapter" in sm.config({"adapter": {}})
+    else:
+        assert weight_learner(sm.memories) == "adapter" and "adapter" in config
+        assert "head" not in sm.memories

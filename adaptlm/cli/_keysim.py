@@ -103,13 +103,28 @@ def cmd_keyboard_sim(args: argparse.Namespace) -> int:
         record["checkpoint"] = str(ckpt.path)
         record["cache_weight"] = cache
         try:
-            adapter = {k: v for k, v in (("lr", args.lr), ("decay", args.decay)) if v is not None}
+            settings: dict[str, dict[str, Any] | None] = {"words": {"weight": cache}}
+            learner = None
+            if sessions is not None:
+                from models.memory import weight_learner
+
+                # --lr and --decay name the sessions' weight-learning memory, as the server's flat lr and decay do
+                # (server/serving/_sessions.py): the output rows where they replace M; lr 0 leaves those off
+                learner = weight_learner(sessions.memories) or "adapter"
+                given = {k: v for k, v in (("lr", args.lr), ("decay", args.decay)) if v is not None}
+                settings[learner] = None if args.lr == 0 and learner != "adapter" else given
             suggester = ModelSuggester(ckpt.model, config, stats=ckpt.stats, tokenizer=ckpt.tokenizer,
                                        max_chars=24 if args.max_chars is None else args.max_chars,
                                        cache_weight=cache, lexicon=ckpt.lexicon, sessions=sessions,
-                                       settings={"adapter": adapter, "words": {"weight": cache}})
+                                       settings=settings)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if learner is not None:
+            on = suggester.session.config
+            record["memories"] = list(on)
+            chosen = on.get(learner)
+            record.update({"lr": chosen.model_dump()["lr"], "decay": chosen.model_dump()["decay"]} if chosen
+                          else {"lr": 0.0, "decay": 0.0})
         result = simulate(suggester, messages(measured), k=args.suggestions, warmup=messages(warm),
                           on_message=progress)
     record.update(result.summary())

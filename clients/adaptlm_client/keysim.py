@@ -219,8 +219,9 @@ def simulate(suggester: Suggester, texts: Iterable[str], *, k: int = 3, warmup: 
 
 class SessionSuggester:
     """A server session (the SDK): suggestions under the session; `observe` sends the message to the session
-    (`POST /v1/sessions/{id}/observe`), which adapts on it; with `lr=0` the adapter stays zero (the update
-    rules then change nothing) and the session is the static model reading the text as context; `cache_weight`
+    (`POST /v1/sessions/{id}/observe`), which adapts on it; with `lr=0` it learns no weights (the server leaves the
+    output rows' memory off, or keeps the adapter at zero) and the session is the static model reading the text as
+    context, with its copy model; `cache_weight`
     is the weight of the session's word cache in its suggestions (0: the model alone); `neural_cache` mixes the
     neural cache into its predictions (None: the server's default). Use it as a context manager (the session is
     deleted at the end)."""

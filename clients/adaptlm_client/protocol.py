@@ -130,9 +130,9 @@ class ScoreResponse(BaseModel):
         "word-level model a word, a punctuation character, an end of line or a run of other whitespace, with its "
         "one leading space (`token_texts` gives each one's text)."))
     session_id: str | None = Field(default=None, description="The session it was scored under, if any.")
-    nonfinite_reset: bool = Field(default=False, description="The non-finite guard refused an adapter update (or "
-                                                             "reset the adapter): the session kept its last good "
-                                                             "values.")
+    nonfinite_reset: bool = Field(default=False, description="The non-finite guard refused a weight update (or "
+                                                             "reset the learned weights): the session kept its last "
+                                                             "good values.")
     # a word-level model only: absent for a byte-level one (whose tokens are the bytes), whose answer stays as it was
     tokens: int | None = Field(default=None, exclude_if=_absent, description=(
         "Word-level model only: the text's tokens (words, punctuation, ends of line), the words of bits_per_word."))
@@ -357,10 +357,13 @@ class AdaptationParams(RequestModel):
         default=None, description="Settings of the session's memories by name (the model's are listed in a "
                                   "session's `adaptation.memories`): an object of settings to change, or null to "
                                   "turn the memory off. The fields below are shorthands for the shipped memories'.")
-    lr: float | None = Field(default=None, strict=True, description="Learning rate eta of the sparse adapter, in "
-                             "[0, 1e4] (memories.adapter.lr).")
-    decay: float | None = Field(default=None, strict=True, description="Decay lambda towards the unadapted model "
-                                "(M = 0), in [0, 1] (memories.adapter.decay).")
+    lr: float | None = Field(default=None, strict=True, description=(
+        "Learning rate eta, in [0, 1e4], of the weights the session learns: the checkpoint's default weight-learning "
+        "memory (memories.head.lr, the output rows' delta, where it takes the sparse adapter's place; else "
+        "memories.adapter.lr). 0: no weight learning (the output rows' delta is then off; M stays at rate 0)."))
+    decay: float | None = Field(default=None, strict=True, description=(
+        "Decay lambda, in [0, 1], of those weights towards the unadapted model (memories.head.decay or "
+        "memories.adapter.decay, as lr)."))
     adapter_size: int | None = Field(default=None, strict=True,
                                      description="k >= 1: M is k x k on the first k units of the adaptation site "
                                                  "(at most the site's units; memories.adapter.size).")
@@ -377,15 +380,17 @@ class AdaptationParams(RequestModel):
                                     description="Mix the session's copy model (what it observed that repeats) into "
                                                 "its predictions, where the checkpoint has one (the default). False: "
                                                 "the network alone; with lr 0 and cache_weight 0, the unadapted "
-                                                "model (memories.copy).")
+                                                "model, scoring its static bits exactly (memories.copy).")
 
 
 class AdaptationSettings(BaseModel):
     memories: dict[str, dict[str, Any]] = Field(default_factory=dict,
                                                 description="The session's memories that are on, with their settings.")
-    lr: float
-    decay: float
-    adapter_size: int
+    lr: float = Field(description="The learning rate of the weights the session learns: of the memory the request's "
+                                  "`lr` sets (head or adapter), else of M where the session has M instead; 0 with "
+                                  "neither.")
+    decay: float = Field(description="Their decay (as lr).")
+    adapter_size: int = Field(description="k of the sparse adapter M (0 where M is off).")
     rule: str = Field(description="The checkpoint's update rule (sgd, sgd_decay, rms, rms_decay).")
     eps: float
     segment: int = Field(description="Tokens scored per update (bytes; a word model's words: GET /v1/models "
@@ -426,15 +431,17 @@ class ObserveResponse(BaseModel):
     tokens: int = Field(default=0, description="Tokens scored: bytes, or a word model's words.")
     pending_bytes: int = Field(default=0, description="Bytes the session holds pending after this call (a word "
                                                       "model's unfinished last word; always 0 for bytes).")
-    updates: int = Field(description="Adapter updates applied (one per segment).")
-    nonfinite_reset: bool = Field(description="The non-finite guard refused an update (or reset the adapter); the "
-                                              "session kept its last good values.")
+    updates: int = Field(description="Weight updates applied: one per segment by each memory that learns "
+                                     "weights (the output rows' delta, the sparse adapter M).")
+    nonfinite_reset: bool = Field(description="The non-finite guard refused a weight update (or reset the learned "
+                                              "weights); the session kept its last good values.")
 
 
 class SessionStatsBody(BaseModel):
     bytes_observed: int
-    updates: int
-    nonfinite_resets: int
+    updates: int = Field(description="Weight updates applied (`ObserveResponse.updates`, summed).")
+    nonfinite_resets: int = Field(description="Weight updates the non-finite guard refused, and resets of the "
+                                              "learned weights by the divergence guard.")
     bits: float = Field(description="Bits of everything observed, each segment scored before adapting on it.")
     bits_per_byte: float | None = Field(description="bits / bytes_observed; null before any text.")
     static_bits: float = Field(description="Bits of the same text under the unadapted model.")

@@ -63,6 +63,7 @@ class AdapterMemory(Memory):
     name = "adapter"
     kind = "network"
     settings_type = AdapterSettings
+    learns_weights = True
 
     def __init__(self, model: LanguageModel, stats: Mapping[str, torch.Tensor] | None, base: DynEvalConfig,
                  default_size: int, max_size: int, on: bool = True) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from models.adaptation._config import CacheConfig
 from models.base import LanguageModel, State
-from models.memory import Memory, MemorySettings, NoSettings, check_values, register
+from models.memory import Learned, Memory, MemorySettings, NoSettings, check_values, register
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -190,7 +190,7 @@ class CacheMemory(Memory):
         return State({"keys": keys.to(device), "values": values.to(device), "valid": valid.to(device)})
 
     def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-              hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+              hidden: torch.Tensor | None, states: Sequence[Any]) -> Learned:
         assert hidden is not None, "the neural cache needs Output.hidden"
         # float32, or float64 for a float64 network (whose scores are not rounded to float32)
         out = log_dist.to(torch.promote_types(log_dist.dtype, torch.float32), copy=True)
@@ -201,7 +201,7 @@ class CacheMemory(Memory):
             cache = NeuralCache.from_state(self.config, state)
             out[j : j + 1, :t] = cache.mix(log_dist[j : j + 1, :t], hidden[j : j + 1, :t], targets[j : j + 1, :t])
             after.append(cache.to_state())
-        return out, after
+        return Learned(out, after)
 
     def read(self, log_dist: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor | None,
              branch: State | None, views: Sequence[Any], index: torch.Tensor) -> tuple[torch.Tensor, State | None]:

@@ -132,7 +132,8 @@ class FullStream:
             mixed, mask = log_dist.detach(), torch.ones_like(y, dtype=torch.bool)
             hidden = out.hidden.detach() if out.hidden is not None else None
             for name, memory in self.memories.items():
-                mixed, (self.memory_states[name],) = memory.learn(mixed, x, y, mask, hidden, [self.memory_states[name]])
+                mixed, (self.memory_states[name],), _ = memory.learn(mixed, x, y, mask, hidden,
+                                                                     [self.memory_states[name]])
             lp = mixed.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         old = {n: p.detach() for n, p in self.params.items()}
         new = self.rule.step(old, dict(zip(self.params, grads, strict=True)), self.theta_g)

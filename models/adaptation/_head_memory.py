@@ -35,7 +35,7 @@ from models.adaptation._rules import UpdateRule
 from models.adaptation._sparse import finite_rows
 from models.adaptation._step import usable_rows
 from models.base import LanguageModel, State
-from models.memory import Memory, MemorySettings, check_restored, register
+from models.memory import Learned, Memory, MemorySettings, check_restored, register
 
 if TYPE_CHECKING:
     from models.checkpoint import Checkpoint
@@ -61,6 +61,7 @@ class HeadMemory(Memory):
     kind = "distribution"
     settings_type = HeadSettings
     needs_hidden = True
+    learns_weights = True
 
     def __init__(self, model: LanguageModel, ms_v: torch.Tensor, eps: float,
                  default: HeadSettings | None = None) -> None:
@@ -153,7 +154,7 @@ class HeadMemory(Memory):
         return grad.addcmul_(coef.unsqueeze(-1), u, value=-1.0)
 
     def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-              hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+              hidden: torch.Tensor | None, states: Sequence[Any]) -> Learned:
         assert hidden is not None, "the head memory needs Output.hidden"
         B = len(states)
         with torch.no_grad(), torch.autocast(log_dist.device.type, enabled=False):
@@ -178,13 +179,19 @@ class HeadMemory(Memory):
             # a row with no tokens, or whose update would be non-finite, keeps its D; on a CPU the where() (a pass
             # over every row's delta) only when a row is refused, on a GPU always (cheaper than the host
             # synchronisation)
-            take = (lengths > 0) & finite_rows([new], B)  # (B,)
+            scored = lengths > 0
+            finite = finite_rows([new], B)  # (B,)
+            take = scored & finite
             if old.device.type != "cpu" or not bool(take.all()):
                 new = torch.where(take.view(B, 1, 1), new, old)
             stored = new.to(STATE_DTYPE)
+            # per row: the update applied, refused as non-finite, D reset by the divergence guard (`bad` is all
+            # False unless a row was reset)
+            steps = torch.stack([take, scored & ~finite, bad], 1).to(torch.int64)  # (B, 3)
         result = out.to(torch.promote_types(log_dist.dtype, torch.float32))
         # each row's state a view of the batch's (a session's record owns a copy: `SessionModel.observed`)
-        return result, [State({"delta": stored[j : j + 1], "rate": s.tensors["rate"]}) for j, s in enumerate(states)]
+        return Learned(result, [State({"delta": stored[j : j + 1], "rate": s.tensors["rate"]})
+                                for j, s in enumerate(states)], steps)
 
     def _step(self, rules: Sequence[UpdateRule], old: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """One rule step of every row, each with its own rule: the rows of one rule in one pass."""

@@ -55,9 +55,10 @@ class Row:
     # `batch_step`'s `memories`; each learns from the segment
     memories: dict[str, Any] = field(default_factory=dict)
     logprobs: list[torch.Tensor] = field(default_factory=list)  # (t,) per segment, natural log
+    # weight steps of M and of the distribution memories that take any (`Learned.steps`), one each a segment
     updates: int = 0
     dropped: int = 0  # updates the non-finite guard refused
-    resets: int = 0  # times M was reset to 0 because the scores under it diverged
+    resets: int = 0  # times M (or a memory's weights) was reset to 0 because the scores under it diverged
     # its state, M and memories' tensors are its own storage (rows of resident tables, module docstring): when its
     # job is done, the step writes its results into them in place, and the row's tensors are those again
     resident: bool = False
@@ -263,6 +264,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
     # stands, below)
     dists = {i: d for i, (d, _) in cached.items()}  # batch row -> (1, n, V) its distribution so far
     learned: dict[int, dict[str, Any]] = {}  # batch row -> its memories' states after the segment
+    stepped: list[tuple[list[int], torch.Tensor]] = []  # (batch rows, their (b, 3) weight steps) of each memory
     for name, memory in memories.items():
         mine_rows = [i for i, row in enumerate(rows) if name in row.memories]
         if not mine_rows:
@@ -274,11 +276,20 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             if any(h is None for h in parts):
                 raise ValueError(f"the {name} memory needs the model's hidden states (Output.hidden)")
             hidden = torch.cat([h for h in parts if h is not None])  # (b, n, H)
-        mixed, after = memory.learn(torch.cat([dists[i] for i in mine_rows]), x[index], y[index], mask[index], hidden,
-                                    [rows[i].memories[name] for i in mine_rows])
+        mixed, after, steps = memory.learn(torch.cat([dists[i] for i in mine_rows]), x[index], y[index],
+                                           mask[index], hidden, [rows[i].memories[name] for i in mine_rows])
         for j, i in enumerate(mine_rows):
             dists[i] = mixed[j : j + 1]
             learned.setdefault(i, {})[name] = after[j]
+        if steps is not None:
+            stepped.append((mine_rows, steps))
+    # the memories' weight steps, counted with M's (one read back for all of them)
+    counted: dict[int, list[int]] = {}  # batch row -> [applied, refused, reset]
+    if stepped:
+        values = iter(torch.cat([s for _, s in stepped]).tolist())
+        for mine_rows, _ in stepped:
+            for i in mine_rows:
+                counted[i] = [a + b for a, b in zip(counted.get(i, [0, 0, 0]), next(values), strict=True)]
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # resident rows' (own tensor, its new value)
     b = 0
     for job in jobs:
@@ -298,6 +309,9 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             if i in learned:
                 lp = dists[i][0, :t].gather(-1, y[i, :t].unsqueeze(-1))[:, 0].to(logprobs.dtype)
                 row.memories = {**row.memories, **learned[i]}
+            if i in counted:
+                applied, refused, reset = counted[i]
+                row.updates, row.dropped, row.resets = row.updates + applied, row.dropped + refused, row.resets + reset
             row.logprobs.append(lp)
             row.state = new_state[i]
             if row.rule is not None and row.mats is not None:

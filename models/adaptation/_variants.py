@@ -208,7 +208,7 @@ class VariantStream:
             mixed = None
             if self.copy is not None:  # the copy model scores the segment after the network, then learns it
                 mask = torch.ones_like(y, dtype=torch.bool)
-                dist, (self.copy_state,) = self.copy.learn(log_dist.detach(), x, y, mask, None, [self.copy_state])
+                dist, (self.copy_state,), _ = self.copy.learn(log_dist.detach(), x, y, mask, None, [self.copy_state])
                 mixed = dist.gather(-1, y.unsqueeze(-1)).squeeze(-1)[0]
                 if self.config.mixed_loss:
                     # the served loss, -log p_mix(y): through the mixer's log-linear product its gradient w.r.t. the

@@ -2,7 +2,8 @@
 memories' tensors, with JSON metadata in the safetensors header), tagged with the checkpoint's weights hash.
 
 Version 2 names every memory the server has: its settings, or null where the session has it off, and its own
-metadata (a memory's tensors are named "<memory>.<tensor>"). Version 1 (the flat settings `lr`, `decay`,
+metadata (a memory's tensors are named "<memory>.<tensor>"); a memory an export does not name (the exporting server
+had none of it) is off in the imported session. Version 1 (the flat settings `lr`, `decay`,
 `adapter_size`, `cache_weight`, `neural_cache`, `copy_model`, the word cache under "words", the next token under
 `last_byte`) still imports. `pending` (base64) is a word session's observed text not yet scored
 (`Session.pending`).
@@ -122,6 +123,9 @@ def import_session(blob: bytes, *, model_hash: str, template: Session, sessions:
         asked, metas, token_key = _v2_settings(info), info.get("memories") or {}, "last_token"
     if not isinstance(metas, dict):
         raise SessionImportError("the export's 'memories' is not an object")
+    # a memory the export does not name is one the exporting server did not have (version 2 names all of its own):
+    # the session goes on without it, as it would have there, rather than with this checkpoint's default of it
+    asked = {**dict.fromkeys(sessions.memories), **asked}
     try:
         config = SessionConfig.resolve(sessions.memories, asked)
     except MemorySettingsError as e:

@@ -38,6 +38,9 @@ class SessionLimits:
     cache_weight: float = 0.0  # the word cache's weight in suggestions (dyneval.json "session" "cache_weight")
     neural_cache: bool = False  # sessions mix in the neural cache unless they say (dyneval.json "session")
     cache: CacheConfig = field(default_factory=CacheConfig)  # its window, theta, lam (dyneval.json "cache")
+    # the memory the session API's flat `lr` and `decay` (and the session answer's) name: the checkpoint's default
+    # weight-learning memory (`models.memory.weight_learner`), known once the memories are built (SessionService.load)
+    learner: str = "adapter"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 from models.adaptation import DynEvalConfig
 from models.checkpoint import Checkpoint
-from models.memory import MemorySettingsError, SessionConfig
+from models.memory import MemorySettingsError, SessionConfig, weight_learner
 from models.session import Observed, SessionModel
 from server.engine._errors import (
     EngineUnavailable,
@@ -55,6 +55,9 @@ class SessionService:
         """The checkpoint is loaded: bind the store to it (the store may restore its sessions now)."""
         self._ckpt, self._limits, self._why, self.base = ckpt, limits, why, base
         self._model = _AnsweringModel.of(ckpt, None if limits is not None else {})
+        learner = weight_learner(self._model.memories)
+        if limits is not None and learner is not None:
+            self._limits = dataclasses.replace(limits, learner=learner)
         for memory in self._model.memories.values():
             memory.warm_up(ckpt.device)  # kernels compile here, not in the first request
         self.store.bind(ckpt.model_hash, self.template(), self._model)

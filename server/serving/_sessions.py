@@ -1,4 +1,5 @@
-"""The /v1/sessions resource: per-session dynamic evaluation with sparse adapters (thesis sec. 4.6).
+"""The /v1/sessions resource: per-session dynamic evaluation (thesis sec. 4.6) with the checkpoint's session memories
+(models/memory.py: the weights a session learns, the output rows' delta or the sparse adapter M; its copy model).
 
 A session is one text stream: each observe scores the text under the session (before adapting on each
 segment), then keeps the adaptation. Sessions belong to the API key that created them; another key gets
@@ -44,9 +45,14 @@ __all__ = ["create_session", "delete_session", "export_state", "get_session", "i
 
 STATE_MEDIA_TYPE = "application/octet-stream"
 
-# The request's flat settings: shorthands for the shipped memories' (memory, setting; None: the memory on or off)
+# The request's flat settings: shorthands for the shipped memories' (memory, setting; None: the memory on or off).
+# _LEARNER: the checkpoint's weight-learning memory (`SessionLimits.learner`: M, or the output rows' delta where it
+# takes M's place by default), whose rate and decay the session answer's `lr` and `decay` report (M's, where a session
+# has M instead).
+_LEARNER = ""
+_ADAPTER = "adapter"
 _SHORTHANDS: dict[str, tuple[str, str | None]] = {
-    "lr": ("adapter", "lr"), "decay": ("adapter", "decay"), "adapter_size": ("adapter", "size"),
+    "lr": (_LEARNER, "lr"), "decay": (_LEARNER, "decay"), "adapter_size": (_ADAPTER, "size"),
     "cache_weight": ("words", "weight"), "neural_cache": ("cache", None), "copy_model": ("copy", None)}
 
 
@@ -64,11 +70,12 @@ def session_response(session: Session | SessionInfo, ctx: Context, result: TextS
     limits = ctx.engine.session_limits()
     st = session.stats
     on = session.config.to_dict()
-    adapter, words = on.get("adapter", {}), on.get("words", {})
+    adapter, words = on.get(_ADAPTER, {}), on.get("words", {})
+    learner = on.get(limits.learner) or adapter  # the weights the session learns: M's where it has M in their place
     return SessionResponse(
         id=session.id, model=ctx.engine.info.name, created=session.created, last_used=session.last_used,
         expires_at=session.expires_at(), ttl_s=session.ttl_s,
-        adaptation=AdaptationSettings(memories=on, lr=adapter.get("lr", 0.0), decay=adapter.get("decay", 0.0),
+        adaptation=AdaptationSettings(memories=on, lr=learner.get("lr", 0.0), decay=learner.get("decay", 0.0),
                                       adapter_size=adapter.get("size", 0), rule=limits.rule, eps=limits.eps,
                                       segment=limits.segment, cache_weight=words.get("weight", 0.0),
                                       neural_cache="cache" in on, copy_model="copy" in on),
@@ -84,10 +91,12 @@ async def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionCo
     """The request's memory settings and TTL, completed and checked by the engine's session service (the
     checkpoint's defaults and limits, the server's TTLs); what it refuses is a 422 on the request's field."""
     p = body.adaptation or AdaptationParams()
+    learner = ctx.engine.session_limits().learner
     asked: dict[str, dict[str, Any] | None] = {k: dict(v) if v is not None else None
                                                for k, v in (p.memories or {}).items()}
     flat: dict[tuple[str, str], str] = {}  # (memory, setting) -> the shorthand the request used
     for name, (memory, setting) in _SHORTHANDS.items():
+        memory = memory or learner
         value = getattr(p, name)
         if value is None or (name == "copy_model" and value and memory not in ctx.engine.memory_names):
             continue  # copy_model: on "where the checkpoint has one"
@@ -100,8 +109,15 @@ async def _settings(body: SessionCreateRequest, ctx: Context) -> tuple[SessionCo
             mine = asked.get(memory)
             asked[memory] = {**(mine or {}), setting: value}
         flat[(memory, setting or "")] = name
+    # `lr: 0` asks for no weight learning. M, inside the network, stays on at rate 0 (it adds M h = 0), as it always
+    # has; a distribution memory at rate 0 would cost its step a segment and renormalise the network's distribution
+    # for nothing, so it is turned off, once its settings are checked
+    idle = p.lr == 0 and learner != _ADAPTER and asked.get(learner) is not None
     try:
-        return await ctx.engine.session_settings(asked, body.ttl_s)
+        settings = await ctx.engine.session_settings(asked, body.ttl_s)
+        if idle:
+            settings = await ctx.engine.session_settings({**asked, learner: None}, body.ttl_s)
+        return settings
     except InvalidSessionSettings as e:
         if e.param == "ttl_s":
             raise _unprocessable(e, "ttl_s") from None

@@ -31,11 +31,12 @@ DEFAULT = Path(__file__).resolve().parents[2] / "checkpoints" / "default"
 @pytest.fixture(scope="module")
 def adapting() -> tuple[LanguageModel, UpdateRule, int, int]:
     """The default checkpoint's model (an mLSTM, trained: a random one's small gradients hide the bf16 rounding),
-    its sessions' update rule, adapter size and segment."""
+    the update rule, adapter size and segment of its sessions' M (at the checkpoint's settings: M is off by default
+    there, and a session that asks for it gets these)."""
     ckpt = load_checkpoint(DEFAULT)
     memory = AdapterMemory.build(ckpt)
     assert memory is not None
-    settings = memory.defaults()
+    settings = memory.initial_settings()
     return ckpt.model, memory.rule(settings), settings.size, memory.base.segment
 
 

@@ -203,6 +203,22 @@ def test_divergence_guard_resets_the_delta(monkeypatch: pytest.MonkeyPatch) -> N
         np.testing.assert_allclose(_logprobs(rows[0]), fresh, rtol=0, atol=1e-9)
         assert not rows[0].memories["head"].tensors["delta"].any()
         assert torch.equal(rows[1].memories["head"].tensors["delta"], keep)  # lr 0, no decay: unchanged
+        # the reset counts as the session's counts M's (`nonfinite_resets`); each row's step from there as an update
+        assert [(r.updates, r.dropped, r.resets) for r in rows] == [(1, 0, 1), (1, 0, 0)]
+
+
+def test_its_steps_count_as_updates_and_refused_ones_as_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row's `updates` (a session's `updates`) count the memory's steps, one a segment; a step the non-finite guard
+    refuses counts in `dropped` (a session's `nonfinite_resets`) and leaves the delta as it was."""
+    model = _model()
+    memory = _memory(model)
+    texts = [_text(3 * SEGMENT + 4), _text(SEGMENT, seed=1)]  # 4 segments, and 1 (padding in the batch after it)
+    rows = _run(model, memory, texts)
+    assert [(r.updates, r.dropped, r.resets) for r in rows] == [(4, 0, 0), (1, 0, 0)]
+    monkeypatch.setattr(memory, "_step", lambda rules, old, grad: torch.full_like(old, math.inf))
+    rows = _run(model, memory, texts)
+    assert [(r.updates, r.dropped, r.resets) for r in rows] == [(0, 4, 0), (0, 1, 0)]
+    assert not any(r.memories["head"].tensors["delta"].any() for r in rows)
 
 
 def test_state_is_bfloat16_and_round_trips() -> None:
@@ -236,7 +252,7 @@ def test_read_is_learn_without_the_update() -> None:
     read, _ = memory.read(log_dist, inputs[None].expand(2, -1), out.hidden, None,
                           [memory.view(row.memories["head"])], torch.tensor([0, -1]))
     mask = torch.ones(1, targets.numel(), dtype=torch.bool)
-    learned, _ = memory.learn(log_dist[:1], inputs[None], targets[None], mask, out.hidden[:1],
+    learned, _, _ = memory.learn(log_dist[:1], inputs[None], targets[None], mask, out.hidden[:1],
                               [row.memories["head"]])
     torch.testing.assert_close(read[0], learned[0], rtol=0, atol=1e-9)
     torch.testing.assert_close(read[1], log_dist[1], rtol=0, atol=1e-9)

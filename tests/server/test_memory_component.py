@@ -21,7 +21,7 @@ from safetensors.torch import load as load_tensors
 
 from models.base import State
 from models.checkpoint import Checkpoint
-from models.memory import Memory, MemorySettings, NoSettings, register, unregister
+from models.memory import Learned, Memory, MemorySettings, NoSettings, register, unregister
 from server.settings import Settings
 
 V_ALPHA = 0.5  # add-alpha smoothing of the counts
@@ -57,12 +57,12 @@ class UnigramMemory(Memory):
         return torch.logaddexp(log_dist.float() + math.log(1 - WEIGHT), p.log() + math.log(WEIGHT))
 
     def learn(self, log_dist: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-              hidden: torch.Tensor | None, states: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+              hidden: torch.Tensor | None, states: Sequence[Any]) -> Learned:
         start = torch.cat([s.tensors["counts"] for s in states])  # (B, V)
         seen = torch.nn.functional.one_hot(targets, self.vocab).float() * mask.unsqueeze(-1)  # (B, T, V)
         before = start.unsqueeze(1) + seen.cumsum(1) - seen  # (B, T, V) counts before each target
         after = start + seen.sum(1)
-        return self._mix(log_dist, before), [State({"counts": after[b : b + 1]}) for b in range(len(states))]
+        return Learned(self._mix(log_dist, before), [State({"counts": after[b : b + 1]}) for b in range(len(states))])
 
     def read(self, log_dist: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor | None,
              branch: State | None, views: Sequence[Any], index: torch.Tensor) -> tuple[torch.Tensor, State | None]:
