@@ -81,21 +81,26 @@ class _WNLinear(nn.Module):
 
     def weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W (out, in); in `dtype` if given (a cached copy: only without gradients for v and g)."""
-        tracked = torch.is_grad_enabled() and (self.v.requires_grad or (self.g is not None and self.g.requires_grad))
+        # the parameters read from their dict: nn.Module's attribute lookup costs microseconds, and a search's
+        # step asks every layer for its weight
+        params = self._parameters
+        v, g = params["v"], params.get("g")
+        assert v is not None
+        tracked = torch.is_grad_enabled() and (v.requires_grad or (g is not None and g.requires_grad))
         if tracked:
             if dtype is not None:
                 raise RuntimeError("a converted weight is for inference: call it without gradients")
-            if self.g is None:
-                return self.v
-            w: torch.Tensor = self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1)  # (out, in)
+            if g is None:
+                return v
+            w: torch.Tensor = v * (g / v.norm(dim=1)).unsqueeze(1)  # (out, in)
             return w
         # Without gradients for v and g (scoring, generation, suggestions, sparse adaptation) the normalised
         # weight is cached: it costs a pass over the matrix, which dominates a one-byte step. The key changes
         # whenever v or g does (in-place updates bump _version; swapped or moved tensors change identity or
         # storage).
-        key = tuple((id(t), t._version, t.data_ptr(), t.dtype) for t in (self.v, self.g) if t is not None)
+        key = _key(v, g)
         if self._cache is None or self._cache[0] != key:
-            w = self.v if self.g is None else self.v * (self.g / self.v.norm(dim=1)).unsqueeze(1)
+            w = v if g is None else v * (g / v.norm(dim=1)).unsqueeze(1)
             self._cache = (key, {w.dtype: w})
         found = self._cache[1]
         if dtype is not None and dtype not in found:
@@ -109,6 +114,12 @@ class _WNLinear(nn.Module):
         if self._product is None or self._product[0] is not w:
             self._product = (w, packed_product(w))
         return self._product[1]
+
+
+def _key(*tensors: torch.Tensor | None) -> tuple[object, ...]:
+    """What identifies the values of `tensors` (None: absent): identity, version (in-place updates), storage
+    (swapped or moved data) and dtype."""
+    return tuple((id(t), t._version, t.data_ptr(), t.dtype) for t in tensors if t is not None)
 
 
 Product = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # a weight (out, in), or x -> x @ W^T (`_times`)
@@ -249,11 +260,13 @@ class MLSTM(LanguageModel):
 
     def _input_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_mx e and W_x e + b for every byte's embedding e: (V, H), (V, 4H), cached until a weight changes."""
-        parts = (self.embed.weight, self.w_mx.weight(), self.w_x.weight(), self.w_x.bias)
-        key = tuple((id(t), t._version, t.data_ptr(), t.dtype) for t in parts if t is not None)
+        layers = self._modules  # not nn.Module's attribute lookup (`_WNLinear.weight`)
+        w_mx, w_x = layers["w_mx"], layers["w_x"]
+        assert isinstance(w_mx, _WNLinear) and isinstance(w_x, _WNLinear)
+        e = layers["embed"]._parameters["weight"]  # type: ignore[union-attr]  # (V, E)
+        key = _key(e, *w_mx._parameters.values(), *w_x._parameters.values())
         if self._tables is None or self._tables[0] != key:
-            e = self.embed.weight  # (V, E)
-            self._tables = (key, F.linear(e, parts[1]), F.linear(e, parts[2], parts[3]))
+            self._tables = (key, F.linear(e, w_mx.weight()), F.linear(e, w_x.weight(), w_x._parameters.get("bias")))
         return self._tables[1], self._tables[2]
 
     def _forward(self, tokens: torch.Tensor, state: State, adapter: Adapter | None, frozen: bool,
