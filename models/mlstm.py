@@ -133,7 +133,8 @@ def packed_product(w: torch.Tensor) -> Product:
     ~1.4x faster for the mLSTM's two recurrent products. It is used only after it matched the plain product bit for
     bit on probe rows of several counts (oneDNN chooses its kernel by the CPU and the rows), so that it never
     changes a step's output."""
-    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2 or not torch.backends.mkldnn.is_available():
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2 \
+            or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return w
     try:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -263,7 +264,10 @@ class MLSTM(LanguageModel):
         layers = self._modules  # not nn.Module's attribute lookup (`_WNLinear.weight`)
         w_mx, w_x = layers["w_mx"], layers["w_x"]
         assert isinstance(w_mx, _WNLinear) and isinstance(w_x, _WNLinear)
-        e = layers["embed"]._parameters["weight"]  # type: ignore[union-attr]  # (V, E)
+        embed = layers["embed"]
+        assert isinstance(embed, nn.Embedding)
+        e = embed._parameters["weight"]  # (V, E)
+        assert e is not None
         key = _key(e, *w_mx._parameters.values(), *w_x._parameters.values())
         if self._tables is None or self._tables[0] != key:
             self._tables = (key, F.linear(e, w_mx.weight()), F.linear(e, w_x.weight(), w_x._parameters.get("bias")))
