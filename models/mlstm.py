@@ -19,8 +19,9 @@ under `torch.autocast(dtype=torch.bfloat16)` runs only the two recurrent matmuls
 transposes in the sparse backward) in bfloat16, on weights converted once and cached; the input projections,
 the gates, the cell state, the adapter and the output layer stay in float32 (a bf16 logit would be off by up to
 1/16 at the logits' scale). The recurrent weights are read at half the bytes, and CPUs with AVX-512 BF16 or AMX
-multiply them about 2x faster at 8-64 rows. An unfrozen model (training, the trainer's validation, full dynamic
-evaluation's private copy) takes the plain path, and under autocast everything autocast covers runs in bf16.
+multiply them about 2x faster at 8-64 rows; without gradients (scoring, generation, the keyboard's search) they are
+also packed once into oneDNN's layout (`packed_product`). An unfrozen model (training, the trainer's validation, full
+dynamic evaluation's private copy) takes the plain path, and under autocast everything autocast covers runs in bf16.
 """
 
 from __future__ import annotations
