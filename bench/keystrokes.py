@@ -18,12 +18,14 @@ difference between their probabilities (and the keystrokes whose completions dif
 that difference may trade places).
 
     python -m bench.keystrokes [--checkpoint DIR] [--text FILE] [--keys 2000] [--typists 1] [--profile 25]
+        [--memories JSON]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
 import statistics
 import time
@@ -66,6 +68,9 @@ def main() -> None:
                          "the times are then a tick's divided by the typists")
     ap.add_argument("--precision", default="auto", choices=PRECISIONS,
                     help="the model work's precision, as the server's ADAPTLM_PRECISION (auto: bf16 where native)")
+    ap.add_argument("--memories", type=json.loads, default=None,
+                    help='the sessions\' memories as the API takes them (JSON), e.g. \'{"head": {"lr": 6.912e-5, '
+                         '"decay": 1e-4}, "adapter": null}\' (default: the checkpoint\'s)')
     ap.add_argument("--warmup", type=int, default=1,
                     help="messages typed first, not counted, by a session of their own (what runs once: "
                          "allocator pools, first calls)")
@@ -84,8 +89,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, ck: Checkpoint) -
     for memory in served.memories.values():
         memory.warm_up(torch.device("cpu"))  # as the server does at start-up
     if isinstance(ck.tokenizer, WordTokenizer):
-        session = served.fresh(served.config(), id="typist", ttl_s=60.0, now=0.0)
-        warm = served.fresh(served.config(), id="warm", ttl_s=60.0, now=0.0)
+        session = served.fresh(served.config(args.memories), id="typist", ttl_s=60.0, now=0.0)
+        warm = served.fresh(served.config(args.memories), id="warm", ttl_s=60.0, now=0.0)
         for message in messages[: args.warmup]:
             for i in range(1, len(message) + 1):
                 word_suggestions(served.search_model, ck.tokenizer, warm, message[:i], k=3, n_chars=5,
@@ -102,7 +107,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, ck: Checkpoint) -
                              min_prob=SUGGEST_MIN_PROB, batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
                              round_rows=SUGGEST_ROUND_ROWS, lexicon=ck.lexicon)
 
-    warm, rounds = served.fresh(served.config(), id="warm", ttl_s=60.0, now=0.0), typist()
+    warm, rounds = served.fresh(served.config(args.memories), id="warm", ttl_s=60.0, now=0.0), typist()
     for message in messages[: args.warmup]:
         for i in range(1, len(message) + 1):
             job = SuggestJob(warm, message[:i], 3, 24, 5)
@@ -115,7 +120,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, ck: Checkpoint) -
     profile = cProfile.Profile() if args.profile else None
     keys = [(message, i) for message in messages for i in range(1, len(message) + 1)][: args.keys]
     # each typist types the same keystrokes from its own place in them, all typists a key at each tick
-    typists = [served.fresh(served.config(), id=f"typist{j}", ttl_s=60.0, now=0.0) for j in range(args.typists)]
+    config = served.config(args.memories)
+    typists = [served.fresh(config, id=f"typist{j}", ttl_s=60.0, now=0.0) for j in range(args.typists)]
     for tick in range(len(keys) // args.typists):
         typed = [keys[(tick + j * len(keys) // args.typists) % len(keys)] for j in range(args.typists)]
         jobs = [SuggestJob(s, message[:i], 3, 24, 5) for s, (message, i) in zip(typists, typed, strict=True)]

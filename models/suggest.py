@@ -100,6 +100,12 @@ class TokenClasses:
         return self.ends.nonzero()[:, 0].numpy()
 
     @functools.cached_property
+    def char_starts(self) -> tuple[torch.Tensor, int]:
+        """The tokens that can start a character (V,) (ASCII or a UTF-8 lead byte), and how many there are."""
+        starts = self.words | self.ends | self.leads
+        return starts, int(starts.sum())
+
+    @functools.cached_property
     def starts_np(self) -> np.ndarray:
         return self.starts.numpy()
 
@@ -699,11 +705,12 @@ def next_chars(model: LanguageModel, cursor: Cursor, n: int, adapter: Adapter | 
     if n < 1:
         return []
     lp = cursor.logprobs.double().cpu()  # (V,)
-    starts = classes.words | classes.ends | classes.leads  # (V,) tokens that can start a character
-    top = torch.topk(lp.masked_fill(~starts, -math.inf), min(n, int(starts.sum()))).indices.tolist()
-    out = [NextChar(chr(b), math.exp(float(lp[b]))) for b in top if b < 0x80]
+    starts, n_starts = classes.char_starts  # (V,) tokens that can start a character
+    top = torch.topk(lp.masked_fill(~starts, -math.inf), min(n, n_starts)).indices.tolist()
+    values = lp.numpy()  # a tensor's element read by element costs microseconds each
+    out = [NextChar(chr(b), math.exp(float(values[b]))) for b in top if b < 0x80]
     # multibyte: extend every lead byte greedily with its most likely valid continuation, all in one step each
-    grow = [(bytes([b]), float(lp[b]), cursor.state) for b in top if b >= 0x80]
+    grow = [(bytes([b]), float(values[b]), cursor.state) for b in top if b >= 0x80]
     while grow:
         state, lps = step(model, State.stack([s for _, _, s in grow]), [d[-1] for d, _, _ in grow], adapter)
         later = []

@@ -224,13 +224,32 @@ class HeadMemory(Memory):
         with torch.no_grad(), torch.autocast(log_dist.device.type, enabled=False):
             h = hidden.to(self.dtype)  # (B, T, H)
             base = log_dist.to(self.dtype)
-            out = base.clone()
             rows_of = index.tolist()
-            for s in sorted(set(rows_of) - {-1}):  # the rows of each session (usually one: a search's), one product
-                rows = torch.tensor([b for b, r in enumerate(rows_of) if r == s], device=log_dist.device)
-                hr = h[rows]
-                # the logits change from W h to W' h (the bias is the shipped one); a row of no session (-1) keeps
-                # its distribution
-                shift = hr @ views[s].t()  # (b, T, V)
-                out[rows] = torch.log_softmax(base[rows] + shift, -1)
+            runs = _runs(rows_of)
+            if runs is not None and -1 not in rows_of:
+                # every row of a session, each session's rows together (a search's rounds): its rows' product into
+                # their place, one log-softmax for the batch (row by row the same numbers as one per session)
+                logits = torch.empty_like(base)
+                for s, a, z in runs:
+                    torch.matmul(h[a:z], views[s].t(), out=logits[a:z])  # (b, T, V) W' h - W h
+                out = torch.log_softmax(logits.add_(base), -1)
+            else:
+                out = base.clone()
+                for s in sorted(set(rows_of) - {-1}):  # the rows of each session, one product
+                    rows = torch.tensor([b for b, r in enumerate(rows_of) if r == s], device=log_dist.device)
+                    # the logits change from W h to W' h (the bias is the shipped one); a row of no session (-1)
+                    # keeps its distribution
+                    shift = h[rows] @ views[s].t()  # (b, T, V)
+                    out[rows] = torch.log_softmax(base[rows] + shift, -1)
         return out.to(torch.promote_types(log_dist.dtype, torch.float32)), None
+
+
+def _runs(rows_of: list[int]) -> list[tuple[int, int, int]] | None:
+    """(session, first row, end) of each run of rows of one session, or None where a session's rows are apart."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for b in range(1, len(rows_of) + 1):
+        if b == len(rows_of) or rows_of[b] != rows_of[start]:
+            runs.append((rows_of[start], start, b))
+            start = b
+    return runs if len({s for s, _, _ in runs}) == len(runs) else None

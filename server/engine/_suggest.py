@@ -330,7 +330,7 @@ class SuggestRounds:
         self.active: list[SuggestJob] = []
         self._ended: list[SuggestJob] = []  # jobs that could not start: `round` hands them back with its own
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def start(self, jobs: list[SuggestJob]) -> int | None:
         """Make the jobs' cursors and start their searches; -> the rows of the feeding forward (None: every
         cursor was cached). A job that cannot start gets its error, and the next `round` returns it as ended."""
@@ -367,7 +367,7 @@ class SuggestRounds:
         """Forget every job (the caller answers them)."""
         self.active, self._ended = [], []
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def round(self) -> tuple[int | None, list[SuggestJob]]:
         """One batched step of every search in progress -> (its rows, None if no step was needed; the jobs that
         ended, with their result or error)."""
