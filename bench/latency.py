@@ -126,13 +126,14 @@ def _served(ck: Checkpoint) -> SessionModel:
 
 
 def _session(served: SessionModel, sid: str) -> Session:
-    """A session that adapts (an adapter of the sites' largest default size, which learns nothing), without a
+    """A session that adapts (an adapter of the sites' largest default size, which learns nothing; no head memory), without a
     neural cache, its word cache not mixed in."""
     size = max(s.adapter_size() for s in served.model.adaptation_sites())
     asked: dict[str, dict[str, float] | None] = {"adapter": {"lr": 0.0, "decay": 0.0, "size": size},
                                                  "words": {"weight": 0.0}}
-    if "cache" in served.memories:
-        asked["cache"] = None
+    for off in ("cache", "head"):  # the head: on by default where a checkpoint ships it; here every family alike
+        if off in served.memories:
+            asked[off] = None
     return served.fresh(served.config(asked), id=sid, ttl_s=60.0, now=0.0)
 
 
