@@ -126,8 +126,8 @@ def _served(ck: Checkpoint) -> SessionModel:
 
 
 def _session(served: SessionModel, sid: str) -> Session:
-    """A session that adapts (an adapter of the sites' largest default size, which learns nothing; no head memory), without a
-    neural cache, its word cache not mixed in."""
+    """A session that adapts (an adapter of the sites' largest default size, which learns nothing; no head memory),
+    without a neural cache, its word cache not mixed in."""
     size = max(s.adapter_size() for s in served.model.adaptation_sites())
     asked: dict[str, dict[str, float] | None] = {"adapter": {"lr": 0.0, "decay": 0.0, "size": size},
                                                  "words": {"weight": 0.0}}
