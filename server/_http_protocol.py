@@ -9,6 +9,9 @@ everything else:
 - 400 `invalid_request_error`, code `malformed_http`: not HTTP/1.1 as RFC 9112 writes it;
 - 431 `invalid_request_error`, code `header_too_large`: a request line and headers over MAX_HEAD_BYTES in all.
 
+It also keeps the app's door (server/_admission.py): a request for model work takes its place, or gets its 429, when
+its first bytes arrive, before h11 parses them.
+
 The head is bounded twice: h11 refuses a head still incomplete after `MAX_HEAD_BYTES` (uvicorn's
 `h11_max_incomplete_event_size`, so no more than that is buffered), and a head that arrived whole in fewer reads
 is measured once parsed, so the bound does not depend on how the bytes were split into packets. After the answer
@@ -25,6 +28,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from server._admission import HELD, STATE_KEY, Admission, Door, WorkRequest, work_request
 from server.errors import APIError, BadRequestError
 from server.request_id import HEADER, REQUEST_ID, request_id_for
 
@@ -76,13 +80,15 @@ def _refusal(exc: h11.RemoteProtocolError | None) -> APIError:
 
 
 class ErrorShapeProtocol(H11Protocol):
-    """H11Protocol answering what it refuses in the error shape, with a lingering close (module docstring)."""
+    """H11Protocol answering what it refuses in the error shape, with a lingering close, and keeping the door (module
+    docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn = _Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._lingering: asyncio.TimerHandle | None = None
         self._dropped = 0
+        self._place: Door | None = None  # taken for a request whose task has not started yet
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:  # after a refusal: read and dropped
@@ -90,7 +96,46 @@ class ErrorShapeProtocol(H11Protocol):
             if self._dropped > LINGER_BYTES:
                 self.transport.close()
             return
-        super().data_received(data)
+        admission: Admission | None = self.app_state.get(STATE_KEY)
+        if self._place is None and admission is not None and self._between_requests():
+            request = work_request(data, admission.cors)
+            if request is not None:
+                if not admission.door.enter():
+                    self._refuse_at_door(admission, request)
+                    return
+                self._place = admission.door
+        if self._place is None:
+            super().data_received(data)
+            return
+        cycle = self.cycle
+        token = HELD.set(self._place)  # the request's task, made in here, holds the place
+        try:
+            super().data_received(data)
+        finally:
+            HELD.reset(token)
+        if self.cycle is not cycle:  # its task is made: the task gives the place back
+            self._place = None
+
+    def _between_requests(self) -> bool:
+        """No request of this connection's under way or buffered: its next bytes begin a request."""
+        conn = self.conn
+        return (conn.their_state is h11.IDLE and conn.our_state is h11.IDLE and not conn.trailing_data[0]
+                and (self.cycle is None or self.cycle.response_complete))
+
+    def _refuse_at_door(self, admission: Admission, request: WorkRequest) -> None:
+        self._unset_keepalive_if_required()
+        rid = request_id_for(request.request_id)
+        self.transport.write(admission.answer(rid))
+        admission.count_refusal(request.method)
+        if self.access_log:  # uvicorn's access line, as for the requests it answers
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+            token = REQUEST_ID.set(rid)
+            try:
+                self.access_logger.info('%s - "%s %s HTTP/%s" %d', client, request.method, request.target,
+                                        request.http_version, 429)
+            finally:
+                REQUEST_ID.reset(token)
+        self._close_lingering()
 
     def eof_received(self) -> None:
         if self._lingering is not None:
@@ -100,6 +145,9 @@ class ErrorShapeProtocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lingering is not None:
             self._lingering.cancel()
+        if self._place is not None:  # gone before its request's task was made
+            self._place.leave()
+            self._place = None
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -125,6 +173,10 @@ class ErrorShapeProtocol(H11Protocol):
                 self.transport.close()
                 return
         self.transport.write(head.encode() + body)
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """After the answer written last: the connection half-closed, what the client still sends dropped."""
         if not self.transport.can_write_eof():
             self.transport.close()
             return
