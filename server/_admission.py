@@ -10,10 +10,12 @@ through the error handler and the middlewares' answer path: under 400 scores at 
 their 429. The protocol (server/_http_protocol.py) now reads the request line of a connection's first bytes
 (`work_request`): a request for model work takes its place there, or is answered at once with a 429 made in advance
 (`Admission.answer`: the one error shape, Retry-After, its X-Request-ID) and the connection closed, its head never
-parsed. The place is held until the request's task ends, and the task knows it holds one (`HELD`), so that
-`AdmissionMiddleware` does not take a second. A request the protocol could not read at once (its request line split
-across packets, one pipelined behind another, a browser's under CORS, whose answer needs the CORS middleware's
-headers, or a server without this protocol, as a TestClient) takes its place in `AdmissionMiddleware`, as before.
+parsed. An admitted request's head is parsed at the event loop's next turn, so that the requests that arrived with
+it are all admitted or refused first; its task, once made, lets the loop turn once more before its work runs (the
+bytes read meanwhile reach the door first). The place is held until the request's task ends, and the task knows it
+holds one (`HELD`), so that `AdmissionMiddleware` does not take a second. A request the protocol could not read at
+once (its head split across packets, one pipelined behind another, a browser's under CORS, whose answer needs the CORS
+middleware's headers, or a server without this protocol, as a TestClient) takes its place in `AdmissionMiddleware`.
 
 The places are counted in this process (`Door`), or, for the HTTP workers of one server (ADAPTLM_WORKERS), in shared
 memory (`SharedDoor`), so that the limit is the server's whichever worker a connection lands on. The engine's own
@@ -176,23 +178,20 @@ class AdmissionMiddleware(HTTPMiddleware):
         self.admission = admission
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        door = HELD.get()
-        if door is not None:  # the protocol took its place
-            try:
+        door = HELD.get()  # the place the protocol took for it
+        if door is None:
+            if scope["method"] not in WORK_METHODS or not scope["path"].startswith("/v1/"):
                 await self.app(scope, receive, send)
-            finally:
-                door.leave()
-            return
-        if scope["method"] not in WORK_METHODS or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        door = self.admission.door
-        if not door.enter():
-            self.admission.metrics.observe_refusal("queue_full")  # the request itself is MetricsMiddleware's
-            await error_response(from_engine_error(self.admission.refusal()))(scope, receive, send)
-            return
+                return
+            door = self.admission.door
+            if not door.enter():
+                self.admission.metrics.observe_refusal("queue_full")  # the request itself is MetricsMiddleware's
+                await error_response(from_engine_error(self.admission.refusal()))(scope, receive, send)
+                return
         try:
-            await asyncio.sleep(0)  # the requests that arrived with this one reach the door before its work runs
+            # The event loop turns once before the work runs: the bytes of the requests that arrived with this one
+            # (read after this task was made) reach the door, and the refused get their answer, first.
+            await asyncio.sleep(0)
             await self.app(scope, receive, send)
         finally:
             door.leave()

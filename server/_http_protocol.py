@@ -89,12 +89,16 @@ class ErrorShapeProtocol(H11Protocol):
         self._lingering: asyncio.TimerHandle | None = None
         self._dropped = 0
         self._place: Door | None = None  # taken for a request whose task has not started yet
+        self._waiting: bytearray | None = None  # an admitted request's first bytes, until its turn (`_admitted`)
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:  # after a refusal: read and dropped
             self._dropped += len(data)
             if self._dropped > LINGER_BYTES:
                 self.transport.close()
+            return
+        if self._waiting is not None:
+            self._waiting += data
             return
         admission: Admission | None = self.app_state.get(STATE_KEY)
         if self._place is None and admission is not None and self._between_requests():
@@ -104,6 +108,12 @@ class ErrorShapeProtocol(H11Protocol):
                     self._refuse_at_door(admission, request)
                     return
                 self._place = admission.door
+                # Refusals first: its head is parsed (and its task made) once the event loop has been through the
+                # bytes of every connection that arrived with it, each admitted or answered 429 without parsing.
+                self._waiting = bytearray(data)
+                self.transport.pause_reading()
+                self.loop.call_soon(self._admitted)
+                return
         if self._place is None:
             super().data_received(data)
             return
@@ -115,6 +125,13 @@ class ErrorShapeProtocol(H11Protocol):
             HELD.reset(token)
         if self.cycle is not cycle:  # its task is made: the task gives the place back
             self._place = None
+
+    def _admitted(self) -> None:
+        data, self._waiting = self._waiting, None
+        if data is None or self.transport.is_closing():  # the client went away (`connection_lost` freed the place)
+            return
+        self.transport.resume_reading()
+        self.data_received(bytes(data))  # the whole protocol's: the head deadline sees the head in
 
     def _between_requests(self) -> bool:
         """No request of this connection's under way or buffered: its next bytes begin a request."""
@@ -145,6 +162,7 @@ class ErrorShapeProtocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lingering is not None:
             self._lingering.cancel()
+        self._waiting = None
         if self._place is not None:  # gone before its request's task was made
             self._place.leave()
             self._place = None

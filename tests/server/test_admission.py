@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import h11
 import httpx
 import uvicorn
 from starlette.types import Receive, Scope, Send
@@ -156,7 +157,8 @@ class _Transport(asyncio.Transport):
 def test_a_refusal_is_written_before_any_request_is_parsed_or_run() -> None:
     """Five requests arrive at once at a door of 2 places: the 2 first take the places, and the 3 others have their
     429 written in the very call that brought their bytes (no task, no app, no body validation: their bodies are not
-    JSON); the admitted requests' tasks hold the places (HELD) and give them back. A request whose head arrives in
+    JSON), before the admitted heads are parsed (at the event loop's next turn); the admitted requests' tasks hold the
+    places (HELD) and give them back. A request whose head arrives in
     pieces takes its place in AdmissionMiddleware, as a request from a server without this protocol."""
     seen: list[Door | None] = []
     gate = asyncio.Event()  # the requests named "held" wait for it
@@ -188,7 +190,8 @@ def test_a_refusal_is_written_before_any_request_is_parsed_or_run() -> None:
         connections = [connect(5000 + n) for n in range(5)]
         for n, (protocol, _) in enumerate(connections):
             protocol.data_received(_request(f"burst-{n}"))
-        assert door.inside == 2 and not seen  # no app has run yet
+        assert door.inside == 2 and not seen  # no app has run yet, and the admitted heads wait for the next turn
+        assert all(protocol.conn.their_state is h11.IDLE for protocol, _ in connections)
         for n, (_, transport) in enumerate(connections):
             if n < 2:
                 assert not transport.written
