@@ -32,6 +32,7 @@ from server._admission import (
     shared_places,
     work_request,
 )
+from server._http_protocol import ADMITTED_A_TURN
 from server._slow_clients import head_deadline_protocol
 from server.metrics import Metrics
 from server.settings import Settings
@@ -227,5 +228,21 @@ def test_a_refusal_is_written_before_any_request_is_parsed_or_run() -> None:
         gate.set()
         await asyncio.sleep(0.05)
         assert door.inside == 0 and seen == [door] * 4
+
+        # a burst of admitted requests is parsed ADMITTED_A_TURN a turn of the loop (the loop reads its sockets
+        # between two turns): one arriving behind it is answered before the burst's heads are all parsed
+        gate.clear()
+        burst = [connect(7000 + n) for n in range(3 * ADMITTED_A_TURN)]
+        door.limit = len(burst)
+        for protocol, _ in burst:
+            protocol.data_received(_request("held"))
+        await asyncio.sleep(0)
+        assert sum(protocol.conn.their_state is not h11.IDLE for protocol, _ in burst) == ADMITTED_A_TURN
+        late, transport = connect(7999)
+        late.data_received(_request("late"))
+        assert bytes(transport.written).startswith(b"HTTP/1.1 429 ")
+        gate.set()
+        await asyncio.sleep(0.1)
+        assert door.inside == 0 and len(seen) == 4 + len(burst)
 
     asyncio.run(main())
