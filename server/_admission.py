@@ -1,30 +1,53 @@
 """Shedding load at the door: a request for model work that finds the server holding `max_queue` such requests
-(waiting or running) gets its 429 (`queue_full`) at once, before its body is read or its route runs.
+(waiting or running) gets its 429 (`queue_full`) at once, before its headers are parsed, its body read or its route
+run.
 
-Without it a burst was refused in arrival order only after every request before it had gone through the whole app
-(parsing, checks, its submission): under 400 scores at once, the refused waited about 2 s for their 429. Each request
-for model work takes a place here and, before running on, lets the event loop turn once, so that the requests that
-arrived with it reach the door first and those beyond the limit are answered at once. The places are counted in this
-process (`Door`), or, for the HTTP workers of one server (ADAPTLM_WORKERS), in shared memory (`SharedDoor`), so that
-the limit is the server's whichever worker a connection lands on. The engine's own queue still refuses work items
-beyond `max_queue` waiting to start."""
+The door is kept in the HTTP front. uvicorn hands a connection's bytes to its protocol (`data_received`), which parses
+the head and starts the request's task; the tasks run only after every connection whose bytes arrived with it has
+been through `data_received`. A door in a middleware (in the task) was therefore reached only once every request of a
+burst had been parsed and every admitted one had run through the middlewares before it, and a refusal then went
+through the error handler and the middlewares' answer path: under 400 scores at once, the refused waited 0.1-0.6 s for
+their 429. The protocol (server/_http_protocol.py) now reads the request line of a connection's first bytes
+(`work_request`): a request for model work takes its place there, or is answered at once with a 429 made in advance
+(`Admission.answer`: the one error shape, Retry-After, its X-Request-ID) and the connection closed, its head never
+parsed. An admitted request's head is parsed at the event loop's next turn, so that the requests that arrived with
+it are all admitted or refused first; its task, once made, lets the loop turn once more before its work runs (the
+bytes read meanwhile reach the door first). The place is held until the request's task ends, and the task knows it
+holds one (`HELD`), so that `AdmissionMiddleware` does not take a second. A request the protocol could not read at
+once (its head split across packets, one pipelined behind another, a browser's under CORS, whose answer needs the CORS
+middleware's headers, or a server without this protocol, as a TestClient) takes its place in `AdmissionMiddleware`.
+
+The places are counted in this process (`Door`), or, for the HTTP workers of one server (ADAPTLM_WORKERS), in shared
+memory (`SharedDoor`), so that the limit is the server's whichever worker a connection lands on. The engine's own
+queue still refuses work items beyond `max_queue` waiting to start."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+import re
+from contextvars import ContextVar
+from typing import Any, NamedTuple
 
-from starlette.requests import Request
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server._asgi import HTTPMiddleware
 from server.engine import EngineOverloaded
-from server.errors import handle_error
+from server.errors import error_response, from_engine_error
+from server.metrics import UNMATCHED, Metrics
+from server.request_id import HEADER
 
-__all__ = ["AdmissionMiddleware", "Door", "SharedDoor", "shared_places"]
+__all__ = ["HELD", "STATE_KEY", "Admission", "AdmissionMiddleware", "Door", "SharedDoor", "shared_places",
+           "WorkRequest", "work_request"]
 
 WORK_METHODS = frozenset({"POST", "PUT"})  # under /v1/: scores, generations, session work and imports
+STATE_KEY = "adaptlm.admission"  # the app's Admission in the lifespan state, where the server's protocol finds it
+
+_WORK_LINE = re.compile(rb"(POST|PUT) (/v1/[^ \r\n]*) HTTP/(1\.[01])\r\n")
+_HEADER_LINE = re.compile(rb"\r\n%s:[ \t]*([^\r\n]*?)[ \t]*\r\n" % HEADER.encode(), re.IGNORECASE)
+_ORIGIN_LINE = re.compile(rb"\r\norigin:", re.IGNORECASE)
+_HEAD_SEARCH = 16 * 1024  # how far a head's end is looked for (the protocol's MAX_HEAD_BYTES)
 
 
 class Door:
@@ -93,23 +116,82 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# In a request's task, the door where the protocol took the request's place (AdmissionMiddleware gives it back)
+HELD: ContextVar[Door | None] = ContextVar("adaptlm_admission_held", default=None)
+
+
+class WorkRequest(NamedTuple):
+    method: str
+    target: str
+    http_version: str
+    request_id: str | None  # the X-Request-ID header's value as sent (RequestIdMiddleware's to check)
+
+
+def work_request(data: bytes, cors: bool) -> WorkRequest | None:
+    """What the protocol needs of a request for model work whose request line begins
+    `data` (a connection's first bytes), else None: not model work, or not to be decided here (its head not all in
+    `data`; or `cors`, the app answering browsers of other origins, and the request names its Origin)."""
+    line = _WORK_LINE.match(data)
+    if line is None:
+        return None
+    end = data.find(b"\r\n\r\n", line.end() - 2, _HEAD_SEARCH)
+    if end < 0:  # the head is not all here: its headers are h11's to read
+        return None
+    head = data[line.end() - 2:end + 2]
+    if cors and _ORIGIN_LINE.search(head):
+        return None
+    given = _HEADER_LINE.search(head)
+    return WorkRequest(line.group(1).decode(), line.group(2).decode("latin-1"), line.group(3).decode(),
+                       given.group(1).decode("latin-1") if given else None)
+
+
+class Admission:
+    """An app's door (`Door` or `SharedDoor`) and its refusals: the answer made in advance, the metrics."""
+
+    def __init__(self, door: Door, retry_after_s: int, metrics: Metrics, cors: bool = False) -> None:
+        self.door, self.retry_after_s, self.metrics, self.cors = door, retry_after_s, metrics, cors
+        error = from_engine_error(self.refusal())
+        self._body = JSONResponse(error.body().model_dump()).body  # as the error handler writes it
+        self._head = (f"HTTP/1.1 {error.status} Too Many Requests\r\ncontent-type: application/json\r\n"
+                      f"content-length: {len(self._body)}\r\nretry-after: {retry_after_s}\r\n"
+                      "connection: close\r\n").encode()
+
+    def refusal(self) -> EngineOverloaded:
+        return EngineOverloaded("the server is at capacity; retry after the Retry-After header's seconds",
+                                retry_after_s=self.retry_after_s)
+
+    def answer(self, request_id: str) -> bytes:
+        """A refusal's whole HTTP answer, with its request's ID."""
+        return b"%s%s: %s\r\n\r\n%s" % (self._head, HEADER.lower().encode(), request_id.encode(), self._body)
+
+    def count_refusal(self, method: str) -> None:
+        """What MetricsMiddleware and the error handler count of a refusal the app never saw."""
+        self.metrics.observe_request(method, UNMATCHED, 429, 0.0)
+        self.metrics.observe_refusal("queue_full")
+
+
 class AdmissionMiddleware(HTTPMiddleware):
-    def __init__(self, app: ASGIApp, door: Door, retry_after_s: int) -> None:
+    """The door for the requests the server's protocol did not take a place for (module docstring)."""
+
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
         super().__init__(app)
-        self.door, self.retry_after_s = door, retry_after_s
+        self.admission = admission
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] not in WORK_METHODS or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        if not self.door.enter():
-            refused = EngineOverloaded("the server is at capacity; retry after the Retry-After header's seconds",
-                                       retry_after_s=self.retry_after_s)
-            response = await handle_error(Request(scope, receive), refused)
-            await response(scope, receive, send)
-            return
+        door = HELD.get()  # the place the protocol took for it
+        if door is None:
+            if scope["method"] not in WORK_METHODS or not scope["path"].startswith("/v1/"):
+                await self.app(scope, receive, send)
+                return
+            door = self.admission.door
+            if not door.enter():
+                self.admission.metrics.observe_refusal("queue_full")  # the request itself is MetricsMiddleware's
+                await error_response(from_engine_error(self.admission.refusal()))(scope, receive, send)
+                return
         try:
-            await asyncio.sleep(0)  # the requests that arrived with this one reach the door before its work runs
+            # The event loop turns once before the work runs: the bytes of the requests that arrived with this one
+            # (read after this task was made) reach the door, and the refused get their answer, first.
+            await asyncio.sleep(0)
             await self.app(scope, receive, send)
         finally:
-            self.door.leave()
+            door.leave()

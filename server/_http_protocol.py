@@ -9,6 +9,9 @@ everything else:
 - 400 `invalid_request_error`, code `malformed_http`: not HTTP/1.1 as RFC 9112 writes it;
 - 431 `invalid_request_error`, code `header_too_large`: a request line and headers over MAX_HEAD_BYTES in all.
 
+It also keeps the app's door (server/_admission.py): a request for model work takes its place, or gets its 429, when
+its first bytes arrive, before h11 parses them.
+
 The head is bounded twice: h11 refuses a head still incomplete after `MAX_HEAD_BYTES` (uvicorn's
 `h11_max_incomplete_event_size`, so no more than that is buffered), and a head that arrived whole in fewer reads
 is measured once parsed, so the bound does not depend on how the bytes were split into packets. After the answer
@@ -19,22 +22,28 @@ the connection is half-closed and what the client still sends is read and droppe
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import weakref
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from server._admission import HELD, STATE_KEY, Admission, Door, WorkRequest, work_request
 from server.errors import APIError, BadRequestError
 from server.request_id import HEADER, REQUEST_ID, request_id_for
 
-__all__ = ["LINGER_BYTES", "LINGER_S", "MAX_HEAD_BYTES", "ErrorShapeProtocol", "HeadTooLargeError"]
+__all__ = ["ADMITTED_A_TURN", "LINGER_BYTES", "LINGER_S", "MAX_HEAD_BYTES", "ErrorShapeProtocol", "HeadTooLargeError"]
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 16 * 1024  # h11's default; nginx's default allows 8 KB a header line (large_client_header_buffers)
 LINGER_S = 5.0  # what a refused client may still send for, after its answer, before the connection is closed
 LINGER_BYTES = 4 << 20  # and how much
+# Admitted heads parsed a turn of the event loop (`_Admitted`): each costs its parsing, its task's start and its work
+# (0.1-1 ms on a slow core), so a turn stays a few ms however many arrived at once.
+ADMITTED_A_TURN = 8
 
 
 class HeadTooLargeError(BadRequestError):
@@ -75,14 +84,49 @@ def _refusal(exc: h11.RemoteProtocolError | None) -> APIError:
                            code="malformed_http")
 
 
+class _Admitted:
+    """The admitted requests of an event loop whose heads wait to be parsed, parsed ADMITTED_A_TURN a turn of the loop
+    in arrival order: between two turns the loop reads the sockets again, so that a request arriving behind a burst
+    gets its 429 (or its place) after at most one turn's worth of other requests' parsing and work, not the burst's."""
+
+    _of: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Admitted] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:  # no reference to its loop: the loop's entry in `_of` goes with it
+        self.waiting, self.scheduled = collections.deque[ErrorShapeProtocol](), False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Admitted:
+        if (admitted := cls._of.get(loop)) is None:
+            admitted = cls._of[loop] = cls()
+        return admitted
+
+    def add(self, protocol: ErrorShapeProtocol) -> None:
+        self.waiting.append(protocol)
+        if not self.scheduled:
+            self.scheduled = True
+            protocol.loop.call_soon(self._turn, protocol.loop)
+
+    def _turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            for _ in range(min(ADMITTED_A_TURN, len(self.waiting))):
+                self.waiting.popleft()._admitted()
+        finally:  # one that raised (the loop logs it) holds up none of the others
+            self.scheduled = bool(self.waiting)
+            if self.scheduled:
+                loop.call_soon(self._turn, loop)
+
+
 class ErrorShapeProtocol(H11Protocol):
-    """H11Protocol answering what it refuses in the error shape, with a lingering close (module docstring)."""
+    """H11Protocol answering what it refuses in the error shape, with a lingering close, and keeping the door (module
+    docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.conn = _Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._lingering: asyncio.TimerHandle | None = None
         self._dropped = 0
+        self._place: Door | None = None  # taken for a request whose task has not started yet
+        self._waiting: bytearray | None = None  # an admitted request's first bytes, until its turn (`_admitted`)
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:  # after a refusal: read and dropped
@@ -90,7 +134,62 @@ class ErrorShapeProtocol(H11Protocol):
             if self._dropped > LINGER_BYTES:
                 self.transport.close()
             return
-        super().data_received(data)
+        if self._waiting is not None:
+            self._waiting += data
+            return
+        admission: Admission | None = self.app_state.get(STATE_KEY)
+        if self._place is None and admission is not None and self._between_requests():
+            request = work_request(data, admission.cors)
+            if request is not None:
+                if not admission.door.enter():
+                    self._refuse_at_door(admission, request)
+                    return
+                self._place = admission.door
+                # Refusals first: its head is parsed (and its task made) once the event loop has been through the
+                # bytes of every connection that arrived with it, each admitted or answered 429 without parsing.
+                self._waiting = bytearray(data)
+                self.transport.pause_reading()
+                _Admitted.of(self.loop).add(self)
+                return
+        if self._place is None:
+            super().data_received(data)
+            return
+        cycle = self.cycle
+        token = HELD.set(self._place)  # the request's task, made in here, holds the place
+        try:
+            super().data_received(data)
+        finally:
+            HELD.reset(token)
+        if self.cycle is not cycle:  # its task is made: the task gives the place back
+            self._place = None
+
+    def _admitted(self) -> None:
+        data, self._waiting = self._waiting, None
+        if data is None or self.transport.is_closing():  # the client went away (`connection_lost` freed the place)
+            return
+        self.transport.resume_reading()
+        self.data_received(bytes(data))  # the whole protocol's: the head deadline sees the head in
+
+    def _between_requests(self) -> bool:
+        """No request of this connection's under way or buffered: its next bytes begin a request."""
+        conn = self.conn
+        return (conn.their_state is h11.IDLE and conn.our_state is h11.IDLE and not conn.trailing_data[0]
+                and (self.cycle is None or self.cycle.response_complete))
+
+    def _refuse_at_door(self, admission: Admission, request: WorkRequest) -> None:
+        self._unset_keepalive_if_required()
+        rid = request_id_for(request.request_id)
+        self.transport.write(admission.answer(rid))
+        admission.count_refusal(request.method)
+        if self.access_log:  # uvicorn's access line, as for the requests it answers
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+            token = REQUEST_ID.set(rid)
+            try:
+                self.access_logger.info('%s - "%s %s HTTP/%s" %d', client, request.method, request.target,
+                                        request.http_version, 429)
+            finally:
+                REQUEST_ID.reset(token)
+        self._close_lingering()
 
     def eof_received(self) -> None:
         if self._lingering is not None:
@@ -100,6 +199,10 @@ class ErrorShapeProtocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lingering is not None:
             self._lingering.cancel()
+        self._waiting = None
+        if self._place is not None:  # gone before its request's task was made
+            self._place.leave()
+            self._place = None
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
@@ -125,6 +228,10 @@ class ErrorShapeProtocol(H11Protocol):
                 self.transport.close()
                 return
         self.transport.write(head.encode() + body)
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """After the answer written last: the connection half-closed, what the client still sends dropped."""
         if not self.transport.can_write_eof():
             self.transport.close()
             return

@@ -46,8 +46,8 @@ class HeadDeadlineProtocol(ErrorShapeProtocol):
         if self._head_deadline is None and self.conn.their_state is h11.IDLE:
             self._arm()  # the first byte of a keep-alive connection's next request
         super().data_received(data)
-        if self._head_deadline is not None and self.conn.their_state is not h11.IDLE:
-            self._disarm()  # the head is in: the app (and BodyLimitMiddleware) has the request
+        if self._head_deadline is not None and (self.conn.their_state is not h11.IDLE or self._lingering is not None):
+            self._disarm()  # the head is in (the app and BodyLimitMiddleware have the request), or was refused
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kernels import _dispatch as kernel_dispatch
 from kernels import attention
 from models.checkpoint import CheckpointError
-from server._admission import AdmissionMiddleware, Door
+from server._admission import STATE_KEY, Admission, AdmissionMiddleware, Door
 from server._asgi import HTTPMiddleware
 from server._slow_clients import head_deadline_protocol
 from server.engine import (
@@ -149,17 +149,20 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None, door: Doo
     (`start_engine`), the lifespan serves with it instead, and stops it and its store at shutdown; given a
     `RemoteEngine` (an HTTP worker of `serve_workers`), it connects to the engine process at start-up and lets go of
     it at shutdown. `door`: where the places of requests for model work are counted (`server/_admission.py`; a
-    worker's are shared with the server's other workers), else in the app."""
+    worker's are shared with the server's other workers), else in the app. The lifespan's state carries the app's
+    `Admission` (STATE_KEY), where the server's HTTP protocol finds the door."""
     metrics = Metrics()
+    admission = Admission(door or Door(settings.max_queue), settings.retry_after_s, metrics,
+                          cors=bool(settings.cors_origins))
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         if isinstance(engine, RemoteEngine):  # an HTTP worker: the engine runs in the serving process
             await engine.connect()
             metrics.refresh_engine_stats = engine.refresh_stats
             _serve_with(app, engine, metrics)
             try:
-                yield
+                yield {STATE_KEY: admission}
             finally:
                 await engine.close()
             return
@@ -167,7 +170,7 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None, door: Doo
         running = engine if engine is not None else await asyncio.to_thread(start_engine, settings)
         _serve_with(app, running, metrics)
         try:
-            yield
+            yield {STATE_KEY: admission}
         finally:
             # The engine finishes its queued and running work, writing every session back to the store. With
             # Redis that is all there is to keep (each change was written when it was made); the memory store
@@ -191,7 +194,7 @@ def create_app(settings: Settings, *, engine: AnyEngine | None = None, door: Doo
     # its request ID.
     app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, idle_s=settings.client_timeout_s)
-    app.add_middleware(AdmissionMiddleware, door=door or Door(settings.max_queue), retry_after_s=settings.retry_after_s)
+    app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.cors_origins:  # pages of other origins (a keyboard web app) call the API from the browser
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_credentials=False,

@@ -39,7 +39,7 @@ __all__ = [
     "APIError", "AuthenticationError", "BadRequestError", "ConflictError", "InternalServerError",
     "MethodNotAllowedError", "NotFoundError", "OPENAI_ROUTES", "PayloadTooLargeError", "RateLimitError",
     "ServiceUnavailableError", "UnprocessableEntityError", "UnexpectedErrorMiddleware", "error_response",
-    "install_error_handler", "openapi_responses", "to_api_error",
+    "from_engine_error", "install_error_handler", "openapi_responses", "to_api_error",
 ]
 
 # What the engine raises; each is translated by `to_api_error`.
@@ -199,7 +199,7 @@ def _translate(exc: Exception, request: Request) -> APIError:
         cls = _BY_STATUS.get(exc.status_code, BadRequestError if exc.status_code < 500 else InternalServerError)
         return cls(str(exc.detail), headers=headers)
     if isinstance(exc, _ENGINE_ERRORS):
-        return _from_engine(exc)
+        return from_engine_error(exc)
     if isinstance(exc, torch.OutOfMemoryError):
         # the device could not hold the batch this request was in (PyTorch's allocator had already freed its cache
         # and retried). Sessions are written back only after a whole step, so nothing was lost; a retry may fit
@@ -220,7 +220,8 @@ def _allowed_methods(request: Request) -> list[str]:
             if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
 
 
-def _from_engine(exc: Exception) -> APIError:
+def from_engine_error(exc: Exception) -> APIError:
+    """What the engine raised (one of _ENGINE_ERRORS), as the API answers it."""
     if isinstance(exc, EngineOverloaded):
         return RateLimitError(str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, SessionNotFound):

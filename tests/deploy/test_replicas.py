@@ -1,17 +1,16 @@
 """deploy/compose.yaml's topology without containers: two `adaptlm serve` replicas on loopback ports sharing a real
 redis-server (run with compose's Redis settings), behind a real nginx run with the balancer configuration compose
-and Kubernetes use (deploy/nginx/adaptlm.conf.template, filled in here as the nginx image does). A session keeps to
-one replica; a session observed once through the other replica and back is served as stored, not as the first
-replica's copy; when that replica is killed (SIGKILL) its session moves to the other and keeps adapting exactly as a
-single server given the same acknowledged observes; an observe in flight on the dying replica answers 502 and
-leaves the session as it was. And compose.yaml's structure, which no container engine checks here."""
+and Kubernetes use (deploy/nginx/adaptlm.conf.template, filled in as the nginx image does: bench/_replicas.py, which
+bench.capacity --replicas shares). A session keeps to one replica; a session observed once through the other replica
+and back is served as stored, not as the first replica's copy; when that replica is killed (SIGKILL) its session
+moves to the other and keeps adapting exactly as a single server given the same acknowledged observes; an observe in
+flight on the dying replica answers 502 and leaves the session as it was. And compose.yaml's structure, which no
+container engine checks here."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -20,23 +19,20 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from string import Template
-from typing import Any
 
 import httpx
 import pytest
-import redis
 import torch
 import yaml
 from safetensors.torch import load
 
+from bench._replicas import COMPOSE, compose, compose_redis, nginx_balancer
+from bench._replicas import binary as shared_binary
 from server.launch import free_port, stop, wait_ready
 from server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-COMPOSE = DEPLOY / "compose.yaml"
-TEMPLATE = DEPLOY / "nginx" / "adaptlm.conf.template"
 TEXTS = ["It is a truth universally acknowledged, that a single man in possession",
          " of a good fortune, must be in want of a wife. However little known",
          " the feelings or views of such a man may be on his first entering",
@@ -44,23 +40,11 @@ TEXTS = ["It is a truth universally acknowledged, that a single man in possessio
          " surrounding families, that he is considered the rightful property"]
 
 
-def compose() -> dict[str, Any]:
-    return dict(yaml.safe_load(COMPOSE.read_text()))
-
-
-def render(template: str, **values: str) -> str:
-    """The template with its ${BALANCER_*} placeholders filled in, as the nginx image's envsubst does (only the
-    variables it is given: nginx's own $variables stay)."""
-    placeholders = set(re.findall(r"\$\{(BALANCER_\w+)\}", template))
-    assert placeholders == set(values), f"the template's placeholders are {sorted(placeholders)}"
-    return Template(template).safe_substitute(values)
-
-
 def binary(name: str, *dirs: str) -> str:
-    found = shutil.which(name) or next((f"{d}/{name}" for d in dirs if os.access(f"{d}/{name}", os.X_OK)), None)
-    if found is None:
-        pytest.fail(f"{name} is not installed: run `make test` (it installs the system packages)", pytrace=False)
-    return found
+    try:
+        return shared_binary(name, *dirs)
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 # -- compose.yaml ------------------------------------------------------------------------------------------------
@@ -117,32 +101,6 @@ def test_compose_prometheus_config_is_valid() -> None:
 # -- the topology without containers ------------------------------------------------------------------------------
 
 
-@contextmanager
-def run_redis(directory: Path) -> Iterator[str]:
-    """redis-server on a free loopback port with compose's settings (its `command`), until the block ends."""
-    args = compose()["services"]["redis"]["command"][1:]
-    port = free_port()
-    process = subprocess.Popen([binary("redis-server", "/usr/bin"), *args, "--port", str(port), "--bind",
-                                "127.0.0.1", "--dir", str(directory), "--logfile", str(directory / "redis.log")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(port=port, socket_connect_timeout=1)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start (see {directory / 'redis.log'})") from None
-                time.sleep(0.05)
-        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
-        client.close()
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        stop(process, 10)
-
-
 @dataclass
 class Replica:
     url: str
@@ -163,38 +121,6 @@ def run_server(checkpoint: Path, log: Path, env: dict[str, str]) -> Iterator[Rep
             stop(process)
 
 
-@contextmanager
-def run_nginx(directory: Path, replicas: list[Replica]) -> Iterator[str]:
-    """A Debian nginx in the foreground with the shared balancer configuration, everything under `directory`."""
-    port = free_port()
-    servers = " ".join(f"server {r.address} max_fails=1 fail_timeout=10s;" for r in replicas)
-    (directory / "adaptlm.conf").write_text(render(TEMPLATE.read_text(), BALANCER_PORT=f"127.0.0.1:{port}",
-                                                   BALANCER_SERVERS=servers))
-    temp = "\n".join(f"    {kind}_temp_path {directory / kind};" for kind in ("client_body", "proxy", "fastcgi",
-                                                                             "uwsgi", "scgi"))
-    # As root, the workers would switch to `nobody`, who cannot enter pytest's private temporary directories.
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    (directory / "nginx.conf").write_text(
-        f"{user}daemon off;\nworker_processes 1;\npid {directory / 'nginx.pid'};\n"
-        f"error_log {directory / 'error.log'} info;\nevents {{ worker_connections 256; }}\n"
-        f"http {{\n    access_log {directory / 'access.log'};\n{temp}\n    include {directory / 'adaptlm.conf'};\n}}\n")
-    process = subprocess.Popen([binary("nginx", "/usr/sbin"), "-p", str(directory), "-c",
-                                str(directory / "nginx.conf"), "-e", str(directory / "error.log")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if not wait_ready(url, process, time.monotonic() + 30):
-            raise RuntimeError(f"nginx did not start: {(directory / 'error.log').read_text()[-2000:]}")
-        yield url
-    finally:
-        process.send_signal(signal.SIGQUIT)  # nginx's graceful stop
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @dataclass
 class Topology:
     balancer: str
@@ -209,7 +135,7 @@ def topology(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
     tmp_path = tmp_path_factory.mktemp("replicas")
     with ExitStack() as stack:
-        store = stack.enter_context(run_redis(tmp_path))
+        store = stack.enter_context(compose_redis(tmp_path))
         env = {"ADAPTLM_SESSION_STORE": store}
         servers = [stack.enter_context(run_server(tiny_checkpoint, tmp_path / f"replica-{i}.log", env))
                    for i in (1, 2)]
@@ -218,7 +144,7 @@ def topology(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) ->
         single = stack.enter_context(serve(Settings(checkpoint=tiny_checkpoint, precision="float32")))
         for server in servers:  # started together, waited for together
             assert wait_ready(server.url, server.process, time.monotonic() + 120), f"not ready: {server.url}"
-        balancer = stack.enter_context(run_nginx(tmp_path, servers))
+        balancer = stack.enter_context(nginx_balancer(tmp_path, [s.address for s in servers]))
         yield Topology(balancer, servers, single.url)
 
 
