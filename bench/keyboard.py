@@ -1,8 +1,10 @@
-"""Keystroke savings against Presage: our default model (static, sparse session adaptation over HTTP, full dynamic
+"""Keystroke savings against Presage: our default model (static, session adaptation over HTTP, full dynamic
 evaluation in-process) and Presage (an n-gram predictor built from the same training text, without and with
 learning), all typed by the same simulator (adaptlm_client.keysim: Presage's KSR definition, 3 suggestions). The
-sessions run as served (sparse adapter, the copy model when the checkpoint has one, models/copymodel.py, and the
-session word cache, models/wordcache.py), without the word cache, and without the copy model (a copy of the
+sessions run as served (the weights the checkpoint's sessions learn by default: the output rows' delta "head",
+models/adaptation/_head_memory.py, on checkpoints/default, the sparse adapter M where the checkpoint keeps it on;
+the copy model when the checkpoint has one, models/copymodel.py; and the session word cache,
+models/wordcache.py), without the word cache, and without the copy model (a copy of the
 checkpoint without dyneval.json's "copy" section); full dynamic evaluation runs without and with the word cache,
 and with the copy model and the word cache.
 
@@ -24,7 +26,7 @@ each measured text with both configurations, as a cross-check of its own KSR fig
 
 `--checkpoint DIR` measures our systems on another checkpoint (default: checkpoints/default). A word-level one
 (config.json's tokenizer of kind "words", models/word_tokenizer.py) is measured through its server only: "static"
-and "sparse" (its session as served: the adapter, and the copy model when its dyneval.json has one, or the neural
+and "sparse" (its session as served: what it learns, and the copy model when its dyneval.json has one, or the neural
 cache when its "session" section turns it on; a word model's suggestions have no word cache). The in-process
 systems (full, full-cache, full-copy: the byte search of models/keysim.py) and the variants that switch off the
 word cache or keep it without the copy model (sparse-nocache, sparse-nocopy) are refused when asked for and
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import re
@@ -53,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,9 +77,10 @@ SYSTEMS = {
     "presage": "Presage, no learning",
     "presage-learn": "Presage, learning",
     "static": "ours, static (HTTP)",
-    "sparse-nocache": "ours, session without the word cache: adapter + copy model (HTTP)",
-    "sparse-nocopy": "ours, session without the copy model: adapter + word cache (HTTP)",
-    "sparse": "ours, session as served: adapter + copy model + word cache (HTTP)",
+    # a session's row names its parts from its record (row_label); these are the names of records that keep none
+    "sparse-nocache": "ours, session without the word cache (HTTP)",
+    "sparse-nocopy": "ours, session without the copy model (HTTP)",
+    "sparse": "ours, session as served (HTTP)",
     "sparse-noneural": "ours, session without the neural cache (HTTP)",
     "full": "ours, full dynamic evaluation (in-process)",
     "full-cache": "ours, full dynamic evaluation + word cache (in-process)",
@@ -83,6 +88,7 @@ SYSTEMS = {
 }
 # what a word model is measured on: its server (module docstring); it has no copy model to leave out
 WORD_SYSTEMS = ("static", "sparse", "sparse-nocache", "sparse-noneural")
+LEARNED = ("adapter", "head")  # the session memories that learn weights: the sparse adapter M, the output rows' delta
 K = 3
 PAST_CHARS = 400  # of observed text in Presage's past stream (it reads the last few words)
 
@@ -220,12 +226,14 @@ def presage_simulator_ksr(config: Path, text: str, out: Path) -> float | None:
 @dataclass(frozen=True)
 class CheckpointInfo:
     """The checkpoint our systems run: `tag` names its results (None: the default checkpoint, whose results keep
-    their names), `tokenizer` its tokenizer's kind, `copy` whether its sessions have a copy model."""
+    their names), `tokenizer` its tokenizer's kind, `copy` whether its sessions have a copy model, `learned` the
+    memories whose weights its sessions learn by default (`default_learned`)."""
 
     path: Path
     tag: str | None
     tokenizer: str
     copy: bool
+    learned: tuple[str, ...]
 
     @property
     def name(self) -> str:
@@ -239,7 +247,26 @@ def inspect_checkpoint(path: Path) -> CheckpointInfo:
     config = json.loads((resolved / "config.json").read_text(encoding="utf-8"))
     dyneval = DynEvalSettings(json.loads((resolved / "dyneval.json").read_text(encoding="utf-8")))
     tag = None if resolved == DEFAULT_CHECKPOINT.resolve() else resolved.name
-    return CheckpointInfo(resolved, tag, tokenizer_from_dict(config.get("tokenizer")).kind, dyneval.copy is not None)
+    return CheckpointInfo(resolved, tag, tokenizer_from_dict(config.get("tokenizer")).kind, dyneval.copy is not None,
+                          default_learned(dyneval))
+
+
+def default_learned(dyneval: Mapping[str, Any]) -> tuple[str, ...]:
+    """The memories of `LEARNED` a checkpoint's sessions have unless they ask otherwise, from its dyneval.json as the
+    memories read it: M (models/adaptation/_adapter_memory.py) unless the "session" section's "adapter" is false,
+    the output rows' delta (_head_memory.py) where a "head" section gives its settings."""
+    session = dyneval.get("session")
+    adapter = session.get("adapter", True) if isinstance(session, Mapping) else True
+    return tuple(name for name, on in (("adapter", adapter is not False), ("head", bool(dyneval.get("head")))) if on)
+
+
+@functools.cache
+def checkpoint_learned(path: str) -> tuple[str, ...]:
+    """`default_learned` of the checkpoint at `path` now; the default checkpoint's where `path` is not one."""
+    try:
+        return default_learned(json.loads((Path(path) / "dyneval.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return default_learned(json.loads((DEFAULT_CHECKPOINT / "dyneval.json").read_text(encoding="utf-8")))
 
 
 def refusal(system: str, ckpt: CheckpointInfo) -> str | None:
@@ -318,7 +345,7 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
                                    lexicon=loaded.lexicon)
         result = simulate(suggester, messages(measured), k=K, warmup=messages(warm), on_message=progress)
     else:
-        # static: the adapter stays zero (lr 0), no word cache, no neural cache; the sessions: the server's defaults
+        # static: lr 0 (the head then off, M at rate 0), no word cache, no neural cache; the sessions: the defaults
         lr, cache = {"static": (0.0, 0.0), "sparse": (None, None), "sparse-nocache": (None, 0.0),
                      "sparse-nocopy": (None, None), "sparse-noneural": (None, None)}[system]
         # the neural cache: off for the static row and sparse-noneural, else the checkpoint's default
@@ -334,7 +361,8 @@ def run_one(name: str, system: str, warm: str, measured: str, args: argparse.Nam
             info = suggester.session.info
             assert info is not None
             neural = info.adaptation.neural_cache  # a session with the neural cache has no copy model
-            record.update({"lr": info.adaptation.lr, "decay": info.adaptation.decay,
+            record.update({"learned": [m for m in LEARNED if m in info.adaptation.memories],
+                           "lr": info.adaptation.lr, "decay": info.adaptation.decay,
                            "cache_weight": info.adaptation.cache_weight, "neural_cache": neural,
                            "copy": ckpt.copy and checkpoint == ckpt.path and not neural,
                            "suggest_budget_ms": budget})
@@ -364,17 +392,22 @@ SESSION_VARIANT = {"sparse": "as served", "sparse-nocache": "without the word ca
 def row_label(system: str, r: dict[str, Any], checkpoint: str | None) -> str:
     """The table's name of a result `r` of `system`; `checkpoint`: the name our rows carry (None: none).
 
-    A session's or full dynamic evaluation's parts are named from what the record says ran (its "copy",
+    A session's or full dynamic evaluation's parts are named from what the record says ran (its "learned", "copy",
     "neural_cache" and "cache_weight"), not from the system's name: a checkpoint without a copy section (the
-    transformers) runs "sparse" without one. Records written before they kept "copy" get the system's name."""
+    transformers) runs "sparse" without one. A record written before records kept "learned" names what its
+    checkpoint's sessions learn by default now (`checkpoint_learned`); one written before they kept "copy" gets the
+    system's name."""
     label = SYSTEMS[system]
     words = r.get("tokenizer", "bytes") != "bytes"
-    parts = (" + copy model" if r.get("copy") else "") + (" + neural cache" if r.get("neural_cache") else "") + \
-        (" + word cache" if r.get("cache_weight") else "")
+    parts = (["copy model"] if r.get("copy") else []) + (["neural cache"] if r.get("neural_cache") else []) + \
+        (["word cache"] if r.get("cache_weight") else [])
     if system in SESSION_VARIANT and ("copy" in r or words):  # a word model's records never have a copy model
-        label = f"ours, session {SESSION_VARIANT[system]}: adapter{parts} (HTTP)"
+        learned = r.get("learned")
+        if learned is None:
+            learned = checkpoint_learned(str(r.get("checkpoint_path") or DEFAULT_CHECKPOINT))
+        label = f"ours, session {SESSION_VARIANT[system]}: {' + '.join([*learned, *parts]) or 'nothing'} (HTTP)"
     elif system.startswith("full") and "copy" in r:
-        label = f"ours, full dynamic evaluation{parts} (in-process)"
+        label = f"ours, full dynamic evaluation{''.join(f' + {p}' for p in parts)} (in-process)"
     if checkpoint is not None and not system.startswith("presage"):
         label = label.replace("ours", f"ours ({checkpoint}{', word model' if words else ''})", 1)
     if system != "static" and r.get("lr"):

@@ -13,13 +13,21 @@ from pathlib import Path
 import pytest
 
 from bench._common import DEFAULT_CHECKPOINT
-from bench.keyboard import SYSTEMS, CheckpointInfo, choose_systems, inspect_checkpoint, result_path, row_label
+from bench.keyboard import (
+    SYSTEMS,
+    CheckpointInfo,
+    choose_systems,
+    default_learned,
+    inspect_checkpoint,
+    result_path,
+    row_label,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
 
-BYTES = CheckpointInfo(DEFAULT_CHECKPOINT, None, "bytes", True)
-WORDS = CheckpointInfo(Path("/x/words"), "words", "words", False)
+BYTES = CheckpointInfo(DEFAULT_CHECKPOINT, None, "bytes", True, ("head",))
+WORDS = CheckpointInfo(Path("/x/words"), "words", "words", False, ("adapter",))
 
 
 def test_a_byte_checkpoint_runs_every_system_and_keeps_the_default_file_names(tmp_path: Path) -> None:
@@ -44,22 +52,41 @@ def test_a_word_checkpoint_runs_its_server_systems_and_presage() -> None:
 
 
 def test_the_checkpoint_is_read_from_its_json_files(word_checkpoint: Path) -> None:
-    assert inspect_checkpoint(DEFAULT_CHECKPOINT) == CheckpointInfo(DEFAULT_CHECKPOINT.resolve(), None, "bytes", True)
+    # the default's sessions learn the output rows' delta in M's place (dyneval.json: "head", "adapter": false)
+    assert inspect_checkpoint(DEFAULT_CHECKPOINT) == \
+        CheckpointInfo(DEFAULT_CHECKPOINT.resolve(), None, "bytes", True, ("head",))
     words = inspect_checkpoint(word_checkpoint)
     assert (words.tag, words.tokenizer, words.copy) == (word_checkpoint.name, "words", False)
+    assert words.learned == ("adapter",)  # a checkpoint without a "head" section: M
     assert words.name == word_checkpoint.name
 
 
+def test_the_weights_a_session_learns_by_default_are_read_as_the_memories_read_them() -> None:
+    head = {"lr": 6.912e-5, "decay": 1e-4}
+    assert default_learned({}) == ("adapter",)  # M is on unless the session section turns it off
+    assert default_learned({"session": {"lr": 1e-4}, "head": head}) == ("adapter", "head")
+    assert default_learned({"session": {"adapter": False}, "head": head}) == ("head",)
+    assert default_learned({"session": {"adapter": False}, "head": {}}) == ()
+
+
 def test_a_row_names_what_ran_not_what_its_system_would_run_on_the_default() -> None:
-    # the default checkpoint's session: adapter, copy model, word cache, as the system's name says
-    served = {"tokenizer": "bytes", "copy": True, "neural_cache": False, "cache_weight": 0.5, "lr": 1e-4}
-    assert row_label("sparse", served, None) == f"{SYSTEMS['sparse']} (lr 0.0001, cache 0.5)"
+    # the default checkpoint's session: the output rows' delta, copy model, word cache, as its record says
+    served = {"tokenizer": "bytes", "learned": ["head"], "copy": True, "neural_cache": False, "cache_weight": 0.5,
+              "lr": 6.912e-5}
+    assert row_label("sparse", served, None) == \
+        "ours, session as served: head + copy model + word cache (HTTP) (lr 6.912e-05, cache 0.5)"
     assert row_label("sparse-nocache", {**served, "cache_weight": 0.0}, None) == \
-        f"{SYSTEMS['sparse-nocache']} (lr 0.0001, cache 0)"
+        "ours, session without the word cache: head + copy model (HTTP) (lr 6.912e-05, cache 0)"
     assert row_label("sparse-nocopy", {**served, "copy": False}, None) == \
-        f"{SYSTEMS['sparse-nocopy']} (lr 0.0001, cache 0.5)"
+        "ours, session without the copy model: head + word cache (HTTP) (lr 6.912e-05, cache 0.5)"
+    # a session that learns M (a request's, or another checkpoint's default)
+    assert row_label("sparse", {**served, "learned": ["adapter"], "lr": 1e-4}, None) == \
+        "ours, session as served: adapter + copy model + word cache (HTTP) (lr 0.0001, cache 0.5)"
+    # a record from before records kept "learned": what its checkpoint's sessions learn by default (here the default)
+    older = {k: v for k, v in served.items() if k != "learned"}
+    assert row_label("sparse", older, None) == row_label("sparse", served, None)
     # a byte checkpoint without a copy section (the transformers): its session has none, and the row says so
-    transformer = {**served, "copy": False, "lr": 8e-5}
+    transformer = {**served, "learned": ["adapter"], "copy": False, "lr": 8e-5}
     assert row_label("sparse", transformer, "compressive") == \
         "ours (compressive), session as served: adapter + word cache (HTTP) (lr 8e-05, cache 0.5)"
     assert row_label("full-copy", {"tokenizer": "bytes", "copy": False, "cache_weight": 0.5, "lr": 2e-5}, None) == \
@@ -125,6 +152,7 @@ def test_a_word_checkpoint_is_measured_through_its_server(word_checkpoint: Path,
         # exact searches unless asked (KSR must not depend on the machine's load), and the share cut recorded
         assert rec["suggest_budget_ms"] == 0 and rec["suggest_cut"] == 0
     assert records["static"]["lr"] == 0 and records["sparse"]["lr"] > 0
+    assert records["sparse"]["learned"] == ["adapter"]  # the tiny checkpoint has no "head" section: M learns
     table = stdout.splitlines()
     assert table[0].startswith(f"# keyboard suggestions, k=3, {tag}: ")
     rows = [line.split(" | ")[1] for line in table if line.startswith("| e-mails")]
