@@ -177,6 +177,26 @@ class _EngineCollector(Collector):
         for reason, count in sorted(stats.evictions.items()):
             evictions.add_metric([*values, reason], count)
         yield evictions
+        if stats.slots:  # session slots (ADAPTLM_SESSION_SLOTS): only where the engine keeps them
+            observes = CounterMetricFamily("adaptlm_session_slot_observes", "Observes by what the session slots gave "
+                                           "them: hit (the slot held the stored record), miss (filled from the "
+                                           "record), declined (run without a slot: none free, or tensors the tables "
+                                           "do not fit).", labels=[*labels, "outcome"])
+            for outcome, field_name in (("hit", "hits"), ("miss", "misses"), ("declined", "declined")):
+                observes.add_metric([*values, outcome], stats.slots[field_name])
+            yield observes
+            slot_evictions = CounterMetricFamily("adaptlm_session_slot_evictions", "Session slots refilled with "
+                                                 "another session (least recently used).", labels=labels)
+            slot_evictions.add_metric(values, stats.slots["evictions"])
+            yield slot_evictions
+            for name, doc, value in (
+                ("adaptlm_session_slots", "Session slots the engine keeps on the model's device.",
+                 stats.slots["capacity"]),
+                ("adaptlm_session_slots_used", "Session slots holding a session.", stats.slots["used"]),
+            ):
+                gauge = GaugeMetricFamily(name, doc, labels=labels)
+                gauge.add_metric(values, value)
+                yield gauge
         for name, doc, value in (
             ("adaptlm_queue_depth", "Work items waiting to start.", stats.queued),
             ("adaptlm_active_sessions", "Sessions in the store.", stats.sessions),

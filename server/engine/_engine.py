@@ -155,7 +155,8 @@ class Engine:
                                    decode_rows=dict(self._stats.decode_rows),
                                    suggest_rows=dict(self._stats.suggest_rows), queued=self._scheduler.waiting,
                                    sessions=store.sessions, session_bytes=store.bytes,
-                                   evictions=dict(store.evictions))
+                                   evictions=dict(store.evictions),
+                                   slots=dataclasses.asdict(self._slots.stats()) if self._slots is not None else {})
 
     def slot_stats(self) -> SlotStats | None:
         """The session slots' counters (server/engine/_slots.py); None when the engine keeps none."""

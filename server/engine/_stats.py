@@ -32,6 +32,9 @@ class EngineStats:
     sessions: int = 0
     session_bytes: int = 0
     evictions: dict[str, int] = field(default_factory=dict)  # by reason: ttl, lru
+    # the session slots' counters (server/engine/_slots.py SlotStats by field: capacity, used, hits, misses,
+    # evictions, declined); empty when the engine keeps none
+    slots: dict[str, int] = field(default_factory=dict)
 
     def count_cancelled(self, kind: str) -> None:
         """Work of `kind` dropped because its caller went away: generations count apart (their own metric)."""

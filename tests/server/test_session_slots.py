@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from models.base import State
 from models.session import SessionModel
 from server.engine import Engine, EngineConfig, SessionConfig
 from server.engine._redis import RedisSessionStore
 from server.engine._store import SessionStore
+from server.metrics import Metrics
 
 TEXTS = [b"the quick brown fox jumps over the lazy dog, again and again. ",
          b"We met at noon and talked about the weather for an hour. ",
@@ -46,6 +48,19 @@ def tensors(engine: Engine, session_id: str) -> dict[str, torch.Tensor]:
         if isinstance(state, State):
             out |= {f"{name}.{k}": v for k, v in state.tensors.items()}
     return {k: v.detach().cpu().clone() for k, v in out.items()}
+
+
+def slot_series(engine: Engine) -> dict[str, float]:
+    """The session slots' series of the server's /metrics text for this engine: name[/outcome] -> value."""
+    metrics = Metrics()
+    metrics.engine_stats = lambda: engine.stats
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if "session_slot" in sample.name:
+                outcome = sample.labels.get("outcome")
+                out[f"{sample.name}/{outcome}" if outcome else sample.name] = sample.value
+    return out
 
 
 def scores(results: list[Any]) -> list[tuple[float, float | None, int]]:
@@ -99,11 +114,13 @@ def same(a: Any, b: Any) -> None:
 def test_answers_and_records_are_the_same_with_slots_and_without(tiny_checkpoint: Path) -> None:
     answers = {}
     stats = {}
+    exported = {}
     for slots in (0, 1, 8):  # 1: the sessions take turns in one slot (evicted, then read back from the store)
         with running(tiny_checkpoint, slots) as engine:
             answers[slots] = asyncio.run(scenario(engine))
             stats[slots] = engine.slot_stats()
-    assert stats[0] is None
+            exported[slots] = slot_series(engine)
+    assert stats[0] is None and exported[0] == {}
     same(answers[0], answers[8])
     same(answers[0], answers[1])
     big, small = stats[8], stats[1]
@@ -112,6 +129,13 @@ def test_answers_and_records_are_the_same_with_slots_and_without(tiny_checkpoint
     # reset and the import (a new revision: read from the store again); the other adapter size never has a slot
     assert big.hits >= 4 and big.misses >= 2 and big.declined >= 5 and big.evictions == 0
     assert small.evictions >= 1
+    # /metrics says what the slots did: the same counters
+    for n, st in ((8, big), (1, small)):
+        assert exported[n] == {"adaptlm_session_slot_observes_total/hit": st.hits,
+                               "adaptlm_session_slot_observes_total/miss": st.misses,
+                               "adaptlm_session_slot_observes_total/declined": st.declined,
+                               "adaptlm_session_slot_evictions_total": st.evictions,
+                               "adaptlm_session_slots": n, "adaptlm_session_slots_used": st.used}
 
 
 def test_a_slot_behind_another_replicas_write_is_not_used(tiny_checkpoint: Path, redis_url: str) -> None:
