@@ -12,7 +12,8 @@
 #      on / off);
 #   0. first, the model step alone (python -m bench.step_graphs): ms a call, CUDA graphs against the model's own
 #      path, at STEP_ROWS rows (scoring segments, static scores, peeks) and STEP_SEARCH_ROWS (the search's steps).
-# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), step_graphs.md, score.md, typists.md, observe.md,
+# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), step_graphs.md, score.md, typists.md, slots.txt (the
+# session slots' counters after the typists), observe.md,
 # util.txt, util.md, score_graphs_off.md, graphs.md, server.log, server_graphs_off.log. Steps 0 and 6 add about
 # 1.5 minutes; STEP_BENCH=0 or GRAPHS_OFF=0 skip them. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
 #
@@ -113,6 +114,9 @@ stamp "typists at $TYPISTS"
 ADAPTLM_LOADTEST_MESSAGES=$PWD/loadtest/messages.txt $PY -m bench.capacity --url "$URL" --classes Typist \
     --levels "$TYPISTS" --run-time "$RUN_TIME" --locust-processes "$LOCUST_PROCS" | tee "$OUT/typists.md"
 last=$(grep -cv '^#' "$OUT/util.txt" 2>/dev/null)
+# the session slots after the typists (ADAPTLM_SESSION_SLOTS, on by default on CUDA): hits against misses and declines
+$PY -c "import sys, urllib.request as u; print(u.urlopen(sys.argv[1] + '/metrics', timeout=5).read().decode())" \
+    "$URL" | grep '^adaptlm_session_slot' | tee "$OUT/slots.txt" || echo "no session slots exported" | tee "$OUT/slots.txt"
 kill -TERM $server; wait $server
 
 stamp "observe: $OBSERVE_SESSIONS sessions at once against one at a time"
