@@ -163,6 +163,22 @@ class ErrorShapeProtocol(H11Protocol):
         if self.cycle is not cycle:  # its task is made: the task gives the place back
             self._place = None
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        """The connection goes to uvicorn's WebSocket protocol, whose `connection_lost` gives back no place: no task of
+        ours is made for it, so the place is given back here."""
+        if self._place is not None:
+            self._place.leave()
+            self._place = None
+        super().handle_websocket_upgrade(event)
+
+    def on_response_complete(self) -> None:
+        # uvicorn makes the task of a request pipelined behind this one here, in this one's task: it holds no place
+        token = HELD.set(None)
+        try:
+            super().on_response_complete()
+        finally:
+            HELD.reset(token)
+
     def _admitted(self) -> None:
         data, self._waiting = self._waiting, None
         if data is None or self.transport.is_closing():  # the client went away (`connection_lost` freed the place)
@@ -218,6 +234,9 @@ class ErrorShapeProtocol(H11Protocol):
         phrase = "Request Header Fields Too Large" if error.status == 431 else "Bad Request"
         head = (f"HTTP/1.1 {error.status} {phrase}\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\n{HEADER.lower()}: {rid}\r\nconnection: close\r\n\r\n")
+        if self._place is not None:  # refused before its task was made: its place is not held while the client lingers
+            self._place.leave()
+            self._place = None
         if self.transport.is_closing():
             return
         cycle = self.cycle

@@ -246,3 +246,87 @@ def test_a_refusal_is_written_before_any_request_is_parsed_or_run() -> None:
         assert door.inside == 0 and len(seen) == 4 + len(burst)
 
     asyncio.run(main())
+
+
+async def _door_server(door: Door) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
+    """A real uvicorn on loopback with the server's protocol and a door, its app answering 200 "ok" to everything."""
+    admission = Admission(door, 1, Metrics())
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    app = AdmissionMiddleware(route, admission)
+
+    async def served(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+        while (await receive())["type"] == "lifespan.startup":
+            scope["state"][STATE_KEY] = admission  # as create_app's lifespan hands the protocol its Admission
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+    config = uvicorn.Config(served, host="127.0.0.1", port=0, log_level="warning", http=head_deadline_protocol(30.0))
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, task, server.servers[0].sockets[0].getsockname()[1]
+
+
+def _exchange(port: int, data: bytes, answers: int) -> bytes:
+    """Send `data` on a new connection and read until `answers` answers (of 2 bytes' body) or the connection's end."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        answer = b""
+        while answer.count(b"HTTP/1.1 ") < answers or not answer.endswith(b"\r\n\r\nok"):
+            if not (chunk := sock.recv(65536)):
+                break
+            answer += chunk
+        return answer
+
+
+def test_a_place_is_given_back_once_by_pipelined_and_upgraded_requests() -> None:
+    """A request pipelined behind an admitted one (its task made in the admitted one's, when that answer ends) holds
+    no place of it: the place is given back once, not twice (the door would then hold more than its limit). A request
+    for model work asking for a WebSocket upgrade leaves the protocol keeping the door, and one h11 refuses makes no
+    task: their places are given back."""
+    async def main() -> None:
+        door = Door(4)
+        server, task, port = await _door_server(door)
+        try:
+            score = _request("first", b'{"text": "a"}')
+            answer = await asyncio.to_thread(_exchange, port, score + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 2)
+            assert answer.count(b"HTTP/1.1 200 ") == 2
+            answer = await asyncio.to_thread(_exchange, port, score + _request("second", b'{"text": "b"}'), 2)
+            assert answer.count(b"HTTP/1.1 200 ") == 2
+            deadline = time.monotonic() + 10
+            while server.server_state.tasks and time.monotonic() < deadline:  # their places given back as they end
+                await asyncio.sleep(0.01)
+            assert door.inside == 0
+            upgrade = (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                       b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+            answer = await asyncio.to_thread(_exchange, port, upgrade, 1)
+            # uvicorn upgrades where a WebSocket library is installed (its protocol refuses a POST), else serves it
+            upgraded = server.config.ws_protocol_class is not None
+            assert answer.startswith(b"HTTP/1.1 400 " if upgraded else b"HTTP/1.1 200 ")
+            deadline = time.monotonic() + 10
+            while door.inside and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert door.inside == 0
+            # admitted, then refused by h11 (a header line without a colon): the place is free while the client,
+            # its connection still open, lingers
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+                assert (await asyncio.to_thread(sock.recv, 65536)).startswith(b"HTTP/1.1 400 ")
+                assert door.inside == 0
+        finally:
+            server.should_exit = True
+            await task
+
+    asyncio.run(main())
+
