@@ -179,6 +179,13 @@ class ErrorShapeProtocol(H11Protocol):
         finally:
             HELD.reset(token)
 
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown closes a connection with no request under way: an admitted request whose head
+        waits for its turn has arrived whole, so it is parsed now, and served like the requests already under way."""
+        if self._waiting is not None:
+            self._admitted()
+        super().shutdown()
+
     def _admitted(self) -> None:
         data, self._waiting = self._waiting, None
         if data is None or self.transport.is_closing():  # the client went away (`connection_lost` freed the place)

@@ -330,3 +330,29 @@ def test_a_place_is_given_back_once_by_pipelined_and_upgraded_requests() -> None
 
     asyncio.run(main())
 
+
+def test_an_admitted_request_waiting_for_its_turn_is_served_through_a_graceful_shutdown() -> None:
+    """uvicorn's graceful shutdown closes each connection with no request under way (`shutdown`): a request whose
+    place is taken and whose head waits for the loop's next turn has arrived whole, and is answered, not dropped."""
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def main() -> None:
+        door = Door(2)
+        admission = Admission(door, 1, Metrics())
+        config = uvicorn.Config(AdmissionMiddleware(route, admission), lifespan="off", log_level="warning",
+                                proxy_headers=False)
+        config.load()
+        protocol = head_deadline_protocol(30.0)(config=config, server_state=ServerState(),
+                                                app_state={STATE_KEY: admission}, _loop=asyncio.get_running_loop())
+        transport = _Transport(5000)
+        protocol.connection_made(transport)
+        protocol.data_received(_request("just-in"))
+        assert door.inside == 1 and not transport.written  # admitted, its head parsed at the next turn
+        protocol.shutdown()  # what uvicorn's Server.shutdown does to every connection on SIGTERM
+        await asyncio.sleep(0.05)
+        assert bytes(transport.written).startswith(b"HTTP/1.1 200 ")
+        assert transport.closed and door.inside == 0  # answered, then closed: the server is going
+
+    asyncio.run(main())
