@@ -29,12 +29,11 @@ import re
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server._asgi import HTTPMiddleware
 from server.engine import EngineOverloaded
-from server.errors import error_response, from_engine_error
+from server.errors import error_response, from_engine_error, raw_error_answer
 from server.metrics import UNMATCHED, Metrics
 from server.request_id import HEADER
 
@@ -150,11 +149,7 @@ class Admission:
 
     def __init__(self, door: Door, retry_after_s: int, metrics: Metrics, cors: bool = False) -> None:
         self.door, self.retry_after_s, self.metrics, self.cors = door, retry_after_s, metrics, cors
-        error = from_engine_error(self.refusal())
-        self._body = JSONResponse(error.body().model_dump()).body  # as the error handler writes it
-        self._head = (f"HTTP/1.1 {error.status} Too Many Requests\r\ncontent-type: application/json\r\n"
-                      f"content-length: {len(self._body)}\r\nretry-after: {retry_after_s}\r\n"
-                      "connection: close\r\n").encode()
+        self._head, self._body = raw_error_answer(from_engine_error(self.refusal()))  # Retry-After included
 
     def refusal(self) -> EngineOverloaded:
         return EngineOverloaded("the server is at capacity; retry after the Retry-After header's seconds",

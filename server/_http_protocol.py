@@ -31,7 +31,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server._admission import HELD, STATE_KEY, Admission, Door, WorkRequest, work_request
-from server.errors import APIError, BadRequestError
+from server.errors import APIError, BadRequestError, raw_error_answer
 from server.request_id import HEADER, REQUEST_ID, request_id_for
 
 __all__ = ["ADMITTED_A_TURN", "LINGER_BYTES", "LINGER_S", "MAX_HEAD_BYTES", "ErrorShapeProtocol", "HeadTooLargeError"]
@@ -237,10 +237,7 @@ class ErrorShapeProtocol(H11Protocol):
             log.info("refused a request from %s: %s", self.client[0] if self.client else "?", error.message)
         finally:
             REQUEST_ID.reset(token)
-        body = error.body().model_dump_json().encode()
-        phrase = "Request Header Fields Too Large" if error.status == 431 else "Bad Request"
-        head = (f"HTTP/1.1 {error.status} {phrase}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\n{HEADER.lower()}: {rid}\r\nconnection: close\r\n\r\n")
+        head, body = raw_error_answer(error)
         if self._place is not None:  # refused before its task was made: its place is not held while the client lingers
             self._place.leave()
             self._place = None
@@ -253,7 +250,7 @@ class ErrorShapeProtocol(H11Protocol):
             if cycle.response_started:  # the app's answer is under way: nothing can follow it on this connection
                 self.transport.close()
                 return
-        self.transport.write(head.encode() + body)
+        self.transport.write(b"%s%s: %s\r\n\r\n%s" % (head, HEADER.lower().encode(), rid.encode(), body))
         self._close_lingering()
 
     def _close_lingering(self) -> None:

@@ -39,7 +39,7 @@ __all__ = [
     "APIError", "AuthenticationError", "BadRequestError", "ConflictError", "InternalServerError",
     "MethodNotAllowedError", "NotFoundError", "OPENAI_ROUTES", "PayloadTooLargeError", "RateLimitError",
     "ServiceUnavailableError", "UnprocessableEntityError", "UnexpectedErrorMiddleware", "error_response",
-    "from_engine_error", "install_error_handler", "openapi_responses", "to_api_error",
+    "from_engine_error", "install_error_handler", "openapi_responses", "raw_error_answer", "to_api_error",
 ]
 
 # What the engine raises; each is translated by `to_api_error`.
@@ -147,6 +147,17 @@ def openapi_responses(*errors: type[APIError]) -> dict[int | str, dict[str, Any]
 
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body().model_dump(), status_code=error.status, headers=error.headers)
+
+
+def raw_error_answer(error: APIError) -> tuple[bytes, bytes]:
+    """The error as the HTTP front writes it itself, without the app (a 429 at the door, a 400/431 for a request
+    h11 refused) -> (the status line and headers, the error's own and `connection: close` included, without the
+    blank line that ends them, so that a request's ID can follow; the body, in the one error shape)."""
+    body = JSONResponse(error.body().model_dump()).body  # as the error handler writes it
+    lines = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}", "content-type: application/json",
+             f"content-length: {len(body)}", *(f"{k.lower()}: {v}" for k, v in error.headers.items()),
+             "connection: close"]
+    return ("\r\n".join(lines) + "\r\n").encode(), bytes(body)
 
 
 def _param(loc: Sequence[Any]) -> str | None:
