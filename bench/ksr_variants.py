@@ -37,12 +37,14 @@ import torch
 
 from adaptlm_client.keysim import messages, simulate, split_text
 from bench._common import DEFAULT_CHECKPOINT, ROOT, data_file, machine_line
+from bench.adapt_losses import HEAD_CHOICE
 from bench.keyboard_losses import SLICES
+from bench.session_defaults import TEXTS as CHOICE_TEXTS
 from models.memory import State
 
-HEAD_LR, HEAD_DECAY = 6.912e-5, 1e-4
+HEAD_LR, HEAD_DECAY = HEAD_CHOICE["lr"], HEAD_CHOICE["decay"]
 FAST_FACTOR, FAST_BYTES = 16.0, 4000.0
-PROSE = ("gutenberg/austen-persuasion.txt", 20_000, 40_000)
+PROSE = CHOICE_TEXTS["prose"]  # the settings' guard (file, first byte, last byte)
 
 
 def head(factor: float) -> dict[str, Any]:
