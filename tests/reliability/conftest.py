@@ -7,8 +7,6 @@ Helpers are handed out as fixtures (`start_server`, `redis_process`), as in test
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import time
@@ -22,6 +20,7 @@ import httpx
 import pytest
 import redis
 
+from bench._replicas import binary
 from server.launch import Served, free_port, serving
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -76,12 +75,10 @@ def start_server(tiny_checkpoint: Path, tmp_path: Path) -> StartServerFn:
 
 
 def _redis_binary() -> str:
-    found = shutil.which("redis-server") or ("/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK)
-                                             else None)
-    if found is None:
-        pytest.fail("redis-server is not installed: run `make test` (it installs the system package), or "
-                    "`apt-get install redis-server`", pytrace=False)
-    return found
+    try:
+        return binary("redis-server", "/usr/bin")
+    except RuntimeError as e:  # the Redis session store is tested against a real one
+        pytest.fail(f"{e}, or `apt-get install redis-server`", pytrace=False)
 
 
 @dataclass

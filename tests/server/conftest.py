@@ -8,7 +8,6 @@ do not depend on how pytest puts test directories on sys.path.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -26,6 +25,7 @@ import redis
 import uvicorn
 from fastapi import FastAPI
 
+from bench._replicas import binary
 from models.copymodel import CopyConfig
 from server.app import create_app, uvicorn_options
 from server.engine import AnyEngine
@@ -163,14 +163,10 @@ def client(live: LiveServer) -> Iterator[httpx.Client]:
 
 
 def _redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found is None and os.access("/usr/bin/redis-server", os.X_OK):
-        found = "/usr/bin/redis-server"
-    if found is None:
-        pytest.fail("redis-server is not installed, and the Redis session store is tested against a real one: "
-                    "run `make test` (it installs the system package), or `apt-get install redis-server`",
-                    pytrace=False)
-    return found
+    try:
+        return binary("redis-server", "/usr/bin")
+    except RuntimeError as e:  # the Redis session store is tested against a real one
+        pytest.fail(f"{e}, or `apt-get install redis-server`", pytrace=False)
 
 
 @contextmanager
