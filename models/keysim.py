@@ -34,7 +34,7 @@ from models.lexicon import Lexicon
 from models.memory import Memory, MemoryMixed, MemorySettingsError, merge_branches
 from models.session import SessionModel
 from models.suggest import Cursor, advance, suggest
-from models.tokenizer import ByteTokenizer, Tokenizer
+from models.tokenizer import ByteTokenizer, Tokenizer, byte_level, word_level
 from models.word_suggest import word_suggestions
 from models.word_tokenizer import WordTokenizer
 from models.wordcache import WordsMemory
@@ -68,7 +68,7 @@ class ModelSuggester:
         self.fed = 0  # tokens fed to the model by suggestions (the cursor cache's work)
         self._cursor: tuple[bytes, Cursor] | None = None  # (context bytes, the model after them)
         self._full: FullStream | None = None
-        self._mixed: LanguageModel | None = None
+        self._mixed: MemoryMixed | None = None
         self.copy = copy  # a copy model mixed into scores and suggestions, as a session with one
         self._frozen: tuple[State, State] | None = None  # full mode: (copy state, its frozen_stats)
         if sessions is not None:
@@ -94,10 +94,10 @@ class ModelSuggester:
         memories["words"] = WordsMemory()
         self.sessions = SessionModel(model, self.tokenizer, memories, segment)
         try:
-            settings = self.sessions.config(asked)
+            resolved = self.sessions.config(asked)
         except MemorySettingsError as e:  # the refused setting under this class's name for it
             raise ValueError(f"cache_weight={cache_weight}: {e}") from None
-        self.session = self.sessions.fresh(settings)
+        self.session = self.sessions.fresh(resolved)
 
     @property
     def words(self) -> object:
@@ -124,7 +124,7 @@ class ModelSuggester:
             return self.sessions.search_model
         if self.copy is None:
             return self._full.model
-        if self._mixed is None or self._mixed.base is not self._full.model:  # type: ignore[attr-defined]
+        if self._mixed is None or self._mixed.base is not self._full.model:
             self._mixed = MemoryMixed(self._full.model, [CopyMemory(self.copy)])
         return self._mixed
 
@@ -151,8 +151,9 @@ class ModelSuggester:
 
     @torch.no_grad()
     def suggest(self, context: str, k: int) -> list[str]:
-        if isinstance(self.tokenizer, WordTokenizer):  # one model step from the session: the server's word search
-            found = word_suggestions(self.sessions.search_model, self.tokenizer, self.session, context, k=k,
+        words = word_level(self.tokenizer)
+        if words is not None:  # one model step from the session: the server's word search
+            found = word_suggestions(self.sessions.search_model, words, self.session, context, k=k,
                                      n_chars=0, max_chars=self.max_chars, sessions=self.sessions)
             return [" " + c.text if c.space_before else c.text for c in found.completions]
         data = context.encode("utf-8")
@@ -169,7 +170,7 @@ class ModelSuggester:
         self._cursor = (inputs, cursor)
         width = self.sessions.search_width(self.session, k)  # as a server session's
         found = suggest(self._forward, cursor, context, self.adapter, k=width, max_chars=self.max_chars, n_chars=0,
-                        tokenizer=self.tokenizer)
+                        tokenizer=byte_level(self.tokenizer))  # as the server's search reads it
         completions = self.sessions.rank(self.session, found.completions, context, k, self.max_chars, self.lexicon,
                                          found.space_share)
         return [" " + c.text if c.space_before else c.text for c in completions]  # as inserted (`Suggester`)
