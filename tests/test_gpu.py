@@ -3,7 +3,6 @@ machine). Each compares the device's figures with the CPU's on the same weights,
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,14 @@ from models.checkpoint import load_checkpoint
 from models.device import resolve_device
 from models.sampling import SamplingParams, generate
 from models.scoring import score_bytes
-from server.engine import Engine, EngineConfig
+from server.engine import Engine
+from tests._gpu import GPU, TEXT, observe, served
 from trainer.config import make_config
 from trainer.evaluation import config_for
 from trainer.train import train
 
-pytestmark = pytest.mark.gpu
+pytestmark = GPU
 
-TEXT = b"It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 4
 DATA = Path(__file__).resolve().parent / "data"
 
 
@@ -43,21 +42,14 @@ def test_scoring_and_sparse_evaluation_match_the_cpu(tiny_checkpoint: Path) -> N
 
 
 async def _observe(engine: Engine) -> tuple[float, float]:
-    session, _ = await engine.create_session(owner=None)
-    observed = await engine.score(TEXT, session_id=session.id, adapt=True)
+    _, observed = await observe(engine)
     static = await engine.score(TEXT)
-    return observed.bits, static.bits
+    return observed, static.bits
 
 
 def test_the_engine_serves_sessions_on_the_device(tiny_checkpoint: Path) -> None:
-    results = {}
-    for device in ("cpu", "cuda"):
-        engine = Engine(tiny_checkpoint, config=EngineConfig(device=device, precision="float32"))
-        engine.start()
-        try:
-            results[device] = asyncio.run(_observe(engine))
-        finally:
-            engine.stop()
+    results = {device: served(tiny_checkpoint, _observe, device=device, precision="float32")
+               for device in ("cpu", "cuda")}
     assert results["cuda"] == pytest.approx(results["cpu"], rel=1e-3)
 
 
@@ -83,11 +75,10 @@ CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 
 async def _session_figures(engine: Engine) -> tuple[float, float, list[tuple[str, float]], list[tuple[str, float]]]:
     """A keyboard user's session as served: two observes, then suggestions mid-word."""
-    session, _ = await engine.create_session(owner=None)
-    first = await engine.score(TEXT, session_id=session.id, adapt=True)
-    second = await engine.score(TEXT, session_id=session.id, adapt=True)  # the adapter and any copy model learned
-    found = await engine.suggest(session.id, None, "It is a tr", k=3)
-    return (first.bits, second.bits, [(c.text, c.prob) for c in found.completions],
+    session_id, first = await observe(engine)
+    second = await engine.score(TEXT, session_id=session_id, adapt=True)  # the adapter and any copy model learned
+    found = await engine.suggest(session_id, None, "It is a tr", k=3)
+    return (first, second.bits, [(c.text, c.prob) for c in found.completions],
             [(c.char, c.prob) for c in found.next_chars])
 
 
@@ -95,15 +86,8 @@ async def _session_figures(engine: Engine) -> tuple[float, float, list[tuple[str
 def test_the_shipped_checkpoints_sessions_on_the_device_match_the_cpu(name: str) -> None:
     # every shipped model's sessions as a server runs them on a GPU: the copy model (default), the word model's
     # tokens, the transformers' attention through the Triton kernels (when they passed their start-up check)
-    figures = {}
-    for device in ("cpu", "cuda"):
-        engine = Engine(CHECKPOINTS / name, config=EngineConfig(device=device, precision="float32",
-                                                                suggest_budget_ms=0))
-        engine.start()
-        try:
-            figures[device] = asyncio.run(_session_figures(engine))
-        finally:
-            engine.stop()
+    figures = {device: served(CHECKPOINTS / name, _session_figures, device=device, precision="float32",
+                              suggest_budget_ms=0) for device in ("cpu", "cuda")}
     (cpu_first, cpu_second, cpu_words, cpu_chars), (first, second, words, chars) = figures["cpu"], figures["cuda"]
     assert second < first  # it adapted on the device too
     # (the default's second observe is under a bit in all: the copy model has seen it; hence the absolute margin)

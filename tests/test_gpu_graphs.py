@@ -5,7 +5,6 @@ same bits with graphs on and off. The padding logic itself is tested on the CPU 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,10 @@ from models.base import Adapter, Output, State
 from models.checkpoint import load_checkpoint
 from models.mlstm import MLSTM
 from models.step_graphs import StepRunner
-from server.engine import Engine, EngineConfig
+from server.engine import Engine
+from tests._gpu import GPU, TEXT, observe, served
 
-pytestmark = pytest.mark.gpu
-
-TEXT = b"It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 4
+pytestmark = GPU
 
 
 @pytest.fixture(scope="module")
@@ -88,21 +86,13 @@ def test_replay_under_bf16_autocast(model: MLSTM) -> None:
 
 
 async def _observe(engine: Engine) -> tuple[float, float, float]:
-    session, _ = await engine.create_session(owner=None)
-    observed = await engine.score(TEXT, session_id=session.id, adapt=True)
-    suggested = await engine.suggest(session.id, None, "It is a tr")
+    session_id, observed = await observe(engine)
+    suggested = await engine.suggest(session_id, None, "It is a tr")
     assert suggested.completions
-    return observed.bits, (await engine.score(TEXT)).bits, suggested.completions[0].prob
+    return observed, (await engine.score(TEXT)).bits, suggested.completions[0].prob
 
 
 def test_the_engine_serves_the_same_with_graphs_on_and_off(tiny_checkpoint: Path) -> None:
-    results = {}
-    for mode in ("off", "on"):
-        engine = Engine(tiny_checkpoint, config=EngineConfig(device="cuda", precision="float32", cuda_graphs=mode,
-                                                             suggest_budget_ms=0))
-        engine.start()
-        try:
-            results[mode] = asyncio.run(_observe(engine))
-        finally:
-            engine.stop()
+    results = {mode: served(tiny_checkpoint, _observe, device="cuda", precision="float32", cuda_graphs=mode,
+                            suggest_budget_ms=0) for mode in ("off", "on")}
     assert results["on"] == pytest.approx(results["off"], rel=1e-4)
