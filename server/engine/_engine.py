@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,7 +204,6 @@ class Engine:
         if adapt and session_id is None:
             raise ValueError("adapting needs a session")
         if session_id is not None:
-            self.sessions.limits()
             session_id = await self._stored(session_id, owner)
         mode: Literal["static", "peek", "observe"] = "static" if session_id is None else (
             "observe" if adapt else "peek")
@@ -224,7 +223,6 @@ class Engine:
             raise ValueError(f"an idempotency key is {IDEMPOTENCY_KEY_PATTERN.pattern}")
         if not data:
             raise ValueError("empty text: nothing to score")
-        self.sessions.limits()
         session_id = await self._stored(session_id, owner)
         # the record it starts from is read in the session's turn on the worker, where the key is checked
         start = functools.partial(self.sessions.observing, session_id, owner, idempotency_key, data)
@@ -296,8 +294,7 @@ class Engine:
         if initial_text:
             scored: TextScore = await self._submit(Text(initial_text, "observe", session_id=session_id, owner=owner,
                                                         create=create, budget=self.budget()))
-            # the store may do I/O (Redis): off the event loop
-            return await asyncio.to_thread(self.sessions.get, session_id, owner, touch=False), scored
+            return await self.read_session(session_id, owner, touch=False), scored
         session: Session = await self._submit(Call(create, session_id=session_id, owner=owner))
         return session, None
 
@@ -319,11 +316,7 @@ class Engine:
 
     async def reset_session(self, session_id: str, owner: str | None) -> Session:
         """Back to the start (initial state, M = 0, no statistics), keeping its id, owner, config and TTL."""
-        self.sessions.limits()
-        session_id = await self._stored(session_id, owner)
-        reset = functools.partial(self.sessions.reset, session_id, owner)
-        result: Session = await self._submit(Call(reset, session_id=session_id, owner=owner))
-        return _shown(result)
+        return await self._in_turn(self.sessions.reset, session_id, owner)
 
     async def export_session(self, session_id: str, owner: str | None) -> bytes:
         """The session as a blob (`_export.export_session`), tagged with these weights' hash."""
@@ -333,20 +326,28 @@ class Engine:
         """Create or replace `session_id` from an exported blob; raises SessionImportError (`conflict` when it
         was exported from other weights). An id another owner's session holds is imported as onto a free one: to
         `owner`'s alias (`SessionService.load_export`)."""
-        self.sessions.limits()
-        session_id = await self._stored(session_id, owner)
-        load = functools.partial(self.sessions.load_export, session_id, owner, blob)
-        result: Session = await self._submit(Call(load, session_id=session_id, owner=owner))
-        return _shown(result)
+        return await self._in_turn(self.sessions.load_export, session_id, owner, blob)
 
     # -- submission and the worker -----------------------------------------------------------------
 
     async def _stored(self, session_id: str, owner: str | None) -> str:
-        """`SessionService.resolve`, off the event loop (the store may do I/O); nothing to read without an owner."""
+        """The id work that takes the session's turn is submitted with (SessionsUnavailable first, on a checkpoint
+        without sessions): `SessionService.resolve`, off the event loop (the store may do I/O); nothing to read
+        without an owner."""
+        self.sessions.limits()
         session_id = _named(session_id)
         if owner is None:
             return session_id
         return await asyncio.to_thread(self.sessions.resolve, session_id, owner)
+
+    async def _in_turn(self, operation: Callable[..., Session], session_id: str, owner: str | None,
+                       *args: Any) -> Session:
+        """`operation(stored id, owner, *args)` on the worker in the session's turn (a `SessionService` write);
+        the record it returns as its owner is shown it."""
+        session_id = await self._stored(session_id, owner)
+        result: Session = await self._submit(Call(functools.partial(operation, session_id, owner, *args),
+                                                  session_id=session_id, owner=owner))
+        return _shown(result)
 
     async def _submit(self, work: Work) -> Any:
         self._scheduler.put(work)
