@@ -11,9 +11,8 @@ import anyio
 import httpx
 
 from adaptlm_client import _calls
-from adaptlm_client._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Call
-from adaptlm_client._errors import error_from_response, error_from_transport
-from adaptlm_client._retry import DEFAULT_RETRY, RetryPolicy, parse_retry_after
+from adaptlm_client._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Attempts, Call
+from adaptlm_client._retry import DEFAULT_RETRY, RetryPolicy
 from adaptlm_client._streaming import AsyncGenerateStream
 from adaptlm_client.protocol import (
     GenerateResponse,
@@ -73,38 +72,18 @@ class AsyncClient:
 
     async def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """`Client._send`, awaited."""
-        request = call.request(self._http)
-        retries = 0
+        request, attempts = call.request(self._http), Attempts(call, self.retry)
         while True:
             try:
                 response = await self._http.send(request, stream=stream)
-                if not response.is_success:
-                    await response.aread()
-                    await response.aclose()
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing was sent: safe to send again
-                delay = self.retry.connect_delay(retries) if call.retry else None
-                if delay is None:
-                    raise error_from_transport(e) from None
-                retries += 1
-                await anyio.sleep(delay)
-                continue
+                if response.is_success:
+                    return response
+                await response.aread()
+                await response.aclose()
             except httpx.RequestError as e:
-                # sent, then broken or timed out: done or not, unknown; sent again only under an idempotency key
-                delay = self.retry.connect_delay(retries) if call.retry and call.idempotency_key else None
-                if delay is None:
-                    raise error_from_transport(e) from None
-                retries += 1
-                await anyio.sleep(delay)
+                await anyio.sleep(attempts.after_transport_error(e))
                 continue
-            if response.is_success:
-                return response
-            retry_after = parse_retry_after(response.headers.get("Retry-After"))
-            error = error_from_response(response, retry_after)
-            delay = self.retry.delay(retries, response.status_code, retry_after, error.code) if call.retry else None
-            if delay is None:
-                raise error
-            retries += 1
-            await anyio.sleep(delay)
+            await anyio.sleep(attempts.after_refusal(response))
 
     async def _request(self, call: Call[T]) -> T:
         return call.parse(await self._send(call))

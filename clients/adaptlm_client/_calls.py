@@ -1,5 +1,6 @@
-"""What the two clients share, without I/O: each endpoint's request and how its answer is read, the headers,
-and the server-sent-event decoder. `Client` and `AsyncClient` only send these and sleep between retries.
+"""What the two clients share, without I/O: each endpoint's request and how its answer is read, the headers, a
+call's retries (`Attempts`) and the server-sent-event decoder. `Client` and `AsyncClient` only send these and sleep
+between retries.
 
 Request bodies are plain dicts of the arguments given (None is left out, so the server's defaults apply);
 they are not validated here: the server is the one judge, and its 422 names the field (`param`).
@@ -19,7 +20,8 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from adaptlm_client._errors import AdaptlmError, error_from_body
+from adaptlm_client._errors import AdaptlmError, error_from_body, error_from_response, error_from_transport
+from adaptlm_client._retry import RetryPolicy, parse_retry_after
 from adaptlm_client.protocol import (
     GenerateChunk,
     GenerateDone,
@@ -34,8 +36,8 @@ from adaptlm_client.protocol import (
 )
 
 __all__ = [
-    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "IDEMPOTENCY_HEADER", "SESSION_HEADER", "STATE_MEDIA_TYPE", "Call",
-    "SSEDecoder", "base_url",
+    "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "IDEMPOTENCY_HEADER", "SESSION_HEADER", "STATE_MEDIA_TYPE", "Attempts",
+    "Call", "SSEDecoder", "base_url",
     "create_session", "delete_session", "export_state", "generate", "generate_stream", "get_session", "headers",
     "health", "import_state", "models", "observe", "parse_generate_event", "ready", "reset_session", "score",
     "suggest",
@@ -111,6 +113,39 @@ class Call(Generic[T]):
         if self.idempotency_key is not None:
             extra[IDEMPOTENCY_HEADER] = self.idempotency_key
         return http.build_request(self.method, self.path, content=content, headers=extra or None)
+
+
+class Attempts:
+    """One call's tries, without I/O: after each failure, how long to wait before sending its request again, or the
+    error to raise instead (what is retried: `RetryPolicy`). Each client's send loop asks it after every failure."""
+
+    def __init__(self, call: Call[Any], policy: RetryPolicy) -> None:
+        self._call = call
+        self._policy = policy
+        self._retries = 0
+
+    def after_transport_error(self, exc: httpx.RequestError) -> float:
+        """Seconds to wait before sending again after `exc` (no answer came); else its `AdaptlmError`, raised."""
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):  # nothing was sent: safe to send again
+            again = self._call.retry
+        else:  # sent, then broken or timed out: done or not, unknown; sent again only under an idempotency key
+            again = self._call.retry and bool(self._call.idempotency_key)
+        delay = self._policy.connect_delay(self._retries) if again else None
+        if delay is None:
+            raise error_from_transport(exc) from None
+        self._retries += 1
+        return delay
+
+    def after_refusal(self, response: httpx.Response) -> float:
+        """Seconds to wait before sending again after an error answer (its body read); else its error, raised."""
+        retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        error = error_from_response(response, retry_after)
+        delay = (self._policy.delay(self._retries, response.status_code, retry_after, error.code)
+                 if self._call.retry else None)
+        if delay is None:
+            raise error
+        self._retries += 1
+        return delay
 
 
 def _json_bytes(body: Mapping[str, Any]) -> bytes:

@@ -10,9 +10,8 @@ from typing import Any, Self, TypeVar
 import httpx
 
 from adaptlm_client import _calls
-from adaptlm_client._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Call
-from adaptlm_client._errors import error_from_response, error_from_transport
-from adaptlm_client._retry import DEFAULT_RETRY, RetryPolicy, parse_retry_after
+from adaptlm_client._calls import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, Attempts, Call
+from adaptlm_client._retry import DEFAULT_RETRY, RetryPolicy
 from adaptlm_client._streaming import GenerateStream
 from adaptlm_client.protocol import (
     GenerateResponse,
@@ -78,38 +77,18 @@ class Client:
 
     def _send(self, call: Call[Any], *, stream: bool = False) -> httpx.Response:
         """The successful response to `call`, after the retries its refusals allow; else its error, raised."""
-        request = call.request(self._http)
-        retries = 0
+        request, attempts = call.request(self._http), Attempts(call, self.retry)
         while True:
             try:
                 response = self._http.send(request, stream=stream)
-                if not response.is_success:
-                    response.read()
-                    response.close()
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing was sent: safe to send again
-                delay = self.retry.connect_delay(retries) if call.retry else None
-                if delay is None:
-                    raise error_from_transport(e) from None
-                retries += 1
-                time.sleep(delay)
-                continue
+                if response.is_success:
+                    return response
+                response.read()
+                response.close()
             except httpx.RequestError as e:
-                # sent, then broken or timed out: done or not, unknown; sent again only under an idempotency key
-                delay = self.retry.connect_delay(retries) if call.retry and call.idempotency_key else None
-                if delay is None:
-                    raise error_from_transport(e) from None
-                retries += 1
-                time.sleep(delay)
+                time.sleep(attempts.after_transport_error(e))
                 continue
-            if response.is_success:
-                return response
-            retry_after = parse_retry_after(response.headers.get("Retry-After"))
-            error = error_from_response(response, retry_after)
-            delay = self.retry.delay(retries, response.status_code, retry_after, error.code) if call.retry else None
-            if delay is None:
-                raise error
-            retries += 1
-            time.sleep(delay)
+            time.sleep(attempts.after_refusal(response))
 
     def _request(self, call: Call[T]) -> T:
         return call.parse(self._send(call))
