@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Iterator
 from types import TracebackType
-from typing import Self
+from typing import NoReturn, Self
 
 import httpx
 
@@ -19,11 +19,16 @@ _CUT = "the stream ended before its last event (the connection closed early)"
 
 
 class _StreamState:
-    """What both streams keep: the text so far and the final event."""
+    """What both streams keep (the text so far, the final event, the answer being read) and how they read it, without
+    I/O: each stream's loop hands it the answer's lines, yields the chunks it gives back, and has it raise what went
+    wrong."""
 
     def __init__(self) -> None:
         self._parts: list[str] = []
         self._result: GenerateDone | None = None
+        self._decoder = SSEDecoder()
+        self._response: httpx.Response | None = None
+        self._closed = False
 
     @property
     def text(self) -> str:
@@ -49,6 +54,24 @@ class _StreamState:
         self._parts.append(event.text)
         return event.text
 
+    def _read(self, line: str | None) -> str | None:
+        """The text of the event that `line` completes (None: the answer has ended), if it is a chunk."""
+        data = self._decoder.feed(line) if line is not None else self._decoder.flush()
+        return self._take(data) if data is not None else None
+
+    def _finish(self) -> None:
+        """The answer has ended (its last chunk, if any, yielded): it must have ended with the final event."""
+        if not self.done:
+            raise AdaptlmError(_CUT)
+
+    @staticmethod
+    def _failed(exc: AdaptlmError | httpx.RequestError, response: httpx.Response) -> NoReturn:
+        """`exc`, raised from a stream's reading as the SDK's error."""
+        if isinstance(exc, AdaptlmError):  # an error event, or a cut stream: the answer's ID, for the server's log
+            exc.request_id = exc.request_id or response.headers.get("X-Request-ID")
+            raise exc
+        raise error_from_transport(exc) from None
+
 
 class GenerateStream(_StreamState):
     """A generation as it happens (`Client.generate_stream`): iterate for the text chunks; afterwards `result`
@@ -68,33 +91,22 @@ class GenerateStream(_StreamState):
     def __init__(self, open_stream: Callable[[], httpx.Response]) -> None:
         super().__init__()
         self._open_stream = open_stream
-        self._response: httpx.Response | None = None
         self._chunks: Generator[str, None, None] | None = None
-        self._closed = False
 
     def _iterate(self) -> Generator[str, None, None]:
         if self._response is None:
             self._response = self._open_stream()
-        decoder = SSEDecoder()
         try:
             for line in self._response.iter_lines():
-                data = decoder.feed(line)
-                chunk = self._take(data) if data is not None else None
-                if chunk:
+                if chunk := self._read(line):
                     yield chunk
                 if self.done:
                     return
-            data = decoder.flush()
-            chunk = self._take(data) if data is not None else None
-            if chunk:
+            if chunk := self._read(None):
                 yield chunk
-            if not self.done:
-                raise AdaptlmError(_CUT)
-        except AdaptlmError as e:  # an error event, or a cut stream: the answer's ID, for the server's log
-            e.request_id = e.request_id or self._response.headers.get("X-Request-ID")
-            raise
-        except httpx.RequestError as e:
-            raise error_from_transport(e) from None
+            self._finish()
+        except (AdaptlmError, httpx.RequestError) as e:
+            self._failed(e, self._response)
         finally:
             self._response.close()
 
@@ -138,33 +150,22 @@ class AsyncGenerateStream(_StreamState):
     def __init__(self, open_stream: Callable[[], Awaitable[httpx.Response]]) -> None:
         super().__init__()
         self._open_stream = open_stream
-        self._response: httpx.Response | None = None
         self._chunks: AsyncGenerator[str, None] | None = None
-        self._closed = False
 
     async def _iterate(self) -> AsyncGenerator[str, None]:
         if self._response is None:
             self._response = await self._open_stream()
-        decoder = SSEDecoder()
         try:
             async for line in self._response.aiter_lines():
-                data = decoder.feed(line)
-                chunk = self._take(data) if data is not None else None
-                if chunk:
+                if chunk := self._read(line):
                     yield chunk
                 if self.done:
                     return
-            data = decoder.flush()
-            chunk = self._take(data) if data is not None else None
-            if chunk:
+            if chunk := self._read(None):
                 yield chunk
-            if not self.done:
-                raise AdaptlmError(_CUT)
-        except AdaptlmError as e:  # an error event, or a cut stream: the answer's ID, for the server's log
-            e.request_id = e.request_id or self._response.headers.get("X-Request-ID")
-            raise
-        except httpx.RequestError as e:
-            raise error_from_transport(e) from None
+            self._finish()
+        except (AdaptlmError, httpx.RequestError) as e:
+            self._failed(e, self._response)
         finally:
             await self._response.aclose()
 
