@@ -17,7 +17,7 @@ from models.adaptation import Row, TextJob, UpdateRule, batch_step
 from models.adaptation._config import DynEvalConfig
 from models.adaptation._head_memory import HeadMemory
 from models.memory import Learned, Memory
-from models.sampling import SamplingParams, Stepper
+from models.sampling import SamplingParams, Stepper, draw_next, filter_logits
 from tests.models.conftest import tiny_mlstm
 
 SEGMENT = 8
@@ -161,3 +161,15 @@ def test_a_decode_step_reads_its_sequences_tokens_back_together(monkeypatch: pyt
         got.append([s.take(t, d).token for s, t, d in zip(together, tokens, drawn, strict=True)])
         Stepper.feed_many(together, got[-1])
     assert got == expected
+
+
+def test_a_drawn_token_is_the_one_multinomial_draws() -> None:
+    """`draw_next` draws as torch.multinomial(p, 1) does (argmax of p / Exp(1) noise), without its read back: the
+    same tokens from the same generator state, sampled and filtered distributions alike."""
+    for seed in range(40):
+        logits = torch.randn(256, generator=torch.Generator().manual_seed(1000 + seed)) * 3
+        for params in (SamplingParams(), SamplingParams(temperature=0.7, top_k=20), SamplingParams(top_p=0.5)):
+            ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            weights = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), -1)
+            assert [int(draw_next(logits, params, ours)) for _ in range(4)] == \
+                [int(torch.multinomial(weights, 1, generator=theirs)) for _ in range(4)]
