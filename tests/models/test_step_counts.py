@@ -96,8 +96,7 @@ def test_the_counts_stay_on_the_device_until_read(monkeypatch: pytest.MonkeyPatc
     model = tiny_mlstm()
     memory = Stepping([(1, 0, 0), (0, 1, 1)])
     text = b"nothing to read back until the end " * 2
-    rows = [Row(model.init_state(1), memories={"stepping": None}), Row(model.init_state(1), memories={"stepping": None}),
-            Row(model.init_state(1))]
+    rows = [*(Row(model.init_state(1), memories={"stepping": None}) for _ in range(2)), Row(model.init_state(1))]
     job = _job(model, text, rows)
     steps = 0
     with host_reads(monkeypatch) as reads:
