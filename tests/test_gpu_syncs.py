@@ -4,7 +4,8 @@ the host cannot queue the next work meanwhile; torch reports each one in its syn
 
 What must wait, and is counted as such: the divergence guard's read of which rows' scores are usable, in a step with
 an adapter M (a row of M may be reset and its segment redone, which the host must know to set up the next step), and
-a decode step's tokens (they are decoded and streamed), one read for all its sequences. The steps run on the shipped
+a decode step's tokens (they are decoded and streamed), one read for all its sequences. A text's start sends its tokens to the device
+without waiting either. The steps run on the shipped
 default model with its head memory and the sessions' slots, as the server runs them; the copy model and the neural
 cache are off here (their GPU paths are the PyTorch references of CPU kernels, with reads per token)."""
 
@@ -69,13 +70,13 @@ def _observed(sessions: SessionModel, asked: dict[str, dict[str, object] | None]
 
 
 def _observe_steps(sessions: SessionModel, session: Session, slots: SessionSlots) -> tuple[int, list[str], int]:
-    """The steps of a second observe of TEXT on the slot: (steps, where they waited, updates counted)."""
+    """The start and steps of a second observe of TEXT on the slot: (steps, where they waited, updates counted)."""
     slots.commit(session.id, "r1")
-    resident = slots.acquire(dataclasses.replace(session, revision="r1"))  # a hit: the slot's own rows
-    assert resident is not None
-    text = sessions.start(resident, TEXT, "observe", resident=True)
     steps = 0
     with syncs() as waited:
+        resident = slots.acquire(dataclasses.replace(session, revision="r1"))  # a hit: the slot's own rows
+        assert resident is not None
+        text = sessions.start(resident, TEXT, "observe", resident=True)  # its tokens go to the device unwaited
         while not text.job.done:
             sessions.step([text.job])
             steps += 1
@@ -103,8 +104,8 @@ def test_a_scoring_step_waits_for_nothing(sessions: SessionModel) -> None:
     warm = sessions.start(None, TEXT, "static")
     while not warm.job.done:
         sessions.step([warm.job])
-    text = sessions.start(None, TEXT, "static")
     with syncs() as waited:
+        text = sessions.start(None, TEXT, "static")
         while not text.job.done:
             sessions.step([text.job])
     assert waited == [], waited
