@@ -4,10 +4,10 @@ the host cannot queue the next work meanwhile; torch reports each one in its syn
 
 What must wait, and is counted as such: the divergence guard's read of which rows' scores are usable, in a step with
 an adapter M (a row of M may be reset and its segment redone, which the host must know to set up the next step), and
-a decode step's tokens (they are decoded and streamed), one read for all its sequences. A text's start sends its tokens to the device
-without waiting either. The steps run on the shipped
-default model with its head memory and the sessions' slots, as the server runs them; the copy model and the neural
-cache are off here (their GPU paths are the PyTorch references of CPU kernels, with reads per token)."""
+a decode step's tokens (they are decoded and streamed), one read for all its sequences. A text's start sends its
+tokens to the device without waiting either. The steps run on the shipped default model with its head memory and the
+sessions' slots, as the server runs them; the copy model and the neural cache are off here (their GPU paths are the
+PyTorch references of CPU kernels, with reads per token)."""
 
 from __future__ import annotations
 
