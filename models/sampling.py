@@ -200,7 +200,7 @@ class Stepper:
         # the end of the prompt that token healing held back (`prefill`), less what sampled tokens have covered
         self._held = b""
         unknown = self.tokenizer.unknown  # never sampled
-        self._unknown = torch.tensor(unknown, dtype=torch.long, device=self.device) if unknown else None
+        self._unknown = _on(self.device, unknown) if unknown else None
 
     @property
     def _state(self) -> State:
@@ -241,7 +241,7 @@ class Stepper:
         ids = self.tokenizer.encode_tensor(prompt, self.device)  # (T,) the prompt as written
         _, held = self.tokenizer.heal(prompt)
         n = ids.numel() - len(self.tokenizer.encode(held)) if held else ids.numel()  # the tokens read
-        context = torch.cat([ids.new_tensor([self._last_token]), ids[:n]])  # (n+1,) the token before, then those
+        context = torch.cat([_on(self.device, [self._last_token]), ids[:n]])  # (n+1,) the token before, then those
         scored = TopLogprobs() if logprobs is not None else None
         state = self._state
         for start in range(0, context.numel(), chunk):
