@@ -23,6 +23,7 @@ import torch
 from models.checkpoint import load_checkpoint
 from models.sampling import SamplingParams, Stepper
 from models.session import Session, SessionModel
+from models.step_graphs import install_step_runner
 from server.engine._slots import SessionSlots
 
 pytestmark = pytest.mark.gpu
@@ -48,9 +49,12 @@ def syncs() -> Iterator[list[str]]:
     found += [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
-@pytest.fixture(scope="module")
-def sessions() -> SessionModel:
+@pytest.fixture(scope="module", params=["off", "auto"])
+def sessions(request: pytest.FixtureRequest) -> SessionModel:
+    """The default checkpoint's sessions on the device, its mLSTM's inference steps as the engine runs them
+    (ADAPTLM_CUDA_GRAPHS: "auto", replayed CUDA graphs of bucketed shapes; "off", the model's own path)."""
     ckpt = load_checkpoint(DEFAULT, device="cuda")
+    install_step_runner(ckpt.model, request.param)
     model = SessionModel.of(ckpt)
     assert "head" in model.memories
     return model
