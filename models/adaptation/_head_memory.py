@@ -169,7 +169,7 @@ class HeadMemory(Memory):
             # the divergence guard: a row whose segment scores unusably under a nonzero D starts again from zero
             bad = ~usable_rows(lp, lengths)  # (B,)
             # on a CPU the second pass only when a row is bad; on a GPU always (no read back from the device a step)
-            cpu = old.device.type == "cpu"
+            cpu = _reads_back(old.device)
             if not cpu or bool(bad.any()):
                 bad &= (old.reshape(B, -1) != 0).any(1)
                 old = torch.where(bad.view(B, 1, 1), torch.zeros_like(old), old)
@@ -271,6 +271,12 @@ class HeadMemory(Memory):
                     shift = h[rows] @ views[s].t()  # (b, T, V)
                     out[rows] = torch.log_softmax(base[rows] + shift, -1)
         return out.to(torch.promote_types(log_dist.dtype, torch.float32)), None
+
+
+def _reads_back(device: torch.device) -> bool:
+    """`learn` reads a step's rates and flags back to the host to choose its passes: on a CPU, where that costs
+    nothing and spares passes, not on a GPU, where it would wait for the device."""
+    return device.type == "cpu"
 
 
 def _runs(rows_of: list[int]) -> list[tuple[int, int, int]] | None:

@@ -15,7 +15,8 @@ import torch
 
 from models.adaptation import Row, TextJob, UpdateRule, batch_step
 from models.adaptation._config import DynEvalConfig
-from models.adaptation._head_memory import HeadMemory
+from models.adaptation._head_memory import STATE_DTYPE, HeadMemory
+from models.base import State
 from models.memory import Learned, Memory
 from models.sampling import SamplingParams, Stepper, draw_next, filter_logits
 from tests.models.conftest import tiny_mlstm
@@ -133,6 +134,41 @@ def test_the_head_step_from_the_rows_rates_is_the_rules_step() -> None:
     old, grad = torch.randn(len(rates), V, H), torch.randn(len(rates), V, H)
     rules = [memory.rule(lr, decay) for lr, decay in rates.tolist()]
     assert torch.equal(memory._step_rates(rates, old, grad), memory._step(rules, old, grad))
+
+
+def test_the_heads_step_without_reads_is_the_one_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head memory's `learn` as on a GPU (no read back: every row's rule from its rates on the device, the reset's
+    second pass always) gives what it gives with the CPU's reads, bit for bit: a reset row (a delta that makes the
+    scores non-finite), a refused one (a rate that overflows the step), padding, and rows of three rates."""
+    from models.adaptation import _head_memory
+    from tests.models.test_head_memory import _memory, _model
+
+    model = _model()
+    memory = _memory(model)
+    B, T = 5, 12
+    g = torch.Generator().manual_seed(3)
+    inputs = torch.randint(0, 256, (B, T), generator=g)
+    targets = torch.randint(0, 256, (B, T), generator=g)
+    mask = torch.arange(T).unsqueeze(0) < torch.tensor([T, T, 7, T, 3]).unsqueeze(1)  # (B, T) padded rows
+    out = model(inputs, model.init_state(B))
+    assert out.hidden is not None
+    log_dist = torch.log_softmax(out.logits, -1).detach()
+    hidden = out.hidden.detach()
+    shape = (1, *model.head.v.shape)
+    deltas = [torch.zeros(shape), torch.full(shape, 0.01), torch.full(shape, math.nan), torch.zeros(shape),
+              torch.full(shape, -0.02)]
+    rates = [(0.02, 0.0), (0.01, 1e-3), (0.02, 0.0), (1e308, 0.0), (0.01, 0.5)]
+    states = [State({"delta": d.to(STATE_DTYPE), "rate": torch.tensor([r], dtype=torch.float64)})
+              for d, r in zip(deltas, rates, strict=True)]
+    with_reads = memory.learn(log_dist, inputs, targets, mask, hidden, states)
+    monkeypatch.setattr(_head_memory, "_reads_back", lambda device: False)
+    without = memory.learn(log_dist, inputs, targets, mask, hidden, states)
+    assert with_reads.steps is not None and without.steps is not None
+    assert with_reads.steps[:, 1:].tolist() == [[0, 0], [0, 0], [0, 1], [1, 0], [0, 0]]  # reset; refused
+    assert torch.equal(with_reads.steps, without.steps)
+    assert torch.equal(with_reads.log_dist, without.log_dist)
+    for a, b in zip(with_reads.states, without.states, strict=True):
+        assert torch.equal(a.tensors["delta"], b.tensors["delta"])
 
 
 def test_a_decode_step_reads_its_sequences_tokens_back_together(monkeypatch: pytest.MonkeyPatch) -> None:
