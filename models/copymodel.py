@@ -334,6 +334,7 @@ class CopyModel:
                      self._bucket_of.numpy(), self._logtab)
             return out, ctx, ctxlen
         B = inputs.shape[0]
+        index = index.to(log_net.device, non_blocking=True)
         alone = (index < 0) | (st["fill"][index.clamp(min=0)] == 0)  # (B,) no copy model, or it has read nothing
         index = index.clamp(min=0)
         hist = st["hist"]  # (S, W), read through index

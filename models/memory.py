@@ -81,7 +81,8 @@ class Learned(NamedTuple):
     log_dist: torch.Tensor  # (B, T, V) log p of the mixture
     states: list[Any]  # each row's state after its segment
     # (B, 3) integers, per row: weight updates applied, updates the non-finite guard refused, resets by the
-    # divergence guard (a session's `updates` and `nonfinite_resets` count them); None: it takes no weight steps
+    # divergence guard (a session's `updates` and `nonfinite_resets` count them; they stay where they are made until
+    # the counts are read, `Row.updates`); None: it takes no weight steps
     steps: torch.Tensor | None = None
 
 
@@ -169,7 +170,8 @@ class Memory:
     def read(self, log_dist: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor | None,
              branch: State | None, views: Sequence[Any], index: torch.Tensor) -> tuple[torch.Tensor, State | None]:
         """Mix without learning: row b reads `views[index[b]]` (-1: none, the row keeps log_dist). log_dist
-        (B, T, V) float32, tokens (B, T) -> (log p (B, T, V), the rows' branch states after the tokens)."""
+        (B, T, V) float32, tokens (B, T), index (B,) on the host or the device -> (log p (B, T, V), the rows' branch
+        states after the tokens)."""
         raise NotImplementedError
 
     def warm_up(self, device: torch.device) -> None:
@@ -368,8 +370,9 @@ class MemoryMixed(LanguageModel):
             if memory.name not in given:
                 continue
             views, index = given[memory.name]
+            # as given (on the host from `Adapter.with_sessions`): a memory that reads it on the host (which views to
+            # mix) does not wait for the device, one that needs it there moves it
             index = torch.zeros(B, dtype=torch.long) if index is None else index
-            index = index.to(tokens.device, non_blocking=True)
             if memory.needs_hidden and out.hidden is None:
                 raise ValueError(f"the {memory.name} memory needs the model's hidden states (Output.hidden)")
             log_dist, branch = memory.read(log_dist, tokens, out.hidden, branches.get(memory.name), views, index)

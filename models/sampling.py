@@ -75,10 +75,19 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: (V,) -> one token id."""
+    return int(draw_next(logits, params, generator))
+
+
+def draw_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """`sample_next`'s token as a 0-d tensor where the logits are: not read back yet (a GPU does not wait for it)."""
     if params.temperature == 0:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     weights = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
-    return int(torch.multinomial(weights, 1, generator=generator))
+    # torch.multinomial's draw of one sample, argmax of p / q with q ~ Exp(1) from `generator` (the same token for the
+    # same generator: tests/models/test_step_counts.py), without its check that p holds no inf, NaN nor negative
+    # entry, which reads the check's result back from the device (these weights are a softmax's)
+    q = torch.empty_like(weights).exponential_(1, generator=generator)
+    return torch.argmax(weights / q)
 
 
 @dataclass
@@ -191,7 +200,7 @@ class Stepper:
         # the end of the prompt that token healing held back (`prefill`), less what sampled tokens have covered
         self._held = b""
         unknown = self.tokenizer.unknown  # never sampled
-        self._unknown = torch.tensor(unknown, dtype=torch.long, device=self.device) if unknown else None
+        self._unknown = _on(self.device, unknown) if unknown else None
 
     @property
     def _state(self) -> State:
@@ -232,7 +241,7 @@ class Stepper:
         ids = self.tokenizer.encode_tensor(prompt, self.device)  # (T,) the prompt as written
         _, held = self.tokenizer.heal(prompt)
         n = ids.numel() - len(self.tokenizer.encode(held)) if held else ids.numel()  # the tokens read
-        context = torch.cat([ids.new_tensor([self._last_token]), ids[:n]])  # (n+1,) the token before, then those
+        context = torch.cat([_on(self.device, [self._last_token]), ids[:n]])  # (n+1,) the token before, then those
         scored = TopLogprobs() if logprobs is not None else None
         state = self._state
         for start in range(0, context.numel(), chunk):
@@ -265,6 +274,14 @@ class Stepper:
     @torch.no_grad()
     def sample(self) -> Step:
         """Sample the next byte from the held logits and decode it; no model call."""
+        drawn = self.draw()
+        return self.take(int(drawn[0]), drawn)
+
+    @torch.no_grad()
+    def draw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample`'s first half: the next token as a 0-d tensor where the logits are (not read back: a server reads
+        the tokens of all its sequences together, one wait for the device, and hands each to `take`), and the logits
+        it was drawn from. Each sequence draws from its own generator: the tokens do not depend on the grouping."""
         if self._logits is None:
             raise RuntimeError("prefill before sampling")
         if self.finish_reason is not None:
@@ -272,12 +289,17 @@ class Stepper:
         logits = held_logits = self._logits  # (V,)
         held = self._held
         if held:  # only the tokens that continue the held-back text as typed
-            allowed = self.tokenizer.continuing(held).to(self.device)  # (n,)
+            allowed = self.tokenizer.continuing(held).to(self.device, non_blocking=True)  # (n,)
             held_logits = torch.full_like(logits, -math.inf).index_copy_(0, allowed, logits[allowed])  # (V,)
         weights = held_logits
         if self._unknown is not None:  # never write the unknown word; renormalised by the sampling's softmax
             weights = weights.index_fill(0, self._unknown, -math.inf)  # (V,)
-        token = sample_next(weights, self.params, self._generator)
+        return draw_next(weights, self.params, self._generator), held_logits
+
+    def take(self, token: int, drawn: tuple[torch.Tensor, torch.Tensor]) -> Step:
+        """`sample`'s second half: the token `draw` drew (read back: `token`) decoded; no model call."""
+        held_logits = drawn[1]
+        held = self._held
         data = self.tokenizer.token_bytes(token)
         self._held = held[len(data):]  # b"" once a token covers it (or was never held)
         data = data[len(held):]  # past the held text (b"" for a token that covers a start of it)
@@ -294,7 +316,7 @@ class Stepper:
     @torch.no_grad()
     def feed(self, token: int) -> None:
         """One model step on `token`: the logits of the byte after it."""
-        out = self.model(torch.tensor([[token]], device=self.device), self._state, self.adapter)  # (1, 1, V)
+        out = self.model(_on(self.device, [token]).unsqueeze(0), self._state, self.adapter)  # (1, 1, V)
         self._state, self._logits = out.state, self.model.log_probs(out)[0, -1]
 
     @staticmethod
@@ -319,7 +341,7 @@ class Stepper:
         else:
             state = State.stack([s._state for s in steppers])
         adapter = Adapter.stack_padded([s.adapter for s in steppers])
-        x = torch.tensor(list(tokens), device=steppers[0].device).unsqueeze(1)  # (B, 1)
+        x = _on(steppers[0].device, tokens).unsqueeze(1)  # (B, 1)
         out = model(x, state, adapter)  # logits (B, 1, V)
         lps = model.log_probs(out)  # (B, 1, V)
         for b, s in enumerate(steppers):
@@ -331,6 +353,11 @@ class Stepper:
         if self.finish_reason is None:
             self.feed(step.token)
         return step
+
+
+def _on(device: torch.device, tokens: Sequence[int]) -> torch.Tensor:
+    """Host token ids (B,) on `device` without waiting for its queue (a blocking copy to a GPU waits for it)."""
+    return torch.tensor(list(tokens)).to(device, non_blocking=True)
 
 
 def generate(model: LanguageModel, prompt: bytes, params: SamplingParams, *, state: State | None = None,

@@ -60,7 +60,8 @@ class ByteTokenizer(StreamMixin):
             data = data.encode("utf-8")
         if not data:
             return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device).long()  # (T,)
+        # (a copy to a GPU that does not wait for its queue: the bytes are staged before it returns)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device, non_blocking=True).long()  # (T,)
 
     def last_token(self, data: bytes) -> int:
         """The token a stream continues from after `data` (non-empty)."""

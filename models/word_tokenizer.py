@@ -188,7 +188,7 @@ class WordTokenizer(StreamMixin):
         return [ids.get(t, _SPACE_UNK_ID if _spaced_body(t) else _UNK_ID) for t in self.tokens(data)]
 
     def encode_tensor(self, data: str | bytes, device: torch.device | str = "cpu") -> torch.Tensor:
-        return torch.tensor(self.encode(data), dtype=torch.long, device=device)  # (T,)
+        return torch.tensor(self.encode(data), dtype=torch.long).to(device, non_blocking=True)  # (T,)
 
     def last_token(self, data: bytes) -> int:
         """The token a stream continues from after `data` (non-empty): the last token of `data` as it stands (a

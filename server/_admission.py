@@ -12,8 +12,10 @@ their 429. The protocol (server/_http_protocol.py) now reads the request line of
 (`Admission.answer`: the one error shape, Retry-After, its X-Request-ID) and the connection closed, its head never
 parsed. An admitted request's head is parsed at the event loop's next turn, so that the requests that arrived with
 it are all admitted or refused first; its task, once made, lets the loop turn once more before its work runs (the
-bytes read meanwhile reach the door first). The place is held until the request's task ends, and the task knows it
-holds one (`HELD`), so that `AdmissionMiddleware` does not take a second. A request the protocol could not read at
+bytes read meanwhile reach the door first). The place is held until the request's task ends, given back by the
+task's done-callback (so whether it was answered, failed, was cancelled before it ran, or went to uvicorn's own 503
+past `limit_concurrency`, and whatever context it runs in), and its scope says it holds one (PLACE_KEY), so that
+`AdmissionMiddleware` does not take a second. A request the protocol could not read at
 once (its head split across packets, one pipelined behind another, a browser's under CORS, whose answer needs the CORS
 middleware's headers, or a server without this protocol, as a TestClient) takes its place in `AdmissionMiddleware`.
 
@@ -37,7 +39,7 @@ from server.errors import error_response, from_engine_error, raw_error_answer
 from server.metrics import UNMATCHED, Metrics
 from server.request_id import HEADER
 
-__all__ = ["HELD", "STATE_KEY", "Admission", "AdmissionMiddleware", "Door", "SharedDoor", "shared_places",
+__all__ = ["HELD", "PLACE_KEY", "STATE_KEY", "Admission", "AdmissionMiddleware", "Door", "SharedDoor", "shared_places",
            "WorkRequest", "work_request"]
 
 WORK_METHODS = frozenset({"POST", "PUT"})  # under /v1/: scores, generations, session work and imports
@@ -115,7 +117,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# In a request's task, the door where the protocol took the request's place (AdmissionMiddleware gives it back)
+# The scope key where the protocol leaves the door of a request whose place it took; the request's task gives the
+# place back when it ends (its done-callback: `ErrorShapeProtocol._hand_over`), whatever runs in it
+PLACE_KEY = "adaptlm.admission.place"
+# In a request's task below AdmissionMiddleware, the door holding the request's place
 HELD: ContextVar[Door | None] = ContextVar("adaptlm_admission_held", default=None)
 
 
@@ -173,7 +178,8 @@ class AdmissionMiddleware(HTTPMiddleware):
         self.admission = admission
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        door = HELD.get()  # the place the protocol took for it
+        door: Door | None = scope.get(PLACE_KEY)  # the place the protocol took for it (its task gives it back)
+        ours = door is None
         if door is None:
             if scope["method"] not in WORK_METHODS or not scope["path"].startswith("/v1/"):
                 await self.app(scope, receive, send)
@@ -183,10 +189,13 @@ class AdmissionMiddleware(HTTPMiddleware):
                 self.admission.metrics.observe_refusal("queue_full")  # the request itself is MetricsMiddleware's
                 await error_response(from_engine_error(self.admission.refusal()))(scope, receive, send)
                 return
+        token = HELD.set(door)
         try:
             # The event loop turns once before the work runs: the bytes of the requests that arrived with this one
             # (read after this task was made) reach the door, and the refused get their answer, first.
             await asyncio.sleep(0)
             await self.app(scope, receive, send)
         finally:
-            door.leave()
+            HELD.reset(token)
+            if ours:
+                door.leave()

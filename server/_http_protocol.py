@@ -25,12 +25,12 @@ import asyncio
 import collections
 import logging
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server._admission import HELD, STATE_KEY, Admission, Door, WorkRequest, work_request
+from server._admission import PLACE_KEY, STATE_KEY, Admission, Door, WorkRequest, work_request
 from server.errors import APIError, BadRequestError, raw_error_answer
 from server.request_id import HEADER, REQUEST_ID, request_id_for
 
@@ -154,14 +154,22 @@ class ErrorShapeProtocol(H11Protocol):
         if self._place is None:
             super().data_received(data)
             return
-        cycle = self.cycle
-        token = HELD.set(self._place)  # the request's task, made in here, holds the place
-        try:
-            super().data_received(data)
-        finally:
-            HELD.reset(token)
-        if self.cycle is not cycle:  # its task is made: the task gives the place back
-            self._place = None
+        cycle, tasks = self.cycle, set(self.tasks)
+        super().data_received(data)
+        if self.cycle is not cycle and self._place is not None:  # its task is made: it holds the place
+            self._hand_over(self._place, [task for task in self.tasks if task not in tasks])
+
+    def _hand_over(self, door: Door, made: list[asyncio.Task[None]]) -> None:
+        """The request's task, just made, holds its place until it ends, however it ends (answered, failed, cancelled
+        before it ran, or run by uvicorn's own 503 app past `limit_concurrency`, which no middleware of ours sees):
+        the place is given back by the task's done-callback, which needs nothing of the task's context (uvicorn's
+        `reset_contextvars` runs it in an empty one). Its scope says so (PLACE_KEY), for AdmissionMiddleware."""
+        self._place = None
+        if len(made) != 1:  # not the one task uvicorn makes a request: a place never given back would shrink the door
+            door.leave()
+            return
+        cast(dict[str, Any], self.cycle.scope)[PLACE_KEY] = door  # (read when the task first runs, after this)
+        made[0].add_done_callback(lambda _: door.leave())
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         """The connection goes to uvicorn's WebSocket protocol, whose `connection_lost` gives back no place: no task of
@@ -171,13 +179,10 @@ class ErrorShapeProtocol(H11Protocol):
             self._place = None
         super().handle_websocket_upgrade(event)
 
-    def on_response_complete(self) -> None:
-        # uvicorn makes the task of a request pipelined behind this one here, in this one's task: it holds no place
-        token = HELD.set(None)
-        try:
-            super().on_response_complete()
-        finally:
-            HELD.reset(token)
+    def _unsupported_upgrade_warning(self) -> None:
+        """An Upgrade uvicorn does not take (the server serves no WebSocket: `ws="none"`, `server.app.uvicorn_options`)
+        is served as the HTTP/1.1 request it also is; not a warning, nor a line a client could flood the log with."""
+        log.debug("an upgrade to %r not taken: served as HTTP/1.1", self._get_upgrade())
 
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown closes a connection with no request under way: an admitted request whose head

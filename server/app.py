@@ -64,8 +64,11 @@ def _version() -> str:
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """What a uvicorn serving this app is given besides the app, host, port and logging."""
-    return {"timeout_keep_alive": settings.keep_alive_s, "http": head_deadline_protocol(settings.client_timeout_s)}
+    """What a uvicorn serving this app is given besides the app, host, port and logging. The app has no WebSocket
+    route: `ws="none"` serves a request asking for an upgrade as the HTTP/1.1 request it also is (through the door
+    and the middlewares), instead of handing its connection to a WebSocket protocol that only refuses it."""
+    return {"timeout_keep_alive": settings.keep_alive_s, "http": head_deadline_protocol(settings.client_timeout_s),
+            "ws": "none"}
 
 
 class _Server(uvicorn.Server):

@@ -214,7 +214,8 @@ class CacheMemory(Memory):
                 continue
             rows = [b for b in range(B) if rows_of[b] == s]
             part = read_memory(log_dist[rows], hidden[rows], views[s], self.config)
-            mixed = mixed.index_copy(0, torch.tensor(rows, device=log_dist.device), part) if len(rows) < B else part
+            mixed = mixed.index_copy(0, torch.tensor(rows).to(log_dist.device, non_blocking=True), part) \
+                if len(rows) < B else part
         return mixed, None
 
 

@@ -75,6 +75,7 @@ class HeadMemory(Memory):
         self.ms_v = ms_v.to(ref.device, self.dtype)  # (V, H)
         self.eps, self.default = eps, default
         self._rules: dict[tuple[float, float], UpdateRule] = {}
+        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None  # (`_rms_parts`)
 
     @classmethod
     def build(cls, ckpt: Checkpoint) -> HeadMemory | None:
@@ -167,22 +168,27 @@ class HeadMemory(Memory):
             lp = out.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * m  # (B, T), 0 on padding
             # the divergence guard: a row whose segment scores unusably under a nonzero D starts again from zero
             bad = ~usable_rows(lp, lengths)  # (B,)
-            if bool(bad.any()):
+            # on a CPU the second pass only when a row is bad; on a GPU always (no read back from the device a step)
+            cpu = _reads_back(old.device)
+            if not cpu or bool(bad.any()):
                 bad &= (old.reshape(B, -1) != 0).any(1)
                 old = torch.where(bad.view(B, 1, 1), torch.zeros_like(old), old)
                 out, saved = self._tilt(base, h, old)
             # sum over rows of each row's mean segment loss: row b's gradient is its own segment's (as `sparse_step`)
             weight = m / lengths.clamp(min=1).to(m.dtype).unsqueeze(1)  # (B, T)
             grad = self._gradient(out, targets, weight, h, saved)
-            rates = torch.cat([s.tensors["rate"] for s in states]).tolist()  # (B, 2): each row's (lr, decay)
-            new = self._step([self.rule(lr, decay) for lr, decay in rates], old, grad)
+            rates = torch.cat([s.tensors["rate"] for s in states])  # (B, 2): each row's (lr, decay)
+            if cpu:  # the rows of each rule in one pass, with the rule's (V, H) coefficients
+                new = self._step([self.rule(lr, decay) for lr, decay in rates.tolist()], old, grad)
+            else:  # each row's coefficients made on the device from its rates (no read back of them)
+                new = self._step_rates(rates, old, grad)
             # a row with no tokens, or whose update would be non-finite, keeps its D; on a CPU the where() (a pass
             # over every row's delta) only when a row is refused, on a GPU always (cheaper than the host
             # synchronisation)
             scored = lengths > 0
             finite = finite_rows([new], B)  # (B,)
             take = scored & finite
-            if old.device.type != "cpu" or not bool(take.all()):
+            if not cpu or not bool(take.all()):
                 new = torch.where(take.view(B, 1, 1), new, old)
             stored = new.to(STATE_DTYPE)
             # per row: the update applied, refused as non-finite, D reset by the divergence guard (`bad` is all
@@ -192,6 +198,28 @@ class HeadMemory(Memory):
         # each row's state a view of the batch's (a session's record owns a copy: `SessionModel.observed`)
         return Learned(result, [State({"delta": stored[j : j + 1], "rate": s.tensors["rate"]})
                                 for j, s in enumerate(states)], steps)
+
+    def _step_rates(self, rates: torch.Tensor, old: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """`_step` with each row's rule made from its rates (B, 2) (lr, decay) where they are: the same arithmetic as
+        `UpdateRule` (thesis eq. 4.5-4.7), its coefficients (B, V, H) instead of one (V, H) per rule."""
+        B = old.shape[0]
+        lr, lam = rates[:, 0], rates[:, 1]  # (B,) float64, as a rule's Python floats
+        inv, norm = self._rms_parts()
+        scale = inv * lr.to(inv.dtype).view(B, 1, 1)  # eq. 4.5: eta / (sqrt(MS_g) + eps)
+        # eq. 4.6-4.7: lambda * RMSnorm, RMSnorm clipped to <= 1/lambda (1/0 = inf, and a subnormal lambda's past the
+        # dtype's range: nothing clipped; a lambda of 0 gives no decay)
+        cap = (1.0 / lam).to(norm.dtype).view(B, 1, 1)
+        decay = lam.to(norm.dtype).view(B, 1, 1) * torch.minimum(norm, cap)
+        return torch.addcmul(old, scale, grad, value=-1.0).addcmul_(decay, old, value=-1.0)
+
+    def _rms_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """1 / (sqrt(MS_g) + eps) and RMSnorm before its clip, (V, H) each, as `UpdateRule` computes them."""
+        if self._parts is None:
+            rms = self.ms_v.sqrt()
+            total = float(rms.double().sum())  # (once, at the first step)
+            mean = total / rms.numel() if total > 0 else 1.0
+            self._parts = ((rms + self.eps).reciprocal(), rms / mean)  # `lr / t` is `t.reciprocal() * lr` in torch
+        return self._parts
 
     def _step(self, rules: Sequence[UpdateRule], old: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """One rule step of every row, each with its own rule: the rows of one rule in one pass."""
@@ -236,12 +264,19 @@ class HeadMemory(Memory):
             else:
                 out = base.clone()
                 for s in sorted(set(rows_of) - {-1}):  # the rows of each session, one product
-                    rows = torch.tensor([b for b, r in enumerate(rows_of) if r == s], device=log_dist.device)
+                    rows = torch.tensor([b for b, r in enumerate(rows_of) if r == s]).to(log_dist.device,
+                                                                                          non_blocking=True)
                     # the logits change from W h to W' h (the bias is the shipped one); a row of no session (-1)
                     # keeps its distribution
                     shift = h[rows] @ views[s].t()  # (b, T, V)
                     out[rows] = torch.log_softmax(base[rows] + shift, -1)
         return out.to(torch.promote_types(log_dist.dtype, torch.float32)), None
+
+
+def _reads_back(device: torch.device) -> bool:
+    """`learn` reads a step's rates and flags back to the host to choose its passes: on a CPU, where that costs
+    nothing and spares passes, not on a GPU, where it would wait for the device."""
+    return device.type == "cpu"
 
 
 def _runs(rows_of: list[int]) -> list[tuple[int, int, int]] | None:

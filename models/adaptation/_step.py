@@ -42,6 +42,7 @@ __all__ = ["DIVERGED_BITS", "STATIC_SEGMENT", "Row", "RuleCache", "TextJob", "ba
 
 STATIC_SEGMENT = 1024  # rows that only score take no steps: long segments, fewer calls
 DIVERGED_BITS = 64.0  # mean bits per token over a segment beyond which an adapter counts as diverged
+_FOLD = 64  # a row's step counts kept apart on the device before they are summed into one
 
 
 @dataclass(eq=False)
@@ -55,14 +56,43 @@ class Row:
     # `batch_step`'s `memories`; each learns from the segment
     memories: dict[str, Any] = field(default_factory=dict)
     logprobs: list[torch.Tensor] = field(default_factory=list)  # (t,) per segment, natural log
-    # weight steps of M and of the distribution memories that take any (`Learned.steps`), one each a segment
-    updates: int = 0
-    dropped: int = 0  # updates the non-finite guard refused
-    resets: int = 0  # times M (or a memory's weights) was reset to 0 because the scores under it diverged
     # its state, M and memories' tensors are its own storage (rows of resident tables, module docstring): when its
     # job is done, the step writes its results into them in place, and the row's tensors are those again
     resident: bool = False
     home: tuple[State, dict[str, torch.Tensor] | None, dict[str, Any]] | None = None  # a resident row's own, meanwhile
+    # [updates, dropped, resets] as far as the host knows them, and the (3,) int64 counts of the steps since, still
+    # on the device (M's update applied or refused, the memories' `Learned.steps`): read back when a count is read,
+    # not once a step (on a GPU every read back waits for the device)
+    _counts: list[int] = field(default_factory=lambda: [0, 0, 0], repr=False)
+    _on_device: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    # weight steps of M and of the distribution memories that take any (`Learned.steps`), one each a segment
+    @property
+    def updates(self) -> int:
+        return self._read()[0]
+
+    @property
+    def dropped(self) -> int:
+        """Updates the non-finite guard refused."""
+        return self._read()[1]
+
+    @property
+    def resets(self) -> int:
+        """Times M (or a memory's weights) was reset to 0 because the scores under it diverged."""
+        return self._read()[2]
+
+    def _read(self) -> list[int]:
+        if self._on_device:
+            pending = self._on_device[0] if len(self._on_device) == 1 else torch.stack(self._on_device).sum(0)
+            self._counts = [a + b for a, b in zip(self._counts, pending.tolist(), strict=True)]
+            self._on_device = []
+        return self._counts
+
+    def _count(self, counts: torch.Tensor) -> None:
+        """Add a step's (3,) counts, on the device; folded into one tensor now and then (a long text's steps)."""
+        self._on_device.append(counts)
+        if len(self._on_device) >= _FOLD:
+            self._on_device = [torch.stack(self._on_device).sum(0)]
 
     def total_logprob(self) -> float:
         return float(torch.cat(self.logprobs).double().sum()) if self.logprobs else 0.0
@@ -257,9 +287,19 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
         for j, i in enumerate(keep):
             new_state[i] = scored.state.select(j)
         keep_dist(keep, scored.log_dist, scored.hidden)
-    # the guard's one read back from the device a step: per row, are its scores usable, and was its update refused?
-    usable_t = usable_rows(logprobs, length_t)  # (B,)
-    usable, failed = torch.stack([usable_t, failed_t]).tolist()
+    # The guard's read back from the device, the one a step takes: per row, are its scores usable? (A row that is
+    # not has its segment redone, which the host must know to set up the next step.) Only a row with an adapter M is
+    # reset for it, so a batch without one (static scores, shadows, sessions without M) reads nothing back.
+    usable: list[bool] = usable_rows(logprobs, length_t).tolist() if any(row.mats is not None for row in rows) \
+        else [True] * len(rows)
+    # what the guard did, per row: [update applied, refused, reset] of M and of the memories; kept on the device
+    # and read when a row's counts are read (`Row.updates`), not here
+    counts_t = torch.zeros(len(rows), 3, dtype=torch.int64, device=ref.device)  # (B, 3)
+    counting = [row.rule is not None and row.mats is not None for row in rows]
+    if learn:
+        adapting = _to([int(c) for c in counting], ref.device).bool()  # (B,)
+        counts_t[:, 0] = adapting & ~failed_t
+        counts_t[:, 1] = adapting & failed_t
     # each memory's rows mixed in one call, memory after memory (their new states are kept only where the segment
     # stands, below)
     dists = {i: d for i, (d, _) in cached.items()}  # batch row -> (1, n, V) its distribution so far
@@ -283,13 +323,11 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             learned.setdefault(i, {})[name] = after[j]
         if steps is not None:
             stepped.append((mine_rows, steps))
-    # the memories' weight steps, counted with M's (one read back for all of them)
-    counted: dict[int, list[int]] = {}  # batch row -> [applied, refused, reset]
-    if stepped:
-        values = iter(torch.cat([s for _, s in stepped]).tolist())
-        for mine_rows, _ in stepped:
-            for i in mine_rows:
-                counted[i] = [a + b for a, b in zip(counted.get(i, [0, 0, 0]), next(values), strict=True)]
+    # the memories' weight steps, counted with M's
+    for mine_rows, steps in stepped:
+        counts_t.index_add_(0, _to(mine_rows, ref.device), steps.to(counts_t.device, torch.int64))
+        for i in mine_rows:
+            counting[i] = True
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []  # resident rows' (own tensor, its new value)
     b = 0
     for job in jobs:
@@ -301,7 +339,7 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             for row in broken:
                 assert row.mats is not None
                 row.mats = {s: torch.zeros_like(m) for s, m in row.mats.items()}
-                row.resets += 1
+                row._counts[2] += 1
             continue
         for i, row in zip(mine, job.rows, strict=True):
             t = lengths[i]
@@ -309,16 +347,11 @@ def batch_step(model: LanguageModel, jobs: Sequence[TextJob], segment: int, rule
             if i in learned:
                 lp = dists[i][0, :t].gather(-1, y[i, :t].unsqueeze(-1))[:, 0].to(logprobs.dtype)
                 row.memories = {**row.memories, **learned[i]}
-            if i in counted:
-                applied, refused, reset = counted[i]
-                row.updates, row.dropped, row.resets = row.updates + applied, row.dropped + refused, row.resets + reset
+            if counting[i]:
+                row._count(counts_t[i])
             row.logprobs.append(lp)
             row.state = new_state[i]
             if row.rule is not None and row.mats is not None:
-                if failed[i]:
-                    row.dropped += 1
-                else:
-                    row.updates += 1
                 j = learned_row[i]
                 row.mats = {s: new_mats[s][j, : row.mats[s].shape[0], : row.mats[s].shape[1]] for s in sites}
         job.pos += lengths[mine.start]

@@ -268,12 +268,18 @@ class GenerationJob(Work):
         """Every sequence is finished (after `start` and the prompt's reading)."""
         return not self._steppers and self._prefill is None
 
-    def sample(self, stats: EngineStats) -> list[tuple[Stepper, int]]:
-        """Sample one token of every unfinished sequence (no model call) and send its events; -> the sequences
+    def draw(self) -> list[tuple[int, Stepper, tuple[torch.Tensor, torch.Tensor]]]:
+        """Draw one token of every unfinished sequence, on the device (`Stepper.draw`): -> (sequence, its stepper,
+        what it drew), for `sample` once the tokens of all jobs are read back together."""
+        return [(i, stepper, stepper.draw()) for i, stepper in list(self._steppers.items())]
+
+    def sample(self, stats: EngineStats, drawn: list[tuple[int, Stepper, tuple[torch.Tensor, torch.Tensor]]],
+               tokens: list[int]) -> list[tuple[Stepper, int]]:
+        """Take the tokens `draw` drew (`tokens`, read back) and send their events; no model call. -> the sequences
         that go on, with their token, for the engine to feed (`Stepper.feed_many`, all jobs in one forward)."""
         feeds = []
-        for i, stepper in list(self._steppers.items()):
-            step = stepper.sample()
+        for (i, stepper, one), token in zip(drawn, tokens, strict=True):
+            step = stepper.take(token, one)
             now = time.perf_counter()
             self._first_token.setdefault(i, now)
             stats.generated_tokens += 1
@@ -284,7 +290,7 @@ class GenerationJob(Work):
                 self.generated += step.text.encode("utf-8")
             logprob = None
             if self._logprobs is not None:
-                target = torch.tensor([step.token], device=step.logits.device)  # (1,)
+                target = torch.tensor([step.token]).to(step.logits.device, non_blocking=True)  # (1,)
                 scored = top_logprobs(step.logits.unsqueeze(0), target, self._logprobs)
                 logprob = TokenLogprob(scored.logprobs[0], tuple(scored.top[0]))
             self._send(Token(i, step.token, step.text, step.offset, logprob, now, step.held))
@@ -345,12 +351,25 @@ class GenerationExecutor:
         running: list[GenerationJob] = []
         feeds: list[tuple[GenerationJob, Stepper, int]] = []
         began = time.perf_counter()
+        drawn = []
         for job in self._jobs:
             if stop_if_asked(job, self._stats):
                 self.finish(job)
                 continue
             try:
-                feeds += [(job, stepper, token) for stepper, token in job.sample(self._stats)]
+                drawn.append((job, job.draw()))
+            except Exception as e:
+                job.fail(e)
+                self.finish(job)
+        # every sequence's token read back from the device at once: the decode step's one wait for it (the tokens
+        # must reach the host, to be decoded and streamed)
+        tokens: list[int] = torch.stack([d[0] for _, mine in drawn for _, _, d in mine]).tolist() \
+            if any(mine for _, mine in drawn) else []
+        at = 0
+        for job, mine in drawn:
+            own, at = tokens[at : at + len(mine)], at + len(mine)
+            try:
+                feeds += [(job, stepper, token) for stepper, token in job.sample(self._stats, mine, own)]
             except Exception as e:
                 job.fail(e)
                 self.finish(job)
