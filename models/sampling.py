@@ -74,20 +74,35 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: (V,) -> one token id."""
-    return int(draw_next(logits, params, generator))
+    """logits: (V,) -> one token id. ValueError where the logits hold no distribution (`draw_next`)."""
+    return drawn_token(int(draw_next(logits, params, generator)))
 
 
 def draw_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """`sample_next`'s token as a 0-d tensor where the logits are: not read back yet (a GPU does not wait for it)."""
+    """`sample_next`'s token as a 0-d tensor where the logits are: not read back yet (a GPU does not wait for it).
+    -1 where the logits hold no distribution to draw from (a NaN, a +inf, no finite entry): `drawn_token` refuses it
+    once read back, so the check costs no read of its own."""
     if params.temperature == 0:
-        return torch.argmax(logits)
-    weights = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
-    # torch.multinomial's draw of one sample, argmax of p / q with q ~ Exp(1) from `generator` (the same token for the
-    # same generator: tests/models/test_step_counts.py), without its check that p holds no inf, NaN nor negative
-    # entry, which reads the check's result back from the device (these weights are a softmax's)
-    q = torch.empty_like(weights).exponential_(1, generator=generator)
-    return torch.argmax(weights / q)
+        token = torch.argmax(logits)  # a NaN's index where there is one
+        ok = torch.isfinite(logits.take(token))
+    else:
+        weights = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+        # torch.multinomial's draw of one sample, argmax of p / q with q ~ Exp(1) from `generator` (the same token for
+        # the same generator: tests/models/test_step_counts.py), without its check of p, which reads the check's
+        # result back from the device. These weights are a softmax's: invalid only as NaNs (from a NaN or +inf logit,
+        # or none finite), one of which is then the argmax, so the token's own weight tells
+        q = torch.empty_like(weights).exponential_(1, generator=generator)
+        token = torch.argmax(weights / q)
+        ok = weights.take(token) > 0
+    return torch.where(ok, token, -1)
+
+
+def drawn_token(token: int) -> int:
+    """A token `draw_next` drew, read back: ValueError for its -1, the logits' lack of any distribution."""
+    if token < 0:
+        raise ValueError("no token to sample: the model's next-token distribution is not finite (NaN or infinite "
+                         "logits)")
+    return token
 
 
 @dataclass
@@ -297,7 +312,9 @@ class Stepper:
         return draw_next(weights, self.params, self._generator), held_logits
 
     def take(self, token: int, drawn: tuple[torch.Tensor, torch.Tensor]) -> Step:
-        """`sample`'s second half: the token `draw` drew (read back: `token`) decoded; no model call."""
+        """`sample`'s second half: the token `draw` drew (read back: `token`) decoded; no model call. ValueError for a
+    token drawn from no distribution (`draw_next`)."""
+        token = drawn_token(token)
         held_logits = drawn[1]
         held = self._held
         data = self.tokenizer.token_bytes(token)

@@ -12,10 +12,12 @@ their 429. The protocol (server/_http_protocol.py) now reads the request line of
 (`Admission.answer`: the one error shape, Retry-After, its X-Request-ID) and the connection closed, its head never
 parsed. An admitted request's head is parsed at the event loop's next turn, so that the requests that arrived with
 it are all admitted or refused first; its task, once made, lets the loop turn once more before its work runs (the
-bytes read meanwhile reach the door first). The place is held until the request's task ends, given back by the
-task's done-callback (so whether it was answered, failed, was cancelled before it ran, or went to uvicorn's own 503
-past `limit_concurrency`, and whatever context it runs in), and its scope says it holds one (PLACE_KEY), so that
-`AdmissionMiddleware` does not take a second. A request the protocol could not read at
+bytes read meanwhile reach the door first). The place is held until the request's work ends, and its scope says it
+holds one (PLACE_KEY: a `Place`), so that `AdmissionMiddleware` does not take a second. It is given back once,
+whichever comes first: by `AdmissionMiddleware` when the app's call returns (before the first step of the task of a
+request pipelined behind it, made when its answer ended), or by the task's done-callback (so also where the task
+failed, was cancelled before it ran, or went to uvicorn's own 503 past `limit_concurrency`, whatever context it runs
+in). A request the protocol could not read at
 once (its head split across packets, one pipelined behind another, a browser's under CORS, whose answer needs the CORS
 middleware's headers, or a server without this protocol, as a TestClient) takes its place in `AdmissionMiddleware`.
 
@@ -39,8 +41,8 @@ from server.errors import error_response, from_engine_error, raw_error_answer
 from server.metrics import UNMATCHED, Metrics
 from server.request_id import HEADER
 
-__all__ = ["HELD", "PLACE_KEY", "STATE_KEY", "Admission", "AdmissionMiddleware", "Door", "SharedDoor", "shared_places",
-           "WorkRequest", "work_request"]
+__all__ = ["HELD", "PLACE_KEY", "STATE_KEY", "Admission", "AdmissionMiddleware", "Door", "Place", "SharedDoor",
+           "shared_places", "WorkRequest", "work_request"]
 
 WORK_METHODS = frozenset({"POST", "PUT"})  # under /v1/: scores, generations, session work and imports
 STATE_KEY = "adaptlm.admission"  # the app's Admission in the lifespan state, where the server's protocol finds it
@@ -117,11 +119,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# The scope key where the protocol leaves the door of a request whose place it took; the request's task gives the
-# place back when it ends (its done-callback: `ErrorShapeProtocol._hand_over`), whatever runs in it
+# The scope key where the protocol leaves the `Place` it took for a request (`ErrorShapeProtocol._hand_over`)
 PLACE_KEY = "adaptlm.admission.place"
 # In a request's task below AdmissionMiddleware, the door holding the request's place
 HELD: ContextVar[Door | None] = ContextVar("adaptlm_admission_held", default=None)
+
+
+class Place:
+    """A place the protocol took at a door for a request, given back once though two may give it back (module
+    docstring): AdmissionMiddleware when the request's work ends, the task's done-callback when the task does."""
+
+    def __init__(self, door: Door) -> None:
+        self.door, self._held = door, True
+
+    def leave(self) -> None:
+        if self._held:
+            self._held = False
+            self.door.leave()
 
 
 class WorkRequest(NamedTuple):
@@ -178,8 +192,8 @@ class AdmissionMiddleware(HTTPMiddleware):
         self.admission = admission
 
     async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        door: Door | None = scope.get(PLACE_KEY)  # the place the protocol took for it (its task gives it back)
-        ours = door is None
+        place: Place | None = scope.get(PLACE_KEY)  # the place the protocol took for it
+        door = place.door if place is not None else None
         if door is None:
             if scope["method"] not in WORK_METHODS or not scope["path"].startswith("/v1/"):
                 await self.app(scope, receive, send)
@@ -197,5 +211,9 @@ class AdmissionMiddleware(HTTPMiddleware):
             await self.app(scope, receive, send)
         finally:
             HELD.reset(token)
-            if ours:
+            # now, not when the task ends: a request pipelined behind this one, whose task was made when this
+            # answer ended, takes its place at its first step, which comes before this task's done-callback
+            if place is not None:
+                place.leave()
+            else:
                 door.leave()

@@ -30,7 +30,7 @@ from typing import Any, cast
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server._admission import PLACE_KEY, STATE_KEY, Admission, Door, WorkRequest, work_request
+from server._admission import PLACE_KEY, STATE_KEY, Admission, Door, Place, WorkRequest, work_request
 from server.errors import APIError, BadRequestError, raw_error_answer
 from server.request_id import HEADER, REQUEST_ID, request_id_for
 
@@ -160,16 +160,18 @@ class ErrorShapeProtocol(H11Protocol):
             self._hand_over(self._place, [task for task in self.tasks if task not in tasks])
 
     def _hand_over(self, door: Door, made: list[asyncio.Task[None]]) -> None:
-        """The request's task, just made, holds its place until it ends, however it ends (answered, failed, cancelled
-        before it ran, or run by uvicorn's own 503 app past `limit_concurrency`, which no middleware of ours sees):
-        the place is given back by the task's done-callback, which needs nothing of the task's context (uvicorn's
-        `reset_contextvars` runs it in an empty one). Its scope says so (PLACE_KEY), for AdmissionMiddleware."""
+        """The request's task, just made, holds its place until its work ends (AdmissionMiddleware gives it back) or
+        the task ends, however it ends (answered, failed, cancelled before it ran, or run by uvicorn's own 503 app
+        past `limit_concurrency`, which no middleware of ours sees): its done-callback gives it back, if still held,
+        needing nothing of the task's context (uvicorn's `reset_contextvars` runs it in an empty one). Its scope
+        holds the `Place` (PLACE_KEY), for AdmissionMiddleware."""
         self._place = None
         if len(made) != 1:  # not the one task uvicorn makes a request: a place never given back would shrink the door
             door.leave()
             return
-        cast(dict[str, Any], self.cycle.scope)[PLACE_KEY] = door  # (read when the task first runs, after this)
-        made[0].add_done_callback(lambda _: door.leave())
+        place = Place(door)
+        cast(dict[str, Any], self.cycle.scope)[PLACE_KEY] = place  # (read when the task first runs, after this)
+        made[0].add_done_callback(lambda _: place.leave())
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         """The connection goes to uvicorn's WebSocket protocol, whose `connection_lost` gives back no place: no task of

@@ -18,7 +18,7 @@ from models.adaptation._config import DynEvalConfig
 from models.adaptation._head_memory import STATE_DTYPE, HeadMemory
 from models.base import State
 from models.memory import Learned, Memory
-from models.sampling import SamplingParams, Stepper, draw_next, filter_logits
+from models.sampling import SamplingParams, Stepper, draw_next, filter_logits, sample_next
 from tests.models.conftest import tiny_mlstm
 
 SEGMENT = 8
@@ -208,3 +208,35 @@ def test_a_drawn_token_is_the_one_multinomial_draws() -> None:
             weights = torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), -1)
             assert [int(draw_next(logits, params, ours)) for _ in range(4)] == \
                 [int(torch.multinomial(weights, 1, generator=theirs)) for _ in range(4)]
+
+
+def test_a_distribution_with_no_token_to_draw_is_an_error_not_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits with a NaN, a +inf or no finite entry hold no distribution: sampling raises (torch.multinomial's check
+    did), greedy decoding too, rather than emit the argmax of NaNs (token 0, or the NaN's index) as text. The check
+    rides in the drawn token, read back with it: `draw` still reads nothing back."""
+    nan, inf = math.nan, math.inf
+    bad = [torch.full((8,), nan), torch.full((8,), -inf), torch.tensor([0.0, -1.0, nan, -2.0]),
+           torch.tensor([-1.0, inf, -2.0, -3.0])]
+    for logits in bad:
+        for params in (SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=2),
+                       SamplingParams(top_p=0.5)):
+            with pytest.raises(ValueError, match="no token to sample"):
+                sample_next(logits, params, torch.Generator().manual_seed(0))
+    assert sample_next(torch.tensor([-inf, -1.0, -inf]), SamplingParams(), None) == 1  # -inf entries are fine
+    assert sample_next(torch.tensor([-inf, -1.0, -inf]), SamplingParams(temperature=0), None) == 1
+
+    # a sequence whose model gives NaN logits (a diverged state): its sample fails, as the engine's draw then take
+    model = tiny_mlstm()
+    model.eval()
+    stepper = Stepper(model, SamplingParams(max_tokens=5, seed=0))
+    stepper.prefill(b"abc")
+    assert stepper._logits is not None
+    stepper._logits = torch.full_like(stepper._logits, nan)
+    with pytest.raises(ValueError, match="no token to sample"):
+        stepper.sample()
+    with host_reads(monkeypatch) as reads:
+        drawn = stepper.draw()
+        assert reads == []
+    with pytest.raises(ValueError, match="no token to sample"):
+        stepper.take(int(drawn[0]), drawn)
+    assert stepper.tokens == 0

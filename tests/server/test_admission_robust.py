@@ -126,6 +126,39 @@ def test_a_task_in_a_fresh_context_holds_its_place_once() -> None:
     asyncio.run(main())
 
 
+def test_a_request_pipelined_behind_an_admitted_one_finds_its_place_given_back() -> None:
+    """A request pipelined behind an admitted one gets its task when that one's answer ends (uvicorn's
+    `on_response_complete`, in the admitted task), and takes its place in AdmissionMiddleware at its first step: the
+    admitted one's place is given back by then, as its work is done (not one turn later, in its task's
+    done-callback), else at a door of one every pipelined request would be refused, and at a full door one would."""
+    async def main() -> None:
+        door = Door(1)
+        server, task, port = await _served(door)
+        try:
+            for n in range(2):
+                answer = await asyncio.to_thread(_ask_many, port, _score(f"a{n}") + _score(f"b{n}"), 2)
+                assert answer.count(b"HTTP/1.1 200 ") == 2 and b" 429 " not in answer, answer[:600]
+                await _settled(door, server)
+                assert door.inside == 0
+        finally:
+            server.should_exit = True
+            await task
+
+    asyncio.run(main())
+
+
+def _ask_many(port: int, data: bytes, answers: int) -> bytes:
+    """Requests pipelined on one connection; the answers, read until `answers` of them are in (or the server closes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        answer = b""
+        while answer.count(b"HTTP/1.1 ") < answers or not answer.endswith((b"ok", b"}")):
+            if not (chunk := sock.recv(65536)):
+                break
+            answer += chunk
+        return answer
+
+
 class _Transport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
