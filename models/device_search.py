@@ -161,6 +161,7 @@ class _Slot:
     k: int
     adapter: Adapter | None
     cut: bool = False
+    dropped: bool = False  # its caller wants no answer
 
 
 class DeviceSearches:
@@ -367,6 +368,13 @@ class DeviceSearches:
                 s.cut = True
                 self.cut_flag[slot] = True
 
+    def drop(self, tag: Any) -> None:
+        """Stop the search of `tag` without an answer (its slot is free once the host learns it has ended)."""
+        self.cut(tag)
+        for s in self._slots.values():
+            if s.tag is tag:
+                s.dropped = True
+
     @property
     def running(self) -> int:
         """Searches whose end the host has not learnt yet."""
@@ -504,6 +512,9 @@ class DeviceSearches:
         for i, slot in enumerate(slots):
             row = payload[i].tolist()
             s = self._slots.pop(slot)
+            self._free.append(slot)
+            if s.dropped:
+                continue
             comp_lp, comp_node = row[:K], [int(v) for v in row[K:2 * K]]
             o = 2 * K
             cur_lp, cur_node = row[o:o + C], [int(v) for v in row[o + C:o + 2 * C]]
@@ -543,7 +554,6 @@ class DeviceSearches:
                 next_cursors[data(node)] = Cursor(self.model.settle(state), self.lp_buf[slot, node].clone())
             out.append((s.tag, Finished(s.prefix, completions, expansions, calls, exact, share, overflow,
                                         self.classes, next_cursors)))
-            self._free.append(slot)
         return out
 
     def clear(self) -> None:
