@@ -286,7 +286,9 @@ class DeviceSearches:
             buf[at, 0] = rows.to(buf.dtype)
         lp = torch.stack([c.logprobs.to(d, torch.float64) for _, c, *_ in searches])  # (n, V)
         self.lp_buf[at, 0] = lp.float()
-        for name, fill in (("node_lp", -math.inf), ("node_one", False), ("comp_lp", -math.inf), ("done", False),
+        # a slot is used again: nothing of its last search may stay (its pool above all, merged into below)
+        for name, fill in (("pool_lp", -math.inf), ("node_lp", -math.inf), ("node_one", False),
+                           ("comp_lp", -math.inf), ("done", False),
                            ("out_of_nodes", False), ("cut_flag", False), ("dropped", -math.inf)):
             getattr(self, name)[at] = fill
         self.node_lp[at, 0] = 0.0

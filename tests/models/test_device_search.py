@@ -33,9 +33,9 @@ def _host(model: LanguageModel, context: str, **kw: Any) -> Suggestions:
 
 
 def _device(model: LanguageModel, contexts: list[str], *, k: int = 5, max_chars: int = 24,
-            **kw: Any) -> tuple[dict[str, Finished], DeviceSearches]:
+            searches: DeviceSearches | None = None, **kw: Any) -> tuple[dict[str, Finished], DeviceSearches]:
     """Every context's search at once -> their outcomes by context, and the searches (for their counters)."""
-    searches = DeviceSearches(model, **kw)
+    searches = searches or DeviceSearches(model, **kw)
     searches.add([(c, _cursor(model, c), split_word(c)[1], k, max_chars, takes_space(c), None) for c in contexts])
     got: dict[str, Finished] = {}
     while searches.running:
@@ -78,6 +78,10 @@ def test_the_device_search_is_the_host_search(which: str, request: pytest.Fixtur
     assert got["Hi,"].space_share > 0
     if which == "shipped":  # after a mark, the words after a space too (the tiny model is not sure of the space)
         assert any(c.space_before for c in got["Hi,"].completions)
+    # the slots used again (16 searches where 10 were) answer the same
+    again, _ = _device(model, [*CONTEXTS[::-1], *(c + " " for c in CONTEXTS[:6])], searches=searches)
+    for c in CONTEXTS:
+        _same(hosts[c], again[c], rel=1e-5)
     # a batch of one: the same answer as in the batch of all
     alone, _ = _device(model, ["she said th"])
     one, of_all = alone["she said th"].completions, got["she said th"].completions
