@@ -220,3 +220,15 @@ def test_no_read_a_round_but_the_done_flags(tiny: LanguageModel) -> None:
     assert searches.reads == searches.rounds + searches.result_reads
     assert flag_bytes <= searches.rounds * len(CONTEXTS)
     assert searches.result_reads <= searches.rounds  # at most one read of results a round, for all that ended
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_host_s_answers() -> None:
+    """On a CUDA device (the done flags through pinned memory and an event, read a round late): the CPU host search's
+    completions, every search certified (`pytest -m gpu` on a GPU machine)."""
+    cpu = load_checkpoint(DEFAULT_CHECKPOINT).model
+    gpu = load_checkpoint(DEFAULT_CHECKPOINT).model.to("cuda")
+    got, searches = _device(gpu, CONTEXTS)
+    for c in CONTEXTS:
+        _same(_host(cpu, c, k=5), got[c], rel=1e-4)
+    assert searches.result_reads < searches.rounds and searches.overflows == 0
