@@ -44,7 +44,8 @@ class Path_:
     rounds: SuggestRounds
     cpu_s: float = 0.0
     model_rounds: int = 0
-    rows: int = 0
+    rows: int = 0  # model rows: the contexts' feeding and the search's
+    search_rows: int = 0
     keystrokes: int = 0
     answers: list[list[Suggestions | None]] = field(default_factory=list)
 
@@ -58,6 +59,7 @@ class Path_:
             rows, _ = r.round()
             if rows:
                 self.rows += rows
+                self.search_rows += rows
                 self.model_rounds += 1
         self.cpu_s += time.process_time() - start
         self.keystrokes += len(jobs)
@@ -98,14 +100,15 @@ def run(checkpoint: str, n: int, keystrokes: int, device: str) -> None:
                for a, b in zip(ha, da, strict=True))
     ds = dev.rounds.device
     k = host.keystrokes
-    host_reads, host_bytes = host.model_rounds, host.rows * V * 8  # one read of its rows' float64 log-probs a round
+    # one read of its search rows' float64 log-probs a round
+    host_reads, host_bytes = host.model_rounds, host.search_rows * V * 8
     print(f"{n} sessions, {keystrokes} keystrokes each ({k} in all), {ckpt.name} on {device}:")
     print(f"  host:   {host.model_rounds / k * n:5.1f} rounds a keystroke, {host.rows / k:6.1f} rows/keystroke, "
           f"{host_reads / k:5.2f} reads/keystroke, {host_bytes / k:8.0f} B/keystroke, "
           f"{1000 * host.cpu_s / k:6.2f} ms CPU/keystroke")
     print(f"  device: {dev.model_rounds / k * n:5.1f} rounds a keystroke, {dev.rows / k:6.1f} rows/keystroke, "
-          f"{ds.reads / k:5.2f} reads/keystroke ({ds.result_reads / k:.2f} of results, the only ones a GPU waits "
-          f"for), {ds.bytes_read / k:8.0f} B/keystroke ({ds.result_bytes / k:.0f} of results), "
+          f"{ds.reads / k:5.2f} reads/keystroke ({ds.result_reads / k:.2f} of results), "
+          f"{ds.bytes_read / k:8.0f} B/keystroke ({ds.result_bytes / k:.0f} of results), "
           f"{1000 * dev.cpu_s / k:6.2f} ms CPU/keystroke; "
           f"fallbacks to the host {dev.rounds.fallbacks}")
     print(f"  CPU time device/host {dev.cpu_s / host.cpu_s:.2f}x; identical suggestions {same}/{k}")

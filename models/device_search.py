@@ -154,6 +154,35 @@ def _upload(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> 
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class _Pending:
+    """A CPU stand-in for a CUDA event of a copy still in flight (`DeviceSearches`' `deferred`, for tests): never
+    done until waited for, the slowest a device can be."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+
+_Event = torch.cuda.Event | _Pending
+
+
+@dataclass
+class _Results:
+    """Ended searches' results on their way to the host."""
+
+    slots: list[int]
+    payload: torch.Tensor  # (e, ...) float64: on the host once `event` has passed (None: already there)
+    event: _Event | None
+    made: int  # `DeviceSearches.rounds` when it was asked for
+    k: int  # the completions' columns then
+    cursors: int
+
+
 @dataclass
 class _Slot:
     tag: Any
@@ -172,7 +201,7 @@ class DeviceSearches:
 
     def __init__(self, model: LanguageModel, classes: TokenClasses = _BYTES, *, min_prob: float = SUGGEST_MIN_PROB,
                  batch: int = 8, round_rows: int = 128, max_expansions: int = 2048, pool: int = 256,
-                 nodes: int = 256, next_cursors: int = 8, slots: int = 8) -> None:
+                 nodes: int = 256, next_cursors: int = 8, slots: int = 8, deferred: bool | None = None) -> None:
         if classes.words.shape[0] != 256:
             raise Ineligible("the device search reads byte tokens (256)")
         if batch < 1 or pool < batch or nodes < 2 or not 0 < min_prob <= 1:
@@ -183,12 +212,17 @@ class DeviceSearches:
         self.batch, self.round_rows, self.max_expansions = batch, round_rows, max_expansions
         self.pool, self.nodes, self.n_cursors = pool, nodes, next_cursors
         self._t = _tables(classes, self.device)
+        # copies to the host in flight, read behind events (None: on CUDA; on a CPU, True stands in for a slow device)
+        self._deferred = self.device.type == "cuda" if deferred is None else deferred
         self._capacity = 0
         self._slots: dict[int, _Slot] = {}  # slot -> the search in it
         self._free: list[int] = []
         self._running: list[int] = []  # slots whose end the host has not learnt yet
-        self._flags: list[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = []  # done flags in transit
-        self._ended: list[int] = []
+        self._flags: list[tuple[list[int], torch.Tensor, _Event | None]] = []  # done flags in transit
+        self._ended: list[int] = []  # slots whose end the host has learnt, their results not yet asked for
+        self._results: list[_Results] = []
+        self._tags: dict[Any, int] = {}  # tag -> its slot
+        self._idle = False  # the last round ran nothing: nothing is queued behind what is in transit
         self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
         self.states: dict[str, torch.Tensor] = {}  # per state tensor (slots, nodes + 1, ...): after each node
         self._alloc(slots)
@@ -277,7 +311,10 @@ class DeviceSearches:
             self._alloc(2 * self._capacity)
         slots = [self._free.pop() for _ in searches]
         for slot, (tag, _, prefix, k, _, _, adapter) in zip(slots, searches, strict=True):
+            if tag in self._tags:
+                raise ValueError("a search of this tag is in progress")
             self._slots[slot] = _Slot(tag, prefix, k, adapter)
+            self._tags[tag] = slot
         d, n, V = self.device, len(slots), 256
         at = _upload(slots, torch.int64, d)
         # the root: node 0, its state and next-byte log-probs (V,) as the context's cursor has them
@@ -365,29 +402,36 @@ class DeviceSearches:
 
     def cut(self, tag: Any) -> None:
         """Stop the search of `tag` at the next round (a time budget): it ends with the best completions found."""
-        for slot, s in self._slots.items():
-            if s.tag is tag and not s.cut:
-                s.cut = True
-                self.cut_flag[slot] = True
+        slot = self._tags.get(tag)
+        if slot is not None and not self._slots[slot].cut:
+            self._slots[slot].cut = True
+            self.cut_flag[slot] = True
 
     def drop(self, tag: Any) -> None:
         """Stop the search of `tag` without an answer (its slot is free once the host learns it has ended)."""
         self.cut(tag)
-        for s in self._slots.values():
-            if s.tag is tag:
-                s.dropped = True
+        slot = self._tags.get(tag)
+        if slot is not None:
+            self._slots[slot].dropped = True
 
     @property
     def running(self) -> int:
         """Searches whose end the host has not learnt yet."""
         return len(self._running)
 
+    @property
+    def busy(self) -> bool:
+        """Searches running, or whose results have not been handed back by `ended` yet."""
+        return bool(self._running or self._ended or self._results)
+
     @torch.inference_mode()
     def round(self) -> int:
         """One round of every running search (one batched model step); -> its rows (0: none ran)."""
         self._collect(wait=False)
         slots = list(self._running)
-        if not slots:
+        self._idle = not slots
+        if not slots:  # nothing to queue: wait for the flags in transit
+            self._collect(wait=True, last=True)
             return 0
         d, V, P, N = self.device, 256, self.pool, self.nodes
         n = len(slots)
@@ -457,27 +501,35 @@ class DeviceSearches:
         self.rounds += 1
         self.rows += n * w
         self._collect(wait=True)
+        self._request_results()
         return n * w
 
     def _send_flags(self, slots: list[int], ended: torch.Tensor) -> None:
         """Start copying a round's done flags to the host without waiting for them."""
-        if self.device.type == "cuda":
-            host = torch.empty(ended.shape, dtype=torch.bool, pin_memory=True)
-            host.copy_(ended, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            self._flags.append((slots, host, event))
-        else:
-            self._flags.append((slots, ended, None))
+        self._flags.append((slots, *self._to_host(ended)))
 
-    def _collect(self, wait: bool) -> None:
+    def _to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, _Event | None]:
+        """A copy of `t` on its way to the host (pinned memory, `non_blocking`) and the event after which it is
+        there (None: it is there)."""
+        if not self._deferred:
+            return t.cpu(), None
+        if self.device.type != "cuda":
+            return t.clone(), _Pending()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return host, event
+
+    def _collect(self, wait: bool, last: bool = False) -> None:
         """Read the done flags that have arrived; with `wait`, also those of every round but the last queued (their
-        rounds are done by now, or nearly: the device is busy with the next one meanwhile)."""
-        keep: list[tuple[list[int], torch.Tensor, torch.cuda.Event | None]] = []
+        rounds are done by now, or nearly: the device is busy with the next one meanwhile), and with `last` that
+        one's too."""
+        keep: list[tuple[list[int], torch.Tensor, _Event | None]] = []
         for i, (slots, host, event) in enumerate(self._flags):
-            last = i == len(self._flags) - 1
-            if event is not None and not event.query():  # type: ignore[no-untyped-call]
-                if not wait or last:
+            newest = i == len(self._flags) - 1
+            if event is not None and not event.query():
+                if not wait or newest and not last:
                     keep.append((slots, host, event))
                     continue
                 event.synchronize()
@@ -489,14 +541,13 @@ class DeviceSearches:
                     self._ended.append(slot)
         self._flags = keep
 
-    @torch.inference_mode()
-    def ended(self) -> list[tuple[Any, Finished]]:
-        """The searches the host has learnt have ended, with their outcomes (their slots are then free); one read
-        for all of them."""
+    def _request_results(self) -> None:
+        """Start copying the results of the searches the host has learnt have ended to the host, without waiting for
+        them (`ended` reads them): all of them in one transfer."""
         slots, self._ended = self._ended, []
         if not slots:
-            return []
-        d, N, K, C = self.device, self.nodes + 1, self._kcap, min(self.n_cursors, self.nodes + 1)
+            return
+        d, K, C = self.device, self._kcap, min(self.n_cursors, self.nodes + 1)
         at = _upload(slots, torch.int64, d)
         kth = self.comp_lp[at].gather(1, self.k_index[at].unsqueeze(1))  # (e, 1)
         cursors = torch.topk(self.node_lp[at].masked_fill(~self.node_one[at], -math.inf), C, dim=1)
@@ -505,16 +556,40 @@ class DeviceSearches:
         counts = torch.stack([self.expansions[at], self.model_calls[at], self.out_of_nodes[at].long(),
                               self.cut_flag[at].long()], 1).double()
         payload = torch.cat([self.comp_lp[at], self.comp_node[at].double(), cursors.values,
-                             cursors.indices.double(), flags, counts, self.node_link[at].double()], 1).cpu()
+                             cursors.indices.double(), flags, counts, self.node_link[at].double()], 1)
+        self._results.append(_Results(slots, *self._to_host(payload), self.rounds, K, C))
+
+    @torch.inference_mode()
+    def ended(self) -> list[tuple[Any, Finished]]:
+        """The searches whose results have reached the host, with their outcomes (their slots are then free). On a
+        GPU a search's results are read a round after the host learnt that it ended, waiting only for what was queued
+        before the last round (the device is busy with that one meanwhile); when no round runs, for everything."""
+        self._request_results()
+        out: list[tuple[Any, Finished]] = []
+        waiting = []
+        for r in self._results:
+            if r.event is not None and not r.event.query():
+                if r.made >= self.rounds and not self._idle:
+                    waiting.append(r)
+                    continue
+                r.event.synchronize()
+            out += self._read(r)
+        self._results = waiting
+        return out
+
+    def _read(self, r: _Results) -> list[tuple[Any, Finished]]:
+        N, K, C = self.nodes + 1, r.k, r.cursors
+        payload = r.payload.tolist()
         self.reads += 1
         self.result_reads += 1
-        self.bytes_read += payload.numel() * payload.element_size()
-        self.result_bytes += payload.numel() * payload.element_size()
+        size = r.payload.numel() * r.payload.element_size()
+        self.bytes_read += size
+        self.result_bytes += size
         out = []
-        for i, slot in enumerate(slots):
-            row = payload[i].tolist()
+        for slot, row in zip(r.slots, payload, strict=True):
             s = self._slots.pop(slot)
             self._free.append(slot)
+            del self._tags[s.tag]
             if s.dropped:
                 continue
             comp_lp, comp_node = row[:K], [int(v) for v in row[K:2 * K]]
@@ -526,14 +601,14 @@ class DeviceSearches:
             links = [int(v) for v in row[o + 8:o + 8 + N]]
 
             def data(node: int, links: list[int] = links) -> bytes:
-                out = bytearray()
+                word = bytearray()
                 while node:  # a parent is made before its children: its node is smaller
                     parent = links[node] >> 8
                     if not 0 <= parent < node:
                         raise RuntimeError("the device search's node table is corrupt")
-                    out.append(links[node] & 0xFF)
+                    word.append(links[node] & 0xFF)
                     node = parent
-                return bytes(reversed(out))
+                return bytes(reversed(word))
 
             finished = not left_lp > kth_lp
             certified = dropped <= kth_lp and not out_of_nodes
@@ -562,4 +637,5 @@ class DeviceSearches:
         """Forget every search (their callers answer them)."""
         self._free += list(self._slots)
         self._slots.clear()
-        self._running, self._ended, self._flags = [], [], []
+        self._tags.clear()
+        self._running, self._ended, self._flags, self._results = [], [], [], []
