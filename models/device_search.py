@@ -36,9 +36,11 @@ the host's, in its order (ties in log-prob aside, which the host orders by the o
 
 No host read a round: a round's done flags (one byte a search) are copied into pinned host memory without waiting
 (`non_blocking`), and read behind a CUDA event after the next round has been queued (on a CPU at once), so the
-device never waits for the host. A search that has ended is read once: its completions, its one-character
-continuations and its slice of the node table, all the searches that ended in a round in one transfer. `reads` and
-`bytes_read` count the device-to-host transfers.
+device never waits for the host. A search that has ended is read once, the same way a round later: its completions,
+its one-character continuations and its slice of the node table, all the searches the host learnt of in a round in
+one transfer. `reads` and `bytes_read` count the device-to-host transfers. On a GPU a keystroke's answer thus comes
+two rounds after its search ended (each a batched step of all the typists: a few ms) in exchange for a device that
+never idles while the host reads; only a round with nothing to run waits.
 
 What the host search also does and this one does not: reuse the rows the session's last keystroke expanded
 (`WordSearch`'s `known`): a CPU saving (rows are cheap on a GPU, syncs are not). Models whose state changes shape
@@ -293,6 +295,9 @@ class DeviceSearches:
         tag comes back with its `Finished`. Every cursor must be `eligible`. The root of each is expanded here."""
         if not searches:
             return
+        tags = [s[0] for s in searches]
+        if len(set(map(id, tags))) < len(tags) or any(t in self._tags for t in tags):
+            raise ValueError("a search of this tag is in progress")
         for _, cursor, prefix, k, max_chars, space, _ in searches:
             if k < 1 or max_chars < 1:
                 raise ValueError("k and max_chars must be >= 1")
@@ -311,8 +316,6 @@ class DeviceSearches:
             self._alloc(2 * self._capacity)
         slots = [self._free.pop() for _ in searches]
         for slot, (tag, _, prefix, k, _, _, adapter) in zip(slots, searches, strict=True):
-            if tag in self._tags:
-                raise ValueError("a search of this tag is in progress")
             self._slots[slot] = _Slot(tag, prefix, k, adapter)
             self._tags[tag] = slot
         d, n, V = self.device, len(slots), 256
@@ -463,7 +466,7 @@ class DeviceSearches:
         if new.roots or {k: (tuple(v.shape[1:]), v.dtype) for k, v in new.tensors.items()} != self._shapes:
             raise Ineligible("the model's state changed shape in a step: it cannot be kept in fixed rows")
         for key, buf in self.states.items():
-            buf[rows_at, node] = new.tensors[key].view(n, w, *buf.shape[2:])
+            buf[rows_at, node] = new.tensors[key].reshape(n, w, *buf.shape[2:])
         self.lp_buf[rows_at, node] = lp_model.float().view(n, w, V)
         # the nodes: their links, log-probs, and whether each is a one-character continuation
         self.node_link[rows_at, node] = f[..., PARENT] * 256 + f[..., BYTE]
