@@ -110,3 +110,27 @@ def test_the_setting() -> None:
         search_on_device("yes", model)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         Settings(suggest_on_device="yes")  # type: ignore[arg-type]
+
+
+def test_a_deadline_cuts_and_a_dropped_search_ends_unanswered(tiny_checkpoint: Path) -> None:
+    """On the device as on the host: a search past its deadline answers what it found, inexact; one whose client went
+    away (`drop`) ends without an answer, its slot free again."""
+    model = load_checkpoint(tiny_checkpoint).model
+    mats = {s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}
+    rounds = SuggestRounds(model, CursorCache(), min_prob=SUGGEST_MIN_PROB, batch=8, max_expansions=2048,
+                           round_rows=128, on_device=True)
+    late = SuggestJob(record("a", model.init_state(1), mats), "she said th", 5, 24, 3, deadline=0.0)
+    gone = SuggestJob(record("b", model.init_state(1), mats), "and ", 5, 24, 3)
+    kept = SuggestJob(record("c", model.init_state(1), mats), "It was done.", 5, 24, 3)
+    rounds.start([late, gone, kept])
+    assert rounds.on_device == [late, gone, kept]
+    rounds.drop(gone)
+    ended = []
+    for _ in range(100):
+        if not rounds.busy:
+            break
+        ended += rounds.round()[1]
+    assert ended == [late, kept] or ended == [kept, late]
+    assert late.result is not None and not late.result.exact
+    assert kept.result is not None and kept.result.exact and kept.result.completions
+    assert gone.result is None and rounds.device is not None and not rounds.device.busy
