@@ -246,3 +246,27 @@ def test_on_cuda_the_host_s_answers() -> None:
     for c in CONTEXTS:
         _same(_host(cpu, c, k=5), got[c], rel=1e-4)
     assert searches.result_reads < searches.rounds and searches.overflows == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_round_does_not_sync() -> None:
+    """No operation of a round (nor of starting searches) waits for the device: torch's sync debug mode raises on
+    any that would (a bigram model, whose step is one table lookup, so that only the search's own work is checked).
+    The first round: it has no earlier round's copies to wait for (a later one waits on their event, by design)."""
+    model = _bigram().to("cuda")
+    searches = DeviceSearches(model)
+    cursors = [(c, _cursor(model, c)) for c in ("caf", "x!", "the ", "wd")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        searches.add([(c, cursor, split_word(c)[1], 5, 4, takes_space(c), None) for c, cursor in cursors])
+        assert searches.round() > 0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got: dict[str, Finished] = {}
+    for _ in range(100):
+        got.update(searches.ended())
+        if not searches.busy:
+            break
+        searches.round()
+    assert sorted(got) == sorted(c for c, _ in cursors)
