@@ -323,7 +323,7 @@ class DeviceSearches:
         # the root: node 0, its state and next-byte log-probs (V,) as the context's cursor has them
         for key, buf in self.states.items():
             rows = torch.cat([self.model.branch(c.state).tensors[key] for _, c, *_ in searches])  # (n, ...)
-            buf[at, 0] = rows.to(buf.dtype)
+            buf[at, 0] = rows.to(buf.device, buf.dtype)
         lp = torch.stack([c.logprobs.to(d, torch.float64) for _, c, *_ in searches])  # (n, V)
         self.lp_buf[at, 0] = lp.float()
         # a slot is used again: nothing of its last search may stay (its pool above all, merged into below)

@@ -255,7 +255,9 @@ def test_on_cuda_a_round_does_not_sync() -> None:
     The first round: it has no earlier round's copies to wait for (a later one waits on their event, by design)."""
     model = _bigram().to("cuda")
     searches = DeviceSearches(model)
-    cursors = [(c, _cursor(model, c)) for c in ("caf", "x!", "the ", "wd")]
+    # the bigram keeps its (step-counting) state where it was made: on the device here, as a real model's is
+    cursors = [(c, Cursor(cursor.state.to("cuda"), cursor.logprobs))
+               for c in ("caf", "x!", "the ", "wd") for cursor in [_cursor(model, c)]]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
