@@ -319,7 +319,6 @@ class SuggestJob:
     cursor: Cursor | None = None
     # the host's search, or what the device's found (`DeviceSearches`: None while it runs there)
     search: WordSearch | Finished | None = None
-    on_device: bool = False  # searching on the device (`SuggestRounds`' `on_device`)
     # the search's next round, popped and not yet run: (the batches and rows of its states, the byte each row feeds)
     request: tuple[list[tuple[State, list[int]]], list[int]] | None = None
 
@@ -398,14 +397,11 @@ class SuggestRounds:
         if device:
             assert self.device is not None
             self.device.add(device)
-            for job, *_ in device:
-                job.on_device = True
-                self.on_device.append(job)
+            self.on_device += [job for job, *_ in device]
         return len(feeds) or None
 
     def _start_host(self, job: SuggestJob, width: int) -> None:
         assert job.cursor is not None
-        job.on_device = False
         try:
             # the rows the session's last searches expanded: this search expands them again without the model
             known, key = self.cache.rows(job.session, job.context.encode("utf-8")) or ({}, b"")
@@ -486,8 +482,11 @@ class SuggestRounds:
             for job in jobs:
                 self._start_host(job, self.cache.search_width(job.session, job.k))
             return None
-        for job, found in device.ended():
-            self.on_device.remove(job)
+        ended = device.ended()
+        if ended:
+            gone = {id(job) for job, _ in ended}
+            self.on_device = [job for job in self.on_device if id(job) not in gone]
+        for job, found in ended:
             if found.overflow:
                 self.fallbacks += 1
                 self._start_host(job, self.cache.search_width(job.session, job.k))
