@@ -11,11 +11,14 @@
 #      GRAPHS, default auto: on for CUDA), SECONDS_OFF a level, and the two side by side (graphs.md: bytes/s on, off,
 #      on / off);
 #   0. first, the model step alone (python -m bench.step_graphs): ms a call, CUDA graphs against the model's own
-#      path, at STEP_ROWS rows (scoring segments, static scores, peeks) and STEP_SEARCH_ROWS (the search's steps).
-# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), step_graphs.md, score.md, typists.md, slots.txt (the
+#      path, at STEP_ROWS rows (scoring segments, static scores, peeks) and STEP_SEARCH_ROWS (the search's steps);
+#  0b. the keyboard's word search alone, the host's against the device's (python -m bench.device_search, at
+#      SEARCH_SESSIONS typists in lockstep, SEARCH_KEYSTROKES each): rounds, rows, device-to-host reads and bytes and
+#      CPU time a keystroke, and that both answer the same (steps 3's typists search on the device: auto on CUDA).
+# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), step_graphs.md, device_search.txt, score.md, typists.md, slots.txt (the
 # session slots' counters after the typists), observe.md,
 # util.txt, util.md, score_graphs_off.md, graphs.md, server.log, server_graphs_off.log. Steps 0 and 6 add about
-# 1.5 minutes; STEP_BENCH=0 or GRAPHS_OFF=0 skip them. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
+# 1.5 minutes, step 0b at most 1.5; STEP_BENCH=0, SEARCH_BENCH=0 or GRAPHS_OFF=0 skip them. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
 #
 #   bash bench/gpu_prepare.sh                                    # here, once: .gpu/whl (wheels the GPU image lacks)
 #   OUT=runs/gpu_serve bash bench/gpu_serve.sh                     # on the GPU machine, carry [".gpu"]
@@ -45,10 +48,13 @@ STEP_BENCH=${STEP_BENCH:-1}
 STEP_ROWS=${STEP_ROWS:-32,256,2048}
 STEP_SEARCH_ROWS=${STEP_SEARCH_ROWS:-256,2048}
 STEP_STATIC=1024
+SEARCH_BENCH=${SEARCH_BENCH:-1}
+SEARCH_SESSIONS=${SEARCH_SESSIONS:-32,256}
+SEARCH_KEYSTROKES=${SEARCH_KEYSTROKES:-12}
 if [ "${SMOKE:-0}" = 1 ]; then
     DEVICE=cpu WORKERS=2 STREAMS=2,8 TYPISTS=2,4 OBSERVE_SESSIONS=4 OBSERVE_BYTES=256 SECONDS_EACH=4 RUN_TIME=8s
     LOCUST_PROCS=1 GRAPHS=on  # the padded step runs eagerly on the CPU: the setting and its path, served
-    SECONDS_OFF=4 STEP_ROWS=3,8 STEP_SEARCH_ROWS=24 STEP_STATIC=64
+    SECONDS_OFF=4 STEP_ROWS=3,8 STEP_SEARCH_ROWS=24 STEP_STATIC=64 SEARCH_SESSIONS=2 SEARCH_KEYSTROKES=4
     MAX_QUEUE=256 MAX_BATCH=64
 fi
 mkdir -p "$OUT"
@@ -86,6 +92,12 @@ if [ "$STEP_BENCH" = 1 ]; then
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} timeout 150 $PY -m bench.step_graphs --checkpoint "$CHECKPOINT" \
         --device "$DEVICE" --rows "$STEP_ROWS" --search-rows "$STEP_SEARCH_ROWS" --static-steps "$STEP_STATIC" \
         --repeat 3 2>&1 | tee "$OUT/step_graphs.md"
+fi
+if [ "$SEARCH_BENCH" = 1 ]; then
+    stamp "the word search alone: the host's against the device's"
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} timeout 90 $PY -m bench.device_search --checkpoint "$CHECKPOINT" \
+        --device "$DEVICE" --sessions "$SEARCH_SESSIONS" --keystrokes "$SEARCH_KEYSTROKES" 2>&1 \
+        | tee "$OUT/device_search.txt"
 fi
 
 # start_server LOG GRAPHS: `adaptlm serve` in the background (its pid in $server, its address in $URL), once ready

@@ -134,7 +134,7 @@ def start_engine(settings: Settings) -> Engine:
                           suggest_budget_ms=settings.suggest_budget_ms,
                           max_request_engine_s=settings.max_request_engine_s, precision=settings.precision,
                           device=settings.device, cuda_graphs=settings.cuda_graphs,
-                          session_slots=settings.session_slots)
+                          session_slots=settings.session_slots, suggest_on_device=settings.suggest_on_device)
     store = _session_store(settings)
     torch.set_num_threads(model_threads(settings))
     attention.TUNING = attention.Tuning.parse(settings.attention_tuning)  # process-wide, as the kernels are

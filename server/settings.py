@@ -54,6 +54,8 @@
     ADAPTLM_SESSION_SLOTS    observed sessions kept on the model's device between requests, gathered by index into
                              each batched step (server/engine/_slots.py): a count (0: off); unset: 4096 on a CUDA
                              device, off on a CPU (no gain measured there: docs/operations.md)
+    ADAPTLM_SUGGEST_ON_DEVICE  auto (default: on a CUDA device) | on | off: the keyboard's word searches as tensors
+                             on the model's device, with no host read a round (models/device_search.py)
     ADAPTLM_WORKERS          HTTP worker processes (0, the default: the HTTP server and the engine share one process);
                              N >= 1: `adaptlm serve` runs the engine in its own process and N uvicorn processes that
                              parse, check and answer requests and send the work to it (server/engine/_remote.py)
@@ -149,6 +151,9 @@ class Settings(BaseSettings):
     # Observed sessions' tensors kept on the device between requests (server/engine/_slots.py): how many sessions
     # (0: off; None: the device's default, server.engine._slots.SLOTS_CUDA on CUDA, SLOTS_CPU on a CPU).
     session_slots: int | None = Field(default=None, ge=0, le=1 << 20)
+    # The keyboard's word searches on the model's device (models/device_search.py): auto is on with CUDA only (on a
+    # CPU the host's search is faster: docs/notes/2026-11-30-device-search.md).
+    suggest_on_device: Literal["auto", "on", "off"] = "auto"
     # How the Triton attention kernels run (kernels.attention.Tuning; "": the shipped, GPU-verified kernel).
     attention_tuning: str = ""
     # Which kernels run on CUDA (kernels/_dispatch.py, which reads the same variable): auto, triton or reference.

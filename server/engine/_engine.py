@@ -50,7 +50,7 @@ from server.engine._session_service import SessionService
 from server.engine._slots import SessionSlots, SlotStats, session_slots
 from server.engine._stats import EngineStats
 from server.engine._store import SessionStore
-from server.engine._suggest import Suggest, SuggestExecutor
+from server.engine._suggest import SEARCH_ON_DEVICE, Suggest, SuggestExecutor
 from server.engine._text import Text, TextExecutor, TextScore
 from server.engine._work import Budget, Call, CallExecutor, Work
 
@@ -82,6 +82,7 @@ class EngineConfig:
     # observed sessions' tensors kept on the device between requests (server/engine/_slots.py): how many sessions
     # (0: off; None: SLOTS_CUDA on a CUDA device, SLOTS_CPU on a CPU)
     session_slots: int | None = None
+    suggest_on_device: str = "auto"  # the word searches on the model's device (server/engine/_suggest.py)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.session_ttl_s <= 0 \
@@ -92,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.session_slots is not None and self.session_slots < 0:
             raise ValueError("session_slots must be >= 0")
+        if self.suggest_on_device not in SEARCH_ON_DEVICE:
+            raise ValueError(f"suggest_on_device must be one of {', '.join(SEARCH_ON_DEVICE)}")
         if self.cuda_graphs not in GRAPH_MODES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, not {self.cuda_graphs!r}")
 
@@ -381,7 +384,8 @@ class Engine:
                                                tokenizer=byte_tokenizer,
                                                words=word_level(tokenizer),
                                                # a word model's vocabulary is its lexicon: its path ranks as it did
-                                               lexicon=model.ckpt.lexicon if byte_tokenizer is not None else None),
+                                               lexicon=model.ckpt.lexicon if byte_tokenizer is not None else None,
+                                               on_device=self.config.suggest_on_device),
                     "call": CallExecutor(),
                 })
         except BaseException:  # reported here, once, in the log's format (then /healthz fails: `crashed`)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from models.base import Adapter, LanguageModel, State
+from models.device_search import DeviceSearches, Finished, Ineligible
 from models.lexicon import Lexicon
 from models.session import SessionModel
 from models.suggest import (
@@ -60,8 +61,9 @@ from server.engine._session_service import SessionService
 from server.engine._stats import EngineStats
 from server.engine._work import Work
 
-__all__ = ["SUGGEST_FEED_BYTES", "SUGGEST_FEED_STRIDE", "CursorCache", "Feed", "Suggest", "SuggestExecutor",
-           "SuggestJob", "SuggestRounds", "Suggestions", "WordStateCache", "feed_window", "run_suggestions"]
+__all__ = ["SEARCH_ON_DEVICE", "SUGGEST_FEED_BYTES", "SUGGEST_FEED_STRIDE", "CursorCache", "Feed", "Suggest",
+           "SuggestExecutor", "SuggestJob", "SuggestRounds", "Suggestions", "WordStateCache", "feed_window",
+           "run_suggestions", "search_on_device"]
 
 log = logging.getLogger(__name__)
 NEXT_CURSORS = 8  # cursors a search leaves for the next keystroke (of a session's 32)
@@ -80,6 +82,20 @@ SEARCH_ROWS = 64
 # that it moves once per SUGGEST_FEED_STRIDE bytes typed and the cursor cache still feeds only new bytes between.
 SUGGEST_FEED_BYTES = 256
 SUGGEST_FEED_STRIDE = 128
+
+
+SEARCH_ON_DEVICE = ("auto", "on", "off")  # ADAPTLM_SUGGEST_ON_DEVICE
+
+
+def search_on_device(setting: str, model: LanguageModel) -> bool:
+    """Do the word searches run on the model's device (models/device_search.py)? `setting`
+    (ADAPTLM_SUGGEST_ON_DEVICE): on, off, or auto: on a CUDA device only (on a CPU the host's search is faster:
+    docs/notes/2026-11-30-device-search.md)."""
+    if setting not in SEARCH_ON_DEVICE:
+        raise ValueError(f"suggest_on_device must be one of {', '.join(SEARCH_ON_DEVICE)}, not {setting!r}")
+    if setting == "auto":
+        return next(model.parameters()).device.type == "cuda"
+    return setting == "on"
 
 
 def feed_window(context: str) -> str:
@@ -301,7 +317,8 @@ class SuggestJob:
     result: Suggestions | None = None
     error: Exception | None = None
     cursor: Cursor | None = None
-    search: WordSearch | None = None
+    # the host's search, or what the device's found (`DeviceSearches`: None while it runs there)
+    search: WordSearch | Finished | None = None
     # the search's next round, popped and not yet run: (the batches and rows of its states, the byte each row feeds)
     request: tuple[list[tuple[State, list[int]]], list[int]] | None = None
 
@@ -315,6 +332,12 @@ class SuggestRounds:
     in all, at least 4 each): the searches stay exact, they take more rounds. A job past its deadline is cut
     (its result is then marked inexact).
 
+    With `on_device` (ADAPTLM_SUGGEST_ON_DEVICE), the searches run as tensors on the model's device
+    (models/device_search.py: no host read a round) where the model's states allow it (`DeviceSearches.eligible`),
+    in their own batched step a round; the host's search (`WordSearch`) runs the others, and any that the device could
+    not certify exact (its pool overflowed: `fallbacks`). The device's does not reuse the rows the session's last
+    keystroke expanded (`CursorCache.rows`): a CPU saving, where a row costs more than a sync.
+
     Jobs join between rounds (continuous batching): the engine runs rounds back to back and starts the
     keystrokes that arrived in between, so a keystroke that arrives while others are searching waits for one
     round (a few ms), not for their whole searches (it may still wait for a text or generation step the engine
@@ -322,13 +345,28 @@ class SuggestRounds:
 
     def __init__(self, model: LanguageModel, cache: CursorCache, *, min_prob: float, batch: int,
                  max_expansions: int, round_rows: int, classes: TokenClasses | None = None,
-                 lexicon: Lexicon | None = None) -> None:
+                 lexicon: Lexicon | None = None, on_device: bool = False) -> None:
         self.model, self.cache = model, cache
         self.lexicon = lexicon  # the checkpoint's words: the dictionary prior of the ranking (models/lexicon.py)
         self.classes = classes or TokenClasses.of(ByteTokenizer())  # what each token is to the word search
         self.min_prob, self.batch, self.max_expansions, self.round_rows = min_prob, batch, max_expansions, round_rows
-        self.active: list[SuggestJob] = []
+        self.active: list[SuggestJob] = []  # the host's searches
+        self.on_device: list[SuggestJob] = []  # the device's
         self._ended: list[SuggestJob] = []  # jobs that could not start: `round` hands them back with its own
+        self.device: DeviceSearches | None = None
+        if on_device:
+            try:
+                self.device = DeviceSearches(model, self.classes, min_prob=min_prob, batch=batch,
+                                             round_rows=round_rows, max_expansions=max_expansions,
+                                             next_cursors=NEXT_CURSORS)
+            except Ineligible as e:
+                log.info("keyboard searches run on the host: %s", e)
+        self.fallbacks = 0  # device searches not certified exact, run again on the host
+
+    @property
+    def busy(self) -> bool:
+        """Searches in progress (on the host or the device)."""
+        return bool(self.active or self.on_device)
 
     @torch.inference_mode()
     def start(self, jobs: list[SuggestJob]) -> int | None:
@@ -344,37 +382,69 @@ class SuggestRounds:
                                              for job, plan in feeds])
             for (job, _), cursor in zip(feeds, made, strict=True):
                 job.cursor = self.cache.put(job.session, job.context.encode("utf-8"), cursor)
+        device = []
         for job in jobs:
             assert job.cursor is not None
-            try:
-                # with a word memory, the search finds more of the model's words than it shows: a remembered word
-                # among them keeps its own probability under the model in the mix (models/wordcache.py)
-                width = self.cache.search_width(job.session, job.k)
-                # the rows the session's last searches expanded: this search expands them again without the model
-                known, key = self.cache.rows(job.session, job.context.encode("utf-8")) or ({}, b"")
-                job.search = WordSearch(job.cursor, split_word(job.context)[1], k=width, max_chars=job.max_chars,
-                                        min_prob=self.min_prob, batch=self.batch,
-                                        max_expansions=self.max_expansions, classes=self.classes,
-                                        model=self.model, space=takes_space(job.context), known=known, key=key)
-            except ValueError as e:
-                job.error = e
-                self._ended.append(job)
-            else:
-                self.active.append(job)
+            # with a word memory, the search finds more of the model's words than it shows: a remembered word
+            # among them keeps its own probability under the model in the mix (models/wordcache.py)
+            width = self.cache.search_width(job.session, job.k)
+            if self.device is not None and width >= 1 and job.max_chars >= 1 \
+                    and self.device.eligible(job.cursor.state):
+                device.append((job, job.cursor, split_word(job.context)[1], width, job.max_chars,
+                               takes_space(job.context), self.cache.adapter(job.session)))
+                continue
+            self._start_host(job, width)
+        if device:
+            assert self.device is not None
+            self.device.add(device)
+            self.on_device += [job for job, *_ in device]
         return len(feeds) or None
+
+    def _start_host(self, job: SuggestJob, width: int) -> None:
+        assert job.cursor is not None
+        try:
+            # the rows the session's last searches expanded: this search expands them again without the model
+            known, key = self.cache.rows(job.session, job.context.encode("utf-8")) or ({}, b"")
+            job.search = WordSearch(job.cursor, split_word(job.context)[1], k=width, max_chars=job.max_chars,
+                                    min_prob=self.min_prob, batch=self.batch,
+                                    max_expansions=self.max_expansions, classes=self.classes,
+                                    model=self.model, space=takes_space(job.context), known=known, key=key)
+        except ValueError as e:
+            job.error = e
+            self._ended.append(job)
+        else:
+            self.active.append(job)
 
     def clear(self) -> None:
         """Forget every job (the caller answers them)."""
-        self.active, self._ended = [], []
+        self.active, self.on_device, self._ended = [], [], []
+        if self.device is not None:
+            self.device.clear()
+
+    def drop(self, job: SuggestJob) -> None:
+        """Stop a job's search (its client went away); the caller answers it."""
+        if job in self.active:
+            self.active.remove(job)
+        if job in self.on_device:
+            self.on_device.remove(job)
+            assert self.device is not None
+            self.device.drop(job)
 
     @torch.inference_mode()
     def round(self) -> tuple[int | None, list[SuggestJob]]:
-        """One batched step of every search in progress -> (its rows, None if no step was needed; the jobs that
-        ended, with their result or error)."""
+        """One batched step of every search in progress (one on the host's, one on the device's) -> (their rows,
+        None if no step was needed; the jobs that ended, with their result or error)."""
         done, self._ended = self._ended, []
         self.active = self._next_requests(self.active, done)
-        if not self.active:
-            return None, done
+        rows = self._host_round(done) if self.active else None
+        if self.on_device:
+            on_device = self._device_round(done)
+            rows = on_device if rows is None else rows + (on_device or 0)
+            # pop the next round of the searches handed to the host now (a fallback), as `_host_round` does
+            self.active = self._next_requests(self.active, done)
+        return rows, done
+
+    def _host_round(self, done: list[SuggestJob]) -> int:
         requests = [(job, job.request) for job in self.active if job.request is not None]
         sizes = [len(tokens) for _, (_, tokens) in requests]
         adapter = row_adapters([self.cache.adapter(job.session) for job, _ in requests], sizes,
@@ -386,14 +456,45 @@ class SuggestRounds:
         ends = word_ends(lp, self.classes)  # the whole batch's at once
         start = 0
         for (job, _), n in zip(requests, sizes, strict=True):
-            assert job.search is not None
+            assert isinstance(job.search, WordSearch)
             job.request = None
             job.search.feed(state.select(slice(start, start + n)), logprobs[start : start + n],
                             ends[start : start + n] if job.search.classes is self.classes else None)
             start += n
         # pop the next round now: a search that has just ended answers in this round, not the next
         self.active = self._next_requests(self.active, done)
-        return sum(sizes), done
+        return sum(sizes)
+
+    def _device_round(self, done: list[SuggestJob]) -> int | None:
+        """One round of the device's searches; those the host learns have ended are finished into `done` (or, not
+        certified exact, handed to the host's search)."""
+        device = self.device
+        assert device is not None
+        now = time.monotonic()
+        for job in self.on_device:
+            if now > job.deadline:
+                device.cut(job)
+        try:
+            rows = device.round() or None
+        except Ineligible as e:  # states that change shape: every search here goes to the host, and all after
+            log.info("keyboard searches run on the host: %s", e)
+            jobs, self.on_device, self.device = self.on_device, [], None
+            for job in jobs:
+                self._start_host(job, self.cache.search_width(job.session, job.k))
+            return None
+        ended = device.ended()
+        if ended:
+            gone = {id(job) for job, _ in ended}
+            self.on_device = [job for job in self.on_device if id(job) not in gone]
+        for job, found in ended:
+            if found.overflow:
+                self.fallbacks += 1
+                self._start_host(job, self.cache.search_width(job.session, job.k))
+                continue
+            job.search = found
+            _finish(self.model, job, self.cache, self.lexicon)
+            done.append(job)
+        return rows
 
     def _next_requests(self, jobs: list[SuggestJob], done: list[SuggestJob]) -> list[SuggestJob]:
         """Give every job without one its next request (cutting those past their deadline); -> the jobs that
@@ -405,7 +506,7 @@ class SuggestRounds:
         limit = max(4, (self.round_rows - taken) // max(1, asking))
         going = []
         for job in jobs:
-            assert job.search is not None
+            assert isinstance(job.search, WordSearch)
             if now > job.deadline:
                 job.search.cut()
                 job.request = None
@@ -425,7 +526,7 @@ def run_suggestions(model: LanguageModel, jobs: list[SuggestJob], cache: CursorC
     rounds = SuggestRounds(model, cache, min_prob=min_prob, batch=batch, max_expansions=max_expansions,
                            round_rows=round_rows, lexicon=lexicon)
     steps = [rows] if (rows := rounds.start(jobs)) is not None else []
-    while rounds.active:
+    while rounds.busy:
         rows, _ = rounds.round()
         if rows is not None:
             steps.append(rows)
@@ -483,7 +584,7 @@ class SuggestExecutor:
 
     def __init__(self, model: LanguageModel, sessions: SessionService, stats: EngineStats, *,
                  tokenizer: ByteTokenizer | None = None, refuse: str = "", words: WordTokenizer | None = None,
-                 lexicon: Lexicon | None = None) -> None:
+                 lexicon: Lexicon | None = None, on_device: str = "auto") -> None:
         self._sessions, self._stats = sessions, stats
         self._refuse = refuse  # why this model has no suggestions (SessionsUnavailable); "": it has
         self._model, self._words = model, words  # a word model: `word_suggestions`, answered at once
@@ -493,7 +594,7 @@ class SuggestExecutor:
                                      min_prob=SUGGEST_MIN_PROB,
                                      batch=SUGGEST_BATCH, max_expansions=SUGGEST_MAX_EXPANSIONS,
                                      round_rows=SUGGEST_ROUND_ROWS, classes=TokenClasses.of(tokenizer),
-                                     lexicon=lexicon)
+                                     lexicon=lexicon, on_device=search_on_device(on_device, model))
         self._started: list[Suggest] = []  # not yet fed
         self._searching: dict[SuggestJob, Suggest] = {}
 
@@ -523,10 +624,10 @@ class SuggestExecutor:
         rounds = self._rounds
         started = [work for work in self._started if not self._dropped(work)]
         self._started = []
-        for job in [job for job in rounds.active if self._dropped(self._searching[job])]:
-            rounds.active.remove(job)  # its client went away: the search stops here
+        for job in [job for job in [*rounds.active, *rounds.on_device] if self._dropped(self._searching[job])]:
+            rounds.drop(job)  # its client went away: the search stops here
             del self._searching[job]
-        if not started and not rounds.active:
+        if not started and not rounds.busy:
             return
         jobs = [work.job for work in started if work.job is not None]
         self._searching.update(zip(jobs, started, strict=True))
