@@ -25,6 +25,7 @@
 #
 # Sizes: STREAMS (32,256,2048), TYPISTS (100,300,1000,3000), OBSERVE_SESSIONS (256), OBSERVE_BYTES (2048),
 # SECONDS (20: each scoring level), GRAPHS (auto) and GRAPHS_OFF (1: step 6; 0: skip it),
+# SUGGEST_ON_DEVICE (auto: the typists' word search on the device with CUDA),
 # RUN_TIME (40s: each typists level), WORKERS (8), LOCUST_PROCS (6), MAX_QUEUE (8192), MAX_BATCH (512).
 set -u
 OUT=${OUT:-runs/gpu_serve}
@@ -51,9 +52,11 @@ STEP_STATIC=1024
 SEARCH_BENCH=${SEARCH_BENCH:-1}
 SEARCH_SESSIONS=${SEARCH_SESSIONS:-32,256}
 SEARCH_KEYSTROKES=${SEARCH_KEYSTROKES:-12}
+SUGGEST_ON_DEVICE=${SUGGEST_ON_DEVICE:-auto}
 if [ "${SMOKE:-0}" = 1 ]; then
     DEVICE=cpu WORKERS=2 STREAMS=2,8 TYPISTS=2,4 OBSERVE_SESSIONS=4 OBSERVE_BYTES=256 SECONDS_EACH=4 RUN_TIME=8s
     LOCUST_PROCS=1 GRAPHS=on  # the padded step runs eagerly on the CPU: the setting and its path, served
+    SUGGEST_ON_DEVICE=on  # the typists' searches take the device's path on the CPU too (auto: with CUDA only)
     SECONDS_OFF=4 STEP_ROWS=3,8 STEP_SEARCH_ROWS=24 STEP_STATIC=64 SEARCH_SESSIONS=2 SEARCH_KEYSTROKES=4
     MAX_QUEUE=256 MAX_BATCH=64
 fi
@@ -107,6 +110,7 @@ start_server() {
     stamp "serving $CHECKPOINT on $DEVICE with $WORKERS workers at $URL (CUDA graphs: $2)"
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ADAPTLM_DEVICE=$DEVICE ADAPTLM_WORKERS=$WORKERS ADAPTLM_MAX_QUEUE=$MAX_QUEUE \
         ADAPTLM_MAX_BATCH=$MAX_BATCH ADAPTLM_LOG_LEVEL=warning ADAPTLM_CUDA_GRAPHS=$2 \
+        ADAPTLM_SUGGEST_ON_DEVICE=$SUGGEST_ON_DEVICE \
         $PY -m adaptlm serve --checkpoint "$CHECKPOINT" --port "$PORT" > "$1" 2>&1 &
     server=$!
     for _ in $(seq 1 300); do
