@@ -58,7 +58,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     """The call of a test marked `alone` runs while no other worker runs a test (its setup and teardown, fixtures
-    included, run beside the others: what it times is in its call)."""
+    included, run beside the others: what it times is in its call). Its wait for the others counts in its call's
+    duration (`--durations`, junit), not in what the test itself times."""
     turns = item.config.stash.get(_TURNS, None)
     if turns is None or item.get_closest_marker("alone") is None:
         return (yield)
