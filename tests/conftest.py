@@ -122,16 +122,22 @@ def word_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The files are dealt to the workers in collection order (`--no-loadscope-reorder` in addopts), each worker taking
-# its next file as it nears the end of the one it has: longest first, so that no worker starts a long file when the
-# others are nearly done. First of all come the files with `alone` tests: such a test waits until the tests running
-# on the other workers end, with the others held back meanwhile, and at the start of the run those are the short
-# tests of these same files, not a Triton build or a torchrun of a minute (an `alone` file LONG_FILES does not name
-# comes after those it names). Then the rest of LONG_FILES, ranked by a run's time of each file on 3 workers (its
-# tests' setup, call and teardown; a 2-core machine); the other files in path order. The order of the files only
-# decides when they run.
-LONG_FILES = (
+# its next file as it nears the end of the one it has; the order of the files only decides when they run. An `alone`
+# test's call waits until the tests running on the other workers end (the others held back meanwhile), so the files
+# with `alone` tests come first, where what runs beside them is their own short tests, then SHORT_FILES (files of
+# many tests of a few seconds at most) while the last alone calls come, and only then LONG_FILES, longest first, so
+# that no worker starts a long file when the others are nearly done (a long file right after the alone files, such
+# as the Triton build's one test of a minute, would hold up an alone call that long, with two workers idle). An
+# `alone` file ALONE_FILES does not name comes after those it names; the rest in path order. Times: a run's per-file
+# time of setup, call and teardown on 3 workers and 2 cores, in seconds.
+ALONE_FILES = (  # 60, 37, 21, 8, 19 s; the last two are dealt while the first three run
     "tests/server/test_suggest.py", "tests/reliability/test_redis_faults.py", "tests/server/test_hostile.py",
-    "tests/reliability/test_overload.py", "tests/server/test_cancel_everywhere.py",
+    "tests/server/test_cancel_everywhere.py", "tests/reliability/test_overload.py")
+SHORT_FILES = (  # about 85 s in all, no test over 3 s
+    "tests/models/test_branches.py", "tests/server/test_app.py", "tests/server/test_generate.py",
+    "tests/kernels/test_batched_adapter.py", "tests/server/test_openai.py", "tests/server/test_engine_process.py",
+    "tests/models/test_cache.py", "tests/server/test_word_model.py")
+LONG_FILES = (  # 106 s down to 30 s
     "tests/server/test_session_import.py", "tests/kernels/test_compile.py", "tests/test_shipped_checkpoints.py",
     "tests/trainer/test_distributed.py", "tests/server/test_keyboard.py", "tests/test_cli.py",
     "tests/trainer/test_train.py", "tests/reliability/test_crash.py", "tests/server/test_shutdown.py",
@@ -146,14 +152,14 @@ LONG_FILES = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files with `alone` tests first, then those of LONG_FILES in that order (see above). `gpu` tests need a
+    """The files with `alone` tests first, then SHORT_FILES, then LONG_FILES (see above). `gpu` tests need a
     CUDA device: skipped (with the reason) where there is none, so the default run stays green on a CPU-only
     machine; on a GPU machine `pytest -m gpu` runs them."""
     def file(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
 
     alone = {file(item) for item in items if item.get_closest_marker("alone") is not None}
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    rank = {name: i for i, name in enumerate((*ALONE_FILES, *SHORT_FILES, *LONG_FILES))}
     items.sort(key=lambda item: (file(item) not in alone, rank.get(file(item), len(rank))))
     if torch.cuda.is_available():
         return
