@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -51,21 +52,43 @@ def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path
 
 
 class Turns:
-    """Tests run side by side on the workers, except those marked `alone` (they measure latency or throughput, which
-    a test on the other core would distort): such a test waits until the tests running on the other workers have
-    ended, and those start no other until it ends. A readers-writer lock over two files of the run's folder: a test
-    holds the room shared, an `alone` one exclusively; each passes the turnstile to get in, and an `alone` test
-    keeps the turnstile while it waits for the room, so that the other workers' next tests cannot overtake it."""
+    """Tests run side by side on the workers, except the calls of those marked `alone` (they measure latency or
+    throughput, which a test on the other core would distort): such a call waits until the tests running on the
+    other workers have ended, and those start no other until it ends. Its setup and teardown (a server started or
+    stopped, a session made) run beside the others: nothing there is timed, and they are seconds the other workers
+    would otherwise spend waiting. A readers-writer lock over two files of the run's folder: a test holds the room
+    shared from its setup to its teardown, and an `alone` call exclusively; each passes the turnstile to get in, and
+    an `alone` call keeps the turnstile while it waits for the room, so that the other workers' next tests cannot
+    overtake it."""
 
     def __init__(self, folder: Path) -> None:
         self.turnstile, self.room = folder / "alone.turnstile", folder / "alone.room"
+        self._held: IO[str] | None = None  # the room's file while this worker's test holds it
 
     @contextmanager
-    def turn(self, alone: bool) -> Iterator[None]:
+    def turn(self) -> Iterator[None]:
+        """A test's turn, setup to teardown: the room shared."""
         with self.room.open("a") as room:
             with _locked(self.turnstile, fcntl.LOCK_EX):
-                fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+                fcntl.flock(room, fcntl.LOCK_SH)
+            self._held = room
             try:
                 yield
             finally:
+                self._held = None
                 fcntl.flock(room, fcntl.LOCK_UN)
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """Within `turn()`: the room alone for the block (an `alone` test's call), then shared again."""
+        room = self._held
+        assert room is not None, "alone() outside a test's turn"
+        # the shared hold is let go before the turnstile is taken: two workers that each kept theirs while waiting
+        # for the room alone would wait for each other
+        fcntl.flock(room, fcntl.LOCK_UN)
+        with _locked(self.turnstile, fcntl.LOCK_EX):
+            fcntl.flock(room, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_SH)  # (not atomic: another `alone` call may come first; this then waits)

@@ -83,6 +83,21 @@ def test_make_test_after_make_serve_adds_the_test_tools(stubs: tuple[Path, Path,
     assert "apt-get" in _words(r.stdout) and f"{venv}/bin/python -m pytest -q" in r.stdout.splitlines()
 
 
+def test_make_test_on_a_fresh_clone_installs_the_packages_once(stubs: tuple[Path, Path, dict[str, str]]) -> None:
+    """Without `make serve` before it, the runtime and the test tools come in one pip run after the torch pin: the
+    server and the SDK are built, and the requirements resolved, once (not by the runtime's install, then again by
+    the test tools'). Both setups are then done: `make serve` installs nothing more."""
+    venv, log, env = stubs
+    r = _make(f"VENV={venv}", f"{venv}/.installed-dev", env=env)  # `make install` but the system packages
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert TORCH
+    assert log.read_text().splitlines() == [f"python -m pip install -q {TORCH.group(1)}",
+                                            "python -m pip install -q -e ./clients -e .[dev,loadtest]"]
+    log.write_text("")
+    assert _make("serve", f"VENV={venv}", env=env).returncode == 0
+    assert log.read_text().splitlines() == ["adaptlm serve"]
+
+
 def test_the_serve_recipes_name_no_system_package_tool(tmp_path: Path) -> None:
     """Every line `make serve` would run on a fresh clone (dry run, whatever the shell's branches would take), against
     `make test`'s, which do call apt-get: the check can see one."""

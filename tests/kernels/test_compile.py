@@ -113,11 +113,13 @@ def test_kernels_compile_for_sm90(triton_cache: Path, dtypes: tuple[str, ...]) -
 
 def _compiled(cache: Path, kernels: tuple[str, ...]) -> dict[str, list[int]]:
     """{kernel: [registers, spilled bytes, instructions, shuffles]} of the attention kernels compiled for sm_90
-    (float16, D = 64, Lq = 512, rel, key lengths), in a subprocess (compiled, not interpreted)."""
+    (bfloat16, D = 64, Lq = 512, rel, key lengths), in a subprocess (compiled, not interpreted). bfloat16: the
+    configuration `test_kernels_compile_for_sm90[bf16]` compiles into the module's cache, so these are read from it,
+    not compiled again (float16 compiles to the same registers, spills and shuffles: both are 16-bit mma operands)."""
     code = ("import json, sys; from bench.kernel_resources import compile_attention_kernel as c, resources as r, "
             "instructions as n; from kernels.attention import Tuning as T; "
             "print(json.dumps({k: [*r(x), *n(x)] for k in sys.argv[1].split(';') "
-            "for x in [c(k, 'fp16', 64, 512, True, True, T())]}))")
+            "for x in [c(k, 'bf16', 64, 512, True, True, T())]}))")
     r = subprocess.run([sys.executable, "-c", code, ";".join(kernels)], cwd=ROOT, env=_env(cache),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -52,7 +52,7 @@ def loadtest_run(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
     # first request is sent as it starts (all of them in the first second), the typists' suggestions every 100 ms:
     # a few seconds give every entry its requests; locust lets the requests in flight at the end finish
     run = subprocess.run([sys.executable, "-m", "loadtest.run", "--checkpoint", str(tiny_checkpoint), "--users", "8",
-                          "--spawn-rate", "8", "--run-time", "8s", "--out", str(out), "--slo", str(objectives),
+                          "--spawn-rate", "8", "--run-time", "5s", "--out", str(out), "--slo", str(objectives),
                           "--locust-arg=--keystroke-ms", "--locust-arg=100", "--locust-arg=--max-tokens",
                           "--locust-arg=16"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)

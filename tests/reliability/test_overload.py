@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.reliability.conftest import StartServerFn
+from tests.reliability.conftest import ServerProcess, StartServerFn
 
 USERS = 48  # against a queue of 4 and batches of 8 rows
 LOAD_S = 4.0
@@ -74,11 +74,18 @@ def timed_score(client: httpx.Client) -> float:
     return time.monotonic() - t0
 
 
+@pytest.fixture
+def server(start_server: StartServerFn) -> Iterator[ServerProcess]:
+    """The server under load, started in the test's setup: while the other workers still run (only an `alone` test's
+    call runs by itself), and timed by nothing."""
+    with start_server({"ADAPTLM_MAX_QUEUE": "4", "ADAPTLM_MAX_BATCH": "8", "ADAPTLM_RETRY_AFTER_S": "2"}) as server:
+        yield server
+
+
 @pytest.mark.alone  # a bound on wall-clock time
-def test_overload_answers_only_200_or_429_and_recovers(start_server: StartServerFn,
+def test_overload_answers_only_200_or_429_and_recovers(server: ServerProcess,
                                                        assert_error_shape: Callable[..., dict[str, Any]]) -> None:
-    env = {"ADAPTLM_MAX_QUEUE": "4", "ADAPTLM_MAX_BATCH": "8", "ADAPTLM_RETRY_AFTER_S": "2"}
-    with start_server(env) as server, httpx.Client(base_url=server.url, timeout=60) as c:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
         # one observing session per two users (odd users observe; a session is never shared by two of them)
         sessions = [c.post("/v1/sessions", json={}).json()["id"] for _ in range(USERS // 2)]
         idle = statistics.median(timed_score(c) for _ in range(5))  # one request alone

@@ -1,6 +1,7 @@
 """Mutated session exports against a server, as hypothesis draws them: `python -m tests.server._import_fuzz
-CHECKPOINT EXAMPLES`. Run in a process of its own (tests/server/test_session_import.py) so that a crash (a kernel
-reading out of bounds) fails the test instead of killing the test runner.
+EXAMPLES CHECKPOINT...`. Run in a process of its own (tests/server/test_session_import.py) so that a crash (a kernel
+reading out of bounds) fails the test instead of killing the test runner; one process for all the checkpoints (the
+server's imports and torch's start-up are seconds), each fuzzed whatever happened to the one before.
 
 Each example takes a valid export of a session with every memory of the checkpoint on, changes one tensor (its
 shape, dtype or values) or one metadata field, and PUTs it over the session. The server must answer 4xx and keep the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +73,22 @@ def main(checkpoint: str, examples: int) -> int:
                     assert finite_numbers(got.json()), (path, got.text[:300])
 
         check()
-    print(f"{checkpoint}: {examples} mutated imports held")
+    print(f"{checkpoint}: {examples} mutated imports held", flush=True)
     return 0
 
 
+def main_all(examples: int, checkpoints: list[str]) -> int:
+    """Each checkpoint in turn (its failure, hypothesis's smallest example, on stderr): 1 when one failed."""
+    status = 0
+    for checkpoint in checkpoints:
+        try:
+            main(checkpoint, examples)
+        except Exception:
+            print(f"{checkpoint}: a mutated import failed", file=sys.stderr)
+            traceback.print_exc()
+            status = 1
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2])))
+    sys.exit(main_all(int(sys.argv[1]), sys.argv[2:]))
