@@ -272,3 +272,58 @@ def test_on_cuda_a_round_does_not_sync() -> None:
             break
         searches.round()
     assert sorted(got) == sorted(c for c, _ in cursors)
+
+
+class _Arrival:
+    """A copy to the host that arrives when the device catches up with the host (`_caught_up`), as on a GPU: between
+    two calls of the host, sometimes one round behind, sometimes not."""
+
+    made: list[_Arrival] = []
+
+    def __init__(self) -> None:
+        self.arrived = False
+        _Arrival.made.append(self)
+
+    def query(self) -> bool:
+        return self.arrived
+
+    def synchronize(self) -> None:
+        self.arrived = True
+
+    def record(self) -> None:
+        pass
+
+
+def _caught_up() -> None:
+    for copy in _Arrival.made:
+        copy.arrived = True
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("behind", [0, 1])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_slot_used_again_is_not_ended_by_its_last_search_s_flags(monkeypatch: pytest.MonkeyPatch, behind: int,
+                                                                     k: int) -> None:
+    """A search's results may reach the host while the done flags of the round after its end (which still name its
+    slot, as ended) are unread: a search started in that slot meanwhile must not be taken as ended by them (it would
+    answer nothing, inexact). The device catches up every other round, at either parity (`behind`), and the first
+    search ends at different rounds (`k`), so that each order of arrival is played."""
+    monkeypatch.setattr("models.device_search._Pending", _Arrival)
+    monkeypatch.setattr(_Arrival, "made", [])
+    model = _bigram()
+    searches = DeviceSearches(model, deferred=True, slots=2)
+    searches.add([("short", _cursor(model, "caf"), "caf", k, 2, False, None),
+                  ("long", _cursor(model, "the "), "", 8, 8, False, None)])
+    got: dict[str, Finished] = {}
+    for i in range(200):
+        if not searches.busy:
+            break
+        searches.round()
+        if i % 2 == behind:
+            _caught_up()
+        for tag, found in searches.ended():
+            got[tag] = found
+            if tag == "short":  # its slot is free: the next search takes it
+                searches.add([("new", _cursor(model, "ab"), "ab", 5, 8, False, None)])
+    assert sorted(got) == ["long", "new", "short"]
+    _same(_host(model, "ab", k=5, max_chars=8), got["new"], rel=1e-9)
