@@ -220,7 +220,8 @@ class DeviceSearches:
         self._slots: dict[int, _Slot] = {}  # slot -> the search in it
         self._free: list[int] = []
         self._running: list[int] = []  # slots whose end the host has not learnt yet
-        self._flags: list[tuple[list[int], torch.Tensor, _Event | None]] = []  # done flags in transit
+        # done flags in transit: the slots, the searches in them then (a slot freed meanwhile may hold another)
+        self._flags: list[tuple[list[int], list[_Slot], torch.Tensor, _Event | None]] = []
         self._ended: list[int] = []  # slots whose end the host has learnt, their results not yet asked for
         self._results: list[_Results] = []
         self._tags: dict[Any, int] = {}  # tag -> its slot
@@ -509,7 +510,7 @@ class DeviceSearches:
 
     def _send_flags(self, slots: list[int], ended: torch.Tensor) -> None:
         """Start copying a round's done flags to the host without waiting for them."""
-        self._flags.append((slots, *self._to_host(ended)))
+        self._flags.append((slots, [self._slots[s] for s in slots], *self._to_host(ended)))
 
     def _to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, _Event | None]:
         """A copy of `t` on its way to the host (pinned memory, `non_blocking`) and the event after which it is
@@ -528,17 +529,20 @@ class DeviceSearches:
         """Read the done flags that have arrived; with `wait`, also those of every round but the last queued (their
         rounds are done by now, or nearly: the device is busy with the next one meanwhile), and with `last` that
         one's too."""
-        keep: list[tuple[list[int], torch.Tensor, _Event | None]] = []
-        for i, (slots, host, event) in enumerate(self._flags):
+        keep: list[tuple[list[int], list[_Slot], torch.Tensor, _Event | None]] = []
+        for i, (slots, searches, host, event) in enumerate(self._flags):
             newest = i == len(self._flags) - 1
             if event is not None and not event.query():
                 if not wait or newest and not last:
-                    keep.append((slots, host, event))
+                    keep.append((slots, searches, host, event))
                     continue
                 event.synchronize()
             self.reads += 1
             self.bytes_read += host.numel()
-            ended = {slot for slot, flag in zip(slots, host.tolist(), strict=True) if flag}
+            # a flag is its search's: the results of a search that ended may have been read (its slot freed, and
+            # perhaps taken by a new search) before the flags of a later round that still name it
+            ended = {slot for slot, search, flag in zip(slots, searches, host.tolist(), strict=True)
+                     if flag and self._slots.get(slot) is search}
             if ended:
                 still: list[int] = []
                 for slot in self._running:  # one pass (a thousand searches: no list.remove each)
