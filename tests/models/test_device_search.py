@@ -327,3 +327,25 @@ def test_a_slot_used_again_is_not_ended_by_its_last_search_s_flags(monkeypatch: 
                 searches.add([("new", _cursor(model, "ab"), "ab", 5, 8, False, None)])
     assert sorted(got) == ["long", "new", "short"]
     _same(_host(model, "ab", k=5, max_chars=8), got["new"], rel=1e-9)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_search_cut_after_it_finished_is_exact(tiny: LanguageModel) -> None:
+    """A search that finished on the device, cut (its deadline passed) before the host learnt of its end (a round or
+    two later on a GPU: `deferred`), found its k completions: exact, as the host's search that has them is."""
+    context = "she said th"
+    searches = DeviceSearches(tiny, deferred=True)
+    searches.add([(context, _cursor(tiny, context), "th", 5, 24, False, None)])
+    got: list[tuple[Any, Finished]] = []
+    cut_at = None
+    for i in range(100):
+        if not searches.busy:
+            break
+        searches.round()
+        if cut_at is None and bool(searches.done[searches._tags[context]]):  # ended there; the host does not know
+            searches.cut(context)
+            cut_at = i
+        got += searches.ended()
+    assert cut_at is not None and len(got) == 1
+    found = got[0][1]
+    _same(_host(tiny, context, k=5), found, rel=1e-5)
