@@ -30,8 +30,8 @@ branches: each search keeps the best log-prob it ever dropped, and a finished se
 completions are all at least that probable (every completion a dropped branch could lead to is then less probable);
 so is one that ran out of nodes. A search neither certified nor cut ends with `Finished.overflow`: its caller runs
 the host search instead (`SuggestRounds` does; counted in `overflows`). A search that reaches `max_expansions`, or
-that its caller cuts (`cut`, a time budget), answers with the best completions it found, marked inexact, as the
-host's budget cut does. Up to float rounding (the rows of another batch; the word end's logsumexp), the answer is
+that its caller cuts (`cut`, a time budget), answers with the best completions it found, marked inexact unless it
+had finished by then, as the host's budget cut does. Up to float rounding (the rows of another batch; the word end's logsumexp), the answer is
 the host's, in its order (ties in log-prob aside, which the host orders by the order made).
 
 No host read a round: a round's done flags (one byte a search) are copied into pinned host memory without waiting
@@ -621,7 +621,7 @@ class DeviceSearches:
 
             finished = not left_lp > kth_lp
             certified = dropped <= kth_lp and not out_of_nodes
-            exact = finished and certified and not cut
+            exact = finished and certified  # a cut that came after it finished takes nothing away
             overflow = not certified and not cut
             self.overflows += overflow
             completions = []
