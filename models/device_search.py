@@ -404,6 +404,7 @@ class DeviceSearches:
         self.pool_f[at] = all_f.gather(1, keep.unsqueeze(-1).expand(-1, -1, FIELDS))
         self.dropped[at] = torch.maximum(self.dropped[at], top.values[:, P])
 
+    @torch.inference_mode()  # buffers grown in `add` are inference tensors, written here from any mode (`drop`)
     def cut(self, tag: Any) -> None:
         """Stop the search of `tag` at the next round (a time budget): it ends with the best completions found."""
         slot = self._tags.get(tag)
