@@ -31,8 +31,9 @@ completions are all at least that probable (every completion a dropped branch co
 so is one that ran out of nodes. A search neither certified nor cut ends with `Finished.overflow`: its caller runs
 the host search instead (`SuggestRounds` does; counted in `overflows`). A search that reaches `max_expansions`, or
 that its caller cuts (`cut`, a time budget), answers with the best completions it found, marked inexact unless it
-had finished by then, as the host's budget cut does. Up to float rounding (the rows of another batch; the word end's logsumexp), the answer is
-the host's, in its order (ties in log-prob aside, which the host orders by the order made).
+had finished by then, as the host's budget cut does. Up to float rounding (the rows of another batch; the word
+end's logsumexp), the answer is the host's, in its order (ties in log-prob aside, which the host orders by the order
+made).
 
 No host read a round: a round's done flags (one byte a search) are copied into pinned host memory without waiting
 (`non_blocking`), and read behind a CUDA event after the next round has been queued (on a CPU at once), so the
