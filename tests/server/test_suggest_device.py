@@ -148,7 +148,7 @@ def test_a_search_not_certified_past_its_deadline_answers_what_it_found(tiny_che
     rounds.device = DeviceSearches(model, min_prob=SUGGEST_MIN_PROB, pool=8, batch=4, deferred=True)
     jobs = [SuggestJob(record(f"s{i}", model.init_state(1), mats), c, 5, 24, 3) for i, c in enumerate(CONTEXTS)]
     request, ended = DeviceSearches._request_results, DeviceSearches.ended
-    overflowed = []
+    overflowed: list[SuggestJob] = []
 
     def late(self: DeviceSearches) -> None:  # the deadline passes while the results travel
         request(self)
