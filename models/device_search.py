@@ -30,9 +30,10 @@ branches: each search keeps the best log-prob it ever dropped, and a finished se
 completions are all at least that probable (every completion a dropped branch could lead to is then less probable);
 so is one that ran out of nodes. A search neither certified nor cut ends with `Finished.overflow`: its caller runs
 the host search instead (`SuggestRounds` does; counted in `overflows`). A search that reaches `max_expansions`, or
-that its caller cuts (`cut`, a time budget), answers with the best completions it found, marked inexact, as the
-host's budget cut does. Up to float rounding (the rows of another batch; the word end's logsumexp), the answer is
-the host's, in its order (ties in log-prob aside, which the host orders by the order made).
+that its caller cuts (`cut`, a time budget), answers with the best completions it found, marked inexact unless it
+had finished by then, as the host's budget cut does. Up to float rounding (the rows of another batch; the word
+end's logsumexp), the answer is the host's, in its order (ties in log-prob aside, which the host orders by the order
+made).
 
 No host read a round: a round's done flags (one byte a search) are copied into pinned host memory without waiting
 (`non_blocking`), and read behind a CUDA event after the next round has been queued (on a CPU at once), so the
@@ -220,7 +221,8 @@ class DeviceSearches:
         self._slots: dict[int, _Slot] = {}  # slot -> the search in it
         self._free: list[int] = []
         self._running: list[int] = []  # slots whose end the host has not learnt yet
-        self._flags: list[tuple[list[int], torch.Tensor, _Event | None]] = []  # done flags in transit
+        # done flags in transit: the slots, the searches in them then (a slot freed meanwhile may hold another)
+        self._flags: list[tuple[list[int], list[_Slot], torch.Tensor, _Event | None]] = []
         self._ended: list[int] = []  # slots whose end the host has learnt, their results not yet asked for
         self._results: list[_Results] = []
         self._tags: dict[Any, int] = {}  # tag -> its slot
@@ -403,6 +405,7 @@ class DeviceSearches:
         self.pool_f[at] = all_f.gather(1, keep.unsqueeze(-1).expand(-1, -1, FIELDS))
         self.dropped[at] = torch.maximum(self.dropped[at], top.values[:, P])
 
+    @torch.inference_mode()  # buffers grown in `add` are inference tensors, written here from any mode (`drop`)
     def cut(self, tag: Any) -> None:
         """Stop the search of `tag` at the next round (a time budget): it ends with the best completions found."""
         slot = self._tags.get(tag)
@@ -509,7 +512,7 @@ class DeviceSearches:
 
     def _send_flags(self, slots: list[int], ended: torch.Tensor) -> None:
         """Start copying a round's done flags to the host without waiting for them."""
-        self._flags.append((slots, *self._to_host(ended)))
+        self._flags.append((slots, [self._slots[s] for s in slots], *self._to_host(ended)))
 
     def _to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, _Event | None]:
         """A copy of `t` on its way to the host (pinned memory, `non_blocking`) and the event after which it is
@@ -528,17 +531,20 @@ class DeviceSearches:
         """Read the done flags that have arrived; with `wait`, also those of every round but the last queued (their
         rounds are done by now, or nearly: the device is busy with the next one meanwhile), and with `last` that
         one's too."""
-        keep: list[tuple[list[int], torch.Tensor, _Event | None]] = []
-        for i, (slots, host, event) in enumerate(self._flags):
+        keep: list[tuple[list[int], list[_Slot], torch.Tensor, _Event | None]] = []
+        for i, (slots, searches, host, event) in enumerate(self._flags):
             newest = i == len(self._flags) - 1
             if event is not None and not event.query():
                 if not wait or newest and not last:
-                    keep.append((slots, host, event))
+                    keep.append((slots, searches, host, event))
                     continue
                 event.synchronize()
             self.reads += 1
             self.bytes_read += host.numel()
-            ended = {slot for slot, flag in zip(slots, host.tolist(), strict=True) if flag}
+            # a flag is its search's: the results of a search that ended may have been read (its slot freed, and
+            # perhaps taken by a new search) before the flags of a later round that still name it
+            ended = {slot for slot, search, flag in zip(slots, searches, host.tolist(), strict=True)
+                     if flag and self._slots.get(slot) is search}
             if ended:
                 still: list[int] = []
                 for slot in self._running:  # one pass (a thousand searches: no list.remove each)
@@ -617,7 +623,7 @@ class DeviceSearches:
 
             finished = not left_lp > kth_lp
             certified = dropped <= kth_lp and not out_of_nodes
-            exact = finished and certified and not cut
+            exact = finished and certified  # a cut that came after it finished takes nothing away
             overflow = not certified and not cut
             self.overflows += overflow
             completions = []

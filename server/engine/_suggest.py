@@ -486,8 +486,11 @@ class SuggestRounds:
         if ended:
             gone = {id(job) for job, _ in ended}
             self.on_device = [job for job in self.on_device if id(job) not in gone]
+        now = time.monotonic()
         for job, found in ended:
-            if found.overflow:
+            # past its deadline the host's search would be cut at once (nothing found): what the device found answers,
+            # inexact
+            if found.overflow and now <= job.deadline:
                 self.fallbacks += 1
                 self._start_host(job, self.cache.search_width(job.session, job.k))
                 continue

@@ -4,6 +4,7 @@ table is detected, never answered wrong; the budget cut; the one-character curso
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +273,131 @@ def test_on_cuda_a_round_does_not_sync() -> None:
             break
         searches.round()
     assert sorted(got) == sorted(c for c, _ in cursors)
+
+
+class _Arrival:
+    """A copy to the host that arrives when the device catches up with the host (`_caught_up`), as on a GPU: between
+    two calls of the host, sometimes one round behind, sometimes not."""
+
+    made: list[_Arrival] = []
+
+    def __init__(self) -> None:
+        self.arrived = False
+        _Arrival.made.append(self)
+
+    def query(self) -> bool:
+        return self.arrived
+
+    def synchronize(self) -> None:
+        self.arrived = True
+
+    def record(self) -> None:
+        pass
+
+
+def _caught_up() -> None:
+    for copy in _Arrival.made:
+        copy.arrived = True
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("behind", [0, 1])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_slot_used_again_is_not_ended_by_its_last_search_s_flags(monkeypatch: pytest.MonkeyPatch, behind: int,
+                                                                     k: int) -> None:
+    """A search's results may reach the host while the done flags of the round after its end (which still name its
+    slot, as ended) are unread: a search started in that slot meanwhile must not be taken as ended by them (it would
+    answer nothing, inexact). The device catches up every other round, at either parity (`behind`), and the first
+    search ends at different rounds (`k`), so that each order of arrival is played."""
+    monkeypatch.setattr("models.device_search._Pending", _Arrival)
+    monkeypatch.setattr(_Arrival, "made", [])
+    model = _bigram()
+    searches = DeviceSearches(model, deferred=True, slots=2)
+    searches.add([("short", _cursor(model, "caf"), "caf", k, 2, False, None),
+                  ("long", _cursor(model, "the "), "", 8, 8, False, None)])
+    got: dict[str, Finished] = {}
+    for i in range(200):
+        if not searches.busy:
+            break
+        searches.round()
+        if i % 2 == behind:
+            _caught_up()
+        for tag, found in searches.ended():
+            got[tag] = found
+            if tag == "short":  # its slot is free: the next search takes it
+                searches.add([("new", _cursor(model, "ab"), "ab", 5, 8, False, None)])
+    assert sorted(got) == ["long", "new", "short"]
+    _same(_host(model, "ab", k=5, max_chars=8), got["new"], rel=1e-9)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_search_cut_after_it_finished_is_exact(tiny: LanguageModel) -> None:
+    """A search that finished on the device, cut (its deadline passed) before the host learnt of its end (a round or
+    two later on a GPU: `deferred`), found its k completions: exact, as the host's search that has them is."""
+    context = "she said th"
+    searches = DeviceSearches(tiny, deferred=True)
+    searches.add([(context, _cursor(tiny, context), "th", 5, 24, False, None)])
+    got: list[tuple[Any, Finished]] = []
+    cut_at = None
+    for i in range(100):
+        if not searches.busy:
+            break
+        searches.round()
+        if cut_at is None and bool(searches.done[searches._tags[context]]):  # ended there; the host does not know
+            searches.cut(context)
+            cut_at = i
+        got += searches.ended()
+    assert cut_at is not None and len(got) == 1
+    found = got[0][1]
+    _same(_host(tiny, context, k=5), found, rel=1e-5)
+
+
+def _random_bigram(rng: random.Random) -> Bigram:
+    """A bigram of flat or peaked rows (a flat one overflows the pools), often with multibyte characters to come."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    table = torch.randn(256, 256, generator=g) * rng.choice([0.3, 1.0, 2.5])
+    table[:, [ord(c) for c in "abcdefghijklmnopqrstuvwxyz"]] += 1.0
+    table[:, ord(" ")] += 1.5
+    if rng.random() < 0.5:
+        table[:, [0xC2, 0xC3, 0xE0, 0xE2, 0xED, 0xF0, 0xF4]] += 2.5  # leads whose second byte is narrowed, or not
+        table[:, 0x80:0xC0] += 2.0
+    return Bigram(table).eval()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_random_models_and_arrivals_answer_as_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random bigrams, searches joining between rounds (k past the first 8 columns, slots used again, pools and node
+    tables small enough to overflow), copies reaching the host at random rounds: every search ends once, and each one
+    certified answers the host's completions."""
+    monkeypatch.setattr("models.device_search._Pending", _Arrival)
+    monkeypatch.setattr(_Arrival, "made", [])
+    rng = random.Random(7)
+    certified = 0
+    for _ in range(6):
+        model = _random_bigram(rng)
+        searches = DeviceSearches(model, deferred=True, slots=rng.choice([1, 2]), pool=rng.choice([32, 256]),
+                                  nodes=rng.choice([64, 256]))
+        asked: dict[int, tuple[str, int, int]] = {}
+        got: dict[int, Finished] = {}
+        for _ in range(300):
+            if rng.random() < 0.4 and len(asked) < 16:
+                batch = []
+                for _ in range(rng.randrange(1, 4)):
+                    c, k, mc = rng.choice(["ab", "x!", "", "caf", "the ", "Hi,", "é"]), rng.randrange(1, 11), 4
+                    asked[len(asked)] = (c, k, mc)
+                    batch.append((len(asked) - 1, _cursor(model, c), split_word(c)[1], k, mc, takes_space(c), None))
+                searches.add(batch)
+            elif not searches.busy and len(asked) == 16:
+                break
+            searches.round()
+            if rng.random() < 0.5:
+                _caught_up()
+            for tag, found in searches.ended():
+                assert tag not in got
+                got[tag] = found
+        assert sorted(got) == sorted(asked)
+        for tag, (c, k, mc) in asked.items():
+            if not got[tag].overflow:
+                certified += 1
+                _same(_host(model, c, k=k, max_chars=mc), got[tag], rel=1e-9)
+    assert certified >= 20

@@ -134,3 +134,54 @@ def test_a_deadline_cuts_and_a_dropped_search_ends_unanswered(tiny_checkpoint: P
     assert late.result is not None and not late.result.exact
     assert kept.result is not None and kept.result.exact and kept.result.completions
     assert gone.result is None and rounds.device is not None and not rounds.device.busy
+
+
+def test_a_search_not_certified_past_its_deadline_answers_what_it_found(tiny_checkpoint: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device search that ended uncertified (its pool overflowed) once its deadline has passed (while its results were
+    on their way to the host) answers the completions it found, inexact: the host's search, started then, would be cut
+    at once and answer nothing."""
+    model = load_checkpoint(tiny_checkpoint).model
+    mats = {s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}
+    rounds = SuggestRounds(model, CursorCache(), min_prob=SUGGEST_MIN_PROB, batch=8, max_expansions=2048,
+                           round_rows=128, on_device=True)
+    rounds.device = DeviceSearches(model, min_prob=SUGGEST_MIN_PROB, pool=8, batch=4, deferred=True)
+    jobs = [SuggestJob(record(f"s{i}", model.init_state(1), mats), c, 5, 24, 3) for i, c in enumerate(CONTEXTS)]
+    request, ended = DeviceSearches._request_results, DeviceSearches.ended
+    overflowed: list[SuggestJob] = []
+
+    def late(self: DeviceSearches) -> None:  # the deadline passes while the results travel
+        request(self)
+        for r in self._results:
+            for slot in r.slots:
+                self._slots[slot].tag.deadline = 0.0
+
+    def seen(self: DeviceSearches) -> list[Any]:
+        out = ended(self)
+        overflowed.extend(job for job, found in out if found.overflow)
+        return out
+
+    monkeypatch.setattr(DeviceSearches, "_request_results", late)
+    monkeypatch.setattr(DeviceSearches, "ended", seen)
+    _run(rounds, jobs)
+    assert overflowed
+    for job in overflowed:
+        assert job.result is not None and job.result.completions and not job.result.exact
+
+
+def test_dropping_a_search_after_the_slots_grew(tiny_checkpoint: Path) -> None:
+    """More searches than the first slots (8), so that the device's buffers grew while starting them (under inference
+    mode); then a client goes away, the engine's `drop` coming from outside inference mode: the search ends unanswered
+    (it raised, and the engine's loop with it), the others answer."""
+    model = load_checkpoint(tiny_checkpoint).model
+    mats = {s.name: torch.zeros(1, 4, 4) for s in model.adaptation_sites()}
+    rounds = SuggestRounds(model, CursorCache(), min_prob=SUGGEST_MIN_PROB, batch=8, max_expansions=2048,
+                           round_rows=128, on_device=True)
+    jobs = [SuggestJob(record(f"s{i}", model.init_state(1), mats), "and ", 3, 24, 3) for i in range(10)]
+    rounds.start(jobs)
+    assert rounds.on_device == jobs
+    rounds.drop(jobs[0])
+    rounds.device.cut(jobs[1])  # type: ignore[union-attr]
+    _run(rounds, [])
+    assert jobs[0].result is None and jobs[1].result is not None and not jobs[1].result.exact
+    assert all(job.result is not None and job.result.exact for job in jobs[2:])
