@@ -99,6 +99,7 @@ class Finished:
     space_share: float
     overflow: bool
     classes: TokenClasses
+    root_logprobs: torch.Tensor  # (V,) float64 on the host: the next-byte log-probs of the search's cursor
     next_cursors: dict[bytes, Cursor] = field(default_factory=dict)  # the model after each one-character continuation
     expanded: None = None  # no rows kept for the next keystroke (module docstring)
 
@@ -566,8 +567,11 @@ class DeviceSearches:
         flags = torch.cat([left, kth, self.dropped[at].unsqueeze(1), self.space_share[at].unsqueeze(1)], 1)
         counts = torch.stack([self.expansions[at], self.model_calls[at], self.out_of_nodes[at].long(),
                               self.cut_flag[at].long()], 1).double()
+        # the root's next-byte log-probs ride along: the keystroke's next characters (`next_chars`) are read from them
+        # on the host, not from the cursor on the device (a read that would wait for the rounds queued since)
         payload = torch.cat([self.comp_lp[at], self.comp_node[at].double(), cursors.values,
-                             cursors.indices.double(), flags, counts, self.node_link[at].double()], 1)
+                             cursors.indices.double(), flags, counts, self.node_link[at].double(),
+                             self.lp_buf[at, 0].double()], 1)
         self._results.append(_Results(slots, *self._to_host(payload), self.rounds, K, C))
 
     @torch.inference_mode()
@@ -610,6 +614,7 @@ class DeviceSearches:
             left_lp, kth_lp, dropped, share = row[o:o + 4]
             expansions, calls, out_of_nodes, cut = (int(v) for v in row[o + 4:o + 8])
             links = [int(v) for v in row[o + 8:o + 8 + N]]
+            root = torch.tensor(row[o + 8 + N:], dtype=torch.float64)  # (V,)
 
             def data(node: int, links: list[int] = links) -> bytes:
                 word = bytearray()
@@ -641,7 +646,7 @@ class DeviceSearches:
                 state = State({key: buf[slot, node:node + 1].clone() for key, buf in self.states.items()})
                 next_cursors[data(node)] = Cursor(self.model.settle(state), self.lp_buf[slot, node].clone())
             out.append((s.tag, Finished(s.prefix, completions, expansions, calls, exact, share, overflow,
-                                        self.classes, next_cursors)))
+                                        self.classes, root, next_cursors)))
         return out
 
     def clear(self) -> None:

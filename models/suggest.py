@@ -562,6 +562,7 @@ class WordSearch:
         state = model.branch(cursor.state) if model is not None else cursor.state
         root = _Branch(b"", 0, 0, state, 0, 0.0)
         logprobs = cursor.logprobs.double().cpu().unsqueeze(0)  # (1, V)
+        self.root_logprobs = logprobs[0]  # (V,) the cursor's, on the host (`next_chars` reads them)
         lp = logprobs.numpy()
         ends = word_ends(lp, classes)
         if self.expanded is not None:

@@ -550,7 +550,10 @@ def _finish(model: LanguageModel, job: SuggestJob, cache: CursorCache, lexicon: 
         cache.keep(job.session, job.search.expanded, model)
     try:
         found = job.search.result()
-        chars = next_chars(model, job.cursor, job.n_chars, cache.adapter(job.session), classes=job.search.classes)
+        # from the root's log-probs the search brought to the host (a device search's are read with its results: the
+        # cursor's own, on the device, would wait for every round queued since)
+        chars = next_chars(model, Cursor(job.cursor.state, job.search.root_logprobs), job.n_chars,
+                           cache.adapter(job.session), classes=job.search.classes)
         # the session's word memories mixed in (models/wordcache.py: after a mark each remembered word split between
         # the two kinds by the model's odds of the space), then the k best under the lexicon's prior (a word neither
         # in it nor typed by the session demoted; each prob stays as mixed)

@@ -237,6 +237,17 @@ def test_no_read_a_round_but_the_done_flags(tiny: LanguageModel) -> None:
     assert searches.result_reads <= searches.rounds  # at most one read of results a round, for all that ended
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_the_root_s_log_probs_come_with_the_results(tiny: LanguageModel) -> None:
+    """A finished search brings its cursor's next-byte log-probs to the host with its results (the keystroke's next
+    characters are read from them, not from the cursor on the device), equal to the cursor's."""
+    got, _ = _device(tiny, CONTEXTS[:3])
+    for c in CONTEXTS[:3]:
+        root = got[c].root_logprobs
+        assert root.device.type == "cpu" and root.dtype == torch.float64
+        assert torch.equal(root, _cursor(tiny, c).logprobs.double().cpu())
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_host_s_answers() -> None:
     """On a CUDA device (the done flags through pinned memory and an event, read a round late): the CPU host search's
