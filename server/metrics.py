@@ -165,6 +165,9 @@ class _EngineCollector(Collector):
              stats.budget_exceeded),
             ("adaptlm_suggest_cut", "Keyboard suggestions answered inexactly: the time budget stopped the search.",
              stats.suggest_cut),
+            ("adaptlm_suggest_device_fallbacks", "Keyboard word searches on the device (ADAPTLM_SUGGEST_ON_DEVICE) "
+             "that could not be certified exact (a pool or node table overflowed) and were searched again on the host.",
+             stats.suggest_fallbacks),
             ("adaptlm_generation_adaptations_dropped", "Adaptations after a generation (adapt_while_generating) "
              "dropped: other requests (on other servers) changed the session during each of its tries.",
              stats.generation_adaptations_dropped),

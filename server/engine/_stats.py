@@ -24,6 +24,7 @@ class EngineStats:
     decode_rows: dict[int, int] = field(default_factory=dict)  # the same for generation's one-byte steps
     suggest_rows: dict[int, int] = field(default_factory=dict)  # the same for keyboard suggestions' steps
     suggest_cut: int = 0  # suggestions whose word search the time budget stopped
+    suggest_fallbacks: int = 0  # device word searches not certified exact, searched again on the host
     updates: int = 0  # session adapter updates applied
     nonfinite_resets: int = 0  # updates refused (or adapters reset) by the non-finite guard
     # adaptations after a generation (`adapt_while_generating`) dropped: another server changed the session before

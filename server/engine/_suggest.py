@@ -649,6 +649,7 @@ class SuggestExecutor:
             rounds.clear()
             return
         self._count_rows(rows)
+        self._stats.suggest_fallbacks = rounds.fallbacks
         for job in done:
             self.finish(self._searching.pop(job))
 

@@ -66,6 +66,24 @@ def test_the_setting_on_answers_as_off(serve_app: Any, tiny_checkpoint: Path, cl
     assert any(on[c]["completions"] for c in CONTEXTS)
 
 
+def test_the_host_s_searches_are_counted_on_metrics(serve_app: Any, tiny_checkpoint: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device searches too small to be certified are searched again on the host, and /metrics counts them."""
+    init = DeviceSearches.__init__
+
+    def small(self: DeviceSearches, *args: Any, **kw: Any) -> None:
+        init(self, *args, **{**kw, "pool": 8, "batch": 4})
+
+    monkeypatch.setattr(DeviceSearches, "__init__", small)
+    with serve_app(Settings(checkpoint=tiny_checkpoint, suggest_on_device="on", suggest_budget_ms=0)) as live, \
+            httpx.Client(base_url=live.url, timeout=60) as c:
+        answers = _answers(c)
+        metrics = c.get("/metrics").text
+    assert all(a["exact"] for a in answers.values())
+    [line] = [line for line in metrics.splitlines() if line.startswith("adaptlm_suggest_device_fallbacks_total")]
+    assert float(line.rsplit(" ", 1)[1]) >= 1
+
+
 def _run(rounds: SuggestRounds, jobs: list[SuggestJob]) -> None:
     rounds.start(jobs)
     for _ in range(500):
