@@ -12,16 +12,23 @@
 #      on / off);
 #   0. first, the model step alone (python -m bench.step_graphs): ms a call, CUDA graphs against the model's own
 #      path, at STEP_ROWS rows (scoring segments, static scores, peeks) and STEP_SEARCH_ROWS (the search's steps);
+#   T. before all, the `gpu` tests of serving (GPU_TESTS=1; 0 skips them): tests/test_gpu.py, test_gpu_graphs.py,
+#      test_gpu_syncs.py (no host sync in the steps) and tests/models/test_device_search.py (the device's word search
+#      against the host's, and a round with no sync), in gpu_tests.txt: about a minute;
 #  0b. the keyboard's word search alone, the host's against the device's (python -m bench.device_search, at
 #      SEARCH_SESSIONS typists in lockstep, SEARCH_KEYSTROKES each): rounds, rows, device-to-host reads and bytes and
 #      CPU time a keystroke, and that both answer the same (steps 3's typists search on the device: auto on CUDA).
-# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), step_graphs.md, device_search.txt, score.md, typists.md, slots.txt (the
+# Results in $OUT (default runs/gpu_serve): gpu.txt (the card), gpu_tests.txt, step_graphs.md, device_search.txt, score.md, typists.md, slots.txt (the
 # session slots' counters after the typists), observe.md,
 # util.txt, util.md, score_graphs_off.md, graphs.md, server.log, server_graphs_off.log. Steps 0 and 6 add about
 # 1.5 minutes, step 0b at most 1.5; STEP_BENCH=0, SEARCH_BENCH=0 or GRAPHS_OFF=0 skip them. SMOKE=1 runs every step at smoke size on the CPU (check it there first: ~3 minutes on 2 cores).
 #
 #   bash bench/gpu_prepare.sh                                    # here, once: .gpu/whl (wheels the GPU image lacks)
 #   OUT=runs/gpu_serve bash bench/gpu_serve.sh                     # on the GPU machine, carry [".gpu"]
+#
+# The device tool brings back at most 8 files from its $OUT, and a lease is 15 minutes with the machine's start: run
+# it as one call that archives the results and ends inside the call's limit, e.g. (carry [".gpu"], timeout_s 590)
+#   D=$OUT; OUT=/tmp/gpu_serve STEP_BENCH=0 GRAPHS_OFF=0 timeout 560 bash bench/gpu_serve.sh; tar czf $D/gpu_serve.tgz -C /tmp/gpu_serve .
 #
 # Sizes: STREAMS (32,256,2048), TYPISTS (100,300,1000,3000), OBSERVE_SESSIONS (256), OBSERVE_BYTES (2048),
 # SECONDS (20: each scoring level), GRAPHS (auto) and GRAPHS_OFF (1: step 6; 0: skip it),
@@ -50,6 +57,7 @@ STEP_ROWS=${STEP_ROWS:-32,256,2048}
 STEP_SEARCH_ROWS=${STEP_SEARCH_ROWS:-256,2048}
 STEP_STATIC=1024
 SEARCH_BENCH=${SEARCH_BENCH:-1}
+GPU_TESTS=${GPU_TESTS:-1}
 SEARCH_SESSIONS=${SEARCH_SESSIONS:-32,256}
 SEARCH_KEYSTROKES=${SEARCH_KEYSTROKES:-12}
 SUGGEST_ON_DEVICE=${SUGGEST_ON_DEVICE:-auto}
@@ -90,6 +98,11 @@ if command -v nvidia-smi >/dev/null; then
     util_pid=$!
 fi
 
+if [ "$GPU_TESTS" = 1 ]; then
+    stamp "the gpu tests of serving"
+    timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 120 tests/test_gpu.py tests/test_gpu_graphs.py \
+        tests/test_gpu_syncs.py tests/models/test_device_search.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+fi
 if [ "$STEP_BENCH" = 1 ]; then
     stamp "the model step alone: CUDA graphs against the model's own path"
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} timeout 150 $PY -m bench.step_graphs --checkpoint "$CHECKPOINT" \
