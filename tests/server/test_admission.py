@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -248,17 +249,18 @@ def test_a_refusal_is_written_before_any_request_is_parsed_or_run() -> None:
     asyncio.run(main())
 
 
-async def _door_server(door: Door) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
-    """A real uvicorn on loopback with the server's protocol and a door, its app answering 200 "ok" to everything."""
+async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "websocket":  # (only where uvicorn hands the connection to a WebSocket protocol)
+        await send({"type": "websocket.close"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _served(door: Door, route: Callable[..., Any] = _ok, **options: Any) -> tuple[uvicorn.Server,
+                                                                                         asyncio.Task[None], int]:
+    """A real uvicorn on loopback with the server's protocol, its door and `options`, in this event loop."""
     admission = Admission(door, 1, Metrics())
-
-    async def route(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close"})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-
     app = AdmissionMiddleware(route, admission)
 
     async def served(scope: Scope, receive: Receive, send: Send) -> None:
@@ -270,7 +272,8 @@ async def _door_server(door: Door) -> tuple[uvicorn.Server, asyncio.Task[None], 
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
 
-    config = uvicorn.Config(served, host="127.0.0.1", port=0, log_level="warning", http=head_deadline_protocol(30.0))
+    config = uvicorn.Config(served, host="127.0.0.1", port=0, log_level="error",
+                            **{"http": head_deadline_protocol(30.0), **options})
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -297,7 +300,7 @@ def test_a_place_is_given_back_once_by_pipelined_and_upgraded_requests() -> None
     task: their places are given back."""
     async def main() -> None:
         door = Door(4)
-        server, task, port = await _door_server(door)
+        server, task, port = await _served(door)
         try:
             score = _request("first", b'{"text": "a"}')
             answer = await asyncio.to_thread(_exchange, port, score + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 2)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,43 +20,12 @@ from server._slow_clients import head_deadline_protocol
 from server.app import create_app, uvicorn_options
 from server.metrics import Metrics
 from server.settings import Settings
+from tests.server.test_admission import _ok, _served
 
 
 def _score(rid: str) -> bytes:
     return (b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-ID: %s\r\n"
             b"Content-Length: 2\r\n\r\n{}" % rid.encode())
-
-
-async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] == "websocket":  # (only where uvicorn hands the connection to a WebSocket protocol)
-        await send({"type": "websocket.close"})
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    await send({"type": "http.response.body", "body": b"ok"})
-
-
-async def _served(door: Door, route: Callable[..., Any] = _ok, **options: Any) -> tuple[uvicorn.Server,
-                                                                                         asyncio.Task[None], int]:
-    """A real uvicorn on loopback with the server's protocol, its door and `options`, in this event loop."""
-    admission = Admission(door, 1, Metrics())
-    app = AdmissionMiddleware(route, admission)
-
-    async def served(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            await app(scope, receive, send)
-            return
-        while (await receive())["type"] == "lifespan.startup":
-            scope["state"][STATE_KEY] = admission  # as create_app's lifespan hands the protocol its Admission
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-
-    config = uvicorn.Config(served, host="127.0.0.1", port=0, log_level="error",
-                            **{"http": head_deadline_protocol(30.0), **options})
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    return server, task, server.servers[0].sockets[0].getsockname()[1]
 
 
 def _ask(port: int, data: bytes) -> bytes:
