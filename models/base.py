@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models._skeleton import skeleton
+
 __all__ = ["DERIVED", "ROOT", "Adapter", "FeedForward", "LanguageModel", "ModelConfig", "Output", "Site", "State",
            "left_pad"]
 
@@ -368,9 +370,10 @@ class LanguageModel(nn.Module):
 
     def trainable_copy(self) -> LanguageModel:
         """A private copy whose weights take gradients (full dynamic evaluation); this model is untouched."""
-        # built on the meta device and given clones of this model's tensors: no random initialisation to throw away
-        # (an orthogonal init of a large recurrent matrix costs more than the copy)
-        with torch.device("meta"):
+        # built on the meta device, uninitialised, and given clones of this model's tensors: no random initialisation
+        # to throw away (an orthogonal init of a large recurrent matrix costs more than the copy), no torch._dynamo
+        # import on the engine thread (models/_skeleton.py)
+        with skeleton():
             copy = type(self)(self.config)
         copy.load_state_dict({k: v.detach().clone() for k, v in self.state_dict().items()}, assign=True)
         if any(b.is_meta for b in copy.buffers()):  # buffers the state dict does not carry: build it for real

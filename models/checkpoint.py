@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from models._skeleton import skeleton
 from models.adaptation import DynEvalSettings
 from models.base import LanguageModel, ModelConfig
 from models.lexicon import LEXICON_FILE, Lexicon
@@ -187,7 +188,7 @@ def load_checkpoint(directory: str | Path, *, expect_arch: str | None = None,
             raise CheckpointError(f"{path}: not the file config.json was saved with (a save was interrupted, or the "
                                   "file was replaced): save the checkpoint again")
     try:
-        with torch.device("meta"):
+        with skeleton():  # no initial values to overwrite (models/_skeleton.py)
             model = build_model(config)
     except (TypeError, ValueError) as e:  # a field of the wrong type or out of range (config_from_dict names them)
         raise CheckpointError(f"{cfg_path}: cannot build the {config.arch} model ({e})") from None

@@ -174,7 +174,10 @@ class _Compressor(nn.Module):
         self.mode, self.rate = cfg.compression, c
         if self.mode in ("conv", "dilated"):
             # initialised as mean pooling: the memory is meaningful before the reconstruction loss has trained f
-            self.weight = nn.Parameter(torch.eye(D).unsqueeze(-1).repeat(1, 1, c) / c)  # (D, D, c) Conv1d layout
+            weight = torch.empty(D, D, c)  # (D, D, c) Conv1d layout
+            if not weight.is_meta:  # a skeleton (models/_skeleton.py) has no values; eye on meta imports torch._dynamo
+                weight = torch.eye(D).unsqueeze(-1).repeat(1, 1, c) / c
+            self.weight = nn.Parameter(weight)
             self.bias = nn.Parameter(torch.zeros(D))
         if self.mode == "dilated":
             convs = [nn.Conv1d(D, D, 3, dilation=d, padding=d) for d in _DILATIONS]

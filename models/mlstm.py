@@ -69,6 +69,8 @@ class _WNLinear(nn.Module):
         self._product: tuple[torch.Tensor, Product] | None = None  # `product`'s, for the weight it was made of
 
     def reset(self, init: str, scale: float = 1.0) -> None:
+        if self.v.is_meta:  # a skeleton (models/_skeleton.py): nothing to fill, and g's norm would import torch._dynamo
+            return
         with torch.no_grad():
             if init == "orthogonal":
                 nn.init.orthogonal_(self.v, gain=scale)
