@@ -296,6 +296,12 @@ def test_a_session_made_for_a_connect_that_failed_is_deleted(live: Any, page: Pa
         if '"lr":0' in (route.request.post_data or "") else route.continue_())
     page.goto(f"{live.url}/keyboard")
     page.wait_for_selector("body[data-state=error]", timeout=10_000)
+    # the adapted session's answer may reach this side after the error state does (playwright hands the test its
+    # events while it waits): wait for it, events pumped
+    deadline = time.monotonic() + 5
+    while not made:
+        assert time.monotonic() < deadline, "the adapted session was never made"
+        page.wait_for_timeout(50)
     assert len(made) == 1 and snapshot(page)["sessions"]["adapted"] is None
     deadline = time.monotonic() + 5
     while httpx.get(f"{live.url}/v1/sessions/{made[0]}").status_code != 404:
