@@ -6,13 +6,14 @@ door: a refusal is written in the call that brought the request's bytes, before 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -257,9 +258,11 @@ async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def _served(door: Door, route: Callable[..., Any] = _ok, **options: Any) -> tuple[uvicorn.Server,
-                                                                                         asyncio.Task[None], int]:
-    """A real uvicorn on loopback with the server's protocol, its door and `options`, in this event loop."""
+@contextlib.asynccontextmanager
+async def _served(door: Door, route: Callable[..., Any] = _ok,
+                  **options: Any) -> AsyncIterator[tuple[uvicorn.Server, int]]:
+    """A real uvicorn on loopback with the server's protocol, its door and `options`, in this event loop: (the
+    server, its port); stopped on leaving."""
     admission = Admission(door, 1, Metrics())
     app = AdmissionMiddleware(route, admission)
 
@@ -278,7 +281,11 @@ async def _served(door: Door, route: Callable[..., Any] = _ok, **options: Any) -
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
-    return server, task, server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield server, server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
 
 
 def _exchange(port: int, data: bytes, answers: int) -> bytes:
@@ -300,8 +307,7 @@ def test_a_place_is_given_back_once_by_pipelined_and_upgraded_requests() -> None
     task: their places are given back."""
     async def main() -> None:
         door = Door(4)
-        server, task, port = await _served(door)
-        try:
+        async with _served(door) as (server, port):
             score = _request("first", b'{"text": "a"}')
             answer = await asyncio.to_thread(_exchange, port, score + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 2)
             assert answer.count(b"HTTP/1.1 200 ") == 2
@@ -327,9 +333,6 @@ def test_a_place_is_given_back_once_by_pipelined_and_upgraded_requests() -> None
                 sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
                 assert (await asyncio.to_thread(sock.recv, 65536)).startswith(b"HTTP/1.1 400 ")
                 assert door.inside == 0
-        finally:
-            server.should_exit = True
-            await task
 
     asyncio.run(main())
 

@@ -47,22 +47,24 @@ async def _settled(door: Door, server: uvicorn.Server) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _one_by_one(door: Door, server: uvicorn.Server, port: int, requests: list[bytes], status: bytes) -> None:
+    """Each request on a connection of its own, one after the other: answered `status`, and its place back in the
+    door once its task has ended."""
+    for data in requests:
+        answer = await asyncio.to_thread(_ask, port, data)
+        assert answer.startswith(b"HTTP/1.1 " + status + b" "), answer[:200]
+        await _settled(door, server)
+        assert door.inside == 0
+
+
 def test_requests_past_uvicorns_concurrency_limit_give_their_places_back() -> None:
     """uvicorn answers a request past `limit_concurrency` with its own 503 app, no middleware of ours in it: the
     place the protocol took for it still comes back (else each such request shrinks the door for good, and once it
     is empty every request for model work gets a 429)."""
     async def main() -> None:
         door = Door(2)
-        server, task, port = await _served(door, limit_concurrency=1)  # the connection itself reaches the limit
-        try:
-            for n in range(4):
-                answer = await asyncio.to_thread(_ask, port, _score(f"r{n}"))
-                assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
-                await _settled(door, server)
-                assert door.inside == 0
-        finally:
-            server.should_exit = True
-            await task
+        async with _served(door, limit_concurrency=1) as (server, port):  # the connection itself reaches the limit
+            await _one_by_one(door, server, port, [_score(f"r{n}") for n in range(4)], b"503")
 
     asyncio.run(main())
 
@@ -79,16 +81,8 @@ def test_a_task_in_a_fresh_context_holds_its_place_once() -> None:
 
     async def main() -> None:
         door = Door(1)
-        server, task, port = await _served(door, route, reset_contextvars=True)
-        try:
-            for n in range(3):
-                answer = await asyncio.to_thread(_ask, port, _score(f"r{n}"))
-                assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
-                await _settled(door, server)
-                assert door.inside == 0
-        finally:
-            server.should_exit = True
-            await task
+        async with _served(door, route, reset_contextvars=True) as (server, port):
+            await _one_by_one(door, server, port, [_score(f"r{n}") for n in range(3)], b"200")
         assert seen == [door] * 3
 
     asyncio.run(main())
@@ -101,16 +95,12 @@ def test_a_request_pipelined_behind_an_admitted_one_finds_its_place_given_back()
     done-callback), else at a door of one every pipelined request would be refused, and at a full door one would."""
     async def main() -> None:
         door = Door(1)
-        server, task, port = await _served(door)
-        try:
+        async with _served(door) as (server, port):
             for n in range(2):
                 answer = await asyncio.to_thread(_ask_many, port, _score(f"a{n}") + _score(f"b{n}"), 2)
                 assert answer.count(b"HTTP/1.1 200 ") == 2 and b" 429 " not in answer, answer[:600]
                 await _settled(door, server)
                 assert door.inside == 0
-        finally:
-            server.should_exit = True
-            await task
 
     asyncio.run(main())
 
@@ -204,21 +194,14 @@ def test_the_app_has_no_websocket_route_and_the_server_takes_no_upgrade(tiny_che
 
     async def main() -> None:
         door = Door(1)
-        server, task, port = await _served(door, route, ws=options["ws"])
         upgrade = (b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
                    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
-        try:
+        async with _served(door, route, ws=options["ws"]) as (server, port):
             answer = await asyncio.to_thread(_ask, port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n%s\r\n" % upgrade)
             assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\nok"), answer[:200]
             work = _score("up").replace(b"Host: x\r\n", b"Host: x\r\n" + upgrade)
-            for _ in range(2):  # a door of one: the second is served only if the first gave its place back
-                answer = await asyncio.to_thread(_ask, port, work)
-                assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
-                await _settled(door, server)
-                assert door.inside == 0
-        finally:
-            server.should_exit = True
-            await task
+            # a door of one: the second is served only if the first gave its place back
+            await _one_by_one(door, server, port, [work, work], b"200")
         assert seen == ["http"] * 3
 
     asyncio.run(main())
