@@ -31,7 +31,7 @@ from pydantic import Field
 
 from models.adaptation._adapter_memory import MAX_SESSION_LR
 from models.adaptation._config import DynEvalConfig
-from models.adaptation._rules import UpdateRule
+from models.adaptation._rules import UpdateRule, rms_norms
 from models.adaptation._sparse import finite_rows
 from models.adaptation._step import usable_rows
 from models.base import LanguageModel, State
@@ -214,11 +214,10 @@ class HeadMemory(Memory):
 
     def _rms_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """1 / (sqrt(MS_g) + eps) and RMSnorm before its clip, (V, H) each, as `UpdateRule` computes them."""
-        if self._parts is None:
+        if self._parts is None:  # (once, at the first step)
             rms = self.ms_v.sqrt()
-            total = float(rms.double().sum())  # (once, at the first step)
-            mean = total / rms.numel() if total > 0 else 1.0
-            self._parts = ((rms + self.eps).reciprocal(), rms / mean)  # `lr / t` is `t.reciprocal() * lr` in torch
+            # `lr / t` is `t.reciprocal() * lr` in torch
+            self._parts = ((rms + self.eps).reciprocal(), rms_norms({"head": rms})["head"])
         return self._parts
 
     def _step(self, rules: Sequence[UpdateRule], old: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

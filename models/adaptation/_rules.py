@@ -12,11 +12,20 @@ import torch
 
 from models.adaptation._config import DynEvalConfig
 
-__all__ = ["UpdateRule"]
+__all__ = ["UpdateRule", "rms_norms"]
 
 Coef = float | torch.Tensor
 # a batch row of `UpdateRule.stack`: its rule and the shape of each of its tensors; None for a row that stays fixed
 RowRule = tuple["UpdateRule", Mapping[str, tuple[int, ...]]] | None
+
+
+def rms_norms(rms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Thesis eq. 4.6 before its clip: RMSnorm = sqrt(MS_g) / mean(sqrt(MS_g)), the mean over every element of `rms`
+    (sqrt(MS_g) by name), summed in float64."""
+    total = sum(float(r.double().sum()) for r in rms.values())
+    count = sum(r.numel() for r in rms.values())
+    mean = total / count if total > 0 else 1.0
+    return {n: r / mean for n, r in rms.items()}
 
 
 class UpdateRule:
@@ -46,12 +55,9 @@ class UpdateRule:
             self.scale[n] = lr / (rms[n] + eps)  # eq. 4.5: eta / (sqrt(MS_g) + eps)
             self.decay[n] = lam
         if config.rule == "rms_decay" and lam > 0:
-            # eq. 4.6: RMSnorm = sqrt(MS_g) / mean(sqrt(MS_g)) over every adapted element, clipped to <= 1/lambda
-            total = sum(float(r.double().sum()) for r in rms.values())
-            count = sum(r.numel() for r in rms.values())
-            mean = total / count if total > 0 else 1.0
+            norms = rms_norms(rms)  # eq. 4.6, then clipped to <= 1/lambda
             for n in self.names:
-                norm = rms[n] / mean
+                norm = norms[n]
                 if 1.0 / lam < torch.finfo(norm.dtype).max:  # a subnormal lambda clips nothing the dtype holds
                     norm = norm.clamp(max=1.0 / lam)
                 self.decay[n] = lam * norm  # eq. 4.7: lambda * RMSnorm
