@@ -10,9 +10,18 @@ import re
 
 import torch
 
-__all__ = ["DEVICE_PATTERN", "resolve_device"]
+__all__ = ["DEVICE_PATTERN", "SWITCHES", "resolve_device", "switched_on"]
 
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+SWITCHES = ("auto", "on", "off")  # the values of a setting that turns a GPU path on (`switched_on`)
+
+
+def switched_on(setting: str, device: torch.device, name: str) -> bool:
+    """Is a path that pays on a GPU on, on `device`? `setting` (the setting `name`): on, off, or auto: on a CUDA
+    device only."""
+    if setting not in SWITCHES:
+        raise ValueError(f"{name} must be one of {', '.join(SWITCHES)}, not {setting!r}")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
 def resolve_device(name: str = "auto") -> torch.device:

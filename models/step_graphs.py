@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from kernels._dispatch import kernel_implementation, triton_available
 from kernels.adapter import apply_adapter_ref, batched_adapter, batched_adapter_ref
 from models.base import Adapter, Output, State
+from models.device import SWITCHES, switched_on
 
 if TYPE_CHECKING:
     from models.mlstm import MLSTM
@@ -48,7 +49,7 @@ __all__ = ["GRAPH_MODES", "StepRunner", "chunks", "install_step_runner", "row_bu
 
 log = logging.getLogger(__name__)
 
-GRAPH_MODES = ("auto", "on", "off")
+GRAPH_MODES = SWITCHES
 Form = Literal["none", "rows", "groups"]
 _GATHER_BYTES = 1 << 28  # a session-indexed adapter is gathered per row (m[index]) up to this size
 # the largest per-row adapter buffer a shape keeps (R, k, k): 1 GB holds 256 rows (a bucket) at k = 768; more per-row
@@ -347,9 +348,7 @@ def _steps(mx: torch.Tensor, zx: torch.Tensor, h: torch.Tensor, c: torch.Tensor,
 def wants_runner(mode: str, device: torch.device) -> bool:
     """ADAPTLM_CUDA_GRAPHS's value on `device`: auto runs the bucketed path on CUDA only (on a CPU padding only
     costs: docs/operations.md), on everywhere (eagerly on a CPU), off nowhere."""
-    if mode not in GRAPH_MODES:
-        raise ValueError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, not {mode!r}")
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
+    return switched_on(mode, device, "cuda_graphs")
 
 
 def install_step_runner(model: object, mode: str) -> StepRunner | None:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from models.base import Adapter, LanguageModel, State
+from models.device import SWITCHES, switched_on
 from models.device_search import DeviceSearches, Finished, Ineligible
 from models.lexicon import Lexicon
 from models.session import SessionModel
@@ -84,18 +85,14 @@ SUGGEST_FEED_BYTES = 256
 SUGGEST_FEED_STRIDE = 128
 
 
-SEARCH_ON_DEVICE = ("auto", "on", "off")  # ADAPTLM_SUGGEST_ON_DEVICE
+SEARCH_ON_DEVICE = SWITCHES  # ADAPTLM_SUGGEST_ON_DEVICE
 
 
 def search_on_device(setting: str, model: LanguageModel) -> bool:
     """Do the word searches run on the model's device (models/device_search.py)? `setting`
     (ADAPTLM_SUGGEST_ON_DEVICE): on, off, or auto: on a CUDA device only (on a CPU the host's search is faster:
     docs/notes/2026-11-30-device-search.md)."""
-    if setting not in SEARCH_ON_DEVICE:
-        raise ValueError(f"suggest_on_device must be one of {', '.join(SEARCH_ON_DEVICE)}, not {setting!r}")
-    if setting == "auto":
-        return next(model.parameters()).device.type == "cuda"
-    return setting == "on"
+    return switched_on(setting, next(model.parameters()).device, "suggest_on_device")
 
 
 def feed_window(context: str) -> str:
